@@ -1,0 +1,40 @@
+// Tokenizer: text <-> token ids for one model.
+//
+// Implementations: llama2.c's sentencepiece-style vocabulary (tok512.bin) and
+// GGUF byte-level BPE (GPT-2 style). Immutable after loading; thread-safe.
+#ifndef INFINIGEN_MODEL_TOKENIZER_H_
+#define INFINIGEN_MODEL_TOKENIZER_H_
+
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace infinigen::model {
+
+class Tokenizer {
+ public:
+  virtual ~Tokenizer() = default;
+
+  // Token ids of `text`, with the BOS token first when `add_bos` and the
+  // model has one.
+  virtual std::vector<int> Encode(std::string_view text, bool add_bos) const = 0;
+
+  // The text of `token` when it follows `prev` (-1 at the start): llama2.c
+  // drops the leading space of the first piece after BOS. Byte tokens give
+  // their raw byte, so a multi-byte character may span several calls.
+  virtual std::string DecodeToken(int prev, int token) const = 0;
+
+  // The concatenated text of `tokens` (BOS/EOS/control tokens give nothing).
+  virtual std::string Decode(const std::vector<int>& tokens) const;
+
+  virtual int vocab_size() const = 0;
+  virtual int bos_id() const = 0;  // -1 if none
+  virtual int eos_id() const = 0;  // -1 if none
+};
+
+}  // namespace infinigen::model
+
+#endif  // INFINIGEN_MODEL_TOKENIZER_H_

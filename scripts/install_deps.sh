@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Installs every Debian package the build and the tests need. Idempotent:
+# quiet and quick when everything is already there.
+set -euo pipefail
+
+PKGS=(
+  bazel-bootstrap
+  g++
+  protobuf-compiler
+  protobuf-compiler-grpc
+  libprotobuf-dev
+  libgrpc++-dev
+  libabsl-dev
+  libopenblas-dev
+  liblapacke-dev
+  libgtest-dev
+  libgmock-dev
+  libbenchmark-dev
+  libibverbs-dev
+  nlohmann-json3-dev
+  python3
+)
+
+missing=()
+for p in "${PKGS[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "install_deps: installing ${missing[*]}" >&2
+  SUDO=""
+  if [ "$(id -u)" != 0 ]; then SUDO=sudo; fi
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
