@@ -1,0 +1,144 @@
+// The CPU reference backend. Reads top to bottom like llama2.c's run.c:
+// every operation is the textbook formula; matrix products go to OpenBLAS
+// (which threads them).
+#include <cblas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "gpu_worker/backend.h"
+
+namespace infinigen::gpu_worker {
+namespace {
+
+class CpuBackend final : public Backend {
+ public:
+  std::string name() const override { return "cpu"; }
+
+  void Linear(const float* x, int n, int in, const float* w,
+              const float* bias, int out, float* y) override {
+    if (n == 1) {
+      cblas_sgemv(CblasRowMajor, CblasNoTrans, out, in, 1.0f, w, in, x, 1,
+                  0.0f, y, 1);
+    } else {
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, out, in, 1.0f,
+                  x, in, w, in, 0.0f, y, out);
+    }
+    if (bias != nullptr) {
+      for (int i = 0; i < n; ++i) {
+        float* row = y + static_cast<long>(i) * out;
+        for (int j = 0; j < out; ++j) row[j] += bias[j];
+      }
+    }
+  }
+
+  void RmsNorm(const float* x, int n, int dim, const float* gain, float eps,
+               float* y) override {
+    for (int i = 0; i < n; ++i) {
+      const float* xi = x + static_cast<long>(i) * dim;
+      float* yi = y + static_cast<long>(i) * dim;
+      float ss = 0.0f;
+      for (int j = 0; j < dim; ++j) ss += xi[j] * xi[j];
+      const float inv = 1.0f / std::sqrt(ss / dim + eps);
+      for (int j = 0; j < dim; ++j) yi[j] = xi[j] * inv * gain[j];
+    }
+  }
+
+  void LayerNorm(const float* x, int n, int dim, const float* gain,
+                 const float* bias, float eps, float* y) override {
+    for (int i = 0; i < n; ++i) {
+      const float* xi = x + static_cast<long>(i) * dim;
+      float* yi = y + static_cast<long>(i) * dim;
+      float mean = 0.0f;
+      for (int j = 0; j < dim; ++j) mean += xi[j];
+      mean /= dim;
+      float var = 0.0f;
+      for (int j = 0; j < dim; ++j) var += (xi[j] - mean) * (xi[j] - mean);
+      var /= dim;
+      const float inv = 1.0f / std::sqrt(var + eps);
+      for (int j = 0; j < dim; ++j) {
+        yi[j] = (xi[j] - mean) * inv * gain[j] + bias[j];
+      }
+    }
+  }
+
+  void Rope(float* x, int n, int n_heads, int head_dim, const int* positions,
+            float theta) override {
+    const int half = head_dim / 2;
+    for (int i = 0; i < n; ++i) {
+      for (int j = 0; j < half; ++j) {
+        const float freq =
+            1.0f / std::pow(theta, static_cast<float>(2 * j) / head_dim);
+        const float angle = positions[i] * freq;
+        const float c = std::cos(angle), s = std::sin(angle);
+        for (int h = 0; h < n_heads; ++h) {
+          float* v = x + (static_cast<long>(i) * n_heads + h) * head_dim;
+          const float a = v[j], b = v[j + half];
+          v[j] = a * c - b * s;
+          v[j + half] = a * s + b * c;
+        }
+      }
+    }
+  }
+
+  void Attention(const AttentionParams& p) override {
+    const int group = p.n_heads / p.n_kv_heads;
+    const int q_stride = p.n_heads * p.head_dim;
+    const int kv_max = p.kv_len0 + p.n - 1;  // rows seen by the last query
+    scores_.resize(static_cast<size_t>(p.n) * kv_max);
+    for (int h = 0; h < p.n_heads; ++h) {
+      const int g = h / group;
+      const float* k = p.k + static_cast<long>(g) * p.kv_stride * p.head_dim;
+      const float* v = p.v + static_cast<long>(g) * p.kv_stride * p.head_dim;
+      // scores[n, kv_max] = scale * q_h[n, d] . k[kv_max, d]^T
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, p.n, kv_max,
+                  p.head_dim, p.scale, p.q + h * p.head_dim, q_stride, k,
+                  p.head_dim, 0.0f, scores_.data(), kv_max);
+      for (int i = 0; i < p.n; ++i) {
+        float* s = scores_.data() + static_cast<long>(i) * kv_max;
+        const int len = p.kv_len0 + i;
+        float mx = s[0];
+        for (int t = 1; t < len; ++t) mx = std::max(mx, s[t]);
+        float sum = 0.0f;
+        for (int t = 0; t < len; ++t) {
+          s[t] = std::exp(s[t] - mx);
+          sum += s[t];
+        }
+        const float inv = 1.0f / sum;
+        for (int t = 0; t < len; ++t) s[t] *= inv;
+        for (int t = len; t < kv_max; ++t) s[t] = 0.0f;  // causal mask
+      }
+      // out_h[n, d] = probs[n, kv_max] . v[kv_max, d]
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, p.n, p.head_dim,
+                  kv_max, 1.0f, scores_.data(), kv_max, v, p.head_dim, 0.0f,
+                  p.out + h * p.head_dim, q_stride);
+    }
+  }
+
+  void SwiGlu(float* gate, const float* up, long count) override {
+    for (long i = 0; i < count; ++i) {
+      const float g = gate[i];
+      gate[i] = g / (1.0f + std::exp(-g)) * up[i];
+    }
+  }
+
+  void Relu(float* x, long count) override {
+    for (long i = 0; i < count; ++i) x[i] = std::max(x[i], 0.0f);
+  }
+
+  void Add(float* x, const float* y, long count) override {
+    for (long i = 0; i < count; ++i) x[i] += y[i];
+  }
+
+ private:
+  std::vector<float> scores_;  // [n, kv_max], grows to the largest call
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> NewCpuBackend() {
+  return std::make_unique<CpuBackend>();
+}
+
+}  // namespace infinigen::gpu_worker

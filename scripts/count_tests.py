@@ -1,0 +1,53 @@
+"""Counts test cases from Bazel's test.xml files and its summary.
+
+Usage: count_tests.py BAZEL_OUTPUT_LOG TESTLOGS_DIR
+
+Prints `N passed, N failed, N skipped`. A test target that Bazel reports as
+failed (or not built, timed out, flaky) but whose XML records no failing
+case counts as one failure, so a crash or build break is never hidden.
+"""
+import os
+import re
+import sys
+import xml.etree.ElementTree as ET
+
+
+def main():
+    log_path, testlogs = sys.argv[1], sys.argv[2]
+    with open(log_path, errors="replace") as f:
+        log = f.read()
+    statuses = {}
+    for m in re.finditer(r"^(//\S+)\s+(PASSED|FAILED TO BUILD|FAILED|"
+                         r"TIMEOUT|NO STATUS|FLAKY|SKIPPED)", log, re.M):
+        statuses[m.group(1)] = m.group(2)
+    passed = failed = skipped = 0
+    for target, status in sorted(statuses.items()):
+        pkg, name = target[2:].split(":")
+        xml_path = os.path.join(testlogs, pkg, name, "test.xml")
+        t_pass = t_fail = t_skip = 0
+        if status != "FAILED TO BUILD" and os.path.exists(xml_path):
+            try:
+                for case in ET.parse(xml_path).getroot().iter("testcase"):
+                    if case.find("failure") is not None or \
+                            case.find("error") is not None:
+                        t_fail += 1
+                    elif case.get("result") == "skipped" or \
+                            case.find("skipped") is not None or \
+                            case.get("status") == "notrun":
+                        t_skip += 1
+                    else:
+                        t_pass += 1
+            except ET.ParseError:
+                pass
+        if status != "PASSED" and t_fail == 0:
+            t_fail = 1
+        passed += t_pass
+        failed += t_fail
+        skipped += t_skip
+    if not statuses and "ERROR" in log:
+        failed += 1  # the build broke before any test ran
+    print(f"{passed} passed, {failed} failed, {skipped} skipped")
+
+
+if __name__ == "__main__":
+    main()
