@@ -45,7 +45,8 @@ ABSL_FLAG(double, top_p, 0.9,
 ABSL_FLAG(uint64_t, seed, 42, "generate: random seed for sampling.");
 ABSL_FLAG(std::string, text, "", "perplexity: the text file to score.");
 ABSL_FLAG(int, ctx, 512,
-          "perplexity: window length in tokens (BOS plus ctx-1 text tokens).");
+          "perplexity: window length in tokens (BOS, where the model's text "
+          "starts with one, then text tokens).");
 ABSL_FLAG(int, max_windows, 0, "perplexity: score at most this many windows "
                                "(0: the whole text).");
 ABSL_FLAG(bool, json, false,
@@ -185,7 +186,7 @@ int RunGenerate() {
   const model::ModelConfig& c = m->weights.config;
   while (generated < max_new) {
     const int next = sampler->Sample(*logits);
-    if (next == c.eos_id || next == c.bos_id || next == tok.eos_id()) break;
+    if (next == c.eos_id || tok.IsControl(next)) break;
     std::fputs(tok.DecodeToken(prev, next).c_str(), stdout);
     std::fflush(stdout);
     ++generated;
@@ -239,7 +240,7 @@ int RunPerplexity() {
       "%s: %d tokens (encoded in %.2f s)", text_path, all.size(),
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
           .count());
-  const int bos = m->tokenizer->bos_id();
+  const int bos = m->tokenizer->adds_bos() ? m->tokenizer->bos_id() : -1;
   const int text_per_window = bos >= 0 ? ctx - 1 : ctx;
   int windows = static_cast<int>(all.size()) / text_per_window;
   if (windows == 0 && all.size() >= 2) windows = 1;  // short text: one window

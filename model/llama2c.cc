@@ -292,7 +292,7 @@ std::vector<int> Llama2cTokenizer::Encode(std::string_view text,
 
 std::string Llama2cTokenizer::DecodeToken(int prev, int token) const {
   if (token < 0 || token >= vocab_size()) return "";
-  if (token == 0 || token == bos_id() || token == eos_id()) return "";
+  if (IsControl(token)) return "";
   std::string_view piece = pieces_[token];
   // After BOS, sentencepiece's dummy-prefix space is dropped.
   if (prev == bos_id() && !piece.empty() && piece[0] == ' ') {

@@ -40,6 +40,8 @@ class Llama2cTokenizer final : public Tokenizer {
 
   std::vector<int> Encode(std::string_view text, bool add_bos) const override;
   std::string DecodeToken(int prev, int token) const override;
+  bool adds_bos() const override { return true; }
+  bool IsControl(int token) const override { return token >= 0 && token <= 2; }
   int vocab_size() const override { return static_cast<int>(pieces_.size()); }
   int bos_id() const override { return 1; }
   int eos_id() const override { return 2; }

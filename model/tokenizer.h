@@ -19,7 +19,7 @@ class Tokenizer {
   virtual ~Tokenizer() = default;
 
   // Token ids of `text`, with the BOS token first when `add_bos` and the
-  // model has one.
+  // model's text starts with one (adds_bos()).
   virtual std::vector<int> Encode(std::string_view text, bool add_bos) const = 0;
 
   // The text of `token` when it follows `prev` (-1 at the start): llama2.c
@@ -29,6 +29,13 @@ class Tokenizer {
 
   // The concatenated text of `tokens` (BOS/EOS/control tokens give nothing).
   virtual std::string Decode(const std::vector<int>& tokens) const;
+
+  // Whether the model's sequences start with BOS (llama2.c: yes; GGUF:
+  // tokenizer.ggml.add_bos_token).
+  virtual bool adds_bos() const = 0;
+  // Control tokens (BOS, EOS, chat markers) decode to nothing; generating
+  // one ends a continuation.
+  virtual bool IsControl(int token) const = 0;
 
   virtual int vocab_size() const = 0;
   virtual int bos_id() const = 0;  // -1 if none

@@ -1,0 +1,56 @@
+// Loader + engine against Hugging Face Transformers: tiny randomly
+// initialised Llama (GQA) and OPT checkpoints whose logits Transformers
+// computed (tests/make_hf_reference.py wrote tests/testdata/hf_tiny_*).
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "gpu_worker/backend.h"
+#include "gpu_worker/engine.h"
+#include "gtest/gtest.h"
+#include "model/loader.h"
+
+namespace infinigen {
+namespace {
+
+class HfReference : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(HfReference, LogitsMatchTransformers) {
+  const std::string dir = "tests/testdata/" + GetParam();
+  auto m = model::LoadModel(dir, "");
+  ASSERT_TRUE(m.ok()) << m.status();
+  std::ifstream tf(dir + "/tokens.json");
+  const std::vector<int> tokens = nlohmann::json::parse(tf).get<std::vector<int>>();
+  const int vocab = m->weights.config.vocab_size;
+  std::vector<float> want(tokens.size() * vocab);
+  std::ifstream lf(dir + "/logits.bin", std::ios::binary);
+  lf.read(reinterpret_cast<char*>(want.data()), want.size() * sizeof(float));
+  ASSERT_EQ(lf.gcount(), static_cast<std::streamsize>(want.size() * 4));
+
+  // Whole prompt at once, then again as a prefill of 5 and single decodes.
+  auto engine = gpu_worker::Engine::Create(m->weights, gpu_worker::NewCpuBackend());
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  auto all = (*engine)->Forward(tokens, /*all_logits=*/true);
+  ASSERT_TRUE(all.ok());
+  for (size_t i = 0; i < want.size(); ++i) {
+    ASSERT_NEAR((*all)[i], want[i], 2e-4) << "position " << i / vocab
+                                          << " token " << i % vocab;
+  }
+  (*engine)->Reset();
+  auto last = (*engine)->Forward(absl::MakeConstSpan(tokens).subspan(0, 5), false);
+  for (size_t t = 5; t <= tokens.size(); ++t) {
+    ASSERT_TRUE(last.ok());
+    for (int j = 0; j < vocab; ++j) {
+      ASSERT_NEAR((*last)[j], want[(t - 1) * vocab + j], 2e-4) << t;
+    }
+    if (t < tokens.size()) last = (*engine)->Forward({tokens[t]}, false);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, HfReference,
+                         ::testing::Values("hf_tiny_llama", "hf_tiny_opt"));
+
+}  // namespace
+}  // namespace infinigen
