@@ -28,6 +28,9 @@ struct AttentionParams {
   // Query i sees KV rows [0, kv_len0 + i): the first query sees kv_len0 rows.
   int kv_len0 = 0;
   float scale = 1.0f;  // applied to q.k before the softmax
+  // Optional [n_heads, kv_len0 + n - 1]: each query's attention
+  // probabilities are added here (H2O's accumulated attention).
+  float* prob_sums = nullptr;
 };
 
 class Backend {

@@ -102,7 +102,7 @@ TEST(Engine, RejectsBadInputWithoutChangingTheSequence) {
   EXPECT_THAT(std::string(too_long.status().message()),
               ::testing::HasSubstr("exceeds"));
   EXPECT_EQ(e.position(), 6);
-  e.Reset();
+  ASSERT_TRUE(e.Reset().ok());
   EXPECT_EQ(e.position(), 0);
 }
 

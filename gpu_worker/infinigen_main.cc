@@ -25,6 +25,9 @@
 #include "common/log.h"
 #include "common/status.h"
 #include "gpu_worker/backend.h"
+#include "gpu_worker/calibrate.h"
+#include "gpu_worker/kv_policy.h"
+#include "kv_memory_service/kv_client.h"
 #include "gpu_worker/engine.h"
 #include "gpu_worker/sampler.h"
 #include "model/loader.h"
@@ -55,6 +58,37 @@ ABSL_FLAG(int, max_seq_len, 0,
           "Longest sequence the KV cache holds; 0: the model's context "
           "length (or what the command needs).");
 ABSL_FLAG(int, threads, 0, "CPU threads for the matrix work; 0: all cores.");
+ABSL_FLAG(std::string, policy, "ideal",
+          "How K and V reach attention when decoding: ideal (all local), full "
+          "(fetch every row), infinigen, h2o, int4.");
+ABSL_FLAG(double, alpha, 5.0,
+          "infinigen: fetch tokens whose speculated score is within alpha of "
+          "the head's maximum.");
+ABSL_FLAG(double, partial_ratio, 0.3,
+          "infinigen: fraction of each head's columns in the partial query "
+          "weight and partial key cache.");
+ABSL_FLAG(double, budget, 0.2,
+          "infinigen: cap on tokens fetched per head as a fraction of the "
+          "cached tokens; h2o: fraction kept (half heavy hitters, half "
+          "recent).");
+ABSL_FLAG(std::string, skew, "",
+          "infinigen: skew file from 'infinigen skew'; empty: calibrate on "
+          "the first tokens of the input.");
+ABSL_FLAG(std::string, kv_service, "inproc:",
+          "The KV memory node for offloaded policies: inproc: (in this "
+          "process), tcp://HOST:PORT, unix:PATH.");
+ABSL_FLAG(double, kv_capacity, 1.0,
+          "Tokens the memory pool keeps per layer and KV head, as a fraction "
+          "of the context; below 1 it evicts by --eviction.");
+ABSL_FLAG(std::string, eviction, "lru",
+          "The in-process pool's eviction policy: fifo, lru, counter.");
+ABSL_FLAG(int, prompt_tokens, 0,
+          "perplexity: dense prefix per window; later tokens are decoded one "
+          "at a time through --policy and scored. 0: score every position "
+          "densely (no policy).");
+ABSL_FLAG(int, calibration_tokens, 1024,
+          "skew (and infinigen without --skew): tokens of calibration text.");
+ABSL_FLAG(std::string, out, "", "skew: the skew file to write.");
 
 namespace infinigen {
 namespace {
@@ -75,11 +109,21 @@ const std::map<std::string, Command>& Commands() {
       {"generate",
        {"Writes the prompt and the model's continuation to stdout.",
         {"model", "tokenizer", "prompt", "max_new_tokens", "temperature",
-         "top_p", "seed", "max_seq_len", "threads"}}},
+         "top_p", "seed", "max_seq_len", "policy", "alpha", "partial_ratio",
+         "budget", "skew", "kv_service", "kv_capacity", "eviction",
+         "calibration_tokens", "threads"}}},
       {"perplexity",
        {"Scores a text file in windows of --ctx tokens and reports the mean "
-        "negative log-likelihood and the perplexity.",
+        "negative log-likelihood and the perplexity; with --prompt_tokens, "
+        "decodes through a KV policy and reports the rows it fetched.",
         {"model", "tokenizer", "text", "ctx", "max_windows", "json",
+         "prompt_tokens", "policy", "alpha", "partial_ratio", "budget",
+         "skew", "kv_service", "kv_capacity", "eviction",
+         "calibration_tokens", "threads"}}},
+      {"skew",
+       {"Computes InfiniGen's skew matrices from calibration text and writes "
+        "them to --out.",
+        {"model", "tokenizer", "text", "calibration_tokens", "out",
          "threads"}}},
   };
   return *commands;
@@ -139,6 +183,59 @@ absl::StatusOr<model::LoadedModel> LoadFromFlags(bool need_tokenizer) {
   return m;
 }
 
+// The KV memory node, the skew and the engine options a policy needs.
+struct PolicySetup {
+  std::unique_ptr<kv_memory_service::KvClient> client;
+  std::unique_ptr<speculator::SkewMatrices> skew;
+  EngineOptions options;
+};
+
+// Failures are usage errors (bad flags or files) unless the memory node
+// fails at run time.
+absl::StatusOr<PolicySetup> SetUpPolicy(const model::Weights& weights,
+                                        absl::Span<const int> calibration) {
+  PolicySetup s;
+  IG_ASSIGN_OR_RETURN(s.options.policy.kind,
+                      gpu_worker::ParsePolicy(absl::GetFlag(FLAGS_policy)));
+  s.options.policy.alpha = static_cast<float>(absl::GetFlag(FLAGS_alpha));
+  s.options.policy.partial_ratio =
+      static_cast<float>(absl::GetFlag(FLAGS_partial_ratio));
+  s.options.policy.budget = static_cast<float>(absl::GetFlag(FLAGS_budget));
+  s.options.kv_capacity = absl::GetFlag(FLAGS_kv_capacity);
+  if (s.options.policy.kind == gpu_worker::PolicyKind::kIdeal) return s;
+  const model::ModelConfig& c = weights.config;
+  if (s.options.policy.kind == gpu_worker::PolicyKind::kInfiniGen) {
+    const std::string path = absl::GetFlag(FLAGS_skew);
+    if (!path.empty()) {
+      IG_ASSIGN_OR_RETURN(auto skew, speculator::SkewMatrices::Load(path));
+      IG_RETURN_IF_ERROR(
+          skew.CheckShape(c.n_layers, c.n_kv_heads, c.head_dim));
+      s.skew = std::make_unique<speculator::SkewMatrices>(std::move(skew));
+    } else {
+      const int n = std::min<int>(calibration.size(),
+                                  absl::GetFlag(FLAGS_calibration_tokens));
+      IG_LOG(INFO) << "no --skew: calibrating on the first " << n
+                   << " tokens of the input";
+      IG_ASSIGN_OR_RETURN(auto skew, gpu_worker::CalibrateSkew(
+                                         weights, calibration.subspan(0, n)));
+      s.skew = std::make_unique<speculator::SkewMatrices>(std::move(skew));
+    }
+    s.options.policy.skew = s.skew.get();
+  }
+  kv_memory_service::KvClientOptions client_options;
+  IG_ASSIGN_OR_RETURN(
+      client_options.inproc_store_options.eviction,
+      kv_memory_service::ParseEvictionPolicy(absl::GetFlag(FLAGS_eviction)));
+  IG_ASSIGN_OR_RETURN(s.client, kv_memory_service::ConnectKvClient(
+                                    absl::GetFlag(FLAGS_kv_service),
+                                    client_options));
+  s.options.kv_client = s.client.get();
+  IG_LOG(INFO) << "policy " << gpu_worker::PolicyName(s.options.policy.kind)
+               << " over " << s.client->data_plane() << " ("
+               << absl::GetFlag(FLAGS_kv_service) << ")";
+  return s;
+}
+
 int RunGenerate() {
   auto sampler = gpu_worker::Sampler::Create(
       {static_cast<float>(absl::GetFlag(FLAGS_temperature)),
@@ -159,7 +256,9 @@ int RunGenerate() {
     return Fail(kExitUsage, absl::InvalidArgumentError(
                                 "the prompt is empty and the model has no BOS"));
   }
-  EngineOptions options;
+  auto setup = SetUpPolicy(m->weights, tokens);
+  if (!setup.ok()) return Fail(kExitUsage, setup.status());
+  EngineOptions& options = setup->options;
   options.max_seq_len = absl::GetFlag(FLAGS_max_seq_len);
   if (options.max_seq_len == 0) {
     options.max_seq_len = std::min<int>(m->weights.config.max_seq_len,
@@ -210,9 +309,32 @@ int RunGenerate() {
   return 0;
 }
 
+// The scored text of a perplexity or skew run: the model, and the text's
+// tokens (encoded as the model's own tokenizer does, without BOS).
+struct TextRun {
+  model::LoadedModel model;
+  std::vector<int> tokens;
+};
+
+absl::StatusOr<TextRun> LoadTextRun() {
+  const std::string text_path = absl::GetFlag(FLAGS_text);
+  if (text_path.empty()) return absl::InvalidArgumentError("--text is required");
+  IG_ASSIGN_OR_RETURN(std::string text, ReadFileToString(text_path));
+  TextRun run;
+  IG_ASSIGN_OR_RETURN(run.model, LoadFromFlags(/*need_tokenizer=*/true));
+  const auto t0 = std::chrono::steady_clock::now();
+  run.tokens = run.model.tokenizer->Encode(text, /*add_bos=*/false);
+  IG_LOG(INFO) << absl::StrFormat(
+      "%s: %d tokens (encoded in %.2f s)", text_path, run.tokens.size(),
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+          .count());
+  return run;
+}
+
 int RunPerplexity() {
   const int ctx = absl::GetFlag(FLAGS_ctx);
   const int max_windows = absl::GetFlag(FLAGS_max_windows);
+  const int prompt_tokens = absl::GetFlag(FLAGS_prompt_tokens);
   if (ctx < 2) {
     return Fail(kExitUsage, absl::InvalidArgumentError("--ctx must be >= 2"));
   }
@@ -220,27 +342,22 @@ int RunPerplexity() {
     return Fail(kExitUsage,
                 absl::InvalidArgumentError("--max_windows must be >= 0"));
   }
-  const std::string text_path = absl::GetFlag(FLAGS_text);
-  if (text_path.empty()) {
-    return Fail(kExitUsage, absl::InvalidArgumentError("--text is required"));
+  if (prompt_tokens < 0 || prompt_tokens >= ctx) {
+    return Fail(kExitUsage, absl::InvalidArgumentError(
+                                "--prompt_tokens must be in [0, ctx)"));
   }
-  auto text = ReadFileToString(text_path);
-  if (!text.ok()) return Fail(kExitUsage, text.status());
-  auto m = LoadFromFlags(/*need_tokenizer=*/true);
-  if (!m.ok()) return LoadFailure(m.status());
-  const model::ModelConfig& c = m->weights.config;
+  auto run = LoadTextRun();
+  if (!run.ok()) return LoadFailure(run.status());
+  const model::ModelConfig& c = run->model.weights.config;
+  const std::vector<int>& all = run->tokens;
+  const std::string text_path = absl::GetFlag(FLAGS_text);
   if (ctx > c.max_seq_len) {
     return Fail(kExitUsage, absl::InvalidArgumentError(absl::StrFormat(
                                 "--ctx %d exceeds the model's context of %d",
                                 ctx, c.max_seq_len)));
   }
-  auto t0 = std::chrono::steady_clock::now();
-  const std::vector<int> all = m->tokenizer->Encode(*text, /*add_bos=*/false);
-  IG_LOG(INFO) << absl::StrFormat(
-      "%s: %d tokens (encoded in %.2f s)", text_path, all.size(),
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
-          .count());
-  const int bos = m->tokenizer->adds_bos() ? m->tokenizer->bos_id() : -1;
+  const model::Tokenizer& tok = *run->model.tokenizer;
+  const int bos = tok.adds_bos() ? tok.bos_id() : -1;
   const int text_per_window = bos >= 0 ? ctx - 1 : ctx;
   int windows = static_cast<int>(all.size()) / text_per_window;
   if (windows == 0 && all.size() >= 2) windows = 1;  // short text: one window
@@ -249,16 +366,26 @@ int RunPerplexity() {
     return Fail(kExitUsage, absl::InvalidArgumentError(absl::StrFormat(
                                 "%s holds too little text to score", text_path)));
   }
-  EngineOptions options;
+  const bool teacher_forced = prompt_tokens > 0;
+  if (!teacher_forced && absl::GetFlag(FLAGS_policy) != "ideal") {
+    return Fail(kExitUsage,
+                absl::InvalidArgumentError(
+                    "--policy needs --prompt_tokens (the dense prefix before "
+                    "decoding through the policy)"));
+  }
+  auto setup = SetUpPolicy(run->model.weights, all);
+  if (!setup.ok()) return Fail(kExitUsage, setup.status());
+  EngineOptions& options = setup->options;
   options.max_seq_len = ctx;
   auto engine =
-      Engine::Create(m->weights, gpu_worker::NewCpuBackend(), options);
+      Engine::Create(run->model.weights, gpu_worker::NewCpuBackend(), options);
   if (!engine.ok()) return Fail(kExitUsage, engine.status());
   const int chunk = options.max_chunk;
 
   double nll_sum = 0.0;
   long predicted = 0;
-  t0 = std::chrono::steady_clock::now();
+  gpu_worker::FetchStats fetch;  // over all windows
+  auto t0 = std::chrono::steady_clock::now();
   std::vector<int> window;
   for (int w = 0; w < windows; ++w) {
     window.clear();
@@ -266,47 +393,106 @@ int RunPerplexity() {
     const size_t begin = static_cast<size_t>(w) * text_per_window;
     const size_t end = std::min(all.size(), begin + text_per_window);
     window.insert(window.end(), all.begin() + begin, all.begin() + end);
-    (*engine)->Reset();
-    // Position i's logits predict token i + 1.
-    for (int start = 0; start + 1 < static_cast<int>(window.size());
-         start += chunk) {
-      const int len =
-          std::min<int>(chunk, static_cast<int>(window.size()) - 1 - start);
+    if (absl::Status s = (*engine)->Reset(); !s.ok()) {
+      return Fail(kExitFailure, s);
+    }
+    const int len = static_cast<int>(window.size());
+    if (teacher_forced) {
+      // Dense prefix, then one token at a time: position i's logits
+      // predict token i + 1, for i >= prompt_tokens - 1.
+      const int prefix = std::min(prompt_tokens, len - 1);
       auto logits = (*engine)->Forward(
-          absl::MakeConstSpan(window.data() + start, len), /*all_logits=*/true);
-      if (!logits.ok()) return Fail(kExitFailure, logits.status());
-      for (int i = 0; i < len; ++i) {
-        nll_sum -= gpu_worker::LogProb(
-            logits->subspan(static_cast<size_t>(i) * c.vocab_size,
-                            c.vocab_size),
-            window[start + i + 1]);
+          absl::MakeConstSpan(window.data(), prefix), /*all_logits=*/false);
+      for (int i = prefix - 1; i + 1 < len; ++i) {
+        if (!logits.ok()) return Fail(kExitFailure, logits.status());
+        nll_sum -= gpu_worker::LogProb(*logits, window[i + 1]);
+        ++predicted;
+        if (i + 2 < len) logits = (*engine)->Forward({window[i + 1]}, false);
       }
-      predicted += len;
+      const gpu_worker::FetchStats& f = (*engine)->fetch_stats();
+      fetch.steps += f.steps;
+      fetch.fraction_sum += f.fraction_sum;
+      fetch.fraction_max = std::max(fetch.fraction_max, f.fraction_max);
+      fetch.rows_fetched += f.rows_fetched;
+      fetch.bytes_fetched += f.bytes_fetched;
+    } else {
+      for (int start = 0; start + 1 < len; start += chunk) {
+        const int n = std::min(chunk, len - 1 - start);
+        auto logits = (*engine)->Forward(
+            absl::MakeConstSpan(window.data() + start, n), /*all_logits=*/true);
+        if (!logits.ok()) return Fail(kExitFailure, logits.status());
+        for (int i = 0; i < n; ++i) {
+          nll_sum -= gpu_worker::LogProb(
+              logits->subspan(static_cast<size_t>(i) * c.vocab_size,
+                              c.vocab_size),
+              window[start + i + 1]);
+        }
+        predicted += n;
+      }
     }
     const double secs =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
             .count();
     std::fprintf(stderr,
                  "perplexity: window %d/%d  tokens %ld  ppl %.4f  "
-                 "(%.0f tokens/s, %.0f s left)\n",
+                 "fetched %.1f%%  (%.0f tokens/s, %.0f s left)\n",
                  w + 1, windows, predicted, std::exp(nll_sum / predicted),
-                 predicted / secs, secs / (w + 1) * (windows - w - 1));
+                 100.0 * fetch.fraction_mean(), predicted / secs,
+                 secs / (w + 1) * (windows - w - 1));
   }
   const double nll = nll_sum / predicted;
   const double secs =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
           .count();
-  std::printf("%s: %d windows of %d tokens, %ld predicted tokens: nll %.6f, "
-              "perplexity %.4f (%.1f s)\n",
-              text_path.c_str(), windows, ctx, predicted, nll, std::exp(nll),
-              secs);
+  const std::string policy = gpu_worker::PolicyName(options.policy.kind);
+  std::printf("%s: %d windows of %d tokens, %ld predicted tokens, policy %s: "
+              "nll %.6f, perplexity %.4f, fetched %.2f%% of cached rows per "
+              "step (max %.2f%%) (%.1f s)\n",
+              text_path.c_str(), windows, ctx, predicted, policy.c_str(), nll,
+              std::exp(nll), 100.0 * fetch.fraction_mean(),
+              100.0 * fetch.fraction_max, secs);
   if (absl::GetFlag(FLAGS_json)) {
     std::printf(
         "{\"model\": \"%s\", \"text\": \"%s\", \"ctx\": %d, \"windows\": %d, "
-        "\"tokens\": %ld, \"nll\": %.8f, \"ppl\": %.6f, \"seconds\": %.3f}\n",
+        "\"prompt_tokens\": %d, \"policy\": \"%s\", \"alpha\": %g, "
+        "\"partial_ratio\": %g, \"budget\": %g, \"kv_capacity\": %g, "
+        "\"eviction\": \"%s\", \"tokens\": %ld, \"nll\": %.8f, \"ppl\": %.6f, "
+        "\"fetch_fraction_mean\": %.6f, \"fetch_fraction_max\": %.6f, "
+        "\"bytes_fetched_per_step\": %.1f, \"seconds\": %.3f}\n",
         absl::GetFlag(FLAGS_model).c_str(), text_path.c_str(), ctx, windows,
-        predicted, nll, std::exp(nll), secs);
+        prompt_tokens, policy.c_str(), absl::GetFlag(FLAGS_alpha),
+        absl::GetFlag(FLAGS_partial_ratio), absl::GetFlag(FLAGS_budget),
+        absl::GetFlag(FLAGS_kv_capacity),
+        absl::GetFlag(FLAGS_eviction).c_str(), predicted, nll, std::exp(nll),
+        fetch.fraction_mean(), fetch.fraction_max,
+        fetch.steps ? static_cast<double>(fetch.bytes_fetched) / fetch.steps
+                    : 0.0,
+        secs);
   }
+  return 0;
+}
+
+int RunSkew() {
+  const std::string out = absl::GetFlag(FLAGS_out);
+  if (out.empty()) {
+    return Fail(kExitUsage, absl::InvalidArgumentError("--out is required"));
+  }
+  auto run = LoadTextRun();
+  if (!run.ok()) return LoadFailure(run.status());
+  const int n = std::min<int>({static_cast<int>(run->tokens.size()),
+                               absl::GetFlag(FLAGS_calibration_tokens),
+                               run->model.weights.config.max_seq_len});
+  const auto t0 = std::chrono::steady_clock::now();
+  auto skew = gpu_worker::CalibrateSkew(
+      run->model.weights, absl::MakeConstSpan(run->tokens).subspan(0, n));
+  if (!skew.ok()) return Fail(kExitUsage, skew.status());
+  if (absl::Status s = skew->Save(out); !s.ok()) return Fail(kExitFailure, s);
+  std::printf("wrote %s: %d layers x %d KV heads, head_dim %d, from %d "
+              "calibration tokens (%.1f s)\n",
+              out.c_str(), skew->n_layers, skew->n_kv_heads, skew->head_dim, n,
+              std::chrono::duration<double>(std::chrono::steady_clock::now() -
+                                            t0)
+                  .count());
   return 0;
 }
 
@@ -349,5 +535,6 @@ int main(int argc, char** argv) {
   const int threads = absl::GetFlag(FLAGS_threads);
   if (threads > 0) openblas_set_num_threads(threads);
   if (command == "generate") return RunGenerate();
+  if (command == "skew") return RunSkew();
   return RunPerplexity();
 }

@@ -38,7 +38,7 @@ TEST_P(HfReference, LogitsMatchTransformers) {
     ASSERT_NEAR((*all)[i], want[i], 2e-4) << "position " << i / vocab
                                           << " token " << i % vocab;
   }
-  (*engine)->Reset();
+  ASSERT_TRUE((*engine)->Reset().ok());
   auto last = (*engine)->Forward(absl::MakeConstSpan(tokens).subspan(0, 5), false);
   for (size_t t = 5; t <= tokens.size(); ++t) {
     ASSERT_TRUE(last.ok());

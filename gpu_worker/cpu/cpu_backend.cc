@@ -108,6 +108,10 @@ class CpuBackend final : public Backend {
         const float inv = 1.0f / sum;
         for (int t = 0; t < len; ++t) s[t] *= inv;
         for (int t = len; t < kv_max; ++t) s[t] = 0.0f;  // causal mask
+        if (p.prob_sums != nullptr) {
+          float* acc = p.prob_sums + static_cast<long>(h) * kv_max;
+          for (int t = 0; t < len; ++t) acc[t] += s[t];
+        }
       }
       // out_h[n, d] = probs[n, kv_max] . v[kv_max, d]
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, p.n, p.head_dim,

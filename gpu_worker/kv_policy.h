@@ -1,0 +1,128 @@
+// KV policies: how a layer's K and V reach attention while decoding.
+//
+// One engine, many policies, chosen by a flag, so every comparison runs in
+// one process on the same model (DESIGN.md, Interfaces):
+//   ideal      the whole cache local; nothing is fetched
+//   full       offload; every cached row of every layer is fetched each step
+//              (FlexGen)
+//   infinigen  layers 0 and 1 fetch everything; layer i >= 1 speculates
+//              which tokens layer i + 1 needs and only those are fetched
+//   h2o        heavy hitters (accumulated attention) plus a recent window,
+//              budget a fraction of the sequence, evicted for good
+//   int4       rows stored group-wise 4-bit (asymmetric, group 64, FlexGen's
+//              scheme); every row fetched
+// Every policy but ideal stores rows in the memory node through a KvClient
+// and fetches them with FetchPlans, so the rows moved per step are counted
+// the same way for all.
+//
+// KvPolicy is the engine's internal interface; it owns the policy's state
+// (partial key cache, accumulated attention) and is driven by one engine.
+// Not thread-safe.
+#ifndef INFINIGEN_GPU_WORKER_KV_POLICY_H_
+#define INFINIGEN_GPU_WORKER_KV_POLICY_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "gpu_worker/backend.h"
+#include "kv_memory_service/kv_types.h"
+#include "model/weights.h"
+#include "speculator/speculator.h"
+
+namespace infinigen::gpu_worker {
+
+enum class PolicyKind { kIdeal, kFull, kInfiniGen, kH2O, kInt4 };
+
+// "ideal", "full", "infinigen", "h2o", "int4"; InvalidArgument otherwise.
+absl::StatusOr<PolicyKind> ParsePolicy(absl::string_view name);
+const char* PolicyName(PolicyKind kind);
+
+struct PolicyOptions {
+  PolicyKind kind = PolicyKind::kIdeal;
+  // infinigen: a token is a candidate when its speculated score is within
+  // alpha of the head's maximum.
+  float alpha = 5.0f;
+  // infinigen: fraction of each head's columns kept in the partial query
+  // weight and partial key cache.
+  float partial_ratio = 0.3f;
+  // infinigen: cap on the tokens fetched per head, as a fraction of the
+  // cached tokens. h2o: the kept fraction (half heavy hitters, half recent).
+  float budget = 0.2f;
+  // infinigen: the skew matrices (not owned; must outlive the engine).
+  // Required for infinigen.
+  const speculator::SkewMatrices* skew = nullptr;
+
+  // InvalidArgument for values out of range or a missing skew.
+  absl::Status Validate() const;
+};
+
+class KvPolicy {
+ public:
+  struct Context {
+    const model::Weights* weights = nullptr;
+    Backend* backend = nullptr;
+    int max_seq_len = 0;  // positions the caches hold
+  };
+
+  static absl::StatusOr<std::unique_ptr<KvPolicy>> Create(
+      const PolicyOptions& options, const Context& context);
+  virtual ~KvPolicy() = default;
+
+  // uint16_t values per stored K or V row: head_dim for fp16 rows.
+  virtual int RowWidth() const;
+  // rows [n_rows, head_dim] fp32 -> out [n_rows, RowWidth()]; and back.
+  virtual void EncodeRows(const float* rows, int n_rows, uint16_t* out) const;
+  virtual void DecodeRows(const uint16_t* in, int n_rows, float* rows) const;
+
+  // A new sequence begins.
+  virtual void Reset() {}
+
+  // Dense prefill: layer's post-RoPE queries q [n, n_heads, head_dim] of
+  // positions [first_pos, first_pos + n), and, when WantsPrefillProbs, the
+  // summed attention probabilities prob_sums [n_heads, first_pos + n].
+  virtual bool WantsPrefillProbs() const { return false; }
+  virtual void ObservePrefill(int layer, const float* q, int n, int first_pos,
+                              const float* prob_sums) {}
+
+  // Between the prefill of n_tokens and the first decode step.
+  // key_cache(layer) is the local post-RoPE key cache
+  // [n_kv_heads, max_seq_len, head_dim] holding those tokens.
+  virtual void FinishPrefill(
+      int n_tokens, const std::function<const float*(int)>& key_cache) {}
+
+  // The rows `layer` attends to when positions [0, p) are cached. xb_prev
+  // is layer - 1's attention input [dim] (null for layer 0); present is
+  // [n_kv_heads, max_seq_len], 0 where the pool evicted a token.
+  virtual void PlanFetch(int layer, int p, const float* xb_prev,
+                         const uint8_t* present,
+                         kv_memory_service::OwnedFetchPlan& plan) = 0;
+
+  // After `layer`'s attention over `plan`'s rows plus the new token:
+  // probs [n_heads, stride], head h's row holds the probability of each of
+  // its KV head's plan entries in order, then the new token's.
+  virtual void ObserveAttention(int layer,
+                                const kv_memory_service::FetchPlan& plan,
+                                const float* probs, int stride) {}
+  virtual bool WantsAttentionProbs() const { return false; }
+
+  // After a decode step: the new token (position p) has post-RoPE key
+  // k [n_kv_heads, head_dim] in `layer`.
+  virtual void OnDecodeAppend(int layer, int p, const float* k) {}
+
+ protected:
+  explicit KvPolicy(const Context& context) : ctx_(context) {}
+  // Every present position of each head, ascending.
+  void PlanAllPresent(int p, const uint8_t* present,
+                      kv_memory_service::OwnedFetchPlan& plan) const;
+  const model::ModelConfig& config() const { return ctx_.weights->config; }
+
+  Context ctx_;
+};
+
+}  // namespace infinigen::gpu_worker
+
+#endif  // INFINIGEN_GPU_WORKER_KV_POLICY_H_

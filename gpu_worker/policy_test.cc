@@ -1,0 +1,287 @@
+// The KV policies end to end on the real stories260K model through the
+// in-process memory node: what each fetches, and what that does to the
+// logits.
+#include <cmath>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gpu_worker/calibrate.h"
+#include "gpu_worker/engine.h"
+#include "gpu_worker/sampler.h"
+#include "gtest/gtest.h"
+#include "kv_memory_service/kv_client.h"
+#include "model/llama2c.h"
+
+namespace infinigen::gpu_worker {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr char kModel[] = "models/stories260K/stories260K.bin";
+constexpr char kTokenizer[] = "models/stories260K/tok512.bin";
+
+class PolicyTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    auto w = model::LoadLlama2cWeights(kModel);
+    ASSERT_TRUE(w.ok()) << w.status();
+    weights_ = new model::Weights(std::move(*w));
+    auto tok = model::Llama2cTokenizer::Load(kTokenizer, 512);
+    ASSERT_TRUE(tok.ok());
+    tokens_ = new std::vector<int>((*tok)->Encode(
+        "Once upon a time, there was a little dog named Max. Max liked to run "
+        "in the big green park with his friend Sue. One day, Sue found a red "
+        "box under a tree. She opened it and saw a shiny key. Max barked and "
+        "wagged his tail. They walked home together and had cake.",
+        true));
+    auto skew = CalibrateSkew(*weights_, *tokens_);
+    ASSERT_TRUE(skew.ok()) << skew.status();
+    skew_ = new speculator::SkewMatrices(std::move(*skew));
+  }
+
+  // Teacher-forced: prefill `prefix` tokens, decode the rest one by one;
+  // returns the NLL of every decoded prediction and the engine's stats.
+  struct Run {
+    std::vector<double> nll;
+    std::vector<std::vector<float>> logits;
+    FetchStats stats;
+  };
+  Run TeacherForced(PolicyOptions policy, int prefix,
+                    double kv_capacity = 1.0,
+                    kv_memory_service::EvictionPolicy eviction =
+                        kv_memory_service::EvictionPolicy::kLru) {
+    kv_memory_service::KvClientOptions copts;
+    copts.inproc_store_options.eviction = eviction;
+    auto client = kv_memory_service::ConnectKvClient("inproc:", copts);
+    EXPECT_TRUE(client.ok()) << client.status();
+    EngineOptions options;
+    options.max_seq_len = 128;
+    options.policy = policy;
+    options.kv_client = client->get();
+    options.kv_capacity = kv_capacity;
+    auto engine = Engine::Create(*weights_, NewCpuBackend(), options);
+    EXPECT_TRUE(engine.ok()) << engine.status();
+    Run run;
+    const std::vector<int>& t = *tokens_;
+    auto logits = (*engine)->Forward(absl::MakeConstSpan(t).subspan(0, prefix),
+                                     false);
+    for (size_t i = prefix - 1; i + 1 < t.size(); ++i) {
+      EXPECT_TRUE(logits.ok()) << logits.status();
+      run.nll.push_back(-LogProb(*logits, t[i + 1]));
+      run.logits.emplace_back(logits->begin(), logits->end());
+      if (i + 2 < t.size()) logits = (*engine)->Forward({t[i + 1]}, false);
+    }
+    run.stats = (*engine)->fetch_stats();
+    return run;
+  }
+
+  static double Mean(const std::vector<double>& v) {
+    double s = 0;
+    for (double x : v) s += x;
+    return s / v.size();
+  }
+
+  static model::Weights* weights_;
+  static std::vector<int>* tokens_;
+  static speculator::SkewMatrices* skew_;
+};
+
+model::Weights* PolicyTest::weights_ = nullptr;
+std::vector<int>* PolicyTest::tokens_ = nullptr;
+speculator::SkewMatrices* PolicyTest::skew_ = nullptr;
+
+PolicyOptions Policy(PolicyKind kind) {
+  PolicyOptions p;
+  p.kind = kind;
+  return p;
+}
+
+TEST_F(PolicyTest, SkewingLeavesLogitsUnchanged) {
+  EngineOptions skewed;
+  skewed.attention_skew = skew_;
+  auto plain = Engine::Create(*weights_, NewCpuBackend());
+  auto with_skew = Engine::Create(*weights_, NewCpuBackend(), skewed);
+  ASSERT_TRUE(plain.ok() && with_skew.ok());
+  auto a = (*plain)->Forward(*tokens_, true);
+  ASSERT_TRUE(a.ok());
+  std::vector<float> want(a->begin(), a->end());
+  auto b = (*with_skew)->Forward(*tokens_, true);
+  ASSERT_TRUE(b.ok());
+  for (size_t i = 0; i < want.size(); ++i) {
+    ASSERT_NEAR((*b)[i], want[i], 1e-3) << i;
+  }
+  // The skew is orthogonal and not the identity.
+  const float* m = skew_->at(3, 1);
+  const int d = skew_->head_dim;
+  double off_identity = 0;
+  for (int r = 0; r < d; ++r) {
+    for (int c = 0; c < d; ++c) {
+      double dot = 0;
+      for (int k = 0; k < d; ++k) dot += m[r * d + k] * m[c * d + k];
+      EXPECT_NEAR(dot, r == c ? 1.0 : 0.0, 1e-4);
+      off_identity += std::fabs(m[r * d + c] - (r == c ? 1.0 : 0.0));
+    }
+  }
+  EXPECT_GT(off_identity, 0.1);
+}
+
+TEST_F(PolicyTest, FullMatchesIdealUpToFp16) {
+  Run ideal = TeacherForced(Policy(PolicyKind::kIdeal), 8);
+  Run full = TeacherForced(Policy(PolicyKind::kFull), 8);
+  ASSERT_EQ(ideal.nll.size(), full.nll.size());
+  for (size_t i = 0; i < ideal.nll.size(); ++i) {
+    EXPECT_NEAR(full.nll[i], ideal.nll[i], 2e-2) << i;
+  }
+  EXPECT_EQ(ideal.stats.rows_fetched, 0);
+  EXPECT_DOUBLE_EQ(full.stats.fraction_mean(), 1.0);
+  EXPECT_DOUBLE_EQ(full.stats.fraction_max, 1.0);
+}
+
+TEST_F(PolicyTest, InfiniGenSelectingEverythingIsExactlyFull) {
+  PolicyOptions all = Policy(PolicyKind::kInfiniGen);
+  all.alpha = 1e9f;
+  all.budget = 1.0f;
+  all.skew = skew_;
+  Run inf = TeacherForced(all, 8);
+  Run full = TeacherForced(Policy(PolicyKind::kFull), 8);
+  ASSERT_EQ(inf.logits.size(), full.logits.size());
+  for (size_t i = 0; i < inf.logits.size(); ++i) {
+    ASSERT_EQ(inf.logits[i], full.logits[i]) << "step " << i;
+  }
+  EXPECT_DOUBLE_EQ(inf.stats.fraction_mean(), 1.0);
+}
+
+TEST_F(PolicyTest, InfiniGenFetchesWithinTheCapAndTracksFull) {
+  PolicyOptions p = Policy(PolicyKind::kInfiniGen);
+  p.skew = skew_;
+  p.budget = 0.2f;
+  Run inf = TeacherForced(p, 8);
+  // Layers 0 and 1 of 5 read everything; layers 2..4 at most 20% + 1 row.
+  EXPECT_GT(inf.stats.fraction_mean(), 0.4);
+  EXPECT_LT(inf.stats.fraction_max, 0.4 + 0.6 * 0.2 + 0.6 / 8 + 1e-9);
+  Run full = TeacherForced(Policy(PolicyKind::kFull), 8);
+  Run tight = TeacherForced([&] {
+    PolicyOptions t = p;
+    t.budget = 0.05f;
+    t.alpha = 0.5f;
+    return t;
+  }(), 8);
+  // Fewer rows cost accuracy, in order.
+  EXPECT_LT(Mean(full.nll), Mean(inf.nll) + 1e-9);
+  EXPECT_LT(tight.stats.fraction_mean(), inf.stats.fraction_mean());
+}
+
+TEST_F(PolicyTest, H2OKeepsItsBudget) {
+  PolicyOptions p = Policy(PolicyKind::kH2O);
+  p.budget = 0.2f;
+  Run h2o = TeacherForced(p, 16);
+  // Half recent and half heavy, each int(p * 0.1) rows at least one.
+  EXPECT_LE(h2o.stats.fraction_max, 0.2 + 2.0 / 16 + 1e-9);
+  EXPECT_GT(h2o.stats.fraction_mean(), 0.05);
+  Run full = TeacherForced(Policy(PolicyKind::kFull), 16);
+  EXPECT_GT(Mean(h2o.nll), Mean(full.nll));
+}
+
+TEST_F(PolicyTest, Int4FetchesEverythingAtAQuarterOfTheBytes) {
+  Run int4 = TeacherForced(Policy(PolicyKind::kInt4), 8);
+  Run full = TeacherForced(Policy(PolicyKind::kFull), 8);
+  EXPECT_DOUBLE_EQ(int4.stats.fraction_mean(), 1.0);
+  EXPECT_EQ(int4.stats.rows_fetched, full.stats.rows_fetched);
+  // head_dim 8: one group of 8 nibbles (2 values) + scale + min = 4 values
+  // per row instead of 8.
+  EXPECT_EQ(int4.stats.bytes_fetched * 2, full.stats.bytes_fetched);
+  // 4-bit keys cost some accuracy on this tiny model, not most of it.
+  EXPECT_GT(Mean(int4.nll), Mean(full.nll));
+  EXPECT_LT(Mean(int4.nll), Mean(full.nll) * 1.5);
+}
+
+TEST_F(PolicyTest, Int4CodecErrorIsWithinHalfAStep) {
+  model::Weights w = *weights_;
+  w.config.head_dim = 128;  // two groups of 64 per row
+  w.config.n_heads = 1;
+  w.config.n_kv_heads = 1;
+  KvPolicy::Context ctx;
+  ctx.weights = &w;
+  ctx.max_seq_len = 4;
+  auto int4 = KvPolicy::Create(Policy(PolicyKind::kInt4), ctx);
+  ASSERT_TRUE(int4.ok()) << int4.status();
+  EXPECT_EQ((*int4)->RowWidth(), 2 * 2 + 128 / 4);
+  std::vector<float> rows(3 * 128);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    rows[i] = std::sin(0.37 * i) * (1 + i % 7) - 0.5;
+  }
+  std::vector<uint16_t> packed(3 * (*int4)->RowWidth());
+  std::vector<float> back(rows.size());
+  (*int4)->EncodeRows(rows.data(), 3, packed.data());
+  (*int4)->DecodeRows(packed.data(), 3, back.data());
+  for (int g = 0; g < 6; ++g) {
+    float mn = rows[g * 64], mx = rows[g * 64];
+    for (int i = 0; i < 64; ++i) {
+      mn = std::min(mn, rows[g * 64 + i]);
+      mx = std::max(mx, rows[g * 64 + i]);
+    }
+    const float step = (mx - mn) / 15;
+    for (int i = 0; i < 64; ++i) {
+      EXPECT_NEAR(back[g * 64 + i], rows[g * 64 + i], 0.5f * step * 1.02f + 1e-3f)
+          << g << " " << i;
+    }
+  }
+}
+
+TEST_F(PolicyTest, PoolEvictionFetchesOnlyWhatIsPresent) {
+  const int n = static_cast<int>(tokens_->size());
+  for (auto eviction : {kv_memory_service::EvictionPolicy::kFifo,
+                        kv_memory_service::EvictionPolicy::kLru,
+                        kv_memory_service::EvictionPolicy::kCounter}) {
+    // 128 positions at capacity 0.25 keep 32 tokens per (layer, head).
+    Run run = TeacherForced(Policy(PolicyKind::kFull), 8, 0.25, eviction);
+    ASSERT_EQ(static_cast<int>(run.nll.size()), n - 8);
+    // Every step fetches every present row: all 5 layers x 4 heads x
+    // min(p, 32), never more.
+    EXPECT_LE(run.stats.rows_fetched,
+              static_cast<long>(run.stats.steps) * 5 * 4 * 32);
+    EXPECT_DOUBLE_EQ(run.stats.fraction_max, 1.0);
+  }
+  Run fifo = TeacherForced(Policy(PolicyKind::kFull), 8, 0.25,
+                           kv_memory_service::EvictionPolicy::kFifo);
+  Run full = TeacherForced(Policy(PolicyKind::kFull), 8);
+  EXPECT_GT(Mean(fifo.nll), Mean(full.nll));
+}
+
+TEST_F(PolicyTest, BadOptionsAreRejected) {
+  auto client = kv_memory_service::ConnectKvClient("inproc:");
+  ASSERT_TRUE(client.ok());
+  EngineOptions o;
+  o.policy = Policy(PolicyKind::kFull);
+  auto no_client = Engine::Create(*weights_, NewCpuBackend(), o);
+  EXPECT_EQ(no_client.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(no_client.status().message()),
+              HasSubstr("KV memory node"));
+  o.kv_client = client->get();
+  o.policy = Policy(PolicyKind::kInfiniGen);
+  EXPECT_EQ(Engine::Create(*weights_, NewCpuBackend(), o).status().code(),
+            absl::StatusCode::kInvalidArgument);  // no skew
+  o.policy.skew = skew_;
+  o.policy.alpha = -1;
+  EXPECT_EQ(Engine::Create(*weights_, NewCpuBackend(), o).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  o.policy = Policy(PolicyKind::kFull);
+  o.kv_capacity = 0;
+  EXPECT_EQ(Engine::Create(*weights_, NewCpuBackend(), o).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  o.kv_capacity = 1;
+  o.max_seq_len = 64;
+  auto engine = Engine::Create(*weights_, NewCpuBackend(), o);
+  ASSERT_TRUE(engine.ok());
+  ASSERT_TRUE((*engine)->Forward({1, 5, 9}, false).ok());
+  ASSERT_TRUE((*engine)->Forward({7}, false).ok());
+  EXPECT_EQ((*engine)->Forward({7, 8}, false).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(ParsePolicy("bogus").status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace infinigen::gpu_worker

@@ -1,0 +1,39 @@
+// ConnectKvClient: the one place that maps an address to a data plane.
+// A new data plane adds its directory and target, one line below, and its
+// target to :kv_client's deps.
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "kv_memory_service/inproc/inproc_client.h"
+#include "kv_memory_service/kv_client.h"
+#include "kv_memory_service/shm/shm_client.h"
+#include "kv_memory_service/tcp/grpc_client.h"
+
+namespace infinigen::kv_memory_service {
+
+absl::StatusOr<std::unique_ptr<KvClient>> ConnectKvClient(
+    const std::string& address, const KvClientOptions& options) {
+  if (address == "inproc:") {
+    std::shared_ptr<KvStore> store = options.inproc_store;
+    if (store == nullptr) {
+      store = std::make_shared<KvStore>(options.inproc_store_options);
+    }
+    return NewInprocKvClient(std::move(store));
+  }
+  if (absl::StartsWith(address, "tcp://") || absl::StartsWith(address, "unix:")) {
+    return ConnectGrpcKvClient(address, options);
+  }
+  if (absl::StartsWith(address, "shm:")) {
+    // Control calls go to the gRPC address the server announces.
+    return ConnectShmKvClient(address, options, ConnectGrpcKvClient);
+  }
+  if (absl::StartsWith(address, "rdma://")) {
+    // Replace with: return ConnectRdmaKvClient(address, options);
+    return absl::UnimplementedError(
+        absl::StrCat("the RDMA data plane is not built yet: ", address));
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unknown KV memory address '", address,
+      "' (want inproc:, tcp://HOST:PORT, unix:PATH, shm:..., rdma://HOST:PORT)"));
+}
+
+}  // namespace infinigen::kv_memory_service

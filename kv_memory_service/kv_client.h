@@ -1,0 +1,259 @@
+// KvClient: the worker's view of a KV memory node, the same for every data
+// plane. ConnectKvClient picks the data plane from the address:
+//
+//   inproc:               a KvStore in this process (the embedded default)
+//   tcp://HOST:PORT       gRPC control; rows inline on a gRPC stream
+//   unix:PATH             the same over a unix-domain socket
+//   shm:...               same host; the server gathers into shared memory
+//                         (data plane not built yet: Unimplemented)
+//   rdma://HOST:PORT      another host over libibverbs (not built yet:
+//                         Unimplemented)
+//
+// Fetch flow. At setup the caller asks the client for FetchBuffers (one per
+// fetch it wants in flight, sized for its largest plan). A buffer is memory
+// the data plane chose so the server can write into it directly: plain host
+// memory for inproc and TCP, a slot of the shared region for shm (registered
+// with CUDA as pinned memory when CUDA is present), a registered memory
+// region for RDMA. FetchAsync starts a gather of one layer's rows into a
+// buffer and returns at once with a FetchHandle; Wait() returns when the rows
+// are in the buffer (layout in kv_types.h, FetchPlan) or the fetch failed.
+// Neither allocates.
+//
+//   auto client = ConnectKvClient("tcp://10.0.0.2:7070", {});
+//   SequenceGeometry g;  // 30 layers, 3 KV heads, head_dim 64, 4096 tokens
+//   g.n_layers = 30; g.n_kv_heads = 3; g.head_dim = 64; g.max_tokens = 4096;
+//   auto seq = client->Open(g);
+//   auto buf = client->NewFetchBuffer(2 * kMaxIndices * 64);
+//   FetchHandle h = client->FetchAsync(*seq, layer + 1, plan, buf->get());
+//   ... compute layer `layer` ...
+//   IG_RETURN_IF_ERROR(h.Wait());   // rows of layer + 1 are in (*buf)->data()
+//
+// Errors follow KvStore's contract (kv_store.h) whatever the data plane; a
+// remote client adds Unauthenticated (wrong or missing token), Unavailable
+// (server gone) and DeadlineExceeded (no answer within the options'
+// timeouts): a dead or hung server gives an error in bounded time, never a
+// hang.
+//
+// Thread-safety: every KvClient method may be called from several threads.
+// A FetchBuffer carries one fetch at a time: FetchAsync into a buffer whose
+// previous fetch has not been waited on fails with FailedPrecondition.
+// Buffers must be destroyed before the client that made them.
+#ifndef INFINIGEN_KV_MEMORY_SERVICE_KV_CLIENT_H_
+#define INFINIGEN_KV_MEMORY_SERVICE_KV_CLIENT_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "kv_memory_service/kv_store.h"
+#include "kv_memory_service/kv_types.h"
+
+namespace infinigen::kv_memory_service {
+
+struct KvClientOptions {
+  // Sent as "authorization: Bearer <token>" with every request when not
+  // empty; a server started with --auth_token_file needs it.
+  std::string auth_token;
+  // Deadline of each control call (Open, Append, Close, statistics).
+  absl::Duration rpc_timeout = absl::Seconds(10);
+  // Longest a fetch may take from FetchAsync to the end of Wait; then
+  // DeadlineExceeded.
+  absl::Duration fetch_timeout = absl::Seconds(5);
+  // How long ConnectKvClient waits for a remote server to accept the
+  // connection; Unavailable after that.
+  absl::Duration connect_timeout = absl::Seconds(5);
+  // Largest gRPC message sent or received; match the server's limit.
+  int32_t max_message_bytes = 64 << 20;
+  // inproc: the store to serve from (shared with whoever else holds it);
+  // null = a new store private to the client, made with
+  // inproc_store_options.
+  std::shared_ptr<KvStore> inproc_store;
+  KvStoreOptions inproc_store_options;
+};
+
+class FetchHandle;
+
+// A destination for fetches, made by KvClient::NewFetchBuffer, holding
+// size() uint16_t values. The rows of a completed fetch are at data() in
+// FetchPlan's layout. The memory stays valid, at the same address, for the
+// buffer's whole life, so a GPU copy may read it directly.
+//
+// Data planes subclass it to attach what they need (a shared-memory slot, a
+// registered region, a reusable request) and use the protected completion
+// calls: BeginFetch when a fetch starts, CompleteFetch from whichever thread
+// learns the outcome, and WaitForFetch (overridable, e.g. to poll shared
+// memory or to cancel on timeout) behind FetchHandle::Wait.
+class FetchBuffer {
+ public:
+  virtual ~FetchBuffer() = default;
+  FetchBuffer(const FetchBuffer&) = delete;
+  FetchBuffer& operator=(const FetchBuffer&) = delete;
+
+  uint16_t* data() const { return data_; }
+  size_t size() const { return size_; }  // in uint16_t values
+  absl::Span<uint16_t> span() const { return absl::Span<uint16_t>(data_, size_); }
+
+  // The client that made this buffer; a client rejects others' buffers.
+  const void* owner() const { return owner_; }
+
+ protected:
+  // `data` (size values) must outlive this object; the subclass owns it.
+  FetchBuffer(const void* owner, uint16_t* data, size_t size)
+      : owner_(owner), data_(data), size_(size) {}
+
+  // Marks a fetch as started. FailedPrecondition if the previous one has
+  // not been waited on yet.
+  absl::Status BeginFetch();
+  // Records the outcome of the fetch started last and wakes its waiter.
+  // Call exactly once per successful BeginFetch.
+  void CompleteFetch(absl::Status status);
+  // Blocks until CompleteFetch; returns its status and frees the buffer for
+  // the next fetch. Data planes whose completion may never come (a remote
+  // server) override it to give up at a deadline, making sure that nothing
+  // writes into the buffer afterwards.
+  virtual absl::Status WaitForFetch();
+
+  // Helpers for WaitForFetch overrides. AwaitCompletion: true when
+  // CompleteFetch has run, false at `deadline`. TakeResult: the status
+  // CompleteFetch recorded; ends the fetch (requires completion).
+  bool AwaitCompletion(absl::Time deadline);
+  absl::Status TakeResult();
+
+ private:
+  friend class FetchHandle;
+
+  const void* const owner_;
+  uint16_t* const data_;
+  const size_t size_;
+
+  absl::Mutex mu_;
+  bool pending_ ABSL_GUARDED_BY(mu_) = false;  // BeginFetch, not yet taken
+  bool done_ ABSL_GUARDED_BY(mu_) = false;     // CompleteFetch ran
+  absl::Status status_ ABSL_GUARDED_BY(mu_);
+};
+
+// The fetch started by FetchAsync. Move-only, allocation-free. Wait() once;
+// a handle destroyed without Wait() waits (and drops the status) so that no
+// fetch outlives its handle.
+class FetchHandle {
+ public:
+  FetchHandle() = default;  // a handle whose Wait() returns OK at once
+  // A fetch that failed before it started (bad argument, busy buffer).
+  explicit FetchHandle(absl::Status failed) : failed_(std::move(failed)) {}
+  // A fetch in flight into `buffer` (its BeginFetch succeeded).
+  explicit FetchHandle(FetchBuffer* buffer) : buffer_(buffer) {}
+  FetchHandle(FetchHandle&& other) noexcept;
+  FetchHandle& operator=(FetchHandle&& other) noexcept;
+  FetchHandle(const FetchHandle&) = delete;
+  FetchHandle& operator=(const FetchHandle&) = delete;
+  ~FetchHandle();
+
+  // Blocks until the rows are in the buffer (OK) or the fetch failed. A
+  // second call returns the same status without blocking.
+  absl::Status Wait();
+
+ private:
+  FetchBuffer* buffer_ = nullptr;
+  absl::Status failed_;
+};
+
+class KvClient {
+ public:
+  virtual ~KvClient() = default;
+
+  // Opens a sequence; the memory node reserves its rows now.
+  virtual absl::StatusOr<SequenceId> Open(const SequenceGeometry& geometry) = 0;
+
+  // Appends the rows of new tokens of one or more layers (AppendBlock) and
+  // returns the tokens evicted to make room.
+  virtual absl::StatusOr<AppendResult> Append(SequenceId seq,
+                                              const AppendBlock& block) = 0;
+
+  // A destination for fetches of up to `elements` uint16_t values
+  // (FetchElements(plan, head_dim) of the largest plan). Made at setup, not
+  // per fetch. InvalidArgument for 0; ResourceExhausted past the data
+  // plane's limit (for TCP: the message size).
+  virtual absl::StatusOr<std::unique_ptr<FetchBuffer>> NewFetchBuffer(
+      size_t elements) = 0;
+
+  // Starts gathering `plan`'s rows of `layer` into `dest` (a buffer from this
+  // client, large enough for the plan). The plan's arrays may be reused as
+  // soon as FetchAsync returns. Errors come from Wait(): those of
+  // KvStore::Gather, InvalidArgument for another client's buffer,
+  // FailedPrecondition for a buffer still in use.
+  virtual FetchHandle FetchAsync(SequenceId seq, int32_t layer,
+                                 const FetchPlan& plan, FetchBuffer* dest) = 0;
+
+  // FetchAsync + Wait.
+  absl::Status Fetch(SequenceId seq, int32_t layer, const FetchPlan& plan,
+                     FetchBuffer* dest) {
+    return FetchAsync(seq, layer, plan, dest).Wait();
+  }
+
+  // Frees the sequence on the memory node.
+  virtual absl::Status Close(SequenceId seq) = 0;
+
+  virtual absl::StatusOr<SequenceStats> GetSequenceStats(SequenceId seq) = 0;
+  virtual absl::StatusOr<StoreStats> GetStoreStats() = 0;
+
+  // The data plane, for logs: "inproc", "tcp", "shm", "rdma".
+  virtual std::string data_plane() const = 0;
+};
+
+// Forwards every call to another client. Data planes that reuse another
+// client's control path derive from it and override only what they change
+// (e.g. shm: NewFetchBuffer and FetchAsync over the gRPC client's control).
+class KvClientWrapper : public KvClient {
+ public:
+  explicit KvClientWrapper(std::unique_ptr<KvClient> target)
+      : target_(std::move(target)) {}
+
+  absl::StatusOr<SequenceId> Open(const SequenceGeometry& geometry) override {
+    return target_->Open(geometry);
+  }
+  absl::StatusOr<AppendResult> Append(SequenceId seq,
+                                      const AppendBlock& block) override {
+    return target_->Append(seq, block);
+  }
+  absl::StatusOr<std::unique_ptr<FetchBuffer>> NewFetchBuffer(
+      size_t elements) override {
+    return target_->NewFetchBuffer(elements);
+  }
+  FetchHandle FetchAsync(SequenceId seq, int32_t layer, const FetchPlan& plan,
+                         FetchBuffer* dest) override {
+    return target_->FetchAsync(seq, layer, plan, dest);
+  }
+  absl::Status Close(SequenceId seq) override { return target_->Close(seq); }
+  absl::StatusOr<SequenceStats> GetSequenceStats(SequenceId seq) override {
+    return target_->GetSequenceStats(seq);
+  }
+  absl::StatusOr<StoreStats> GetStoreStats() override {
+    return target_->GetStoreStats();
+  }
+  std::string data_plane() const override { return target_->data_plane(); }
+
+  KvClient* target() const { return target_.get(); }
+
+ private:
+  std::unique_ptr<KvClient> target_;
+};
+
+// Connects to the memory node at `address` (grammar above) and returns a
+// client for it. InvalidArgument for an address no data plane claims;
+// Unimplemented for a data plane not built yet; Unavailable when a remote
+// server does not answer within options.connect_timeout. Defined in the
+// :kv_client target, which links every data plane; data planes themselves
+// depend only on :kv_client_interface.
+absl::StatusOr<std::unique_ptr<KvClient>> ConnectKvClient(
+    const std::string& address, const KvClientOptions& options = {});
+
+}  // namespace infinigen::kv_memory_service
+
+#endif  // INFINIGEN_KV_MEMORY_SERVICE_KV_CLIENT_H_

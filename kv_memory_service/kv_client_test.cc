@@ -1,0 +1,337 @@
+// The same KvClient tests on every data plane: in-process, and gRPC over
+// loopback TCP and a unix socket to a KvServer in this process. A new data
+// plane joins by adding its name to the INSTANTIATE line and a branch to
+// SetUp. (Tests against the real server binary are in
+// tests/kv_memory_service/.)
+#include "kv_memory_service/kv_client.h"
+
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kv_memory_service/server/kv_server.h"
+#include "kv_memory_service/testing/fault_injection_client.h"
+#include "kv_memory_service/testing/kv_test_data.h"
+
+namespace infinigen::kv_memory_service {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::IsEmpty;
+using testdata::ExpectedRows;
+using testdata::MakeGeometry;
+using testdata::MakeTestBlock;
+
+#define EXPECT_CODE(expr, code_name) \
+  EXPECT_EQ((expr).code(), absl::StatusCode::code_name) << (expr)
+#define EXPECT_OK(expr) EXPECT_TRUE((expr).ok()) << (expr)
+#define ASSERT_OK(expr)             \
+  do {                              \
+    const absl::Status s_ = (expr); \
+    ASSERT_TRUE(s_.ok()) << s_;     \
+  } while (0)
+
+// A unix socket path in TEST_TMPDIR, or /tmp when that is too long for
+// sockaddr_un (108 bytes).
+std::string SocketPath(const std::string& name) {
+  static std::atomic<int> n{0};
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  std::string path = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/", name, "-",
+                                  getpid(), "-", n++, ".sock");
+  if (path.size() >= 100) {
+    path = absl::StrCat("/tmp/", name, "-", getpid(), "-", n++, ".sock");
+  }
+  return path;
+}
+
+class KvClientTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    store_options_.eviction = EvictionPolicy::kFifo;
+    store_options_.max_sequences = 64;
+    if (GetParam() == "inproc") {
+      inproc_store_ = std::make_shared<KvStore>(store_options_);
+      client_options_.inproc_store = inproc_store_;
+      address_ = "inproc:";
+    } else {
+      KvServerOptions server_options;
+      server_options.store = store_options_;
+      server_options.listen = GetParam() == "tcp"
+                                  ? "127.0.0.1:0"
+                                  : "unix:" + SocketPath("kv_client_test");
+      if (GetParam() == "shm") {
+        server_options.shm_listen = "unix:" + SocketPath("kv_client_test_shm");
+      }
+      auto server = KvServer::Start(server_options);
+      ASSERT_TRUE(server.ok()) << server.status();
+      server_ = *std::move(server);
+      address_ = GetParam() == "shm" ? server_->shm_client_address()
+                                     : server_->client_address();
+    }
+    client_ = Connect();
+    ASSERT_NE(client_, nullptr);
+  }
+
+  std::unique_ptr<KvClient> Connect() {
+    auto client = ConnectKvClient(address_, client_options_);
+    EXPECT_TRUE(client.ok()) << client.status();
+    return client.ok() ? *std::move(client) : nullptr;
+  }
+
+  // Opens a sequence and appends `length` tokens of every layer.
+  SequenceId OpenFilled(const SequenceGeometry& g, uint32_t salt, int length) {
+    auto id = client_->Open(g);
+    EXPECT_TRUE(id.ok()) << id.status();
+    if (length > 0) {
+      testdata::TestBlock b = MakeTestBlock(salt, g, 0, g.n_layers, 0, length);
+      auto r = client_->Append(*id, b.block);
+      EXPECT_TRUE(r.ok()) << r.status();
+    }
+    return id.value_or(0);
+  }
+
+  std::unique_ptr<FetchBuffer> Buffer(size_t elements) {
+    auto b = client_->NewFetchBuffer(elements);
+    EXPECT_TRUE(b.ok()) << b.status();
+    return b.ok() ? *std::move(b) : nullptr;
+  }
+
+  static std::vector<uint16_t> Rows(const FetchBuffer& b, size_t n) {
+    return std::vector<uint16_t>(b.data(), b.data() + n);
+  }
+
+  KvStoreOptions store_options_;
+  KvClientOptions client_options_;
+  std::shared_ptr<KvStore> inproc_store_;
+  std::unique_ptr<KvServer> server_;
+  std::string address_;
+  std::unique_ptr<KvClient> client_;
+};
+
+TEST_P(KvClientTest, FetchesAreBitExact) {
+  const SequenceGeometry g = MakeGeometry(4, 3, 64, 512);
+  const SequenceId id = OpenFilled(g, 17, 100);
+  // Decode steps, one token of every layer at a time.
+  for (int t = 100; t < 110; ++t) {
+    testdata::TestBlock b = MakeTestBlock(17, g, 0, g.n_layers, t, 1);
+    auto r = client_->Append(id, b.block);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_THAT(r->evicted, IsEmpty());
+  }
+  std::mt19937 rng(3);
+  std::vector<std::unique_ptr<FetchBuffer>> buffers;
+  for (int l = 0; l < g.n_layers; ++l) buffers.push_back(Buffer(2 * 3 * 64 * 64));
+  for (int round = 0; round < 20; ++round) {
+    std::vector<OwnedFetchPlan> plans;
+    std::vector<FetchHandle> handles;
+    // Every layer in flight at once, each head its own tokens and count.
+    for (int l = 0; l < g.n_layers; ++l) {
+      std::vector<std::vector<int32_t>> per_head(g.n_kv_heads);
+      for (auto& p : per_head) {
+        for (int i = 0, k = rng() % 64; i < k; ++i) p.push_back(rng() % 110);
+      }
+      plans.push_back(OwnedFetchPlan::PerHead(per_head));
+    }
+    for (int l = 0; l < g.n_layers; ++l) {
+      handles.push_back(
+          client_->FetchAsync(id, l, plans[l].view(), buffers[l].get()));
+    }
+    for (int l = 0; l < g.n_layers; ++l) {
+      ASSERT_OK(handles[l].Wait());
+      const std::vector<uint16_t> want = ExpectedRows(17, g, l, plans[l].view());
+      ASSERT_EQ(Rows(*buffers[l], want.size()), want)
+          << "round " << round << " layer " << l;
+    }
+  }
+}
+
+TEST_P(KvClientTest, ErrorsKeepTheirCodes) {
+  const SequenceGeometry g = MakeGeometry(2, 2, 8, 4);
+  const SequenceId id = OpenFilled(g, 5, 6);  // positions 0, 1 evicted (FIFO)
+  auto buffer = Buffer(64);
+  auto fetch = [&](SequenceId seq, int layer, const OwnedFetchPlan& plan) {
+    return client_->Fetch(seq, layer, plan.view(), buffer.get());
+  };
+  EXPECT_CODE(fetch(id + 1, 0, OwnedFetchPlan::SameForAllHeads(2, {2})),
+              kNotFound);
+  EXPECT_CODE(fetch(id, 2, OwnedFetchPlan::SameForAllHeads(2, {2})),
+              kInvalidArgument);
+  EXPECT_CODE(fetch(id, 0, OwnedFetchPlan::SameForAllHeads(3, {2})),
+              kInvalidArgument);
+  EXPECT_CODE(fetch(id, 0, OwnedFetchPlan::SameForAllHeads(2, {6})),
+              kOutOfRange);
+  EXPECT_CODE(fetch(id, 0, OwnedFetchPlan::SameForAllHeads(2, {-3})),
+              kInvalidArgument);
+  EXPECT_CODE(fetch(id, 0, OwnedFetchPlan::SameForAllHeads(2, {1})),
+              kFailedPrecondition);
+  // 2 heads x 3 rows x 8 dims x K and V = 96 values > 64.
+  EXPECT_CODE(fetch(id, 0, OwnedFetchPlan::SameForAllHeads(2, {2, 3, 4})),
+              kInvalidArgument);
+  EXPECT_CODE(client_->Open(MakeGeometry(0, 2, 8, 4)).status(),
+              kInvalidArgument);
+  testdata::TestBlock b = MakeTestBlock(5, g, 0, 1, 6, 1);
+  b.block.v = b.block.v.subspan(1);
+  EXPECT_CODE(client_->Append(id, b.block).status(), kInvalidArgument);
+  EXPECT_CODE(client_->GetSequenceStats(id + 1).status(), kNotFound);
+  // Still serving, nothing changed.
+  const OwnedFetchPlan good = OwnedFetchPlan::PerHead({{2, 5}, {3}});
+  ASSERT_OK(fetch(id, 1, good));
+  const std::vector<uint16_t> want = ExpectedRows(5, g, 1, good.view());
+  EXPECT_EQ(Rows(*buffer, want.size()), want);
+  auto stats = client_->GetSequenceStats(id);
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_THAT(stats->layer_lengths, ElementsAre(6, 6));
+  EXPECT_EQ(stats->fetches, 1);
+  ASSERT_OK(client_->Close(id));
+  EXPECT_CODE(client_->Close(id), kNotFound);
+  EXPECT_CODE(fetch(id, 0, good), kNotFound);
+}
+
+TEST_P(KvClientTest, ABufferCarriesOneFetchAtATime) {
+  const SequenceGeometry g = MakeGeometry(1, 1, 4, 16);
+  const SequenceId id = OpenFilled(g, 1, 4);
+  auto buffer = Buffer(16);
+  const OwnedFetchPlan plan = OwnedFetchPlan::SameForAllHeads(1, {0, 3});
+  FetchHandle first = client_->FetchAsync(id, 0, plan.view(), buffer.get());
+  FetchHandle second = client_->FetchAsync(id, 0, plan.view(), buffer.get());
+  EXPECT_CODE(second.Wait(), kFailedPrecondition);
+  ASSERT_OK(first.Wait());
+  EXPECT_OK(first.Wait());  // a second Wait repeats the status
+  FetchHandle third = client_->FetchAsync(id, 0, plan.view(), buffer.get());
+  FetchHandle moved = std::move(third);
+  ASSERT_OK(moved.Wait());
+  const std::vector<uint16_t> want = ExpectedRows(1, g, 0, plan.view());
+  EXPECT_EQ(Rows(*buffer, want.size()), want);
+  // A handle dropped without Wait waits by itself; the buffer is free after.
+  { FetchHandle dropped = client_->FetchAsync(id, 0, plan.view(), buffer.get()); }
+  ASSERT_OK(client_->Fetch(id, 0, plan.view(), buffer.get()));
+}
+
+TEST_P(KvClientTest, RejectsAnotherClientsBuffer) {
+  const SequenceGeometry g = MakeGeometry(1, 1, 4, 16);
+  const SequenceId id = OpenFilled(g, 1, 4);
+  std::unique_ptr<KvClient> other = Connect();
+  auto foreign = other->NewFetchBuffer(16);
+  ASSERT_TRUE(foreign.ok());
+  const OwnedFetchPlan plan = OwnedFetchPlan::SameForAllHeads(1, {0});
+  EXPECT_CODE(client_->Fetch(id, 0, plan.view(), foreign->get()),
+              kInvalidArgument);
+  EXPECT_CODE(client_->Fetch(id, 0, plan.view(), nullptr), kInvalidArgument);
+  EXPECT_CODE(client_->NewFetchBuffer(0).status(), kInvalidArgument);
+  // The other client sees the same store.
+  ASSERT_OK(other->Fetch(id, 0, plan.view(), foreign->get()));
+}
+
+TEST_P(KvClientTest, ReportsEvictions) {
+  const SequenceGeometry g = MakeGeometry(2, 2, 4, 3);
+  const SequenceId id = OpenFilled(g, 9, 3);
+  testdata::TestBlock b = MakeTestBlock(9, g, 0, 2, 3, 2);
+  auto r = client_->Append(id, b.block);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_THAT(r->evicted,
+              ElementsAre(EvictedToken{0, 0, 0}, EvictedToken{0, 1, 0},
+                          EvictedToken{0, 0, 1}, EvictedToken{0, 1, 1},
+                          EvictedToken{1, 0, 0}, EvictedToken{1, 1, 0},
+                          EvictedToken{1, 0, 1}, EvictedToken{1, 1, 1}));
+  auto stats = client_->GetSequenceStats(id);
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->evicted_rows, 8);
+  EXPECT_EQ(stats->present_rows, 2 * 2 * 3);
+  EXPECT_EQ(stats->bytes_reserved, ReservedBytes(g));
+  EXPECT_EQ(stats->geometry.max_tokens, 3);
+  auto store = client_->GetStoreStats();
+  ASSERT_TRUE(store.ok());
+  EXPECT_EQ(store->open_sequences, 1);
+  EXPECT_EQ(store->eviction, EvictionPolicy::kFifo);
+  EXPECT_EQ(store->evicted_rows, 8);
+  EXPECT_EQ(store->max_sequences, 64);
+}
+
+TEST_P(KvClientTest, ThreadsShareAClient) {
+  const SequenceGeometry g = MakeGeometry(3, 3, 32, 256);
+  constexpr int kThreads = 4;
+  std::vector<SequenceId> ids;
+  for (int t = 0; t < kThreads; ++t) ids.push_back(OpenFilled(g, 100 + t, 200));
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937 rng(t);
+      auto buffer = client_->NewFetchBuffer(2 * 3 * 32 * 40);
+      if (!buffer.ok()) {
+        ++failures;
+        return;
+      }
+      for (int i = 0; i < 100; ++i) {
+        std::vector<std::vector<int32_t>> per_head(g.n_kv_heads);
+        for (auto& p : per_head) {
+          for (int j = 0, k = rng() % 40; j < k; ++j) p.push_back(rng() % 200);
+        }
+        const OwnedFetchPlan plan = OwnedFetchPlan::PerHead(per_head);
+        const int layer = rng() % g.n_layers;
+        const std::vector<uint16_t> want =
+            ExpectedRows(100 + t, g, layer, plan.view());
+        if (!client_->Fetch(ids[t], layer, plan.view(), buffer->get()).ok() ||
+            Rows(**buffer, want.size()) != want) {
+          ++failures;
+        }
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(failures.load(), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(DataPlanes, KvClientTest,
+                         ::testing::Values("inproc", "tcp", "unix", "shm"),
+                         [](const auto& info) { return info.param; });
+
+TEST(ConnectKvClientTest, RejectsUnknownAndUnbuiltAddresses) {
+  EXPECT_CODE(ConnectKvClient("ftp://x").status(), kInvalidArgument);
+  EXPECT_CODE(ConnectKvClient("").status(), kInvalidArgument);
+  EXPECT_CODE(ConnectKvClient("tcp://").status(), kInvalidArgument);
+  EXPECT_CODE(ConnectKvClient("rdma://127.0.0.1:1").status(), kUnimplemented);
+}
+
+TEST(ConnectKvClientTest, NoServerIsUnavailable) {
+  KvClientOptions options;
+  options.connect_timeout = absl::Milliseconds(300);
+  EXPECT_CODE(ConnectKvClient("unix:/nonexistent/kv.sock", options).status(),
+              kUnavailable);
+}
+
+TEST(FaultInjectionKvClientTest, FailsTheChosenCalls) {
+  auto inner = ConnectKvClient("inproc:");
+  ASSERT_TRUE(inner.ok());
+  FaultInjectionKvClient client(*std::move(inner));
+  const SequenceGeometry g = MakeGeometry(1, 1, 4, 8);
+  auto id = client.Open(g);
+  ASSERT_TRUE(id.ok());
+  testdata::TestBlock b = MakeTestBlock(1, g, 0, 1, 0, 2);
+  client.FailAppends(absl::UnavailableError("injected"));
+  EXPECT_CODE(client.Append(*id, b.block).status(), kUnavailable);
+  client.ClearFaults();
+  ASSERT_TRUE(client.Append(*id, b.block).ok());
+  auto buffer = client.NewFetchBuffer(8);
+  ASSERT_TRUE(buffer.ok());
+  const OwnedFetchPlan plan = OwnedFetchPlan::SameForAllHeads(1, {1});
+  client.FailFetches(absl::DeadlineExceededError("injected"), /*skip=*/1);
+  ASSERT_OK(client.Fetch(*id, 0, plan.view(), buffer->get()));
+  EXPECT_CODE(client.Fetch(*id, 0, plan.view(), buffer->get()),
+              kDeadlineExceeded);
+  EXPECT_CODE(client.Fetch(*id, 0, plan.view(), buffer->get()),
+              kDeadlineExceeded);
+  EXPECT_EQ(client.fetches(), 3);
+  EXPECT_EQ(client.appends(), 2);
+  EXPECT_EQ(client.data_plane(), "inproc");
+}
+
+}  // namespace
+}  // namespace infinigen::kv_memory_service

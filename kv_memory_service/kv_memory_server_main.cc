@@ -1,0 +1,176 @@
+// kv_memory_server: the KV memory node as a process.
+//
+//   kv_memory_server --listen=127.0.0.1:7070 --capacity_bytes=8000000000
+//       --eviction=counter --auth_token_file=/run/secrets/kv_token
+//
+// Serves KvMemory and grpc.health.v1 until SIGTERM or SIGINT, then stops
+// taking calls, lets calls in flight finish for --drain_timeout, and exits
+// 0. Bad flags exit 2 (1 for a flag absl itself rejects) with one line on
+// stderr; a listen failure exits 1.
+#include <pthread.h>
+#include <signal.h>
+
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/reflection.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/time.h"
+#include "common/file.h"
+#include "common/log.h"
+#include "kv_memory_service/server/kv_server.h"
+
+ABSL_FLAG(std::string, listen, "127.0.0.1:7070",
+          "HOST:PORT to listen on (port 0 picks a free one), or unix:PATH.");
+ABSL_FLAG(int64_t, capacity_bytes, 0,
+          "Most bytes of K/V rows all open sequences may reserve together; "
+          "0 = unlimited. OpenSequence beyond it is RESOURCE_EXHAUSTED.");
+ABSL_FLAG(std::string, eviction, "lru",
+          "What a full (layer, KV head) of a sequence drops before taking a "
+          "new token: fifo, lru or counter.");
+ABSL_FLAG(std::string, auth_token_file, "",
+          "File holding the token clients must send (authorization: Bearer "
+          "TOKEN); requests without it get UNAUTHENTICATED. Empty = no auth.");
+ABSL_FLAG(int32_t, max_message_bytes, 64 << 20,
+          "Largest gRPC message either way (appends, fetch responses).");
+ABSL_FLAG(int32_t, max_sequences, 1024, "Most sequences open at once.");
+ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(5),
+          "On SIGTERM, how long calls in flight may take to finish.");
+ABSL_FLAG(std::string, shm_listen, "",
+          "unix:PATH: also serve the shared-memory data plane (same-host "
+          "clients connect to shm:unix:PATH; control calls use --listen). "
+          "Empty = off.");
+ABSL_FLAG(std::string, ready_file, "",
+          "If set, once listening, write the address clients should use "
+          "(tcp://HOST:PORT or unix:PATH) to this file.");
+
+namespace infinigen::kv_memory_service {
+namespace {
+
+constexpr int kExitUsage = 2;
+constexpr int kExitFailure = 1;
+
+const char kSummary[] =
+    "kv_memory_server: the KV memory node. Holds the KV cache of many "
+    "sequences and answers index-based fetches (gRPC KvMemory service, plus "
+    "grpc.health.v1).";
+
+std::string Usage() {
+  std::string s = absl::StrFormat(
+      "%s\n\nUsage: kv_memory_server [--flag=value ...]\n\nFlags:\n", kSummary);
+  for (const char* name :
+       {"listen", "capacity_bytes", "eviction", "auth_token_file",
+        "max_message_bytes", "max_sequences", "drain_timeout", "shm_listen",
+        "ready_file"}) {
+    absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
+    s += absl::StrFormat("  --%s (default: \"%s\")\n      %s\n", name,
+                         flag->DefaultValue(), flag->Help());
+  }
+  return s;
+}
+
+int UsageError(const std::string& message) {
+  std::fprintf(stderr, "kv_memory_server: %s\n", message.c_str());
+  return kExitUsage;
+}
+
+int Run() {
+  KvServerOptions options;
+  options.listen = absl::GetFlag(FLAGS_listen);
+  options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  options.shm_listen = absl::GetFlag(FLAGS_shm_listen);
+  options.store.capacity_bytes = absl::GetFlag(FLAGS_capacity_bytes);
+  options.store.max_sequences = absl::GetFlag(FLAGS_max_sequences);
+  absl::StatusOr<EvictionPolicy> eviction =
+      ParseEvictionPolicy(absl::GetFlag(FLAGS_eviction));
+  if (!eviction.ok()) {
+    return UsageError(absl::StrCat("--eviction: ", eviction.status().message()));
+  }
+  options.store.eviction = *eviction;
+  if (absl::GetFlag(FLAGS_drain_timeout) < absl::ZeroDuration()) {
+    return UsageError("--drain_timeout must not be negative");
+  }
+  const std::string token_file = absl::GetFlag(FLAGS_auth_token_file);
+  if (!token_file.empty()) {
+    absl::StatusOr<std::string> token = ReadFileToString(token_file);
+    if (!token.ok()) {
+      return UsageError(absl::StrCat("--auth_token_file: ",
+                                     token.status().message()));
+    }
+    options.auth_token = std::string(absl::StripAsciiWhitespace(*token));
+    if (options.auth_token.empty()) {
+      return UsageError(
+          absl::StrCat("--auth_token_file: ", token_file, " is empty"));
+    }
+  }
+
+  // Every thread gRPC starts inherits this mask, so only sigwait below sees
+  // SIGTERM and SIGINT.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  absl::StatusOr<std::unique_ptr<KvServer>> server = KvServer::Start(options);
+  if (!server.ok()) {
+    const bool usage = server.status().code() == absl::StatusCode::kInvalidArgument;
+    std::fprintf(stderr, "kv_memory_server: %s\n",
+                 std::string(server.status().message()).c_str());
+    return usage ? kExitUsage : kExitFailure;
+  }
+  const std::string ready_file = absl::GetFlag(FLAGS_ready_file);
+  if (!ready_file.empty()) {
+    // Written whole, then renamed, so a reader never sees half an address.
+    const std::string tmp = ready_file + ".tmp";
+    {
+      std::ofstream out(tmp);
+      out << (*server)->client_address() << "\n";
+    }
+    if (std::rename(tmp.c_str(), ready_file.c_str()) != 0) {
+      std::fprintf(stderr, "kv_memory_server: cannot write --ready_file %s\n",
+                   ready_file.c_str());
+      return kExitFailure;
+    }
+  }
+
+  int signal = 0;
+  sigwait(&signals, &signal);
+  IG_LOG(INFO) << "kv_memory_server: " << (signal == SIGTERM ? "SIGTERM" : "SIGINT")
+               << ", draining for up to "
+               << absl::FormatDuration(absl::GetFlag(FLAGS_drain_timeout));
+  (*server)->Shutdown(absl::GetFlag(FLAGS_drain_timeout));
+  (*server)->Wait();
+  const StoreStats stats = (*server)->store().GetStoreStats();
+  IG_LOG(INFO) << "kv_memory_server: stopped; served " << stats.fetches
+               << " fetches (" << stats.fetched_rows << " rows), "
+               << stats.appended_rows << " rows appended";
+  return 0;
+}
+
+}  // namespace
+}  // namespace infinigen::kv_memory_service
+
+int main(int argc, char** argv) {
+  using namespace infinigen::kv_memory_service;
+  absl::SetProgramUsageMessage(kSummary);
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--help" || a == "-h" || a == "--helpfull" || a == "-help") {
+      std::fputs(Usage().c_str(), stdout);
+      return 0;
+    }
+  }
+  std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
+  if (rest.size() > 1) {
+    return UsageError(absl::StrCat("unexpected argument '", rest[1],
+                                   "' (try --help)"));
+  }
+  return Run();
+}

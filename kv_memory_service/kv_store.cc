@@ -1,0 +1,445 @@
+#include "kv_memory_service/kv_store.h"
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+
+namespace infinigen::kv_memory_service {
+namespace {
+
+// Rows are page-aligned so a data plane may register them (RDMA, CUDA).
+constexpr size_t kRowAlignment = 4096;
+
+struct FreeDeleter {
+  void operator()(uint16_t* p) const { std::free(p); }
+};
+using RowMemory = std::unique_ptr<uint16_t[], FreeDeleter>;
+
+uint64_t RandomEpoch() {
+  std::random_device rd;
+  uint64_t epoch = 0;
+  while (epoch == 0) epoch = rd() & 0xffffffffu;
+  return epoch << 32;
+}
+
+}  // namespace
+
+struct KvStore::Totals {
+  std::atomic<int64_t> appended_rows{0};
+  std::atomic<int64_t> evicted_rows{0};
+  std::atomic<int64_t> fetches{0};
+  std::atomic<int64_t> fetched_rows{0};
+};
+
+// One sequence: rows [layer][kv_head][slot][head_dim] for K and V, and for
+// each (layer, kv_head) the map between token positions and slots. While a
+// (layer, head) is below capacity its tokens take slots 0, 1, 2, ...; once
+// full, each new token takes the slot of the token evicted for it, so slots
+// [0, present) are always the occupied ones.
+class KvStore::Sequence {
+ public:
+  Sequence(SequenceId id, const SequenceGeometry& g, EvictionPolicy policy,
+           RowMemory k, RowMemory v)
+      : id_(id),
+        g_(g),
+        policy_(policy),
+        row_elems_(g.head_dim),
+        head_elems_(static_cast<size_t>(g.max_tokens) * g.head_dim),
+        k_(std::move(k)),
+        v_(std::move(v)),
+        heads_(static_cast<size_t>(g.n_layers) * g.n_kv_heads),
+        layer_length_(g.n_layers, 0) {
+    for (Head& head : heads_) {
+      head.position_of_slot.assign(g.max_tokens, -1);
+      head.fetch_count.assign(g.max_tokens, 0);
+      head.last_fetch.assign(g.max_tokens, 0);
+    }
+  }
+
+  const SequenceGeometry& geometry() const { return g_; }
+
+  absl::StatusOr<AppendResult> Append(const AppendBlock& b,
+                                      int32_t max_append_tokens,
+                                      Totals& totals) {
+    if (b.first_layer < 0 || b.n_layers <= 0 ||
+        b.first_layer > g_.n_layers - b.n_layers) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "layers [", b.first_layer, ", ",
+          int64_t{b.first_layer} + b.n_layers, ") are not within the sequence's ",
+          g_.n_layers, " layers"));
+    }
+    if (b.n_tokens <= 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("n_tokens must be positive, got ", b.n_tokens));
+    }
+    if (b.n_tokens > max_append_tokens) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("append of ", b.n_tokens, " tokens exceeds the limit of ",
+                       max_append_tokens, " per call"));
+    }
+    const size_t want = static_cast<size_t>(b.n_layers) * b.n_tokens *
+                        g_.n_kv_heads * g_.head_dim;
+    if (b.k.size() != want || b.v.size() != want) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "K/V hold ", b.k.size(), "/", b.v.size(), " values; ", b.n_layers,
+          " layers x ", b.n_tokens, " tokens x ", g_.n_kv_heads, " KV heads x ",
+          g_.head_dim, " dims needs ", want));
+    }
+    absl::MutexLock lock(&mu_);
+    for (int32_t l = b.first_layer; l < b.first_layer + b.n_layers; ++l) {
+      if (layer_length_[l] >
+          std::numeric_limits<int32_t>::max() - b.n_tokens) {
+        return absl::OutOfRangeError(absl::StrCat(
+            "layer ", l, " would pass 2^31 - 1 positions"));
+      }
+    }
+
+    AppendResult result;
+    const size_t token_stride = static_cast<size_t>(g_.n_kv_heads) * row_elems_;
+    for (int32_t i = 0; i < b.n_layers; ++i) {
+      const int32_t layer = b.first_layer + i;
+      const uint16_t* k_src =
+          b.k.data() + static_cast<size_t>(i) * b.n_tokens * token_stride;
+      const uint16_t* v_src =
+          b.v.data() + static_cast<size_t>(i) * b.n_tokens * token_stride;
+      for (int32_t t = 0; t < b.n_tokens; ++t) {
+        const int32_t position = layer_length_[layer];
+        for (int32_t h = 0; h < g_.n_kv_heads; ++h) {
+          Head& head = HeadAt(layer, h);
+          int32_t slot;
+          if (head.present < g_.max_tokens) {
+            slot = head.present++;
+          } else {
+            slot = EvictionSlot(head, position);
+            const int32_t victim = head.position_of_slot[slot];
+            head.slot_of_position[victim] = -1;
+            result.evicted.push_back(EvictedToken{layer, h, victim});
+          }
+          head.slot_of_position.push_back(slot);
+          head.position_of_slot[slot] = position;
+          head.fetch_count[slot] = 0;
+          head.last_fetch[slot] = 0;
+          const size_t src = static_cast<size_t>(t) * token_stride +
+                             static_cast<size_t>(h) * row_elems_;
+          std::memcpy(Row(k_.get(), layer, h, slot), k_src + src,
+                      row_elems_ * sizeof(uint16_t));
+          std::memcpy(Row(v_.get(), layer, h, slot), v_src + src,
+                      row_elems_ * sizeof(uint16_t));
+        }
+        layer_length_[layer] = position + 1;
+      }
+    }
+    evicted_rows_ += static_cast<int64_t>(result.evicted.size());
+    totals.appended_rows.fetch_add(
+        int64_t{b.n_layers} * b.n_tokens * g_.n_kv_heads,
+        std::memory_order_relaxed);
+    totals.evicted_rows.fetch_add(static_cast<int64_t>(result.evicted.size()),
+                                  std::memory_order_relaxed);
+    return result;
+  }
+
+  absl::Status Gather(int32_t layer, const FetchPlan& plan,
+                      absl::Span<uint16_t> dest, Totals& totals) {
+    if (layer < 0 || layer >= g_.n_layers) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "layer ", layer, " is not within the sequence's ", g_.n_layers,
+          " layers"));
+    }
+    IG_RETURN_IF_ERROR(ValidatePlanShape(plan, g_.n_kv_heads));
+    const size_t n = plan.indices.size();
+    const size_t need = FetchElements(plan, g_.head_dim);
+    if (dest.size() < need) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "destination holds ", dest.size(), " values; the plan's ", n,
+          " rows of K and V need ", need));
+    }
+
+    absl::MutexLock lock(&mu_);
+    const int32_t length = layer_length_[layer];
+    // Validate every index before touching any counter, so that a bad plan
+    // changes nothing.
+    for (int32_t h = 0; h < g_.n_kv_heads; ++h) {
+      const Head& head = HeadAt(layer, h);
+      for (int32_t j = plan.head_offsets[h]; j < plan.head_offsets[h + 1]; ++j) {
+        const int32_t pos = plan.indices[j];
+        if (pos < 0) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "negative position ", pos, " for layer ", layer, " head ", h));
+        }
+        if (pos >= length) {
+          return absl::OutOfRangeError(absl::StrCat(
+              "position ", pos, " is beyond layer ", layer, "'s length ",
+              length));
+        }
+        if (head.slot_of_position[pos] < 0) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "position ", pos, " of layer ", layer, " head ", h,
+              " was evicted"));
+        }
+      }
+    }
+    const uint64_t now = ++clock_;
+    uint16_t* k_out = dest.data();
+    uint16_t* v_out = dest.data() + n * row_elems_;
+    const size_t row_bytes = row_elems_ * sizeof(uint16_t);
+    for (int32_t h = 0; h < g_.n_kv_heads; ++h) {
+      Head& head = HeadAt(layer, h);
+      const uint16_t* k_head = Row(k_.get(), layer, h, 0);
+      const uint16_t* v_head = Row(v_.get(), layer, h, 0);
+      for (int32_t j = plan.head_offsets[h]; j < plan.head_offsets[h + 1]; ++j) {
+        const int32_t slot = head.slot_of_position[plan.indices[j]];
+        std::memcpy(k_out, k_head + static_cast<size_t>(slot) * row_elems_,
+                    row_bytes);
+        std::memcpy(v_out, v_head + static_cast<size_t>(slot) * row_elems_,
+                    row_bytes);
+        k_out += row_elems_;
+        v_out += row_elems_;
+        ++head.fetch_count[slot];
+        head.last_fetch[slot] = now;
+      }
+    }
+    ++fetches_;
+    fetched_rows_ += static_cast<int64_t>(n);
+    totals.fetches.fetch_add(1, std::memory_order_relaxed);
+    totals.fetched_rows.fetch_add(static_cast<int64_t>(n),
+                                  std::memory_order_relaxed);
+    return absl::OkStatus();
+  }
+
+  SequenceStats Stats() const {
+    absl::MutexLock lock(&mu_);
+    SequenceStats s;
+    s.id = id_;
+    s.geometry = g_;
+    s.layer_lengths = layer_length_;
+    for (const Head& head : heads_) s.present_rows += head.present;
+    s.evicted_rows = evicted_rows_;
+    s.bytes_reserved = ReservedBytes(g_);
+    s.fetches = fetches_;
+    s.fetched_rows = fetched_rows_;
+    return s;
+  }
+
+  absl::StatusOr<std::vector<TokenFetchStats>> TokenStats(
+      int32_t layer, int32_t kv_head) const {
+    if (layer < 0 || layer >= g_.n_layers) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "layer ", layer, " is not within the sequence's ", g_.n_layers,
+          " layers"));
+    }
+    if (kv_head < 0 || kv_head >= g_.n_kv_heads) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "KV head ", kv_head, " is not within the sequence's ", g_.n_kv_heads,
+          " KV heads"));
+    }
+    absl::MutexLock lock(&mu_);
+    const Head& head = heads_[static_cast<size_t>(layer) * g_.n_kv_heads + kv_head];
+    std::vector<TokenFetchStats> out;
+    out.reserve(head.present);
+    for (int32_t pos = 0; pos < static_cast<int32_t>(head.slot_of_position.size());
+         ++pos) {
+      const int32_t slot = head.slot_of_position[pos];
+      if (slot < 0) continue;
+      out.push_back(TokenFetchStats{pos, head.fetch_count[slot],
+                                    head.last_fetch[slot]});
+    }
+    return out;
+  }
+
+ private:
+  // Bookkeeping of one (layer, KV head).
+  struct Head {
+    std::vector<int32_t> slot_of_position;  // [length]; -1 once evicted
+    std::vector<int32_t> position_of_slot;  // [max_tokens]; -1 while free
+    std::vector<int64_t> fetch_count;       // [max_tokens]
+    std::vector<uint64_t> last_fetch;       // [max_tokens]; 0 = never
+    int32_t present = 0;                    // occupied slots: [0, present)
+    int32_t fifo_cursor = 0;  // every position below it is evicted
+  };
+
+  Head& HeadAt(int32_t layer, int32_t h) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return heads_[static_cast<size_t>(layer) * g_.n_kv_heads + h];
+  }
+  const Head& HeadAt(int32_t layer, int32_t h) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    return heads_[static_cast<size_t>(layer) * g_.n_kv_heads + h];
+  }
+  uint16_t* Row(uint16_t* base, int32_t layer, int32_t h, int32_t slot) const {
+    return base +
+           (static_cast<size_t>(layer) * g_.n_kv_heads + h) * head_elems_ +
+           static_cast<size_t>(slot) * row_elems_;
+  }
+
+  // The slot of the token to evict from a full head before appending
+  // `position` (ALGORITHM.md, "The memory pool"; kv_types.h spells it out).
+  int32_t EvictionSlot(Head& head, int32_t position)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (policy_ != EvictionPolicy::kFifo) {
+      const int32_t limit = position / 2;
+      int32_t best = -1;
+      for (int32_t slot = 0; slot < head.present; ++slot) {
+        const int32_t pos = head.position_of_slot[slot];
+        if (pos >= limit) continue;
+        if (best < 0 || Prefer(head, slot, best)) best = slot;
+      }
+      if (best >= 0) return best;
+    }
+    while (head.slot_of_position[head.fifo_cursor] < 0) ++head.fifo_cursor;
+    return head.slot_of_position[head.fifo_cursor];
+  }
+
+  // Whether `a` is a better victim than `b` under the LRU or counter rule.
+  bool Prefer(const Head& head, int32_t a, int32_t b) const {
+    if (policy_ == EvictionPolicy::kLru) {
+      if (head.last_fetch[a] != head.last_fetch[b]) {
+        return head.last_fetch[a] < head.last_fetch[b];
+      }
+    } else if (head.fetch_count[a] != head.fetch_count[b]) {
+      return head.fetch_count[a] < head.fetch_count[b];
+    }
+    return head.position_of_slot[a] < head.position_of_slot[b];
+  }
+
+  const SequenceId id_;
+  const SequenceGeometry g_;
+  const EvictionPolicy policy_;
+  const size_t row_elems_;   // head_dim
+  const size_t head_elems_;  // max_tokens * head_dim
+  // The rows never move; their contents and all below change under mu_.
+  const RowMemory k_;
+  const RowMemory v_;
+
+  mutable absl::Mutex mu_;
+  std::vector<Head> heads_ ABSL_GUARDED_BY(mu_);  // [layer * n_kv_heads + h]
+  std::vector<int32_t> layer_length_ ABSL_GUARDED_BY(mu_);
+  uint64_t clock_ ABSL_GUARDED_BY(mu_) = 0;  // one tick per Gather
+  int64_t evicted_rows_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t fetches_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t fetched_rows_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+KvStore::KvStore(const KvStoreOptions& options)
+    : options_(options), epoch_(RandomEpoch()), totals_(new Totals) {}
+
+KvStore::~KvStore() = default;
+
+absl::StatusOr<SequenceId> KvStore::Open(const SequenceGeometry& geometry) {
+  IG_RETURN_IF_ERROR(ValidateGeometry(geometry));
+  const int64_t bytes = ReservedBytes(geometry);
+  SequenceId id;
+  {
+    absl::MutexLock lock(&mu_);
+    if (static_cast<int64_t>(sequences_.size()) >= options_.max_sequences) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("the store already holds its limit of ",
+                       options_.max_sequences, " sequences"));
+    }
+    if (options_.capacity_bytes > 0 &&
+        bytes > options_.capacity_bytes - bytes_reserved_) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the sequence needs ", bytes, " bytes; the store has ",
+          options_.capacity_bytes - bytes_reserved_, " of its ",
+          options_.capacity_bytes, " left"));
+    }
+    bytes_reserved_ += bytes;
+    id = epoch_ | next_id_++;
+    // A placeholder keeps the count and the id taken while the rows are
+    // allocated outside the lock.
+    sequences_[id] = nullptr;
+  }
+
+  const size_t half = static_cast<size_t>(bytes / 2);
+  const size_t alloc = (half + kRowAlignment - 1) / kRowAlignment * kRowAlignment;
+  RowMemory k(static_cast<uint16_t*>(std::aligned_alloc(kRowAlignment, alloc)));
+  RowMemory v(static_cast<uint16_t*>(std::aligned_alloc(kRowAlignment, alloc)));
+  absl::MutexLock lock(&mu_);
+  if (k == nullptr || v == nullptr) {
+    sequences_.erase(id);
+    bytes_reserved_ -= bytes;
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot allocate ", bytes, " bytes of rows"));
+  }
+  sequences_[id] = std::make_shared<Sequence>(id, geometry, options_.eviction,
+                                              std::move(k), std::move(v));
+  return id;
+}
+
+absl::StatusOr<std::shared_ptr<KvStore::Sequence>> KvStore::Find(
+    SequenceId seq) const {
+  absl::ReaderMutexLock lock(&mu_);
+  auto it = sequences_.find(seq);
+  if (it == sequences_.end() || it->second == nullptr) {
+    return absl::NotFoundError(absl::StrCat("no open sequence ", seq));
+  }
+  return it->second;
+}
+
+absl::StatusOr<AppendResult> KvStore::Append(SequenceId seq,
+                                             const AppendBlock& block) {
+  IG_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(seq));
+  return s->Append(block, options_.max_append_tokens, *totals_);
+}
+
+absl::Status KvStore::Gather(SequenceId seq, int32_t layer,
+                             const FetchPlan& plan, absl::Span<uint16_t> dest) {
+  if (static_cast<int64_t>(plan.indices.size()) > options_.max_fetch_indices) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "plan of ", plan.indices.size(), " indices exceeds the limit of ",
+        options_.max_fetch_indices));
+  }
+  IG_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(seq));
+  return s->Gather(layer, plan, dest, *totals_);
+}
+
+absl::Status KvStore::Close(SequenceId seq) {
+  std::shared_ptr<Sequence> s;  // freed after the lock is released
+  absl::MutexLock lock(&mu_);
+  auto it = sequences_.find(seq);
+  if (it == sequences_.end() || it->second == nullptr) {
+    return absl::NotFoundError(absl::StrCat("no open sequence ", seq));
+  }
+  s = std::move(it->second);
+  sequences_.erase(it);
+  bytes_reserved_ -= ReservedBytes(s->geometry());
+  return absl::OkStatus();
+}
+
+absl::StatusOr<SequenceGeometry> KvStore::Geometry(SequenceId seq) const {
+  IG_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(seq));
+  return s->geometry();
+}
+
+absl::StatusOr<SequenceStats> KvStore::GetSequenceStats(SequenceId seq) const {
+  IG_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(seq));
+  return s->Stats();
+}
+
+StoreStats KvStore::GetStoreStats() const {
+  StoreStats s;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    s.open_sequences = static_cast<int32_t>(sequences_.size());
+    s.bytes_reserved = bytes_reserved_;
+  }
+  s.max_sequences = options_.max_sequences;
+  s.capacity_bytes = options_.capacity_bytes;
+  s.eviction = options_.eviction;
+  s.appended_rows = totals_->appended_rows.load(std::memory_order_relaxed);
+  s.evicted_rows = totals_->evicted_rows.load(std::memory_order_relaxed);
+  s.fetches = totals_->fetches.load(std::memory_order_relaxed);
+  s.fetched_rows = totals_->fetched_rows.load(std::memory_order_relaxed);
+  return s;
+}
+
+absl::StatusOr<std::vector<TokenFetchStats>> KvStore::GetTokenStats(
+    SequenceId seq, int32_t layer, int32_t kv_head) const {
+  IG_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(seq));
+  return s->TokenStats(layer, kv_head);
+}
+
+}  // namespace infinigen::kv_memory_service

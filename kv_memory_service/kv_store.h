@@ -1,0 +1,126 @@
+// KvStore: the memory node's pool of KV caches, plain C++ (no gRPC).
+//
+// Holds many sequences. Each sequence's K and V rows live in one host
+// allocation made at Open, sized for SequenceGeometry::max_tokens tokens per
+// (layer, KV head); appends copy rows in, gathers copy the rows a FetchPlan
+// names into one contiguous caller-provided destination (layout in
+// kv_types.h). Gather allocates nothing. When a (layer, head) is at capacity,
+// each new token first evicts one token of that (layer, head) by the store's
+// EvictionPolicy, and Append reports which. Per token, the store counts
+// fetches and remembers the last one (the LRU and counter policies read
+// these).
+//
+// Error contract, the same for every transport in front of the store:
+//  - NotFound: unknown (or closed) sequence id.
+//  - InvalidArgument: a geometry field out of range; a layer or layer range
+//    outside the geometry; a plan whose head count is not n_kv_heads or
+//    whose offsets are malformed; a negative position; K/V sizes that do not
+//    match the block's shape; a destination smaller than the plan needs.
+//  - OutOfRange: a position at or beyond the layer's current length (it
+//    may become valid after more appends).
+//  - FailedPrecondition: a position that was evicted (it never comes back).
+//  - ResourceExhausted: Open beyond max_sequences or capacity_bytes; an
+//    append or fetch beyond the per-call limits in KvStoreOptions.
+// A call that fails changes nothing: no row, length or counter.
+//
+// Thread-safety: every method may be called concurrently. Calls on
+// different sequences run in parallel; calls on one sequence are serialized
+// by that sequence's lock. Close while another thread gathers from the same
+// sequence is safe: the gather finishes on the rows it started with.
+#ifndef INFINIGEN_KV_MEMORY_SERVICE_KV_STORE_H_
+#define INFINIGEN_KV_MEMORY_SERVICE_KV_STORE_H_
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
+#include "kv_memory_service/kv_types.h"
+
+namespace infinigen::kv_memory_service {
+
+struct KvStoreOptions {
+  // Most bytes of rows all open sequences may reserve together (the sum of
+  // ReservedBytes of their geometries); 0 = unlimited. Open beyond it is
+  // ResourceExhausted.
+  int64_t capacity_bytes = 0;
+  // Most sequences open at once; Open beyond it is ResourceExhausted.
+  int32_t max_sequences = 1024;
+  // What a full (layer, KV head) drops before taking a new token.
+  EvictionPolicy eviction = EvictionPolicy::kLru;
+  // Most tokens one Append may carry per layer; more is ResourceExhausted.
+  int32_t max_append_tokens = 1 << 20;
+  // Most indices one FetchPlan may hold; more is ResourceExhausted.
+  int64_t max_fetch_indices = 1 << 24;
+};
+
+class KvStore {
+ public:
+  explicit KvStore(const KvStoreOptions& options);
+  ~KvStore();
+  KvStore(const KvStore&) = delete;
+  KvStore& operator=(const KvStore&) = delete;
+
+  // Reserves ReservedBytes(geometry) and returns the new sequence's id.
+  // InvalidArgument for a bad geometry; ResourceExhausted when
+  // max_sequences are open or the reservation would pass capacity_bytes.
+  absl::StatusOr<SequenceId> Open(const SequenceGeometry& geometry);
+
+  // Appends block.n_tokens tokens to each layer of the block (layout in
+  // AppendBlock), evicting first where a (layer, head) is full, and returns
+  // the evicted tokens. All-or-nothing: validated completely before any row
+  // is written. NotFound, InvalidArgument (layer range, n_tokens <= 0, k/v
+  // sizes), ResourceExhausted (n_tokens > max_append_tokens), OutOfRange (a
+  // position would pass INT32_MAX).
+  absl::StatusOr<AppendResult> Append(SequenceId seq, const AppendBlock& block);
+
+  // Copies the K and V rows `plan` selects from `layer` into dest, in the
+  // layout FetchPlan documents, and counts each selected token as fetched
+  // once per occurrence. dest must hold at least FetchElements(plan,
+  // head_dim) values; anything past that is left untouched. Allocates
+  // nothing. Errors per the contract above; on error dest may be partly
+  // written but nothing stored changes.
+  absl::Status Gather(SequenceId seq, int32_t layer, const FetchPlan& plan,
+                      absl::Span<uint16_t> dest);
+
+  // Frees the sequence's rows. NotFound if unknown.
+  absl::Status Close(SequenceId seq);
+
+  // NotFound if unknown.
+  absl::StatusOr<SequenceGeometry> Geometry(SequenceId seq) const;
+  absl::StatusOr<SequenceStats> GetSequenceStats(SequenceId seq) const;
+  StoreStats GetStoreStats() const;
+  // The present tokens of (layer, kv_head), by increasing position, with
+  // their fetch statistics. NotFound / InvalidArgument as above.
+  absl::StatusOr<std::vector<TokenFetchStats>> GetTokenStats(
+      SequenceId seq, int32_t layer, int32_t kv_head) const;
+
+  const KvStoreOptions& options() const { return options_; }
+
+ private:
+  class Sequence;  // one sequence's rows and bookkeeping; kv_store.cc
+
+  absl::StatusOr<std::shared_ptr<Sequence>> Find(SequenceId seq) const;
+
+  const KvStoreOptions options_;
+  const uint64_t epoch_;  // high 32 bits of every id this store hands out
+
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<SequenceId, std::shared_ptr<Sequence>> sequences_
+      ABSL_GUARDED_BY(mu_);
+  uint32_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  int64_t bytes_reserved_ ABSL_GUARDED_BY(mu_) = 0;
+
+  // Lifetime totals, kept as atomics so the hot paths do not take mu_.
+  struct Totals;
+  std::unique_ptr<Totals> totals_;
+};
+
+}  // namespace infinigen::kv_memory_service
+
+#endif  // INFINIGEN_KV_MEMORY_SERVICE_KV_STORE_H_

@@ -1,0 +1,694 @@
+#include "kv_memory_service/kv_store.h"
+
+#include <algorithm>
+#include <atomic>
+#include <map>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kv_memory_service/testing/kv_test_data.h"
+
+namespace infinigen::kv_memory_service {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::IsEmpty;
+
+#define EXPECT_CODE(expr, code_name)                                   \
+  EXPECT_EQ((expr).code(), absl::StatusCode::code_name) << (expr)
+#define ASSERT_OK(expr)                 \
+  do {                                  \
+    const absl::Status s_ = (expr);     \
+    ASSERT_TRUE(s_.ok()) << s_;         \
+  } while (0)
+
+SequenceGeometry Geo(int layers, int heads, int dim, int max_tokens) {
+  return testdata::MakeGeometry(layers, heads, dim, max_tokens);
+}
+
+using Block = testdata::TestBlock;
+Block MakeBlock(uint32_t salt, const SequenceGeometry& g, int first_layer,
+                int n_layers, int first_pos, int n_tokens) {
+  return testdata::MakeTestBlock(salt, g, first_layer, n_layers, first_pos,
+                                 n_tokens);
+}
+std::vector<uint16_t> Expected(uint32_t salt, const SequenceGeometry& g,
+                               int layer, const OwnedFetchPlan& plan) {
+  return testdata::ExpectedRows(salt, g, layer, plan.view());
+}
+
+// Gathers every position of every head of every layer and compares.
+void ExpectAllRows(KvStore& store, SequenceId id, uint32_t salt,
+                   const SequenceGeometry& g, int length) {
+  std::vector<int32_t> all(length);
+  for (int i = 0; i < length; ++i) all[i] = i;
+  const OwnedFetchPlan plan = OwnedFetchPlan::SameForAllHeads(g.n_kv_heads, all);
+  std::vector<uint16_t> dest(FetchElements(plan.view(), g.head_dim));
+  for (int l = 0; l < g.n_layers; ++l) {
+    ASSERT_OK(store.Gather(id, l, plan.view(), absl::MakeSpan(dest)));
+    ASSERT_EQ(dest, Expected(salt, g, l, plan)) << "layer " << l;
+  }
+}
+
+TEST(KvTypesTest, ParsesEvictionPolicies) {
+  EXPECT_EQ(*ParseEvictionPolicy("fifo"), EvictionPolicy::kFifo);
+  EXPECT_EQ(*ParseEvictionPolicy("lru"), EvictionPolicy::kLru);
+  EXPECT_EQ(*ParseEvictionPolicy("counter"), EvictionPolicy::kCounter);
+  EXPECT_CODE(ParseEvictionPolicy("LRU").status(), kInvalidArgument);
+  EXPECT_EQ(EvictionPolicyName(EvictionPolicy::kCounter), "counter");
+}
+
+TEST(KvTypesTest, ReservedBytesCountsKAndV) {
+  EXPECT_EQ(ReservedBytes(Geo(2, 3, 64, 100)), 2 * 2 * 3 * 64 * 100 * 2);
+}
+
+TEST(KvStoreTest, RejectsBadGeometry) {
+  KvStore store(KvStoreOptions{});
+  EXPECT_CODE(store.Open(Geo(0, 1, 1, 1)).status(), kInvalidArgument);
+  EXPECT_CODE(store.Open(Geo(1, 0, 1, 1)).status(), kInvalidArgument);
+  EXPECT_CODE(store.Open(Geo(1, 1, -1, 1)).status(), kInvalidArgument);
+  EXPECT_CODE(store.Open(Geo(1, 1, 1, 0)).status(), kInvalidArgument);
+  EXPECT_CODE(store.Open(Geo(1 << 30, 1 << 30, 1 << 30, 1 << 30)).status(),
+              kInvalidArgument);
+  SequenceGeometry bad_dtype = Geo(1, 1, 1, 1);
+  bad_dtype.dtype = static_cast<KvDType>(7);
+  EXPECT_CODE(store.Open(bad_dtype).status(), kInvalidArgument);
+  SequenceGeometry bf16 = Geo(1, 1, 1, 1);
+  bf16.dtype = KvDType::kBFloat16;
+  EXPECT_TRUE(store.Open(bf16).ok());
+  EXPECT_EQ(store.GetStoreStats().open_sequences, 1);
+}
+
+TEST(KvStoreTest, LimitsSequencesAndBytes) {
+  KvStoreOptions options;
+  options.max_sequences = 2;
+  options.capacity_bytes = 3 * ReservedBytes(Geo(1, 1, 8, 16));
+  KvStore store(options);
+  auto a = store.Open(Geo(1, 1, 8, 16));
+  auto b = store.Open(Geo(1, 1, 8, 16));
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_NE(*a, *b);
+  EXPECT_CODE(store.Open(Geo(1, 1, 8, 16)).status(), kResourceExhausted);
+  ASSERT_OK(store.Close(*a));
+  // One slot free, but three sequences' bytes do not fit beside b.
+  EXPECT_CODE(store.Open(Geo(1, 1, 8, 48)).status(), kResourceExhausted);
+  auto c = store.Open(Geo(1, 1, 8, 16));
+  ASSERT_TRUE(c.ok());
+  StoreStats stats = store.GetStoreStats();
+  EXPECT_EQ(stats.open_sequences, 2);
+  EXPECT_EQ(stats.bytes_reserved, 2 * ReservedBytes(Geo(1, 1, 8, 16)));
+  EXPECT_EQ(stats.capacity_bytes, options.capacity_bytes);
+}
+
+TEST(KvStoreTest, GathersBitExactWithPerHeadPlans) {
+  const SequenceGeometry g = Geo(3, 4, 24, 64);
+  KvStore store(KvStoreOptions{});
+  auto id = store.Open(g);
+  ASSERT_TRUE(id.ok());
+  // Prefill 40 tokens of all layers, then 10 decode steps of one token.
+  Block prefill = MakeBlock(1, g, 0, g.n_layers, 0, 40);
+  ASSERT_TRUE(store.Append(*id, prefill.block).ok());
+  for (int t = 40; t < 50; ++t) {
+    Block step = MakeBlock(1, g, 0, g.n_layers, t, 1);
+    auto r = store.Append(*id, step.block);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_THAT(r->evicted, IsEmpty());
+  }
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 200; ++trial) {
+    std::vector<std::vector<int32_t>> per_head(g.n_kv_heads);
+    for (auto& positions : per_head) {
+      const int count = rng() % 20;  // heads differ in count, may be 0
+      for (int i = 0; i < count; ++i) positions.push_back(rng() % 50);
+    }
+    const OwnedFetchPlan plan = OwnedFetchPlan::PerHead(per_head);
+    const int layer = rng() % g.n_layers;
+    // A larger destination: the tail must stay untouched.
+    std::vector<uint16_t> dest(FetchElements(plan.view(), g.head_dim) + 5,
+                               0xabcd);
+    ASSERT_OK(store.Gather(*id, layer, plan.view(), absl::MakeSpan(dest)));
+    std::vector<uint16_t> want = Expected(1, g, layer, plan);
+    want.resize(want.size() + 5, 0xabcd);
+    ASSERT_EQ(dest, want) << "trial " << trial;
+  }
+}
+
+TEST(KvStoreTest, LayersAppendSeparately) {
+  const SequenceGeometry g = Geo(3, 2, 8, 16);
+  KvStore store(KvStoreOptions{});
+  SequenceId id = *store.Open(g);
+  // Layer by layer, as a prefill that streams each layer out when done.
+  for (int l = 0; l < g.n_layers; ++l) {
+    Block b = MakeBlock(5, g, l, 1, 0, 6);
+    ASSERT_TRUE(store.Append(id, b.block).ok());
+  }
+  // Layers 1..2 only, then layer 0.
+  Block tail = MakeBlock(5, g, 1, 2, 6, 1);
+  ASSERT_TRUE(store.Append(id, tail.block).ok());
+  SequenceStats stats = *store.GetSequenceStats(id);
+  EXPECT_THAT(stats.layer_lengths, ElementsAre(6, 7, 7));
+  OwnedFetchPlan beyond = OwnedFetchPlan::SameForAllHeads(2, {6});
+  std::vector<uint16_t> dest(FetchElements(beyond.view(), g.head_dim));
+  EXPECT_CODE(store.Gather(id, 0, beyond.view(), absl::MakeSpan(dest)),
+              kOutOfRange);
+  ASSERT_OK(store.Gather(id, 2, beyond.view(), absl::MakeSpan(dest)));
+  EXPECT_EQ(dest, Expected(5, g, 2, beyond));
+  Block head = MakeBlock(5, g, 0, 1, 6, 1);
+  ASSERT_TRUE(store.Append(id, head.block).ok());
+  ExpectAllRows(store, id, 5, g, 7);
+}
+
+// A sequence with known contents and one snapshot of everything observable,
+// for checking that a failed call changed nothing.
+struct Snapshot {
+  SequenceStats seq;
+  StoreStats store;
+  std::vector<std::vector<TokenFetchStats>> tokens;  // [layer * heads + h]
+};
+Snapshot Take(KvStore& store, SequenceId id, const SequenceGeometry& g) {
+  Snapshot s;
+  s.seq = *store.GetSequenceStats(id);
+  s.store = store.GetStoreStats();
+  for (int l = 0; l < g.n_layers; ++l) {
+    for (int h = 0; h < g.n_kv_heads; ++h) {
+      s.tokens.push_back(*store.GetTokenStats(id, l, h));
+    }
+  }
+  return s;
+}
+void ExpectSame(const Snapshot& a, const Snapshot& b) {
+  EXPECT_EQ(a.seq.layer_lengths, b.seq.layer_lengths);
+  EXPECT_EQ(a.seq.present_rows, b.seq.present_rows);
+  EXPECT_EQ(a.seq.evicted_rows, b.seq.evicted_rows);
+  EXPECT_EQ(a.seq.fetches, b.seq.fetches);
+  EXPECT_EQ(a.seq.fetched_rows, b.seq.fetched_rows);
+  EXPECT_EQ(a.store.appended_rows, b.store.appended_rows);
+  EXPECT_EQ(a.store.fetches, b.store.fetches);
+  ASSERT_EQ(a.tokens.size(), b.tokens.size());
+  for (size_t i = 0; i < a.tokens.size(); ++i) {
+    ASSERT_EQ(a.tokens[i].size(), b.tokens[i].size());
+    for (size_t j = 0; j < a.tokens[i].size(); ++j) {
+      EXPECT_EQ(a.tokens[i][j].position, b.tokens[i][j].position);
+      EXPECT_EQ(a.tokens[i][j].fetch_count, b.tokens[i][j].fetch_count);
+      EXPECT_EQ(a.tokens[i][j].last_fetch, b.tokens[i][j].last_fetch);
+    }
+  }
+}
+
+class BadInputTest : public ::testing::Test {
+ protected:
+  BadInputTest() : store_(Options()) {
+    id_ = *store_.Open(g_);
+    Block b = MakeBlock(9, g_, 0, g_.n_layers, 0, 6);
+    EXPECT_TRUE(store_.Append(id_, b.block).ok());
+    // Fetch something so the counters are not all zero.
+    OwnedFetchPlan plan = OwnedFetchPlan::SameForAllHeads(2, {1, 3});
+    std::vector<uint16_t> dest(FetchElements(plan.view(), g_.head_dim));
+    EXPECT_TRUE(store_.Gather(id_, 1, plan.view(), absl::MakeSpan(dest)).ok());
+    before_ = Take(store_, id_, g_);
+  }
+  static KvStoreOptions Options() {
+    KvStoreOptions o;
+    o.max_append_tokens = 100;
+    o.max_fetch_indices = 50;
+    o.eviction = EvictionPolicy::kFifo;
+    return o;
+  }
+  void TearDown() override {
+    ExpectSame(before_, Take(store_, id_, g_));
+    ExpectAllRows(store_, id_, 9, g_, 6);
+  }
+  absl::Status Gather(int layer, const OwnedFetchPlan& plan, size_t slack = 0) {
+    std::vector<uint16_t> dest(FetchElements(plan.view(), g_.head_dim) + slack);
+    return store_.Gather(id_, layer, plan.view(), absl::MakeSpan(dest));
+  }
+
+  const SequenceGeometry g_ = Geo(3, 2, 8, 16);
+  KvStore store_;
+  SequenceId id_;
+  Snapshot before_;
+};
+
+TEST_F(BadInputTest, AppendToUnknownSequenceIsNotFound) {
+  Block b = MakeBlock(9, g_, 0, 1, 6, 1);
+  EXPECT_CODE(store_.Append(id_ + 1, b.block).status(), kNotFound);
+}
+
+TEST_F(BadInputTest, AppendOutsideLayersIsInvalid) {
+  Block b = MakeBlock(9, g_, 2, 2, 6, 1);  // layers 2..3 of 3
+  EXPECT_CODE(store_.Append(id_, b.block).status(), kInvalidArgument);
+  b.block.first_layer = -1;
+  EXPECT_CODE(store_.Append(id_, b.block).status(), kInvalidArgument);
+  b.block.first_layer = 0;
+  b.block.n_layers = 0;
+  EXPECT_CODE(store_.Append(id_, b.block).status(), kInvalidArgument);
+}
+
+TEST_F(BadInputTest, AppendWithWrongRowSizeIsInvalid) {
+  Block b = MakeBlock(9, g_, 0, 1, 6, 2);
+  AppendBlock short_k = b.block;
+  short_k.k = short_k.k.subspan(1);
+  EXPECT_CODE(store_.Append(id_, short_k).status(), kInvalidArgument);
+  AppendBlock short_v = b.block;
+  short_v.v = short_v.v.subspan(0, short_v.v.size() - 8);
+  EXPECT_CODE(store_.Append(id_, short_v).status(), kInvalidArgument);
+  AppendBlock more_tokens = b.block;
+  more_tokens.n_tokens = 3;
+  EXPECT_CODE(store_.Append(id_, more_tokens).status(), kInvalidArgument);
+  AppendBlock no_tokens = b.block;
+  no_tokens.n_tokens = 0;
+  EXPECT_CODE(store_.Append(id_, no_tokens).status(), kInvalidArgument);
+}
+
+TEST_F(BadInputTest, OversizedAppendIsResourceExhausted) {
+  Block b = MakeBlock(9, g_, 0, 1, 6, 101);
+  EXPECT_CODE(store_.Append(id_, b.block).status(), kResourceExhausted);
+}
+
+TEST_F(BadInputTest, GatherFromUnknownSequenceIsNotFound) {
+  OwnedFetchPlan plan = OwnedFetchPlan::SameForAllHeads(2, {0});
+  std::vector<uint16_t> dest(FetchElements(plan.view(), g_.head_dim));
+  EXPECT_CODE(store_.Gather(id_ ^ 0x100000000ULL, 0, plan.view(),
+                            absl::MakeSpan(dest)),
+              kNotFound);
+}
+
+TEST_F(BadInputTest, GatherOutsideLayersIsInvalid) {
+  OwnedFetchPlan plan = OwnedFetchPlan::SameForAllHeads(2, {0});
+  EXPECT_CODE(Gather(3, plan), kInvalidArgument);
+  EXPECT_CODE(Gather(-1, plan), kInvalidArgument);
+}
+
+TEST_F(BadInputTest, PlanForWrongHeadCountIsInvalid) {
+  EXPECT_CODE(Gather(0, OwnedFetchPlan::SameForAllHeads(3, {0})),
+              kInvalidArgument);
+  EXPECT_CODE(Gather(0, OwnedFetchPlan::SameForAllHeads(1, {0})),
+              kInvalidArgument);
+  EXPECT_CODE(Gather(0, OwnedFetchPlan{}), kInvalidArgument);
+}
+
+TEST_F(BadInputTest, MalformedOffsetsAreInvalid) {
+  OwnedFetchPlan plan = OwnedFetchPlan::PerHead({{0, 1}, {2}});
+  plan.head_offsets = {1, 2, 3};  // does not start at 0
+  EXPECT_CODE(Gather(0, plan), kInvalidArgument);
+  plan.head_offsets = {0, 3, 2};  // decreasing
+  EXPECT_CODE(Gather(0, plan), kInvalidArgument);
+  plan.head_offsets = {0, 1, 2};  // does not cover the indices
+  EXPECT_CODE(Gather(0, plan), kInvalidArgument);
+}
+
+TEST_F(BadInputTest, NegativePositionIsInvalid) {
+  EXPECT_CODE(Gather(0, OwnedFetchPlan::PerHead({{0, -1}, {2}})),
+              kInvalidArgument);
+}
+
+TEST_F(BadInputTest, PositionBeyondLengthIsOutOfRange) {
+  // The good head 0 comes first: nothing may be counted for it either.
+  EXPECT_CODE(Gather(2, OwnedFetchPlan::PerHead({{0, 5}, {6}})), kOutOfRange);
+}
+
+TEST_F(BadInputTest, SmallDestinationIsInvalid) {
+  OwnedFetchPlan plan = OwnedFetchPlan::SameForAllHeads(2, {0, 1});
+  std::vector<uint16_t> dest(FetchElements(plan.view(), g_.head_dim) - 1);
+  EXPECT_CODE(store_.Gather(id_, 0, plan.view(), absl::MakeSpan(dest)),
+              kInvalidArgument);
+}
+
+TEST_F(BadInputTest, OversizedPlanIsResourceExhausted) {
+  std::vector<int32_t> many(26, 0);
+  EXPECT_CODE(Gather(0, OwnedFetchPlan::SameForAllHeads(2, many)),
+              kResourceExhausted);
+}
+
+TEST_F(BadInputTest, TokenStatsOutsideGeometryIsInvalid) {
+  EXPECT_CODE(store_.GetTokenStats(id_, 3, 0).status(), kInvalidArgument);
+  EXPECT_CODE(store_.GetTokenStats(id_, 0, 2).status(), kInvalidArgument);
+  EXPECT_CODE(store_.GetTokenStats(id_ + 7, 0, 0).status(), kNotFound);
+}
+
+TEST(KvStoreTest, ClosedSequenceIsNotFound) {
+  KvStore store(KvStoreOptions{});
+  const SequenceGeometry g = Geo(1, 1, 4, 4);
+  SequenceId id = *store.Open(g);
+  ASSERT_OK(store.Close(id));
+  EXPECT_CODE(store.Close(id), kNotFound);
+  Block b = MakeBlock(1, g, 0, 1, 0, 1);
+  EXPECT_CODE(store.Append(id, b.block).status(), kNotFound);
+  EXPECT_CODE(store.GetSequenceStats(id).status(), kNotFound);
+  EXPECT_EQ(store.GetStoreStats().bytes_reserved, 0);
+}
+
+TEST(KvStoreTest, IdsOfAnotherStoreAreNotFound) {
+  KvStore a(KvStoreOptions{}), b(KvStoreOptions{});
+  SequenceId ia = *a.Open(Geo(1, 1, 4, 4));
+  SequenceId ib = *b.Open(Geo(1, 1, 4, 4));
+  EXPECT_NE(ia, ib);  // different random epochs
+  EXPECT_CODE(b.GetSequenceStats(ia).status(), kNotFound);
+}
+
+// ---- Eviction ------------------------------------------------------------
+
+// One (layer, head) of a sequence with the store's rules restated plainly:
+// the reference the store is checked against.
+class PoolModel {
+ public:
+  PoolModel(EvictionPolicy policy, int capacity)
+      : policy_(policy), capacity_(capacity) {}
+
+  // Returns the evicted position or -1.
+  int Append() {
+    const int p = length_++;
+    int victim = -1;
+    if (static_cast<int>(tokens_.size()) == capacity_) {
+      if (policy_ != EvictionPolicy::kFifo) {
+        for (const auto& [pos, t] : tokens_) {  // increasing position
+          if (pos >= p / 2) break;
+          if (victim < 0 || Better(t, tokens_[victim])) victim = pos;
+        }
+      }
+      if (victim < 0) victim = tokens_.begin()->first;
+      tokens_.erase(victim);
+    }
+    tokens_[p] = Token{};
+    return victim;
+  }
+  void Fetch(const std::vector<int>& positions, uint64_t clock) {
+    for (int pos : positions) {
+      ++tokens_.at(pos).count;
+      tokens_.at(pos).last = clock;
+    }
+  }
+  std::vector<int> Present() const {
+    std::vector<int> out;
+    for (const auto& [pos, t] : tokens_) out.push_back(pos);
+    return out;
+  }
+
+ private:
+  struct Token {
+    int64_t count = 0;
+    uint64_t last = 0;
+  };
+  bool Better(const Token& a, const Token& b) const {
+    return policy_ == EvictionPolicy::kLru ? a.last < b.last
+                                           : a.count < b.count;
+  }
+  EvictionPolicy policy_;
+  int capacity_;
+  int length_ = 0;
+  std::map<int, Token> tokens_;
+};
+
+struct Pool {
+  explicit Pool(EvictionPolicy policy, SequenceGeometry g)
+      : g(g), store([&] {
+          KvStoreOptions o;
+          o.eviction = policy;
+          return o;
+        }()) {
+    id = *store.Open(g);
+  }
+  // Appends one token to every layer; returns the evictions.
+  std::vector<EvictedToken> Step() {
+    Block b = MakeBlock(3, g, 0, g.n_layers, length++, 1);
+    auto r = store.Append(id, b.block);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? r->evicted : std::vector<EvictedToken>{};
+  }
+  void Fetch(int layer, const std::vector<std::vector<int32_t>>& per_head) {
+    OwnedFetchPlan plan = OwnedFetchPlan::PerHead(per_head);
+    std::vector<uint16_t> dest(FetchElements(plan.view(), g.head_dim));
+    absl::Status s = store.Gather(id, layer, plan.view(), absl::MakeSpan(dest));
+    ASSERT_TRUE(s.ok()) << s;
+    ASSERT_EQ(dest, Expected(3, g, layer, plan));
+  }
+  std::vector<int> Present(int layer, int head) {
+    std::vector<int> out;
+    const std::vector<TokenFetchStats> stats =
+        *store.GetTokenStats(id, layer, head);
+    for (const auto& t : stats) {
+      out.push_back(t.position);
+    }
+    return out;
+  }
+  SequenceGeometry g;
+  KvStore store;
+  SequenceId id;
+  int length = 0;
+};
+
+TEST(EvictionTest, FifoEvictsTheOldest) {
+  Pool pool(EvictionPolicy::kFifo, Geo(1, 2, 4, 4));
+  for (int i = 0; i < 4; ++i) EXPECT_THAT(pool.Step(), IsEmpty());
+  pool.Fetch(0, {{0, 0, 0}, {0}});  // fetches do not matter to FIFO
+  EXPECT_THAT(pool.Step(), ElementsAre(EvictedToken{0, 0, 0},
+                                       EvictedToken{0, 1, 0}));
+  EXPECT_THAT(pool.Step(), ElementsAre(EvictedToken{0, 0, 1},
+                                       EvictedToken{0, 1, 1}));
+  EXPECT_THAT(pool.Present(0, 0), ElementsAre(2, 3, 4, 5));
+  OwnedFetchPlan evicted = OwnedFetchPlan::PerHead({{2}, {1}});
+  std::vector<uint16_t> dest(FetchElements(evicted.view(), 4));
+  EXPECT_CODE(pool.store.Gather(pool.id, 0, evicted.view(), absl::MakeSpan(dest)),
+              kFailedPrecondition);
+  // Rows in reused slots are the new tokens' rows.
+  pool.Fetch(0, {{5, 4, 3, 2}, {2, 5}});
+}
+
+TEST(EvictionTest, LruEvictsTheLeastRecentlyFetchedOfTheOlderHalf) {
+  Pool pool(EvictionPolicy::kLru, Geo(1, 2, 4, 6));
+  for (int i = 0; i < 6; ++i) pool.Step();
+  // Clock 1: head 0 fetches 0, 1; head 1 fetches 2.
+  pool.Fetch(0, {{0, 1}, {2}});
+  // Clock 2: head 0 fetches 0 and 5; head 1 fetches 0 and 1.
+  pool.Fetch(0, {{0, 5}, {0, 1}});
+  // Appending position 6: candidates are positions < 3.
+  // Head 0: last fetches 0->2, 1->1, 2->never: evict 2.
+  // Head 1: 0->2, 1->2, 2->1: evict 2.
+  EXPECT_THAT(pool.Step(), ElementsAre(EvictedToken{0, 0, 2},
+                                       EvictedToken{0, 1, 2}));
+  // Appending 7: candidates < 3 are {0, 1}. Head 0: 1 is older (clock 1).
+  // Head 1: 0 and 1 tie at clock 2: the smaller position, 0.
+  EXPECT_THAT(pool.Step(), ElementsAre(EvictedToken{0, 0, 1},
+                                       EvictedToken{0, 1, 0}));
+  // Position 5 was fetched but is not in the older half: never a victim.
+  EXPECT_THAT(pool.Present(0, 0), ElementsAre(0, 3, 4, 5, 6, 7));
+  EXPECT_THAT(pool.Present(0, 1), ElementsAre(1, 3, 4, 5, 6, 7));
+}
+
+TEST(EvictionTest, CounterEvictsTheLeastFetchedOfTheOlderHalf) {
+  Pool pool(EvictionPolicy::kCounter, Geo(2, 1, 4, 6));
+  for (int i = 0; i < 6; ++i) pool.Step();
+  pool.Fetch(0, {{0, 0, 0, 1, 2, 2}});  // counts 0:3 1:1 2:2
+  pool.Fetch(0, {{1, 5, 5, 5}});        // counts 0:3 1:2 2:2 5:3
+  pool.Fetch(1, {{2}});                 // layer 1 keeps its own counts
+  // Position 6, candidates < 3: layer 0 ties 1 and 2 at 2 fetches -> 1.
+  // Layer 1: 0 and 1 never fetched -> 0.
+  EXPECT_THAT(pool.Step(), ElementsAre(EvictedToken{0, 0, 1},
+                                       EvictedToken{1, 0, 0}));
+  // Position 7: layer 0 has {0: 3, 2: 2} -> 2. Layer 1 {1: 0, 2: 1} -> 1.
+  EXPECT_THAT(pool.Step(), ElementsAre(EvictedToken{0, 0, 2},
+                                       EvictedToken{1, 0, 1}));
+  // Position 8, candidates < 4: layer 0 {0: 3, 3: 0} -> 3; layer 1
+  // {2: 1, 3: 0} -> 3.
+  EXPECT_THAT(pool.Step(), ElementsAre(EvictedToken{0, 0, 3},
+                                       EvictedToken{1, 0, 3}));
+}
+
+TEST(EvictionTest, FallsBackToFifoWhenTheOlderHalfIsGone) {
+  for (EvictionPolicy policy : {EvictionPolicy::kLru, EvictionPolicy::kCounter}) {
+    Pool pool(policy, Geo(1, 1, 4, 3));
+    for (int i = 0; i < 3; ++i) pool.Step();
+    // p = 3: candidates < 1 -> 0.
+    EXPECT_THAT(pool.Step(), ElementsAre(EvictedToken{0, 0, 0}));
+    // p = 4: candidates < 2 -> 1.
+    EXPECT_THAT(pool.Step(), ElementsAre(EvictedToken{0, 0, 1}));
+    // p = 5: candidates < 2: none present -> the oldest present, 2.
+    EXPECT_THAT(pool.Step(), ElementsAre(EvictedToken{0, 0, 2}));
+    EXPECT_THAT(pool.Present(0, 0), ElementsAre(3, 4, 5));
+  }
+}
+
+TEST(EvictionTest, MatchesTheReferenceOnRandomWorkloads) {
+  for (EvictionPolicy policy : {EvictionPolicy::kFifo, EvictionPolicy::kLru,
+                                EvictionPolicy::kCounter}) {
+    const SequenceGeometry g = Geo(2, 3, 4, 10);
+    Pool pool(policy, g);
+    std::vector<PoolModel> models(g.n_layers * g.n_kv_heads,
+                                  PoolModel(policy, g.max_tokens));
+    std::mt19937 rng(11 + static_cast<int>(policy));
+    uint64_t clock = 0;
+    for (int step = 0; step < 300; ++step) {
+      std::vector<EvictedToken> want;
+      for (int l = 0; l < g.n_layers; ++l) {
+        for (int h = 0; h < g.n_kv_heads; ++h) {
+          int victim = models[l * g.n_kv_heads + h].Append();
+          if (victim >= 0) want.push_back({l, h, victim});
+        }
+      }
+      ASSERT_EQ(pool.Step(), want) << EvictionPolicyName(policy) << " step "
+                                   << step;
+      // A few fetches of random present tokens per step, skewed to favour
+      // some tokens so that the policies differ.
+      for (int f = 0; f < 2; ++f) {
+        const int layer = rng() % g.n_layers;
+        ++clock;
+        std::vector<std::vector<int32_t>> per_head(g.n_kv_heads);
+        for (int h = 0; h < g.n_kv_heads; ++h) {
+          PoolModel& m = models[layer * g.n_kv_heads + h];
+          std::vector<int> present = m.Present();
+          const int k = rng() % 4;
+          std::vector<int> chosen;
+          for (int i = 0; i < k; ++i) {
+            const int r = std::min<int>(rng() % present.size(),
+                                        rng() % present.size());
+            chosen.push_back(present[r]);
+          }
+          m.Fetch(chosen, clock);
+          per_head[h].assign(chosen.begin(), chosen.end());
+        }
+        pool.Fetch(layer, per_head);
+      }
+    }
+    for (int l = 0; l < g.n_layers; ++l) {
+      for (int h = 0; h < g.n_kv_heads; ++h) {
+        EXPECT_EQ(pool.Present(l, h), models[l * g.n_kv_heads + h].Present());
+      }
+    }
+    SequenceStats stats = *pool.store.GetSequenceStats(pool.id);
+    EXPECT_EQ(stats.present_rows, g.n_layers * g.n_kv_heads * g.max_tokens);
+    EXPECT_EQ(stats.evicted_rows,
+              g.n_layers * g.n_kv_heads * (300 - g.max_tokens));
+  }
+}
+
+TEST(KvStoreTest, CountsFetches) {
+  const SequenceGeometry g = Geo(1, 2, 4, 8);
+  KvStore store(KvStoreOptions{});
+  SequenceId id = *store.Open(g);
+  Block b = MakeBlock(1, g, 0, 1, 0, 4);
+  ASSERT_TRUE(store.Append(id, b.block).ok());
+  OwnedFetchPlan plan = OwnedFetchPlan::PerHead({{1, 1, 3}, {}});
+  std::vector<uint16_t> dest(FetchElements(plan.view(), g.head_dim));
+  ASSERT_OK(store.Gather(id, 0, plan.view(), absl::MakeSpan(dest)));
+  ASSERT_OK(store.Gather(id, 0, plan.view(), absl::MakeSpan(dest)));
+  std::vector<TokenFetchStats> head0 = *store.GetTokenStats(id, 0, 0);
+  ASSERT_EQ(head0.size(), 4u);
+  EXPECT_EQ(head0[0].fetch_count, 0);
+  EXPECT_EQ(head0[0].last_fetch, 0u);
+  EXPECT_EQ(head0[1].fetch_count, 4);
+  EXPECT_EQ(head0[1].last_fetch, 2u);
+  EXPECT_EQ(head0[3].fetch_count, 2);
+  const std::vector<TokenFetchStats> head1 = *store.GetTokenStats(id, 0, 1);
+  for (const auto& t : head1) {
+    EXPECT_EQ(t.fetch_count, 0);
+  }
+  SequenceStats s = *store.GetSequenceStats(id);
+  EXPECT_EQ(s.fetches, 2);
+  EXPECT_EQ(s.fetched_rows, 6);
+  EXPECT_EQ(s.present_rows, 8);
+  EXPECT_EQ(s.bytes_reserved, ReservedBytes(g));
+  StoreStats t = store.GetStoreStats();
+  EXPECT_EQ(t.appended_rows, 8);
+  EXPECT_EQ(t.fetches, 2);
+  EXPECT_EQ(t.fetched_rows, 6);
+}
+
+// ---- Concurrency -----------------------------------------------------------
+
+TEST(KvStoreConcurrencyTest, ManyThreadsOnManySequences) {
+  KvStoreOptions options;
+  options.eviction = EvictionPolicy::kLru;
+  KvStore store(options);
+  const SequenceGeometry g = Geo(4, 3, 16, 48);
+  constexpr int kThreads = 8;
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937 rng(t);
+      for (int round = 0; round < 3; ++round) {
+        const uint32_t salt = 100 + t * 10 + round;
+        auto id = store.Open(g);
+        if (!id.ok()) {
+          ++failures;
+          return;
+        }
+        int length = 0;
+        // Below capacity so every position stays fetchable.
+        while (length < 40) {
+          const int n = 1 + rng() % 5;
+          Block b = MakeBlock(salt, g, 0, g.n_layers, length, n);
+          if (!store.Append(*id, b.block).ok()) ++failures;
+          length += n;
+          for (int f = 0; f < 4; ++f) {
+            std::vector<std::vector<int32_t>> per_head(g.n_kv_heads);
+            for (auto& p : per_head) {
+              for (int i = 0, k = rng() % 8; i < k; ++i) {
+                p.push_back(rng() % length);
+              }
+            }
+            OwnedFetchPlan plan = OwnedFetchPlan::PerHead(per_head);
+            const int layer = rng() % g.n_layers;
+            std::vector<uint16_t> dest(FetchElements(plan.view(), g.head_dim));
+            if (!store.Gather(*id, layer, plan.view(), absl::MakeSpan(dest))
+                     .ok() ||
+                dest != Expected(salt, g, layer, plan)) {
+              ++failures;
+            }
+          }
+        }
+        if (!store.Close(*id).ok()) ++failures;
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_EQ(store.GetStoreStats().open_sequences, 0);
+  EXPECT_EQ(store.GetStoreStats().bytes_reserved, 0);
+}
+
+TEST(KvStoreConcurrencyTest, ReadersAndAWriterShareASequence) {
+  KvStore store(KvStoreOptions{});
+  const SequenceGeometry g = Geo(2, 2, 8, 4096);
+  SequenceId id = *store.Open(g);
+  Block first = MakeBlock(42, g, 0, g.n_layers, 0, 16);
+  ASSERT_TRUE(store.Append(id, first.block).ok());
+  std::atomic<int> length{16};
+  std::atomic<bool> done{false};
+  std::atomic<int> failures{0};
+  std::vector<std::thread> readers;
+  for (int r = 0; r < 4; ++r) {
+    readers.emplace_back([&, r] {
+      std::mt19937 rng(r);
+      while (!done.load()) {
+        const int n = length.load();
+        std::vector<int32_t> positions;
+        for (int i = 0; i < 8; ++i) positions.push_back(rng() % n);
+        OwnedFetchPlan plan = OwnedFetchPlan::SameForAllHeads(2, positions);
+        std::vector<uint16_t> dest(FetchElements(plan.view(), g.head_dim));
+        const int layer = rng() % 2;
+        if (!store.Gather(id, layer, plan.view(), absl::MakeSpan(dest)).ok() ||
+            dest != Expected(42, g, layer, plan)) {
+          ++failures;
+        }
+      }
+    });
+  }
+  for (int t = 16; t < 400; ++t) {
+    Block b = MakeBlock(42, g, 0, g.n_layers, t, 1);
+    ASSERT_TRUE(store.Append(id, b.block).ok());
+    length.store(t + 1);
+  }
+  done.store(true);
+  for (auto& th : readers) th.join();
+  EXPECT_EQ(failures.load(), 0);
+  // Closing while nobody uses it, then gathers see NotFound.
+  ASSERT_OK(store.Close(id));
+}
+
+}  // namespace
+}  // namespace infinigen::kv_memory_service

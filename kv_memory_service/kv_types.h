@@ -1,0 +1,199 @@
+// Plain value types shared by the KV store, its gRPC service and every
+// client transport: sequence geometry, the rows of an append, the fetch plan
+// with the layout of its destination, eviction policies and statistics.
+//
+// Terms. A sequence holds, for every (layer, KV head), the K row and the V
+// row (head_dim 16-bit values each) of every token appended to it. A token is
+// named by its *position*: 0 for the first token appended to that layer, 1
+// for the next, and so on. Positions never change, even when the pool evicts
+// tokens; an evicted position simply has no row any more.
+//
+// Rows are 16-bit floats (fp16 or bf16 per SequenceGeometry::dtype) stored as
+// uint16_t: the memory node never interprets them, it only moves bits.
+//
+// Nothing here owns memory except the result structs; spans point at the
+// caller's buffers. Everything is a plain value: not synchronized.
+#ifndef INFINIGEN_KV_MEMORY_SERVICE_KV_TYPES_H_
+#define INFINIGEN_KV_MEMORY_SERVICE_KV_TYPES_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+
+namespace infinigen::kv_memory_service {
+
+// Names an open sequence. Assigned by the store at Open; 0 is never used.
+// The high 32 bits are a per-store random epoch, so an id from a store that
+// has since restarted is NotFound rather than someone else's sequence.
+using SequenceId = uint64_t;
+
+// The meaning of the 16-bit row values. Stored and returned bit for bit.
+enum class KvDType { kFloat16 = 0, kBFloat16 = 1 };
+
+// What the pool drops when a (layer, KV head) is full, as ALGORITHM.md's
+// "The memory pool" describes. Let p be the position being appended:
+//  - kFifo: the present token with the smallest position.
+//  - kLru: among the present tokens with position < p / 2 (integer
+//    division), the one whose last fetch is oldest (never fetched is oldest
+//    of all); ties go to the smallest position.
+//  - kCounter: among the present tokens with position < p / 2, the one
+//    fetched the fewest times; ties go to the smallest position.
+// LRU and counter fall back to FIFO when no present token has position
+// < p / 2 (possible only when the capacity is more than half the length).
+enum class EvictionPolicy { kFifo = 0, kLru = 1, kCounter = 2 };
+
+// "fifo", "lru", "counter" (lower case); InvalidArgument otherwise.
+absl::StatusOr<EvictionPolicy> ParseEvictionPolicy(absl::string_view name);
+absl::string_view EvictionPolicyName(EvictionPolicy policy);
+
+// The shape of one sequence's cache, fixed at Open.
+struct SequenceGeometry {
+  int32_t n_layers = 0;    // > 0
+  int32_t n_kv_heads = 0;  // > 0
+  int32_t head_dim = 0;    // > 0, values per row
+  // Most tokens kept per (layer, KV head): the pool's capacity for this
+  // sequence. When a (layer, head) holds this many, appending one more first
+  // evicts one by the store's EvictionPolicy. The rows are allocated once, at
+  // Open, for this many tokens.
+  int32_t max_tokens = 0;  // > 0
+  KvDType dtype = KvDType::kFloat16;
+};
+
+// InvalidArgument naming the field when a field is out of range.
+absl::Status ValidateGeometry(const SequenceGeometry& geometry);
+
+// Bytes of K and V rows the pool reserves for a sequence of this geometry:
+// 2 * n_layers * n_kv_heads * max_tokens * head_dim * 2.
+int64_t ReservedBytes(const SequenceGeometry& geometry);
+
+// The K and V rows of n_tokens new tokens, for the consecutive layers
+// [first_layer, first_layer + n_layers). Layer l's tokens take its next
+// positions: length(l), length(l) + 1, ... Layers may be appended separately
+// (prefill layer by layer) or together (one decode step for all layers).
+struct AppendBlock {
+  int32_t first_layer = 0;
+  int32_t n_layers = 0;
+  int32_t n_tokens = 0;
+  // [n_layers][n_tokens][n_kv_heads][head_dim]: for each layer, the K
+  // projection of the tokens in token order, heads side by side, exactly
+  // what a K projection of n_tokens produces.
+  absl::Span<const uint16_t> k;
+  absl::Span<const uint16_t> v;  // same layout as k
+};
+
+// One token the pool dropped to make room. Fetching it afterwards fails with
+// FailedPrecondition; the caller should stop selecting it.
+struct EvictedToken {
+  int32_t layer = 0;
+  int32_t kv_head = 0;
+  int32_t position = 0;
+
+  bool operator==(const EvictedToken& o) const {
+    return layer == o.layer && kv_head == o.kv_head && position == o.position;
+  }
+};
+
+struct AppendResult {
+  // In the order the evictions happened: by layer, then token, then head.
+  // Empty while no (layer, head) is at capacity.
+  std::vector<EvictedToken> evicted;
+};
+
+// Which tokens to fetch from one layer: for each KV head, a list of token
+// positions. Heads may select different tokens and different counts. Views
+// the caller's arrays: nothing is copied and nothing allocated.
+//
+//   head h selects indices[head_offsets[h]] ... indices[head_offsets[h+1]-1]
+//
+// head_offsets has n_kv_heads + 1 entries, head_offsets[0] == 0, is
+// non-decreasing, and its last entry is indices.size(). Within a head,
+// positions may come in any order and may repeat; each is gathered (and
+// counted as fetched) once per occurrence.
+//
+// Destination layout, one contiguous array of uint16_t, all K then all V:
+//
+//   [K rows of head 0 in plan order][K rows of head 1] ... [head H-1]
+//   [V rows of head 0 in plan order][V rows of head 1] ... [head H-1]
+//
+// each row head_dim values, so the K row of the j-th index of head h
+// (j counted from head_offsets[h]) starts at element
+// (head_offsets[h] + j) * head_dim, and its V row at
+// (indices.size() + head_offsets[h] + j) * head_dim.
+// FetchElements() gives the total: 2 * indices.size() * head_dim.
+struct FetchPlan {
+  absl::Span<const int32_t> indices;
+  absl::Span<const int32_t> head_offsets;
+
+  int32_t n_heads() const {
+    return head_offsets.empty() ? 0
+                                : static_cast<int32_t>(head_offsets.size()) - 1;
+  }
+};
+
+// uint16_t elements a fetch of `plan` writes: 2 * indices.size() * head_dim.
+inline size_t FetchElements(const FetchPlan& plan, int32_t head_dim) {
+  return 2 * plan.indices.size() * static_cast<size_t>(head_dim);
+}
+
+// Checks the plan's shape against n_kv_heads (not the positions, which need
+// the store): InvalidArgument if head_offsets does not have n_kv_heads + 1
+// entries, does not start at 0, decreases, or does not end at
+// indices.size().
+absl::Status ValidatePlanShape(const FetchPlan& plan, int32_t n_kv_heads);
+
+// A plan that owns its arrays; handy for tests and for callers that build
+// a plan once and reuse it.
+struct OwnedFetchPlan {
+  std::vector<int32_t> indices;
+  std::vector<int32_t> head_offsets;
+
+  FetchPlan view() const { return FetchPlan{indices, head_offsets}; }
+  // Every one of n_kv_heads heads selects the same `positions`.
+  static OwnedFetchPlan SameForAllHeads(int32_t n_kv_heads,
+                                        absl::Span<const int32_t> positions);
+  // Head h selects per_head[h].
+  static OwnedFetchPlan PerHead(
+      const std::vector<std::vector<int32_t>>& per_head);
+};
+
+// Fetch statistics of one present token in one (layer, KV head).
+struct TokenFetchStats {
+  int32_t position = 0;
+  int64_t fetch_count = 0;
+  // The sequence's fetch clock at this token's last fetch: each Gather of
+  // the sequence advances the clock by one. 0 = never fetched.
+  uint64_t last_fetch = 0;
+};
+
+struct SequenceStats {
+  SequenceId id = 0;
+  SequenceGeometry geometry;
+  std::vector<int32_t> layer_lengths;  // [n_layers] positions appended
+  int64_t present_rows = 0;   // (layer, head, token) K/V row pairs stored
+  int64_t evicted_rows = 0;   // row pairs dropped by eviction so far
+  int64_t bytes_reserved = 0;  // ReservedBytes(geometry)
+  int64_t fetches = 0;         // Gather calls that succeeded
+  int64_t fetched_rows = 0;    // K/V row pairs those gathers copied
+};
+
+struct StoreStats {
+  int32_t open_sequences = 0;
+  int32_t max_sequences = 0;
+  int64_t bytes_reserved = 0;   // sum of open sequences' ReservedBytes
+  int64_t capacity_bytes = 0;   // 0 = unlimited
+  EvictionPolicy eviction = EvictionPolicy::kFifo;
+  int64_t appended_rows = 0;    // over the store's life, closed sequences too
+  int64_t evicted_rows = 0;
+  int64_t fetches = 0;
+  int64_t fetched_rows = 0;
+};
+
+}  // namespace infinigen::kv_memory_service
+
+#endif  // INFINIGEN_KV_MEMORY_SERVICE_KV_TYPES_H_

@@ -1,0 +1,146 @@
+#include "kv_memory_service/proto_convert.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace infinigen::kv_memory_service {
+
+grpc::Status ToGrpcStatus(const absl::Status& status) {
+  if (status.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
+                      std::string(status.message()));
+}
+
+absl::Status FromGrpcStatus(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                      status.error_message());
+}
+
+void ToProto(const SequenceGeometry& g, kv::Geometry* out) {
+  out->set_n_layers(g.n_layers);
+  out->set_n_kv_heads(g.n_kv_heads);
+  out->set_head_dim(g.head_dim);
+  out->set_max_tokens(g.max_tokens);
+  out->set_dtype(g.dtype == KvDType::kBFloat16 ? kv::DTYPE_BFLOAT16
+                                               : kv::DTYPE_FLOAT16);
+}
+
+absl::StatusOr<SequenceGeometry> FromProto(const kv::Geometry& g) {
+  SequenceGeometry out;
+  out.n_layers = g.n_layers();
+  out.n_kv_heads = g.n_kv_heads();
+  out.head_dim = g.head_dim();
+  out.max_tokens = g.max_tokens();
+  switch (g.dtype()) {
+    case kv::DTYPE_FLOAT16:
+      out.dtype = KvDType::kFloat16;
+      break;
+    case kv::DTYPE_BFLOAT16:
+      out.dtype = KvDType::kBFloat16;
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown dtype ", static_cast<int>(g.dtype())));
+  }
+  return out;
+}
+
+void ToProto(const FetchPlan& plan, kv::FetchPlan* out) {
+  out->mutable_indices()->Clear();
+  out->mutable_indices()->Add(plan.indices.begin(), plan.indices.end());
+  out->mutable_head_offsets()->Clear();
+  out->mutable_head_offsets()->Add(plan.head_offsets.begin(),
+                                   plan.head_offsets.end());
+}
+
+FetchPlan PlanView(const kv::FetchPlan& plan) {
+  return FetchPlan{
+      absl::Span<const int32_t>(plan.indices().data(), plan.indices_size()),
+      absl::Span<const int32_t>(plan.head_offsets().data(),
+                                plan.head_offsets_size())};
+}
+
+void ToProto(const AppendResult& result, kv::AppendResponse* out) {
+  out->mutable_evicted()->Reserve(static_cast<int>(result.evicted.size()));
+  for (const EvictedToken& e : result.evicted) {
+    kv::EvictedToken* t = out->add_evicted();
+    t->set_layer(e.layer);
+    t->set_kv_head(e.kv_head);
+    t->set_position(e.position);
+  }
+}
+
+AppendResult FromProto(const kv::AppendResponse& response) {
+  AppendResult result;
+  result.evicted.reserve(response.evicted_size());
+  for (const kv::EvictedToken& t : response.evicted()) {
+    result.evicted.push_back(EvictedToken{t.layer(), t.kv_head(), t.position()});
+  }
+  return result;
+}
+
+void ToProto(const StoreStats& s, kv::StoreStats* out) {
+  out->set_open_sequences(s.open_sequences);
+  out->set_max_sequences(s.max_sequences);
+  out->set_bytes_reserved(s.bytes_reserved);
+  out->set_capacity_bytes(s.capacity_bytes);
+  out->set_eviction(static_cast<kv::Eviction>(s.eviction));
+  out->set_appended_rows(s.appended_rows);
+  out->set_evicted_rows(s.evicted_rows);
+  out->set_fetches(s.fetches);
+  out->set_fetched_rows(s.fetched_rows);
+}
+
+StoreStats FromProto(const kv::StoreStats& s) {
+  StoreStats out;
+  out.open_sequences = s.open_sequences();
+  out.max_sequences = s.max_sequences();
+  out.bytes_reserved = s.bytes_reserved();
+  out.capacity_bytes = s.capacity_bytes();
+  out.eviction = static_cast<EvictionPolicy>(s.eviction());
+  out.appended_rows = s.appended_rows();
+  out.evicted_rows = s.evicted_rows();
+  out.fetches = s.fetches();
+  out.fetched_rows = s.fetched_rows();
+  return out;
+}
+
+void ToProto(const SequenceStats& s, kv::SequenceStats* out) {
+  out->set_sequence_id(s.id);
+  ToProto(s.geometry, out->mutable_geometry());
+  out->mutable_layer_lengths()->Add(s.layer_lengths.begin(),
+                                    s.layer_lengths.end());
+  out->set_present_rows(s.present_rows);
+  out->set_evicted_rows(s.evicted_rows);
+  out->set_bytes_reserved(s.bytes_reserved);
+  out->set_fetches(s.fetches);
+  out->set_fetched_rows(s.fetched_rows);
+}
+
+absl::StatusOr<SequenceStats> FromProto(const kv::SequenceStats& s) {
+  SequenceStats out;
+  out.id = s.sequence_id();
+  absl::StatusOr<SequenceGeometry> g = FromProto(s.geometry());
+  if (!g.ok()) return g.status();
+  out.geometry = *g;
+  out.layer_lengths.assign(s.layer_lengths().begin(), s.layer_lengths().end());
+  out.present_rows = s.present_rows();
+  out.evicted_rows = s.evicted_rows();
+  out.bytes_reserved = s.bytes_reserved();
+  out.fetches = s.fetches();
+  out.fetched_rows = s.fetched_rows();
+  return out;
+}
+
+absl::StatusOr<absl::Span<const uint16_t>> RowsView(const std::string& bytes,
+                                                    absl::string_view field) {
+  if (bytes.size() % sizeof(uint16_t) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, " has ", bytes.size(), " bytes, not a whole number of uint16"));
+  }
+  return absl::Span<const uint16_t>(
+      reinterpret_cast<const uint16_t*>(bytes.data()),
+      bytes.size() / sizeof(uint16_t));
+}
+
+}  // namespace infinigen::kv_memory_service

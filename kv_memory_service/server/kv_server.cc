@@ -1,0 +1,143 @@
+#include "kv_memory_service/server/kv_server.h"
+
+#include <chrono>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "common/log.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/security/server_credentials.h"
+#include "grpcpp/server_builder.h"
+#include "kv_memory_service/server/kv_service.h"
+#include "kv_memory_service/shm/shm_server.h"
+
+namespace infinigen::kv_memory_service {
+namespace {
+
+// Splits "HOST:PORT" (HOST may be "[v6]"); InvalidArgument otherwise.
+absl::Status CheckHostPort(const std::string& listen) {
+  const size_t colon = listen.rfind(':');
+  int port = -1;
+  if (colon == std::string::npos || colon == 0 ||
+      !absl::SimpleAtoi(listen.substr(colon + 1), &port) || port < 0 ||
+      port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "listen address '", listen, "' is not HOST:PORT or unix:PATH"));
+  }
+  return absl::OkStatus();
+}
+
+std::chrono::system_clock::time_point Deadline(absl::Duration d) {
+  return absl::ToChronoTime(absl::Now() + d);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<KvServer>> KvServer::Start(
+    const KvServerOptions& options) {
+  const bool unix_socket = absl::StartsWith(options.listen, "unix:");
+  if (unix_socket) {
+    if (options.listen.size() == 5) {
+      return absl::InvalidArgumentError("listen address 'unix:' has no path");
+    }
+  } else {
+    absl::Status ok = CheckHostPort(options.listen);
+    if (!ok.ok()) return ok;
+  }
+  if (options.max_message_bytes < 4096) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_message_bytes must be at least 4096, got ",
+        options.max_message_bytes));
+  }
+  if (options.store.max_sequences <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_sequences must be positive, got ", options.store.max_sequences));
+  }
+  if (options.store.capacity_bytes < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "capacity_bytes must not be negative, got ",
+        options.store.capacity_bytes));
+  }
+
+  std::unique_ptr<KvServer> server(new KvServer);
+  server->store_ = std::make_shared<KvStore>(options.store);
+  server->service_ = std::make_unique<KvMemoryService>(
+      server->store_, options.auth_token, options.max_message_bytes);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(),
+                           &port);
+  builder.RegisterService(server->service_.get());
+  builder.SetMaxReceiveMessageSize(options.max_message_bytes);
+  builder.SetMaxSendMessageSize(options.max_message_bytes);
+  // A second server on the same port must fail, not share it.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  // Clients send keepalive pings to notice a dead or hung server; allow them.
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
+                             1000);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
+  server->server_ = builder.BuildAndStart();
+  if (server->server_ == nullptr || port == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on '", options.listen,
+                     "' (address in use, or not allowed)"));
+  }
+  server->server_->GetHealthCheckService()->SetServingStatus(true);
+  if (unix_socket) {
+    server->client_address_ = options.listen;
+  } else {
+    server->port_ = port;
+    const std::string host = options.listen.substr(0, options.listen.rfind(':'));
+    const bool any = host == "0.0.0.0" || host == "[::]";
+    server->client_address_ =
+        absl::StrCat("tcp://", any ? "127.0.0.1" : host, ":", port);
+  }
+  if (!options.shm_listen.empty()) {
+    ShmServerOptions shm_options;
+    shm_options.listen_address = options.shm_listen;
+    shm_options.control_address = server->client_address_;
+    shm_options.auth_token = options.auth_token;
+    absl::StatusOr<std::unique_ptr<ShmServer>> shm =
+        ShmServer::Start(server->store_, shm_options);
+    if (!shm.ok()) return shm.status();
+    server->shm_server_ = *std::move(shm);
+    server->shm_client_address_ = server->shm_server_->client_address();
+  }
+  IG_LOG(INFO) << "kv_memory_server: listening on " << options.listen
+               << " (clients: " << server->client_address_ << "), eviction "
+               << EvictionPolicyName(options.store.eviction) << ", capacity "
+               << (options.store.capacity_bytes == 0
+                       ? std::string("unlimited")
+                       : absl::StrCat(options.store.capacity_bytes, " bytes"))
+               << ", auth " << (options.auth_token.empty() ? "off" : "on");
+  return server;
+}
+
+KvServer::~KvServer() {
+  if (server_ != nullptr) {
+    Shutdown(absl::ZeroDuration());
+    Wait();
+  }
+}
+
+std::shared_ptr<grpc::Channel> KvServer::InProcessChannel() {
+  grpc::ChannelArguments args;
+  return server_->InProcessChannel(args);
+}
+
+void KvServer::Shutdown(absl::Duration grace) {
+  // Shared-memory clients see their socket close: waits fail Unavailable.
+  shm_server_.reset();
+  server_->GetHealthCheckService()->SetServingStatus(false);
+  service_->CancelStreams();
+  server_->Shutdown(Deadline(grace));
+}
+
+void KvServer::Wait() { server_->Wait(); }
+
+}  // namespace infinigen::kv_memory_service

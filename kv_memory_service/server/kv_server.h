@@ -1,0 +1,83 @@
+// KvServer: a running KV memory node. Owns a KvStore, the gRPC KvMemory
+// service in front of it (kv_service.h), the standard grpc.health.v1
+// service, and the gRPC server listening on a TCP port or a unix socket.
+// kv_memory_server's main() is flags + Start + wait for a signal +
+// Shutdown; tests start one in-process the same way.
+//
+// Thread-safe: the service runs on gRPC's threads; Shutdown and Wait may be
+// called from any thread, Shutdown more than once.
+#ifndef INFINIGEN_KV_MEMORY_SERVICE_SERVER_KV_SERVER_H_
+#define INFINIGEN_KV_MEMORY_SERVICE_SERVER_KV_SERVER_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "grpcpp/channel.h"
+#include "grpcpp/server.h"
+#include "kv_memory_service/kv_store.h"
+
+namespace infinigen::kv_memory_service {
+
+class KvMemoryService;  // kv_service.h
+
+class ShmServer;  // kv_memory_service/shm/shm_server.h
+
+struct KvServerOptions {
+  // "HOST:PORT" (port 0 picks a free one; see KvServer::port) or
+  // "unix:PATH".
+  std::string listen = "127.0.0.1:7070";
+  KvStoreOptions store;
+  // Requests must carry "authorization: Bearer <auth_token>"; empty = no
+  // check. Health checks never need it.
+  std::string auth_token;
+  // Largest gRPC message either way. Larger requests are rejected by gRPC
+  // with RESOURCE_EXHAUSTED, fetches whose rows would not fit by the
+  // service with the same code.
+  int32_t max_message_bytes = 64 << 20;
+  // "unix:PATH": also serve the shared-memory data plane there (clients
+  // connect to shm:unix:PATH; control calls come to `listen`). Empty = off.
+  std::string shm_listen;
+};
+
+class KvServer {
+ public:
+  // InvalidArgument for an empty or malformed listen address; Unavailable
+  // when the address cannot be bound (in use, no permission).
+  static absl::StatusOr<std::unique_ptr<KvServer>> Start(
+      const KvServerOptions& options);
+  ~KvServer();  // Shutdown(absl::ZeroDuration()) and Wait
+
+  // The bound TCP port (0 for a unix socket).
+  int port() const { return port_; }
+  // What a client passes to ConnectKvClient: tcp://HOST:PORT or unix:PATH.
+  const std::string& client_address() const { return client_address_; }
+  // shm:unix:PATH when serving the shm data plane, else empty.
+  const std::string& shm_client_address() const { return shm_client_address_; }
+  // A channel to this server inside this process (tests).
+  std::shared_ptr<grpc::Channel> InProcessChannel();
+  KvStore& store() { return *store_; }
+
+  // Stops accepting calls, marks the health service NOT_SERVING, ends the
+  // fetch streams (their clients see UNAVAILABLE), lets unary calls in
+  // flight finish for up to `grace`, then cancels the rest.
+  void Shutdown(absl::Duration grace);
+  // Blocks until the server has shut down.
+  void Wait();
+
+ private:
+  KvServer() = default;
+
+  std::shared_ptr<KvStore> store_;
+  std::unique_ptr<KvMemoryService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+  std::string client_address_;
+  std::string shm_client_address_;
+  std::unique_ptr<ShmServer> shm_server_;
+};
+
+}  // namespace infinigen::kv_memory_service
+
+#endif  // INFINIGEN_KV_MEMORY_SERVICE_SERVER_KV_SERVER_H_

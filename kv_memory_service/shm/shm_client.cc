@@ -1,0 +1,505 @@
+#include "kv_memory_service/shm/shm_client.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "common/status.h"
+#include "kv_memory_service/shm/cuda_host_register.h"
+#include "kv_memory_service/shm/shm_protocol.h"
+
+namespace infinigen::kv_memory_service {
+namespace {
+
+using shm::SlotControl;
+
+// How often a sleeping waiter checks that the server is still there.
+constexpr absl::Duration kServerCheckInterval = absl::Milliseconds(10);
+// Largest FetchBuffer: 64 Gi values (128 GiB).
+constexpr size_t kMaxBufferElements = size_t{1} << 36;
+
+// How long Wait polls before it sleeps: about as long as the gather should
+// take (a few us per index at head_dim 128), so that a waiter that arrives
+// early does not pay a futex wake-up.
+int64_t SpinNanos(size_t n_indices) {
+  return std::min<int64_t>(30'000 + 250 * static_cast<int64_t>(n_indices),
+                           2'000'000);
+}
+
+// A sealed memfd of `bytes`: neither side can shrink it under the other's
+// mapping.
+absl::StatusOr<int> NewSealedMemfd(const char* name, size_t bytes) {
+  const int fd = memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (fd < 0) {
+    return shm::ErrnoStatus(absl::StatusCode::kResourceExhausted,
+                            "memfd_create", errno);
+  }
+  if (ftruncate(fd, static_cast<off_t>(bytes)) != 0 ||
+      fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    const int err = errno;
+    close(fd);
+    return shm::ErrnoStatus(absl::StatusCode::kResourceExhausted,
+                            absl::StrCat("sizing a memfd of ", bytes, " bytes"),
+                            err);
+  }
+  return fd;
+}
+
+absl::StatusOr<void*> MapShared(int fd, size_t offset, size_t bytes,
+                                bool populate) {
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                 MAP_SHARED | (populate ? MAP_POPULATE : 0), fd,
+                 static_cast<off_t>(offset));
+  if (p == MAP_FAILED) {
+    return shm::ErrnoStatus(absl::StatusCode::kResourceExhausted,
+                            absl::StrCat("mmap of ", bytes, " shared bytes"),
+                            errno);
+  }
+  return p;
+}
+
+class ShmKvClient;
+
+class ShmFetchBuffer final : public FetchBuffer {
+ public:
+  struct Memory {
+    uint16_t* data = nullptr;  // [elements]
+    size_t elements = 0;
+    size_t data_bytes = 0;
+    int32_t* plan = nullptr;  // [plan_capacity]
+    size_t plan_capacity = 0;
+    size_t plan_bytes = 0;
+  };
+
+  ShmFetchBuffer(ShmKvClient* client, uint32_t slot, SlotControl* control,
+                 Memory memory, bool pinned)
+      : FetchBuffer(client, memory.data, memory.elements),
+        client_(client),
+        slot_(slot),
+        control_(control),
+        memory_(memory),
+        pinned_(pinned) {}
+  ~ShmFetchBuffer() override;
+
+  FetchHandle Start(SequenceId seq, int32_t layer, const FetchPlan& plan,
+                    absl::Time deadline);
+
+ protected:
+  absl::Status WaitForFetch() override {
+    if (published_) {
+      published_ = false;
+      CompleteFetch(AwaitServer());
+    }
+    return TakeResult();
+  }
+
+ private:
+  absl::Status AwaitServer();
+  absl::Status TakeServerStatus();
+  absl::Status GiveUp();
+
+  ShmKvClient* const client_;
+  const uint32_t slot_;
+  SlotControl* const control_;
+  const Memory memory_;
+  bool pinned_;
+  // The fetch in flight; touched by Start and then by its Wait.
+  bool published_ = false;
+  bool abandoned_ = false;  // the server may still write the old pages
+  absl::Time deadline_;
+  int64_t spin_ns_ = 0;
+};
+
+class ShmKvClient final : public KvClientWrapper {
+ public:
+  ShmKvClient(std::unique_ptr<KvClient> control, const KvClientOptions& options,
+              int socket, void* region)
+      : KvClientWrapper(std::move(control)),
+        options_(options),
+        socket_(socket),
+        region_(region),
+        header_(static_cast<shm::RegionHeader*>(region)),
+        slot_used_(shm::kMaxSlots, false) {}
+
+  ~ShmKvClient() override {
+    close(socket_);  // the server drops the connection and unmaps the slots
+    munmap(region_, shm::ControlRegionBytes(shm::kMaxSlots));
+  }
+
+  absl::StatusOr<std::unique_ptr<FetchBuffer>> NewFetchBuffer(
+      size_t elements) override;
+
+  FetchHandle FetchAsync(SequenceId seq, int32_t layer, const FetchPlan& plan,
+                         FetchBuffer* dest) override {
+    if (dest == nullptr || dest->owner() != this) {
+      return FetchHandle(absl::InvalidArgumentError(
+          "the fetch buffer was not made by this client"));
+    }
+    return static_cast<ShmFetchBuffer*>(dest)->Start(
+        seq, layer, plan, absl::Now() + options_.fetch_timeout);
+  }
+
+  std::string data_plane() const override { return "shm"; }
+
+  // For ShmFetchBuffer.
+
+  // Tells a sleeping server thread that there is work.
+  void Ring() {
+    header_->doorbell.fetch_add(1);
+    if (header_->server_waiting.load() != 0) {
+      shm::FutexWakeAll(&header_->doorbell);
+    }
+  }
+
+  // OK while the data plane works; the reason it stopped otherwise.
+  absl::Status Health() const {
+    switch (health_.load(std::memory_order_acquire)) {
+      case kHealthy:
+        return absl::OkStatus();
+      case kServerGone:
+        return absl::UnavailableError(
+            "the KV memory server closed the shm data plane (did it exit?)");
+      default:
+        return absl::UnavailableError(
+            "the shm data plane was abandoned after a fetch timed out while "
+            "the server was gathering; reconnect");
+    }
+  }
+  // True (and the client unhealthy from now on) if the server is gone.
+  bool ServerGone() {
+    if (!shm::PeerClosed(socket_)) return false;
+    int healthy = kHealthy;
+    health_.compare_exchange_strong(healthy, kServerGone);
+    return true;
+  }
+  void Abandon() {
+    int healthy = kHealthy;
+    health_.compare_exchange_strong(healthy, kAbandoned);
+  }
+
+  // Unmaps the slot on the server and frees its index for reuse.
+  void ReleaseSlot(uint32_t slot) {
+    if (Health().ok()) {
+      shm::SocketMessage unmap;
+      unmap.type = shm::MessageType::kUnmapSlot;
+      unmap.slot = slot;
+      Call(unmap, -1).IgnoreError();
+    }
+    absl::MutexLock lock(&slots_mu_);
+    slot_used_[slot] = false;
+  }
+
+ private:
+  enum Health : int { kHealthy = 0, kServerGone = 1, kAbandoned = 2 };
+
+  // One setup request and its reply. A failure to talk (not an error
+  // reply) leaves the reply stream out of step: the client stops.
+  absl::Status Call(const shm::SocketMessage& message, int fd)
+      ABSL_LOCKS_EXCLUDED(socket_mu_) {
+    absl::MutexLock lock(&socket_mu_);
+    absl::Status sent = shm::SendMessage(socket_, message, fd);
+    if (sent.ok()) {
+      header_->control_seq.fetch_add(1);
+      Ring();
+      absl::StatusOr<shm::SocketMessage> reply =
+          shm::ReceiveMessage(socket_, nullptr);
+      if (reply.ok()) return shm::StatusOfReply(*reply);
+      sent = reply.status();
+    }
+    int healthy = kHealthy;
+    health_.compare_exchange_strong(healthy, kServerGone);
+    return sent;
+  }
+
+  absl::StatusOr<uint32_t> AllocateSlot() {
+    absl::MutexLock lock(&slots_mu_);
+    for (uint32_t i = 0; i < slot_used_.size(); ++i) {
+      if (!slot_used_[i]) {
+        slot_used_[i] = true;
+        return i;
+      }
+    }
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "a shm client holds at most ", shm::kMaxSlots, " fetch buffers"));
+  }
+
+  const KvClientOptions options_;
+  const int socket_;
+  void* const region_;
+  shm::RegionHeader* const header_;
+  std::atomic<int> health_{kHealthy};
+
+  absl::Mutex socket_mu_;  // one request/reply on the socket at a time
+
+  absl::Mutex slots_mu_;
+  std::vector<bool> slot_used_ ABSL_GUARDED_BY(slots_mu_);
+};
+
+absl::StatusOr<std::unique_ptr<FetchBuffer>> ShmKvClient::NewFetchBuffer(
+    size_t elements) {
+  if (elements == 0) {
+    return absl::InvalidArgumentError("a fetch buffer needs at least 1 value");
+  }
+  if (elements > kMaxBufferElements) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("a shm fetch buffer holds at most ", kMaxBufferElements,
+                     " values; asked for ", elements));
+  }
+  IG_RETURN_IF_ERROR(Health());
+  IG_ASSIGN_OR_RETURN(const uint32_t slot, AllocateSlot());
+
+  ShmFetchBuffer::Memory m;
+  m.elements = elements;
+  m.data_bytes = shm::SlotDataBytes(elements);
+  m.plan_capacity = shm::SlotPlanCapacity(elements);
+  m.plan_bytes = shm::SlotPlanBytes(elements);
+  int fd = -1;
+  auto undo = [&](absl::Status status) {
+    if (m.data != nullptr) munmap(m.data, m.data_bytes);
+    if (m.plan != nullptr) munmap(m.plan, m.plan_bytes);
+    if (fd >= 0) close(fd);
+    absl::MutexLock lock(&slots_mu_);
+    slot_used_[slot] = false;
+    return status;
+  };
+  absl::StatusOr<int> memfd =
+      NewSealedMemfd("infinigen-kv-shm-slot", m.data_bytes + m.plan_bytes);
+  if (!memfd.ok()) return undo(memfd.status());
+  fd = *memfd;
+  // The data pages are faulted in now, on both sides, not on the first
+  // fetch; the plan area only as far as plans reach.
+  absl::StatusOr<void*> data = MapShared(fd, 0, m.data_bytes, true);
+  if (!data.ok()) return undo(data.status());
+  m.data = static_cast<uint16_t*>(*data);
+  absl::StatusOr<void*> plan = MapShared(fd, m.data_bytes, m.plan_bytes, false);
+  if (!plan.ok()) return undo(plan.status());
+  m.plan = static_cast<int32_t*>(*plan);
+
+  SlotControl* control = shm::SlotAt(region_, slot);
+  control->state.store(shm::kIdle);
+  control->client_waiting.store(0);
+  shm::SocketMessage map;
+  map.type = shm::MessageType::kMapSlot;
+  map.slot = slot;
+  map.elements = elements;
+  absl::Status mapped = Call(map, fd);
+  if (!mapped.ok()) return undo(mapped);
+  close(fd);
+  fd = -1;
+  const bool pinned = shm::CudaHostRegister(m.data, m.data_bytes);
+  return std::unique_ptr<FetchBuffer>(
+      new ShmFetchBuffer(this, slot, control, m, pinned));
+}
+
+ShmFetchBuffer::~ShmFetchBuffer() {
+  if (pinned_) shm::CudaHostUnregister(memory_.data);
+  // An abandoned slot stays taken: the server may still be writing it.
+  if (!abandoned_) client_->ReleaseSlot(slot_);
+  munmap(memory_.data, memory_.data_bytes);
+  munmap(memory_.plan, memory_.plan_bytes);
+}
+
+FetchHandle ShmFetchBuffer::Start(SequenceId seq, int32_t layer,
+                                  const FetchPlan& plan, absl::Time deadline) {
+  absl::Status begun = BeginFetch();
+  if (!begun.ok()) return FetchHandle(std::move(begun));
+  absl::Status health = client_->Health();
+  if (!health.ok()) {
+    CompleteFetch(std::move(health));
+    return FetchHandle(this);
+  }
+  const size_t n = plan.indices.size();
+  const size_t m = plan.head_offsets.size();
+  if (n + m > memory_.plan_capacity) {
+    CompleteFetch(absl::InvalidArgumentError(absl::StrCat(
+        "a plan of ", n, " indices and ", m, " head offsets does not fit a ",
+        "shm fetch buffer of ", memory_.elements, " values")));
+    return FetchHandle(this);
+  }
+  std::memcpy(memory_.plan, plan.indices.data(), n * sizeof(int32_t));
+  std::memcpy(memory_.plan + n, plan.head_offsets.data(), m * sizeof(int32_t));
+  control_->layer = layer;
+  control_->sequence = seq;
+  control_->n_indices = static_cast<uint32_t>(n);
+  control_->n_head_offsets = static_cast<uint32_t>(m);
+  control_->state.store(shm::kRequested, std::memory_order_release);
+  client_->Ring();
+  published_ = true;
+  deadline_ = deadline;
+  spin_ns_ = SpinNanos(n);
+  return FetchHandle(this);
+}
+
+absl::Status ShmFetchBuffer::AwaitServer() {
+  const int64_t spin_until = absl::GetCurrentTimeNanos() + spin_ns_;
+  uint32_t state;
+  while ((state = control_->state.load(std::memory_order_acquire)) !=
+         shm::kDone) {
+    if (absl::GetCurrentTimeNanos() >= spin_until) break;
+    shm::CpuRelax();
+  }
+  while (state != shm::kDone) {
+    const absl::Time now = absl::Now();
+    if (now >= deadline_) return GiveUp();
+    // Announce the sleep before the last look, so that the server, which
+    // stores kDone and then reads client_waiting, cannot miss us.
+    control_->client_waiting.store(1);
+    state = control_->state.load();
+    if (state == shm::kDone) break;
+    shm::FutexWait(&control_->state, state,
+                   std::min(kServerCheckInterval, deadline_ - now));
+    state = control_->state.load(std::memory_order_acquire);
+    if (state != shm::kDone && client_->ServerGone()) {
+      control_->client_waiting.store(0);
+      return client_->Health();
+    }
+  }
+  control_->client_waiting.store(0, std::memory_order_relaxed);
+  return TakeServerStatus();
+}
+
+absl::Status ShmFetchBuffer::TakeServerStatus() {
+  const auto code = static_cast<absl::StatusCode>(control_->status_code);
+  absl::Status status;
+  if (code != absl::StatusCode::kOk) {
+    const size_t len =
+        std::min<size_t>(control_->message_bytes, shm::kStatusMessageBytes);
+    status = absl::Status(code, absl::string_view(control_->message, len));
+  }
+  control_->state.store(shm::kIdle, std::memory_order_relaxed);
+  return status;
+}
+
+absl::Status ShmFetchBuffer::GiveUp() {
+  uint32_t expected = shm::kRequested;
+  if (control_->state.compare_exchange_strong(expected, shm::kCancelled)) {
+    // The server never started it and now never will.
+    return absl::DeadlineExceededError(
+        "the KV memory server did not start a shm fetch within the fetch "
+        "timeout");
+  }
+  if (expected == shm::kDone) return TakeServerStatus();
+  // The server is writing into the slot right now and may go on after we
+  // return: swap the buffer's pages for private ones at the same address,
+  // so that the caller's memory stays valid and the server's late writes
+  // land where nobody looks.
+  if (pinned_) {
+    shm::CudaHostUnregister(memory_.data);
+    pinned_ = false;
+  }
+  mmap(memory_.data, memory_.data_bytes, PROT_READ | PROT_WRITE,
+       MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+  abandoned_ = true;
+  client_->Abandon();
+  return absl::DeadlineExceededError(
+      "a shm fetch did not finish within the fetch timeout");
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<KvClient>> ConnectShmKvClient(
+    const std::string& address, const KvClientOptions& options,
+    const ControlConnector& connect_control) {
+  if (!absl::StartsWith(address, "shm:")) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("not a shm address: '", address, "'"));
+  }
+  absl::StatusOr<std::string> path = shm::UnixSocketPath(address.substr(4));
+  if (!path.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "bad shm address '", address, "' (want shm:unix:PATH): ",
+        path.status().message()));
+  }
+  const int socket_fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  if (socket_fd < 0) {
+    return shm::ErrnoStatus(absl::StatusCode::kInternal, "socket", errno);
+  }
+  // Owns the socket and the region until the client does.
+  struct Pending {
+    int socket = -1;
+    void* region = nullptr;
+    ~Pending() {
+      if (region != nullptr) {
+        munmap(region, shm::ControlRegionBytes(shm::kMaxSlots));
+      }
+      if (socket >= 0) close(socket);
+    }
+  } pending;
+  pending.socket = socket_fd;
+
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path->data(), path->size());
+  if (connect(socket_fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) !=
+      0) {
+    return shm::ErrnoStatus(
+        absl::StatusCode::kUnavailable,
+        absl::StrCat("no KV memory server's shm data plane at ", *path,
+                     ": connect"),
+        errno);
+  }
+  IG_RETURN_IF_ERROR(shm::SetReceiveTimeout(socket_fd, options.connect_timeout));
+  IG_ASSIGN_OR_RETURN(shm::SocketMessage hello,
+                      shm::ReceiveMessage(socket_fd, nullptr));
+  if (hello.type == shm::MessageType::kReply) {
+    IG_RETURN_IF_ERROR(shm::StatusOfReply(hello));  // refused
+  }
+  if (hello.type != shm::MessageType::kHello) {
+    return absl::InternalError("shm data plane: the server sent no Hello");
+  }
+
+  const size_t region_bytes = shm::ControlRegionBytes(shm::kMaxSlots);
+  IG_ASSIGN_OR_RETURN(const int region_fd,
+                      NewSealedMemfd("infinigen-kv-shm-control", region_bytes));
+  absl::StatusOr<void*> region = MapShared(region_fd, 0, region_bytes, true);
+  if (!region.ok()) {
+    close(region_fd);
+    return region.status();
+  }
+  pending.region = *region;
+  auto* header = new (*region) shm::RegionHeader();
+  header->magic = shm::kRegionMagic;
+  header->version = shm::kProtocolVersion;
+  header->max_slots = shm::kMaxSlots;
+
+  shm::SocketMessage attach;
+  attach.type = shm::MessageType::kAttach;
+  attach.max_slots = shm::kMaxSlots;
+  attach.text = options.auth_token;
+  absl::Status sent = shm::SendMessage(socket_fd, attach, region_fd);
+  close(region_fd);
+  IG_RETURN_IF_ERROR(sent);
+  IG_RETURN_IF_ERROR(shm::SetReceiveTimeout(socket_fd, options.rpc_timeout));
+  IG_ASSIGN_OR_RETURN(shm::SocketMessage reply,
+                      shm::ReceiveMessage(socket_fd, nullptr));
+  IG_RETURN_IF_ERROR(shm::StatusOfReply(reply));
+
+  if (hello.text.empty() || absl::StartsWith(hello.text, "shm:")) {
+    return absl::InternalError(absl::StrCat(
+        "shm data plane: the server announced no usable control address ('",
+        hello.text, "')"));
+  }
+  IG_ASSIGN_OR_RETURN(std::unique_ptr<KvClient> control,
+                      connect_control(hello.text, options));
+  auto client = std::make_unique<ShmKvClient>(std::move(control), options,
+                                              socket_fd, *region);
+  pending.socket = -1;
+  pending.region = nullptr;
+  return client;
+}
+
+}  // namespace infinigen::kv_memory_service

@@ -1,0 +1,139 @@
+// InfiniGen proper: offline skewing, partial weights, online speculation.
+//
+// A pure library (no gRPC, no CUDA): plain arrays in, plain arrays out. The
+// engine (gpu_worker) captures activations and calls these functions; the
+// memory node never sees any of this. Shapes are in comments; matrices are
+// row-major; `d` is the head dimension.
+//
+// Terms (ALGORITHM.md). For every layer and KV head g there is a skew matrix
+// A_g (d x d, orthogonal) shared by the query heads of g's group, so that
+// (q A)(k A)^T = q k^T. After skewing, a few columns of q and k carry most of
+// the magnitude; the partial columns of (layer, g) are the top int(d * ratio)
+// of them. The partial key cache holds those columns of every cached
+// skewed (post-RoPE) key. Speculation dots the approximate query's partial
+// columns with the partial key cache to score every cached token, and
+// selection keeps, per KV head, the tokens whose score is within alpha of
+// the maximum, averaged over heads and capped by a budget.
+#ifndef INFINIGEN_SPECULATOR_SPECULATOR_H_
+#define INFINIGEN_SPECULATOR_SPECULATOR_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+
+namespace infinigen::speculator {
+
+// One skew matrix per (layer, KV head). Value type; thread-compatible.
+struct SkewMatrices {
+  int n_layers = 0;
+  int n_kv_heads = 0;
+  int head_dim = 0;
+  std::vector<float> a;  // [n_layers][n_kv_heads][head_dim][head_dim]
+
+  const float* at(int layer, int kv_head) const {
+    return a.data() +
+           (static_cast<size_t>(layer) * n_kv_heads + kv_head) * head_dim *
+               head_dim;
+  }
+  float* at(int layer, int kv_head) {
+    return a.data() +
+           (static_cast<size_t>(layer) * n_kv_heads + kv_head) * head_dim *
+               head_dim;
+  }
+
+  // Identity matrices (no skew): the baseline that skewing is compared with.
+  static SkewMatrices Identity(int n_layers, int n_kv_heads, int head_dim);
+
+  // Binary file: magic "IGSKEW01", int32 n_layers, n_kv_heads, head_dim,
+  // then the floats. Save: Internal on I/O failure, InvalidArgument if `a`
+  // does not hold n_layers * n_kv_heads * head_dim^2 floats. Load: NotFound
+  // for a missing file, InvalidArgument naming the file for a bad magic, a
+  // truncated file, or trailing bytes.
+  absl::Status Save(const std::string& path) const;
+  static absl::StatusOr<SkewMatrices> Load(const std::string& path);
+
+  // InvalidArgument unless the dimensions match the model's.
+  absl::Status CheckShape(int n_layers, int n_kv_heads, int head_dim) const;
+};
+
+// The skew of one (layer, KV head), from calibration activations:
+// `q` [q_rows, d] are the group's post-RoPE query rows (all its query heads'
+// rows stacked), `k` [k_rows, d] the KV head's post-RoPE key rows. With
+// SVDs q = U_q S_q V_q^T and k = U_k S_k V_k^T (LAPACK), A = V_q with its
+// columns reordered by descending s_q[i] * s_k[i] (reference:
+// skewing_controller.py). Returns A [d, d] row-major (A[r][c]: row r, column
+// c), orthogonal. InvalidArgument for q_rows or k_rows < d; Internal if the
+// SVD does not converge.
+absl::StatusOr<std::vector<float>> ComputeSkew(const float* q, int q_rows,
+                                               const float* k, int k_rows,
+                                               int d);
+
+// y[n, d] = x[n, d] . A (applies a skew to n rows).
+void ApplySkew(const float* x, int n, const float* a, int d, float* y);
+
+// The partial columns of each (layer, KV head): int(d * ratio) (at least 1)
+// column indices, ascending.
+struct PartialColumns {
+  int n_layers = 0;
+  int n_kv_heads = 0;
+  int n_cols = 0;
+  std::vector<int32_t> cols;  // [n_layers][n_kv_heads][n_cols]
+
+  const int32_t* at(int layer, int kv_head) const {
+    return cols.data() +
+           (static_cast<size_t>(layer) * n_kv_heads + kv_head) * n_cols;
+  }
+};
+
+// Number of partial columns for a ratio: max(1, int(d * ratio)), at most d.
+int PartialColumnCount(int d, double ratio);
+
+// Chooses one layer's partial columns: for each KV head g, the n_cols
+// columns with the largest sum over the prompt and over g's query heads of
+// |q_skewed| (reference: partial_weight_generation_controller.py).
+// `q_skewed` is [n_tokens, n_heads, d] (post-RoPE queries already
+// multiplied by their group's A). Writes [n_kv_heads][n_cols] ascending
+// column indices into `cols`.
+void SelectPartialColumns(const float* q_skewed, int n_tokens, int n_heads,
+                          int n_kv_heads, int d, int n_cols, int32_t* cols);
+
+// Speculated attention scores of one layer for one query:
+//   score[g][t] = max over query heads h of group g of
+//                 sum_c q_skewed[h][cols_g[c]] * partial_k[g][t][c] / sqrt(d)
+// `q_skewed` [n_heads, d]; `partial_k` [n_kv_heads][k_stride][n_cols] (the
+// partial columns of the skewed cached keys, token-major per head);
+// `cols` [n_kv_heads][n_cols]; `scores` [n_kv_heads][n_tokens].
+void SpeculateScores(const float* q_skewed, int n_heads, int n_kv_heads,
+                     int d, const float* partial_k, int k_stride, int n_tokens,
+                     const int32_t* cols, int n_cols, float* scores);
+
+struct SelectionOptions {
+  // A token is a candidate when its score >= the head's max score - alpha
+  // (4 for OPT, 5 for Llama-2 in the paper).
+  float alpha = 5.0f;
+  // Cap on the tokens fetched per head, as a fraction of the cached tokens:
+  // k <= max(1, int(n_tokens * max_fraction)).
+  float max_fraction = 0.2f;
+};
+
+// Selection (reference accuracy path): count_g = #{t : present[g][t] and
+// score[g][t] >= max over present t of score[g][t] - alpha} per KV head;
+// k = round(mean of count_g), clamped to [1, cap] and to the fewest present
+// tokens of any head; each head then selects its own top-k present tokens by
+// score (ties: lower position). Writes ascending positions into `indices`
+// (n_kv_heads * k values, head-major, resized) and `head_offsets`
+// (n_kv_heads + 1, resized); returns k (0 when a head has no present
+// token). `present` is [n_kv_heads][n_tokens] with 0 for tokens the pool
+// evicted, or null when every token is present. Reuses the vectors'
+// capacity and a thread-local scratch: no allocation once they are grown.
+int SelectTokens(const float* scores, int n_kv_heads, int n_tokens,
+                 const uint8_t* present, const SelectionOptions& options,
+                 std::vector<int32_t>& indices,
+                 std::vector<int32_t>& head_offsets);
+
+}  // namespace infinigen::speculator
+
+#endif  // INFINIGEN_SPECULATOR_SPECULATOR_H_

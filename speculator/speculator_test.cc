@@ -1,0 +1,892 @@
+#include "speculator/speculator.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <limits>
+#include <new>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+// Counts heap allocations so the tests can check the "no allocation once
+// grown" contract of the per-step functions directly.
+namespace {
+std::atomic<int64_t> g_allocations{0};
+}  // namespace
+
+void* operator new(size_t size) {
+  g_allocations.fetch_add(1, std::memory_order_relaxed);
+  if (void* p = std::malloc(size == 0 ? 1 : size)) return p;
+  throw std::bad_alloc();
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, size_t) noexcept { std::free(p); }
+
+namespace infinigen::speculator {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::ElementsAreArray;
+using ::testing::HasSubstr;
+
+std::string TempPath(const std::string& name) {
+  const char* dir = std::getenv("TEST_TMPDIR");
+  return absl::StrCat(dir != nullptr ? dir : "/tmp", "/", name);
+}
+
+std::vector<float> RandomMatrix(int rows, int cols, std::mt19937& rng,
+                                float stddev = 1.0f) {
+  std::normal_distribution<float> dist(0.0f, stddev);
+  std::vector<float> m(static_cast<size_t>(rows) * cols);
+  for (float& x : m) x = dist(rng);
+  return m;
+}
+
+// [rows, cols] row-major with orthonormal columns (rows >= cols), by
+// modified Gram-Schmidt in double on a random matrix: independent of LAPACK.
+std::vector<double> OrthonormalColumns(int rows, int cols, std::mt19937& rng) {
+  std::normal_distribution<double> dist(0.0, 1.0);
+  std::vector<double> m(static_cast<size_t>(rows) * cols);
+  for (double& x : m) x = dist(rng);
+  for (int c = 0; c < cols; ++c) {
+    for (int p = 0; p < c; ++p) {
+      double dot = 0;
+      for (int r = 0; r < rows; ++r) dot += m[r * cols + c] * m[r * cols + p];
+      for (int r = 0; r < rows; ++r) m[r * cols + c] -= dot * m[r * cols + p];
+    }
+    double norm = 0;
+    for (int r = 0; r < rows; ++r) norm += m[r * cols + c] * m[r * cols + c];
+    norm = std::sqrt(norm);
+    for (int r = 0; r < rows; ++r) m[r * cols + c] /= norm;
+  }
+  return m;
+}
+
+// [rows, d] = U diag(s) V^T with U [rows, d] and V [d, d] orthonormal columns.
+std::vector<float> WithSpectrum(const std::vector<double>& u,
+                                const std::vector<double>& s,
+                                const std::vector<double>& v, int rows,
+                                int d) {
+  std::vector<float> m(static_cast<size_t>(rows) * d);
+  for (int r = 0; r < rows; ++r) {
+    for (int c = 0; c < d; ++c) {
+      double acc = 0;
+      for (int i = 0; i < d; ++i) acc += u[r * d + i] * s[i] * v[c * d + i];
+      m[r * d + c] = static_cast<float>(acc);
+    }
+  }
+  return m;
+}
+
+// ---------------------------------------------------------------------------
+// ComputeSkew / ApplySkew
+
+TEST(ComputeSkew, IsOrthogonal) {
+  std::mt19937 rng(1);
+  const int d = 16;
+  std::vector<float> q = RandomMatrix(200, d, rng);
+  std::vector<float> k = RandomMatrix(150, d, rng);
+  absl::StatusOr<std::vector<float>> a = ComputeSkew(q.data(), 200, k.data(),
+                                                     150, d);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_EQ(a->size(), d * d);
+  for (int i = 0; i < d; ++i) {
+    for (int j = 0; j < d; ++j) {
+      double aat = 0, ata = 0;
+      for (int m = 0; m < d; ++m) {
+        aat += (*a)[i * d + m] * (*a)[j * d + m];
+        ata += (*a)[m * d + i] * (*a)[m * d + j];
+      }
+      EXPECT_NEAR(aat, i == j ? 1.0 : 0.0, 1e-4) << i << "," << j;
+      EXPECT_NEAR(ata, i == j ? 1.0 : 0.0, 1e-4) << i << "," << j;
+    }
+  }
+}
+
+TEST(ComputeSkew, PreservesDotProducts) {
+  std::mt19937 rng(2);
+  const int d = 32;
+  std::vector<float> calib_q = RandomMatrix(96, d, rng, 3.0f);
+  std::vector<float> calib_k = RandomMatrix(64, d, rng, 0.5f);
+  absl::StatusOr<std::vector<float>> a =
+      ComputeSkew(calib_q.data(), 96, calib_k.data(), 64, d);
+  ASSERT_TRUE(a.ok()) << a.status();
+  for (int trial = 0; trial < 20; ++trial) {
+    std::vector<float> q = RandomMatrix(1, d, rng);
+    std::vector<float> k = RandomMatrix(1, d, rng);
+    std::vector<float> qa(d), ka(d);
+    ApplySkew(q.data(), 1, a->data(), d, qa.data());
+    ApplySkew(k.data(), 1, a->data(), d, ka.data());
+    double exact = 0, skewed = 0, scale = 0;
+    for (int c = 0; c < d; ++c) {
+      exact += q[c] * k[c];
+      skewed += qa[c] * ka[c];
+      scale += std::fabs(q[c] * k[c]);
+    }
+    EXPECT_NEAR(skewed, exact, 1e-5 * scale + 1e-6);
+  }
+}
+
+// q and k are built with known singular vectors and values; the values are
+// attached to V's columns out of order, so A's column order is a real check.
+TEST(ComputeSkew, ColumnsAreQuerySingularVectorsByDescendingProduct) {
+  std::mt19937 rng(3);
+  const int d = 8, q_rows = 40, k_rows = 30;
+  std::vector<double> v = OrthonormalColumns(d, d, rng);
+  std::vector<double> s_q = {3.0, 9.0, 1.0, 6.0, 0.5, 12.0, 2.0, 4.5};
+  std::vector<float> q = WithSpectrum(OrthonormalColumns(q_rows, d, rng), s_q,
+                                      v, q_rows, d);
+  std::vector<double> s_k = {8, 7, 6, 5, 4, 3, 2, 1};
+  std::vector<float> k =
+      WithSpectrum(OrthonormalColumns(k_rows, d, rng), s_k,
+                   OrthonormalColumns(d, d, rng), k_rows, d);
+
+  absl::StatusOr<std::vector<float>> a =
+      ComputeSkew(q.data(), q_rows, k.data(), k_rows, d);
+  ASSERT_TRUE(a.ok()) << a.status();
+
+  // Both spectra as LAPACK sees them are descending, so the product order
+  // is q's descending order: V columns 5 (12), 1 (9), 3 (6), 7 (4.5), ...
+  std::vector<int> expected(d);
+  std::iota(expected.begin(), expected.end(), 0);
+  std::sort(expected.begin(), expected.end(),
+            [&](int i, int j) { return s_q[i] > s_q[j]; });
+  ASSERT_THAT(expected, ElementsAre(5, 1, 3, 7, 0, 6, 2, 4));
+  for (int c = 0; c < d; ++c) {
+    double dot = 0;
+    for (int r = 0; r < d; ++r) dot += (*a)[r * d + c] * v[r * d + expected[c]];
+    EXPECT_NEAR(std::fabs(dot), 1.0, 1e-4) << "column " << c;
+  }
+}
+
+TEST(ComputeSkew, ConcentratesEnergyOfLowRankQueries) {
+  std::mt19937 rng(4);
+  const int d = 32, rows = 256, rank = 3;
+  // Low rank plus a little noise, as real queries are.
+  std::vector<float> basis = RandomMatrix(rank, d, rng);
+  std::vector<float> coeffs = RandomMatrix(rows, rank, rng, 4.0f);
+  std::vector<float> q = RandomMatrix(rows, d, rng, 0.05f);
+  for (int r = 0; r < rows; ++r) {
+    for (int i = 0; i < rank; ++i) {
+      for (int c = 0; c < d; ++c) q[r * d + c] += coeffs[r * rank + i] * basis[i * d + c];
+    }
+  }
+  std::vector<float> k = RandomMatrix(rows, d, rng);
+  absl::StatusOr<std::vector<float>> a =
+      ComputeSkew(q.data(), rows, k.data(), rows, d);
+  ASSERT_TRUE(a.ok()) << a.status();
+
+  std::vector<float> skewed(q.size());
+  ApplySkew(q.data(), rows, a->data(), d, skewed.data());
+  auto energy_of_first = [&](const std::vector<float>& m, int n) {
+    double head = 0, total = 0;
+    for (int r = 0; r < rows; ++r) {
+      for (int c = 0; c < d; ++c) {
+        const double e = double{m[r * d + c]} * m[r * d + c];
+        total += e;
+        if (c < n) head += e;
+      }
+    }
+    return head / total;
+  };
+  EXPECT_GT(energy_of_first(skewed, rank), 0.99);
+  // Unskewed, the first columns hold only about their share.
+  EXPECT_LT(energy_of_first(q, rank), 0.5);
+  // Skewing is a rotation: total energy is unchanged.
+  double before = 0, after = 0;
+  for (size_t i = 0; i < q.size(); ++i) {
+    before += double{q[i]} * q[i];
+    after += double{skewed[i]} * skewed[i];
+  }
+  EXPECT_NEAR(after, before, 1e-4 * before);
+}
+
+TEST(ComputeSkew, RejectsTooFewRows) {
+  std::mt19937 rng(5);
+  const int d = 16;
+  std::vector<float> m = RandomMatrix(d, d, rng);
+  EXPECT_EQ(ComputeSkew(m.data(), d - 1, m.data(), d, d).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ComputeSkew(m.data(), d, m.data(), d - 1, d).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ComputeSkew(m.data(), d, m.data(), d, 0).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  // Exactly d rows is enough.
+  EXPECT_TRUE(ComputeSkew(m.data(), d, m.data(), d, d).ok());
+}
+
+TEST(ApplySkew, MatchesNaiveProduct) {
+  std::mt19937 rng(6);
+  const int n = 7, d = 12;
+  std::vector<float> x = RandomMatrix(n, d, rng);
+  std::vector<float> a = RandomMatrix(d, d, rng);
+  std::vector<float> y(n * d, -1.0f);
+  ApplySkew(x.data(), n, a.data(), d, y.data());
+  for (int r = 0; r < n; ++r) {
+    for (int c = 0; c < d; ++c) {
+      double acc = 0;
+      for (int i = 0; i < d; ++i) acc += x[r * d + i] * a[i * d + c];
+      EXPECT_NEAR(y[r * d + c], acc, 1e-4) << r << "," << c;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// SkewMatrices
+
+TEST(SkewMatrices, Identity) {
+  SkewMatrices m = SkewMatrices::Identity(2, 3, 4);
+  EXPECT_EQ(m.n_layers, 2);
+  EXPECT_EQ(m.n_kv_heads, 3);
+  EXPECT_EQ(m.head_dim, 4);
+  ASSERT_EQ(m.a.size(), 2 * 3 * 4 * 4);
+  for (int l = 0; l < 2; ++l) {
+    for (int g = 0; g < 3; ++g) {
+      const float* a = m.at(l, g);
+      for (int i = 0; i < 4; ++i) {
+        for (int j = 0; j < 4; ++j) EXPECT_EQ(a[i * 4 + j], i == j ? 1.0f : 0.0f);
+      }
+    }
+  }
+  EXPECT_TRUE(m.CheckShape(2, 3, 4).ok());
+}
+
+TEST(SkewMatrices, AtAddressesLayerAndHead) {
+  SkewMatrices m = SkewMatrices::Identity(3, 2, 4);
+  EXPECT_EQ(m.at(0, 0), m.a.data());
+  EXPECT_EQ(m.at(1, 1), m.a.data() + (1 * 2 + 1) * 16);
+  EXPECT_EQ(m.at(2, 0), m.a.data() + (2 * 2 + 0) * 16);
+}
+
+TEST(SkewMatrices, SaveLoadRoundTripIsBitExact) {
+  std::mt19937 rng(7);
+  SkewMatrices m;
+  m.n_layers = 3;
+  m.n_kv_heads = 2;
+  m.head_dim = 5;
+  m.a = RandomMatrix(3 * 2, 5 * 5, rng);
+  m.a[0] = -0.0f;
+  m.a[1] = std::numeric_limits<float>::denorm_min();
+  const std::string path = TempPath("skew_roundtrip.bin");
+  ASSERT_TRUE(m.Save(path).ok());
+  absl::StatusOr<SkewMatrices> loaded = SkewMatrices::Load(path);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(loaded->n_layers, 3);
+  EXPECT_EQ(loaded->n_kv_heads, 2);
+  EXPECT_EQ(loaded->head_dim, 5);
+  ASSERT_EQ(loaded->a.size(), m.a.size());
+  EXPECT_EQ(std::memcmp(loaded->a.data(), m.a.data(), m.a.size() * 4), 0);
+
+  // The format is the documented one: magic, three int32, the floats.
+  std::ifstream in(path, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)),
+                    std::istreambuf_iterator<char>());
+  ASSERT_EQ(bytes.size(), 8 + 12 + m.a.size() * 4);
+  EXPECT_EQ(bytes.substr(0, 8), "IGSKEW01");
+  int32_t dims[3];
+  std::memcpy(dims, bytes.data() + 8, 12);
+  EXPECT_THAT(dims, ElementsAre(3, 2, 5));
+
+  // Saving again overwrites.
+  SkewMatrices id = SkewMatrices::Identity(1, 1, 2);
+  ASSERT_TRUE(id.Save(path).ok());
+  loaded = SkewMatrices::Load(path);
+  ASSERT_TRUE(loaded.ok());
+  EXPECT_THAT(loaded->a, ElementsAre(1, 0, 0, 1));
+}
+
+TEST(SkewMatrices, SaveRejectsInconsistentSizeAndReportsIoErrors) {
+  SkewMatrices m = SkewMatrices::Identity(1, 2, 4);
+  m.a.pop_back();
+  EXPECT_EQ(m.Save(TempPath("skew_bad.bin")).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(SkewMatrices::Identity(1, 1, 2)
+                .Save(TempPath("no/such/dir/skew.bin"))
+                .code(),
+            absl::StatusCode::kInternal);
+}
+
+TEST(SkewMatrices, CheckShapeMismatch) {
+  SkewMatrices m = SkewMatrices::Identity(2, 3, 4);
+  EXPECT_TRUE(m.CheckShape(2, 3, 4).ok());
+  for (absl::Status s : {m.CheckShape(1, 3, 4), m.CheckShape(2, 1, 4),
+                         m.CheckShape(2, 3, 8)}) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  }
+  m.a.resize(5);
+  EXPECT_EQ(m.CheckShape(2, 3, 4).code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(SkewMatrices, LoadMissingFileIsNotFound) {
+  absl::StatusOr<SkewMatrices> m =
+      SkewMatrices::Load(TempPath("does_not_exist.bin"));
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kNotFound);
+}
+
+class SkewLoadCorruption : public ::testing::Test {
+ protected:
+  // Writes a valid file for Identity(2, 1, 3), then returns its bytes.
+  std::string ValidBytes() {
+    const std::string path = TempPath("skew_valid.bin");
+    EXPECT_TRUE(SkewMatrices::Identity(2, 1, 3).Save(path).ok());
+    std::ifstream in(path, std::ios::binary);
+    return std::string((std::istreambuf_iterator<char>(in)),
+                       std::istreambuf_iterator<char>());
+  }
+  void ExpectInvalid(const std::string& name, const std::string& bytes) {
+    const std::string path = TempPath(name);
+    std::ofstream(path, std::ios::binary) << bytes;
+    absl::StatusOr<SkewMatrices> m = SkewMatrices::Load(path);
+    EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument) << name;
+    EXPECT_THAT(std::string(m.status().message()), HasSubstr(path));
+  }
+};
+
+TEST_F(SkewLoadCorruption, BadMagic) {
+  std::string bytes = ValidBytes();
+  bytes[6] = '9';
+  ExpectInvalid("skew_magic.bin", bytes);
+}
+
+TEST_F(SkewLoadCorruption, EmptyAndShortHeader) {
+  ExpectInvalid("skew_empty.bin", "");
+  ExpectInvalid("skew_short.bin", ValidBytes().substr(0, 12));
+}
+
+TEST_F(SkewLoadCorruption, Truncated) {
+  std::string bytes = ValidBytes();
+  ExpectInvalid("skew_truncated.bin", bytes.substr(0, bytes.size() - 3));
+}
+
+TEST_F(SkewLoadCorruption, TrailingBytes) {
+  ExpectInvalid("skew_trailing.bin", ValidBytes() + "x");
+}
+
+TEST_F(SkewLoadCorruption, NegativeOrHugeDimensions) {
+  std::string bytes = ValidBytes();
+  int32_t neg = -2;
+  std::memcpy(&bytes[8], &neg, 4);
+  ExpectInvalid("skew_negative.bin", bytes);
+  // Dimensions whose product would overflow 64 bits must not pass.
+  bytes = ValidBytes();
+  int32_t huge[3] = {1 << 30, 1 << 30, 1 << 30};
+  std::memcpy(&bytes[8], huge, 12);
+  ExpectInvalid("skew_huge.bin", bytes);
+}
+
+// ---------------------------------------------------------------------------
+// Partial columns
+
+TEST(PartialColumnCount, TruncatesAtLeastOneAtMostD) {
+  EXPECT_EQ(PartialColumnCount(64, 0.3), 19);
+  EXPECT_EQ(PartialColumnCount(64, 0.2), 12);
+  EXPECT_EQ(PartialColumnCount(64, 0.1), 6);
+  EXPECT_EQ(PartialColumnCount(64, 0.0), 1);
+  EXPECT_EQ(PartialColumnCount(64, 1.0), 64);
+  EXPECT_EQ(PartialColumnCount(64, 2.0), 64);
+  EXPECT_EQ(PartialColumnCount(128, 0.3), 38);
+  EXPECT_EQ(PartialColumnCount(4, 0.1), 1);
+}
+
+TEST(SelectPartialColumns, SumsAbsoluteValuesOverTheGroupsHeads) {
+  // GQA: 6 query heads, 2 KV heads, so heads 0-2 are group 0 and 3-5 group 1.
+  const int n_tokens = 10, n_heads = 6, n_kv_heads = 2, d = 8, n_cols = 3;
+  std::mt19937 rng(8);
+  std::vector<float> q = RandomMatrix(n_tokens * n_heads, d, rng, 0.1f);
+  auto at = [&](int t, int h, int c) -> float& {
+    return q[(t * n_heads + h) * d + c];
+  };
+  for (int t = 0; t < n_tokens; ++t) {
+    // Group 0: each winning column is large in one head only, so only the
+    // sum over the group's heads finds all three.
+    at(t, 0, 6) = 2.0f;
+    at(t, 1, 1) = -2.0f;
+    at(t, 2, 4) = 1.5f;
+    // Column 3: alternating sign, a signed sum would cancel; |q| does not.
+    at(t, 2, 3) = t % 2 == 0 ? 1.2f : -1.2f;
+    // Group 1.
+    at(t, 3, 7) = 3.0f;
+    at(t, 4, 0) = 2.5f;
+    at(t, 5, 2) = t % 2 == 0 ? 2.0f : -2.0f;
+  }
+  std::vector<int32_t> cols(n_kv_heads * n_cols, -1);
+  SelectPartialColumns(q.data(), n_tokens, n_heads, n_kv_heads, d, n_cols,
+                       cols.data());
+  EXPECT_THAT(cols, ElementsAre(1, 4, 6, 0, 2, 7));
+
+  // One more column: group 0's alternating column 3 comes next.
+  std::vector<int32_t> cols4(n_kv_heads * 4, -1);
+  SelectPartialColumns(q.data(), n_tokens, n_heads, n_kv_heads, d, 4,
+                       cols4.data());
+  EXPECT_THAT(std::vector<int32_t>(cols4.begin(), cols4.begin() + 4),
+              ElementsAre(1, 3, 4, 6));
+}
+
+TEST(SelectPartialColumns, MatchesNaiveRankingOnRandomData) {
+  const int n_tokens = 33, n_heads = 9, n_kv_heads = 3, d = 16, n_cols = 5;
+  std::mt19937 rng(9);
+  std::vector<float> q = RandomMatrix(n_tokens * n_heads, d, rng);
+  std::vector<int32_t> cols(n_kv_heads * n_cols);
+  SelectPartialColumns(q.data(), n_tokens, n_heads, n_kv_heads, d, n_cols,
+                       cols.data());
+  for (int g = 0; g < n_kv_heads; ++g) {
+    std::vector<double> sum(d, 0.0);
+    for (int t = 0; t < n_tokens; ++t) {
+      for (int h = g * 3; h < g * 3 + 3; ++h) {
+        for (int c = 0; c < d; ++c) sum[c] += std::fabs(q[(t * n_heads + h) * d + c]);
+      }
+    }
+    std::vector<int32_t> order(d);
+    std::iota(order.begin(), order.end(), 0);
+    std::sort(order.begin(), order.end(),
+              [&](int i, int j) { return sum[i] > sum[j]; });
+    order.resize(n_cols);
+    std::sort(order.begin(), order.end());
+    EXPECT_THAT(std::vector<int32_t>(cols.begin() + g * n_cols,
+                                     cols.begin() + (g + 1) * n_cols),
+                ElementsAreArray(order))
+        << "group " << g;
+  }
+}
+
+TEST(SelectPartialColumns, AllColumnsWhenNColsIsD) {
+  const int d = 6;
+  std::mt19937 rng(10);
+  std::vector<float> q = RandomMatrix(4 * 2, d, rng);
+  std::vector<int32_t> cols(d);
+  SelectPartialColumns(q.data(), 4, 2, 1, d, d, cols.data());
+  EXPECT_THAT(cols, ElementsAre(0, 1, 2, 3, 4, 5));
+}
+
+// ---------------------------------------------------------------------------
+// SpeculateScores
+
+std::vector<float> NaiveScores(const std::vector<float>& q, int n_heads,
+                               int n_kv_heads, int d,
+                               const std::vector<float>& partial_k,
+                               int k_stride, int n_tokens,
+                               const std::vector<int32_t>& cols, int n_cols) {
+  const int group = n_heads / n_kv_heads;
+  std::vector<float> out(n_kv_heads * n_tokens);
+  for (int g = 0; g < n_kv_heads; ++g) {
+    for (int t = 0; t < n_tokens; ++t) {
+      double best = -1e300;
+      for (int h = g * group; h < (g + 1) * group; ++h) {
+        double acc = 0;
+        for (int c = 0; c < n_cols; ++c) {
+          acc += double{q[h * d + cols[g * n_cols + c]]} *
+                 partial_k[(g * k_stride + t) * n_cols + c];
+        }
+        best = std::max(best, acc / std::sqrt(double{d}));
+      }
+      out[g * n_tokens + t] = static_cast<float>(best);
+    }
+  }
+  return out;
+}
+
+TEST(SpeculateScores, MatchesNaiveWithGqaStrideAndColumnSubsets) {
+  const int n_heads = 6, n_kv_heads = 2, d = 16, n_cols = 5;
+  const int k_stride = 13, n_tokens = 9;
+  std::mt19937 rng(11);
+  std::vector<float> q = RandomMatrix(n_heads, d, rng);
+  std::vector<float> partial_k =
+      RandomMatrix(n_kv_heads * k_stride, n_cols, rng);
+  // Rows past n_tokens are unused capacity: poison them.
+  for (int g = 0; g < n_kv_heads; ++g) {
+    for (int t = n_tokens; t < k_stride; ++t) {
+      for (int c = 0; c < n_cols; ++c) {
+        partial_k[(g * k_stride + t) * n_cols + c] =
+            std::numeric_limits<float>::quiet_NaN();
+      }
+    }
+  }
+  // Different columns per KV head, not contiguous.
+  std::vector<int32_t> cols = {0, 3, 4, 9, 15, 1, 2, 7, 8, 12};
+  std::vector<float> scores(n_kv_heads * n_tokens, 123.0f);
+  SpeculateScores(q.data(), n_heads, n_kv_heads, d, partial_k.data(),
+                  k_stride, n_tokens, cols.data(), n_cols, scores.data());
+  std::vector<float> expected = NaiveScores(q, n_heads, n_kv_heads, d,
+                                            partial_k, k_stride, n_tokens,
+                                            cols, n_cols);
+  for (int i = 0; i < n_kv_heads * n_tokens; ++i) {
+    EXPECT_NEAR(scores[i], expected[i], 1e-5f) << i;
+  }
+}
+
+TEST(SpeculateScores, MatchesNaiveForMhaAndRealisticShape) {
+  std::mt19937 rng(12);
+  struct Case {
+    int n_heads, n_kv_heads, d, n_cols, k_stride, n_tokens;
+  };
+  for (const Case& c : {Case{4, 4, 8, 3, 5, 5}, Case{9, 3, 64, 19, 600, 517},
+                        Case{2, 1, 4, 1, 3, 1}}) {
+    std::vector<float> q = RandomMatrix(c.n_heads, c.d, rng);
+    std::vector<float> partial_k =
+        RandomMatrix(c.n_kv_heads * c.k_stride, c.n_cols, rng);
+    std::vector<int32_t> cols;
+    for (int g = 0; g < c.n_kv_heads; ++g) {
+      std::vector<int32_t> all(c.d);
+      std::iota(all.begin(), all.end(), 0);
+      std::shuffle(all.begin(), all.end(), rng);
+      all.resize(c.n_cols);
+      std::sort(all.begin(), all.end());
+      cols.insert(cols.end(), all.begin(), all.end());
+    }
+    std::vector<float> scores(c.n_kv_heads * c.n_tokens);
+    SpeculateScores(q.data(), c.n_heads, c.n_kv_heads, c.d, partial_k.data(),
+                    c.k_stride, c.n_tokens, cols.data(), c.n_cols,
+                    scores.data());
+    std::vector<float> expected =
+        NaiveScores(q, c.n_heads, c.n_kv_heads, c.d, partial_k, c.k_stride,
+                    c.n_tokens, cols, c.n_cols);
+    for (size_t i = 0; i < scores.size(); ++i) {
+      ASSERT_NEAR(scores[i], expected[i], 1e-5f) << "d=" << c.d << " i=" << i;
+    }
+  }
+}
+
+TEST(SpeculateScores, AllColumnsGiveExactScaledScoresMaxedOverTheGroup) {
+  const int n_heads = 6, n_kv_heads = 2, d = 8, n_tokens = 7;
+  std::mt19937 rng(13);
+  std::vector<float> q = RandomMatrix(n_heads, d, rng);
+  std::vector<float> k = RandomMatrix(n_kv_heads * n_tokens, d, rng);
+  std::vector<int32_t> cols;
+  for (int g = 0; g < n_kv_heads; ++g) {
+    for (int c = 0; c < d; ++c) cols.push_back(c);
+  }
+  std::vector<float> scores(n_kv_heads * n_tokens);
+  // With every column the partial cache is the full key cache.
+  SpeculateScores(q.data(), n_heads, n_kv_heads, d, k.data(), n_tokens,
+                  n_tokens, cols.data(), d, scores.data());
+  for (int g = 0; g < n_kv_heads; ++g) {
+    for (int t = 0; t < n_tokens; ++t) {
+      float best = -std::numeric_limits<float>::infinity();
+      for (int h = 3 * g; h < 3 * g + 3; ++h) {
+        float dot = 0;
+        for (int c = 0; c < d; ++c) dot += q[h * d + c] * k[(g * n_tokens + t) * d + c];
+        best = std::max(best, dot / std::sqrt(8.0f));
+      }
+      EXPECT_NEAR(scores[g * n_tokens + t], best, 1e-5f);
+    }
+  }
+}
+
+TEST(SpeculateScores, NoTokensWritesNothingAndSteadyStateDoesNotAllocate) {
+  const int n_heads = 4, n_kv_heads = 2, d = 8, n_cols = 2;
+  std::vector<float> q(n_heads * d, 1.0f);
+  std::vector<float> partial_k(n_kv_heads * 4 * n_cols, 1.0f);
+  std::vector<int32_t> cols = {0, 1, 2, 3};
+  std::vector<float> scores(n_kv_heads * 4, 7.0f);
+  SpeculateScores(q.data(), n_heads, n_kv_heads, d, partial_k.data(), 4, 0,
+                  cols.data(), n_cols, scores.data());
+  EXPECT_THAT(scores, ::testing::Each(7.0f));
+
+  SpeculateScores(q.data(), n_heads, n_kv_heads, d, partial_k.data(), 4, 4,
+                  cols.data(), n_cols, scores.data());
+  const int64_t before = g_allocations.load();
+  SpeculateScores(q.data(), n_heads, n_kv_heads, d, partial_k.data(), 4, 4,
+                  cols.data(), n_cols, scores.data());
+  EXPECT_EQ(g_allocations.load(), before);
+  EXPECT_FLOAT_EQ(scores[0], 2.0f / std::sqrt(8.0f));
+}
+
+// ---------------------------------------------------------------------------
+// SelectTokens
+
+// Independent reference: full sort instead of nth_element.
+int NaiveSelect(const std::vector<float>& scores, int n_kv_heads,
+                int n_tokens, const std::vector<uint8_t>* present,
+                const SelectionOptions& options,
+                std::vector<int32_t>& indices) {
+  indices.clear();
+  double total = 0;
+  int min_present = n_tokens;
+  for (int g = 0; g < n_kv_heads; ++g) {
+    float mx = -std::numeric_limits<float>::infinity();
+    int n = 0;
+    for (int t = 0; t < n_tokens; ++t) {
+      if (present != nullptr && !(*present)[g * n_tokens + t]) continue;
+      mx = std::max(mx, scores[g * n_tokens + t]);
+      ++n;
+    }
+    if (n == 0) return 0;
+    for (int t = 0; t < n_tokens; ++t) {
+      if (present != nullptr && !(*present)[g * n_tokens + t]) continue;
+      if (scores[g * n_tokens + t] >= mx - options.alpha) total += 1;
+    }
+    min_present = std::min(min_present, n);
+  }
+  const int cap = std::max(
+      1, static_cast<int>(static_cast<float>(n_tokens) * options.max_fraction));
+  int k = static_cast<int>(std::lround(total / n_kv_heads));
+  k = std::min(std::max(k, 1), cap);
+  k = std::min(k, min_present);
+  for (int g = 0; g < n_kv_heads; ++g) {
+    std::vector<int32_t> pos;
+    for (int t = 0; t < n_tokens; ++t) {
+      if (present == nullptr || (*present)[g * n_tokens + t]) pos.push_back(t);
+    }
+    std::stable_sort(pos.begin(), pos.end(), [&](int a, int b) {
+      return scores[g * n_tokens + a] > scores[g * n_tokens + b];
+    });
+    pos.resize(k);
+    std::sort(pos.begin(), pos.end());
+    indices.insert(indices.end(), pos.begin(), pos.end());
+  }
+  return k;
+}
+
+std::vector<int32_t> Slice(const std::vector<int32_t>& v, int begin, int end) {
+  return std::vector<int32_t>(v.begin() + begin, v.begin() + end);
+}
+
+TEST(SelectTokens, AveragesThresholdCountsAndTakesPerHeadTopK) {
+  const int n_tokens = 20;
+  std::vector<float> scores(2 * n_tokens);
+  // Background well below alpha = 1 of the max, distinct so top-k is unique.
+  for (int t = 0; t < n_tokens; ++t) {
+    scores[t] = 5.0f - 0.01f * t;
+    scores[n_tokens + t] = 3.0f - 0.01f * ((t * 7) % n_tokens);
+  }
+  // Head 0: three tokens within alpha (9.0 is exactly max - alpha: counts).
+  scores[5] = 10.0f;
+  scores[12] = 9.5f;
+  scores[1] = 9.0f;
+  scores[17] = 8.9f;  // Just outside, but the 4th best.
+  // Head 1: five tokens within alpha.
+  for (int t : {2, 3, 11, 18, 19}) scores[n_tokens + t] = 20.0f - 0.01f * t;
+
+  SelectionOptions options;
+  options.alpha = 1.0f;
+  options.max_fraction = 1.0f;
+  std::vector<int32_t> indices, offsets;
+  const int k = SelectTokens(scores.data(), 2, n_tokens, nullptr, options,
+                             indices, offsets);
+  EXPECT_EQ(k, 4);  // round((3 + 5) / 2)
+  EXPECT_THAT(offsets, ElementsAre(0, 4, 8));
+  EXPECT_THAT(Slice(indices, 0, 4), ElementsAre(1, 5, 12, 17));
+  // Head 1's top 4 of its 5 candidates: 19 has the lowest score of them.
+  EXPECT_THAT(Slice(indices, 4, 8), ElementsAre(2, 3, 11, 18));
+}
+
+TEST(SelectTokens, RoundsTheMeanCount) {
+  // Counts 1 and 2: mean 1.5 rounds to 2. Counts 1, 1, 2: mean 1.33 -> 1.
+  const int n = 6;
+  std::vector<float> scores = {9, 0, 0, 0, 0, 0,   //
+                               9, 9, 0, 0, 0, 0,   //
+                               0, 0, 0, 0, 0, 9};
+  SelectionOptions options;
+  options.alpha = 1.0f;
+  options.max_fraction = 1.0f;
+  std::vector<int32_t> indices, offsets;
+  EXPECT_EQ(SelectTokens(scores.data(), 2, n, nullptr, options, indices,
+                         offsets),
+            2);
+  EXPECT_THAT(indices, ElementsAre(0, 1, 0, 1));
+  std::vector<float> three = {9, 0, 0, 0, 0, 0,  //
+                              0, 0, 0, 0, 9, 0,  //
+                              9, 9, 0, 0, 0, 0};
+  EXPECT_EQ(SelectTokens(three.data(), 3, n, nullptr, options, indices,
+                         offsets),
+            1);
+  EXPECT_THAT(indices, ElementsAre(0, 4, 0));
+  EXPECT_THAT(offsets, ElementsAre(0, 1, 2, 3));
+}
+
+TEST(SelectTokens, CapIsIntOfNTokensTimesMaxFraction) {
+  const int n_tokens = 23;
+  std::vector<float> scores(n_tokens);
+  for (int t = 0; t < n_tokens; ++t) scores[t] = static_cast<float>(t % 5);
+  SelectionOptions options;
+  options.alpha = 100.0f;  // Every token is a candidate.
+  options.max_fraction = 0.2f;  // int(4.6) = 4
+  std::vector<int32_t> indices, offsets;
+  EXPECT_EQ(SelectTokens(scores.data(), 1, n_tokens, nullptr, options,
+                         indices, offsets),
+            4);
+  // The four 4.0 scores at t = 4, 9, 14, 19.
+  EXPECT_THAT(indices, ElementsAre(4, 9, 14, 19));
+
+  options.max_fraction = 0.7f;  // 23 * 0.7 = 16.1
+  EXPECT_EQ(SelectTokens(scores.data(), 1, n_tokens, nullptr, options,
+                         indices, offsets),
+            16);
+  // 10 tokens * 0.7 is 7, not 6.
+  options.max_fraction = 0.7f;
+  EXPECT_EQ(SelectTokens(scores.data(), 1, 10, nullptr, options, indices,
+                         offsets),
+            7);
+}
+
+TEST(SelectTokens, KIsAtLeastOne) {
+  std::vector<float> scores = {1, 2, 3};
+  SelectionOptions options;
+  options.alpha = 100.0f;
+  options.max_fraction = 0.2f;  // int(0.6) = 0, raised to 1.
+  std::vector<int32_t> indices, offsets;
+  EXPECT_EQ(SelectTokens(scores.data(), 1, 3, nullptr, options, indices,
+                         offsets),
+            1);
+  EXPECT_THAT(indices, ElementsAre(2));
+  options.max_fraction = 0.0f;
+  options.alpha = 0.0f;
+  EXPECT_EQ(SelectTokens(scores.data(), 1, 3, nullptr, options, indices,
+                         offsets),
+            1);
+  EXPECT_THAT(offsets, ElementsAre(0, 1));
+}
+
+TEST(SelectTokens, EvictedTokensAreNeverSelectedNorCounted) {
+  const int n = 8;
+  // Head 0: the evicted token 3 has the highest score; had it counted, the
+  // max would be 100 and no present token would be within alpha.
+  std::vector<float> scores = {5, 4.5f, 1, 100, 4.2f, 0, 3.9f, 4.9f,  //
+                               7, 1, 7, 7, 1, 1, 1, 7};
+  std::vector<uint8_t> present = {1, 1, 1, 0, 1, 1, 1, 1,  //
+                                  1, 1, 0, 0, 1, 1, 1, 1};
+  SelectionOptions options;
+  options.alpha = 1.0f;
+  options.max_fraction = 1.0f;
+  std::vector<int32_t> indices, offsets;
+  // Head 0 counts {0, 1, 4, 7} = 4 (6 at 3.9 is outside); head 1 counts the
+  // present 7s {0, 7} = 2, not the evicted 10 and 11. k = 3.
+  const int k = SelectTokens(scores.data(), 2, n, present.data(), options,
+                             indices, offsets);
+  EXPECT_EQ(k, 3);
+  EXPECT_THAT(Slice(indices, 0, 3), ElementsAre(0, 1, 7));
+  // Head 1 fills its third slot with a present score-1 token (the lowest
+  // position: 1), never with the evicted 7s at 2 and 3.
+  EXPECT_THAT(Slice(indices, 3, 6), ElementsAre(0, 1, 7));
+}
+
+TEST(SelectTokens, FewPresentTokensClampK) {
+  const int n = 10;
+  std::vector<float> scores(2 * n, 1.0f);  // All within alpha.
+  std::vector<uint8_t> present(2 * n, 1);
+  for (int t = 0; t < n; ++t) present[t] = (t == 4 || t == 8) ? 1 : 0;
+  SelectionOptions options;
+  options.alpha = 5.0f;
+  options.max_fraction = 1.0f;
+  std::vector<int32_t> indices, offsets;
+  // Mean count (2 + 10) / 2 = 6, but head 0 has only 2 tokens.
+  EXPECT_EQ(SelectTokens(scores.data(), 2, n, present.data(), options,
+                         indices, offsets),
+            2);
+  EXPECT_THAT(indices, ElementsAre(4, 8, 0, 1));  // Ties: lower positions.
+  EXPECT_THAT(offsets, ElementsAre(0, 2, 4));
+}
+
+TEST(SelectTokens, HeadWithNoPresentTokenReturnsZero) {
+  std::vector<float> scores(2 * 4, 1.0f);
+  std::vector<uint8_t> present = {1, 1, 1, 1, 0, 0, 0, 0};
+  std::vector<int32_t> indices = {9, 9}, offsets = {9};
+  EXPECT_EQ(SelectTokens(scores.data(), 2, 4, present.data(),
+                         SelectionOptions(), indices, offsets),
+            0);
+  EXPECT_TRUE(indices.empty());
+  EXPECT_THAT(offsets, ElementsAre(0, 0, 0));
+  EXPECT_EQ(SelectTokens(scores.data(), 2, 0, nullptr, SelectionOptions(),
+                         indices, offsets),
+            0);
+}
+
+TEST(SelectTokens, HugeAlphaSelectsEveryPresentToken) {
+  const int n = 12;
+  std::mt19937 rng(14);
+  std::vector<float> scores = RandomMatrix(3, n, rng, 10.0f);
+  SelectionOptions options;
+  options.alpha = 1e30f;
+  options.max_fraction = 1.0f;
+  std::vector<int32_t> indices, offsets;
+  EXPECT_EQ(SelectTokens(scores.data(), 3, n, nullptr, options, indices,
+                         offsets),
+            n);
+  for (int g = 0; g < 3; ++g) {
+    std::vector<int32_t> all(n);
+    std::iota(all.begin(), all.end(), 0);
+    EXPECT_THAT(Slice(indices, g * n, (g + 1) * n), ElementsAreArray(all));
+  }
+  // With evictions every head keeps its own present tokens.
+  std::vector<uint8_t> present(3 * n, 1);
+  present[0] = present[n + 5] = present[2 * n + 11] = 0;
+  EXPECT_EQ(SelectTokens(scores.data(), 3, n, present.data(), options,
+                         indices, offsets),
+            n - 1);
+  EXPECT_EQ(Slice(indices, 0, 3), (std::vector<int32_t>{1, 2, 3}));
+  EXPECT_EQ(std::count(indices.begin() + n - 1, indices.begin() + 2 * n - 2,
+                       5),
+            0);
+  EXPECT_EQ(indices.back(), 10);
+}
+
+TEST(SelectTokens, MatchesNaiveOnRandomInputs) {
+  std::mt19937 rng(15);
+  std::uniform_int_distribution<int> coin(0, 9);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int n_kv_heads = 1 + trial % 4;
+    const int n_tokens = 1 + (trial * 37) % 300;
+    std::vector<float> scores = RandomMatrix(n_kv_heads, n_tokens, rng, 3.0f);
+    // Quantize some scores to create ties.
+    if (trial % 3 == 0) {
+      for (float& s : scores) s = std::round(s);
+    }
+    std::vector<uint8_t> present(scores.size());
+    for (uint8_t& p : present) p = coin(rng) != 0;
+    SelectionOptions options;
+    options.alpha = 0.5f + (trial % 7);
+    options.max_fraction = (trial % 5) * 0.1f + 0.05f;
+    const bool use_present = trial % 2 == 1;
+    std::vector<int32_t> indices, offsets, expected;
+    const int k = SelectTokens(scores.data(), n_kv_heads, n_tokens,
+                               use_present ? present.data() : nullptr,
+                               options, indices, offsets);
+    const int expected_k =
+        NaiveSelect(scores, n_kv_heads, n_tokens,
+                    use_present ? &present : nullptr, options, expected);
+    ASSERT_EQ(k, expected_k) << "trial " << trial;
+    ASSERT_EQ(indices, expected) << "trial " << trial;
+    ASSERT_EQ(offsets.size(), n_kv_heads + 1);
+    for (int g = 0; g <= n_kv_heads; ++g) ASSERT_EQ(offsets[g], g * k);
+  }
+}
+
+TEST(SelectTokens, ReusesCapacityAndDoesNotAllocateInSteadyState) {
+  const int n_kv_heads = 3, n_tokens = 4096;
+  std::mt19937 rng(16);
+  std::vector<float> scores = RandomMatrix(n_kv_heads, n_tokens, rng);
+  SelectionOptions options;
+  options.alpha = 2.0f;
+  std::vector<int32_t> indices, offsets;
+  const int k1 = SelectTokens(scores.data(), n_kv_heads, n_tokens, nullptr,
+                              options, indices, offsets);
+  ASSERT_GT(k1, 0);
+  const int32_t* indices_data = indices.data();
+  const int32_t* offsets_data = offsets.data();
+  const size_t indices_capacity = indices.capacity();
+  const size_t offsets_capacity = offsets.capacity();
+
+  // Next step: new scores, same shape.
+  scores = RandomMatrix(n_kv_heads, n_tokens, rng);
+  const int64_t before = g_allocations.load();
+  const int k2 = SelectTokens(scores.data(), n_kv_heads, n_tokens, nullptr,
+                              options, indices, offsets);
+  EXPECT_EQ(g_allocations.load(), before);
+  EXPECT_GT(k2, 0);
+  EXPECT_EQ(indices.data(), indices_data);
+  EXPECT_EQ(offsets.data(), offsets_data);
+  EXPECT_EQ(indices.capacity(), indices_capacity);
+  EXPECT_EQ(offsets.capacity(), offsets_capacity);
+}
+
+}  // namespace
+}  // namespace infinigen::speculator
