@@ -1,6 +1,7 @@
 #include "gpu_worker/engine.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 
@@ -15,6 +16,15 @@ using kv_memory_service::SequenceGeometry;
 using model::Architecture;
 using model::LayerWeights;
 using model::ModelConfig;
+
+void FetchStats::Add(const FetchStats& o) {
+  steps += o.steps;
+  fraction_sum += o.fraction_sum;
+  fraction_max = std::max(fraction_max, o.fraction_max);
+  rows_fetched += o.rows_fetched;
+  bytes_fetched += o.bytes_fetched;
+  wait_seconds += o.wait_seconds;
+}
 
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
     const model::Weights& weights, std::unique_ptr<Backend> backend,
@@ -33,6 +43,10 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
   }
   if (options.max_chunk <= 0) {
     return absl::InvalidArgumentError("engine: max_chunk must be positive");
+  }
+  if (options.batch <= 0 || options.batch > 1024) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "engine: batch must be in [1, 1024], got %d", options.batch));
   }
   IG_RETURN_IF_ERROR(options.policy.Validate());
   if (options.policy.kind != PolicyKind::kIdeal &&
@@ -62,15 +76,14 @@ Engine::Engine(const model::Weights& weights, std::unique_ptr<Backend> backend,
       backend_(std::move(backend)),
       options_(options),
       max_seq_len_(max_seq_len),
-      max_chunk_(max_chunk) {}
+      max_chunk_(max_chunk),
+      rows_(std::max(max_chunk, options.batch)) {}
 
 absl::Status Engine::Init() {
   const ModelConfig& c = weights_.config;
   layer_cache_size_ = static_cast<size_t>(c.n_kv_heads) * max_seq_len_ *
                       c.head_dim;
-  k_cache_.assign(layer_cache_size_ * c.n_layers, 0.0f);
-  v_cache_.assign(layer_cache_size_ * c.n_layers, 0.0f);
-  const size_t n = max_chunk_;
+  const size_t n = rows_;
   x_.resize(n * c.dim);
   xb_.resize(n * c.dim);
   q_.resize(n * c.q_dim());
@@ -83,57 +96,93 @@ absl::Status Engine::Init() {
   skew_row_.resize(c.head_dim);
   positions_.resize(n);
   logits_.resize(n * c.vocab_size);
+  slots_.resize(options_.batch);
+  for (Slot& s : slots_) {
+    s.k_cache.assign(layer_cache_size_ * c.n_layers, 0.0f);
+    s.v_cache.assign(layer_cache_size_ * c.n_layers, 0.0f);
+  }
   if (options_.policy.kind == PolicyKind::kIdeal) return absl::OkStatus();
 
   KvPolicy::Context ctx;
   ctx.weights = &weights_;
   ctx.backend = backend_.get();
   ctx.max_seq_len = max_seq_len_;
-  IG_ASSIGN_OR_RETURN(policy_, KvPolicy::Create(options_.policy, ctx));
-  row_width_ = policy_->RowWidth();
   const size_t rows = static_cast<size_t>(c.n_kv_heads) * max_seq_len_;
-  for (auto& buffer : buffers_) {
-    IG_ASSIGN_OR_RETURN(buffer, options_.kv_client->NewFetchBuffer(
-                                    2 * rows * row_width_));
+  for (Slot& s : slots_) {
+    IG_ASSIGN_OR_RETURN(s.policy, KvPolicy::Create(options_.policy, ctx));
+    row_width_ = s.policy->RowWidth();
+    for (auto& buffer : s.buffers) {
+      IG_ASSIGN_OR_RETURN(buffer, options_.kv_client->NewFetchBuffer(
+                                      2 * rows * row_width_));
+    }
+    s.present.assign(static_cast<size_t>(c.n_layers) * rows, 0);
+    s.present_count.assign(c.n_layers, 0);
+    s.k_step.resize(static_cast<size_t>(c.n_layers) * c.n_kv_heads *
+                    row_width_);
+    s.v_step.resize(s.k_step.size());
+    s.xb_prev.resize(c.dim);
   }
-  const size_t stage = static_cast<size_t>(c.n_layers) * n * c.n_kv_heads *
-                       row_width_;
+  const size_t stage = static_cast<size_t>(c.n_layers) * max_chunk_ *
+                       c.n_kv_heads * row_width_;
   k_stage_.resize(stage);
   v_stage_.resize(stage);
-  present_.assign(static_cast<size_t>(c.n_layers) * rows, 0);
-  present_count_.assign(c.n_layers, 0);
-  xb_prev_.resize(c.dim);
   kf_.resize((rows + c.n_kv_heads) * c.head_dim);
   vf_.resize((rows + c.n_kv_heads) * c.head_dim);
   fetched_.resize(2 * rows * c.head_dim);
   probs_.resize(static_cast<size_t>(c.n_heads) * (max_seq_len_ + 1));
-  if (policy_->WantsPrefillProbs()) {
+  if (slots_[0].policy->WantsPrefillProbs()) {
     prefill_probs_.resize(static_cast<size_t>(c.n_heads) * max_seq_len_);
   }
+  {
+    absl::MutexLock lock(&append_mu_);
+    append_slots_.reserve(slots_.size());
+  }
+  appender_ = std::thread([this] { AppenderLoop(); });
   return absl::OkStatus();
 }
 
 Engine::~Engine() {
-  if (seq_ != 0) options_.kv_client->Close(seq_).IgnoreError();
+  if (appender_.joinable()) {
+    FinishAppends().IgnoreError();
+    {
+      absl::MutexLock lock(&append_mu_);
+      stopping_ = true;
+    }
+    appender_.join();
+  }
+  for (Slot& s : slots_) {
+    if (s.seq != 0) options_.kv_client->Close(s.seq).IgnoreError();
+  }
 }
 
-absl::Status Engine::Reset() {
-  position_ = 0;
-  decoding_ = false;
-  stats_ = FetchStats();
-  if (policy_ == nullptr) return absl::OkStatus();
-  policy_->Reset();
-  std::fill(present_.begin(), present_.end(), 0);
-  std::fill(present_count_.begin(), present_count_.end(), 0);
-  if (seq_ != 0) {
-    const kv_memory_service::SequenceId seq = seq_;
-    seq_ = 0;
+absl::Status Engine::CheckSlot(int slot) const {
+  if (slot < 0 || slot >= static_cast<int>(slots_.size())) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "slot %d outside the engine's batch of %d", slot, slots_.size()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Engine::Reset(int slot) {
+  IG_RETURN_IF_ERROR(CheckSlot(slot));
+  IG_RETURN_IF_ERROR(FinishAppends());
+  Slot& s = slots_[slot];
+  s.position = 0;
+  s.decoding = false;
+  s.stats = FetchStats();
+  if (s.policy == nullptr) return absl::OkStatus();
+  s.policy->Reset();
+  std::fill(s.present.begin(), s.present.end(), 0);
+  std::fill(s.present_count.begin(), s.present_count.end(), 0);
+  if (s.seq != 0) {
+    const kv_memory_service::SequenceId seq = s.seq;
+    s.seq = 0;
     IG_RETURN_IF_ERROR(options_.kv_client->Close(seq));
   }
   return absl::OkStatus();
 }
 
-absl::Status Engine::OpenSequence() {
+absl::Status Engine::OpenSequence(Slot& s) {
   const ModelConfig& c = weights_.config;
   SequenceGeometry g;
   g.n_layers = c.n_layers;
@@ -141,13 +190,15 @@ absl::Status Engine::OpenSequence() {
   g.head_dim = row_width_;
   g.max_tokens = std::max(
       1, static_cast<int>(options_.kv_capacity * max_seq_len_));
-  IG_ASSIGN_OR_RETURN(seq_, options_.kv_client->Open(g));
+  IG_ASSIGN_OR_RETURN(s.seq, options_.kv_client->Open(g));
   return absl::OkStatus();
 }
 
 absl::StatusOr<absl::Span<const float>> Engine::Forward(
-    absl::Span<const int> tokens, bool all_logits) {
+    int slot, absl::Span<const int> tokens, bool all_logits) {
+  IG_RETURN_IF_ERROR(CheckSlot(slot));
   const ModelConfig& c = weights_.config;
+  Slot& s = slots_[slot];
   const int n = static_cast<int>(tokens.size());
   if (n == 0) return absl::InvalidArgumentError("forward: no tokens");
   if (all_logits && n > max_chunk_) {
@@ -155,10 +206,10 @@ absl::StatusOr<absl::Span<const float>> Engine::Forward(
         "forward: all_logits for %d tokens exceeds max_chunk %d", n,
         max_chunk_));
   }
-  if (position_ + n > max_seq_len_) {
+  if (s.position + n > max_seq_len_) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "forward: sequence of %d tokens exceeds the cache's %d positions",
-        position_ + n, max_seq_len_));
+        s.position + n, max_seq_len_));
   }
   for (int t : tokens) {
     if (t < 0 || t >= c.vocab_size) {
@@ -166,22 +217,22 @@ absl::StatusOr<absl::Span<const float>> Engine::Forward(
           "forward: token %d outside the vocabulary of %d", t, c.vocab_size));
     }
   }
-  const bool offloaded = policy_ != nullptr;
-  if (offloaded && position_ > 0 && n == 1) {
-    IG_RETURN_IF_ERROR(DecodeStep(tokens[0], logits_.data()));
-    return absl::Span<const float>(logits_.data(), c.vocab_size);
+  const bool offloaded = s.policy != nullptr;
+  if (offloaded && s.position > 0 && n == 1) {
+    return DecodeBatch({slot}, tokens);
   }
-  if (offloaded && decoding_) {
+  if (offloaded && s.decoding) {
     return absl::FailedPreconditionError(absl::StrFormat(
         "forward: policy %s decodes one token at a time after the prefill",
         PolicyName(options_.policy.kind)));
   }
-  if (offloaded && seq_ == 0) IG_RETURN_IF_ERROR(OpenSequence());
+  IG_RETURN_IF_ERROR(FinishAppends());
+  if (offloaded && s.seq == 0) IG_RETURN_IF_ERROR(OpenSequence(s));
   for (int start = 0; start < n; start += max_chunk_) {
     const int len = std::min(max_chunk_, n - start);
     const bool last_chunk = start + len == n;
     IG_RETURN_IF_ERROR(
-        ForwardChunk(tokens.data() + start, len, all_logits,
+        ForwardChunk(s, tokens.data() + start, len, all_logits,
                      last_chunk || all_logits ? logits_.data() : nullptr));
   }
   if (all_logits) {
@@ -191,17 +242,17 @@ absl::StatusOr<absl::Span<const float>> Engine::Forward(
   return absl::Span<const float>(logits_.data(), c.vocab_size);
 }
 
-void Engine::Embed(const int* tokens, int n) {
+void Engine::Embed(const int* tokens, const int* positions, int n) {
   const ModelConfig& c = weights_.config;
   const int dim = c.dim;
   for (int i = 0; i < n; ++i) {
-    positions_[i] = position_ + i;
+    positions_[i] = positions[i];
     std::memcpy(&x_[static_cast<size_t>(i) * dim],
                 &weights_.token_embedding[static_cast<size_t>(tokens[i]) * dim],
                 dim * sizeof(float));
     if (c.arch == Architecture::kOpt) {
       const float* pos = &weights_.position_embedding[
-          static_cast<size_t>(positions_[i] + ModelConfig::kOptPositionOffset) *
+          static_cast<size_t>(positions[i] + ModelConfig::kOptPositionOffset) *
           dim];
       backend_->Add(&x_[static_cast<size_t>(i) * dim], pos, dim);
     }
@@ -248,21 +299,39 @@ void Engine::Logits(int first, int rows, float* logits) {
                    c.vocab_size, logits);
 }
 
-absl::Status Engine::ForwardChunk(const int* tokens, int n, bool all_logits,
-                                  float* logits) {
+void Engine::LocalAttention(Slot& s, int layer, int row, int n, int first_pos,
+                            float* prob_sums) {
+  const ModelConfig& c = weights_.config;
+  AttentionParams p;
+  p.q = &q_[static_cast<size_t>(row) * c.q_dim()];
+  p.k = KeyCache(s, layer);
+  p.v = ValueCache(s, layer);
+  p.out = &att_[static_cast<size_t>(row) * c.q_dim()];
+  p.n = n;
+  p.n_heads = c.n_heads;
+  p.n_kv_heads = c.n_kv_heads;
+  p.head_dim = c.head_dim;
+  p.kv_stride = max_seq_len_;
+  p.kv_len0 = first_pos + 1;
+  p.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  p.prob_sums = prob_sums;
+  backend_->Attention(p);
+}
+
+absl::Status Engine::ForwardChunk(Slot& s, const int* tokens, int n,
+                                  bool all_logits, float* logits) {
   const ModelConfig& c = weights_.config;
   const bool opt = c.arch == Architecture::kOpt;
   const int dim = c.dim, hd = c.head_dim, qd = c.q_dim(), kvd = c.kv_dim();
   Backend& b = *backend_;
-  Embed(tokens, n);
+  for (int i = 0; i < n; ++i) positions_[i] = s.position + i;
+  Embed(tokens, positions_.data(), n);
 
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   for (int l = 0; l < c.n_layers; ++l) {
     const LayerWeights& w = weights_.layers[l];
     auto bias = [opt](const std::vector<float>& v) {
       return opt ? v.data() : nullptr;
     };
-    // Attention block.
     if (opt) {
       b.LayerNorm(x_.data(), n, dim, w.attn_norm.data(),
                   w.attn_norm_bias.data(), c.norm_eps, xb_.data());
@@ -279,25 +348,24 @@ absl::Status Engine::ForwardChunk(const int* tokens, int n, bool all_logits,
     }
     if (options_.attention_skew != nullptr) {
       const int group = c.n_heads / c.n_kv_heads;
-      for (int i = 0; i < n; ++i) {
-        for (int h = 0; h < c.n_heads; ++h) {
-          float* row = &q_[(static_cast<size_t>(i) * c.n_heads + h) * hd];
-          speculator::ApplySkew(row, 1, options_.attention_skew->at(l, h / group),
-                                hd, skew_row_.data());
+      auto skew_rows = [&](float* rows, int count, auto head_to_kv) {
+        for (int r = 0; r < count; ++r) {
+          float* row = rows + static_cast<size_t>(r) * hd;
+          speculator::ApplySkew(
+              row, 1, options_.attention_skew->at(l, head_to_kv(r)), hd,
+              skew_row_.data());
           std::memcpy(row, skew_row_.data(), hd * sizeof(float));
         }
-        for (int g = 0; g < c.n_kv_heads; ++g) {
-          float* row = &k_[(static_cast<size_t>(i) * c.n_kv_heads + g) * hd];
-          speculator::ApplySkew(row, 1, options_.attention_skew->at(l, g), hd,
-                                skew_row_.data());
-          std::memcpy(row, skew_row_.data(), hd * sizeof(float));
-        }
-      }
+      };
+      skew_rows(q_.data(), n * c.n_heads,
+                [&](int r) { return (r % c.n_heads) / group; });
+      skew_rows(k_.data(), n * c.n_kv_heads,
+                [&](int r) { return r % c.n_kv_heads; });
     }
     if (options_.observer) options_.observer(l, q_.data(), k_.data(), n);
     // Append this chunk's keys and values: [pos][kv_head][d] -> cache layout.
-    float* kc = KeyCache(l);
-    float* vc = ValueCache(l);
+    float* kc = KeyCache(s, l);
+    float* vc = ValueCache(s, l);
     for (int i = 0; i < n; ++i) {
       for (int g = 0; g < c.n_kv_heads; ++g) {
         const size_t dst =
@@ -307,43 +375,36 @@ absl::Status Engine::ForwardChunk(const int* tokens, int n, bool all_logits,
         std::memcpy(vc + dst, &v_[src], hd * sizeof(float));
       }
     }
-    if (policy_ != nullptr) {
+    if (s.policy != nullptr) {
       // Rows for the memory node: [layer][token][kv_head][row_width].
       const size_t at = static_cast<size_t>(l) * n * c.n_kv_heads * row_width_;
-      policy_->EncodeRows(k_.data(), n * c.n_kv_heads, &k_stage_[at]);
-      policy_->EncodeRows(v_.data(), n * c.n_kv_heads, &v_stage_[at]);
+      s.policy->EncodeRows(k_.data(), n * c.n_kv_heads, &k_stage_[at]);
+      s.policy->EncodeRows(v_.data(), n * c.n_kv_heads, &v_stage_[at]);
     }
-    AttentionParams p;
-    p.q = q_.data();
-    p.k = kc;
-    p.v = vc;
-    p.out = att_.data();
-    p.n = n;
-    p.n_heads = c.n_heads;
-    p.n_kv_heads = c.n_kv_heads;
-    p.head_dim = hd;
-    p.kv_stride = max_seq_len_;
-    p.kv_len0 = position_ + 1;
-    p.scale = scale;
-    const bool probs = policy_ != nullptr && policy_->WantsPrefillProbs();
+    const bool probs = s.policy != nullptr && s.policy->WantsPrefillProbs();
     if (probs) {
       std::fill(prefill_probs_.begin(),
                 prefill_probs_.begin() +
-                    static_cast<size_t>(c.n_heads) * (position_ + n),
+                    static_cast<size_t>(c.n_heads) * (s.position + n),
                 0.0f);
-      p.prob_sums = prefill_probs_.data();
     }
-    b.Attention(p);
-    if (policy_ != nullptr) {
-      policy_->ObservePrefill(l, q_.data(), n, position_,
-                              probs ? prefill_probs_.data() : nullptr);
+    LocalAttention(s, l, 0, n, s.position,
+                   probs ? prefill_probs_.data() : nullptr);
+    if (s.policy != nullptr) {
+      s.policy->ObservePrefill(l, q_.data(), n, s.position,
+                               probs ? prefill_probs_.data() : nullptr);
     }
     b.Linear(att_.data(), n, qd, w.wo.data(), bias(w.bo), dim, proj_.data());
     b.Add(x_.data(), proj_.data(), static_cast<long>(n) * dim);
     Mlp(w, n);
   }
-  if (policy_ != nullptr) IG_RETURN_IF_ERROR(AppendToMemoryNode(n));
-  position_ += n;
+  if (s.policy != nullptr) {
+    AppendResult result;
+    IG_RETURN_IF_ERROR(
+        AppendRows(s, k_stage_.data(), v_stage_.data(), n, &result));
+    MarkAppended(s, s.position, n, result);
+  }
+  s.position += n;
 
   if (logits == nullptr) return absl::OkStatus();
   // Final norm and classifier: every row, or just the last one.
@@ -352,7 +413,8 @@ absl::Status Engine::ForwardChunk(const int* tokens, int n, bool all_logits,
   return absl::OkStatus();
 }
 
-absl::Status Engine::AppendToMemoryNode(int n) {
+absl::Status Engine::AppendRows(Slot& s, const uint16_t* k, const uint16_t* v,
+                                int n, AppendResult* result) {
   const ModelConfig& c = weights_.config;
   AppendBlock block;
   block.first_layer = 0;
@@ -360,67 +422,137 @@ absl::Status Engine::AppendToMemoryNode(int n) {
   block.n_tokens = n;
   const size_t size =
       static_cast<size_t>(c.n_layers) * n * c.n_kv_heads * row_width_;
-  block.k = absl::MakeConstSpan(k_stage_.data(), size);
-  block.v = absl::MakeConstSpan(v_stage_.data(), size);
-  IG_ASSIGN_OR_RETURN(AppendResult result,
-                      options_.kv_client->Append(seq_, block));
+  block.k = absl::MakeConstSpan(k, size);
+  block.v = absl::MakeConstSpan(v, size);
+  IG_ASSIGN_OR_RETURN(*result, options_.kv_client->Append(s.seq, block));
+  return absl::OkStatus();
+}
+
+void Engine::MarkAppended(Slot& s, int first, int n,
+                          const AppendResult& result) {
+  const ModelConfig& c = weights_.config;
   // The new positions are present; then drop what the pool evicted.
   for (int l = 0; l < c.n_layers; ++l) {
     for (int g = 0; g < c.n_kv_heads; ++g) {
-      uint8_t* pr = &present_[(static_cast<size_t>(l) * c.n_kv_heads + g) *
-                              max_seq_len_];
-      std::fill(pr + position_, pr + position_ + n, 1);
+      uint8_t* pr = &s.present[(static_cast<size_t>(l) * c.n_kv_heads + g) *
+                               max_seq_len_];
+      std::fill(pr + first, pr + first + n, 1);
     }
-    present_count_[l] += static_cast<long>(n) * c.n_kv_heads;
+    s.present_count[l] += static_cast<long>(n) * c.n_kv_heads;
   }
-  ApplyEvictions(result);
-  return absl::OkStatus();
-}
-
-void Engine::ApplyEvictions(const AppendResult& result) {
-  const ModelConfig& c = weights_.config;
   for (const auto& e : result.evicted) {
-    uint8_t& pr = present_[(static_cast<size_t>(e.layer) * c.n_kv_heads +
-                            e.kv_head) *
-                               max_seq_len_ +
-                           e.position];
+    uint8_t& pr = s.present[(static_cast<size_t>(e.layer) * c.n_kv_heads +
+                             e.kv_head) *
+                                max_seq_len_ +
+                            e.position];
     if (pr) {
       pr = 0;
-      --present_count_[e.layer];
+      --s.present_count[e.layer];
     }
   }
 }
 
-absl::Status Engine::IssueFetch(int layer, const float* xb_prev) {
+void Engine::AppenderLoop() {
+  std::vector<int> slots;
+  slots.reserve(slots_.size());
+  while (true) {
+    {
+      absl::MutexLock lock(&append_mu_);
+      append_mu_.Await(absl::Condition(
+          +[](Engine* e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(e->append_mu_) {
+            return e->stopping_ || (e->append_pending_ && !e->append_done_);
+          },
+          this));
+      if (stopping_) return;
+      slots.assign(append_slots_.begin(), append_slots_.end());
+    }
+    // Each slot's step rows are staged in k_step/v_step; nobody touches them
+    // until FinishAppends returns.
+    for (int i : slots) {
+      Slot& s = slots_[i];
+      s.append_status = AppendRows(s, s.k_step.data(), s.v_step.data(), 1,
+                                   &s.appended);
+    }
+    absl::MutexLock lock(&append_mu_);
+    append_done_ = true;
+  }
+}
+
+void Engine::StartAppends(absl::Span<const int> slots) {
+  absl::MutexLock lock(&append_mu_);
+  append_slots_.assign(slots.begin(), slots.end());
+  append_pending_ = true;
+  append_done_ = false;
+}
+
+absl::Status Engine::FinishAppends() {
+  if (!appender_.joinable()) return absl::OkStatus();
+  {
+    absl::MutexLock lock(&append_mu_);
+    if (!append_pending_) return absl::OkStatus();
+    append_mu_.Await(absl::Condition(&append_done_));
+    append_pending_ = false;
+  }
+  absl::Status first;
+  std::vector<int> slots;
+  {
+    absl::MutexLock lock(&append_mu_);
+    slots.swap(append_slots_);
+  }
+  for (int i : slots) {
+    Slot& s = slots_[i];
+    if (!s.append_status.ok()) {
+      if (first.ok()) first = s.append_status;
+      continue;
+    }
+    MarkAppended(s, s.position - 1, 1, s.appended);
+  }
+  {
+    absl::MutexLock lock(&append_mu_);
+    append_slots_.swap(slots);  // keep the capacity
+  }
+  return first;
+}
+
+absl::Status Engine::IssueFetch(Slot& s, int layer, const float* xb_prev) {
   const ModelConfig& c = weights_.config;
-  kv_memory_service::OwnedFetchPlan& plan = plans_[layer % 2];
-  policy_->PlanFetch(
-      layer, position_, xb_prev,
-      &present_[static_cast<size_t>(layer) * c.n_kv_heads * max_seq_len_],
+  kv_memory_service::OwnedFetchPlan& plan = s.plans[layer % 2];
+  s.policy->PlanFetch(
+      layer, s.position, xb_prev,
+      &s.present[static_cast<size_t>(layer) * c.n_kv_heads * max_seq_len_],
       plan);
-  step_rows_ += static_cast<long>(plan.indices.size());
-  stats_.rows_fetched += static_cast<long>(plan.indices.size());
-  stats_.bytes_fetched +=
+  s.step_rows += static_cast<long>(plan.indices.size());
+  s.stats.rows_fetched += static_cast<long>(plan.indices.size());
+  s.stats.bytes_fetched +=
       static_cast<long>(plan.indices.size()) * 2 * row_width_ * 2;
-  handles_[layer % 2] = options_.kv_client->FetchAsync(
-      seq_, layer, plan.view(), buffers_[layer % 2].get());
+  s.handles[layer % 2] = options_.kv_client->FetchAsync(
+      s.seq, layer, plan.view(), s.buffers[layer % 2].get());
   return absl::OkStatus();
 }
 
-absl::Status Engine::FetchedAttention(int layer) {
+absl::Status Engine::FetchedAttention(Slot& s, int layer, int row) {
   const ModelConfig& c = weights_.config;
   const int hd = c.head_dim, group = c.n_heads / c.n_kv_heads;
   const int slot = layer % 2;
-  IG_RETURN_IF_ERROR(handles_[slot].Wait());
-  const kv_memory_service::OwnedFetchPlan& plan = plans_[slot];
+  const auto t0 = std::chrono::steady_clock::now();
+  absl::Status fetched = s.handles[slot].Wait();
+  s.stats.wait_seconds += std::chrono::duration<double>(
+                              std::chrono::steady_clock::now() - t0)
+                              .count();
+  IG_RETURN_IF_ERROR(fetched);
+  const kv_memory_service::OwnedFetchPlan& plan = s.plans[slot];
   const int total = static_cast<int>(plan.indices.size());
-  const uint16_t* rows = buffers_[slot]->data();
-  policy_->DecodeRows(rows, total, fetched_.data());
-  policy_->DecodeRows(rows + static_cast<size_t>(total) * row_width_, total,
-                      fetched_.data() + static_cast<size_t>(total) * hd);
+  const uint16_t* rows = s.buffers[slot]->data();
+  s.policy->DecodeRows(rows, total, fetched_.data());
+  s.policy->DecodeRows(rows + static_cast<size_t>(total) * row_width_, total,
+                       fetched_.data() + static_cast<size_t>(total) * hd);
   const int stride = max_seq_len_ + 1;
-  const bool want_probs = policy_->WantsAttentionProbs();
+  const bool want_probs = s.policy->WantsAttentionProbs();
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const float* q = &q_[static_cast<size_t>(row) * c.q_dim()];
+  const float* k_new = &k_[static_cast<size_t>(row) * c.kv_dim()];
+  const float* v_new = &v_[static_cast<size_t>(row) * c.kv_dim()];
+  float* att = &att_[static_cast<size_t>(row) * c.q_dim()];
   for (int g = 0; g < c.n_kv_heads; ++g) {
     const int begin = plan.head_offsets[g];
     const int count = plan.head_offsets[g + 1] - begin;
@@ -431,16 +563,16 @@ absl::Status Engine::FetchedAttention(int layer) {
     std::memcpy(vg, fetched_.data() + static_cast<size_t>(total + begin) * hd,
                 static_cast<size_t>(count) * hd * sizeof(float));
     // The new token attends to itself with its exact (unstored) row.
-    std::memcpy(kg + static_cast<size_t>(count) * hd, &k_[g * hd],
+    std::memcpy(kg + static_cast<size_t>(count) * hd, k_new + g * hd,
                 hd * sizeof(float));
-    std::memcpy(vg + static_cast<size_t>(count) * hd, &v_[g * hd],
+    std::memcpy(vg + static_cast<size_t>(count) * hd, v_new + g * hd,
                 hd * sizeof(float));
     for (int h = g * group; h < (g + 1) * group; ++h) {
       AttentionParams p;
-      p.q = &q_[h * hd];
+      p.q = q + h * hd;
       p.k = kg;
       p.v = vg;
-      p.out = &att_[h * hd];
+      p.out = att + h * hd;
       p.n = 1;
       p.n_heads = 1;
       p.n_kv_heads = 1;
@@ -457,73 +589,135 @@ absl::Status Engine::FetchedAttention(int layer) {
     }
   }
   if (want_probs) {
-    policy_->ObserveAttention(layer, plan.view(), probs_.data(), stride);
+    s.policy->ObserveAttention(layer, plan.view(), probs_.data(), stride);
   }
   return absl::OkStatus();
 }
 
-absl::Status Engine::DecodeStep(int token, float* logits) {
+absl::StatusOr<absl::Span<const float>> Engine::DecodeBatch(
+    absl::Span<const int> slot_ids, absl::Span<const int> tokens) {
   const ModelConfig& c = weights_.config;
+  const int n = static_cast<int>(slot_ids.size());
+  if (n == 0 || static_cast<int>(tokens.size()) != n) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "decode: %d slots with %d tokens", n, tokens.size()));
+  }
+  for (int i = 0; i < n; ++i) {
+    IG_RETURN_IF_ERROR(CheckSlot(slot_ids[i]));
+    for (int j = 0; j < i; ++j) {
+      if (slot_ids[j] == slot_ids[i]) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("decode: slot %d given twice", slot_ids[i]));
+      }
+    }
+    const Slot& s = slots_[slot_ids[i]];
+    if (s.position == 0) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "decode: slot %d has no prefill", slot_ids[i]));
+    }
+    if (s.position >= max_seq_len_) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "decode: slot %d is full (%d positions)", slot_ids[i],
+          max_seq_len_));
+    }
+    if (tokens[i] < 0 || tokens[i] >= c.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "decode: token %d outside the vocabulary of %d", tokens[i],
+          c.vocab_size));
+    }
+  }
+  // The previous step's appends must be in before this step fetches.
+  IG_RETURN_IF_ERROR(FinishAppends());
   const bool opt = c.arch == Architecture::kOpt;
   const int dim = c.dim, hd = c.head_dim, qd = c.q_dim(), kvd = c.kv_dim();
   Backend& b = *backend_;
-  if (!decoding_) {
-    policy_->FinishPrefill(position_, [this](int l) { return KeyCache(l); });
-    decoding_ = true;
+  const bool offloaded = options_.policy.kind != PolicyKind::kIdeal;
+  for (int i = 0; i < n; ++i) positions_[i] = slots_[slot_ids[i]].position;
+  Embed(tokens.data(), positions_.data(), n);
+  if (offloaded) {
+    for (int i = 0; i < n; ++i) {
+      Slot& s = slots_[slot_ids[i]];
+      if (!s.decoding) {
+        s.policy->FinishPrefill(s.position,
+                                [this, &s](int l) { return KeyCache(s, l); });
+        s.decoding = true;
+      }
+      s.step_rows = 0;
+      IG_RETURN_IF_ERROR(IssueFetch(s, 0, nullptr));
+    }
   }
-  Embed(&token, 1);
-  step_rows_ = 0;
-  long cached = 0;
-  for (long n : present_count_) cached += n;
-  IG_RETURN_IF_ERROR(IssueFetch(0, nullptr));
   for (int l = 0; l < c.n_layers; ++l) {
     const LayerWeights& w = weights_.layers[l];
     auto bias = [opt](const std::vector<float>& v) {
       return opt ? v.data() : nullptr;
     };
     if (opt) {
-      b.LayerNorm(x_.data(), 1, dim, w.attn_norm.data(),
+      b.LayerNorm(x_.data(), n, dim, w.attn_norm.data(),
                   w.attn_norm_bias.data(), c.norm_eps, xb_.data());
     } else {
-      b.RmsNorm(x_.data(), 1, dim, w.attn_norm.data(), c.norm_eps, xb_.data());
+      b.RmsNorm(x_.data(), n, dim, w.attn_norm.data(), c.norm_eps, xb_.data());
     }
     // Layer l + 1's fetch leaves before layer l's attention and MLP run.
-    if (l + 1 < c.n_layers) {
-      std::memcpy(xb_prev_.data(), xb_.data(), dim * sizeof(float));
-      IG_RETURN_IF_ERROR(IssueFetch(l + 1, xb_prev_.data()));
+    if (offloaded && l + 1 < c.n_layers) {
+      for (int i = 0; i < n; ++i) {
+        Slot& s = slots_[slot_ids[i]];
+        std::memcpy(s.xb_prev.data(), &xb_[static_cast<size_t>(i) * dim],
+                    dim * sizeof(float));
+        IG_RETURN_IF_ERROR(IssueFetch(s, l + 1, s.xb_prev.data()));
+      }
     }
-    b.Linear(xb_.data(), 1, dim, w.wq.data(), bias(w.bq), qd, q_.data());
-    b.Linear(xb_.data(), 1, dim, w.wk.data(), bias(w.bk), kvd, k_.data());
-    b.Linear(xb_.data(), 1, dim, w.wv.data(), bias(w.bv), kvd, v_.data());
+    b.Linear(xb_.data(), n, dim, w.wq.data(), bias(w.bq), qd, q_.data());
+    b.Linear(xb_.data(), n, dim, w.wk.data(), bias(w.bk), kvd, k_.data());
+    b.Linear(xb_.data(), n, dim, w.wv.data(), bias(w.bv), kvd, v_.data());
     if (!opt) {
-      b.Rope(q_.data(), 1, c.n_heads, hd, &position_, c.rope_theta);
-      b.Rope(k_.data(), 1, c.n_kv_heads, hd, &position_, c.rope_theta);
+      b.Rope(q_.data(), n, c.n_heads, hd, positions_.data(), c.rope_theta);
+      b.Rope(k_.data(), n, c.n_kv_heads, hd, positions_.data(), c.rope_theta);
     }
-    float* kc = KeyCache(l);
-    float* vc = ValueCache(l);
-    for (int g = 0; g < c.n_kv_heads; ++g) {
-      const size_t dst = (static_cast<size_t>(g) * max_seq_len_ + position_) * hd;
-      std::memcpy(kc + dst, &k_[g * hd], hd * sizeof(float));
-      std::memcpy(vc + dst, &v_[g * hd], hd * sizeof(float));
+    for (int i = 0; i < n; ++i) {
+      Slot& s = slots_[slot_ids[i]];
+      float* kc = KeyCache(s, l);
+      float* vc = ValueCache(s, l);
+      const float* kr = &k_[static_cast<size_t>(i) * kvd];
+      const float* vr = &v_[static_cast<size_t>(i) * kvd];
+      for (int g = 0; g < c.n_kv_heads; ++g) {
+        const size_t dst =
+            (static_cast<size_t>(g) * max_seq_len_ + s.position) * hd;
+        std::memcpy(kc + dst, kr + g * hd, hd * sizeof(float));
+        std::memcpy(vc + dst, vr + g * hd, hd * sizeof(float));
+      }
+      if (!offloaded) {
+        LocalAttention(s, l, i, 1, s.position, nullptr);
+        continue;
+      }
+      const size_t at = static_cast<size_t>(l) * c.n_kv_heads * row_width_;
+      s.policy->EncodeRows(kr, c.n_kv_heads, &s.k_step[at]);
+      s.policy->EncodeRows(vr, c.n_kv_heads, &s.v_step[at]);
+      IG_RETURN_IF_ERROR(FetchedAttention(s, l, i));
+      s.policy->OnDecodeAppend(l, s.position, kr);
     }
-    const size_t at = static_cast<size_t>(l) * c.n_kv_heads * row_width_;
-    policy_->EncodeRows(k_.data(), c.n_kv_heads, &k_stage_[at]);
-    policy_->EncodeRows(v_.data(), c.n_kv_heads, &v_stage_[at]);
-    IG_RETURN_IF_ERROR(FetchedAttention(l));
-    policy_->OnDecodeAppend(l, position_, k_.data());
-    b.Linear(att_.data(), 1, qd, w.wo.data(), bias(w.bo), dim, proj_.data());
-    b.Add(x_.data(), proj_.data(), dim);
-    Mlp(w, 1);
+    // Every fetch of the step is done: the appends may run while the last
+    // layer's MLP and the classifier compute.
+    if (offloaded && l + 1 == c.n_layers) StartAppends(slot_ids);
+    b.Linear(att_.data(), n, qd, w.wo.data(), bias(w.bo), dim, proj_.data());
+    b.Add(x_.data(), proj_.data(), static_cast<long>(n) * dim);
+    Mlp(w, n);
   }
-  Logits(0, 1, logits);
-  IG_RETURN_IF_ERROR(AppendToMemoryNode(1));
-  ++position_;
-  const double fraction = cached > 0 ? static_cast<double>(step_rows_) / cached
-                                     : 0.0;
-  ++stats_.steps;
-  stats_.fraction_sum += fraction;
-  stats_.fraction_max = std::max(stats_.fraction_max, fraction);
-  return absl::OkStatus();
+  Logits(0, n, logits_.data());
+  for (int i = 0; i < n; ++i) {
+    Slot& s = slots_[slot_ids[i]];
+    if (offloaded) {
+      long cached = 0;
+      for (long r : s.present_count) cached += r;
+      const double fraction =
+          cached > 0 ? static_cast<double>(s.step_rows) / cached : 0.0;
+      ++s.stats.steps;
+      s.stats.fraction_sum += fraction;
+      s.stats.fraction_max = std::max(s.stats.fraction_max, fraction);
+    }
+    ++s.position;
+  }
+  return absl::Span<const float>(logits_.data(),
+                                 static_cast<size_t>(n) * c.vocab_size);
 }
 
 }  // namespace infinigen::gpu_worker

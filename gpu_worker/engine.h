@@ -1,23 +1,31 @@
-// Engine: one sequence's forward pass over a model, with its KV cache.
+// Engine: the forward pass of a batch of sequences over one model.
 //
-// Holds a reference to the Weights (the caller keeps them alive), owns the
-// backend, a local KV cache ([layer][kv_head][position][head_dim], K and V,
-// used by the dense prefill and by the `ideal` policy) and every scratch
-// buffer, all sized at Create so that decoding allocates nothing.
+// Holds a reference to the Weights (the caller keeps them alive) and owns
+// the backend, one slot per sequence (its position, local KV cache
+// [layer][kv_head][position][head_dim], policy state and fetch buffers) and
+// every scratch buffer, all sized at Create so that decoding allocates
+// nothing.
 //
-// With any policy but `ideal`, every token's K and V rows also go to the
-// memory node through a KvClient (not owned), and each decode step's
-// attention reads only the rows the policy fetches from it, plus the new
-// token's own. The prefill is dense and local (ALGORITHM.md). Not
-// thread-safe: one caller drives one engine.
+// Prefill is dense and local, one slot at a time (Forward). Decoding runs
+// every given slot together (DecodeBatch): the matrix work is one GEMM over
+// the batch, attention is per sequence. With any policy but `ideal`, every
+// token's K and V rows also go to the memory node through a KvClient (not
+// owned), and each decode step's attention reads only the rows the policy
+// fetched, plus the new token's own. Layer l + 1's fetch leaves before layer
+// l's attention and MLP and is waited on at layer l + 1's attention; the
+// step's appends run on a background thread while the last layer and the
+// classifier compute. Not thread-safe: one caller drives one engine.
 #ifndef INFINIGEN_GPU_WORKER_ENGINE_H_
 #define INFINIGEN_GPU_WORKER_ENGINE_H_
 
 #include <functional>
 #include <memory>
+#include <thread>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
 #include "gpu_worker/backend.h"
 #include "gpu_worker/kv_policy.h"
@@ -28,36 +36,40 @@
 namespace infinigen::gpu_worker {
 
 struct EngineOptions {
-  // Longest sequence the cache holds; 0 means the model's context length.
+  // Longest sequence each slot holds; 0 means the model's context length.
   int max_seq_len = 0;
   // Most tokens one Forward call processes at once (prefill chunk); longer
   // inputs are split. Bounds the scratch memory.
   int max_chunk = 256;
+  // Sequence slots: the largest batch DecodeBatch takes.
+  int batch = 1;
   // How K and V reach attention when decoding.
   PolicyOptions policy;
   // The memory node, for every policy but ideal (not owned; outlives the
   // engine).
   kv_memory_service::KvClient* kv_client = nullptr;
-  // Tokens the memory node keeps per (layer, KV head) for this sequence, as
-  // a fraction of max_seq_len; below 1 the pool evicts (its own policy).
+  // Tokens the memory node keeps per (layer, KV head) for a sequence, as a
+  // fraction of max_seq_len; below 1 the pool evicts (its own policy).
   double kv_capacity = 1.0;
   // Diagnostics: multiply every post-RoPE query and key by these skew
   // matrices before attention. The logits must not change (A A^T = I).
   const speculator::SkewMatrices* attention_skew = nullptr;
   // Calibration: called with each layer's post-RoPE queries
-  // [n, n_heads, head_dim] and keys [n, n_kv_heads, head_dim].
+  // [n, n_heads, head_dim] and keys [n, n_kv_heads, head_dim] (prefill).
   std::function<void(int layer, const float* q, const float* k, int n)>
       observer;
 };
 
-// What the policy moved, over the decode steps since the last Reset.
+// What a slot's policy moved, over its decode steps since its last Reset.
 struct FetchStats {
   long steps = 0;
   double fraction_sum = 0;   // sum over steps of fetched rows / cached rows
   double fraction_max = 0;
   long rows_fetched = 0;     // K/V row pairs, all layers and heads
   long bytes_fetched = 0;    // K and V bytes as stored (fp16 or int4)
+  double wait_seconds = 0;   // blocked in fetch Wait()
   double fraction_mean() const { return steps ? fraction_sum / steps : 0.0; }
+  void Add(const FetchStats& o);
 };
 
 class Engine {
@@ -69,98 +81,138 @@ class Engine {
       const EngineOptions& options = {});
   ~Engine();
 
-  // Runs `tokens` at the next positions of the sequence and appends their
-  // keys and values to the cache. Returns the logits of every token
+  // Runs `tokens` at the next positions of `slot`'s sequence and appends
+  // their keys and values to its cache. Returns the logits of every token
   // ([tokens.size(), vocab]) when `all_logits`, else of the last one
   // ([vocab]); the span is valid until the next call. all_logits needs
-  // tokens.size() <= max_chunk. InvalidArgument for an empty input, a token
-  // outside the vocabulary or a sequence longer than max_seq_len (the cache
-  // is then unchanged). With a policy other than ideal, the first call is
-  // the dense prefill and later calls decode one token each
-  // (FailedPrecondition otherwise); memory-node errors are returned as is.
-  absl::StatusOr<absl::Span<const float>> Forward(absl::Span<const int> tokens,
+  // tokens.size() <= max_chunk. InvalidArgument for a bad slot, an empty
+  // input, a token outside the vocabulary or a sequence longer than
+  // max_seq_len (the cache is then unchanged). With a policy other than
+  // ideal, a slot's first call is its dense prefill and a later
+  // single-token call is a decode step (FailedPrecondition for more tokens);
+  // memory-node errors are returned as is.
+  absl::StatusOr<absl::Span<const float>> Forward(int slot,
+                                                  absl::Span<const int> tokens,
                                                   bool all_logits);
+  absl::StatusOr<absl::Span<const float>> Forward(absl::Span<const int> tokens,
+                                                  bool all_logits) {
+    return Forward(0, tokens, all_logits);
+  }
 
-  // Forgets the sequence (closing it on the memory node); the next Forward
-  // starts at position 0 and resets the fetch statistics.
-  absl::Status Reset();
+  // One decode step of every slot in `slots` (distinct, each already
+  // prefilled), with token tokens[i] for slots[i]. Returns logits
+  // [slots.size(), vocab], valid until the next call.
+  absl::StatusOr<absl::Span<const float>> DecodeBatch(
+      absl::Span<const int> slots, absl::Span<const int> tokens);
 
-  int position() const { return position_; }
+  // Forgets `slot`'s sequence (closing it on the memory node); its next
+  // Forward starts at position 0 and its fetch statistics restart.
+  absl::Status Reset(int slot = 0);
+
+  int position(int slot = 0) const { return slots_[slot].position; }
   int max_seq_len() const { return max_seq_len_; }
+  int batch() const { return static_cast<int>(slots_.size()); }
   const model::ModelConfig& config() const { return weights_.config; }
   Backend& backend() { return *backend_; }
   PolicyKind policy() const { return options_.policy.kind; }
-  const FetchStats& fetch_stats() const { return stats_; }
+  const FetchStats& fetch_stats(int slot = 0) const {
+    return slots_[slot].stats;
+  }
 
  private:
+  // One sequence: its position, caches and, when offloaded, policy state.
+  struct Slot {
+    int position = 0;
+    bool decoding = false;            // prefill finished
+    std::vector<float> k_cache;       // [layer][kv_head][pos][head_dim]
+    std::vector<float> v_cache;       // same
+    std::unique_ptr<KvPolicy> policy;
+    kv_memory_service::SequenceId seq = 0;
+    std::vector<uint8_t> present;     // [layer][kv_head][pos]
+    std::vector<long> present_count;  // [layer]: present rows, all heads
+    std::unique_ptr<kv_memory_service::FetchBuffer> buffers[2];
+    kv_memory_service::OwnedFetchPlan plans[2];
+    kv_memory_service::FetchHandle handles[2];
+    std::vector<uint16_t> k_step, v_step;  // [layer][kv_head][row_width]
+    std::vector<float> xb_prev;       // [dim] previous layer's attn input
+    kv_memory_service::AppendResult appended;  // last async append
+    absl::Status append_status;
+    FetchStats stats;
+    long step_rows = 0;               // rows fetched in the current step
+  };
+
   Engine(const model::Weights& weights, std::unique_ptr<Backend> backend,
          const EngineOptions& options, int max_seq_len, int max_chunk);
   absl::Status Init();
-  // Runs one chunk of at most max_chunk tokens densely over the local
+  absl::Status CheckSlot(int slot) const;
+  // Dense chunk of at most max_chunk tokens of one slot over its local
   // cache; logits for all or the last.
-  absl::Status ForwardChunk(const int* tokens, int n, bool all_logits,
+  absl::Status ForwardChunk(Slot& s, const int* tokens, int n, bool all_logits,
                             float* logits);
-  // One token through the policy's fetched rows.
-  absl::Status DecodeStep(int token, float* logits);
-  absl::Status OpenSequence();
-  absl::Status AppendToMemoryNode(int n);
-  void ApplyEvictions(const kv_memory_service::AppendResult& result);
-  absl::Status IssueFetch(int layer, const float* xb_prev);
-  // Attention of the new token at `layer` over fetched rows plus its own.
-  absl::Status FetchedAttention(int layer);
-  void Embed(const int* tokens, int n);
+  absl::Status OpenSequence(Slot& s);
+  // Appends `n` tokens' rows (layout [layer][token][kv_head][row_width])
+  // and applies the pool's evictions.
+  absl::Status AppendRows(Slot& s, const uint16_t* k, const uint16_t* v,
+                          int n, kv_memory_service::AppendResult* result);
+  void MarkAppended(Slot& s, int first, int n,
+                    const kv_memory_service::AppendResult& result);
+  absl::Status IssueFetch(Slot& s, int layer, const float* xb_prev);
+  // Attention of the slot's new token (row `row` of the batch scratch) at
+  // `layer` over its fetched rows plus its own.
+  absl::Status FetchedAttention(Slot& s, int layer, int row);
+  void LocalAttention(Slot& s, int layer, int row, int n, int first_pos,
+                      float* prob_sums);
+  void Embed(const int* tokens, const int* positions, int n);
   void Logits(int first, int rows, float* logits);
   void Mlp(const model::LayerWeights& w, int n);
-  float* KeyCache(int layer) {
-    return k_cache_.data() + static_cast<size_t>(layer) * layer_cache_size_;
+  float* KeyCache(Slot& s, int layer) {
+    return s.k_cache.data() + static_cast<size_t>(layer) * layer_cache_size_;
   }
-  float* ValueCache(int layer) {
-    return v_cache_.data() + static_cast<size_t>(layer) * layer_cache_size_;
+  float* ValueCache(Slot& s, int layer) {
+    return s.v_cache.data() + static_cast<size_t>(layer) * layer_cache_size_;
   }
+
+  // The background appender: one batch of decode-step appends at a time.
+  void AppenderLoop();
+  void StartAppends(absl::Span<const int> slots);
+  absl::Status FinishAppends();
 
   const model::Weights& weights_;
   std::unique_ptr<Backend> backend_;
   const EngineOptions options_;
   const int max_seq_len_;
   const int max_chunk_;
-  int position_ = 0;
-
+  const int rows_;                 // max(max_chunk, batch): scratch rows
   size_t layer_cache_size_;        // n_kv_heads * max_seq_len * head_dim
-  std::vector<float> k_cache_;     // [layer][kv_head][pos][head_dim]
-  std::vector<float> v_cache_;     // same
-  // Scratch, [max_chunk, ...]:
-  std::vector<float> x_;           // residual stream [chunk, dim]
-  std::vector<float> xb_;          // normed input [chunk, dim]
-  std::vector<float> q_;           // [chunk, q_dim]
-  std::vector<float> k_;           // [chunk, kv_dim]
-  std::vector<float> v_;           // [chunk, kv_dim]
-  std::vector<float> att_;         // [chunk, q_dim]
-  std::vector<float> proj_;        // [chunk, dim]
-  std::vector<float> h1_;          // [chunk, hidden]
-  std::vector<float> h3_;          // [chunk, hidden]
-  std::vector<float> skew_row_;    // [head_dim]
-  std::vector<int> positions_;     // [chunk]
-  std::vector<float> logits_;      // [chunk, vocab]
-
-  // Offloaded policies (everything below is unused by ideal).
-  std::unique_ptr<KvPolicy> policy_;
-  kv_memory_service::SequenceId seq_ = 0;
-  bool decoding_ = false;          // prefill finished
   int row_width_ = 0;              // uint16 per stored row
-  std::vector<uint16_t> k_stage_;  // [layer][chunk][kv_head][row_width]
+  std::vector<Slot> slots_;
+
+  // Scratch, [rows_, ...]:
+  std::vector<float> x_;           // residual stream [rows, dim]
+  std::vector<float> xb_;          // normed input [rows, dim]
+  std::vector<float> q_;           // [rows, q_dim]
+  std::vector<float> k_;           // [rows, kv_dim]
+  std::vector<float> v_;           // [rows, kv_dim]
+  std::vector<float> att_;         // [rows, q_dim]
+  std::vector<float> proj_;        // [rows, dim]
+  std::vector<float> h1_;          // [rows, hidden]
+  std::vector<float> h3_;          // [rows, hidden]
+  std::vector<float> skew_row_;    // [head_dim]
+  std::vector<int> positions_;     // [rows]
+  std::vector<float> logits_;      // [rows, vocab]
+  std::vector<uint16_t> k_stage_;  // prefill rows [layer][chunk][kv][width]
   std::vector<uint16_t> v_stage_;
-  std::vector<uint8_t> present_;   // [layer][kv_head][pos]
-  std::vector<long> present_count_;  // [layer]: present rows, all heads
-  std::unique_ptr<kv_memory_service::FetchBuffer> buffers_[2];
-  kv_memory_service::OwnedFetchPlan plans_[2];
-  kv_memory_service::FetchHandle handles_[2];
-  std::vector<float> xb_prev_;     // [dim] previous layer's attention input
   std::vector<float> kf_, vf_;     // [kv_head][max_seq + 1][head_dim]
   std::vector<float> fetched_;     // [2][rows][head_dim] decoded rows
   std::vector<float> probs_;       // [n_heads][max_seq + 1]
   std::vector<float> prefill_probs_;  // [n_heads][max_seq]
-  FetchStats stats_;
-  long step_rows_ = 0;             // rows fetched in the current step
+
+  std::thread appender_;
+  absl::Mutex append_mu_;
+  std::vector<int> append_slots_ ABSL_GUARDED_BY(append_mu_);
+  bool append_pending_ ABSL_GUARDED_BY(append_mu_) = false;
+  bool append_done_ ABSL_GUARDED_BY(append_mu_) = false;
+  bool stopping_ ABSL_GUARDED_BY(append_mu_) = false;
 };
 
 }  // namespace infinigen::gpu_worker

@@ -250,6 +250,75 @@ TEST_F(PolicyTest, PoolEvictionFetchesOnlyWhatIsPresent) {
   EXPECT_GT(Mean(fifo.nll), Mean(full.nll));
 }
 
+// Several sequences decoding together give each the logits it gets alone:
+// the batched GEMMs, per-sequence attention and selection do not mix them.
+TEST_F(PolicyTest, BatchedDecodingMatchesSingleSequences) {
+  PolicyOptions inf = Policy(PolicyKind::kInfiniGen);
+  inf.skew = skew_;
+  for (PolicyOptions policy : {Policy(PolicyKind::kIdeal),
+                               Policy(PolicyKind::kFull), inf,
+                               Policy(PolicyKind::kH2O)}) {
+    SCOPED_TRACE(PolicyName(policy.kind));
+    auto client = kv_memory_service::ConnectKvClient("inproc:");
+    ASSERT_TRUE(client.ok());
+    EngineOptions options;
+    options.max_seq_len = 96;
+    options.batch = 3;
+    options.policy = policy;
+    options.kv_client = client->get();
+    auto batched = Engine::Create(*weights_, NewCpuBackend(), options);
+    ASSERT_TRUE(batched.ok()) << batched.status();
+    const std::vector<int>& t = *tokens_;
+    const int prefix[3] = {5, 9, 14};
+    // Each slot decodes its own continuation of a different prefix.
+    std::vector<std::vector<float>> want[3];
+    for (int s = 0; s < 3; ++s) {
+      options.batch = 1;
+      auto single = Engine::Create(*weights_, NewCpuBackend(), options);
+      ASSERT_TRUE(single.ok());
+      ASSERT_TRUE((*single)
+                      ->Forward(absl::MakeConstSpan(t).subspan(s * 7, prefix[s]),
+                                false)
+                      .ok());
+      for (int step = 0; step < 12; ++step) {
+        auto l = (*single)->Forward({t[s * 7 + prefix[s] + step]}, false);
+        ASSERT_TRUE(l.ok()) << l.status();
+        want[s].emplace_back(l->begin(), l->end());
+      }
+      ASSERT_TRUE((*batched)
+                      ->Forward(s, absl::MakeConstSpan(t).subspan(s * 7, prefix[s]),
+                                false)
+                      .ok());
+    }
+    const int v = weights_->config.vocab_size;
+    // GEMM over the batch rounds differently from GEMV; stored fp16 rows
+    // turn that into fp16 ulps (1e-3 relative) of the keys.
+    const float tol = policy.kind == PolicyKind::kIdeal ? 1e-3f : 2e-2f;
+    for (int step = 0; step < 12; ++step) {
+      std::vector<int> slots = {2, 0, 1};
+      std::vector<int> next;
+      for (int s : slots) next.push_back(t[s * 7 + prefix[s] + step]);
+      auto l = (*batched)->DecodeBatch(slots, next);
+      ASSERT_TRUE(l.ok()) << l.status();
+      for (int i = 0; i < 3; ++i) {
+        for (int j = 0; j < v; ++j) {
+          const float w = want[slots[i]][step][j];
+          ASSERT_NEAR((*l)[i * v + j], w, tol * (1 + std::fabs(w)))
+              << "step " << step << " slot " << slots[i];
+        }
+      }
+    }
+    EXPECT_EQ((*batched)->position(0), 5 + 12);
+    EXPECT_EQ((*batched)->DecodeBatch({0, 0}, {1, 2}).status().code(),
+              absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ((*batched)->DecodeBatch({3}, {1}).status().code(),
+              absl::StatusCode::kInvalidArgument);
+    ASSERT_TRUE((*batched)->Reset(1).ok());
+    EXPECT_EQ((*batched)->DecodeBatch({1}, {1}).status().code(),
+              absl::StatusCode::kFailedPrecondition);
+  }
+}
+
 TEST_F(PolicyTest, BadOptionsAreRejected) {
   auto client = kv_memory_service::ConnectKvClient("inproc:");
   ASSERT_TRUE(client.ok());

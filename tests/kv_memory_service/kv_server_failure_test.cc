@@ -152,7 +152,7 @@ TEST(ServerRestartTest, ClientRecoversAndOldSequencesAreNotFound) {
 
   (*first)->Signal(SIGKILL);
   (*first)->WaitExit();
-  absl::Status down = s.client->Fetch(s.id, 0, plan.view(), buffer->get());
+absl::Status down = s.client->Fetch(s.id, 0, plan.view(), buffer->get());
   EXPECT_TRUE(IsConnectionError(down)) << down;
 
   auto second = ServerProcess::Start({listen});
@@ -218,8 +218,10 @@ TEST(SigtermTest, DrainsAndExitsZero) {
     const OwnedFetchPlan plan = OwnedFetchPlan::SameForAllHeads(3, {0, 7});
     // The fetch stream stays open across the SIGTERM.
     ASSERT_TRUE(s.client->Fetch(s.id, 1, plan.view(), buffer->get()).ok());
+    const absl::Time t0 = absl::Now();
     (*server)->Signal(SIGTERM);
     const int status = (*server)->WaitExit();
+    std::cerr << "DEBUG " << transport << " " << absl::Now() - t0 << "\n";
     ASSERT_TRUE(WIFEXITED(status)) << transport << " status " << status;
     EXPECT_EQ(WEXITSTATUS(status), 0) << transport;
     absl::Status after = s.client->Fetch(s.id, 1, plan.view(), buffer->get());

@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+"""Accuracy of every KV policy on one model and text, in one run.
+
+Runs `infinigen perplexity --policy=... --prompt_tokens=... --json` for
+ideal, full, infinigen, h2o and int4, and for the memory pool at capacities
+1.0 and 0.8 with FIFO, LRU and counter eviction (InfiniGen policy), then
+writes OUT.md (a Markdown table), OUT.csv and, when matplotlib is available,
+OUT.png (perplexity against the fraction of KV rows fetched per step).
+
+Example (SmolLM2-135M, WikiText-2, ctx 2048):
+  bench/accuracy.py --model=$(scripts/fetch_smollm2.sh) \
+    --text=../shared/data/wiki.test.raw --ctx=2048 --windows=4 \
+    --prompt_tokens=256 --skew_text=../shared/data/pride_and_prejudice.txt \
+    --out=bench/results/accuracy_smollm2
+"""
+import argparse
+import csv
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+
+def run(binary, args):
+    cmd = [binary, "perplexity", "--json"] + args
+    print("+", " ".join(cmd), file=sys.stderr, flush=True)
+    out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    if out.returncode != 0:
+        sys.exit(f"accuracy.py: {' '.join(cmd)} failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--binary", default="bazel-bin/gpu_worker/infinigen")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--tokenizer", default="")
+    ap.add_argument("--text", required=True)
+    ap.add_argument("--ctx", type=int, default=2048)
+    ap.add_argument("--windows", type=int, default=4)
+    ap.add_argument("--prompt_tokens", type=int, default=256)
+    ap.add_argument("--alpha", type=float, default=5.0)
+    ap.add_argument("--partial_ratio", type=float, default=0.3)
+    ap.add_argument("--budget", type=float, default=0.2)
+    ap.add_argument("--skew_text", default="",
+                    help="calibration text for the skew (default: --text)")
+    ap.add_argument("--calibration_tokens", type=int, default=2048)
+    ap.add_argument("--pool", action=argparse.BooleanOptionalAction,
+                    default=True, help="also run the 80%% pool experiment")
+    ap.add_argument("--out", required=True, help="output path without suffix")
+    a = ap.parse_args()
+
+    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+    common = [f"--model={a.model}", f"--text={a.text}", f"--ctx={a.ctx}",
+              f"--max_windows={a.windows}",
+              f"--prompt_tokens={a.prompt_tokens}"]
+    if a.tokenizer:
+        common.append(f"--tokenizer={a.tokenizer}")
+    skew = a.out + ".skew"
+    cal = [a.binary, "skew", f"--model={a.model}",
+           f"--text={a.skew_text or a.text}",
+           f"--calibration_tokens={a.calibration_tokens}", f"--out={skew}"]
+    if a.tokenizer:
+        cal.append(f"--tokenizer={a.tokenizer}")
+    print("+", " ".join(cal), file=sys.stderr, flush=True)
+    subprocess.run(cal, check=True, stdout=subprocess.DEVNULL)
+
+    inf = [f"--alpha={a.alpha}", f"--partial_ratio={a.partial_ratio}",
+           f"--budget={a.budget}", f"--skew={skew}"]
+    configs = [
+        ("ideal", ["--policy=ideal"]),
+        ("full", ["--policy=full"]),
+        ("infinigen", ["--policy=infinigen"] + inf),
+        ("h2o", ["--policy=h2o", f"--budget={a.budget}"]),
+        ("int4", ["--policy=int4"]),
+    ]
+    if a.pool:
+        for ev in ("fifo", "lru", "counter"):
+            configs.append((f"infinigen pool 0.8 {ev}",
+                            ["--policy=infinigen", "--kv_capacity=0.8",
+                             f"--eviction={ev}"] + inf))
+    rows = []
+    started = time.time()
+    for name, extra in configs:
+        r = run(a.binary, common + extra)
+        r["name"] = name
+        rows.append(r)
+        print(f"{name:26s} ppl {r['ppl']:9.4f}  fetched "
+              f"{100 * r['fetch_fraction_mean']:6.2f}% (max "
+              f"{100 * r['fetch_fraction_max']:6.2f}%)", file=sys.stderr,
+              flush=True)
+    full = next(r for r in rows if r["name"] == "full")
+
+    cmdline = " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:])
+    machine = f"{platform.machine()}, {os.cpu_count()} cores"
+    with open(a.out + ".md", "w") as f:
+        f.write(f"# KV policy accuracy\n\nCommand: `{cmdline}`  \n"
+                f"Machine: {machine}; {time.time() - started:.0f} s  \n"
+                f"Model: `{a.model}`; text: `{a.text}`; ctx {a.ctx}, "
+                f"{a.windows} windows, dense prefix {a.prompt_tokens} tokens, "
+                f"then one token at a time through the policy; "
+                f"{full['tokens']} scored tokens per policy.\n\n"
+                "| policy | perplexity | vs full | KV rows fetched per step "
+                "(mean) | (max) | bytes fetched per step |\n"
+                "|---|---|---|---|---|---|\n")
+        for r in rows:
+            f.write(f"| {r['name']} | {r['ppl']:.4f} | "
+                    f"{100 * (r['ppl'] / full['ppl'] - 1):+.2f}% | "
+                    f"{100 * r['fetch_fraction_mean']:.2f}% | "
+                    f"{100 * r['fetch_fraction_max']:.2f}% | "
+                    f"{r['bytes_fetched_per_step']:.0f} |\n")
+    with open(a.out + ".csv", "w", newline="") as f:
+        keys = ["name", "policy", "ppl", "nll", "tokens",
+                "fetch_fraction_mean", "fetch_fraction_max",
+                "bytes_fetched_per_step", "alpha", "partial_ratio", "budget",
+                "kv_capacity", "eviction", "ctx", "windows", "prompt_tokens",
+                "seconds"]
+        w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for r in rows:
+            ax.scatter(100 * r["fetch_fraction_mean"], r["ppl"])
+            ax.annotate(r["name"], (100 * r["fetch_fraction_mean"], r["ppl"]),
+                        fontsize=7)
+        ax.set_xlabel("KV rows fetched per step (%)")
+        ax.set_ylabel("perplexity")
+        ax.set_title(f"{os.path.basename(a.model)}, ctx {a.ctx}", fontsize=9)
+        fig.tight_layout()
+        fig.savefig(a.out + ".png", dpi=120)
+    except ImportError:
+        print("accuracy.py: no matplotlib; skipped the plot", file=sys.stderr)
+    print(open(a.out + ".md").read())
+
+
+if __name__ == "__main__":
+    main()
