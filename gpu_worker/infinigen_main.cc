@@ -21,6 +21,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "common/file.h"
 #include "common/log.h"
 #include "common/status.h"
@@ -89,6 +90,8 @@ ABSL_FLAG(int, prompt_tokens, 0,
 ABSL_FLAG(int, calibration_tokens, 1024,
           "skew (and infinigen without --skew): tokens of calibration text.");
 ABSL_FLAG(std::string, out, "", "skew: the skew file to write.");
+ABSL_FLAG(int, batch, 1, "bench-decode: sequences decoding together.");
+ABSL_FLAG(int, decode_tokens, 64, "bench-decode: decode steps timed.");
 
 namespace infinigen {
 namespace {
@@ -120,6 +123,16 @@ const std::map<std::string, Command>& Commands() {
          "prompt_tokens", "policy", "alpha", "partial_ratio", "budget",
          "skew", "kv_service", "kv_capacity", "eviction",
          "calibration_tokens", "threads"}}},
+      {"bench-decode",
+       {"Fills --ctx tokens of context per sequence (from --text, else "
+        "synthetic), decodes --decode_tokens steps of --batch sequences "
+        "under each policy of the comma-separated --policy, and reports "
+        "per-token latency (p50, p99), tokens/s, KV bytes fetched per token "
+        "and the time spent waiting on fetches.",
+        {"model", "tokenizer", "text", "ctx", "batch", "decode_tokens",
+         "policy", "alpha", "partial_ratio", "budget", "skew", "kv_service",
+         "kv_capacity", "eviction", "calibration_tokens", "json",
+         "threads"}}},
       {"skew",
        {"Computes InfiniGen's skew matrices from calibration text and writes "
         "them to --out.",
@@ -472,6 +485,152 @@ int RunPerplexity() {
   return 0;
 }
 
+struct DecodeBenchResult {
+  std::string policy;
+  std::vector<double> step_seconds;
+  double seconds = 0;
+  double prefill_seconds = 0;
+  gpu_worker::FetchStats fetch;
+};
+
+double Percentile(std::vector<double> v, double p) {
+  std::sort(v.begin(), v.end());
+  const size_t i = std::min(v.size() - 1,
+                            static_cast<size_t>(p / 100.0 * v.size()));
+  return v[i];
+}
+
+int RunBenchDecode() {
+  const int ctx = absl::GetFlag(FLAGS_ctx);
+  const int batch = absl::GetFlag(FLAGS_batch);
+  const int steps = absl::GetFlag(FLAGS_decode_tokens);
+  if (ctx < 1 || batch < 1 || steps < 2) {
+    return Fail(kExitUsage,
+                absl::InvalidArgumentError(
+                    "--ctx and --batch must be >= 1, --decode_tokens >= 2"));
+  }
+  std::vector<std::string> policies =
+      absl::StrSplit(absl::GetFlag(FLAGS_policy), ',');
+  for (const std::string& p : policies) {
+    if (auto k = gpu_worker::ParsePolicy(p); !k.ok()) {
+      return Fail(kExitUsage, k.status());
+    }
+  }
+  auto m = LoadFromFlags(/*need_tokenizer=*/!absl::GetFlag(FLAGS_text).empty());
+  if (!m.ok()) return LoadFailure(m.status());
+  const model::ModelConfig& c = m->weights.config;
+  if (ctx + steps > c.max_seq_len) {
+    return Fail(kExitUsage, absl::InvalidArgumentError(absl::StrFormat(
+                                "--ctx + --decode_tokens = %d exceeds the "
+                                "model's context of %d",
+                                ctx + steps, c.max_seq_len)));
+  }
+  // Context per sequence: consecutive stretches of real text, or a
+  // deterministic synthetic stream when no --text is given.
+  std::vector<int> source;
+  const std::string text_path = absl::GetFlag(FLAGS_text);
+  if (!text_path.empty()) {
+    auto text = ReadFileToString(text_path);
+    if (!text.ok()) return Fail(kExitUsage, text.status());
+    source = m->tokenizer->Encode(*text, false);
+  }
+  const size_t need = static_cast<size_t>(batch) * (ctx + steps);
+  if (source.size() < need) {
+    if (!text_path.empty()) {
+      IG_LOG(WARNING) << text_path << " holds " << source.size()
+                      << " tokens; repeating it to fill " << need;
+    }
+    uint64_t x = 88172645463325252ull;
+    while (source.size() < need) {
+      if (!text_path.empty()) {
+        source.push_back(source[source.size() % (source.size() ? source.size() : 1)]);
+      } else {
+        x ^= x << 13; x ^= x >> 7; x ^= x << 17;
+        source.push_back(static_cast<int>(x % c.vocab_size));
+      }
+    }
+  }
+  std::vector<DecodeBenchResult> results;
+  for (const std::string& policy : policies) {
+    absl::SetFlag(&FLAGS_policy, policy);
+    auto setup = SetUpPolicy(m->weights, source);
+    if (!setup.ok()) return Fail(kExitUsage, setup.status());
+    EngineOptions& options = setup->options;
+    options.max_seq_len = ctx + steps;
+    options.batch = batch;
+    auto engine =
+        Engine::Create(m->weights, gpu_worker::NewCpuBackend(), options);
+    if (!engine.ok()) return Fail(kExitUsage, engine.status());
+    DecodeBenchResult r;
+    r.policy = policy;
+    auto t0 = std::chrono::steady_clock::now();
+    std::vector<int> slots(batch), next(batch);
+    for (int b = 0; b < batch; ++b) {
+      slots[b] = b;
+      const int* seq = source.data() + static_cast<size_t>(b) * (ctx + steps);
+      auto l = (*engine)->Forward(b, absl::MakeConstSpan(seq, ctx), false);
+      if (!l.ok()) return Fail(kExitFailure, l.status());
+      std::fprintf(stderr, "bench-decode %s: prefilled sequence %d/%d\n",
+                   policy.c_str(), b + 1, batch);
+    }
+    r.prefill_seconds = std::chrono::duration<double>(
+                            std::chrono::steady_clock::now() - t0)
+                            .count();
+    t0 = std::chrono::steady_clock::now();
+    for (int step = 0; step < steps; ++step) {
+      for (int b = 0; b < batch; ++b) {
+        next[b] = source[static_cast<size_t>(b) * (ctx + steps) + ctx + step];
+      }
+      const auto s0 = std::chrono::steady_clock::now();
+      auto l = (*engine)->DecodeBatch(slots, next);
+      if (!l.ok()) return Fail(kExitFailure, l.status());
+      r.step_seconds.push_back(std::chrono::duration<double>(
+                                   std::chrono::steady_clock::now() - s0)
+                                   .count());
+    }
+    r.seconds = std::chrono::duration<double>(
+                    std::chrono::steady_clock::now() - t0)
+                    .count();
+    for (int b = 0; b < batch; ++b) r.fetch.Add((*engine)->fetch_stats(b));
+    results.push_back(std::move(r));
+  }
+  const std::string plane = absl::GetFlag(FLAGS_kv_service);
+  std::printf("bench-decode: %s, ctx %d, batch %d, %d steps, KV node %s\n",
+              absl::GetFlag(FLAGS_model).c_str(), ctx, batch, steps,
+              plane.c_str());
+  std::printf("| policy | tokens/s | p50 ms/step | p99 ms/step | KV bytes "
+              "fetched/token | rows fetched | fetch wait | prefill s |\n"
+              "|---|---|---|---|---|---|---|---|\n");
+  for (const auto& r : results) {
+    const long tokens = static_cast<long>(steps) * batch;
+    std::printf("| %s | %.2f | %.2f | %.2f | %.0f | %.2f%% | %.1f%% | %.1f |\n",
+                r.policy.c_str(), tokens / r.seconds,
+                1e3 * Percentile(r.step_seconds, 50),
+                1e3 * Percentile(r.step_seconds, 99),
+                static_cast<double>(r.fetch.bytes_fetched) / tokens,
+                100.0 * r.fetch.fraction_mean(),
+                100.0 * r.fetch.wait_seconds / r.seconds, r.prefill_seconds);
+  }
+  if (absl::GetFlag(FLAGS_json)) {
+    for (const auto& r : results) {
+      const long tokens = static_cast<long>(steps) * batch;
+      std::printf(
+          "{\"policy\": \"%s\", \"kv_service\": \"%s\", \"ctx\": %d, "
+          "\"batch\": %d, \"decode_tokens\": %d, \"tokens_per_s\": %.4f, "
+          "\"p50_ms\": %.4f, \"p99_ms\": %.4f, \"bytes_fetched_per_token\": "
+          "%.1f, \"fetch_fraction_mean\": %.6f, \"fetch_wait_fraction\": "
+          "%.6f, \"compute_fraction\": %.6f, \"prefill_seconds\": %.3f}\n",
+          r.policy.c_str(), plane.c_str(), ctx, batch, steps,
+          tokens / r.seconds, 1e3 * Percentile(r.step_seconds, 50),
+          1e3 * Percentile(r.step_seconds, 99),
+          static_cast<double>(r.fetch.bytes_fetched) / tokens,
+          r.fetch.fraction_mean(), r.fetch.wait_seconds / r.seconds,
+          1.0 - r.fetch.wait_seconds / r.seconds, r.prefill_seconds);
+    }
+  }
+  return 0;
+}
+
 int RunSkew() {
   const std::string out = absl::GetFlag(FLAGS_out);
   if (out.empty()) {
@@ -536,5 +695,6 @@ int main(int argc, char** argv) {
   if (threads > 0) openblas_set_num_threads(threads);
   if (command == "generate") return RunGenerate();
   if (command == "skew") return RunSkew();
+  if (command == "bench-decode") return RunBenchDecode();
   return RunPerplexity();
 }
