@@ -1,0 +1,149 @@
+// The worker against a separate kv_memory_server process: decoding through
+// TCP and shared memory gives exactly what it gives in process, and a
+// server that dies mid-generation gives the worker a clear error, not a
+// hang.
+#include <signal.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gpu_worker/calibrate.h"
+#include "gpu_worker/engine.h"
+#include "gtest/gtest.h"
+#include "kv_memory_service/kv_client.h"
+#include "model/llama2c.h"
+#include "tests/kv_memory_service/server_process.h"
+
+namespace infinigen {
+namespace {
+
+using gpu_worker::Engine;
+using gpu_worker::EngineOptions;
+using gpu_worker::PolicyKind;
+using kv_memory_service::ServerProcess;
+
+constexpr char kModel[] = "models/stories260K/stories260K.bin";
+constexpr char kTokenizer[] = "models/stories260K/tok512.bin";
+
+class Disaggregated : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto w = model::LoadLlama2cWeights(kModel);
+    ASSERT_TRUE(w.ok()) << w.status();
+    weights_ = std::move(*w);
+    auto tok = model::Llama2cTokenizer::Load(kTokenizer, 512);
+    ASSERT_TRUE(tok.ok());
+    tokens_ = (*tok)->Encode(
+        "Once upon a time, there was a little dog named Max. Max liked to run "
+        "in the big green park with his friend Sue. One day, Sue found a red "
+        "box under a tree. She opened it and saw a shiny key.",
+        true);
+    auto skew = gpu_worker::CalibrateSkew(weights_, tokens_);
+    ASSERT_TRUE(skew.ok()) << skew.status();
+    skew_ = std::move(*skew);
+  }
+
+  // Teacher-forced logits of every decoded position, two sequences in a
+  // batch, through the memory node at `address`.
+  std::vector<std::vector<float>> Decode(const std::string& address,
+                                         PolicyKind kind) {
+    auto client = kv_memory_service::ConnectKvClient(address);
+    EXPECT_TRUE(client.ok()) << client.status();
+    if (!client.ok()) return {};
+    EngineOptions options;
+    options.max_seq_len = 96;
+    options.batch = 2;
+    options.policy.kind = kind;
+    options.policy.skew = &skew_;
+    options.kv_client = client->get();
+    auto engine = Engine::Create(weights_, gpu_worker::NewCpuBackend(), options);
+    EXPECT_TRUE(engine.ok()) << engine.status();
+    std::vector<std::vector<float>> out;
+    for (int s = 0; s < 2; ++s) {
+      EXPECT_TRUE((*engine)
+                      ->Forward(s, absl::MakeConstSpan(tokens_).subspan(s, 8),
+                                false)
+                      .ok());
+    }
+    for (int i = 8; i < 30; ++i) {
+      auto l = (*engine)->DecodeBatch({0, 1}, {tokens_[i], tokens_[i + 1]});
+      EXPECT_TRUE(l.ok()) << l.status();
+      if (!l.ok()) break;
+      out.emplace_back(l->begin(), l->end());
+    }
+    return out;
+  }
+
+  model::Weights weights_;
+  std::vector<int> tokens_;
+  speculator::SkewMatrices skew_;
+};
+
+TEST_F(Disaggregated, RemoteMemoryNodesGiveExactlyTheInProcessLogits) {
+  auto tcp = ServerProcess::Start({"--listen=127.0.0.1:0"});
+  ASSERT_TRUE(tcp.ok()) << tcp.status();
+  const std::string shm_sock = ServerProcess::SocketPath("dis_shm.sock");
+  auto shm = ServerProcess::Start(
+      {"--listen=127.0.0.1:0", "--shm_listen=unix:" + shm_sock});
+  ASSERT_TRUE(shm.ok()) << shm.status();
+  for (PolicyKind kind : {PolicyKind::kFull, PolicyKind::kInfiniGen,
+                          PolicyKind::kH2O, PolicyKind::kInt4}) {
+    SCOPED_TRACE(gpu_worker::PolicyName(kind));
+    const auto want = Decode("inproc:", kind);
+    ASSERT_FALSE(want.empty());
+    EXPECT_EQ(Decode((*tcp)->address(), kind), want);
+    EXPECT_EQ(Decode("shm:unix:" + shm_sock, kind), want);
+  }
+}
+
+TEST_F(Disaggregated, ServerDeathIsAClearErrorNotAHang) {
+  for (bool use_shm : {false, true}) {
+    SCOPED_TRACE(use_shm ? "shm" : "tcp");
+    const std::string shm_sock = ServerProcess::SocketPath("dis_kill.sock");
+    std::vector<std::string> flags = {"--listen=127.0.0.1:0"};
+    if (use_shm) flags.push_back("--shm_listen=unix:" + shm_sock);
+    auto server = ServerProcess::Start(flags);
+    ASSERT_TRUE(server.ok()) << server.status();
+    kv_memory_service::KvClientOptions copts;
+    copts.fetch_timeout = absl::Seconds(3);
+    copts.rpc_timeout = absl::Seconds(3);
+    auto client = kv_memory_service::ConnectKvClient(
+        use_shm ? "shm:unix:" + shm_sock : (*server)->address(), copts);
+    ASSERT_TRUE(client.ok()) << client.status();
+    EngineOptions options;
+    options.max_seq_len = 96;
+    options.policy.kind = PolicyKind::kFull;
+    options.kv_client = client->get();
+    auto engine = Engine::Create(weights_, gpu_worker::NewCpuBackend(), options);
+    ASSERT_TRUE(engine.ok());
+    ASSERT_TRUE((*engine)->Forward(absl::MakeConstSpan(tokens_).subspan(0, 8),
+                                   false)
+                    .ok());
+    for (int i = 8; i < 12; ++i) {
+      ASSERT_TRUE((*engine)->Forward({tokens_[i]}, false).ok());
+    }
+    (*server)->Signal(SIGKILL);
+    (*server)->WaitExit();
+    // Within a few decode steps the worker sees the failure as a status.
+    absl::Status status;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 12; i < 20 && status.ok(); ++i) {
+      status = (*engine)->Forward({tokens_[i]}, false).status();
+    }
+    const double secs = std::chrono::duration<double>(
+                            std::chrono::steady_clock::now() - t0)
+                            .count();
+    ASSERT_FALSE(status.ok());
+    EXPECT_THAT(status.code(),
+                ::testing::AnyOf(absl::StatusCode::kUnavailable,
+                                 absl::StatusCode::kDeadlineExceeded,
+                                 absl::StatusCode::kAborted));
+    EXPECT_LT(secs, 30.0) << "the worker must not hang on a dead server";
+  }
+}
+
+}  // namespace
+}  // namespace infinigen
