@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "kv_memory_service/inproc/inproc_client.h"
 #include "kv_memory_service/kv_client.h"
+#include "kv_memory_service/rdma/rdma_client.h"
 #include "kv_memory_service/shm/shm_client.h"
 #include "kv_memory_service/tcp/grpc_client.h"
 
@@ -27,9 +28,8 @@ absl::StatusOr<std::unique_ptr<KvClient>> ConnectKvClient(
     return ConnectShmKvClient(address, options, ConnectGrpcKvClient);
   }
   if (absl::StartsWith(address, "rdma://")) {
-    // Replace with: return ConnectRdmaKvClient(address, options);
-    return absl::UnimplementedError(
-        absl::StrCat("the RDMA data plane is not built yet: ", address));
+    // Unavailable("no RDMA device: ...") on hosts without one.
+    return ConnectRdmaKvClient(address, options, ConnectGrpcKvClient);
   }
   return absl::InvalidArgumentError(absl::StrCat(
       "unknown KV memory address '", address,

@@ -2,12 +2,23 @@
 // plane. ConnectKvClient picks the data plane from the address:
 //
 //   inproc:               a KvStore in this process (the embedded default)
-//   tcp://HOST:PORT       gRPC control; rows inline on a gRPC stream
-//   unix:PATH             the same over a unix-domain socket
-//   shm:...               same host; the server gathers into shared memory
-//                         (data plane not built yet: Unimplemented)
-//   rdma://HOST:PORT      another host over libibverbs (not built yet:
-//                         Unimplemented)
+//   tcp://HOST:PORT       gRPC control; fetches on the server's plain
+//                         fetch socket (tcp/fetch_wire.h), or inline on a
+//                         gRPC stream when it has none
+//   unix:PATH             gRPC over a unix-domain socket, fetches on the
+//                         gRPC stream
+//   shm:unix:PATH         same host: PATH is the server's shm socket
+//                         (kv_memory_server --shm_listen=unix:PATH); the
+//                         server gathers into memfd slots shared with the
+//                         client, signalled through futexes; control calls
+//                         go to the gRPC address the server announces
+//                         (shm/shm_client.h)
+//   rdma://HOST:PORT      another host over libibverbs: one RDMA WRITE per
+//                         fetch into a registered buffer; queue pairs set
+//                         up over gRPC at HOST:PORT (kv_memory_server
+//                         --rdma_device). Optional ?device=NAME&port=N&
+//                         gid_index=N. Unavailable("no RDMA device: ...")
+//                         on hosts without one (rdma/rdma_client.h)
 //
 // Fetch flow. At setup the caller asks the client for FetchBuffers (one per
 // fetch it wants in flight, sized for its largest plan). A buffer is memory
@@ -71,6 +82,10 @@ struct KvClientOptions {
   absl::Duration connect_timeout = absl::Seconds(5);
   // Largest gRPC message sent or received; match the server's limit.
   int32_t max_message_bytes = 64 << 20;
+  // tcp://: fetch over the server's plain fetch socket when it offers one
+  // (a socket round trip instead of a gRPC stream message: several times
+  // faster); false = always the gRPC FetchStream.
+  bool tcp_fetch_socket = true;
   // inproc: the store to serve from (shared with whoever else holds it);
   // null = a new store private to the client, made with
   // inproc_store_options.

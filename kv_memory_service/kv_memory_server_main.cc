@@ -40,12 +40,21 @@ ABSL_FLAG(std::string, auth_token_file, "",
 ABSL_FLAG(int32_t, max_message_bytes, 64 << 20,
           "Largest gRPC message either way (appends, fetch responses).");
 ABSL_FLAG(int32_t, max_sequences, 1024, "Most sequences open at once.");
+ABSL_FLAG(int32_t, fetch_port, 0,
+          "With a TCP --listen: the port of the plain-socket fetch endpoint "
+          "on the same host, which tcp:// clients use for fetches (faster "
+          "than the gRPC stream). 0 = any free port, -1 = none.");
 ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(5),
           "On SIGTERM, how long calls in flight may take to finish.");
 ABSL_FLAG(std::string, shm_listen, "",
           "unix:PATH: also serve the shared-memory data plane (same-host "
           "clients connect to shm:unix:PATH; control calls use --listen). "
           "Empty = off.");
+ABSL_FLAG(std::string, rdma_device, "",
+          "Also serve the RDMA data plane (clients connect to "
+          "rdma://HOST:PORT of --listen) on this ibverbs device, or on the "
+          "first one with an active port for \"any\". Empty = off. Fails "
+          "with \"no RDMA device\" where there is none.");
 ABSL_FLAG(std::string, ready_file, "",
           "If set, once listening, write the address clients should use "
           "(tcp://HOST:PORT or unix:PATH) to this file.");
@@ -66,8 +75,8 @@ std::string Usage() {
       "%s\n\nUsage: kv_memory_server [--flag=value ...]\n\nFlags:\n", kSummary);
   for (const char* name :
        {"listen", "capacity_bytes", "eviction", "auth_token_file",
-        "max_message_bytes", "max_sequences", "drain_timeout", "shm_listen",
-        "ready_file"}) {
+        "max_message_bytes", "max_sequences", "fetch_port", "drain_timeout",
+        "shm_listen", "rdma_device", "ready_file"}) {
     absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
     s += absl::StrFormat("  --%s (default: \"%s\")\n      %s\n", name,
                          flag->DefaultValue(), flag->Help());
@@ -84,7 +93,13 @@ int Run() {
   KvServerOptions options;
   options.listen = absl::GetFlag(FLAGS_listen);
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  options.fetch_port = absl::GetFlag(FLAGS_fetch_port);
+  if (options.fetch_port < -1 || options.fetch_port > 65535) {
+    return UsageError(absl::StrCat("--fetch_port must be -1..65535, got ",
+                                   options.fetch_port));
+  }
   options.shm_listen = absl::GetFlag(FLAGS_shm_listen);
+  options.rdma_device = absl::GetFlag(FLAGS_rdma_device);
   options.store.capacity_bytes = absl::GetFlag(FLAGS_capacity_bytes);
   options.store.max_sequences = absl::GetFlag(FLAGS_max_sequences);
   absl::StatusOr<EvictionPolicy> eviction =

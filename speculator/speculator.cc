@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <numeric>
 #include <utility>
@@ -15,6 +16,17 @@
 #include "absl/strings/str_format.h"
 #include "common/file.h"
 #include "common/status.h"
+
+// The hand-vectorized scoring kernel needs AVX2 and FMA (the project builds
+// for x86-64-v3); INFINIGEN_SPECULATOR_PORTABLE forces the portable loop so
+// that a test can check it too.
+#if defined(__AVX2__) && defined(__FMA__) && \
+    !defined(INFINIGEN_SPECULATOR_PORTABLE)
+#define INFINIGEN_SPECULATOR_AVX2 1
+#include <immintrin.h>
+#else
+#define INFINIGEN_SPECULATOR_AVX2 0
+#endif
 
 namespace infinigen::speculator {
 namespace {
@@ -52,15 +64,189 @@ absl::Status SingularValues(const float* m, int rows, int cols,
   return absl::OkStatus();
 }
 
-// Strict total order for top-k: higher score first, then lower position, so
-// selection is deterministic whatever std::nth_element does with ties.
-struct ScoredToken {
-  float score;
-  int32_t pos;
+// SpeculateScores runs per layer per decode step over thousands of cached
+// rows of only n_cols (e.g. 19) floats each, so it is written for that shape.
+constexpr int kLanes = 8;
+
+int PaddedColumns(int n_cols) {
+  return (n_cols + kLanes - 1) / kLanes * kLanes;
+}
+
+// row . q over n columns. Eight independent partial sums, so the compiler
+// vectorizes it without being allowed to reassociate float additions.
+inline float Dot(const float* row, const float* q, int n) {
+  float lanes[kLanes] = {};
+  int c = 0;
+  for (; c + kLanes <= n; c += kLanes) {
+    for (int i = 0; i < kLanes; ++i) lanes[i] += row[c + i] * q[c + i];
+  }
+  float dot = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) +
+              ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+  for (; c < n; ++c) dot += row[c] * q[c];
+  return dot;
+}
+
+#if INFINIGEN_SPECULATOR_AVX2
+// Lane i of the result is the horizontal sum of a[i].
+inline __m256 HorizontalSums(const __m256 a[kLanes]) {
+  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]);
+  const __m256 s23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]);
+  const __m256 s67 = _mm256_hadd_ps(a[6], a[7]);
+  // s0123's low half holds rows 0-3's sums over lanes 0-3, its high half
+  // their sums over lanes 4-7; likewise s4567 for rows 4-7.
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23);
+  const __m256 s4567 = _mm256_hadd_ps(s45, s67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                       _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+// Scores of 8 consecutive cached rows ([8][n_cols], contiguous): for each
+// query head, one accumulator per row across the columns, then a
+// transposing reduction gives the 8 dot products in one vector, so the
+// horizontal-sum cost is shared by 8 rows instead of paid per row. The
+// column tail is a masked load, never a read past the last row. Writes the
+// max over the group's heads to out[0, 8).
+void ScoreBlockAvx2(const float* rows, int n_cols, const float* qg,
+                    int q_stride, int group, float* out) {
+  const int full = n_cols / kLanes * kLanes;
+  const int tail = n_cols - full;
+  const __m256i tail_mask = _mm256_cmpgt_epi32(
+      _mm256_set1_epi32(tail), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  __m256 best = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int j = 0; j < group; ++j) {
+    const float* q = qg + static_cast<size_t>(j) * q_stride;
+    __m256 acc[kLanes];
+#pragma GCC unroll 8
+    for (int i = 0; i < kLanes; ++i) acc[i] = _mm256_setzero_ps();
+    for (int c = 0; c < full; c += kLanes) {
+      const __m256 qv = _mm256_loadu_ps(q + c);
+#pragma GCC unroll 8
+      for (int i = 0; i < kLanes; ++i) {
+        acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(rows + i * n_cols + c), qv,
+                                 acc[i]);
+      }
+    }
+    if (tail != 0) {
+      // q is zero-padded, so masked-out columns add 0 * 0.
+      const __m256 qv = _mm256_loadu_ps(q + full);
+#pragma GCC unroll 8
+      for (int i = 0; i < kLanes; ++i) {
+        acc[i] = _mm256_fmadd_ps(
+            _mm256_maskload_ps(rows + i * n_cols + full, tail_mask), qv,
+            acc[i]);
+      }
+    }
+    best = _mm256_max_ps(best, HorizontalSums(acc));
+  }
+  _mm256_storeu_ps(out, best);
+}
+#endif  // INFINIGEN_SPECULATOR_AVX2
+
+struct HeadStats {
+  int n_present = 0;
+  int count = 0;       // Present tokens with score >= floor.
+  float floor = 0.0f;  // The head's max present score - alpha.
 };
 
-inline bool Before(const ScoredToken& a, const ScoredToken& b) {
-  return a.score > b.score || (a.score == b.score && a.pos < b.pos);
+// kMasked: whether `present` is consulted; the unmasked copy has no
+// per-token test at all. Branch-free, with kLanes independent maxima so
+// that the compiler can vectorize without reassociating anything. NaN
+// scores (a broken input) fail every comparison, so they neither raise the
+// max nor count.
+template <bool kMasked>
+HeadStats CountWithinAlpha(const float* s, const uint8_t* present, int n,
+                           float alpha) {
+  constexpr float kNone = -std::numeric_limits<float>::infinity();
+  float lanes[kLanes];
+  std::fill(lanes, lanes + kLanes, kNone);
+  int t = 0;
+  for (; t + kLanes <= n; t += kLanes) {
+    for (int i = 0; i < kLanes; ++i) {
+      const float v = !kMasked || present[t + i] != 0 ? s[t + i] : kNone;
+      lanes[i] = lanes[i] < v ? v : lanes[i];
+    }
+  }
+  float max_score = kNone;
+  for (; t < n; ++t) {
+    const float v = !kMasked || present[t] != 0 ? s[t] : kNone;
+    max_score = max_score < v ? v : max_score;
+  }
+  for (int i = 0; i < kLanes; ++i) max_score = std::max(max_score, lanes[i]);
+
+  HeadStats stats;
+  stats.floor = max_score - alpha;
+  stats.n_present = kMasked ? 0 : n;
+  for (t = 0; t < n; ++t) {
+    const int here = !kMasked || present[t] != 0;
+    if (kMasked) stats.n_present += here;
+    stats.count += here & (s[t] >= stats.floor);
+  }
+  return stats;
+}
+
+// Writes to out[0, k) the ascending positions of the k highest present
+// scores (ties: lower position; NaN ranks below every number), 1 <= k <=
+// number present. The caller passes floor = the alpha threshold when at
+// least k present scores reach it (then the top k are all among those, and
+// only they are ranked), else -inf. `values` and `positions` are scratch of
+// n + 1 elements.
+template <bool kMasked>
+void EmitTopK(const float* s, const uint8_t* present, int n, int k,
+              float floor, float* values, int32_t* positions, int32_t* out) {
+  // The candidates: present, >= floor, and so never NaN, which keeps
+  // std::nth_element's order strict.
+  int m = 0;
+  for (int t = 0; t < n; ++t) {
+    values[m] = s[t];
+    m += (!kMasked || present[t] != 0) & (s[t] >= floor);
+  }
+  if (m < k) {
+    // Only with NaN scores: every number, then the first NaNs.
+    int nan_slots = k - m;
+    int taken = 0;
+    for (int t = 0; t < n && taken < k; ++t) {
+      if (kMasked && present[t] == 0) continue;
+      if (s[t] >= floor || nan_slots-- > 0) out[taken++] = t;
+    }
+    return;
+  }
+  // With k == m the candidates are exactly the top k.
+  float threshold = floor;
+  bool tie_at_cut = false;
+  if (k < m) {
+    // Afterwards values[0, k) are >= threshold and values[k, m) <= it.
+    std::nth_element(values, values + (k - 1), values + m,
+                     std::greater<float>());
+    threshold = values[k - 1];
+    int equal = 0;
+    for (int i = k; i < m; ++i) equal += values[i] == threshold;
+    tie_at_cut = equal != 0;
+  }
+  if (!tie_at_cut) {
+    // Exactly k present scores are >= threshold. Branch-free: every token
+    // writes positions[taken], which advances only when the token is taken
+    // (so positions needs one spare slot).
+    int taken = 0;
+    for (int t = 0; t < n; ++t) {
+      positions[taken] = t;
+      taken += (!kMasked || present[t] != 0) & (s[t] >= threshold);
+    }
+    std::copy(positions, positions + k, out);
+    return;
+  }
+  // Rare: more scores equal the threshold than there are slots left, so
+  // take those above it and the lowest-positioned equal ones.
+  int above = 0;
+  for (int i = 0; i < k - 1; ++i) above += values[i] > threshold;
+  int ties = k - above;
+  int taken = 0;
+  for (int t = 0; t < n && taken < k; ++t) {
+    if (kMasked && present[t] == 0) continue;
+    if (s[t] > threshold || (s[t] == threshold && ties-- > 0)) {
+      out[taken++] = t;
+    }
+  }
 }
 
 }  // namespace
@@ -252,28 +438,39 @@ void SelectPartialColumns(const float* q_skewed, int n_tokens, int n_heads,
 void SpeculateScores(const float* q_skewed, int n_heads, int n_kv_heads,
                      int d, const float* partial_k, int k_stride, int n_tokens,
                      const int32_t* cols, int n_cols, float* scores) {
+  if (n_tokens <= 0) return;
   const int group = n_heads / n_kv_heads;
+  const int q_stride = PaddedColumns(n_cols);
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  // The group's queries, gathered to the partial columns and pre-scaled,
-  // [group][n_cols]: one pass over the cached rows then serves every head.
+  // The group's queries gathered to the partial columns, pre-scaled, and
+  // zero-padded to whole vectors: [group][q_stride]. Gathered once per KV
+  // head, then every cached row is read from memory once for all of them.
   thread_local std::vector<float> qg;
-  qg.resize(static_cast<size_t>(group) * n_cols);
+  qg.assign(static_cast<size_t>(group) * q_stride, 0.0f);
   for (int g = 0; g < n_kv_heads; ++g) {
     const int32_t* cg = cols + static_cast<size_t>(g) * n_cols;
     for (int j = 0; j < group; ++j) {
       const float* qh = q_skewed + static_cast<size_t>(g * group + j) * d;
-      for (int c = 0; c < n_cols; ++c) qg[j * n_cols + c] = qh[cg[c]] * scale;
+      for (int c = 0; c < n_cols; ++c) {
+        qg[static_cast<size_t>(j) * q_stride + c] = qh[cg[c]] * scale;
+      }
     }
     const float* kg = partial_k + static_cast<size_t>(g) * k_stride * n_cols;
     float* out = scores + static_cast<size_t>(g) * n_tokens;
-    for (int t = 0; t < n_tokens; ++t) {
+    int t = 0;
+#if INFINIGEN_SPECULATOR_AVX2
+    for (; t + kLanes <= n_tokens; t += kLanes) {
+      ScoreBlockAvx2(kg + static_cast<size_t>(t) * n_cols, n_cols, qg.data(),
+                     q_stride, group, out + t);
+    }
+#endif
+    for (; t < n_tokens; ++t) {
       const float* row = kg + static_cast<size_t>(t) * n_cols;
       float best = -std::numeric_limits<float>::infinity();
       for (int j = 0; j < group; ++j) {
-        const float* qj = qg.data() + j * n_cols;
-        float dot = 0.0f;
-        for (int c = 0; c < n_cols; ++c) dot += row[c] * qj[c];
-        best = std::max(best, dot);
+        best = std::max(
+            best, Dot(row, qg.data() + static_cast<size_t>(j) * q_stride,
+                      n_cols));
       }
       out[t] = best;
     }
@@ -284,35 +481,34 @@ int SelectTokens(const float* scores, int n_kv_heads, int n_tokens,
                  const uint8_t* present, const SelectionOptions& options,
                  std::vector<int32_t>& indices,
                  std::vector<int32_t>& head_offsets) {
-  head_offsets.assign(n_kv_heads + 1, 0);
-  indices.clear();
-  if (n_kv_heads <= 0 || n_tokens <= 0) return 0;
+  head_offsets.assign(std::max(0, n_kv_heads) + 1, 0);
+  if (n_kv_heads <= 0 || n_tokens <= 0) {
+    indices.clear();
+    return 0;
+  }
+  auto head_present = [&](int g) -> const uint8_t* {
+    return present != nullptr ? present + static_cast<size_t>(g) * n_tokens
+                              : nullptr;
+  };
 
   // Pass 1, per head: the max over present tokens, then the count within
-  // alpha of it and the number present.
+  // alpha of it.
+  thread_local std::vector<HeadStats> stats;
+  stats.resize(n_kv_heads);
   int64_t total_count = 0;
   int min_present = n_tokens;
   for (int g = 0; g < n_kv_heads; ++g) {
     const float* s = scores + static_cast<size_t>(g) * n_tokens;
-    const uint8_t* p =
-        present != nullptr ? present + static_cast<size_t>(g) * n_tokens
-                           : nullptr;
-    float max_score = -std::numeric_limits<float>::infinity();
-    int n_present = 0;
-    for (int t = 0; t < n_tokens; ++t) {
-      if (p != nullptr && p[t] == 0) continue;
-      max_score = std::max(max_score, s[t]);
-      ++n_present;
+    const uint8_t* p = head_present(g);
+    stats[g] = p != nullptr
+                   ? CountWithinAlpha<true>(s, p, n_tokens, options.alpha)
+                   : CountWithinAlpha<false>(s, p, n_tokens, options.alpha);
+    if (stats[g].n_present == 0) {
+      indices.clear();
+      return 0;
     }
-    if (n_present == 0) return 0;
-    const float threshold = max_score - options.alpha;
-    int count = 0;
-    for (int t = 0; t < n_tokens; ++t) {
-      if (p != nullptr && p[t] == 0) continue;
-      count += s[t] >= threshold ? 1 : 0;
-    }
-    total_count += count;
-    min_present = std::min(min_present, n_present);
+    total_count += stats[g].count;
+    min_present = std::min(min_present, stats[g].n_present);
   }
 
   // Float product, as the budget is a float: 10 * 0.7f is 7 in float but
@@ -324,30 +520,35 @@ int SelectTokens(const float* scores, int n_kv_heads, int n_tokens,
   k = std::clamp(k, 1, cap);
   k = std::min(k, min_present);
 
-  // Pass 2, per head: top-k present tokens. resize() keeps the capacity, so
-  // a caller that reuses the vectors does not allocate after the first step.
+  // Pass 2, per head: the k-th largest present score by selection on a
+  // scratch copy, then one ascending scan emits the chosen positions, so
+  // they come out sorted without sorting them. resize() keeps the capacity
+  // (and, at an unchanged size, touches nothing), so a caller that reuses
+  // the vectors does not allocate after the first step.
   indices.resize(static_cast<size_t>(n_kv_heads) * k);
-  thread_local std::vector<ScoredToken> scratch;
+  thread_local std::vector<float> values;
+  thread_local std::vector<int32_t> positions;
+  if (values.size() <= static_cast<size_t>(n_tokens)) {
+    values.resize(n_tokens + 1);
+    positions.resize(n_tokens + 1);
+  }
   for (int g = 0; g < n_kv_heads; ++g) {
     const float* s = scores + static_cast<size_t>(g) * n_tokens;
-    const uint8_t* p =
-        present != nullptr ? present + static_cast<size_t>(g) * n_tokens
-                           : nullptr;
+    const uint8_t* p = head_present(g);
     int32_t* out = indices.data() + static_cast<size_t>(g) * k;
     head_offsets[g + 1] = (g + 1) * k;
-    scratch.clear();
-    for (int t = 0; t < n_tokens; ++t) {
-      if (p != nullptr && p[t] == 0) continue;
-      scratch.push_back({s[t], t});
+    // Attention is sparse: usually few tokens are within alpha, and when k
+    // of them are, only they need ranking.
+    const float floor = stats[g].count >= k
+                            ? stats[g].floor
+                            : -std::numeric_limits<float>::infinity();
+    if (p != nullptr) {
+      EmitTopK<true>(s, p, n_tokens, k, floor, values.data(),
+                     positions.data(), out);
+    } else {
+      EmitTopK<false>(s, p, n_tokens, k, floor, values.data(),
+                      positions.data(), out);
     }
-    if (k < static_cast<int>(scratch.size())) {
-      std::nth_element(scratch.begin(), scratch.begin() + (k - 1),
-                       scratch.end(), Before);
-    }
-    // The first k are the chosen ones, in any order; positions are unique,
-    // so sorting them alone gives the ascending output.
-    for (int i = 0; i < k; ++i) out[i] = scratch[i].pos;
-    std::sort(out, out + k);
   }
   return k;
 }

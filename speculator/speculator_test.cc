@@ -486,7 +486,7 @@ std::vector<float> NaiveScores(const std::vector<float>& q, int n_heads,
           acc += double{q[h * d + cols[g * n_cols + c]]} *
                  partial_k[(g * k_stride + t) * n_cols + c];
         }
-        best = std::max(best, acc / std::sqrt(double{d}));
+        best = std::max(best, acc / std::sqrt(static_cast<double>(d)));
       }
       out[g * n_tokens + t] = static_cast<float>(best);
     }
@@ -523,14 +523,23 @@ TEST(SpeculateScores, MatchesNaiveWithGqaStrideAndColumnSubsets) {
   }
 }
 
-TEST(SpeculateScores, MatchesNaiveForMhaAndRealisticShape) {
+TEST(SpeculateScores, MatchesNaiveAcrossShapes) {
   std::mt19937 rng(12);
   struct Case {
     int n_heads, n_kv_heads, d, n_cols, k_stride, n_tokens;
   };
-  for (const Case& c : {Case{4, 4, 8, 3, 5, 5}, Case{9, 3, 64, 19, 600, 517},
-                        Case{2, 1, 4, 1, 3, 1}}) {
+  std::vector<Case> cases = {{4, 4, 8, 3, 5, 5}, {9, 3, 64, 19, 600, 517},
+                             {2, 1, 4, 1, 3, 1}, {32, 8, 128, 38, 40, 33}};
+  // Every column-tail length and token-tail length the blocked kernel has.
+  for (int n_cols : {1, 7, 8, 9, 16, 19, 24, 64}) {
+    for (int n_tokens : {1, 7, 8, 9, 16, 23}) {
+      cases.push_back({6, 2, 64, n_cols, n_tokens + n_tokens % 3, n_tokens});
+    }
+  }
+  for (const Case& c : cases) {
     std::vector<float> q = RandomMatrix(c.n_heads, c.d, rng);
+    // Exactly n_kv_heads * k_stride rows, so a read past the last row would
+    // leave the buffer (visible under a sanitizer).
     std::vector<float> partial_k =
         RandomMatrix(c.n_kv_heads * c.k_stride, c.n_cols, rng);
     std::vector<int32_t> cols;
@@ -550,7 +559,10 @@ TEST(SpeculateScores, MatchesNaiveForMhaAndRealisticShape) {
         NaiveScores(q, c.n_heads, c.n_kv_heads, c.d, partial_k, c.k_stride,
                     c.n_tokens, cols, c.n_cols);
     for (size_t i = 0; i < scores.size(); ++i) {
-      ASSERT_NEAR(scores[i], expected[i], 1e-5f) << "d=" << c.d << " i=" << i;
+      ASSERT_NEAR(scores[i], expected[i], 1e-5f)
+          << "n_heads=" << c.n_heads << " n_kv_heads=" << c.n_kv_heads
+          << " n_cols=" << c.n_cols << " n_tokens=" << c.n_tokens
+          << " i=" << i;
     }
   }
 }
@@ -827,6 +839,27 @@ TEST(SelectTokens, HugeAlphaSelectsEveryPresentToken) {
                        5),
             0);
   EXPECT_EQ(indices.back(), 10);
+}
+
+TEST(SelectTokens, NanScoresRankBelowEveryNumber) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::vector<float> scores = {nan, 3, nan, 1, 2, nan};
+  SelectionOptions options;
+  options.alpha = 100.0f;
+  options.max_fraction = 1.0f;
+  std::vector<int32_t> indices, offsets;
+  // Three numbers are counted; NaN is never within alpha of anything.
+  EXPECT_EQ(SelectTokens(scores.data(), 1, 6, nullptr, options, indices,
+                         offsets),
+            3);
+  EXPECT_THAT(indices, ElementsAre(1, 3, 4));
+  // All NaN: every position is still a real, distinct token.
+  std::vector<float> all_nan(6, nan);
+  options.alpha = 1.0f;
+  const int k = SelectTokens(all_nan.data(), 1, 6, nullptr, options, indices,
+                             offsets);
+  ASSERT_EQ(indices.size(), k);
+  for (int i = 0; i < k; ++i) EXPECT_EQ(indices[i], i);
 }
 
 TEST(SelectTokens, MatchesNaiveOnRandomInputs) {

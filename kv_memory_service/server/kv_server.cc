@@ -10,7 +10,9 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
+#include "kv_memory_service/server/fetch_socket_server.h"
 #include "kv_memory_service/server/kv_service.h"
+#include "kv_memory_service/rdma/rdma_server.h"
 #include "kv_memory_service/shm/shm_server.h"
 
 namespace infinigen::kv_memory_service {
@@ -63,8 +65,35 @@ absl::StatusOr<std::unique_ptr<KvServer>> KvServer::Start(
 
   std::unique_ptr<KvServer> server(new KvServer);
   server->store_ = std::make_shared<KvStore>(options.store);
+  if (!unix_socket && options.fetch_port >= 0) {
+    FetchSocketServerOptions fetch_options;
+    fetch_options.host = options.listen.substr(0, options.listen.rfind(':'));
+    if (fetch_options.host.size() > 2 && fetch_options.host.front() == '[') {
+      fetch_options.host =
+          fetch_options.host.substr(1, fetch_options.host.size() - 2);
+    }
+    fetch_options.port = options.fetch_port;
+    fetch_options.auth_token = options.auth_token;
+    fetch_options.max_message_bytes = options.max_message_bytes;
+    absl::StatusOr<std::unique_ptr<FetchSocketServer>> fetch_server =
+        FetchSocketServer::Start(server->store_, fetch_options);
+    if (!fetch_server.ok()) return fetch_server.status();
+    server->fetch_server_ = *std::move(fetch_server);
+    server->fetch_port_ = server->fetch_server_->port();
+  }
   server->service_ = std::make_unique<KvMemoryService>(
-      server->store_, options.auth_token, options.max_message_bytes);
+      server->store_, options.auth_token, options.max_message_bytes,
+      server->fetch_port_);
+
+  if (!options.rdma_device.empty()) {
+    RdmaServerOptions rdma_options;
+    rdma_options.device = options.rdma_device == "any" ? "" : options.rdma_device;
+    rdma_options.auth_token = options.auth_token;
+    absl::StatusOr<std::unique_ptr<RdmaServer>> rdma =
+        RdmaServer::Start(server->store_, rdma_options);
+    if (!rdma.ok()) return rdma.status();
+    server->rdma_server_ = *std::move(rdma);
+  }
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
@@ -72,6 +101,9 @@ absl::StatusOr<std::unique_ptr<KvServer>> KvServer::Start(
   builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(),
                            &port);
   builder.RegisterService(server->service_.get());
+  if (server->rdma_server_ != nullptr) {
+    builder.RegisterService(server->rdma_server_->service());
+  }
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
   builder.SetMaxSendMessageSize(options.max_message_bytes);
   // A second server on the same port must fail, not share it.
@@ -114,7 +146,10 @@ absl::StatusOr<std::unique_ptr<KvServer>> KvServer::Start(
                << (options.store.capacity_bytes == 0
                        ? std::string("unlimited")
                        : absl::StrCat(options.store.capacity_bytes, " bytes"))
-               << ", auth " << (options.auth_token.empty() ? "off" : "on");
+               << ", auth " << (options.auth_token.empty() ? "off" : "on")
+               << ", fetch socket "
+               << (server->fetch_port_ > 0 ? absl::StrCat("port ", server->fetch_port_)
+                                           : std::string("off"));
   return server;
 }
 
@@ -135,6 +170,7 @@ void KvServer::Shutdown(absl::Duration grace) {
   shm_server_.reset();
   server_->GetHealthCheckService()->SetServingStatus(false);
   service_->CancelStreams();
+  if (fetch_server_ != nullptr) fetch_server_->Stop();
   server_->Shutdown(Deadline(grace));
 }
 

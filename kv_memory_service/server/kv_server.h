@@ -20,9 +20,11 @@
 
 namespace infinigen::kv_memory_service {
 
-class KvMemoryService;  // kv_service.h
+class KvMemoryService;    // kv_service.h
+class FetchSocketServer;  // fetch_socket_server.h
 
-class ShmServer;  // kv_memory_service/shm/shm_server.h
+class ShmServer;   // kv_memory_service/shm/shm_server.h
+class RdmaServer;  // kv_memory_service/rdma/rdma_server.h
 
 struct KvServerOptions {
   // "HOST:PORT" (port 0 picks a free one; see KvServer::port) or
@@ -36,9 +38,18 @@ struct KvServerOptions {
   // with RESOURCE_EXHAUSTED, fetches whose rows would not fit by the
   // service with the same code.
   int32_t max_message_bytes = 64 << 20;
+  // TCP listen only: the port of the plain-socket fetch endpoint on the
+  // same host (tcp/fetch_wire.h), which tcp:// clients use for fetches
+  // instead of the gRPC stream. 0 = any free port, -1 = none.
+  int fetch_port = 0;
   // "unix:PATH": also serve the shared-memory data plane there (clients
   // connect to shm:unix:PATH; control calls come to `listen`). Empty = off.
   std::string shm_listen;
+  // Also serve the RDMA data plane (clients connect to rdma://HOST:PORT of
+  // `listen`) on this ibverbs device, or on the first with an active port
+  // for "any". Empty = off. Start fails with Unavailable("no RDMA device:
+  // ...") where there is none.
+  std::string rdma_device;
 };
 
 class KvServer {
@@ -51,6 +62,8 @@ class KvServer {
 
   // The bound TCP port (0 for a unix socket).
   int port() const { return port_; }
+  // The fetch socket's port (0 when there is none).
+  int fetch_port() const { return fetch_port_; }
   // What a client passes to ConnectKvClient: tcp://HOST:PORT or unix:PATH.
   const std::string& client_address() const { return client_address_; }
   // shm:unix:PATH when serving the shm data plane, else empty.
@@ -71,8 +84,11 @@ class KvServer {
 
   std::shared_ptr<KvStore> store_;
   std::unique_ptr<KvMemoryService> service_;
+  std::unique_ptr<RdmaServer> rdma_server_;  // its service outlives server_
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
+  int fetch_port_ = 0;
+  std::unique_ptr<FetchSocketServer> fetch_server_;
   std::string client_address_;
   std::string shm_client_address_;
   std::unique_ptr<ShmServer> shm_server_;

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "kv_memory_service/proto_convert.h"
+#include "kv_memory_service/server/serve_fetch.h"
 
 namespace infinigen::kv_memory_service {
 namespace {
@@ -14,22 +15,17 @@ namespace {
 // Room left in a fetch response for everything but the rows.
 constexpr int64_t kResponseOverhead = 1024;
 
-// Compares in time independent of where the strings differ.
-bool SameToken(absl::string_view a, absl::string_view b) {
-  if (a.size() != b.size()) return false;
-  unsigned char diff = 0;
-  for (size_t i = 0; i < a.size(); ++i) diff |= a[i] ^ b[i];
-  return diff == 0;
-}
 
 }  // namespace
 
 KvMemoryService::KvMemoryService(std::shared_ptr<KvStore> store,
                                  const std::string& auth_token,
-                                 int32_t max_message_bytes)
+                                 int32_t max_message_bytes,
+                                 int32_t fetch_port)
     : store_(std::move(store)),
       expected_auth_(auth_token.empty() ? "" : "Bearer " + auth_token),
-      max_message_bytes_(max_message_bytes) {}
+      max_message_bytes_(max_message_bytes),
+      fetch_port_(fetch_port) {}
 
 void KvMemoryService::CancelStreams() {
   absl::MutexLock lock(&mu_);
@@ -106,18 +102,23 @@ grpc::Status KvMemoryService::GetStats(grpc::ServerContext* ctx,
   return ToGrpcStatus(status);
 }
 
+grpc::Status KvMemoryService::GetServerInfo(grpc::ServerContext* ctx,
+                                            const kv::GetServerInfoRequest*,
+                                            kv::GetServerInfoResponse* resp) {
+  const absl::Status status = Authorize(*ctx);
+  if (status.ok()) {
+    resp->set_fetch_port(fetch_port_);
+    resp->set_max_message_bytes(static_cast<int32_t>(max_message_bytes_));
+  }
+  return ToGrpcStatus(status);
+}
+
 absl::Status KvMemoryService::Authorize(const grpc::ServerContext& ctx) const {
-  if (expected_auth_.empty()) return absl::OkStatus();
   const auto& md = ctx.client_metadata();
   auto it = md.find("authorization");
-  if (it == md.end()) {
-    return absl::UnauthenticatedError("missing authorization token");
-  }
-  if (!SameToken(absl::string_view(it->second.data(), it->second.size()),
-                 expected_auth_)) {
-    return absl::UnauthenticatedError("wrong authorization token");
-  }
-  return absl::OkStatus();
+  if (it == md.end()) return CheckAuthorization(nullptr, expected_auth_);
+  const absl::string_view presented(it->second.data(), it->second.size());
+  return CheckAuthorization(&presented, expected_auth_);
 }
 
 absl::Status KvMemoryService::DoOpen(const kv::OpenSequenceRequest& req,
@@ -148,34 +149,11 @@ absl::Status KvMemoryService::DoAppend(const kv::AppendRequest& req,
 absl::Status KvMemoryService::FetchInto(const kv::FetchRequest& req,
                                         kv::FetchResponse* resp) {
   std::string* rows = resp->mutable_rows();
-  absl::Status status = GatherRows(req, rows);
+  absl::Status status = GatherForResponse(
+      *store_, req.sequence_id(), req.layer(), PlanView(req.plan()),
+      req.dest_elements(), max_message_bytes_ - kResponseOverhead, rows);
   if (!status.ok()) rows->clear();
   return status;
-}
-
-absl::Status KvMemoryService::GatherRows(const kv::FetchRequest& req,
-                                         std::string* rows) {
-  IG_ASSIGN_OR_RETURN(SequenceGeometry g, store_->Geometry(req.sequence_id()));
-  const FetchPlan plan = PlanView(req.plan());
-  const size_t elements = FetchElements(plan, g.head_dim);
-  if (req.dest_elements() != 0 && elements > req.dest_elements()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "destination holds ", req.dest_elements(), " values; the plan's ",
-        plan.indices.size(), " rows of K and V need ", elements));
-  }
-  const int64_t bytes = static_cast<int64_t>(elements * sizeof(uint16_t));
-  if (bytes > max_message_bytes_ - kResponseOverhead) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "the fetch's ", bytes, " bytes of rows exceed the message limit of ",
-        max_message_bytes_, " bytes"));
-  }
-  // A string that keeps its size from the previous fetch costs nothing to
-  // resize.
-  rows->resize(static_cast<size_t>(bytes));
-  return store_->Gather(
-      req.sequence_id(), req.layer(), plan,
-      absl::Span<uint16_t>(reinterpret_cast<uint16_t*>(rows->data()),
-                           elements));
 }
 
 absl::Status KvMemoryService::DoGetStats(const kv::GetStatsRequest& req,

@@ -27,8 +27,9 @@ class KvMemoryService final : public kv::KvMemory::Service {
   // `auth_token` empty: no check. Fetches whose rows exceed
   // max_message_bytes (less room for the rest of the response) are
   // RESOURCE_EXHAUSTED.
+  // fetch_port: what GetServerInfo advertises (0: no fetch socket).
   KvMemoryService(std::shared_ptr<KvStore> store, const std::string& auth_token,
-                  int32_t max_message_bytes);
+                  int32_t max_message_bytes, int32_t fetch_port);
 
   // Ends every open fetch stream now and refuses new ones (UNAVAILABLE).
   // Unary calls are unaffected; grpc::Server::Shutdown drains those.
@@ -51,6 +52,9 @@ class KvMemoryService final : public kv::KvMemory::Service {
   grpc::Status GetStats(grpc::ServerContext* ctx,
                         const kv::GetStatsRequest* req,
                         kv::GetStatsResponse* resp) override;
+  grpc::Status GetServerInfo(grpc::ServerContext* ctx,
+                             const kv::GetServerInfoRequest* req,
+                             kv::GetServerInfoResponse* resp) override;
 
  private:
   absl::Status Authorize(const grpc::ServerContext& ctx) const;
@@ -60,13 +64,13 @@ class KvMemoryService final : public kv::KvMemory::Service {
   // Gathers straight into the response's rows, resized in place; on error
   // the rows are empty.
   absl::Status FetchInto(const kv::FetchRequest& req, kv::FetchResponse* resp);
-  absl::Status GatherRows(const kv::FetchRequest& req, std::string* rows);
   absl::Status DoGetStats(const kv::GetStatsRequest& req,
                           kv::GetStatsResponse* resp);
 
   const std::shared_ptr<KvStore> store_;
   const std::string expected_auth_;  // "Bearer TOKEN", or empty: no check
   const int64_t max_message_bytes_;
+  const int32_t fetch_port_;
 
   absl::Mutex mu_;
   bool streams_cancelled_ ABSL_GUARDED_BY(mu_) = false;

@@ -32,12 +32,14 @@ constexpr absl::Duration kServerCheckInterval = absl::Milliseconds(10);
 // Largest FetchBuffer: 64 Gi values (128 GiB).
 constexpr size_t kMaxBufferElements = size_t{1} << 36;
 
-// How long Wait polls before it sleeps: about as long as the gather should
-// take (a few us per index at head_dim 128), so that a waiter that arrives
-// early does not pay a futex wake-up.
+// How long Wait polls before it sleeps on the futex: long enough to catch
+// small and medium gathers (about 0.25 us per index at head_dim 64) without
+// a wake-up, short enough that a waiter for a large one sleeps instead of
+// competing with the server's thread for a CPU. Polling yields the CPU after
+// the first few steps (shm::SpinStep); a sleeper is woken by the server.
 int64_t SpinNanos(size_t n_indices) {
-  return std::min<int64_t>(30'000 + 250 * static_cast<int64_t>(n_indices),
-                           2'000'000);
+  return std::min<int64_t>(20'000 + 250 * static_cast<int64_t>(n_indices),
+                           60'000);
 }
 
 // A sealed memfd of `bytes`: neither side can shrink it under the other's
@@ -347,10 +349,11 @@ FetchHandle ShmFetchBuffer::Start(SequenceId seq, int32_t layer,
 absl::Status ShmFetchBuffer::AwaitServer() {
   const int64_t spin_until = absl::GetCurrentTimeNanos() + spin_ns_;
   uint32_t state;
+  uint32_t steps = 0;
   while ((state = control_->state.load(std::memory_order_acquire)) !=
          shm::kDone) {
     if (absl::GetCurrentTimeNanos() >= spin_until) break;
-    shm::CpuRelax();
+    shm::SpinStep(steps);
   }
   while (state != shm::kDone) {
     const absl::Time now = absl::Now();

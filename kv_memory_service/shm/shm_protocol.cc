@@ -3,6 +3,7 @@
 #include <errno.h>
 #include <linux/futex.h>
 #include <poll.h>
+#include <sched.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
 #include <sys/un.h>
@@ -189,6 +190,8 @@ absl::Status SetReceiveTimeout(int socket, absl::Duration timeout) {
   }
   return absl::OkStatus();
 }
+
+void YieldCpu() { sched_yield(); }
 
 void FutexWait(std::atomic<uint32_t>* word, uint32_t expected,
                absl::Duration timeout) {

@@ -167,6 +167,8 @@ bool PeerClosed(int socket);
 // Sets SO_RCVTIMEO (0 = none).
 absl::Status SetReceiveTimeout(int socket, absl::Duration timeout);
 
+void YieldCpu();  // sched_yield
+
 // Process-shared futex on a word in MAP_SHARED memory. FutexWait returns when
 // woken, when *word != expected, or after `timeout`.
 void FutexWait(std::atomic<uint32_t>* word, uint32_t expected,
@@ -179,6 +181,17 @@ inline void CpuRelax() {
 #elif defined(__aarch64__)
   asm volatile("yield");
 #endif
+}
+
+// One step of a polling loop: a pause for the first few dozen steps, then
+// sched_yield, so that a poller never keeps a runnable peer (the other
+// side's thread on an oversubscribed host) off its CPU for long.
+inline void SpinStep(uint32_t& steps) {
+  if (++steps < 64) {
+    CpuRelax();
+  } else {
+    YieldCpu();
+  }
 }
 
 // The unix socket path of "unix:PATH"; InvalidArgument otherwise or when the

@@ -29,6 +29,14 @@ using shm::SlotControl;
 constexpr absl::Duration kIdleCheck = absl::Milliseconds(50);
 constexpr absl::Duration kAttachTimeout = absl::Seconds(10);
 
+// Compares in time independent of where the strings differ.
+bool SameToken(absl::string_view a, absl::string_view b) {
+  if (a.size() != b.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) diff |= a[i] ^ b[i];
+  return diff == 0;
+}
+
 // Maps [offset, offset + bytes) of a client's memfd. The client must have
 // sealed it against shrinking: a file truncated under our mapping would
 // make the gather fault.
@@ -119,6 +127,7 @@ class ShmServer::Connection {
     shm::RegionHeader* header = header_.load();
     const int64_t spin_ns = absl::ToInt64Nanoseconds(server_->options_.spin);
     int64_t last_work = absl::GetCurrentTimeNanos();
+    uint32_t steps = 0;
     while (!stop_.load(std::memory_order_relaxed)) {
       bool worked = ServePending();
       const uint32_t control = header->control_seq.load(std::memory_order_acquire);
@@ -130,10 +139,11 @@ class ShmServer::Connection {
       const int64_t now = absl::GetCurrentTimeNanos();
       if (worked) {
         last_work = now;
+        steps = 0;
         continue;
       }
       if (now - last_work < spin_ns) {
-        shm::CpuRelax();
+        shm::SpinStep(steps);
         continue;
       }
       // Sleep. Announce it before the last look, so that a client that
@@ -152,6 +162,7 @@ class ShmServer::Connection {
         if (shm::PeerClosed(socket_) || !HandleMessages()) break;
       }
       last_work = absl::GetCurrentTimeNanos();
+      steps = 0;
     }
   }
 
@@ -176,7 +187,7 @@ class ShmServer::Connection {
       return absl::InvalidArgumentError("shm data plane: expected Attach");
     }
     const std::string& token = server_->options_.auth_token;
-    if (!token.empty() && attach.text != token) {
+    if (!token.empty() && !SameToken(attach.text, token)) {
       return absl::UnauthenticatedError(
           "shm data plane: missing or wrong auth token");
     }
@@ -370,8 +381,13 @@ class ShmServer::Connection {
 absl::StatusOr<std::unique_ptr<ShmServer>> ShmServer::Start(
     std::shared_ptr<KvStore> store, ShmServerOptions options) {
   if (store == nullptr) return absl::InvalidArgumentError("no store");
-  IG_ASSIGN_OR_RETURN(std::string path,
-                      shm::UnixSocketPath(options.listen_address));
+  absl::StatusOr<std::string> path_or =
+      shm::UnixSocketPath(options.listen_address);
+  if (!path_or.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "shm data plane listen address: ", path_or.status().message()));
+  }
+  std::string path = *std::move(path_or);
   const int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
   if (fd < 0) {
     return shm::ErrnoStatus(absl::StatusCode::kInternal, "socket", errno);

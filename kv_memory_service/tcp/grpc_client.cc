@@ -1,6 +1,13 @@
 #include "kv_memory_service/tcp/grpc_client.h"
 
+#include <fcntl.h>
+#include <netdb.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <atomic>
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <thread>
@@ -10,6 +17,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/status.h"
@@ -18,6 +26,7 @@
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/channel_arguments.h"
 #include "kv_memory_service/proto_convert.h"
+#include "kv_memory_service/tcp/fetch_wire.h"
 #include "proto/kv_memory.grpc.pb.h"
 
 namespace infinigen::kv_memory_service {
@@ -26,9 +35,10 @@ namespace {
 constexpr size_t kAlignment = 4096;
 
 class GrpcKvClient;
-class FetchStream;
+class FetchConnection;
 
-// Plain host memory plus the request it reuses for every fetch.
+// Plain host memory, the request it reuses for every fetch, and the
+// connection its fetch in flight went out on.
 class GrpcFetchBuffer final : public FetchBuffer {
  public:
   GrpcFetchBuffer(GrpcKvClient* client, uint16_t* memory, size_t size)
@@ -40,11 +50,12 @@ class GrpcFetchBuffer final : public FetchBuffer {
   bool Await(absl::Time deadline) { return AwaitCompletion(deadline); }
   absl::Status Take() { return TakeResult(); }
 
-  // Set by FetchAsync before the request leaves; read by the waiter.
-  kv::FetchRequest request;
+  // Set by FetchAsync before the request leaves; read by the waiter and the
+  // connection.
+  kv::FetchRequest request;  // the gRPC stream's request
   uint64_t request_id = 0;
   absl::Time deadline;
-  std::shared_ptr<FetchStream> stream;
+  std::shared_ptr<FetchConnection> connection;
 
  private:
   absl::Status WaitForFetch() override;
@@ -53,27 +64,23 @@ class GrpcFetchBuffer final : public FetchBuffer {
   uint16_t* const memory_;
 };
 
-// One FetchStream RPC, its reader thread and the fetches waiting on it.
-class FetchStream {
+// The fetch path of one client: a long-lived connection, a reader thread
+// that completes fetches as their responses arrive, and the fetches still
+// waiting. Two kinds: the plain socket (fetch_wire.h) and the gRPC
+// FetchStream. Once broken (the server went away, or a fetch timed out and
+// the connection was cut), it fails every pending fetch and takes no more;
+// the client opens a new one.
+class FetchConnection {
  public:
-  FetchStream(kv::KvMemory::StubInterface* stub, const std::string& auth)
-      : auth_(auth) {
-    if (!auth_.empty()) ctx_.AddMetadata("authorization", auth_);
-    rw_ = stub->FetchStream(&ctx_);
-    reader_ = std::thread([this] { ReadLoop(); });
-  }
-  ~FetchStream() {
-    ctx_.TryCancel();
-    reader_.join();
-  }
+  virtual ~FetchConnection() = default;
 
   bool broken() const {
     absl::MutexLock lock(&mu_);
     return broken_;
   }
 
-  // Registers `buffer` under its request id and sends its request. If the
-  // stream is already broken, completes the buffer with the stream's error.
+  // Registers `buffer` (request filled in) and sends its request. A failed
+  // send breaks the connection, which fails the fetch with the others.
   void Send(GrpcFetchBuffer* buffer) {
     {
       absl::MutexLock lock(&mu_);
@@ -83,39 +90,95 @@ class FetchStream {
       }
       pending_[buffer->request_id] = buffer;
     }
-    // A failed write means the call is over: ReadLoop's Read fails too and
-    // completes every pending fetch, this one included. After Finish the
-    // stream takes no writes; the reader then fails this fetch with the
-    // others.
-    absl::MutexLock lock(&write_mu_);
-    if (!finished_) rw_->Write(buffer->request);
+    Write(buffer);
   }
 
-  // Called by a waiter whose deadline passed. True if the fetch was still
-  // pending (now removed: nothing will write into the buffer); false if the
-  // reader already took it and is about to complete it.
+  // For a waiter whose deadline passed: true if its fetch was still pending
+  // (now removed: nothing will write into the buffer; the connection is cut
+  // since the server is hung or far behind); false if the reader is
+  // completing it right now.
   bool Abandon(uint64_t request_id) {
-    absl::MutexLock lock(&mu_);
-    if (pending_.erase(request_id) == 0) return false;
-    timed_out_ = true;
+    {
+      absl::MutexLock lock(&mu_);
+      if (pending_.erase(request_id) == 0) return false;
+      timed_out_ = true;
+    }
+    Cut();
     return true;
   }
 
-  // Ends the stream: every pending fetch fails.
-  void Cancel() { ctx_.TryCancel(); }
+ protected:
+  // Sends the request of a registered fetch; on failure, Cut().
+  virtual void Write(GrpcFetchBuffer* buffer) = 0;
+  // Ends the connection so that the reader thread stops.
+  virtual void Cut() = 0;
+
+  // Reader thread: takes the pending fetch `request_id`, or null when it was
+  // abandoned.
+  GrpcFetchBuffer* Take(uint64_t request_id) {
+    absl::MutexLock lock(&mu_);
+    auto it = pending_.find(request_id);
+    if (it == pending_.end()) return nullptr;
+    GrpcFetchBuffer* buffer = it->second;
+    pending_.erase(it);
+    return buffer;
+  }
+
+  // Reader thread, at the end: fails every pending fetch with `error` (or
+  // DeadlineExceeded if a timeout cut the connection).
+  void Break(absl::Status error) {
+    absl::flat_hash_map<uint64_t, GrpcFetchBuffer*> failed;
+    {
+      absl::MutexLock lock(&mu_);
+      if (timed_out_) {
+        error = absl::DeadlineExceededError(
+            "the KV memory server did not answer a fetch in time; the fetch "
+            "connection was cut");
+      }
+      broken_ = true;
+      error_ = error;
+      failed.swap(pending_);
+    }
+    for (auto& [id, buffer] : failed) buffer->Complete(error);
+  }
 
  private:
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<uint64_t, GrpcFetchBuffer*> pending_ ABSL_GUARDED_BY(mu_);
+  bool broken_ ABSL_GUARDED_BY(mu_) = false;
+  bool timed_out_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status error_ ABSL_GUARDED_BY(mu_);
+};
+
+// Fetches over the gRPC FetchStream (unix sockets, in-process channels,
+// servers without a fetch socket). Rows arrive in the response message and
+// are copied into the buffer.
+class StreamConnection final : public FetchConnection {
+ public:
+  StreamConnection(kv::KvMemory::StubInterface* stub, const std::string& auth) {
+    if (!auth.empty()) ctx_.AddMetadata("authorization", auth);
+    rw_ = stub->FetchStream(&ctx_);
+    reader_ = std::thread([this] { ReadLoop(); });
+  }
+  ~StreamConnection() override {
+    ctx_.TryCancel();
+    reader_.join();
+  }
+
+ private:
+  void Write(GrpcFetchBuffer* buffer) override {
+    // After Finish the stream takes no writes; the reader has failed (or
+    // is failing) this fetch with the others.
+    absl::MutexLock lock(&write_mu_);
+    if (!finished_) rw_->Write(buffer->request);
+  }
+  void Cut() override { ctx_.TryCancel(); }
+
   void ReadLoop() {
     kv::FetchResponse resp;
     while (rw_->Read(&resp)) {
-      GrpcFetchBuffer* buffer = nullptr;
-      {
-        absl::MutexLock lock(&mu_);
-        auto it = pending_.find(resp.request_id());
-        if (it == pending_.end()) continue;  // abandoned after a timeout
-        buffer = it->second;
-        pending_.erase(it);
-      }
+      GrpcFetchBuffer* buffer = Take(resp.request_id());
+      if (buffer == nullptr) continue;
       absl::Status status(static_cast<absl::StatusCode>(resp.status_code()),
                           resp.status_message());
       if (status.ok()) {
@@ -136,58 +199,220 @@ class FetchStream {
       end = rw_->Finish();
       finished_ = true;
     }
-    absl::flat_hash_map<uint64_t, GrpcFetchBuffer*> failed;
-    absl::Status error;
-    {
-      absl::MutexLock lock(&mu_);
-      if (timed_out_) {
-        error = absl::DeadlineExceededError(
-            "the KV memory server did not answer a fetch in time; its fetch "
-            "stream was cancelled");
-      } else if (end.ok() || end.error_code() == grpc::StatusCode::CANCELLED) {
-        error = absl::UnavailableError(absl::StrCat(
-            "the KV memory server closed the fetch stream",
-            end.ok() ? "" : ": ", end.error_message()));
-      } else {
-        error = FromGrpcStatus(end);
-      }
-      broken_ = true;
-      error_ = error;
-      failed.swap(pending_);
+    if (end.ok() || end.error_code() == grpc::StatusCode::CANCELLED) {
+      Break(absl::UnavailableError(
+          absl::StrCat("the KV memory server closed the fetch stream",
+                       end.ok() ? "" : ": ", end.error_message())));
+    } else {
+      Break(FromGrpcStatus(end));
     }
-    for (auto& [id, buffer] : failed) buffer->Complete(error);
   }
 
-  const std::string auth_;
   grpc::ClientContext ctx_;
   std::unique_ptr<
       grpc::ClientReaderWriterInterface<kv::FetchRequest, kv::FetchResponse>>
       rw_;
   absl::Mutex write_mu_;  // one Write at a time, as gRPC requires
   bool finished_ ABSL_GUARDED_BY(write_mu_) = false;
-
-  mutable absl::Mutex mu_;
-  absl::flat_hash_map<uint64_t, GrpcFetchBuffer*> pending_ ABSL_GUARDED_BY(mu_);
-  bool broken_ ABSL_GUARDED_BY(mu_) = false;
-  bool timed_out_ ABSL_GUARDED_BY(mu_) = false;
-  absl::Status error_ ABSL_GUARDED_BY(mu_);
-
   std::thread reader_;  // last: starts after everything above exists
+};
+
+// Fetches over the server's plain fetch socket: the request goes out with
+// one sendmsg from the caller's thread; the reader receives the rows
+// straight into the buffer.
+class SocketConnection final : public FetchConnection {
+ public:
+  // Takes an fd that has passed the Hello exchange.
+  explicit SocketConnection(int fd) : fd_(fd) {
+    reader_ = std::thread([this] { ReadLoop(); });
+  }
+  ~SocketConnection() override {
+    Cut();
+    reader_.join();
+    close(fd_);
+  }
+
+  // Connects to host:port within `timeout` and says Hello. Unavailable,
+  // DeadlineExceeded, or the server's refusal (Unauthenticated).
+  static absl::StatusOr<int> Connect(const std::string& host, int port,
+                                     const std::string& token,
+                                     absl::Duration timeout) {
+    struct addrinfo hints = {};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_NUMERICSERV;
+    struct addrinfo* found = nullptr;
+    const std::string service = absl::StrCat(port);
+    if (getaddrinfo(host.c_str(), service.c_str(), &hints, &found) != 0 ||
+        found == nullptr) {
+      return absl::UnavailableError(
+          absl::StrCat("cannot resolve fetch host '", host, "'"));
+    }
+    const int fd = socket(found->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+      freeaddrinfo(found);
+      return absl::UnavailableError("cannot create a socket");
+    }
+    absl::Status status = ConnectWithin(fd, found, timeout);
+    freeaddrinfo(found);
+    if (status.ok()) status = SayHello(fd, token, timeout);
+    if (!status.ok()) {
+      close(fd);
+      return status;
+    }
+    return fd;
+  }
+
+ private:
+  static absl::Status ConnectWithin(int fd, const struct addrinfo* addr,
+                                    absl::Duration timeout) {
+    // Non-blocking connect, bounded by poll, then back to blocking.
+    const int flags = fcntl(fd, F_GETFL, 0);
+    fcntl(fd, F_SETFL, flags | O_NONBLOCK);
+    if (connect(fd, addr->ai_addr, addr->ai_addrlen) != 0 &&
+        errno != EINPROGRESS) {
+      return absl::UnavailableError(absl::StrCat(
+          "cannot connect to the fetch socket: ", std::strerror(errno)));
+    }
+    struct pollfd p = {fd, POLLOUT, 0};
+    const int ready = poll(&p, 1, absl::ToInt64Milliseconds(timeout));
+    int err = 0;
+    socklen_t len = sizeof(err);
+    getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
+    if (ready <= 0 || err != 0) {
+      return absl::UnavailableError(absl::StrCat(
+          "cannot connect to the fetch socket: ",
+          ready <= 0 ? "timed out" : std::strerror(err)));
+    }
+    fcntl(fd, F_SETFL, flags);
+    fetch_wire::TuneSocket(fd);
+    // Sends never block for long: a server that stops reading fails them.
+    struct timeval tv = {static_cast<time_t>(absl::ToInt64Seconds(timeout)), 0};
+    if (tv.tv_sec == 0) tv.tv_sec = 1;
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+    return absl::OkStatus();
+  }
+
+  static absl::Status SayHello(int fd, const std::string& token,
+                               absl::Duration timeout) {
+    fetch_wire::Hello hello;
+    hello.token_bytes = static_cast<uint32_t>(token.size());
+    struct iovec iov[2] = {{&hello, sizeof(hello)},
+                           {const_cast<char*>(token.data()), token.size()}};
+    IG_RETURN_IF_ERROR(fetch_wire::SendAll(fd, iov, 2));
+    // The reply, within the timeout.
+    struct timeval tv = {static_cast<time_t>(absl::ToInt64Seconds(timeout)), 0};
+    if (tv.tv_sec == 0) tv.tv_sec = 1;
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    fetch_wire::HelloReply reply;
+    IG_RETURN_IF_ERROR(fetch_wire::RecvAll(fd, &reply, sizeof(reply)));
+    if (reply.magic != fetch_wire::kHelloMagic ||
+        reply.message_bytes > fetch_wire::kMaxMessageBytes) {
+      return absl::UnavailableError("the fetch socket spoke an unknown protocol");
+    }
+    std::string message(reply.message_bytes, '\0');
+    IG_RETURN_IF_ERROR(fetch_wire::RecvAll(fd, message.data(), message.size()));
+    struct timeval none = {0, 0};  // replies to fetches: the waiter's timeout
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &none, sizeof(none));
+    return absl::Status(static_cast<absl::StatusCode>(reply.status_code),
+                        message);
+  }
+
+  void Write(GrpcFetchBuffer* buffer) override {
+    const kv::FetchRequest& req = buffer->request;
+    fetch_wire::FetchRequestHeader header;
+    header.n_offsets = static_cast<uint32_t>(req.plan().head_offsets_size());
+    header.n_indices = static_cast<uint32_t>(req.plan().indices_size());
+    header.layer = req.layer();
+    header.request_id = req.request_id();
+    header.sequence_id = req.sequence_id();
+    header.dest_elements = req.dest_elements();
+    struct iovec iov[3] = {
+        {&header, sizeof(header)},
+        {const_cast<int32_t*>(req.plan().head_offsets().data()),
+         header.n_offsets * sizeof(int32_t)},
+        {const_cast<int32_t*>(req.plan().indices().data()),
+         header.n_indices * sizeof(int32_t)}};
+    absl::Status sent;
+    {
+      absl::MutexLock lock(&write_mu_);
+      sent = fetch_wire::SendAll(fd_, iov, 3);
+    }
+    if (!sent.ok()) Cut();
+  }
+
+  void Cut() override { shutdown(fd_, SHUT_RDWR); }
+
+  void ReadLoop() {
+    std::string message;
+    absl::Status error;
+    while (true) {
+      fetch_wire::FetchResponseHeader header;
+      error = fetch_wire::RecvAll(fd_, &header, sizeof(header));
+      if (!error.ok()) break;
+      if (header.magic != fetch_wire::kResponseMagic ||
+          header.message_bytes > fetch_wire::kMaxMessageBytes) {
+        error = absl::InternalError("malformed response on the fetch socket");
+        break;
+      }
+      message.resize(header.message_bytes);
+      error = fetch_wire::RecvAll(fd_, message.data(), message.size());
+      if (!error.ok()) break;
+      const absl::Status status(
+          static_cast<absl::StatusCode>(header.status_code), message);
+      if (header.request_id == 0) {  // the server is closing on us
+        error = status.ok() ? absl::UnavailableError("fetch socket closed")
+                            : status;
+        break;
+      }
+      GrpcFetchBuffer* buffer = Take(header.request_id);
+      if (buffer == nullptr) {  // abandoned after a timeout
+        error = fetch_wire::Discard(fd_, header.rows_bytes);
+        if (!error.ok()) break;
+        continue;
+      }
+      if (header.rows_bytes > buffer->size() * sizeof(uint16_t)) {
+        buffer->Complete(absl::InternalError(absl::StrCat(
+            "the server sent ", header.rows_bytes, " bytes of rows for a ",
+            buffer->size() * sizeof(uint16_t), "-byte fetch buffer")));
+        error = absl::InternalError("oversized response on the fetch socket");
+        break;
+      }
+      error = fetch_wire::RecvAll(fd_, buffer->data(), header.rows_bytes);
+      if (!error.ok()) {
+        buffer->Complete(error);
+        break;
+      }
+      buffer->Complete(status);
+    }
+    Break(error.code() == absl::StatusCode::kUnavailable
+              ? absl::UnavailableError(absl::StrCat(
+                    "lost the KV memory server's fetch socket: ",
+                    error.message()))
+              : error);
+  }
+
+  const int fd_;
+  absl::Mutex write_mu_;  // one request on the wire at a time
+  std::thread reader_;    // last: starts after everything above exists
 };
 
 class GrpcKvClient final : public KvClient {
  public:
+  // `fetch_host`: the host to reach the server's fetch socket at (the one
+  // the channel uses); empty = always the gRPC FetchStream.
   GrpcKvClient(std::shared_ptr<grpc::Channel> channel,
-               const KvClientOptions& options)
+               const KvClientOptions& options, std::string fetch_host)
       : channel_(std::move(channel)),
         stub_(kv::KvMemory::NewStub(channel_)),
         options_(options),
         auth_(options.auth_token.empty() ? ""
-                                         : "Bearer " + options.auth_token) {}
+                                         : "Bearer " + options.auth_token),
+        fetch_host_(options.tcp_fetch_socket ? std::move(fetch_host) : "") {}
 
   ~GrpcKvClient() override {
     absl::MutexLock lock(&mu_);
-    stream_.reset();  // cancels the stream and joins its reader
+    connection_.reset();  // cuts the connection and joins its reader
   }
 
   absl::StatusOr<SequenceId> Open(const SequenceGeometry& geometry) override {
@@ -245,6 +470,14 @@ class GrpcKvClient final : public KvClient {
       return FetchHandle(absl::InvalidArgumentError(
           "the fetch buffer was not made by this client"));
     }
+    const size_t request_bytes =
+        (plan.indices.size() + plan.head_offsets.size()) * sizeof(int32_t);
+    if (request_bytes + 1024 > static_cast<size_t>(options_.max_message_bytes)) {
+      return FetchHandle(absl::ResourceExhaustedError(absl::StrCat(
+          "a plan of ", plan.indices.size(),
+          " indices exceeds the message limit of ", options_.max_message_bytes,
+          " bytes")));
+    }
     auto* buffer = static_cast<GrpcFetchBuffer*>(dest);
     absl::Status begun = buffer->Begin();
     if (!begun.ok()) return FetchHandle(std::move(begun));
@@ -258,14 +491,14 @@ class GrpcKvClient final : public KvClient {
     buffer->request_id = next_request_id_.fetch_add(1) + 1;
     req.set_request_id(buffer->request_id);
 
-    absl::StatusOr<std::shared_ptr<FetchStream>> stream = Stream();
-    if (!stream.ok()) {
-      buffer->stream.reset();
-      buffer->Complete(stream.status());
+    absl::StatusOr<std::shared_ptr<FetchConnection>> connection = Connection();
+    if (!connection.ok()) {
+      buffer->connection.reset();
+      buffer->Complete(connection.status());
       return FetchHandle(buffer);
     }
-    buffer->stream = *std::move(stream);
-    buffer->stream->Send(buffer);
+    buffer->connection = *std::move(connection);
+    buffer->connection->Send(buffer);
     return FetchHandle(buffer);
   }
 
@@ -302,17 +535,17 @@ class GrpcKvClient final : public KvClient {
   // FetchBuffer::WaitForFetch of this client's buffers.
   absl::Status WaitFor(GrpcFetchBuffer* buffer) {
     if (!buffer->Await(buffer->deadline)) {
-      FetchStream* stream = buffer->stream.get();
-      if (stream != nullptr && stream->Abandon(buffer->request_id)) {
+      FetchConnection* connection = buffer->connection.get();
+      if (connection != nullptr && connection->Abandon(buffer->request_id)) {
         buffer->Complete(absl::DeadlineExceededError(absl::StrCat(
             "no answer from the KV memory server within ",
             absl::FormatDuration(options_.fetch_timeout))));
-        // The server is hung or far behind: start afresh on the next fetch.
-        stream->Cancel();
       }
+      // Either just completed above, or the reader is completing it; a cut
+      // connection ends its reader promptly.
       buffer->Await(absl::InfiniteFuture());
     }
-    buffer->stream.reset();
+    buffer->connection.reset();
     return buffer->Take();
   }
 
@@ -322,24 +555,40 @@ class GrpcKvClient final : public KvClient {
     if (!auth_.empty()) ctx->AddMetadata("authorization", auth_);
   }
 
-  // The live fetch stream, opened (after waiting for a connection, at most
-  // connect_timeout) if there is none or the last one broke.
-  absl::StatusOr<std::shared_ptr<FetchStream>> Stream() {
+  // The live fetch connection, opened (after waiting for the channel, at
+  // most connect_timeout) if there is none or the last one broke.
+  absl::StatusOr<std::shared_ptr<FetchConnection>> Connection() {
     absl::MutexLock lock(&mu_);
-    if (stream_ != nullptr && !stream_->broken()) return stream_;
-    // The broken stream's reader has finished or is about to; a waiter may
-    // still hold it, so it goes away with the last reference.
-    stream_.reset();
-    IG_RETURN_IF_ERROR(AwaitConnection());
-    stream_ = std::make_shared<FetchStream>(stub_.get(), auth_);
-    return stream_;
+    if (connection_ != nullptr && !connection_->broken()) return connection_;
+    // A waiter may still hold the broken one; it goes with the last
+    // reference.
+    connection_.reset();
+    IG_RETURN_IF_ERROR(AwaitChannel());
+    int fetch_port = 0;
+    if (!fetch_host_.empty()) {
+      kv::GetServerInfoRequest req;
+      kv::GetServerInfoResponse resp;
+      grpc::ClientContext ctx;
+      Prepare(&ctx);
+      IG_RETURN_IF_ERROR(FromGrpcStatus(stub_->GetServerInfo(&ctx, req, &resp)));
+      fetch_port = resp.fetch_port();
+    }
+    if (fetch_port > 0) {
+      IG_ASSIGN_OR_RETURN(
+          int fd, SocketConnection::Connect(fetch_host_, fetch_port, auth_,
+                                            options_.connect_timeout));
+      connection_ = std::make_shared<SocketConnection>(fd);
+    } else {
+      connection_ = std::make_shared<StreamConnection>(stub_.get(), auth_);
+    }
+    return connection_;
   }
 
   // OK once the channel is connected. Fails at once while the last attempt
   // to connect failed (the server is down: callers get an error now, not
   // after a timeout; gRPC keeps reconnecting in the background), and after
   // connect_timeout while a connection attempt hangs.
-  absl::Status AwaitConnection() {
+  absl::Status AwaitChannel() {
     const auto deadline =
         absl::ToChronoTime(absl::Now() + options_.connect_timeout);
     while (true) {
@@ -362,10 +611,11 @@ class GrpcKvClient final : public KvClient {
   const std::unique_ptr<kv::KvMemory::StubInterface> stub_;
   const KvClientOptions options_;
   const std::string auth_;  // "Bearer TOKEN", or empty
+  const std::string fetch_host_;
   std::atomic<uint64_t> next_request_id_{0};
 
   absl::Mutex mu_;
-  std::shared_ptr<FetchStream> stream_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<FetchConnection> connection_ ABSL_GUARDED_BY(mu_);
 };
 
 absl::Status GrpcFetchBuffer::WaitForFetch() { return client_->WaitFor(this); }
@@ -384,8 +634,11 @@ grpc::ChannelArguments ChannelArgs(const KvClientOptions& options) {
   args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  // gRPC's name for the time one connection attempt may take: not too short
+  // for a loaded host or a server that is still starting.
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS,
+              static_cast<int>(absl::ToInt64Milliseconds(options.connect_timeout)));
   return args;
 }
 
@@ -393,17 +646,26 @@ grpc::ChannelArguments ChannelArgs(const KvClientOptions& options) {
 
 std::unique_ptr<KvClient> NewGrpcKvClient(
     std::shared_ptr<grpc::Channel> channel, const KvClientOptions& options) {
-  return std::make_unique<GrpcKvClient>(std::move(channel), options);
+  return std::make_unique<GrpcKvClient>(std::move(channel), options, "");
 }
 
 absl::StatusOr<std::unique_ptr<KvClient>> ConnectGrpcKvClient(
     const std::string& address, const KvClientOptions& options) {
-  std::string target;
+  std::string target, fetch_host;
   if (absl::StartsWith(address, "tcp://")) {
     target = address.substr(6);
-    if (target.empty() || target.rfind(':') == std::string::npos) {
+    const size_t colon = target.rfind(':');
+    int port = 0;
+    if (colon == std::string::npos || colon == 0 ||
+        !absl::SimpleAtoi(target.substr(colon + 1), &port) || port <= 0 ||
+        port > 65535) {
       return absl::InvalidArgumentError(
           absl::StrCat("address '", address, "' is not tcp://HOST:PORT"));
+    }
+    fetch_host = target.substr(0, colon);
+    if (fetch_host.size() > 2 && fetch_host.front() == '[' &&
+        fetch_host.back() == ']') {
+      fetch_host = fetch_host.substr(1, fetch_host.size() - 2);
     }
   } else if (absl::StartsWith(address, "unix:") && address.size() > 5) {
     target = address;
@@ -419,7 +681,8 @@ absl::StatusOr<std::unique_ptr<KvClient>> ConnectGrpcKvClient(
         absl::StrCat("cannot connect to the KV memory server at ", address,
                      " within ", absl::FormatDuration(options.connect_timeout)));
   }
-  return NewGrpcKvClient(std::move(channel), options);
+  return std::make_unique<GrpcKvClient>(std::move(channel), options,
+                                        std::move(fetch_host));
 }
 
 }  // namespace infinigen::kv_memory_service

@@ -1,16 +1,20 @@
-// The gRPC data plane: a KvClient for a kv_memory_server at tcp://HOST:PORT
+// The TCP data plane: a KvClient for a kv_memory_server at tcp://HOST:PORT
 // or unix:PATH. Control calls (Open, Append, Close, statistics) are unary
 // RPCs with a deadline of options.rpc_timeout. Fetches share one long-lived
-// FetchStream per client: FetchAsync writes the request and returns; a
-// reader thread matches each response to its FetchBuffer by request id and
-// copies the rows in (the one copy this data plane makes); Wait gives up at
+// connection per client: for tcp://, the server's plain fetch socket
+// (fetch_wire.h; port from GetServerInfo, same host), where the request
+// leaves with one sendmsg and a reader thread receives the rows straight
+// into the FetchBuffer; for unix: (or options.tcp_fetch_socket = false, or
+// a server without one) the gRPC FetchStream, rows copied out of the
+// response. FetchAsync sends and returns; Wait gives up at
 // options.fetch_timeout, after which nothing writes into the buffer.
 //
 // A server that dies fails every fetch in flight with Unavailable as soon
 // as the connection drops; a hung one with DeadlineExceeded at the timeout
-// (keepalive pings close a silent connection too). The next fetch opens a
-// new stream, so a restarted server is picked up (its sequences are gone:
-// NotFound). Thread-safe.
+// (the connection is then cut; keepalive probes also close a silent one).
+// While the server is unreachable, fetches fail at once with Unavailable;
+// the next fetch after it is back opens a new connection, so a restarted
+// server is picked up (its sequences are gone: NotFound). Thread-safe.
 #ifndef INFINIGEN_KV_MEMORY_SERVICE_TCP_GRPC_CLIENT_H_
 #define INFINIGEN_KV_MEMORY_SERVICE_TCP_GRPC_CLIENT_H_
 

@@ -1,0 +1,192 @@
+#include "gpu_worker/generation_service.h"
+
+#include <chrono>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "common/log.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/security/server_credentials.h"
+#include "grpcpp/server_builder.h"
+#include "grpcpp/server_context.h"
+
+namespace infinigen::gpu_worker {
+namespace {
+
+// How often a handler waiting for its next token checks whether the client
+// is still there.
+constexpr absl::Duration kCancelPoll = absl::Milliseconds(50);
+
+constexpr char kServiceName[] = "infinigen.worker.Worker";
+
+// Same code and message; the two code enums agree numerically.
+grpc::Status ToGrpcStatus(const absl::Status& status) {
+  if (status.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
+                      std::string(status.message()));
+}
+
+GenerationRequest FromProto(const worker::GenerateRequest& r) {
+  GenerationRequest out;
+  out.prompt = r.prompt();
+  out.prompt_tokens.assign(r.prompt_tokens().begin(), r.prompt_tokens().end());
+  out.max_new_tokens = r.max_new_tokens();
+  out.temperature = r.temperature();
+  out.top_p = r.has_top_p() ? r.top_p() : 1.0f;
+  out.seed = r.seed();
+  return out;
+}
+
+worker::FinishReason ToProto(FinishReason reason) {
+  switch (reason) {
+    case FinishReason::kLength:
+      return worker::FINISH_REASON_LENGTH;
+    case FinishReason::kEndToken:
+      return worker::FINISH_REASON_END_TOKEN;
+    case FinishReason::kContextFull:
+      return worker::FINISH_REASON_CONTEXT_FULL;
+  }
+  return worker::FINISH_REASON_UNSPECIFIED;
+}
+
+void ToProto(const GenerationSummary& s, worker::Finished* out) {
+  out->set_reason(ToProto(s.reason));
+  out->set_prompt_tokens(s.prompt_tokens);
+  out->set_generated_tokens(s.generated_tokens);
+  out->set_text(s.text);
+  out->set_queue_seconds(s.queue_seconds);
+  out->set_prefill_seconds(s.prefill_seconds);
+  out->set_decode_seconds(s.decode_seconds);
+}
+
+// "HOST:PORT" with a port in 0..65535 (HOST may be "[v6]").
+absl::Status CheckHostPort(const std::string& listen) {
+  const size_t colon = listen.rfind(':');
+  int port = -1;
+  if (colon == std::string::npos || colon == 0 ||
+      !absl::SimpleAtoi(listen.substr(colon + 1), &port) || port < 0 ||
+      port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "listen address '", listen, "' is not HOST:PORT or unix:PATH"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+grpc::Status GenerationService::Generate(
+    grpc::ServerContext* ctx, const worker::GenerateRequest* request,
+    grpc::ServerWriter<worker::GenerateResponse>* writer) {
+  absl::StatusOr<std::shared_ptr<GenerationStream>> submitted =
+      scheduler_->Submit(FromProto(*request));
+  if (!submitted.ok()) return ToGrpcStatus(submitted.status());
+  GenerationStream& stream = **submitted;
+  // Tells the client it was accepted (queued), before its first token.
+  writer->SendInitialMetadata();
+  const grpc::Status gone(grpc::StatusCode::CANCELLED,
+                          "the client went away");
+  GenerationEvent event;
+  worker::GenerateResponse response;
+  while (true) {
+    if (ctx->IsCancelled()) {
+      stream.Cancel();
+      return gone;
+    }
+    if (!stream.Next(kCancelPoll, &event)) continue;
+    response.Clear();
+    switch (event.kind) {
+      case GenerationEvent::Kind::kToken: {
+        worker::Token* token = response.mutable_token();
+        token->set_id(event.token);
+        token->set_text(std::move(event.text));
+        if (!writer->Write(response)) {
+          stream.Cancel();
+          return gone;
+        }
+        break;
+      }
+      case GenerationEvent::Kind::kFinished:
+        ToProto(event.summary, response.mutable_finished());
+        if (!writer->Write(response)) return gone;
+        return grpc::Status::OK;
+      case GenerationEvent::Kind::kError:
+        return ToGrpcStatus(event.status);
+    }
+  }
+}
+
+absl::StatusOr<std::unique_ptr<GenerationServer>> GenerationServer::Start(
+    std::unique_ptr<GenerationScheduler> scheduler,
+    const GenerationServerOptions& options) {
+  const std::string& listen = options.listen;
+  const bool unix_socket = absl::StartsWith(listen, "unix:");
+  if (unix_socket && listen.size() == 5) {
+    return absl::InvalidArgumentError("listen address 'unix:' has no path");
+  }
+  if (!listen.empty() && !unix_socket) {
+    absl::Status ok = CheckHostPort(listen);
+    if (!ok.ok()) return ok;
+  }
+  std::unique_ptr<GenerationServer> server(new GenerationServer);
+  server->scheduler_ = std::move(scheduler);
+  server->service_ =
+      std::make_unique<GenerationService>(server->scheduler_.get());
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  int port = 0;
+  if (!listen.empty()) {
+    builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
+  }
+  builder.RegisterService(server->service_.get());
+  // A second server on the same port must fail, not share it.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  server->server_ = builder.BuildAndStart();
+  if (server->server_ == nullptr || (!listen.empty() && port == 0)) {
+    server->server_.reset();
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on '", listen,
+                     "' (address in use, or not allowed)"));
+  }
+  server->port_ = unix_socket ? 0 : port;
+  grpc::HealthCheckServiceInterface* health =
+      server->server_->GetHealthCheckService();
+  health->SetServingStatus(kServiceName, true);
+  health->SetServingStatus(true);
+  IG_LOG(INFO) << "infinigen serve: listening on "
+               << (listen.empty() ? std::string("(in-process only)")
+                   : unix_socket ? listen
+                                 : absl::StrCat(listen.substr(
+                                                    0, listen.rfind(':')),
+                                                ":", port))
+               << ", " << server->scheduler_->slots() << " sequence slots of "
+               << server->scheduler_->max_seq_len() << " tokens";
+  return server;
+}
+
+GenerationServer::~GenerationServer() {
+  if (server_ == nullptr) return;
+  Shutdown(absl::ZeroDuration());
+  Wait();
+}
+
+std::shared_ptr<grpc::Channel> GenerationServer::InProcessChannel() {
+  return server_->InProcessChannel(grpc::ChannelArguments());
+}
+
+void GenerationServer::Shutdown(absl::Duration grace) {
+  grpc::HealthCheckServiceInterface* health =
+      server_->GetHealthCheckService();
+  health->SetServingStatus(kServiceName, false);
+  health->SetServingStatus(false);
+  scheduler_->Shutdown(grace);
+  // Every stream has its last event now; handlers return within one poll.
+  server_->Shutdown(std::chrono::system_clock::now() +
+                    std::chrono::seconds(1));
+}
+
+void GenerationServer::Wait() { server_->Wait(); }
+
+}  // namespace infinigen::gpu_worker

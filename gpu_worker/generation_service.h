@@ -1,0 +1,85 @@
+// The GPU worker's generation API on the network.
+//
+// GenerationService is the Worker gRPC service (proto/worker.proto) over a
+// GenerationScheduler, and the only place where absl::Status becomes
+// grpc::Status: it converts the request, submits it, and writes the
+// stream's tokens as the scheduler produces them. A client that goes away
+// (cancelled call, failed write) cancels its stream, which frees its
+// sequence slot.
+//
+// GenerationServer is a running `infinigen serve`: it owns the scheduler,
+// the service, the standard grpc.health.v1 service and the gRPC server
+// listening on a TCP port or a unix socket (or in-process only, for tests).
+//
+// Thread-safe: gRPC calls the service from many threads; Shutdown and Wait
+// may be called from any thread.
+#ifndef INFINIGEN_GPU_WORKER_GENERATION_SERVICE_H_
+#define INFINIGEN_GPU_WORKER_GENERATION_SERVICE_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "gpu_worker/generation_scheduler.h"
+#include "grpcpp/channel.h"
+#include "grpcpp/server.h"
+#include "proto/worker.grpc.pb.h"
+
+namespace infinigen::gpu_worker {
+
+class GenerationService final : public worker::Worker::Service {
+ public:
+  // `scheduler` is not owned and outlives the service.
+  explicit GenerationService(GenerationScheduler* scheduler)
+      : scheduler_(scheduler) {}
+
+  grpc::Status Generate(
+      grpc::ServerContext* ctx, const worker::GenerateRequest* request,
+      grpc::ServerWriter<worker::GenerateResponse>* writer) override;
+
+ private:
+  GenerationScheduler* const scheduler_;
+};
+
+struct GenerationServerOptions {
+  // "HOST:PORT" (port 0 picks a free one; see GenerationServer::port),
+  // "unix:PATH", or empty: no listening socket, InProcessChannel only.
+  std::string listen;
+};
+
+class GenerationServer {
+ public:
+  // Serves `scheduler` (which it owns; the caller Starts it, before or
+  // after). InvalidArgument for a malformed listen address; Unavailable
+  // when it cannot be bound.
+  static absl::StatusOr<std::unique_ptr<GenerationServer>> Start(
+      std::unique_ptr<GenerationScheduler> scheduler,
+      const GenerationServerOptions& options);
+  ~GenerationServer();  // Shutdown(absl::ZeroDuration()) and Wait
+
+  // The bound TCP port (0 for a unix socket or in-process only).
+  int port() const { return port_; }
+  // A channel to this server inside this process.
+  std::shared_ptr<grpc::Channel> InProcessChannel();
+  GenerationScheduler& scheduler() { return *scheduler_; }
+
+  // Marks the health service NOT_SERVING, stops taking requests (new calls
+  // get UNAVAILABLE), lets queued and active generations finish for up to
+  // `grace`, ends the rest with UNAVAILABLE, then stops the gRPC server.
+  void Shutdown(absl::Duration grace);
+  // Blocks until the server has shut down.
+  void Wait();
+
+ private:
+  GenerationServer() = default;
+
+  std::unique_ptr<GenerationScheduler> scheduler_;
+  std::unique_ptr<GenerationService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+};
+
+}  // namespace infinigen::gpu_worker
+
+#endif  // INFINIGEN_GPU_WORKER_GENERATION_SERVICE_H_

@@ -1,0 +1,95 @@
+// The plain-socket fetch protocol of the TCP data plane: gRPC carries the
+// control calls, and fetches go over one TCP connection per client in
+// fixed little-endian frames, because a gRPC stream costs about ten times a
+// socket round trip on loopback. The server advertises the port in
+// GetServerInfo (fetch_port); the client connects to the host it already
+// uses for gRPC.
+//
+//   client -> server   Hello          {magic, version, token_bytes} token
+//   server -> client   HelloReply     {magic, status_code, message_bytes} msg
+//   client -> server   FetchRequest   header, int32 head_offsets[n_offsets],
+//                                     int32 indices[n_indices]
+//   server -> client   FetchResponse  header, message, rows (rows_bytes)
+//
+// Responses come in request order and echo request_id. A failed fetch is a
+// response with a status code (the connection stays up); a frame the
+// server cannot read (bad magic, more than the size limit) gets one error
+// response with request_id 0 and the connection is closed. The helpers
+// retry on EINTR and short transfers; they are thread-compatible.
+#ifndef INFINIGEN_KV_MEMORY_SERVICE_TCP_FETCH_WIRE_H_
+#define INFINIGEN_KV_MEMORY_SERVICE_TCP_FETCH_WIRE_H_
+
+#include <sys/uio.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
+              "the fetch protocol is little-endian");
+
+namespace infinigen::kv_memory_service::fetch_wire {
+
+inline constexpr uint32_t kHelloMagic = 0x4b464749;     // "IGFK"
+inline constexpr uint32_t kRequestMagic = 0x51464749;   // "IGFQ"
+inline constexpr uint32_t kResponseMagic = 0x52464749;  // "IGFR"
+inline constexpr uint32_t kVersion = 1;
+inline constexpr uint32_t kMaxTokenBytes = 4096;
+inline constexpr uint32_t kMaxMessageBytes = 4096;
+
+struct Hello {
+  uint32_t magic = kHelloMagic;
+  uint32_t version = kVersion;
+  uint32_t token_bytes = 0;  // followed by the auth token (may be empty)
+  uint32_t reserved = 0;
+};
+
+struct HelloReply {
+  uint32_t magic = kHelloMagic;
+  int32_t status_code = 0;  // absl::StatusCode; not 0: the server closes
+  uint32_t message_bytes = 0;
+  uint32_t reserved = 0;
+};
+
+struct FetchRequestHeader {
+  uint32_t magic = kRequestMagic;
+  uint32_t n_offsets = 0;  // head_offsets entries (n_kv_heads + 1)
+  uint32_t n_indices = 0;
+  int32_t layer = 0;
+  uint64_t request_id = 0;
+  uint64_t sequence_id = 0;
+  uint64_t dest_elements = 0;  // the client's buffer, in uint16 values
+};
+
+struct FetchResponseHeader {
+  uint32_t magic = kResponseMagic;
+  int32_t status_code = 0;
+  uint64_t request_id = 0;
+  uint32_t message_bytes = 0;  // status message, follows the header
+  uint32_t reserved = 0;
+  uint64_t rows_bytes = 0;  // follows the message
+};
+
+static_assert(sizeof(Hello) == 16 && sizeof(HelloReply) == 16 &&
+              sizeof(FetchRequestHeader) == 40 &&
+              sizeof(FetchResponseHeader) == 32);
+
+// Writes every byte of the iovecs. Unavailable (with errno's text) when the
+// connection fails; DeadlineExceeded when a send timeout (SO_SNDTIMEO)
+// passes.
+absl::Status SendAll(int fd, struct iovec* iov, int iovcnt);
+// Reads exactly `bytes`. Unavailable when the peer closes or the connection
+// fails.
+absl::Status RecvAll(int fd, void* data, size_t bytes);
+// Reads and drops `bytes`.
+absl::Status Discard(int fd, size_t bytes);
+
+// TCP_NODELAY, and keepalive probes that close a silent connection within
+// about 15 s.
+void TuneSocket(int fd);
+
+}  // namespace infinigen::kv_memory_service::fetch_wire
+
+#endif  // INFINIGEN_KV_MEMORY_SERVICE_TCP_FETCH_WIRE_H_

@@ -1,0 +1,325 @@
+// The shared-memory data plane against the real kv_memory_server binary
+// (--shm_listen), as a separate process: many concurrent clients with rows
+// checked bit for bit, bad input answered with the same codes as the gRPC
+// plane, and what a client sees when the server is SIGKILLed or stopped
+// mid-stream. No timing assertions except that a dead server is noticed
+// well before the (long) fetch timeout, i.e. by the data plane itself.
+#include <signal.h>
+
+#include <atomic>
+#include <fstream>
+#include <iostream>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+#include "kv_memory_service/kv_client.h"
+#include "kv_memory_service/testing/kv_test_data.h"
+#include "tests/kv_memory_service/server_process.h"
+
+namespace infinigen::kv_memory_service {
+namespace {
+
+using testdata::ExpectedRows;
+using testdata::MakeGeometry;
+using testdata::MakeTestBlock;
+
+// A kv_memory_server with gRPC control on one unix socket and the shm data
+// plane on another.
+struct ShmServer {
+  std::unique_ptr<ServerProcess> process;
+  std::string grpc_address;  // unix:PATH
+  std::string shm_address;   // shm:unix:PATH
+};
+
+ShmServer StartServer(std::vector<std::string> extra_flags = {}) {
+  ShmServer s;
+  const std::string shm_path = ServerProcess::SocketPath("shm_e2e");
+  std::vector<std::string> flags = {
+      "--listen=unix:" + ServerProcess::SocketPath("shm_e2e_grpc"),
+      "--shm_listen=unix:" + shm_path};
+  flags.insert(flags.end(), extra_flags.begin(), extra_flags.end());
+  auto process = ServerProcess::Start(flags);
+  EXPECT_TRUE(process.ok()) << process.status();
+  if (!process.ok()) return s;
+  s.process = *std::move(process);
+  s.grpc_address = s.process->address();
+  s.shm_address = "shm:unix:" + shm_path;
+  return s;
+}
+
+KvClientOptions Options() {
+  KvClientOptions options;
+  options.connect_timeout = absl::Seconds(10);
+  options.rpc_timeout = absl::Seconds(10);
+  // Long, so that an error soon after a kill is the data plane noticing,
+  // not the timeout.
+  options.fetch_timeout = absl::Seconds(30);
+  return options;
+}
+
+TEST(ShmServerProcessTest, ConcurrentClientsGetBitExactRows) {
+  ShmServer server = StartServer();
+  ASSERT_NE(server.process, nullptr);
+  constexpr int kClients = 8;
+  const SequenceGeometry g = MakeGeometry(4, 3, 64, 512);
+  std::atomic<int> failures{0};
+  std::atomic<int64_t> fetches{0};
+  std::vector<std::thread> threads;
+  for (int c = 0; c < kClients; ++c) {
+    threads.emplace_back([&, c] {
+      const uint32_t salt = 1000 + c;
+      auto fail = [&](const std::string& what, const absl::Status& s) {
+        ADD_FAILURE() << "client " << c << " " << what << ": " << s;
+        ++failures;
+      };
+      auto client = ConnectKvClient(server.shm_address, Options());
+      if (!client.ok()) return fail("connect", client.status());
+      if ((*client)->data_plane() != "shm") {
+        return fail("data plane", absl::InternalError((*client)->data_plane()));
+      }
+      auto id = (*client)->Open(g);
+      if (!id.ok()) return fail("open", id.status());
+      // Prefill of 300 tokens in one block, then decode steps of one token.
+      int length = 300;
+      testdata::TestBlock prefill = MakeTestBlock(salt, g, 0, g.n_layers, 0, length);
+      if (auto r = (*client)->Append(*id, prefill.block); !r.ok()) {
+        return fail("prefill", r.status());
+      }
+      std::vector<std::unique_ptr<FetchBuffer>> buffers;
+      for (int b = 0; b < 2; ++b) {
+        auto buffer = (*client)->NewFetchBuffer(2 * 3 * 64 * 512);
+        if (!buffer.ok()) return fail("buffer", buffer.status());
+        buffers.push_back(*std::move(buffer));
+      }
+      std::mt19937 rng(c);
+      for (int step = 0; step < 60; ++step) {
+        if (step % 3 == 0) {
+          testdata::TestBlock t = MakeTestBlock(salt, g, 0, g.n_layers, length, 1);
+          if (auto r = (*client)->Append(*id, t.block); !r.ok()) {
+            return fail("decode append", r.status());
+          }
+          ++length;
+        }
+        OwnedFetchPlan plans[2];
+        int layers[2];
+        FetchHandle handles[2];
+        for (int b = 0; b < 2; ++b) {
+          std::vector<std::vector<int32_t>> per_head(g.n_kv_heads);
+          const int k = step == 0 ? length : 1 + rng() % 200;
+          for (auto& p : per_head) {
+            for (int i = 0; i < k; ++i) p.push_back(step == 0 ? i : rng() % length);
+          }
+          plans[b] = OwnedFetchPlan::PerHead(per_head);
+          layers[b] = rng() % g.n_layers;
+          handles[b] = (*client)->FetchAsync(*id, layers[b], plans[b].view(),
+                                             buffers[b].get());
+        }
+        for (int b = 0; b < 2; ++b) {
+          absl::Status s = handles[b].Wait();
+          if (!s.ok()) return fail("fetch", s);
+          const auto want = ExpectedRows(salt, g, layers[b], plans[b].view());
+          if (!std::equal(want.begin(), want.end(), buffers[b]->data())) {
+            return fail("rows", absl::DataLossError(absl::StrCat("step ", step)));
+          }
+          ++fetches;
+        }
+      }
+      auto stats = (*client)->GetSequenceStats(*id);
+      if (!stats.ok() || stats->fetches != 120) {
+        return fail("stats", stats.status());
+      }
+      if (absl::Status s = (*client)->Close(*id); !s.ok()) fail("close", s);
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_EQ(fetches.load(), kClients * 120);
+}
+
+// The same bad requests through shm and through the gRPC plane of the same
+// server get the same codes; the server keeps serving and nothing changes.
+TEST(ShmServerProcessTest, BadInputGetsTheSameCodesAsGrpc) {
+  ShmServer server = StartServer({"--eviction=fifo"});
+  ASSERT_NE(server.process, nullptr);
+  auto shm = ConnectKvClient(server.shm_address, Options());
+  auto grpc = ConnectKvClient(server.grpc_address, Options());
+  ASSERT_TRUE(shm.ok()) << shm.status();
+  ASSERT_TRUE(grpc.ok()) << grpc.status();
+  const SequenceGeometry g = MakeGeometry(2, 2, 8, 4);
+  auto id = (*shm)->Open(g);
+  ASSERT_TRUE(id.ok());
+  testdata::TestBlock b = MakeTestBlock(5, g, 0, 2, 0, 6);  // 0, 1 evicted
+  ASSERT_TRUE((*shm)->Append(*id, b.block).ok());
+  auto shm_buffer = (*shm)->NewFetchBuffer(64);
+  auto grpc_buffer = (*grpc)->NewFetchBuffer(64);
+  ASSERT_TRUE(shm_buffer.ok() && grpc_buffer.ok());
+  struct Case {
+    SequenceId seq;
+    int layer;
+    OwnedFetchPlan plan;
+    absl::StatusCode want;
+  };
+  const std::vector<Case> cases = {
+      {*id + 1, 0, OwnedFetchPlan::SameForAllHeads(2, {2}), absl::StatusCode::kNotFound},
+      {*id, 2, OwnedFetchPlan::SameForAllHeads(2, {2}), absl::StatusCode::kInvalidArgument},
+      {*id, 0, OwnedFetchPlan::SameForAllHeads(3, {2}), absl::StatusCode::kInvalidArgument},
+      {*id, 0, OwnedFetchPlan{{2}, {0, 2, 1}}, absl::StatusCode::kInvalidArgument},
+      {*id, 0, OwnedFetchPlan::SameForAllHeads(2, {6}), absl::StatusCode::kOutOfRange},
+      {*id, 0, OwnedFetchPlan::SameForAllHeads(2, {-3}), absl::StatusCode::kInvalidArgument},
+      {*id, 0, OwnedFetchPlan::SameForAllHeads(2, {1}), absl::StatusCode::kFailedPrecondition},
+      {*id, 0, OwnedFetchPlan::SameForAllHeads(2, {2, 3, 4}), absl::StatusCode::kInvalidArgument},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const Case& c = cases[i];
+    const absl::Status via_shm =
+        (*shm)->Fetch(c.seq, c.layer, c.plan.view(), shm_buffer->get());
+    const absl::Status via_grpc =
+        (*grpc)->Fetch(c.seq, c.layer, c.plan.view(), grpc_buffer->get());
+    EXPECT_EQ(via_shm.code(), c.want) << "case " << i << ": " << via_shm;
+    EXPECT_EQ(via_shm.code(), via_grpc.code()) << "case " << i << ": " << via_grpc;
+  }
+  EXPECT_EQ((*shm)->NewFetchBuffer(0).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*shm)->Fetch(*id, 0, cases[0].plan.view(), grpc_buffer->get()).code(),
+            absl::StatusCode::kInvalidArgument);  // another client's buffer
+  const OwnedFetchPlan good = OwnedFetchPlan::PerHead({{2, 5}, {3}});
+  ASSERT_TRUE((*shm)->Fetch(*id, 1, good.view(), shm_buffer->get()).ok());
+  const auto want = ExpectedRows(5, g, 1, good.view());
+  EXPECT_TRUE(std::equal(want.begin(), want.end(), (*shm_buffer)->data()));
+  auto stats = (*grpc)->GetSequenceStats(*id);
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->fetches, 1);
+  EXPECT_EQ(stats->layer_lengths, (std::vector<int32_t>{6, 6}));
+}
+
+// SIGKILL under a stream of fetches (four in flight, rows checked): every
+// wait ends with Unavailable, soon, long before the 30 s fetch timeout.
+TEST(ShmServerProcessTest, SigkillMidStreamFailsEveryWaitQuickly) {
+  ShmServer server = StartServer();
+  ASSERT_NE(server.process, nullptr);
+  auto client = ConnectKvClient(server.shm_address, Options());
+  ASSERT_TRUE(client.ok()) << client.status();
+  const SequenceGeometry g = MakeGeometry(2, 3, 64, 1024);
+  auto id = (*client)->Open(g);
+  ASSERT_TRUE(id.ok());
+  testdata::TestBlock b = MakeTestBlock(9, g, 0, 2, 0, 1024);
+  ASSERT_TRUE((*client)->Append(*id, b.block).ok());
+
+  std::atomic<int64_t> good{0};
+  std::atomic<int> wrong_rows{0};
+  absl::Status first_error;
+  absl::Time failed_at;
+  std::thread fetcher([&] {
+    std::vector<std::unique_ptr<FetchBuffer>> buffers;
+    for (int i = 0; i < 4; ++i) {
+      buffers.push_back(*(*client)->NewFetchBuffer(2 * 3 * 64 * 1024));
+    }
+    std::vector<int32_t> all(1024);
+    for (int i = 0; i < 1024; ++i) all[i] = i;
+    const OwnedFetchPlan plan = OwnedFetchPlan::SameForAllHeads(3, all);
+    const std::vector<uint16_t> want = ExpectedRows(9, g, 1, plan.view());
+    while (true) {
+      std::vector<FetchHandle> handles;
+      for (auto& buffer : buffers) {
+        handles.push_back((*client)->FetchAsync(*id, 1, plan.view(), buffer.get()));
+      }
+      absl::Status status;
+      for (size_t i = 0; i < handles.size(); ++i) {
+        absl::Status one = handles[i].Wait();
+        if (one.ok()) {
+          if (!std::equal(want.begin(), want.end(), buffers[i]->data())) ++wrong_rows;
+          ++good;
+        } else if (status.ok()) {
+          status = one;
+        }
+      }
+      if (!status.ok()) {
+        failed_at = absl::Now();
+        first_error = status;
+        return;
+      }
+    }
+  });
+  for (int i = 0; i < 3000 && good.load() < 200; ++i) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_GE(good.load(), 200);
+  const absl::Time killed_at = absl::Now();
+  server.process->Signal(SIGKILL);
+  fetcher.join();
+  server.process->WaitExit();
+  EXPECT_EQ(wrong_rows.load(), 0);
+  EXPECT_EQ(first_error.code(), absl::StatusCode::kUnavailable) << first_error;
+  EXPECT_LT(failed_at - killed_at, absl::Seconds(5))
+      << "the fetch timeout, not the data plane, ended the wait";
+  std::cerr << "after " << good.load() << " good fetches, "
+            << absl::FormatDuration(failed_at - killed_at)
+            << " after SIGKILL: " << first_error << "\n";
+
+  // Later calls fail too, without hanging.
+  const OwnedFetchPlan plan = OwnedFetchPlan::SameForAllHeads(3, {0});
+  EXPECT_EQ((*client)->NewFetchBuffer(64).status().code(),
+            absl::StatusCode::kUnavailable);
+  const absl::Status open = (*client)->Open(g).status();
+  EXPECT_TRUE(open.code() == absl::StatusCode::kUnavailable ||
+              open.code() == absl::StatusCode::kDeadlineExceeded)
+      << open;
+}
+
+// A stopped (SIGSTOP) server: the fetch ends at the fetch timeout with
+// DeadlineExceeded; the request was never taken, so once the server runs
+// again the same client and buffer work.
+TEST(ShmServerProcessTest, StoppedServerTimesOutThenRecovers) {
+  ShmServer server = StartServer();
+  ASSERT_NE(server.process, nullptr);
+  KvClientOptions options = Options();
+  options.fetch_timeout = absl::Milliseconds(500);
+  auto client = ConnectKvClient(server.shm_address, options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  const SequenceGeometry g = MakeGeometry(1, 1, 8, 8);
+  auto id = (*client)->Open(g);
+  ASSERT_TRUE(id.ok());
+  testdata::TestBlock b = MakeTestBlock(3, g, 0, 1, 0, 4);
+  ASSERT_TRUE((*client)->Append(*id, b.block).ok());
+  auto buffer = (*client)->NewFetchBuffer(64);
+  ASSERT_TRUE(buffer.ok());
+  const OwnedFetchPlan plan = OwnedFetchPlan::SameForAllHeads(1, {3});
+  ASSERT_TRUE((*client)->Fetch(*id, 0, plan.view(), buffer->get()).ok());
+
+  server.process->Stop();
+  EXPECT_EQ((*client)->Fetch(*id, 0, plan.view(), buffer->get()).code(),
+            absl::StatusCode::kDeadlineExceeded);
+  server.process->Continue();
+  ASSERT_TRUE((*client)->Fetch(*id, 0, plan.view(), buffer->get()).ok());
+  const auto want = ExpectedRows(3, g, 0, plan.view());
+  EXPECT_TRUE(std::equal(want.begin(), want.end(), (*buffer)->data()));
+}
+
+TEST(ShmServerProcessTest, AuthTokenIsChecked) {
+  const std::string token_file = ServerProcess::TempPath("token");
+  std::ofstream(token_file) << "s3cret\n";
+  ShmServer server = StartServer({"--auth_token_file=" + token_file});
+  ASSERT_NE(server.process, nullptr);
+  KvClientOptions options = Options();
+  EXPECT_EQ(ConnectKvClient(server.shm_address, options).status().code(),
+            absl::StatusCode::kUnauthenticated);
+  options.auth_token = "s3cret";
+  auto client = ConnectKvClient(server.shm_address, options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  EXPECT_TRUE((*client)->Open(MakeGeometry(1, 1, 8, 8)).ok());
+}
+
+TEST(ShmServerProcessTest, BadShmFlagIsAUsageError) {
+  ServerProcess::Result r = ServerProcess::Run(
+      {"--listen=127.0.0.1:0", "--shm_listen=tcp://127.0.0.1:1"});
+  ASSERT_TRUE(WIFEXITED(r.wait_status));
+  EXPECT_EQ(WEXITSTATUS(r.wait_status), 2);
+  EXPECT_NE(r.err.find("unix:PATH"), std::string::npos) << r.err;
+}
+
+}  // namespace
+}  // namespace infinigen::kv_memory_service
