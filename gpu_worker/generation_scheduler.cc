@@ -370,7 +370,9 @@ void GenerationScheduler::Prefill(Sequence& seq) {
   absl::StatusOr<absl::Span<const float>> logits =
       engine_->Forward(seq.slot, seq.prompt, /*all_logits=*/false);
   if (!logits.ok()) {
-    Fail(seq, EngineError("prefill", logits.status()));
+    const absl::Status error = EngineError("prefill", logits.status());
+    IG_LOG(WARNING) << "generation " << Where(seq) << ": " << error;
+    Fail(seq, error);
     return;
   }
   Advance(seq, *logits);
@@ -388,6 +390,7 @@ void GenerationScheduler::DecodeStep() {
       engine_->DecodeBatch(step_slots_, step_tokens_);
   if (!logits.ok()) {
     const absl::Status error = EngineError("decode step", logits.status());
+    IG_LOG(WARNING) << active_.size() << " generations: " << error;
     for (std::unique_ptr<Sequence>& seq : active_) Fail(*seq, error);
     return;
   }
@@ -422,6 +425,10 @@ void GenerationScheduler::Advance(Sequence& seq,
   }
 }
 
+std::string GenerationScheduler::Where(const Sequence& seq) {
+  return seq.slot < 0 ? "(queued)" : absl::StrCat("in slot ", seq.slot);
+}
+
 void GenerationScheduler::Finish(Sequence& seq, FinishReason reason) {
   GenerationEvent event;
   event.kind = GenerationEvent::Kind::kFinished;
@@ -433,29 +440,32 @@ void GenerationScheduler::Finish(Sequence& seq, FinishReason reason) {
   s.queue_seconds = Seconds(seq.arrived, seq.prefill_start);
   s.prefill_seconds = Seconds(seq.prefill_start, seq.first_token);
   s.decode_seconds = Seconds(seq.first_token, seq.last_token);
-  IG_LOG(DEBUG) << "generation in slot " << seq.slot << ": "
+  IG_LOG(DEBUG) << "generation " << Where(seq) << ": "
                 << s.prompt_tokens << " prompt tokens, " << s.generated_tokens
                 << " generated, " << FinishReasonName(reason);
-  seq.stream->Push(std::move(event));
   seq.done = true;
-  absl::MutexLock lock(&mu_);
-  ++stats_.completed;
+  {
+    // Counted before the consumer can see the end.
+    absl::MutexLock lock(&mu_);
+    ++stats_.completed;
+  }
+  seq.stream->Push(std::move(event));
 }
 
 void GenerationScheduler::Fail(Sequence& seq, const absl::Status& status) {
-  IG_LOG(WARNING) << "generation in slot " << seq.slot
-                  << " failed: " << status;
   GenerationEvent event;
   event.kind = GenerationEvent::Kind::kError;
   event.status = status;
-  seq.stream->Push(std::move(event));
   seq.done = true;
-  absl::MutexLock lock(&mu_);
-  ++stats_.failed;
+  {
+    absl::MutexLock lock(&mu_);
+    ++stats_.failed;
+  }
+  seq.stream->Push(std::move(event));
 }
 
 void GenerationScheduler::Drop(Sequence& seq) {
-  IG_LOG(DEBUG) << "generation in slot " << seq.slot << " cancelled after "
+  IG_LOG(DEBUG) << "generation " << Where(seq) << " cancelled after "
                 << seq.generated << " tokens";
   seq.done = true;
   absl::MutexLock lock(&mu_);
@@ -489,6 +499,10 @@ void GenerationScheduler::AbortAll(const absl::Status& status) {
   {
     absl::MutexLock lock(&mu_);
     queued.swap(queue_);
+  }
+  if (!queued.empty() || !active_.empty()) {
+    IG_LOG(WARNING) << "ending " << active_.size() << " active and "
+                    << queued.size() << " queued generations: " << status;
   }
   for (std::unique_ptr<Sequence>& seq : queued) {
     if (seq->stream->cancelled()) {

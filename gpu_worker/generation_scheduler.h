@@ -124,7 +124,7 @@ struct GenerationSchedulerOptions {
   std::function<void()> before_decode_step;
 };
 
-// Counters since Start.
+// Counters since the scheduler was created, and its state now.
 struct SchedulerStats {
   long accepted = 0;   // Submit returned a stream
   long rejected = 0;   // Submit refused (bad request, queue full, stopping)
@@ -215,6 +215,7 @@ class GenerationScheduler {
   void Fail(Sequence& seq, const absl::Status& status);
   void Drop(Sequence& seq);  // cancelled by its consumer
   void ReleaseDone();
+  static std::string Where(const Sequence& seq);  // for logs
   // Ends every queued and active request with `status` (shutdown).
   void AbortAll(const absl::Status& status);
 

@@ -1,5 +1,6 @@
 #include "gpu_worker/generation_service.h"
 
+#include <algorithm>
 #include <chrono>
 #include <utility>
 
@@ -177,14 +178,16 @@ std::shared_ptr<grpc::Channel> GenerationServer::InProcessChannel() {
 }
 
 void GenerationServer::Shutdown(absl::Duration grace) {
+  const absl::Time deadline = absl::Now() + grace;
   grpc::HealthCheckServiceInterface* health =
       server_->GetHealthCheckService();
   health->SetServingStatus(kServiceName, false);
   health->SetServingStatus(false);
   scheduler_->Shutdown(grace);
-  // Every stream has its last event now; handlers return within one poll.
-  server_->Shutdown(std::chrono::system_clock::now() +
-                    std::chrono::seconds(1));
+  // Every stream has its last event now; what is left of the grace (at
+  // least a second) lets the handlers write it to their clients.
+  server_->Shutdown(absl::ToChronoTime(
+      std::max(deadline, absl::Now() + absl::Seconds(1))));
 }
 
 void GenerationServer::Wait() { server_->Wait(); }

@@ -6,7 +6,10 @@
 // Program output goes to stdout, logs and progress to stderr. Bad flags or
 // inputs exit with status 2 and one line saying why; runtime failures exit 1.
 #include <cblas.h>
+#include <signal.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -22,6 +25,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/time.h"
 #include "common/file.h"
 #include "common/log.h"
 #include "common/status.h"
@@ -30,6 +34,8 @@
 #include "gpu_worker/kv_policy.h"
 #include "kv_memory_service/kv_client.h"
 #include "gpu_worker/engine.h"
+#include "gpu_worker/generation_scheduler.h"
+#include "gpu_worker/generation_service.h"
 #include "gpu_worker/sampler.h"
 #include "model/loader.h"
 
@@ -92,6 +98,18 @@ ABSL_FLAG(int, calibration_tokens, 1024,
 ABSL_FLAG(std::string, out, "", "skew: the skew file to write.");
 ABSL_FLAG(int, batch, 1, "bench-decode: sequences decoding together.");
 ABSL_FLAG(int, decode_tokens, 64, "bench-decode: decode steps timed.");
+ABSL_FLAG(std::string, listen, "",
+          "serve: HOST:PORT to listen on (port 0 picks a free one), or "
+          "unix:PATH.");
+ABSL_FLAG(int, max_batch, 8,
+          "serve: sequences generating at once (the engine's slots); more "
+          "requests wait in the queue.");
+ABSL_FLAG(int, max_queue, 64,
+          "serve: requests waiting for a slot; beyond it requests get "
+          "RESOURCE_EXHAUSTED.");
+ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(30),
+          "serve: on SIGTERM or SIGINT, how long queued and active "
+          "generations may take to finish before they are cut short.");
 
 namespace infinigen {
 namespace {
@@ -132,6 +150,15 @@ const std::map<std::string, Command>& Commands() {
         {"model", "tokenizer", "text", "ctx", "batch", "decode_tokens",
          "policy", "alpha", "partial_ratio", "budget", "skew", "kv_service",
          "kv_capacity", "eviction", "calibration_tokens", "json",
+         "threads"}}},
+      {"serve",
+       {"Serves the Worker gRPC generation API (proto/worker.proto) and "
+        "grpc.health.v1 on --listen: token streams to many clients, "
+        "--max_batch sequences decoded together. SIGTERM or SIGINT stops "
+        "taking requests, lets streams finish for --drain_timeout, exits 0.",
+        {"model", "tokenizer", "listen", "max_batch", "max_queue",
+         "drain_timeout", "max_seq_len", "policy", "alpha", "partial_ratio",
+         "budget", "skew", "kv_service", "kv_capacity", "eviction",
          "threads"}}},
       {"skew",
        {"Computes InfiniGen's skew matrices from calibration text and writes "
@@ -655,6 +682,91 @@ int RunSkew() {
   return 0;
 }
 
+// serve: the SIGTERM/SIGINT handler writes the signal to this pipe and
+// RunServe waits on it. A handler, not sigwait: OpenBLAS starts threads
+// before main, so the signals cannot be blocked in every thread.
+int stop_pipe[2] = {-1, -1};
+
+extern "C" void OnStopSignal(int signal) {
+  const char c = static_cast<char>(signal);
+  [[maybe_unused]] ssize_t n = write(stop_pipe[1], &c, 1);
+}
+
+int RunServe() {
+  const std::string listen = absl::GetFlag(FLAGS_listen);
+  const int max_batch = absl::GetFlag(FLAGS_max_batch);
+  const absl::Duration drain = absl::GetFlag(FLAGS_drain_timeout);
+  if (listen.empty()) {
+    return Fail(kExitUsage, absl::InvalidArgumentError(
+                                "--listen is required (HOST:PORT or unix:PATH)"));
+  }
+  if (max_batch < 1) {
+    return Fail(kExitUsage,
+                absl::InvalidArgumentError("--max_batch must be at least 1"));
+  }
+  if (drain < absl::ZeroDuration()) {
+    return Fail(kExitUsage, absl::InvalidArgumentError(
+                                "--drain_timeout must not be negative"));
+  }
+  if (absl::GetFlag(FLAGS_policy) == "infinigen" &&
+      absl::GetFlag(FLAGS_skew).empty()) {
+    return Fail(kExitUsage, absl::InvalidArgumentError(
+                                "serve --policy=infinigen needs --skew (from "
+                                "'infinigen skew'): there is no input to "
+                                "calibrate on"));
+  }
+  auto m = LoadFromFlags(/*need_tokenizer=*/true);
+  if (!m.ok()) return LoadFailure(m.status());
+  auto setup = SetUpPolicy(m->weights, {});
+  if (!setup.ok()) return Fail(kExitUsage, setup.status());
+  EngineOptions& options = setup->options;
+  options.max_seq_len = absl::GetFlag(FLAGS_max_seq_len);
+  options.batch = max_batch;
+  auto engine =
+      Engine::Create(m->weights, gpu_worker::NewCpuBackend(), options);
+  if (!engine.ok()) return Fail(kExitUsage, engine.status());
+  gpu_worker::GenerationSchedulerOptions scheduler_options;
+  scheduler_options.max_queue = absl::GetFlag(FLAGS_max_queue);
+  auto scheduler = gpu_worker::GenerationScheduler::Create(
+      std::move(*engine), *m->tokenizer, scheduler_options);
+  if (!scheduler.ok()) return Fail(kExitUsage, scheduler.status());
+
+  if (pipe(stop_pipe) != 0) {
+    return Fail(kExitFailure, absl::InternalError("pipe() failed"));
+  }
+  struct sigaction action = {};
+  action.sa_handler = OnStopSignal;
+  sigemptyset(&action.sa_mask);
+  sigaction(SIGTERM, &action, nullptr);
+  sigaction(SIGINT, &action, nullptr);
+
+  (*scheduler)->Start();
+  gpu_worker::GenerationServerOptions server_options;
+  server_options.listen = listen;
+  auto server = gpu_worker::GenerationServer::Start(std::move(*scheduler),
+                                                    server_options);
+  if (!server.ok()) {
+    return Fail(server.status().code() == absl::StatusCode::kInvalidArgument
+                    ? kExitUsage
+                    : kExitFailure,
+                server.status());
+  }
+  char signal = 0;
+  while (read(stop_pipe[0], &signal, 1) < 0 && errno == EINTR) {
+  }
+  IG_LOG(INFO) << "infinigen serve: "
+               << (signal == SIGTERM ? "SIGTERM" : "SIGINT")
+               << ", draining for up to " << absl::FormatDuration(drain);
+  (*server)->Shutdown(drain);
+  (*server)->Wait();
+  const gpu_worker::SchedulerStats stats = (*server)->scheduler().stats();
+  IG_LOG(INFO) << "infinigen serve: stopped; " << stats.completed
+               << " generations completed, " << stats.cancelled
+               << " cancelled, " << stats.failed << " failed, "
+               << stats.rejected << " requests refused";
+  return 0;
+}
+
 }  // namespace
 }  // namespace infinigen
 
@@ -696,5 +808,6 @@ int main(int argc, char** argv) {
   if (command == "generate") return RunGenerate();
   if (command == "skew") return RunSkew();
   if (command == "bench-decode") return RunBenchDecode();
+  if (command == "serve") return RunServe();
   return RunPerplexity();
 }
