@@ -49,8 +49,8 @@ absl::Status SingularValues(const float* m, int rows, int cols,
   // sgesvd (not sgesdd) because it can return V^T without U: U would be a
   // [rows, cols] matrix for thousands of calibration rows, never used.
   const lapack_int info = LAPACKE_sgesvd(
-      LAPACK_ROW_MAJOR, 'N', vt != nullptr ? 'A' : 'N', rows, cols,
-      work.data(), cols, s.data(), /*u=*/nullptr, /*ldu=*/1, vt,
+      LAPACK_ROW_MAJOR, 'N', vt != nullptr ? 'A' : 'N', rows, cols, work.data(),
+      cols, s.data(), /*u=*/nullptr, /*ldu=*/1, vt,
       /*ldvt=*/cols, superb.data());
   if (info > 0) {
     return absl::InternalError(absl::StrFormat(
@@ -123,8 +123,8 @@ void ScoreBlockAvx2(const float* rows, int n_cols, const float* qg,
       const __m256 qv = _mm256_loadu_ps(q + c);
 #pragma GCC unroll 8
       for (int i = 0; i < kLanes; ++i) {
-        acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(rows + i * n_cols + c), qv,
-                                 acc[i]);
+        acc[i] =
+            _mm256_fmadd_ps(_mm256_loadu_ps(rows + i * n_cols + c), qv, acc[i]);
       }
     }
     if (tail != 0) {
@@ -192,8 +192,8 @@ HeadStats CountWithinAlpha(const float* s, const uint8_t* present, int n,
 // only they are ranked), else -inf. `values` and `positions` are scratch of
 // n + 1 elements.
 template <bool kMasked>
-void EmitTopK(const float* s, const uint8_t* present, int n, int k,
-              float floor, float* values, int32_t* positions, int32_t* out) {
+void EmitTopK(const float* s, const uint8_t* present, int n, int k, float floor,
+              float* values, int32_t* positions, int32_t* out) {
   // The candidates: present, >= floor, and so never NaN, which keeps
   // std::nth_element's order strict.
   int m = 0;
@@ -279,8 +279,8 @@ absl::Status SkewMatrices::Save(const std::string& path) const {
   const std::string tmp = path + ".tmp";
   std::FILE* f = std::fopen(tmp.c_str(), "wb");
   if (f == nullptr) {
-    return absl::InternalError(absl::StrFormat(
-        "cannot create %s: %s", tmp, std::strerror(errno)));
+    return absl::InternalError(
+        absl::StrFormat("cannot create %s: %s", tmp, std::strerror(errno)));
   }
   const int32_t dims[3] = {n_layers, n_kv_heads, head_dim};
   bool ok = std::fwrite(kSkewMagic, sizeof(kSkewMagic), 1, f) == 1 &&
@@ -315,8 +315,8 @@ absl::StatusOr<SkewMatrices> SkewMatrices::Load(const std::string& path) {
   }
   // Products of int32 dimensions fit in 128 bits; comparing there means a
   // corrupt header cannot overflow into a plausible size.
-  const unsigned __int128 floats = static_cast<unsigned __int128>(dims[0]) *
-                                   dims[1] * dims[2] * dims[2];
+  const unsigned __int128 floats =
+      static_cast<unsigned __int128>(dims[0]) * dims[1] * dims[2] * dims[2];
   const unsigned __int128 payload = size - kSkewHeaderBytes;
   if (payload != floats * sizeof(float)) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -398,8 +398,8 @@ absl::StatusOr<std::vector<float>> ComputeSkew(const float* q, int q_rows,
 
 void ApplySkew(const float* x, int n, const float* a, int d, float* y) {
   if (n <= 0 || d <= 0) return;
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, d, d, 1.0f, x, d,
-              a, d, 0.0f, y, d);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, d, d, 1.0f, x, d, a,
+              d, 0.0f, y, d);
 }
 
 int PartialColumnCount(int d, double ratio) {
@@ -435,8 +435,8 @@ void SelectPartialColumns(const float* q_skewed, int n_tokens, int n_heads,
   }
 }
 
-void SpeculateScores(const float* q_skewed, int n_heads, int n_kv_heads,
-                     int d, const float* partial_k, int k_stride, int n_tokens,
+void SpeculateScores(const float* q_skewed, int n_heads, int n_kv_heads, int d,
+                     const float* partial_k, int k_stride, int n_tokens,
                      const int32_t* cols, int n_cols, float* scores) {
   if (n_tokens <= 0) return;
   const int group = n_heads / n_kv_heads;
@@ -469,8 +469,8 @@ void SpeculateScores(const float* q_skewed, int n_heads, int n_kv_heads,
       float best = -std::numeric_limits<float>::infinity();
       for (int j = 0; j < group; ++j) {
         best = std::max(
-            best, Dot(row, qg.data() + static_cast<size_t>(j) * q_stride,
-                      n_cols));
+            best,
+            Dot(row, qg.data() + static_cast<size_t>(j) * q_stride, n_cols));
       }
       out[t] = best;
     }
@@ -543,11 +543,11 @@ int SelectTokens(const float* scores, int n_kv_heads, int n_tokens,
                             ? stats[g].floor
                             : -std::numeric_limits<float>::infinity();
     if (p != nullptr) {
-      EmitTopK<true>(s, p, n_tokens, k, floor, values.data(),
-                     positions.data(), out);
+      EmitTopK<true>(s, p, n_tokens, k, floor, values.data(), positions.data(),
+                     out);
     } else {
-      EmitTopK<false>(s, p, n_tokens, k, floor, values.data(),
-                      positions.data(), out);
+      EmitTopK<false>(s, p, n_tokens, k, floor, values.data(), positions.data(),
+                      out);
     }
   }
   return k;

@@ -4,8 +4,11 @@
 #include <atomic>
 #include <cmath>
 #include <cstdio>
+#include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
+#include <iterator>
 #include <limits>
 #include <new>
 #include <numeric>
@@ -18,18 +21,21 @@
 #include "gtest/gtest.h"
 
 // Counts heap allocations so the tests can check the "no allocation once
-// grown" contract of the per-step functions directly.
+// grown" contract of the per-step functions directly. Out of line, so that
+// GCC does not pair an inlined free() with operator new and warn.
 namespace {
 std::atomic<int64_t> g_allocations{0};
 }  // namespace
 
-void* operator new(size_t size) {
+[[gnu::noinline]] void* operator new(size_t size) {
   g_allocations.fetch_add(1, std::memory_order_relaxed);
   if (void* p = std::malloc(size == 0 ? 1 : size)) return p;
   throw std::bad_alloc();
 }
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete(void* p, size_t) noexcept { std::free(p); }
+[[gnu::noinline]] void operator delete(void* p) noexcept { std::free(p); }
+[[gnu::noinline]] void operator delete(void* p, size_t) noexcept {
+  std::free(p);
+}
 
 namespace infinigen::speculator {
 namespace {
@@ -74,8 +80,7 @@ std::vector<double> OrthonormalColumns(int rows, int cols, std::mt19937& rng) {
 // [rows, d] = U diag(s) V^T with U [rows, d] and V [d, d] orthonormal columns.
 std::vector<float> WithSpectrum(const std::vector<double>& u,
                                 const std::vector<double>& s,
-                                const std::vector<double>& v, int rows,
-                                int d) {
+                                const std::vector<double>& v, int rows, int d) {
   std::vector<float> m(static_cast<size_t>(rows) * d);
   for (int r = 0; r < rows; ++r) {
     for (int c = 0; c < d; ++c) {
@@ -95,8 +100,8 @@ TEST(ComputeSkew, IsOrthogonal) {
   const int d = 16;
   std::vector<float> q = RandomMatrix(200, d, rng);
   std::vector<float> k = RandomMatrix(150, d, rng);
-  absl::StatusOr<std::vector<float>> a = ComputeSkew(q.data(), 200, k.data(),
-                                                     150, d);
+  absl::StatusOr<std::vector<float>> a =
+      ComputeSkew(q.data(), 200, k.data(), 150, d);
   ASSERT_TRUE(a.ok()) << a.status();
   ASSERT_EQ(a->size(), d * d);
   for (int i = 0; i < d; ++i) {
@@ -143,12 +148,11 @@ TEST(ComputeSkew, ColumnsAreQuerySingularVectorsByDescendingProduct) {
   const int d = 8, q_rows = 40, k_rows = 30;
   std::vector<double> v = OrthonormalColumns(d, d, rng);
   std::vector<double> s_q = {3.0, 9.0, 1.0, 6.0, 0.5, 12.0, 2.0, 4.5};
-  std::vector<float> q = WithSpectrum(OrthonormalColumns(q_rows, d, rng), s_q,
-                                      v, q_rows, d);
+  std::vector<float> q =
+      WithSpectrum(OrthonormalColumns(q_rows, d, rng), s_q, v, q_rows, d);
   std::vector<double> s_k = {8, 7, 6, 5, 4, 3, 2, 1};
-  std::vector<float> k =
-      WithSpectrum(OrthonormalColumns(k_rows, d, rng), s_k,
-                   OrthonormalColumns(d, d, rng), k_rows, d);
+  std::vector<float> k = WithSpectrum(OrthonormalColumns(k_rows, d, rng), s_k,
+                                      OrthonormalColumns(d, d, rng), k_rows, d);
 
   absl::StatusOr<std::vector<float>> a =
       ComputeSkew(q.data(), q_rows, k.data(), k_rows, d);
@@ -177,7 +181,8 @@ TEST(ComputeSkew, ConcentratesEnergyOfLowRankQueries) {
   std::vector<float> q = RandomMatrix(rows, d, rng, 0.05f);
   for (int r = 0; r < rows; ++r) {
     for (int i = 0; i < rank; ++i) {
-      for (int c = 0; c < d; ++c) q[r * d + c] += coeffs[r * rank + i] * basis[i * d + c];
+      for (int c = 0; c < d; ++c)
+        q[r * d + c] += coeffs[r * rank + i] * basis[i * d + c];
     }
   }
   std::vector<float> k = RandomMatrix(rows, d, rng);
@@ -253,7 +258,8 @@ TEST(SkewMatrices, Identity) {
     for (int g = 0; g < 3; ++g) {
       const float* a = m.at(l, g);
       for (int i = 0; i < 4; ++i) {
-        for (int j = 0; j < 4; ++j) EXPECT_EQ(a[i * 4 + j], i == j ? 1.0f : 0.0f);
+        for (int j = 0; j < 4; ++j)
+          EXPECT_EQ(a[i * 4 + j], i == j ? 1.0f : 0.0f);
       }
     }
   }
@@ -318,8 +324,8 @@ TEST(SkewMatrices, SaveRejectsInconsistentSizeAndReportsIoErrors) {
 TEST(SkewMatrices, CheckShapeMismatch) {
   SkewMatrices m = SkewMatrices::Identity(2, 3, 4);
   EXPECT_TRUE(m.CheckShape(2, 3, 4).ok());
-  for (absl::Status s : {m.CheckShape(1, 3, 4), m.CheckShape(2, 1, 4),
-                         m.CheckShape(2, 3, 8)}) {
+  for (absl::Status s :
+       {m.CheckShape(1, 3, 4), m.CheckShape(2, 1, 4), m.CheckShape(2, 3, 8)}) {
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   }
   m.a.resize(5);
@@ -442,7 +448,8 @@ TEST(SelectPartialColumns, MatchesNaiveRankingOnRandomData) {
     std::vector<double> sum(d, 0.0);
     for (int t = 0; t < n_tokens; ++t) {
       for (int h = g * 3; h < g * 3 + 3; ++h) {
-        for (int c = 0; c < d; ++c) sum[c] += std::fabs(q[(t * n_heads + h) * d + c]);
+        for (int c = 0; c < d; ++c)
+          sum[c] += std::fabs(q[(t * n_heads + h) * d + c]);
       }
     }
     std::vector<int32_t> order(d);
@@ -513,11 +520,10 @@ TEST(SpeculateScores, MatchesNaiveWithGqaStrideAndColumnSubsets) {
   // Different columns per KV head, not contiguous.
   std::vector<int32_t> cols = {0, 3, 4, 9, 15, 1, 2, 7, 8, 12};
   std::vector<float> scores(n_kv_heads * n_tokens, 123.0f);
-  SpeculateScores(q.data(), n_heads, n_kv_heads, d, partial_k.data(),
-                  k_stride, n_tokens, cols.data(), n_cols, scores.data());
-  std::vector<float> expected = NaiveScores(q, n_heads, n_kv_heads, d,
-                                            partial_k, k_stride, n_tokens,
-                                            cols, n_cols);
+  SpeculateScores(q.data(), n_heads, n_kv_heads, d, partial_k.data(), k_stride,
+                  n_tokens, cols.data(), n_cols, scores.data());
+  std::vector<float> expected = NaiveScores(
+      q, n_heads, n_kv_heads, d, partial_k, k_stride, n_tokens, cols, n_cols);
   for (int i = 0; i < n_kv_heads * n_tokens; ++i) {
     EXPECT_NEAR(scores[i], expected[i], 1e-5f) << i;
   }
@@ -528,8 +534,10 @@ TEST(SpeculateScores, MatchesNaiveAcrossShapes) {
   struct Case {
     int n_heads, n_kv_heads, d, n_cols, k_stride, n_tokens;
   };
-  std::vector<Case> cases = {{4, 4, 8, 3, 5, 5}, {9, 3, 64, 19, 600, 517},
-                             {2, 1, 4, 1, 3, 1}, {32, 8, 128, 38, 40, 33}};
+  std::vector<Case> cases = {{4, 4, 8, 3, 5, 5},
+                             {9, 3, 64, 19, 600, 517},
+                             {2, 1, 4, 1, 3, 1},
+                             {32, 8, 128, 38, 40, 33}};
   // Every column-tail length and token-tail length the blocked kernel has.
   for (int n_cols : {1, 7, 8, 9, 16, 19, 24, 64}) {
     for (int n_tokens : {1, 7, 8, 9, 16, 23}) {
@@ -561,8 +569,7 @@ TEST(SpeculateScores, MatchesNaiveAcrossShapes) {
     for (size_t i = 0; i < scores.size(); ++i) {
       ASSERT_NEAR(scores[i], expected[i], 1e-5f)
           << "n_heads=" << c.n_heads << " n_kv_heads=" << c.n_kv_heads
-          << " n_cols=" << c.n_cols << " n_tokens=" << c.n_tokens
-          << " i=" << i;
+          << " n_cols=" << c.n_cols << " n_tokens=" << c.n_tokens << " i=" << i;
     }
   }
 }
@@ -585,7 +592,8 @@ TEST(SpeculateScores, AllColumnsGiveExactScaledScoresMaxedOverTheGroup) {
       float best = -std::numeric_limits<float>::infinity();
       for (int h = 3 * g; h < 3 * g + 3; ++h) {
         float dot = 0;
-        for (int c = 0; c < d; ++c) dot += q[h * d + c] * k[(g * n_tokens + t) * d + c];
+        for (int c = 0; c < d; ++c)
+          dot += q[h * d + c] * k[(g * n_tokens + t) * d + c];
         best = std::max(best, dot / std::sqrt(8.0f));
       }
       EXPECT_NEAR(scores[g * n_tokens + t], best, 1e-5f);
@@ -616,8 +624,8 @@ TEST(SpeculateScores, NoTokensWritesNothingAndSteadyStateDoesNotAllocate) {
 // SelectTokens
 
 // Independent reference: full sort instead of nth_element.
-int NaiveSelect(const std::vector<float>& scores, int n_kv_heads,
-                int n_tokens, const std::vector<uint8_t>* present,
+int NaiveSelect(const std::vector<float>& scores, int n_kv_heads, int n_tokens,
+                const std::vector<uint8_t>* present,
                 const SelectionOptions& options,
                 std::vector<int32_t>& indices) {
   indices.clear();
@@ -694,23 +702,21 @@ TEST(SelectTokens, AveragesThresholdCountsAndTakesPerHeadTopK) {
 TEST(SelectTokens, RoundsTheMeanCount) {
   // Counts 1 and 2: mean 1.5 rounds to 2. Counts 1, 1, 2: mean 1.33 -> 1.
   const int n = 6;
-  std::vector<float> scores = {9, 0, 0, 0, 0, 0,   //
-                               9, 9, 0, 0, 0, 0,   //
+  std::vector<float> scores = {9, 0, 0, 0, 0, 0,  //
+                               9, 9, 0, 0, 0, 0,  //
                                0, 0, 0, 0, 0, 9};
   SelectionOptions options;
   options.alpha = 1.0f;
   options.max_fraction = 1.0f;
   std::vector<int32_t> indices, offsets;
-  EXPECT_EQ(SelectTokens(scores.data(), 2, n, nullptr, options, indices,
-                         offsets),
-            2);
+  EXPECT_EQ(
+      SelectTokens(scores.data(), 2, n, nullptr, options, indices, offsets), 2);
   EXPECT_THAT(indices, ElementsAre(0, 1, 0, 1));
   std::vector<float> three = {9, 0, 0, 0, 0, 0,  //
                               0, 0, 0, 0, 9, 0,  //
                               9, 9, 0, 0, 0, 0};
-  EXPECT_EQ(SelectTokens(three.data(), 3, n, nullptr, options, indices,
-                         offsets),
-            1);
+  EXPECT_EQ(
+      SelectTokens(three.data(), 3, n, nullptr, options, indices, offsets), 1);
   EXPECT_THAT(indices, ElementsAre(0, 4, 0));
   EXPECT_THAT(offsets, ElementsAre(0, 1, 2, 3));
 }
@@ -720,24 +726,24 @@ TEST(SelectTokens, CapIsIntOfNTokensTimesMaxFraction) {
   std::vector<float> scores(n_tokens);
   for (int t = 0; t < n_tokens; ++t) scores[t] = static_cast<float>(t % 5);
   SelectionOptions options;
-  options.alpha = 100.0f;  // Every token is a candidate.
+  options.alpha = 100.0f;       // Every token is a candidate.
   options.max_fraction = 0.2f;  // int(4.6) = 4
   std::vector<int32_t> indices, offsets;
-  EXPECT_EQ(SelectTokens(scores.data(), 1, n_tokens, nullptr, options,
-                         indices, offsets),
+  EXPECT_EQ(SelectTokens(scores.data(), 1, n_tokens, nullptr, options, indices,
+                         offsets),
             4);
   // The four 4.0 scores at t = 4, 9, 14, 19.
   EXPECT_THAT(indices, ElementsAre(4, 9, 14, 19));
 
   options.max_fraction = 0.7f;  // 23 * 0.7 = 16.1
-  EXPECT_EQ(SelectTokens(scores.data(), 1, n_tokens, nullptr, options,
-                         indices, offsets),
+  EXPECT_EQ(SelectTokens(scores.data(), 1, n_tokens, nullptr, options, indices,
+                         offsets),
             16);
   // 10 tokens * 0.7 is 7, not 6.
   options.max_fraction = 0.7f;
-  EXPECT_EQ(SelectTokens(scores.data(), 1, 10, nullptr, options, indices,
-                         offsets),
-            7);
+  EXPECT_EQ(
+      SelectTokens(scores.data(), 1, 10, nullptr, options, indices, offsets),
+      7);
 }
 
 TEST(SelectTokens, KIsAtLeastOne) {
@@ -746,15 +752,13 @@ TEST(SelectTokens, KIsAtLeastOne) {
   options.alpha = 100.0f;
   options.max_fraction = 0.2f;  // int(0.6) = 0, raised to 1.
   std::vector<int32_t> indices, offsets;
-  EXPECT_EQ(SelectTokens(scores.data(), 1, 3, nullptr, options, indices,
-                         offsets),
-            1);
+  EXPECT_EQ(
+      SelectTokens(scores.data(), 1, 3, nullptr, options, indices, offsets), 1);
   EXPECT_THAT(indices, ElementsAre(2));
   options.max_fraction = 0.0f;
   options.alpha = 0.0f;
-  EXPECT_EQ(SelectTokens(scores.data(), 1, 3, nullptr, options, indices,
-                         offsets),
-            1);
+  EXPECT_EQ(
+      SelectTokens(scores.data(), 1, 3, nullptr, options, indices, offsets), 1);
   EXPECT_THAT(offsets, ElementsAre(0, 1));
 }
 
@@ -763,7 +767,7 @@ TEST(SelectTokens, EvictedTokensAreNeverSelectedNorCounted) {
   // Head 0: the evicted token 3 has the highest score; had it counted, the
   // max would be 100 and no present token would be within alpha.
   std::vector<float> scores = {5, 4.5f, 1, 100, 4.2f, 0, 3.9f, 4.9f,  //
-                               7, 1, 7, 7, 1, 1, 1, 7};
+                               7, 1,    7, 7,   1,    1, 1,    7};
   std::vector<uint8_t> present = {1, 1, 1, 0, 1, 1, 1, 1,  //
                                   1, 1, 0, 0, 1, 1, 1, 1};
   SelectionOptions options;
@@ -791,8 +795,8 @@ TEST(SelectTokens, FewPresentTokensClampK) {
   options.max_fraction = 1.0f;
   std::vector<int32_t> indices, offsets;
   // Mean count (2 + 10) / 2 = 6, but head 0 has only 2 tokens.
-  EXPECT_EQ(SelectTokens(scores.data(), 2, n, present.data(), options,
-                         indices, offsets),
+  EXPECT_EQ(SelectTokens(scores.data(), 2, n, present.data(), options, indices,
+                         offsets),
             2);
   EXPECT_THAT(indices, ElementsAre(4, 8, 0, 1));  // Ties: lower positions.
   EXPECT_THAT(offsets, ElementsAre(0, 2, 4));
@@ -820,9 +824,8 @@ TEST(SelectTokens, HugeAlphaSelectsEveryPresentToken) {
   options.alpha = 1e30f;
   options.max_fraction = 1.0f;
   std::vector<int32_t> indices, offsets;
-  EXPECT_EQ(SelectTokens(scores.data(), 3, n, nullptr, options, indices,
-                         offsets),
-            n);
+  EXPECT_EQ(
+      SelectTokens(scores.data(), 3, n, nullptr, options, indices, offsets), n);
   for (int g = 0; g < 3; ++g) {
     std::vector<int32_t> all(n);
     std::iota(all.begin(), all.end(), 0);
@@ -831,12 +834,11 @@ TEST(SelectTokens, HugeAlphaSelectsEveryPresentToken) {
   // With evictions every head keeps its own present tokens.
   std::vector<uint8_t> present(3 * n, 1);
   present[0] = present[n + 5] = present[2 * n + 11] = 0;
-  EXPECT_EQ(SelectTokens(scores.data(), 3, n, present.data(), options,
-                         indices, offsets),
+  EXPECT_EQ(SelectTokens(scores.data(), 3, n, present.data(), options, indices,
+                         offsets),
             n - 1);
   EXPECT_EQ(Slice(indices, 0, 3), (std::vector<int32_t>{1, 2, 3}));
-  EXPECT_EQ(std::count(indices.begin() + n - 1, indices.begin() + 2 * n - 2,
-                       5),
+  EXPECT_EQ(std::count(indices.begin() + n - 1, indices.begin() + 2 * n - 2, 5),
             0);
   EXPECT_EQ(indices.back(), 10);
 }
@@ -849,17 +851,28 @@ TEST(SelectTokens, NanScoresRankBelowEveryNumber) {
   options.max_fraction = 1.0f;
   std::vector<int32_t> indices, offsets;
   // Three numbers are counted; NaN is never within alpha of anything.
-  EXPECT_EQ(SelectTokens(scores.data(), 1, 6, nullptr, options, indices,
-                         offsets),
-            3);
+  EXPECT_EQ(
+      SelectTokens(scores.data(), 1, 6, nullptr, options, indices, offsets), 3);
   EXPECT_THAT(indices, ElementsAre(1, 3, 4));
   // All NaN: every position is still a real, distinct token.
   std::vector<float> all_nan(6, nan);
   options.alpha = 1.0f;
-  const int k = SelectTokens(all_nan.data(), 1, 6, nullptr, options, indices,
-                             offsets);
+  const int k =
+      SelectTokens(all_nan.data(), 1, 6, nullptr, options, indices, offsets);
   ASSERT_EQ(indices.size(), k);
   for (int i = 0; i < k; ++i) EXPECT_EQ(indices[i], i);
+
+  // k larger than a head's numbers: the head takes its numbers, then its
+  // first present NaNs. Head 0 counts 4, head 1 counts 1: k = round(2.5).
+  std::vector<float> two_heads = {1, 2, 3, 4,  //
+                                  nan, 5, nan, nan};
+  std::vector<uint8_t> present = {1, 1, 1, 1,  //
+                                  1, 1, 0, 1};
+  options.alpha = 10.0f;
+  EXPECT_EQ(SelectTokens(two_heads.data(), 2, 4, present.data(), options,
+                         indices, offsets),
+            3);
+  EXPECT_THAT(indices, ElementsAre(1, 2, 3, 0, 1, 3));
 }
 
 TEST(SelectTokens, MatchesNaiveOnRandomInputs) {
@@ -881,8 +894,8 @@ TEST(SelectTokens, MatchesNaiveOnRandomInputs) {
     const bool use_present = trial % 2 == 1;
     std::vector<int32_t> indices, offsets, expected;
     const int k = SelectTokens(scores.data(), n_kv_heads, n_tokens,
-                               use_present ? present.data() : nullptr,
-                               options, indices, offsets);
+                               use_present ? present.data() : nullptr, options,
+                               indices, offsets);
     const int expected_k =
         NaiveSelect(scores, n_kv_heads, n_tokens,
                     use_present ? &present : nullptr, options, expected);
