@@ -74,6 +74,54 @@ absl::StatusOr<void*> MapShared(int fd, size_t offset, size_t bytes,
   return p;
 }
 
+// Connects to the data-plane socket at `path` and reads the server's Hello;
+// returns the socket, and the announced control address in `control`.
+absl::StatusOr<int> OpenDataPlaneSocket(const std::string& path,
+                                        absl::Duration timeout,
+                                        std::string* control) {
+  const int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  if (fd < 0) return shm::ErrnoStatus(absl::StatusCode::kInternal, "socket", errno);
+  auto fail = [fd](absl::Status status) {
+    close(fd);
+    return status;
+  };
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    return fail(shm::ErrnoStatus(
+        absl::StatusCode::kUnavailable,
+        absl::StrCat("no KV memory server's shm data plane at ", path,
+                     ": connect"),
+        errno));
+  }
+  absl::Status status = shm::SetReceiveTimeout(fd, timeout);
+  if (!status.ok()) return fail(status);
+  absl::StatusOr<shm::SocketMessage> hello = shm::ReceiveMessage(fd, nullptr);
+  if (!hello.ok()) return fail(hello.status());
+  if (hello->type == shm::MessageType::kReply) {
+    status = shm::StatusOfReply(*hello);  // refused, e.g. too many clients
+    return fail(status.ok() ? absl::InternalError("shm: empty refusal") : status);
+  }
+  if (hello->type != shm::MessageType::kHello) {
+    return fail(absl::InternalError("shm data plane: the server sent no Hello"));
+  }
+  *control = hello->text;
+  return fd;
+}
+
+// One setup request on `socket` and its reply; rings the doorbell so that a
+// sleeping server thread reads it.
+absl::Status Exchange(int socket, shm::RegionHeader* header,
+                      const shm::SocketMessage& message, int fd) {
+  IG_RETURN_IF_ERROR(shm::SendMessage(socket, message, fd));
+  header->control_seq.fetch_add(1);
+  header->doorbell.fetch_add(1);
+  if (header->server_waiting.load() != 0) shm::FutexWakeAll(&header->doorbell);
+  IG_ASSIGN_OR_RETURN(shm::SocketMessage reply, shm::ReceiveMessage(socket, nullptr));
+  return shm::StatusOfReply(reply);
+}
+
 class ShmKvClient;
 
 class ShmFetchBuffer final : public FetchBuffer {
@@ -122,6 +170,7 @@ class ShmFetchBuffer final : public FetchBuffer {
   // The fetch in flight; touched by Start and then by its Wait.
   bool published_ = false;
   bool abandoned_ = false;  // the server may still write the old pages
+  uint32_t generation_ = 0;  // the connection the fetch was sent on
   absl::Time deadline_;
   int64_t spin_ns_ = 0;
 };
@@ -129,16 +178,19 @@ class ShmFetchBuffer final : public FetchBuffer {
 class ShmKvClient final : public KvClientWrapper {
  public:
   ShmKvClient(std::unique_ptr<KvClient> control, const KvClientOptions& options,
-              int socket, void* region)
+              std::string path, int socket, int region_fd, void* region)
       : KvClientWrapper(std::move(control)),
         options_(options),
+        path_(std::move(path)),
         socket_(socket),
+        region_fd_(region_fd),
         region_(region),
         header_(static_cast<shm::RegionHeader*>(region)),
-        slot_used_(shm::kMaxSlots, false) {}
+        slots_(shm::kMaxSlots) {}
 
   ~ShmKvClient() override {
     close(socket_);  // the server drops the connection and unmaps the slots
+    close(region_fd_);
     munmap(region_, shm::ControlRegionBytes(shm::kMaxSlots));
   }
 
@@ -167,71 +219,92 @@ class ShmKvClient final : public KvClientWrapper {
     }
   }
 
-  // OK while the data plane works; the reason it stopped otherwise.
-  absl::Status Health() const {
-    switch (health_.load(std::memory_order_acquire)) {
-      case kHealthy:
-        return absl::OkStatus();
-      case kServerGone:
-        return absl::UnavailableError(
-            "the KV memory server closed the shm data plane (did it exit?)");
-      default:
-        return absl::UnavailableError(
-            "the shm data plane was abandoned after a fetch timed out while "
-            "the server was gathering; reconnect");
-    }
+  // OK while the data plane works; after the server went away, tries once to
+  // reconnect to a server at the same path (a restarted one), re-sending
+  // every live buffer. Unavailable when that fails or after Abandon.
+  absl::Status EnsureConnected() {
+    if (health_.load(std::memory_order_acquire) == kHealthy) return absl::OkStatus();
+    return Reconnect();
   }
-  // True (and the client unhealthy from now on) if the server is gone.
+  // Counts connections: a fetch sent on an earlier one has failed.
+  uint32_t generation() const {
+    return generation_.load(std::memory_order_acquire);
+  }
+  // True (and the client disconnected from now on) if the server is gone.
   bool ServerGone() {
     if (!shm::PeerClosed(socket_)) return false;
-    int healthy = kHealthy;
-    health_.compare_exchange_strong(healthy, kServerGone);
+    MarkGone();
     return true;
   }
-  void Abandon() {
-    int healthy = kHealthy;
-    health_.compare_exchange_strong(healthy, kAbandoned);
+  absl::Status GoneStatus() const {
+    return absl::UnavailableError(
+        "the KV memory server closed the shm data plane (did it exit?)");
   }
+  void Abandon() { health_.store(kAbandoned, std::memory_order_release); }
 
+  // Records the buffer's memfd (kept to re-send on reconnecting).
+  void SlotMapped(uint32_t slot, int fd, size_t elements) {
+    absl::MutexLock lock(&slots_mu_);
+    slots_[slot].fd = fd;
+    slots_[slot].elements = elements;
+  }
   // Unmaps the slot on the server and frees its index for reuse.
   void ReleaseSlot(uint32_t slot) {
-    if (Health().ok()) {
+    if (health_.load() == kHealthy) {
       shm::SocketMessage unmap;
       unmap.type = shm::MessageType::kUnmapSlot;
       unmap.slot = slot;
       Call(unmap, -1).IgnoreError();
     }
     absl::MutexLock lock(&slots_mu_);
-    slot_used_[slot] = false;
+    if (slots_[slot].fd >= 0) close(slots_[slot].fd);
+    slots_[slot] = Slot();
   }
 
  private:
   enum Health : int { kHealthy = 0, kServerGone = 1, kAbandoned = 2 };
 
-  // One setup request and its reply. A failure to talk (not an error
-  // reply) leaves the reply stream out of step: the client stops.
+  struct Slot {
+    bool used = false;
+    int fd = -1;  // the buffer's memfd, once mapped
+    size_t elements = 0;
+  };
+
+  void MarkGone() {
+    int healthy = kHealthy;
+    health_.compare_exchange_strong(healthy, kServerGone);
+  }
+
+  // One setup request and its reply. The server closing the socket makes
+  // the client reconnect on next use; no reply in time (a hung server) or a
+  // garbled one leaves the reply stream out of step for good.
   absl::Status Call(const shm::SocketMessage& message, int fd)
       ABSL_LOCKS_EXCLUDED(socket_mu_) {
     absl::MutexLock lock(&socket_mu_);
-    absl::Status sent = shm::SendMessage(socket_, message, fd);
-    if (sent.ok()) {
-      header_->control_seq.fetch_add(1);
-      Ring();
-      absl::StatusOr<shm::SocketMessage> reply =
-          shm::ReceiveMessage(socket_, nullptr);
-      if (reply.ok()) return shm::StatusOfReply(*reply);
-      sent = reply.status();
+    IG_RETURN_IF_ERROR(EnsureConnectedLocked());
+    absl::Status status = Exchange(socket_, header_, message, fd);
+    if (absl::IsUnavailable(status)) {
+      MarkGone();
+    } else if (absl::IsDeadlineExceeded(status) ||
+               (absl::IsInvalidArgument(status) &&
+                absl::StrContains(status.message(), "malformed"))) {
+      Abandon();
     }
-    int healthy = kHealthy;
-    health_.compare_exchange_strong(healthy, kServerGone);
-    return sent;
+    return status;
   }
+
+  absl::Status Reconnect() ABSL_LOCKS_EXCLUDED(socket_mu_) {
+    absl::MutexLock lock(&socket_mu_);
+    return EnsureConnectedLocked();
+  }
+
+  absl::Status EnsureConnectedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(socket_mu_);
 
   absl::StatusOr<uint32_t> AllocateSlot() {
     absl::MutexLock lock(&slots_mu_);
-    for (uint32_t i = 0; i < slot_used_.size(); ++i) {
-      if (!slot_used_[i]) {
-        slot_used_[i] = true;
+    for (uint32_t i = 0; i < slots_.size(); ++i) {
+      if (!slots_[i].used) {
+        slots_[i].used = true;
         return i;
       }
     }
@@ -240,16 +313,79 @@ class ShmKvClient final : public KvClientWrapper {
   }
 
   const KvClientOptions options_;
+  const std::string path_;  // the server's data-plane socket
+  // The socket's descriptor number never changes: a reconnect dup2()s the
+  // new connection onto it, so that waiters polling it need no lock.
   const int socket_;
+  const int region_fd_;  // kept to attach again after a reconnect
   void* const region_;
   shm::RegionHeader* const header_;
   std::atomic<int> health_{kHealthy};
+  std::atomic<uint32_t> generation_{0};
 
   absl::Mutex socket_mu_;  // one request/reply on the socket at a time
 
   absl::Mutex slots_mu_;
-  std::vector<bool> slot_used_ ABSL_GUARDED_BY(slots_mu_);
+  std::vector<Slot> slots_ ABSL_GUARDED_BY(slots_mu_);
 };
+
+absl::Status ShmKvClient::EnsureConnectedLocked() {
+  const int health = health_.load(std::memory_order_acquire);
+  if (health == kHealthy) return absl::OkStatus();
+  if (health == kAbandoned) {
+    // The server, alive but hung, may still write into our slots.
+    return absl::UnavailableError(
+        "the shm data plane was abandoned after the server stopped answering "
+        "in time; make a new client");
+  }
+  // kServerGone: the server closed its end, which it does only once its
+  // connection thread has ended (or the process has), so nothing of the old
+  // connection writes into our memory any more.
+  std::string control;
+  absl::StatusOr<int> fresh =
+      OpenDataPlaneSocket(path_, options_.connect_timeout, &control);
+  if (!fresh.ok()) {
+    return absl::UnavailableError(absl::StrCat(
+        GoneStatus().message(), "; reconnecting failed: ", fresh.status().message()));
+  }
+  const int s = *fresh;
+  // Nothing of the old connection is in flight (its waiters fail on the
+  // generation): start the region afresh for the new server.
+  header_->doorbell.store(0);
+  header_->server_waiting.store(0);
+  header_->control_seq.store(0);
+  for (uint32_t i = 0; i < shm::kMaxSlots; ++i) {
+    shm::SlotAt(region_, i)->state.store(shm::kIdle);
+    shm::SlotAt(region_, i)->client_waiting.store(0);
+  }
+  generation_.fetch_add(1, std::memory_order_acq_rel);
+  absl::Status status = shm::SetReceiveTimeout(s, options_.rpc_timeout);
+  shm::SocketMessage attach;
+  attach.type = shm::MessageType::kAttach;
+  attach.max_slots = shm::kMaxSlots;
+  attach.text = options_.auth_token;
+  if (status.ok()) status = Exchange(s, header_, attach, region_fd_);
+  if (status.ok()) {
+    absl::MutexLock lock(&slots_mu_);
+    for (uint32_t i = 0; i < slots_.size() && status.ok(); ++i) {
+      if (slots_[i].fd < 0) continue;
+      shm::SocketMessage map;
+      map.type = shm::MessageType::kMapSlot;
+      map.slot = i;
+      map.elements = slots_[i].elements;
+      status = Exchange(s, header_, map, slots_[i].fd);
+    }
+  }
+  if (!status.ok() || dup2(s, socket_) < 0) {
+    close(s);
+    return absl::UnavailableError(absl::StrCat(
+        GoneStatus().message(), "; reconnecting failed: ",
+        status.ok() ? "dup2" : status.message()));
+  }
+  close(s);
+  health_.store(kHealthy, std::memory_order_release);
+  return absl::OkStatus();
+}
 
 absl::StatusOr<std::unique_ptr<FetchBuffer>> ShmKvClient::NewFetchBuffer(
     size_t elements) {
@@ -261,7 +397,7 @@ absl::StatusOr<std::unique_ptr<FetchBuffer>> ShmKvClient::NewFetchBuffer(
         absl::StrCat("a shm fetch buffer holds at most ", kMaxBufferElements,
                      " values; asked for ", elements));
   }
-  IG_RETURN_IF_ERROR(Health());
+  IG_RETURN_IF_ERROR(EnsureConnected());
   IG_ASSIGN_OR_RETURN(const uint32_t slot, AllocateSlot());
 
   ShmFetchBuffer::Memory m;
@@ -275,7 +411,7 @@ absl::StatusOr<std::unique_ptr<FetchBuffer>> ShmKvClient::NewFetchBuffer(
     if (m.plan != nullptr) munmap(m.plan, m.plan_bytes);
     if (fd >= 0) close(fd);
     absl::MutexLock lock(&slots_mu_);
-    slot_used_[slot] = false;
+    slots_[slot] = Slot();
     return status;
   };
   absl::StatusOr<int> memfd =
@@ -300,8 +436,7 @@ absl::StatusOr<std::unique_ptr<FetchBuffer>> ShmKvClient::NewFetchBuffer(
   map.elements = elements;
   absl::Status mapped = Call(map, fd);
   if (!mapped.ok()) return undo(mapped);
-  close(fd);
-  fd = -1;
+  SlotMapped(slot, fd, elements);
   const bool pinned = shm::CudaHostRegister(m.data, m.data_bytes);
   return std::unique_ptr<FetchBuffer>(
       new ShmFetchBuffer(this, slot, control, m, pinned));
@@ -319,9 +454,9 @@ FetchHandle ShmFetchBuffer::Start(SequenceId seq, int32_t layer,
                                   const FetchPlan& plan, absl::Time deadline) {
   absl::Status begun = BeginFetch();
   if (!begun.ok()) return FetchHandle(std::move(begun));
-  absl::Status health = client_->Health();
-  if (!health.ok()) {
-    CompleteFetch(std::move(health));
+  absl::Status connected = client_->EnsureConnected();
+  if (!connected.ok()) {
+    CompleteFetch(std::move(connected));
     return FetchHandle(this);
   }
   const size_t n = plan.indices.size();
@@ -338,6 +473,7 @@ FetchHandle ShmFetchBuffer::Start(SequenceId seq, int32_t layer,
   control_->sequence = seq;
   control_->n_indices = static_cast<uint32_t>(n);
   control_->n_head_offsets = static_cast<uint32_t>(m);
+  generation_ = client_->generation();
   control_->state.store(shm::kRequested, std::memory_order_release);
   client_->Ring();
   published_ = true;
@@ -356,6 +492,9 @@ absl::Status ShmFetchBuffer::AwaitServer() {
     shm::SpinStep(steps);
   }
   while (state != shm::kDone) {
+    if (client_->generation() != generation_) {
+      return client_->GoneStatus();  // reconnected since: this one is lost
+    }
     const absl::Time now = absl::Now();
     if (now >= deadline_) return GiveUp();
     // Announce the sleep before the last look, so that the server, which
@@ -368,7 +507,7 @@ absl::Status ShmFetchBuffer::AwaitServer() {
     state = control_->state.load(std::memory_order_acquire);
     if (state != shm::kDone && client_->ServerGone()) {
       control_->client_waiting.store(0);
-      return client_->Health();
+      return client_->GoneStatus();
     }
   }
   control_->client_waiting.store(0, std::memory_order_relaxed);
@@ -396,6 +535,10 @@ absl::Status ShmFetchBuffer::GiveUp() {
         "timeout");
   }
   if (expected == shm::kDone) return TakeServerStatus();
+  if (expected != shm::kServing) {
+    return absl::DeadlineExceededError(
+        "a shm fetch did not finish within the fetch timeout");
+  }
   // The server is writing into the slot right now and may go on after we
   // return: swap the buffer's pages for private ones at the same address,
   // so that the caller's memory stays valid and the server's late writes
@@ -427,80 +570,54 @@ absl::StatusOr<std::unique_ptr<KvClient>> ConnectShmKvClient(
         "bad shm address '", address, "' (want shm:unix:PATH): ",
         path.status().message()));
   }
-  const int socket_fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-  if (socket_fd < 0) {
-    return shm::ErrnoStatus(absl::StatusCode::kInternal, "socket", errno);
-  }
+  std::string control_address;
+  IG_ASSIGN_OR_RETURN(
+      const int socket_fd,
+      OpenDataPlaneSocket(*path, options.connect_timeout, &control_address));
   // Owns the socket and the region until the client does.
   struct Pending {
     int socket = -1;
+    int region_fd = -1;
     void* region = nullptr;
     ~Pending() {
       if (region != nullptr) {
         munmap(region, shm::ControlRegionBytes(shm::kMaxSlots));
       }
+      if (region_fd >= 0) close(region_fd);
       if (socket >= 0) close(socket);
     }
   } pending;
   pending.socket = socket_fd;
 
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  std::memcpy(addr.sun_path, path->data(), path->size());
-  if (connect(socket_fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) !=
-      0) {
-    return shm::ErrnoStatus(
-        absl::StatusCode::kUnavailable,
-        absl::StrCat("no KV memory server's shm data plane at ", *path,
-                     ": connect"),
-        errno);
-  }
-  IG_RETURN_IF_ERROR(shm::SetReceiveTimeout(socket_fd, options.connect_timeout));
-  IG_ASSIGN_OR_RETURN(shm::SocketMessage hello,
-                      shm::ReceiveMessage(socket_fd, nullptr));
-  if (hello.type == shm::MessageType::kReply) {
-    IG_RETURN_IF_ERROR(shm::StatusOfReply(hello));  // refused
-  }
-  if (hello.type != shm::MessageType::kHello) {
-    return absl::InternalError("shm data plane: the server sent no Hello");
-  }
-
   const size_t region_bytes = shm::ControlRegionBytes(shm::kMaxSlots);
-  IG_ASSIGN_OR_RETURN(const int region_fd,
+  IG_ASSIGN_OR_RETURN(pending.region_fd,
                       NewSealedMemfd("infinigen-kv-shm-control", region_bytes));
-  absl::StatusOr<void*> region = MapShared(region_fd, 0, region_bytes, true);
-  if (!region.ok()) {
-    close(region_fd);
-    return region.status();
-  }
-  pending.region = *region;
-  auto* header = new (*region) shm::RegionHeader();
+  IG_ASSIGN_OR_RETURN(pending.region,
+                      MapShared(pending.region_fd, 0, region_bytes, true));
+  auto* header = new (pending.region) shm::RegionHeader();
   header->magic = shm::kRegionMagic;
   header->version = shm::kProtocolVersion;
   header->max_slots = shm::kMaxSlots;
 
+  IG_RETURN_IF_ERROR(shm::SetReceiveTimeout(socket_fd, options.rpc_timeout));
   shm::SocketMessage attach;
   attach.type = shm::MessageType::kAttach;
   attach.max_slots = shm::kMaxSlots;
   attach.text = options.auth_token;
-  absl::Status sent = shm::SendMessage(socket_fd, attach, region_fd);
-  close(region_fd);
-  IG_RETURN_IF_ERROR(sent);
-  IG_RETURN_IF_ERROR(shm::SetReceiveTimeout(socket_fd, options.rpc_timeout));
-  IG_ASSIGN_OR_RETURN(shm::SocketMessage reply,
-                      shm::ReceiveMessage(socket_fd, nullptr));
-  IG_RETURN_IF_ERROR(shm::StatusOfReply(reply));
+  IG_RETURN_IF_ERROR(Exchange(socket_fd, header, attach, pending.region_fd));
 
-  if (hello.text.empty() || absl::StartsWith(hello.text, "shm:")) {
+  if (control_address.empty() || absl::StartsWith(control_address, "shm:")) {
     return absl::InternalError(absl::StrCat(
         "shm data plane: the server announced no usable control address ('",
-        hello.text, "')"));
+        control_address, "')"));
   }
   IG_ASSIGN_OR_RETURN(std::unique_ptr<KvClient> control,
-                      connect_control(hello.text, options));
-  auto client = std::make_unique<ShmKvClient>(std::move(control), options,
-                                              socket_fd, *region);
+                      connect_control(control_address, options));
+  auto client = std::make_unique<ShmKvClient>(
+      std::move(control), options, *path, socket_fd, pending.region_fd,
+      pending.region);
   pending.socket = -1;
+  pending.region_fd = -1;
   pending.region = nullptr;
   return client;
 }

@@ -13,10 +13,14 @@
 //
 // Failure: Wait gives up with Unavailable within about 10 ms of the server's
 // death (its socket closes) and with DeadlineExceeded after
-// options.fetch_timeout. A fetch that times out while the server is still
-// gathering leaves the client unusable (every later fetch: Unavailable):
-// its buffer's pages are swapped for private memory so that a late server
-// cannot write into them.
+// options.fetch_timeout. After the server went away, the next call tries to
+// reconnect to a server at the same path (a restarted one) and re-sends the
+// live buffers, so the same client and buffers work again, as the gRPC
+// client does. A fetch that times out while the server is still gathering
+// (a hung server), or a setup call the server does not answer, leaves the
+// client unusable (Unavailable from then on): such a fetch's buffer pages
+// are swapped for private memory so that a late server cannot write into
+// them.
 //
 // Thread-safety: as KvClient.
 #ifndef INFINIGEN_KV_MEMORY_SERVICE_SHM_SHM_CLIENT_H_

@@ -91,14 +91,17 @@ class ShmServer::Connection {
     });
   }
 
-  // Makes Run return soon; the client sees its socket close.
+  // Makes Run return soon. The client sees its socket close only when the
+  // destructor closes it, after the thread has ended: a client may trust a
+  // closed socket to mean that nothing writes into its memory any more.
   void Stop() {
     stop_.store(true);
-    shutdown(socket_, SHUT_RDWR);
     shm::RegionHeader* header = header_.load();
     if (header != nullptr) {
       header->doorbell.fetch_add(1);
       shm::FutexWakeAll(&header->doorbell);
+    } else {
+      shutdown(socket_, SHUT_RD);  // not attached yet: end the Attach wait
     }
   }
 

@@ -67,10 +67,11 @@ class ShmTest : public ::testing::Test {
     StartServer("");
   }
 
-  void StartServer(const std::string& token) {
+  void StartServer(const std::string& token, std::string path = "") {
     server_.reset();
     ShmServerOptions options;
-    options.listen_address = "unix:" + SocketPath("shm_test");
+    options.listen_address =
+        "unix:" + (path.empty() ? SocketPath("shm_test") : path);
     options.control_address = "inproc:";
     options.auth_token = token;
     auto server = ShmServer::Start(store_, options);
@@ -371,6 +372,33 @@ TEST_F(ShmTest, ServerGoneMidStream) {
   EXPECT_LT(failed_at - stopped_at, absl::Seconds(2));
   auto buffer = client->NewFetchBuffer(64);
   EXPECT_CODE(buffer.status(), kUnavailable);
+}
+
+// A server that goes away and comes back at the same path (here with the
+// same store, so the sequence is still there): the client reconnects on its
+// next call, re-sending its buffers, and fetches work again.
+TEST_F(ShmTest, ReconnectsToARestartedServer) {
+  auto client = Connect();
+  ASSERT_NE(client, nullptr);
+  const SequenceGeometry g = MakeGeometry(2, 3, 64, 64);
+  const SequenceId id = OpenFilled(*client, g, 21, 64);
+  auto buffer = client->NewFetchBuffer(2 * 3 * 64 * 64);
+  ASSERT_TRUE(buffer.ok());
+  const OwnedFetchPlan plan = OwnedFetchPlan::PerHead({{0, 63}, {5}, {9, 9, 1}});
+  ASSERT_OK(client->Fetch(id, 1, plan.view(), buffer->get()));
+  const std::string path = server_->client_address().substr(9);  // shm:unix:
+  server_.reset();
+  EXPECT_CODE(client->Fetch(id, 1, plan.view(), buffer->get()), kUnavailable);
+  EXPECT_CODE(client->Fetch(id, 1, plan.view(), buffer->get()), kUnavailable);
+  StartServer("", path);
+  ASSERT_OK(client->Fetch(id, 1, plan.view(), buffer->get()));
+  const std::vector<uint16_t> want = ExpectedRows(21, g, 1, plan.view());
+  EXPECT_EQ(Rows(**buffer, want.size()), want);
+  auto second = client->NewFetchBuffer(2 * 3 * 64);
+  ASSERT_TRUE(second.ok()) << second.status();
+  const OwnedFetchPlan small = OwnedFetchPlan::SameForAllHeads(3, {7});
+  ASSERT_OK(client->Fetch(id, 0, small.view(), second->get()));
+  EXPECT_EQ(Rows(**second, 2 * 3 * 64), ExpectedRows(21, g, 0, small.view()));
 }
 
 // A fake server: handshakes and maps slots like a ShmServer, then either

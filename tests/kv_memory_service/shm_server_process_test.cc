@@ -35,12 +35,13 @@ struct ShmServer {
   std::string shm_address;   // shm:unix:PATH
 };
 
-ShmServer StartServer(std::vector<std::string> extra_flags = {}) {
+ShmServer StartServer(std::vector<std::string> extra_flags = {},
+                      std::string shm_path = "", std::string grpc_path = "") {
   ShmServer s;
-  const std::string shm_path = ServerProcess::SocketPath("shm_e2e");
-  std::vector<std::string> flags = {
-      "--listen=unix:" + ServerProcess::SocketPath("shm_e2e_grpc"),
-      "--shm_listen=unix:" + shm_path};
+  if (shm_path.empty()) shm_path = ServerProcess::SocketPath("shm_e2e");
+  if (grpc_path.empty()) grpc_path = ServerProcess::SocketPath("shm_e2e_grpc");
+  std::vector<std::string> flags = {"--listen=unix:" + grpc_path,
+                                    "--shm_listen=unix:" + shm_path};
   flags.insert(flags.end(), extra_flags.begin(), extra_flags.end());
   auto process = ServerProcess::Start(flags);
   EXPECT_TRUE(process.ok()) << process.status();
@@ -268,6 +269,49 @@ TEST(ShmServerProcessTest, SigkillMidStreamFailsEveryWaitQuickly) {
   EXPECT_TRUE(open.code() == absl::StatusCode::kUnavailable ||
               open.code() == absl::StatusCode::kDeadlineExceeded)
       << open;
+}
+
+// The server is killed and started again at the same addresses: the same
+// client picks it up (gRPC control and shm both reconnect by themselves);
+// the old sequence is gone (NotFound), a new one works, rows bit-exact.
+TEST(ShmServerProcessTest, ClientReconnectsToARestartedServer) {
+  const std::string shm_path = ServerProcess::SocketPath("shm_restart");
+  const std::string grpc_path = ServerProcess::SocketPath("shm_restart_grpc");
+  ShmServer first = StartServer({}, shm_path, grpc_path);
+  ASSERT_NE(first.process, nullptr);
+  auto client = ConnectKvClient(first.shm_address, Options());
+  ASSERT_TRUE(client.ok()) << client.status();
+  const SequenceGeometry g = MakeGeometry(2, 3, 64, 64);
+  auto id = (*client)->Open(g);
+  ASSERT_TRUE(id.ok());
+  testdata::TestBlock b = MakeTestBlock(4, g, 0, 2, 0, 32);
+  ASSERT_TRUE((*client)->Append(*id, b.block).ok());
+  auto buffer = (*client)->NewFetchBuffer(2 * 3 * 64 * 32);
+  ASSERT_TRUE(buffer.ok());
+  const OwnedFetchPlan plan = OwnedFetchPlan::SameForAllHeads(3, {0, 31, 17});
+  ASSERT_TRUE((*client)->Fetch(*id, 1, plan.view(), buffer->get()).ok());
+
+  first.process->Signal(SIGKILL);
+  first.process->WaitExit();
+  EXPECT_EQ((*client)->Fetch(*id, 1, plan.view(), buffer->get()).code(),
+            absl::StatusCode::kUnavailable);
+
+  ShmServer second = StartServer({}, shm_path, grpc_path);
+  ASSERT_NE(second.process, nullptr);
+  EXPECT_EQ((*client)->Fetch(*id, 1, plan.view(), buffer->get()).code(),
+            absl::StatusCode::kNotFound);  // reconnected; a new, empty store
+  absl::StatusOr<SequenceId> reopened;
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    reopened = (*client)->Open(g);
+    if (reopened.ok()) break;
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  ASSERT_TRUE(reopened.ok()) << reopened.status();
+  testdata::TestBlock again = MakeTestBlock(6, g, 0, 2, 0, 32);
+  ASSERT_TRUE((*client)->Append(*reopened, again.block).ok());
+  ASSERT_TRUE((*client)->Fetch(*reopened, 1, plan.view(), buffer->get()).ok());
+  const auto want = ExpectedRows(6, g, 1, plan.view());
+  EXPECT_TRUE(std::equal(want.begin(), want.end(), (*buffer)->data()));
 }
 
 // A stopped (SIGSTOP) server: the fetch ends at the fetch timeout with
