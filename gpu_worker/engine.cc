@@ -259,6 +259,37 @@ void Engine::Embed(const int* tokens, const int* positions, int n) {
   }
 }
 
+void Engine::AttentionNorm(const LayerWeights& w, int n) {
+  const ModelConfig& c = weights_.config;
+  if (c.arch == Architecture::kOpt) {
+    backend_->LayerNorm(x_.data(), n, c.dim, w.attn_norm.data(),
+                        w.attn_norm_bias.data(), c.norm_eps, xb_.data());
+  } else {
+    backend_->RmsNorm(x_.data(), n, c.dim, w.attn_norm.data(), c.norm_eps,
+                      xb_.data());
+  }
+}
+
+void Engine::QueryKeyValue(const LayerWeights& w, int n) {
+  const ModelConfig& c = weights_.config;
+  Backend& b = *backend_;
+  const bool opt = c.arch == Architecture::kOpt;
+  auto bias = [opt](const std::vector<float>& v) {
+    return opt ? v.data() : nullptr;
+  };
+  b.Linear(xb_.data(), n, c.dim, w.wq.data(), bias(w.bq), c.q_dim(), q_.data());
+  b.Linear(xb_.data(), n, c.dim, w.wk.data(), bias(w.bk), c.kv_dim(),
+           k_.data());
+  b.Linear(xb_.data(), n, c.dim, w.wv.data(), bias(w.bv), c.kv_dim(),
+           v_.data());
+  if (!opt) {
+    b.Rope(q_.data(), n, c.n_heads, c.head_dim, positions_.data(),
+           c.rope_theta);
+    b.Rope(k_.data(), n, c.n_kv_heads, c.head_dim, positions_.data(),
+           c.rope_theta);
+  }
+}
+
 void Engine::Mlp(const LayerWeights& w, int n) {
   const ModelConfig& c = weights_.config;
   Backend& b = *backend_;
@@ -332,20 +363,8 @@ absl::Status Engine::ForwardChunk(Slot& s, const int* tokens, int n,
     auto bias = [opt](const std::vector<float>& v) {
       return opt ? v.data() : nullptr;
     };
-    if (opt) {
-      b.LayerNorm(x_.data(), n, dim, w.attn_norm.data(),
-                  w.attn_norm_bias.data(), c.norm_eps, xb_.data());
-    } else {
-      b.RmsNorm(x_.data(), n, dim, w.attn_norm.data(), c.norm_eps,
-                xb_.data());
-    }
-    b.Linear(xb_.data(), n, dim, w.wq.data(), bias(w.bq), qd, q_.data());
-    b.Linear(xb_.data(), n, dim, w.wk.data(), bias(w.bk), kvd, k_.data());
-    b.Linear(xb_.data(), n, dim, w.wv.data(), bias(w.bv), kvd, v_.data());
-    if (!opt) {
-      b.Rope(q_.data(), n, c.n_heads, hd, positions_.data(), c.rope_theta);
-      b.Rope(k_.data(), n, c.n_kv_heads, hd, positions_.data(), c.rope_theta);
-    }
+    AttentionNorm(w, n);
+    QueryKeyValue(w, n);
     if (options_.attention_skew != nullptr) {
       const int group = c.n_heads / c.n_kv_heads;
       auto skew_rows = [&](float* rows, int count, auto head_to_kv) {
@@ -651,12 +670,7 @@ absl::StatusOr<absl::Span<const float>> Engine::DecodeBatch(
     auto bias = [opt](const std::vector<float>& v) {
       return opt ? v.data() : nullptr;
     };
-    if (opt) {
-      b.LayerNorm(x_.data(), n, dim, w.attn_norm.data(),
-                  w.attn_norm_bias.data(), c.norm_eps, xb_.data());
-    } else {
-      b.RmsNorm(x_.data(), n, dim, w.attn_norm.data(), c.norm_eps, xb_.data());
-    }
+    AttentionNorm(w, n);
     // Layer l + 1's fetch leaves before layer l's attention and MLP run.
     if (offloaded && l + 1 < c.n_layers) {
       for (int i = 0; i < n; ++i) {
@@ -666,13 +680,7 @@ absl::StatusOr<absl::Span<const float>> Engine::DecodeBatch(
         IG_RETURN_IF_ERROR(IssueFetch(s, l + 1, s.xb_prev.data()));
       }
     }
-    b.Linear(xb_.data(), n, dim, w.wq.data(), bias(w.bq), qd, q_.data());
-    b.Linear(xb_.data(), n, dim, w.wk.data(), bias(w.bk), kvd, k_.data());
-    b.Linear(xb_.data(), n, dim, w.wv.data(), bias(w.bv), kvd, v_.data());
-    if (!opt) {
-      b.Rope(q_.data(), n, c.n_heads, hd, positions_.data(), c.rope_theta);
-      b.Rope(k_.data(), n, c.n_kv_heads, hd, positions_.data(), c.rope_theta);
-    }
+    QueryKeyValue(w, n);
     for (int i = 0; i < n; ++i) {
       Slot& s = slots_[slot_ids[i]];
       float* kc = KeyCache(s, l);

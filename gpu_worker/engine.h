@@ -164,6 +164,10 @@ class Engine {
                       float* prob_sums);
   void Embed(const int* tokens, const int* positions, int n);
   void Logits(int first, int rows, float* logits);
+  // xb_ = the layer's attention norm of x_; q_, k_, v_ = its projections
+  // of xb_, rotated at positions_ (Llama).
+  void AttentionNorm(const model::LayerWeights& w, int n);
+  void QueryKeyValue(const model::LayerWeights& w, int n);
   void Mlp(const model::LayerWeights& w, int n);
   float* KeyCache(Slot& s, int layer) {
     return s.k_cache.data() + static_cast<size_t>(layer) * layer_cache_size_;
