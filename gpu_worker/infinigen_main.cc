@@ -78,6 +78,9 @@ ABSL_FLAG(double, budget, 0.2,
           "infinigen: cap on tokens fetched per head as a fraction of the "
           "cached tokens; h2o: fraction kept (half heavy hitters, half "
           "recent).");
+ABSL_FLAG(std::string, partial_rank, "q",
+          "infinigen: rank partial columns by the prompt's summed |q| (q, "
+          "the reference) or by |q| times |k| (qk).");
 ABSL_FLAG(std::string, skew, "",
           "infinigen: skew file from 'infinigen skew'; empty: calibrate on "
           "the first tokens of the input.");
@@ -131,6 +134,7 @@ const std::map<std::string, Command>& Commands() {
        {"Writes the prompt and the model's continuation to stdout.",
         {"model", "tokenizer", "prompt", "max_new_tokens", "temperature",
          "top_p", "seed", "max_seq_len", "policy", "alpha", "partial_ratio",
+         "partial_rank",
          "budget", "skew", "kv_service", "kv_capacity", "eviction",
          "calibration_tokens", "threads"}}},
       {"perplexity",
@@ -138,8 +142,8 @@ const std::map<std::string, Command>& Commands() {
         "negative log-likelihood and the perplexity; with --prompt_tokens, "
         "decodes through a KV policy and reports the rows it fetched.",
         {"model", "tokenizer", "text", "ctx", "max_windows", "json",
-         "prompt_tokens", "policy", "alpha", "partial_ratio", "budget",
-         "skew", "kv_service", "kv_capacity", "eviction",
+         "prompt_tokens", "policy", "alpha", "partial_ratio", "partial_rank",
+         "budget", "skew", "kv_service", "kv_capacity", "eviction",
          "calibration_tokens", "threads"}}},
       {"bench-decode",
        {"Fills --ctx tokens of context per sequence (from --text, else "
@@ -148,7 +152,7 @@ const std::map<std::string, Command>& Commands() {
         "per-token latency (p50, p99), tokens/s, KV bytes fetched per token "
         "and the time spent waiting on fetches.",
         {"model", "tokenizer", "text", "ctx", "batch", "decode_tokens",
-         "policy", "alpha", "partial_ratio", "budget", "skew", "kv_service",
+         "policy", "alpha", "partial_ratio", "partial_rank", "budget", "skew", "kv_service",
          "kv_capacity", "eviction", "calibration_tokens", "json",
          "threads"}}},
       {"serve",
@@ -158,6 +162,7 @@ const std::map<std::string, Command>& Commands() {
         "taking requests, lets streams finish for --drain_timeout, exits 0.",
         {"model", "tokenizer", "listen", "max_batch", "max_queue",
          "drain_timeout", "max_seq_len", "policy", "alpha", "partial_ratio",
+         "partial_rank",
          "budget", "skew", "kv_service", "kv_capacity", "eviction",
          "threads"}}},
       {"skew",
@@ -241,6 +246,12 @@ absl::StatusOr<PolicySetup> SetUpPolicy(const model::Weights& weights,
   s.options.policy.partial_ratio =
       static_cast<float>(absl::GetFlag(FLAGS_partial_ratio));
   s.options.policy.budget = static_cast<float>(absl::GetFlag(FLAGS_budget));
+  const std::string rank = absl::GetFlag(FLAGS_partial_rank);
+  if (rank != "q" && rank != "qk") {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--partial_rank must be q or qk, got '%s'", rank));
+  }
+  s.options.policy.rank_columns_by_keys = rank == "qk";
   s.options.kv_capacity = absl::GetFlag(FLAGS_kv_capacity);
   if (s.options.policy.kind == gpu_worker::PolicyKind::kIdeal) return s;
   const model::ModelConfig& c = weights.config;

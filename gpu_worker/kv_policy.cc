@@ -305,6 +305,7 @@ class InfiniGenPolicy final : public KvPolicy {
     q_skewed_.resize(m.q_dim());
     scores_.resize(static_cast<size_t>(m.n_kv_heads) * c.max_seq_len);
     row_.resize(d);
+    k_sums_.resize(d);
   }
 
   void Reset() override {
@@ -332,6 +333,20 @@ class InfiniGenPolicy final : public KvPolicy {
     const model::ModelConfig& m = config();
     const int d = m.head_dim;
     for (int l = 0; l < m.n_layers; ++l) {
+      if (options_.rank_columns_by_keys) {
+        for (int g = 0; g < m.n_kv_heads; ++g) {
+          std::fill(k_sums_.begin(), k_sums_.end(), 0.0f);
+          const float* keys =
+              key_cache(l) + static_cast<size_t>(g) * ctx_.max_seq_len * d;
+          for (int t = 0; t < n_tokens; ++t) {
+            speculator::ApplySkew(keys + static_cast<size_t>(t) * d, 1,
+                                  skew_.at(l, g), d, row_.data());
+            for (int c = 0; c < d; ++c) k_sums_[c] += std::fabs(row_[c]);
+          }
+          float* sums = ColSums(l, g);
+          for (int c = 0; c < d; ++c) sums[c] *= k_sums_[c];
+        }
+      }
       // Each KV head's column sums as one "token" whose heads are the KV
       // heads: SelectPartialColumns then ranks each head's columns alone.
       speculator::SelectPartialColumns(ColSums(l, 0), 1, m.n_kv_heads,
@@ -423,6 +438,7 @@ class InfiniGenPolicy final : public KvPolicy {
   std::vector<float> scores_;            // [kv_head][p]
   std::vector<uint8_t> present_;         // [kv_head][p]
   std::vector<float> row_;               // [d]
+  std::vector<float> k_sums_;            // [d]
 };
 
 }  // namespace

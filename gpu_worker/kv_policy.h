@@ -52,6 +52,10 @@ struct PolicyOptions {
   // infinigen: cap on the tokens fetched per head, as a fraction of the
   // cached tokens. h2o: the kept fraction (half heavy hitters, half recent).
   float budget = 0.2f;
+  // infinigen: how partial columns are ranked over the prompt. false: by
+  // the summed |q A| (the reference); true: by summed |q A| times summed
+  // |k A|, the columns whose products carry the scores (our variant).
+  bool rank_columns_by_keys = false;
   // infinigen: the skew matrices (not owned; must outlive the engine).
   // Required for infinigen.
   const speculator::SkewMatrices* skew = nullptr;

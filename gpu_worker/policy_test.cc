@@ -173,6 +173,23 @@ TEST_F(PolicyTest, InfiniGenFetchesWithinTheCapAndTracksFull) {
   EXPECT_LT(tight.stats.fraction_mean(), inf.stats.fraction_mean());
 }
 
+TEST_F(PolicyTest, ColumnRankingByKeysChangesOnlyWhichColumns) {
+  // With every column kept the ranking cannot matter: identical logits.
+  PolicyOptions q = Policy(PolicyKind::kInfiniGen);
+  q.skew = skew_;
+  q.partial_ratio = 1.0f;
+  PolicyOptions qk = q;
+  qk.rank_columns_by_keys = true;
+  Run by_q = TeacherForced(q, 8);
+  Run by_qk = TeacherForced(qk, 8);
+  ASSERT_EQ(by_q.logits, by_qk.logits);
+  // With a partial set it still fetches within the same cap.
+  qk.partial_ratio = 0.3f;
+  Run partial = TeacherForced(qk, 8);
+  EXPECT_LT(partial.stats.fraction_max, 0.4 + 0.6 * 0.2 + 0.6 / 8 + 1e-9);
+  EXPECT_EQ(partial.nll.size(), by_q.nll.size());
+}
+
 TEST_F(PolicyTest, H2OKeepsItsBudget) {
   PolicyOptions p = Policy(PolicyKind::kH2O);
   p.budget = 0.2f;
