@@ -33,6 +33,27 @@ def run(binary, args):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def plot(rows, model, ctx, out):
+    """OUT.png: perplexity against the fraction of KV rows fetched."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("accuracy.py: no matplotlib; skipped the plot", file=sys.stderr)
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in rows:
+        ax.scatter(100 * r["fetch_fraction_mean"], r["ppl"])
+        ax.annotate(r["name"], (100 * r["fetch_fraction_mean"], r["ppl"]),
+                    fontsize=7)
+    ax.set_xlabel("KV rows fetched per step (%)")
+    ax.set_ylabel("perplexity")
+    ax.set_title(f"{os.path.basename(model)}, ctx {ctx}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out + ".png", dpi=120)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--binary", default="bazel-bin/gpu_worker/infinigen")
@@ -51,7 +72,16 @@ def main():
     ap.add_argument("--pool", action=argparse.BooleanOptionalAction,
                     default=True, help="also run the 80%% pool experiment")
     ap.add_argument("--out", required=True, help="output path without suffix")
+    ap.add_argument("--plot_only", action="store_true",
+                    help="only redraw OUT.png from an earlier OUT.csv")
     a = ap.parse_args()
+    if a.plot_only:
+        with open(a.out + ".csv") as f:
+            rows = [{**r, "ppl": float(r["ppl"]),
+                     "fetch_fraction_mean": float(r["fetch_fraction_mean"])}
+                    for r in csv.DictReader(f)]
+        plot(rows, a.model, a.ctx, a.out)
+        return
 
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     common = [f"--model={a.model}", f"--text={a.text}", f"--ctx={a.ctx}",
@@ -121,22 +151,7 @@ def main():
         w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for r in rows:
-            ax.scatter(100 * r["fetch_fraction_mean"], r["ppl"])
-            ax.annotate(r["name"], (100 * r["fetch_fraction_mean"], r["ppl"]),
-                        fontsize=7)
-        ax.set_xlabel("KV rows fetched per step (%)")
-        ax.set_ylabel("perplexity")
-        ax.set_title(f"{os.path.basename(a.model)}, ctx {a.ctx}", fontsize=9)
-        fig.tight_layout()
-        fig.savefig(a.out + ".png", dpi=120)
-    except ImportError:
-        print("accuracy.py: no matplotlib; skipped the plot", file=sys.stderr)
+    plot(rows, a.model, a.ctx, a.out)
     print(open(a.out + ".md").read())
 
 

@@ -1,15 +1,24 @@
 // Backend: the arithmetic of a transformer layer, on one kind of device.
 //
-// The engine owns every buffer and calls these operations in order; a backend
-// owns no model state. All pointers are to backend-accessible memory (host
-// memory for the CPU backend). Matrices are row-major. Implementations are
-// not required to be thread-safe: one engine drives one backend.
+// The engine owns every buffer and calls these operations in order. Every
+// pointer given to an operation is either memory from AllocateShared (the
+// engine's activations and caches) or lies inside a range registered with
+// RegisterConstant (the model's weights, which a device backend copies to
+// the device once). Operations may run asynchronously: host code reads or
+// writes shared memory only after Synchronize() has returned. Matrices are
+// row-major. Implementations are not required to be thread-safe: one engine
+// drives one backend.
 #ifndef INFINIGEN_GPU_WORKER_BACKEND_H_
 #define INFINIGEN_GPU_WORKER_BACKEND_H_
 
+#include <cstddef>
 #include <memory>
+#include <new>
 #include <string>
+#include <type_traits>
+#include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
 namespace infinigen::gpu_worker {
@@ -38,6 +47,20 @@ class Backend {
   virtual ~Backend() = default;
   virtual std::string name() const = 0;
 
+  // Memory both the backend's operations and host code can use (host code
+  // after Synchronize()). CPU: aligned host memory; CUDA: managed memory.
+  // Returns nullptr when out of memory.
+  virtual void* AllocateShared(size_t bytes);
+  virtual void FreeShared(void* p);
+  // Declares host memory [p, p + count) unchanged for the backend's lifetime
+  // (weights); operations may then be given pointers anywhere inside it.
+  virtual absl::Status RegisterConstant(const float* p, size_t count) {
+    return absl::OkStatus();
+  }
+  // Waits for every operation issued so far; returns the first error any of
+  // them hit (a device backend's errors are sticky).
+  virtual absl::Status Synchronize() { return absl::OkStatus(); }
+
   // y[n, out] = x[n, in] . w[out, in]^T (+ bias[out] if not null).
   virtual void Linear(const float* x, int n, int in, const float* w,
                       const float* bias, int out, float* y) = 0;
@@ -61,9 +84,55 @@ class Backend {
   virtual void Add(float* x, const float* y, long count) = 0;
 };
 
+// std::vector storage from a backend's AllocateShared: the engine's buffers.
+template <typename T>
+class SharedAllocator {
+ public:
+  using value_type = T;
+  // Buffers move and swap with their backend.
+  using propagate_on_container_copy_assignment = std::true_type;
+  using propagate_on_container_move_assignment = std::true_type;
+  using propagate_on_container_swap = std::true_type;
+  // A default-constructed allocator only holds empty vectors.
+  SharedAllocator() : backend_(nullptr) {}
+  explicit SharedAllocator(Backend* backend) : backend_(backend) {}
+  template <typename U>
+  SharedAllocator(const SharedAllocator<U>& o) : backend_(o.backend()) {}
+  T* allocate(size_t n) {
+    if (backend_ == nullptr) throw std::bad_alloc();
+    void* p = backend_->AllocateShared(n * sizeof(T));
+    if (p == nullptr) throw std::bad_alloc();
+    return static_cast<T*>(p);
+  }
+  void deallocate(T* p, size_t) { backend_->FreeShared(p); }
+  Backend* backend() const { return backend_; }
+  template <typename U>
+  bool operator==(const SharedAllocator<U>& o) const {
+    return backend_ == o.backend();
+  }
+  template <typename U>
+  bool operator!=(const SharedAllocator<U>& o) const {
+    return backend_ != o.backend();
+  }
+
+ private:
+  Backend* backend_;
+};
+template <typename T>
+using SharedVector = std::vector<T, SharedAllocator<T>>;
+
 // The CPU backend: OpenBLAS for matrix work, plain loops elsewhere. It is
 // the reference every other backend is compared with.
 std::unique_ptr<Backend> NewCpuBackend();
+
+// The CUDA backend on `device` (cuBLAS and the kernels of gpu_worker/cuda/).
+// Unavailable when the binary was built without CUDA or no device answers,
+// with the reason.
+absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(int device = 0);
+
+// "cpu", "cuda" (an error if it cannot start) or "auto" (CUDA when a device
+// answers, else CPU with one log line saying why).
+absl::StatusOr<std::unique_ptr<Backend>> NewBackend(const std::string& kind);
 
 }  // namespace infinigen::gpu_worker
 

@@ -74,6 +74,7 @@ Engine::Engine(const model::Weights& weights, std::unique_ptr<Backend> backend,
                const EngineOptions& options, int max_seq_len, int max_chunk)
     : weights_(weights),
       backend_(std::move(backend)),
+      host_backend_(NewCpuBackend()),
       options_(options),
       max_seq_len_(max_seq_len),
       max_chunk_(max_chunk),
@@ -83,29 +84,34 @@ absl::Status Engine::Init() {
   const ModelConfig& c = weights_.config;
   layer_cache_size_ = static_cast<size_t>(c.n_kv_heads) * max_seq_len_ *
                       c.head_dim;
+  IG_RETURN_IF_ERROR(RegisterWeights());
+  const SharedAllocator<float> shared(backend_.get());
+  auto make = [&shared](size_t count) {
+    return SharedVector<float>(count, 0.0f, shared);
+  };
   const size_t n = rows_;
-  x_.resize(n * c.dim);
-  xb_.resize(n * c.dim);
-  q_.resize(n * c.q_dim());
-  k_.resize(n * c.kv_dim());
-  v_.resize(n * c.kv_dim());
-  att_.resize(n * c.q_dim());
-  proj_.resize(n * c.dim);
-  h1_.resize(n * c.hidden_dim);
-  h3_.resize(n * c.hidden_dim);
+  x_ = make(n * c.dim);
+  xb_ = make(n * c.dim);
+  q_ = make(n * c.q_dim());
+  k_ = make(n * c.kv_dim());
+  v_ = make(n * c.kv_dim());
+  att_ = make(n * c.q_dim());
+  proj_ = make(n * c.dim);
+  h1_ = make(n * c.hidden_dim);
+  h3_ = make(n * c.hidden_dim);
   skew_row_.resize(c.head_dim);
-  positions_.resize(n);
-  logits_.resize(n * c.vocab_size);
+  positions_ = SharedVector<int>(n, 0, SharedAllocator<int>(backend_.get()));
+  logits_ = make(n * c.vocab_size);
   slots_.resize(options_.batch);
   for (Slot& s : slots_) {
-    s.k_cache.assign(layer_cache_size_ * c.n_layers, 0.0f);
-    s.v_cache.assign(layer_cache_size_ * c.n_layers, 0.0f);
+    s.k_cache = make(layer_cache_size_ * c.n_layers);
+    s.v_cache = make(layer_cache_size_ * c.n_layers);
   }
   if (options_.policy.kind == PolicyKind::kIdeal) return absl::OkStatus();
 
   KvPolicy::Context ctx;
   ctx.weights = &weights_;
-  ctx.backend = backend_.get();
+  ctx.backend = host_backend_.get();
   ctx.max_seq_len = max_seq_len_;
   const size_t rows = static_cast<size_t>(c.n_kv_heads) * max_seq_len_;
   for (Slot& s : slots_) {
@@ -126,18 +132,39 @@ absl::Status Engine::Init() {
                        c.n_kv_heads * row_width_;
   k_stage_.resize(stage);
   v_stage_.resize(stage);
-  kf_.resize((rows + c.n_kv_heads) * c.head_dim);
-  vf_.resize((rows + c.n_kv_heads) * c.head_dim);
+  kf_ = make((rows + c.n_kv_heads) * c.head_dim);
+  vf_ = make((rows + c.n_kv_heads) * c.head_dim);
   fetched_.resize(2 * rows * c.head_dim);
-  probs_.resize(static_cast<size_t>(c.n_heads) * (max_seq_len_ + 1));
+  probs_ = make(static_cast<size_t>(c.n_heads) * (max_seq_len_ + 1));
   if (slots_[0].policy->WantsPrefillProbs()) {
-    prefill_probs_.resize(static_cast<size_t>(c.n_heads) * max_seq_len_);
+    prefill_probs_ = make(static_cast<size_t>(c.n_heads) * max_seq_len_);
   }
   {
     absl::MutexLock lock(&append_mu_);
     append_slots_.reserve(slots_.size());
   }
   appender_ = std::thread([this] { AppenderLoop(); });
+  return absl::OkStatus();
+}
+
+absl::Status Engine::RegisterWeights() {
+  auto reg = [this](const std::vector<float>& v) {
+    return v.empty() ? absl::OkStatus()
+                     : backend_->RegisterConstant(v.data(), v.size());
+  };
+  IG_RETURN_IF_ERROR(reg(weights_.token_embedding));
+  IG_RETURN_IF_ERROR(reg(weights_.position_embedding));
+  IG_RETURN_IF_ERROR(reg(weights_.final_norm));
+  IG_RETURN_IF_ERROR(reg(weights_.final_norm_bias));
+  IG_RETURN_IF_ERROR(reg(weights_.lm_head));
+  for (const LayerWeights& w : weights_.layers) {
+    for (const std::vector<float>* v :
+         {&w.attn_norm, &w.attn_norm_bias, &w.wq, &w.wk, &w.wv, &w.wo, &w.bq,
+          &w.bk, &w.bv, &w.bo, &w.ffn_norm, &w.ffn_norm_bias, &w.w1, &w.w3,
+          &w.w2, &w.b1, &w.b2}) {
+      IG_RETURN_IF_ERROR(reg(*v));
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -355,6 +382,8 @@ absl::Status Engine::ForwardChunk(Slot& s, const int* tokens, int n,
   const bool opt = c.arch == Architecture::kOpt;
   const int dim = c.dim, hd = c.head_dim, qd = c.q_dim(), kvd = c.kv_dim();
   Backend& b = *backend_;
+  // The previous chunk's operations may still read x_ and positions_.
+  IG_RETURN_IF_ERROR(b.Synchronize());
   for (int i = 0; i < n; ++i) positions_[i] = s.position + i;
   Embed(tokens, positions_.data(), n);
 
@@ -365,6 +394,8 @@ absl::Status Engine::ForwardChunk(Slot& s, const int* tokens, int n,
     };
     AttentionNorm(w, n);
     QueryKeyValue(w, n);
+    // The host reads q_, k_ and v_ below (skew, observer, cache, staging).
+    IG_RETURN_IF_ERROR(b.Synchronize());
     if (options_.attention_skew != nullptr) {
       const int group = c.n_heads / c.n_kv_heads;
       auto skew_rows = [&](float* rows, int count, auto head_to_kv) {
@@ -410,6 +441,7 @@ absl::Status Engine::ForwardChunk(Slot& s, const int* tokens, int n,
     LocalAttention(s, l, 0, n, s.position,
                    probs ? prefill_probs_.data() : nullptr);
     if (s.policy != nullptr) {
+      IG_RETURN_IF_ERROR(b.Synchronize());
       s.policy->ObservePrefill(l, q_.data(), n, s.position,
                                probs ? prefill_probs_.data() : nullptr);
     }
@@ -425,11 +457,11 @@ absl::Status Engine::ForwardChunk(Slot& s, const int* tokens, int n,
   }
   s.position += n;
 
-  if (logits == nullptr) return absl::OkStatus();
+  if (logits == nullptr) return b.Synchronize();
   // Final norm and classifier: every row, or just the last one.
   const int first = all_logits ? 0 : n - 1;
   Logits(first, n - first, logits);
-  return absl::OkStatus();
+  return b.Synchronize();
 }
 
 absl::Status Engine::AppendRows(Slot& s, const uint16_t* k, const uint16_t* v,
@@ -561,6 +593,8 @@ absl::Status Engine::FetchedAttention(Slot& s, int layer, int row) {
   IG_RETURN_IF_ERROR(fetched);
   const kv_memory_service::OwnedFetchPlan& plan = s.plans[slot];
   const int total = static_cast<int>(plan.indices.size());
+  // The previous sequence's attention may still read kf_, vf_ and probs_.
+  IG_RETURN_IF_ERROR(backend_->Synchronize());
   const uint16_t* rows = s.buffers[slot]->data();
   s.policy->DecodeRows(rows, total, fetched_.data());
   s.policy->DecodeRows(rows + static_cast<size_t>(total) * row_width_, total,
@@ -608,6 +642,7 @@ absl::Status Engine::FetchedAttention(Slot& s, int layer, int row) {
     }
   }
   if (want_probs) {
+    IG_RETURN_IF_ERROR(backend_->Synchronize());
     s.policy->ObserveAttention(layer, plan.view(), probs_.data(), stride);
   }
   return absl::OkStatus();
@@ -651,6 +686,7 @@ absl::StatusOr<absl::Span<const float>> Engine::DecodeBatch(
   const int dim = c.dim, hd = c.head_dim, qd = c.q_dim(), kvd = c.kv_dim();
   Backend& b = *backend_;
   const bool offloaded = options_.policy.kind != PolicyKind::kIdeal;
+  IG_RETURN_IF_ERROR(b.Synchronize());
   for (int i = 0; i < n; ++i) positions_[i] = slots_[slot_ids[i]].position;
   Embed(tokens.data(), positions_.data(), n);
   if (offloaded) {
@@ -673,6 +709,7 @@ absl::StatusOr<absl::Span<const float>> Engine::DecodeBatch(
     AttentionNorm(w, n);
     // Layer l + 1's fetch leaves before layer l's attention and MLP run.
     if (offloaded && l + 1 < c.n_layers) {
+      IG_RETURN_IF_ERROR(b.Synchronize());
       for (int i = 0; i < n; ++i) {
         Slot& s = slots_[slot_ids[i]];
         std::memcpy(s.xb_prev.data(), &xb_[static_cast<size_t>(i) * dim],
@@ -681,6 +718,7 @@ absl::StatusOr<absl::Span<const float>> Engine::DecodeBatch(
       }
     }
     QueryKeyValue(w, n);
+    IG_RETURN_IF_ERROR(b.Synchronize());
     for (int i = 0; i < n; ++i) {
       Slot& s = slots_[slot_ids[i]];
       float* kc = KeyCache(s, l);
@@ -711,6 +749,7 @@ absl::StatusOr<absl::Span<const float>> Engine::DecodeBatch(
     Mlp(w, n);
   }
   Logits(0, n, logits_.data());
+  IG_RETURN_IF_ERROR(b.Synchronize());
   for (int i = 0; i < n; ++i) {
     Slot& s = slots_[slot_ids[i]];
     if (offloaded) {

@@ -124,8 +124,8 @@ class Engine {
   struct Slot {
     int position = 0;
     bool decoding = false;            // prefill finished
-    std::vector<float> k_cache;       // [layer][kv_head][pos][head_dim]
-    std::vector<float> v_cache;       // same
+    SharedVector<float> k_cache;       // [layer][kv_head][pos][head_dim]
+    SharedVector<float> v_cache;       // same
     std::unique_ptr<KvPolicy> policy;
     kv_memory_service::SequenceId seq = 0;
     std::vector<uint8_t> present;     // [layer][kv_head][pos]
@@ -144,6 +144,8 @@ class Engine {
   Engine(const model::Weights& weights, std::unique_ptr<Backend> backend,
          const EngineOptions& options, int max_seq_len, int max_chunk);
   absl::Status Init();
+  // Declares every weight tensor to the backend as a constant.
+  absl::Status RegisterWeights();
   absl::Status CheckSlot(int slot) const;
   // Dense chunk of at most max_chunk tokens of one slot over its local
   // cache; logits for all or the last.
@@ -183,6 +185,9 @@ class Engine {
 
   const model::Weights& weights_;
   std::unique_ptr<Backend> backend_;
+  // Speculation's small query projection runs on the host, next to the
+  // partial key cache: the policies get this CPU backend.
+  std::unique_ptr<Backend> host_backend_;
   const EngineOptions options_;
   const int max_seq_len_;
   const int max_chunk_;
@@ -192,24 +197,24 @@ class Engine {
   std::vector<Slot> slots_;
 
   // Scratch, [rows_, ...]:
-  std::vector<float> x_;           // residual stream [rows, dim]
-  std::vector<float> xb_;          // normed input [rows, dim]
-  std::vector<float> q_;           // [rows, q_dim]
-  std::vector<float> k_;           // [rows, kv_dim]
-  std::vector<float> v_;           // [rows, kv_dim]
-  std::vector<float> att_;         // [rows, q_dim]
-  std::vector<float> proj_;        // [rows, dim]
-  std::vector<float> h1_;          // [rows, hidden]
-  std::vector<float> h3_;          // [rows, hidden]
+  SharedVector<float> x_;           // residual stream [rows, dim]
+  SharedVector<float> xb_;          // normed input [rows, dim]
+  SharedVector<float> q_;           // [rows, q_dim]
+  SharedVector<float> k_;           // [rows, kv_dim]
+  SharedVector<float> v_;           // [rows, kv_dim]
+  SharedVector<float> att_;         // [rows, q_dim]
+  SharedVector<float> proj_;        // [rows, dim]
+  SharedVector<float> h1_;          // [rows, hidden]
+  SharedVector<float> h3_;          // [rows, hidden]
   std::vector<float> skew_row_;    // [head_dim]
-  std::vector<int> positions_;     // [rows]
-  std::vector<float> logits_;      // [rows, vocab]
+  SharedVector<int> positions_;    // [rows]
+  SharedVector<float> logits_;      // [rows, vocab]
   std::vector<uint16_t> k_stage_;  // prefill rows [layer][chunk][kv][width]
   std::vector<uint16_t> v_stage_;
-  std::vector<float> kf_, vf_;     // [kv_head][max_seq + 1][head_dim]
+  SharedVector<float> kf_, vf_;    // [kv_head][max_seq + 1][head_dim]
   std::vector<float> fetched_;     // [2][rows][head_dim] decoded rows
-  std::vector<float> probs_;       // [n_heads][max_seq + 1]
-  std::vector<float> prefill_probs_;  // [n_heads][max_seq]
+  SharedVector<float> probs_;       // [n_heads][max_seq + 1]
+  SharedVector<float> prefill_probs_;  // [n_heads][max_seq]
 
   std::thread appender_;
   absl::Mutex append_mu_;

@@ -22,6 +22,8 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
@@ -64,6 +66,9 @@ ABSL_FLAG(bool, json, false,
 ABSL_FLAG(int, max_seq_len, 0,
           "Longest sequence the KV cache holds; 0: the model's context "
           "length (or what the command needs).");
+ABSL_FLAG(std::string, backend, "auto",
+          "Where the model runs: cpu, cuda (fails if no CUDA device "
+          "answers) or auto (CUDA when a device answers, else CPU).");
 ABSL_FLAG(int, threads, 0, "CPU threads for the matrix work; 0: all cores.");
 ABSL_FLAG(std::string, policy, "ideal",
           "How K and V reach attention when decoding: ideal (all local), full "
@@ -87,6 +92,9 @@ ABSL_FLAG(std::string, skew, "",
 ABSL_FLAG(std::string, kv_service, "inproc:",
           "The KV memory node for offloaded policies: inproc: (in this "
           "process), tcp://HOST:PORT, unix:PATH.");
+ABSL_FLAG(std::string, kv_auth_token_file, "",
+          "File holding the memory server's auth token (the file its "
+          "--auth_token_file reads); sent with every request.");
 ABSL_FLAG(double, kv_capacity, 1.0,
           "Tokens the memory pool keeps per layer and KV head, as a fraction "
           "of the context; below 1 it evicts by --eviction.");
@@ -135,7 +143,7 @@ const std::map<std::string, Command>& Commands() {
         {"model", "tokenizer", "prompt", "max_new_tokens", "temperature",
          "top_p", "seed", "max_seq_len", "policy", "alpha", "partial_ratio",
          "partial_rank",
-         "budget", "skew", "kv_service", "kv_capacity", "eviction",
+         "budget", "skew", "kv_service", "kv_auth_token_file", "backend", "kv_capacity", "eviction",
          "calibration_tokens", "threads"}}},
       {"perplexity",
        {"Scores a text file in windows of --ctx tokens and reports the mean "
@@ -143,7 +151,7 @@ const std::map<std::string, Command>& Commands() {
         "decodes through a KV policy and reports the rows it fetched.",
         {"model", "tokenizer", "text", "ctx", "max_windows", "json",
          "prompt_tokens", "policy", "alpha", "partial_ratio", "partial_rank",
-         "budget", "skew", "kv_service", "kv_capacity", "eviction",
+         "budget", "skew", "kv_service", "kv_auth_token_file", "backend", "kv_capacity", "eviction",
          "calibration_tokens", "threads"}}},
       {"bench-decode",
        {"Fills --ctx tokens of context per sequence (from --text, else "
@@ -152,7 +160,7 @@ const std::map<std::string, Command>& Commands() {
         "per-token latency (p50, p99), tokens/s, KV bytes fetched per token "
         "and the time spent waiting on fetches.",
         {"model", "tokenizer", "text", "ctx", "batch", "decode_tokens",
-         "policy", "alpha", "partial_ratio", "partial_rank", "budget", "skew", "kv_service",
+         "policy", "alpha", "partial_ratio", "partial_rank", "budget", "skew", "kv_service", "kv_auth_token_file", "backend",
          "kv_capacity", "eviction", "calibration_tokens", "json",
          "threads"}}},
       {"serve",
@@ -163,7 +171,7 @@ const std::map<std::string, Command>& Commands() {
         {"model", "tokenizer", "listen", "max_batch", "max_queue",
          "drain_timeout", "max_seq_len", "policy", "alpha", "partial_ratio",
          "partial_rank",
-         "budget", "skew", "kv_service", "kv_capacity", "eviction",
+         "budget", "skew", "kv_service", "kv_auth_token_file", "backend", "kv_capacity", "eviction",
          "threads"}}},
       {"skew",
        {"Computes InfiniGen's skew matrices from calibration text and writes "
@@ -194,6 +202,15 @@ std::string CommandUsage(const std::string& name, const Command& cmd) {
                          flag->DefaultValue(), flag->Help());
   }
   return s;
+}
+
+int Fail(int code, const absl::Status& status);
+
+// A --backend that cannot start: a usage error for an unknown name, a
+// failure when the device is missing.
+int BackendFailure(const absl::Status& status) {
+  return Fail(absl::IsInvalidArgument(status) ? kExitUsage : kExitFailure,
+              status);
 }
 
 int Fail(int code, const absl::Status& status) {
@@ -274,6 +291,20 @@ absl::StatusOr<PolicySetup> SetUpPolicy(const model::Weights& weights,
     s.options.policy.skew = s.skew.get();
   }
   kv_memory_service::KvClientOptions client_options;
+  if (const std::string token_file = absl::GetFlag(FLAGS_kv_auth_token_file);
+      !token_file.empty()) {
+    auto token = ReadFileToString(token_file);
+    if (!token.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--kv_auth_token_file: ", token.status().message()));
+    }
+    client_options.auth_token =
+        std::string(absl::StripAsciiWhitespace(*token));
+    if (client_options.auth_token.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--kv_auth_token_file: ", token_file, " is empty"));
+    }
+  }
   IG_ASSIGN_OR_RETURN(
       client_options.inproc_store_options.eviction,
       kv_memory_service::ParseEvictionPolicy(absl::GetFlag(FLAGS_eviction)));
@@ -315,8 +346,9 @@ int RunGenerate() {
     options.max_seq_len = std::min<int>(m->weights.config.max_seq_len,
                                         tokens.size() + max_new);
   }
-  auto engine =
-      Engine::Create(m->weights, gpu_worker::NewCpuBackend(), options);
+  auto backend = gpu_worker::NewBackend(absl::GetFlag(FLAGS_backend));
+  if (!backend.ok()) return BackendFailure(backend.status());
+  auto engine = Engine::Create(m->weights, std::move(*backend), options);
   if (!engine.ok()) return Fail(kExitUsage, engine.status());
   if (static_cast<int>(tokens.size()) >= (*engine)->max_seq_len()) {
     return Fail(kExitUsage,
@@ -428,8 +460,9 @@ int RunPerplexity() {
   if (!setup.ok()) return Fail(kExitUsage, setup.status());
   EngineOptions& options = setup->options;
   options.max_seq_len = ctx;
-  auto engine =
-      Engine::Create(run->model.weights, gpu_worker::NewCpuBackend(), options);
+  auto backend = gpu_worker::NewBackend(absl::GetFlag(FLAGS_backend));
+  if (!backend.ok()) return BackendFailure(backend.status());
+  auto engine = Engine::Create(run->model.weights, std::move(*backend), options);
   if (!engine.ok()) return Fail(kExitUsage, engine.status());
   const int chunk = options.max_chunk;
 
@@ -525,6 +558,7 @@ int RunPerplexity() {
 
 struct DecodeBenchResult {
   std::string policy;
+  std::string backend;
   std::vector<double> step_seconds;
   double seconds = 0;
   double prefill_seconds = 0;
@@ -596,11 +630,13 @@ int RunBenchDecode() {
     EngineOptions& options = setup->options;
     options.max_seq_len = ctx + steps;
     options.batch = batch;
-    auto engine =
-        Engine::Create(m->weights, gpu_worker::NewCpuBackend(), options);
+    auto backend = gpu_worker::NewBackend(absl::GetFlag(FLAGS_backend));
+    if (!backend.ok()) return BackendFailure(backend.status());
+    auto engine = Engine::Create(m->weights, std::move(*backend), options);
     if (!engine.ok()) return Fail(kExitUsage, engine.status());
     DecodeBenchResult r;
     r.policy = policy;
+    r.backend = (*engine)->backend().name();
     auto t0 = std::chrono::steady_clock::now();
     std::vector<int> slots(batch), next(batch);
     for (int b = 0; b < batch; ++b) {
@@ -633,9 +669,10 @@ int RunBenchDecode() {
     results.push_back(std::move(r));
   }
   const std::string plane = absl::GetFlag(FLAGS_kv_service);
-  std::printf("bench-decode: %s, ctx %d, batch %d, %d steps, KV node %s\n",
-              absl::GetFlag(FLAGS_model).c_str(), ctx, batch, steps,
-              plane.c_str());
+  std::printf(
+      "bench-decode: %s, ctx %d, batch %d, %d steps, KV node %s, backend %s\n",
+      absl::GetFlag(FLAGS_model).c_str(), ctx, batch, steps, plane.c_str(),
+      results.empty() ? "" : results[0].backend.c_str());
   std::printf("| policy | tokens/s | p50 ms/step | p99 ms/step | KV bytes "
               "fetched/token | rows fetched | fetch wait | prefill s |\n"
               "|---|---|---|---|---|---|---|---|\n");
@@ -653,12 +690,14 @@ int RunBenchDecode() {
     for (const auto& r : results) {
       const long tokens = static_cast<long>(steps) * batch;
       std::printf(
-          "{\"policy\": \"%s\", \"kv_service\": \"%s\", \"ctx\": %d, "
+          "{\"policy\": \"%s\", \"backend\": \"%s\", "
+          "\"kv_service\": \"%s\", \"ctx\": %d, "
           "\"batch\": %d, \"decode_tokens\": %d, \"tokens_per_s\": %.4f, "
           "\"p50_ms\": %.4f, \"p99_ms\": %.4f, \"bytes_fetched_per_token\": "
           "%.1f, \"fetch_fraction_mean\": %.6f, \"fetch_wait_fraction\": "
           "%.6f, \"compute_fraction\": %.6f, \"prefill_seconds\": %.3f}\n",
-          r.policy.c_str(), plane.c_str(), ctx, batch, steps,
+          r.policy.c_str(), r.backend.c_str(), plane.c_str(), ctx, batch,
+          steps,
           tokens / r.seconds, 1e3 * Percentile(r.step_seconds, 50),
           1e3 * Percentile(r.step_seconds, 99),
           static_cast<double>(r.fetch.bytes_fetched) / tokens,
@@ -733,8 +772,9 @@ int RunServe() {
   EngineOptions& options = setup->options;
   options.max_seq_len = absl::GetFlag(FLAGS_max_seq_len);
   options.batch = max_batch;
-  auto engine =
-      Engine::Create(m->weights, gpu_worker::NewCpuBackend(), options);
+  auto backend = gpu_worker::NewBackend(absl::GetFlag(FLAGS_backend));
+  if (!backend.ok()) return BackendFailure(backend.status());
+  auto engine = Engine::Create(m->weights, std::move(*backend), options);
   if (!engine.ok()) return Fail(kExitUsage, engine.status());
   gpu_worker::GenerationSchedulerOptions scheduler_options;
   scheduler_options.max_queue = absl::GetFlag(FLAGS_max_queue);

@@ -19,7 +19,14 @@ PKGS=(
   libibverbs-dev
   nlohmann-json3-dev
   python3
+  python3-yaml
 )
+# //k8s:manifests_test renders the manifests with `kubectl kustomize`. Any
+# kubectl will do; Debian's (1.20) only where there is none, so a newer one
+# already installed is never replaced.
+if ! command -v kubectl >/dev/null 2>&1; then
+  PKGS+=(kubernetes-client)
+fi
 
 missing=()
 for p in "${PKGS[@]}"; do

@@ -1,18 +1,31 @@
 // CUDA kernels of the GPU worker, callable from plain C++.
 //
 // Each launcher takes a parameter struct whose pointers are device memory
-// (shapes in the comments), a caller-owned stream, allocates nothing, and
-// returns the launch's cudaError_t as an int (0 on success), so that this
-// header needs no CUDA headers.
+// (device or managed; shapes in the comments), a caller-owned stream (a
+// cudaStream_t passed as void*; null is the legacy default stream),
+// allocates nothing, and returns the launch's cudaError_t as an int (0 on
+// success), so that this header needs no CUDA headers. Empty or
+// inconsistent shapes and missing pointers are rejected before anything is
+// launched with cudaErrorInvalidValue (1). The arithmetic follows the CPU
+// reference (gpu_worker/cpu/cpu_backend.cc), speculator::SpeculateScores and
+// Int4Policy (gpu_worker/kv_policy.cc) formula for formula; only the order
+// of float additions differs.
+//
+// Sources: layer_kernels.cu (norms, RoPE, pointwise, conversions),
+// attention.cu, speculation.cu.
 #ifndef INFINIGEN_GPU_WORKER_CUDA_KERNELS_H_
 #define INFINIGEN_GPU_WORKER_CUDA_KERNELS_H_
 
+#include <cstdint>
+
 namespace infinigen::gpu_worker::cuda {
+
+// ---------------------------------------------------------------- norms
 
 struct RmsNormParams {
   const float* x;     // [n, dim]
   const float* gain;  // [dim]
-  float* y;           // [n, dim]
+  float* y;           // [n, dim]; may be x
   int n = 0;
   int dim = 0;
   float eps = 1e-5f;
@@ -20,6 +33,172 @@ struct RmsNormParams {
 
 // y = x / sqrt(mean(x^2) + eps) * gain, one block per row.
 int LaunchRmsNorm(const RmsNormParams& p, void* stream);
+
+struct LayerNormParams {
+  const float* x;     // [n, dim]
+  const float* gain;  // [dim]
+  const float* bias;  // [dim]
+  float* y;           // [n, dim]; may be x
+  int n = 0;
+  int dim = 0;
+  float eps = 1e-5f;
+};
+
+// y = (x - mean) / sqrt(var + eps) * gain + bias (biased variance), one
+// block per row, two passes over the row as in the CPU reference.
+int LaunchLayerNorm(const LayerNormParams& p, void* stream);
+
+// ---------------------------------------------------------------- RoPE
+
+struct RopeParams {
+  float* x;              // [n, n_heads, head_dim], rotated in place
+  const int* positions;  // [n]
+  int n = 0;
+  int n_heads = 0;
+  int head_dim = 0;  // even
+  float theta = 10000.0f;
+};
+
+// Half-split rotary embedding: dims j and j + head_dim/2 of each head of
+// row i rotate by positions[i] * theta^(-2j/head_dim). The frequency is
+// computed in double and rounded to float (the CPU's powf may differ from
+// it by an ulp, which at position p moves the angle by about p * 6e-8).
+int LaunchRope(const RopeParams& p, void* stream);
+
+// ------------------------------------------------------------ pointwise
+
+struct SwiGluParams {
+  float* gate;      // [count], becomes silu(gate) * up
+  const float* up;  // [count]
+  long count = 0;
+};
+int LaunchSwiGlu(const SwiGluParams& p, void* stream);
+
+struct ReluParams {
+  float* x;  // [count], becomes max(x, 0)
+  long count = 0;
+};
+int LaunchRelu(const ReluParams& p, void* stream);
+
+struct AddParams {
+  float* x;        // [count], becomes x + y
+  const float* y;  // [count]
+  long count = 0;
+};
+int LaunchAdd(const AddParams& p, void* stream);
+
+struct BiasAddParams {
+  float* y;           // [n, out], row i becomes y[i] + bias
+  const float* bias;  // [out]
+  int n = 0;
+  int out = 0;
+};
+int LaunchBiasAdd(const BiasAddParams& p, void* stream);
+
+struct FloatToHalfParams {
+  const float* x;  // [count]
+  uint16_t* y;     // [count] IEEE binary16, round to nearest even
+  long count = 0;
+};
+// The fp16 inputs of cublasGemmEx (weights once, activations per call).
+// Matches infinigen::FloatToHalf (common/half.h) bit for bit, NaN payloads
+// aside; magnitudes above 65504 become infinities.
+int LaunchFloatToHalf(const FloatToHalfParams& p, void* stream);
+
+// -------------------------------------------------------------- int4 KV
+
+// Int4Policy's stored row (FlexGen's group-wise asymmetric 4-bit format):
+// groups of g = min(64, head_dim) values; the row is head_dim / g pairs of
+// fp16 (scale, min), then head_dim / 2 bytes of nibbles, value 2i in the
+// low nibble of byte i and value 2i + 1 in its high nibble. Value =
+// nibble * scale + min. Returns the row's width in uint16_t.
+inline int Int4RowWidth(int head_dim) {
+  const int group = head_dim < 64 ? head_dim : 64;
+  return 2 * (head_dim / group) + head_dim / 4;
+}
+
+struct Int4DequantParams {
+  const uint16_t* in;  // [n_rows, Int4RowWidth(head_dim)]
+  float* rows;         // [n_rows, head_dim]
+  int n_rows = 0;
+  int head_dim = 0;  // divisible by 4 and by min(64, head_dim)
+};
+int LaunchInt4Dequant(const Int4DequantParams& p, void* stream);
+
+// ------------------------------------------------------------ attention
+
+// Causal attention of n queries over a KV cache: query i of head h sees KV
+// rows [0, kv_len0 + i) of KV head h / (n_heads / n_kv_heads). Each
+// (query, head) is one block of 8 warps; each warp keeps an online softmax
+// (running max, sum and output) over its share of the rows, and the warps
+// merge at the end, so no memory grows with the KV length. For decoding
+// (few queries, long caches) the rows can be split over kv_splits blocks
+// whose partial results a second kernel merges through `workspace`.
+struct AttentionKernelParams {
+  const float* q;  // [n, n_heads, head_dim]
+  const float* k;  // [n_kv_heads, kv_stride, head_dim]
+  const float* v;  // [n_kv_heads, kv_stride, head_dim]
+  float* out;      // [n, n_heads, head_dim]
+  int n = 0;
+  int n_heads = 0;
+  int n_kv_heads = 0;  // divides n_heads
+  int head_dim = 0;    // 1..256
+  int kv_stride = 0;   // >= kv_len0 + n - 1
+  int kv_len0 = 0;     // >= 1
+  float scale = 1.0f;  // applied to q.k before the softmax
+  // Optional [n_heads, kv_len0 + n - 1]: each query's normalised
+  // probabilities are added (atomically) in a second pass over the rows.
+  float* prob_sums = nullptr;
+  // Blocks each (query, head)'s rows are split over; > 1 needs workspace.
+  int kv_splits = 1;
+  float* workspace = nullptr;  // [AttentionWorkspaceFloats(*this)]
+};
+
+// Floats of workspace an attention launch needs (0 for kv_splits <= 1).
+inline long AttentionWorkspaceFloats(const AttentionKernelParams& p) {
+  if (p.kv_splits <= 1) return 0;
+  const long rows = static_cast<long>(p.n) * p.n_heads;
+  // Per (row, split): output and (max, sum); per row: the merged (max, sum).
+  return rows * p.kv_splits * (p.head_dim + 2) + rows * 2;
+}
+
+int LaunchAttention(const AttentionKernelParams& p, void* stream);
+
+// ----------------------------------------------------------- speculation
+
+struct SpeculateScoresParams {
+  const float* q_skewed;   // [n_heads, d]
+  const float* partial_k;  // [n_kv_heads, k_stride, n_cols]
+  const int32_t* cols;     // [n_kv_heads, n_cols]
+  float* scores;           // [n_kv_heads, n_tokens]
+  int n_heads = 0;
+  int n_kv_heads = 0;  // divides n_heads
+  int d = 0;           // head dimension
+  int k_stride = 0;    // >= n_tokens
+  int n_tokens = 0;
+  int n_cols = 0;  // 1..d
+};
+
+// speculator::SpeculateScores on the device:
+//   scores[g][t] = max over query heads h of group g of
+//                  sum_c (q_skewed[h][cols[g][c]] / sqrt(d)) *
+//                  partial_k[g][t][c]
+int LaunchSpeculateScores(const SpeculateScoresParams& p, void* stream);
+
+struct SelectTopKParams {
+  const float* scores;  // [n_kv_heads, n_tokens], no NaN
+  int32_t* indices;     // [n_kv_heads, k]: each head's k chosen positions
+  int n_kv_heads = 0;
+  int n_tokens = 0;
+  int k = 0;  // 1..n_tokens
+};
+
+// Per KV head, the k highest-scoring positions (ties to the lower
+// position; -0 equals +0), written in ascending order: the layout of
+// speculator::SelectTokens' `indices` for a given k. One block per head: a
+// four-pass radix select finds the k-th largest score, then one ordered
+// scan emits the positions.
+int LaunchSelectTopK(const SelectTopKParams& p, void* stream);
 
 }  // namespace infinigen::gpu_worker::cuda
 

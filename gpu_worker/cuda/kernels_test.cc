@@ -1,16 +1,72 @@
-// Parity of the CUDA kernels with the CPU backend, on random shapes. Skips
-// with the reason when no CUDA device answers (CI machines have none).
+// Parity of each CUDA kernel with its CPU reference on random shapes: the
+// CPU backend, speculator::SpeculateScores / SelectTokens, Int4Policy's
+// decode (reached through KvPolicy::Create) and common/half.h. The parity
+// tests skip with the reason when no CUDA device answers (CI machines have
+// none); the argument checks run everywhere, since the launchers reject
+// before touching CUDA.
+#include "gpu_worker/cuda/kernels.h"
+
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numeric>
 #include <random>
 #include <vector>
 
+#include "common/half.h"
 #include "gpu_worker/backend.h"
-#include "gpu_worker/cuda/kernels.h"
+#include "gpu_worker/kv_policy.h"
 #include "gtest/gtest.h"
+#include "model/weights.h"
+#include "speculator/speculator.h"
 
 namespace infinigen::gpu_worker::cuda {
 namespace {
+
+// A device copy of a host vector, copied back by ToHost().
+template <typename T>
+class DeviceArray {
+ public:
+  explicit DeviceArray(const std::vector<T>& host) : size_(host.size()) {
+    EXPECT_EQ(cudaMalloc(&data_, bytes()), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(data_, host.data(), bytes(), cudaMemcpyHostToDevice),
+              cudaSuccess);
+  }
+  explicit DeviceArray(size_t size) : DeviceArray(std::vector<T>(size)) {}
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+  ~DeviceArray() { cudaFree(data_); }
+
+  T* get() const { return data_; }
+  std::vector<T> ToHost() const {
+    std::vector<T> host(size_);
+    EXPECT_EQ(cudaMemcpy(host.data(), data_, bytes(), cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    return host;
+  }
+
+ private:
+  size_t bytes() const { return std::max<size_t>(size_, 1) * sizeof(T); }
+  T* data_ = nullptr;
+  size_t size_;
+};
+
+std::vector<float> Normal(size_t n, std::mt19937& rng, float sd = 1.0f) {
+  std::normal_distribution<float> normal(0.0f, sd);
+  std::vector<float> v(n);
+  for (float& x : v) x = normal(rng);
+  return v;
+}
+
+// The kernel's status, then every launch error and asynchronous fault.
+void ExpectRan(int code) {
+  ASSERT_EQ(code, 0) << cudaGetErrorString(static_cast<cudaError_t>(code));
+  const cudaError_t err = cudaDeviceSynchronize();
+  ASSERT_EQ(err, cudaSuccess) << cudaGetErrorString(err);
+}
 
 class CudaKernels : public ::testing::Test {
  protected:
@@ -21,40 +77,470 @@ class CudaKernels : public ::testing::Test {
       GTEST_SKIP() << "no CUDA device: " << cudaGetErrorString(err);
     }
   }
+  std::unique_ptr<Backend> cpu_ = NewCpuBackend();
+  std::mt19937 rng_{5};
 };
 
+// Tolerance: 1e-4 * (1 + |want|): fp32 sums in another order.
 TEST_F(CudaKernels, RmsNormMatchesCpu) {
-  std::mt19937 rng(5);
-  std::normal_distribution<float> normal;
-  auto cpu = NewCpuBackend();
-  for (auto [n, dim] : {std::pair{1, 64}, {7, 576}, {33, 1000}, {2, 4096}}) {
-    std::vector<float> x(n * dim), gain(dim), want(n * dim), got(n * dim);
-    for (float& v : x) v = normal(rng);
-    for (float& v : gain) v = normal(rng);
-    cpu->RmsNorm(x.data(), n, dim, gain.data(), 1e-5f, want.data());
-    float *dx, *dg, *dy;
-    ASSERT_EQ(cudaMalloc(&dx, x.size() * 4), cudaSuccess);
-    ASSERT_EQ(cudaMalloc(&dg, gain.size() * 4), cudaSuccess);
-    ASSERT_EQ(cudaMalloc(&dy, x.size() * 4), cudaSuccess);
-    cudaMemcpy(dx, x.data(), x.size() * 4, cudaMemcpyHostToDevice);
-    cudaMemcpy(dg, gain.data(), gain.size() * 4, cudaMemcpyHostToDevice);
-    RmsNormParams p{dx, dg, dy, n, dim, 1e-5f};
-    ASSERT_EQ(LaunchRmsNorm(p, nullptr), 0);
-    ASSERT_EQ(cudaMemcpy(got.data(), dy, x.size() * 4, cudaMemcpyDeviceToHost),
-              cudaSuccess);
+  for (auto [n, dim] : {std::pair{1, 64}, {7, 577}, {33, 1000}, {2, 4096}}) {
+    std::vector<float> x = Normal(n * dim, rng_), gain = Normal(dim, rng_);
+    std::vector<float> want(n * dim);
+    cpu_->RmsNorm(x.data(), n, dim, gain.data(), 1e-5f, want.data());
+    DeviceArray<float> dx(x), dg(gain), dy(want.size());
+    ExpectRan(
+        LaunchRmsNorm({dx.get(), dg.get(), dy.get(), n, dim, 1e-5f}, nullptr));
+    const std::vector<float> got = dy.ToHost();
     for (size_t i = 0; i < got.size(); ++i) {
       ASSERT_NEAR(got[i], want[i], 1e-4f * (1 + std::abs(want[i])))
           << "n=" << n << " dim=" << dim << " i=" << i;
     }
-    cudaFree(dx);
-    cudaFree(dg);
-    cudaFree(dy);
   }
 }
 
-TEST_F(CudaKernels, RejectsEmptyShapes) {
-  RmsNormParams p{nullptr, nullptr, nullptr, 0, 64, 1e-5f};
-  EXPECT_NE(LaunchRmsNorm(p, nullptr), 0);
+// Tolerance: 1e-4 * (1 + |want|); the rows have a mean far from 0, so the
+// two-pass variance matters.
+TEST_F(CudaKernels, LayerNormMatchesCpu) {
+  for (auto [n, dim] : {std::pair{1, 64}, {7, 577}, {33, 1000}, {2, 4096}}) {
+    std::vector<float> x = Normal(n * dim, rng_, 3.0f);
+    for (float& v : x) v += 5.0f;
+    std::vector<float> gain = Normal(dim, rng_), bias = Normal(dim, rng_);
+    std::vector<float> want(n * dim);
+    cpu_->LayerNorm(x.data(), n, dim, gain.data(), bias.data(), 1e-5f,
+                    want.data());
+    DeviceArray<float> dx(x), dg(gain), db(bias);
+    // In place, as the engine may call it.
+    ExpectRan(LaunchLayerNorm(
+        {dx.get(), dg.get(), db.get(), dx.get(), n, dim, 1e-5f}, nullptr));
+    const std::vector<float> got = dx.ToHost();
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_NEAR(got[i], want[i], 1e-4f * (1 + std::abs(want[i])))
+          << "n=" << n << " dim=" << dim << " i=" << i;
+    }
+  }
+}
+
+// Tolerance: 1e-5 * (1 + |want|) plus, for the rotation angle, 2.5e-7 *
+// position * (|a| + |b|): the CPU's powf and the kernel's correctly rounded
+// frequency may differ by an ulp (2^-23 relative), which moves the angle
+// at position p by up to p * 1.2e-7 rad.
+TEST_F(CudaKernels, RopeMatchesCpu) {
+  struct Case {
+    int n, n_heads, head_dim;
+    float theta;
+  };
+  for (const Case& c : {Case{1, 9, 64, 10000.0f}, Case{5, 3, 128, 500000.0f},
+                        Case{17, 2, 8, 10000.0f}, Case{40, 9, 128, 10000.0f}}) {
+    const int row = c.n_heads * c.head_dim, half = c.head_dim / 2;
+    std::vector<float> x = Normal(c.n * row, rng_);
+    std::vector<int> positions(c.n);
+    std::uniform_int_distribution<int> pos(0, 4096);
+    for (int& p : positions) p = pos(rng_);
+    positions[0] = 0;
+    std::vector<float> want = x;
+    cpu_->Rope(want.data(), c.n, c.n_heads, c.head_dim, positions.data(),
+               c.theta);
+    DeviceArray<float> dx(x);
+    DeviceArray<int> dp(positions);
+    ExpectRan(LaunchRope(
+        {dx.get(), dp.get(), c.n, c.n_heads, c.head_dim, c.theta}, nullptr));
+    const std::vector<float> got = dx.ToHost();
+    for (int i = 0; i < c.n; ++i) {
+      for (int h = 0; h < c.n_heads; ++h) {
+        for (int d = 0; d < c.head_dim; ++d) {
+          const size_t at = static_cast<size_t>(i) * row + h * c.head_dim + d;
+          const int j = d % half;
+          const float ab =
+              std::abs(x[at - d + j]) + std::abs(x[at - d + j + half]);
+          const float tol =
+              1e-5f * (1 + std::abs(want[at])) + 2.5e-7f * positions[i] * ab;
+          ASSERT_NEAR(got[at], want[at], tol)
+              << "head_dim=" << c.head_dim << " i=" << i << " h=" << h
+              << " d=" << d << " position=" << positions[i];
+        }
+      }
+    }
+  }
+}
+
+// SwiGlu: 1e-5 * (1 + |want|) (expf against the CPU's exp); Relu, Add and
+// the bias add are single IEEE operations: exact.
+TEST_F(CudaKernels, PointwiseMatchCpu) {
+  for (long count : {1L, 1000L, (1L << 20) + 3}) {
+    std::vector<float> gate = Normal(count, rng_, 4.0f),
+                       up = Normal(count, rng_);
+    std::vector<float> want_swiglu = gate, want_relu = gate, want_add = gate;
+    cpu_->SwiGlu(want_swiglu.data(), up.data(), count);
+    cpu_->Relu(want_relu.data(), count);
+    cpu_->Add(want_add.data(), up.data(), count);
+    DeviceArray<float> dswiglu(gate), drelu(gate), dadd(gate), dup(up);
+    ExpectRan(LaunchSwiGlu({dswiglu.get(), dup.get(), count}, nullptr));
+    ExpectRan(LaunchRelu({drelu.get(), count}, nullptr));
+    ExpectRan(LaunchAdd({dadd.get(), dup.get(), count}, nullptr));
+    const std::vector<float> swiglu = dswiglu.ToHost(), relu = drelu.ToHost(),
+                             add = dadd.ToHost();
+    for (long i = 0; i < count; ++i) {
+      ASSERT_NEAR(swiglu[i], want_swiglu[i],
+                  1e-5f * (1 + std::abs(want_swiglu[i])))
+          << "count=" << count << " i=" << i;
+      ASSERT_EQ(relu[i], want_relu[i]) << "count=" << count << " i=" << i;
+      ASSERT_EQ(add[i], want_add[i]) << "count=" << count << " i=" << i;
+    }
+  }
+  for (auto [n, out] : {std::pair{1, 1}, {7, 129}, {300, 4096}}) {
+    std::vector<float> y = Normal(n * out, rng_), bias = Normal(out, rng_);
+    std::vector<float> want = y;
+    for (int i = 0; i < n; ++i) {
+      for (int j = 0; j < out; ++j) want[i * out + j] += bias[j];
+    }
+    DeviceArray<float> dy(y), db(bias);
+    ExpectRan(LaunchBiasAdd({dy.get(), db.get(), n, out}, nullptr));
+    EXPECT_EQ(dy.ToHost(), want) << "n=" << n << " out=" << out;
+  }
+}
+
+// Exact: both round to nearest even (NaN payloads are not compared).
+TEST_F(CudaKernels, FloatToHalfMatchesCommonHalf) {
+  std::vector<float> x = {0.0f,
+                          -0.0f,
+                          1.0f,
+                          1.0f + 0x1p-11f,  // halfway: rounds to even (1)
+                          1.0f + 0x1p-10f + 0x1p-11f,  // halfway: up
+                          65504.0f,
+                          65519.0f,
+                          65520.0f,  // inf
+                          -1e9f,
+                          0x1p-24f,
+                          0x1p-25f,  // ties to 0
+                          0x1.8p-24f,
+                          0x1p-14f,
+                          0x1.ff8p-15f,
+                          std::numeric_limits<float>::infinity(),
+                          -std::numeric_limits<float>::infinity()};
+  std::uniform_real_distribution<float> exponent(-30.0f, 17.0f);
+  std::normal_distribution<float> normal;
+  for (int i = 0; i < 100000; ++i) {
+    x.push_back(normal(rng_) * std::exp2(exponent(rng_)));
+  }
+  std::vector<uint16_t> want(x.size());
+  for (size_t i = 0; i < x.size(); ++i) want[i] = FloatToHalf(x[i]);
+  DeviceArray<float> dx(x);
+  DeviceArray<uint16_t> dy(x.size());
+  ExpectRan(LaunchFloatToHalf({dx.get(), dy.get(), static_cast<long>(x.size())},
+                              nullptr));
+  const std::vector<uint16_t> got = dy.ToHost();
+  for (size_t i = 0; i < x.size(); ++i) {
+    ASSERT_EQ(got[i], want[i]) << "x=" << x[i] << " (index " << i << ")";
+  }
+}
+
+// Exact: nibble * scale is exact in fp32, so the device's fused
+// multiply-add rounds like the CPU's multiply and add.
+TEST_F(CudaKernels, Int4DequantMatchesInt4Policy) {
+  for (int head_dim : {8, 32, 64, 128, 256}) {
+    model::Weights weights;
+    weights.config.head_dim = head_dim;
+    PolicyOptions options;
+    options.kind = PolicyKind::kInt4;
+    auto policy = KvPolicy::Create(options, {&weights, nullptr, 16});
+    ASSERT_TRUE(policy.ok()) << policy.status();
+    const int width = (*policy)->RowWidth();
+    ASSERT_EQ(width, Int4RowWidth(head_dim));
+    const int n_rows = 1031;
+    std::vector<float> rows =
+        Normal(static_cast<size_t>(n_rows) * head_dim, rng_, 2.0f);
+    // A constant group (scale 0) and a group with one outlier.
+    for (int d = 0; d < std::min(64, head_dim); ++d) rows[d] = 0.75f;
+    rows[head_dim + 1] = 300.0f;
+    std::vector<uint16_t> stored(static_cast<size_t>(n_rows) * width);
+    (*policy)->EncodeRows(rows.data(), n_rows, stored.data());
+    std::vector<float> want(rows.size());
+    (*policy)->DecodeRows(stored.data(), n_rows, want.data());
+    DeviceArray<uint16_t> din(stored);
+    DeviceArray<float> dout(rows.size());
+    ExpectRan(
+        LaunchInt4Dequant({din.get(), dout.get(), n_rows, head_dim}, nullptr));
+    EXPECT_EQ(dout.ToHost(), want) << "head_dim=" << head_dim;
+  }
+}
+
+struct AttentionCase {
+  int n, n_heads, n_kv_heads, head_dim, kv_len0;
+  int extra_stride;  // kv_stride - (kv_len0 + n - 1)
+  int kv_splits;
+  bool prob_sums;
+};
+
+// Tolerances: outputs 1e-4 * (1 + |want|); probability sums 1e-4 * |want|
+// + 1e-7 (relative: a score's rounding error moves its exp by that much).
+TEST_F(CudaKernels, AttentionMatchesCpu) {
+  const AttentionCase cases[] = {
+      {1, 9, 3, 64, 1, 0, 1, true},      {1, 9, 3, 128, 37, 5, 1, true},
+      {1, 9, 3, 128, 4096, 3, 1, true},  {1, 9, 3, 128, 4096, 3, 7, true},
+      {1, 9, 3, 64, 33000, 0, 16, true}, {1, 9, 3, 64, 33000, 0, 1, false},
+      {13, 9, 3, 64, 20, 4, 1, true},    {13, 9, 3, 128, 1, 0, 3, true},
+      {64, 8, 8, 80, 100, 0, 1, true},   {3, 4, 1, 8, 5, 2, 1, true},
+      {2, 6, 2, 256, 300, 0, 2, false},  {200, 9, 3, 128, 57, 0, 1, true},
+  };
+  for (const AttentionCase& c : cases) {
+    const int kv_max = c.kv_len0 + c.n - 1;
+    const int kv_stride = kv_max + c.extra_stride;
+    const size_t q_size = static_cast<size_t>(c.n) * c.n_heads * c.head_dim;
+    const size_t kv_size =
+        static_cast<size_t>(c.n_kv_heads) * kv_stride * c.head_dim;
+    // Queries twice the keys' scale: peaked softmaxes test the running max.
+    std::vector<float> q = Normal(q_size, rng_, 2.0f),
+                       k = Normal(kv_size, rng_), v = Normal(kv_size, rng_);
+    std::vector<float> sums_init =
+        Normal(static_cast<size_t>(c.n_heads) * kv_max, rng_);
+    for (float& s : sums_init) s = std::abs(s);
+    AttentionParams a;
+    a.n = c.n;
+    a.n_heads = c.n_heads;
+    a.n_kv_heads = c.n_kv_heads;
+    a.head_dim = c.head_dim;
+    a.kv_stride = kv_stride;
+    a.kv_len0 = c.kv_len0;
+    a.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+    std::vector<float> want(q_size), want_sums = sums_init;
+    a.q = q.data();
+    a.k = k.data();
+    a.v = v.data();
+    a.out = want.data();
+    a.prob_sums = c.prob_sums ? want_sums.data() : nullptr;
+    cpu_->Attention(a);
+
+    DeviceArray<float> dq(q), dk(k), dv(v), dout(q_size), dsums(sums_init);
+    AttentionKernelParams p;
+    p.q = dq.get();
+    p.k = dk.get();
+    p.v = dv.get();
+    p.out = dout.get();
+    p.n = c.n;
+    p.n_heads = c.n_heads;
+    p.n_kv_heads = c.n_kv_heads;
+    p.head_dim = c.head_dim;
+    p.kv_stride = kv_stride;
+    p.kv_len0 = c.kv_len0;
+    p.scale = a.scale;
+    p.prob_sums = c.prob_sums ? dsums.get() : nullptr;
+    p.kv_splits = c.kv_splits;
+    DeviceArray<float> workspace(
+        static_cast<size_t>(AttentionWorkspaceFloats(p)));
+    p.workspace = c.kv_splits > 1 ? workspace.get() : nullptr;
+    ExpectRan(LaunchAttention(p, nullptr));
+    const std::vector<float> got = dout.ToHost();
+    const std::string where = "n=" + std::to_string(c.n) +
+                              " heads=" + std::to_string(c.n_heads) + "/" +
+                              std::to_string(c.n_kv_heads) +
+                              " head_dim=" + std::to_string(c.head_dim) +
+                              " kv_len0=" + std::to_string(c.kv_len0) +
+                              " splits=" + std::to_string(c.kv_splits);
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_NEAR(got[i], want[i], 1e-4f * (1 + std::abs(want[i])))
+          << where << " i=" << i;
+    }
+    if (c.prob_sums) {
+      const std::vector<float> sums = dsums.ToHost();
+      for (size_t i = 0; i < sums.size(); ++i) {
+        ASSERT_NEAR(sums[i], want_sums[i],
+                    1e-4f * std::abs(want_sums[i]) + 1e-7f)
+            << where << " prob_sums[" << i << "]";
+      }
+    }
+  }
+}
+
+// Sorted random partial columns per KV head, as SelectPartialColumns gives.
+std::vector<int32_t> RandomColumns(int n_kv_heads, int d, int n_cols,
+                                   std::mt19937& rng) {
+  std::vector<int32_t> cols;
+  for (int g = 0; g < n_kv_heads; ++g) {
+    std::vector<int32_t> all(d);
+    std::iota(all.begin(), all.end(), 0);
+    std::shuffle(all.begin(), all.end(), rng);
+    all.resize(n_cols);
+    std::sort(all.begin(), all.end());
+    cols.insert(cols.end(), all.begin(), all.end());
+  }
+  return cols;
+}
+
+// Per head: the k best positions by (score descending, position
+// ascending), listed ascending.
+std::vector<int32_t> CpuTopK(const std::vector<float>& scores, int n_kv_heads,
+                             int n_tokens, int k) {
+  std::vector<int32_t> out;
+  for (int g = 0; g < n_kv_heads; ++g) {
+    const float* s = scores.data() + static_cast<size_t>(g) * n_tokens;
+    std::vector<int32_t> order(n_tokens);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(),
+                     [s](int32_t a, int32_t b) { return s[a] > s[b]; });
+    order.resize(k);
+    std::sort(order.begin(), order.end());
+    out.insert(out.end(), order.begin(), order.end());
+  }
+  return out;
+}
+
+struct SpeculationCase {
+  int d, n_tokens;
+};
+
+// Scores: 1e-4 * (1 + |want|) (sums of n_cols products in another order).
+// Top-k: exact, on the device's own scores, against a CPU top-k and against
+// speculator::SelectTokens given the same k (an alpha so large that every
+// token is a candidate makes its k the cap, int(n_tokens * max_fraction)).
+TEST_F(CudaKernels, SpeculationMatchesSpeculator) {
+  const int n_heads = 9, n_kv_heads = 3;
+  for (const SpeculationCase& c : {SpeculationCase{64, 1},
+                                   {128, 37},
+                                   {64, 4096},
+                                   {128, 4096},
+                                   {128, 33000}}) {
+    const int n_cols = speculator::PartialColumnCount(c.d, 0.3);
+    const int k_stride = c.n_tokens + 7;
+    std::vector<float> q = Normal(static_cast<size_t>(n_heads) * c.d, rng_);
+    std::vector<float> partial_k =
+        Normal(static_cast<size_t>(n_kv_heads) * k_stride * n_cols, rng_);
+    std::vector<int32_t> cols = RandomColumns(n_kv_heads, c.d, n_cols, rng_);
+    std::vector<float> want(static_cast<size_t>(n_kv_heads) * c.n_tokens);
+    speculator::SpeculateScores(q.data(), n_heads, n_kv_heads, c.d,
+                                partial_k.data(), k_stride, c.n_tokens,
+                                cols.data(), n_cols, want.data());
+    DeviceArray<float> dq(q), dk(partial_k), dscores(want.size());
+    DeviceArray<int32_t> dcols(cols);
+    ExpectRan(LaunchSpeculateScores(
+        {dq.get(), dk.get(), dcols.get(), dscores.get(), n_heads, n_kv_heads,
+         c.d, k_stride, c.n_tokens, n_cols},
+        nullptr));
+    const std::vector<float> scores = dscores.ToHost();
+    for (size_t i = 0; i < scores.size(); ++i) {
+      ASSERT_NEAR(scores[i], want[i], 1e-4f * (1 + std::abs(want[i])))
+          << "d=" << c.d << " n_tokens=" << c.n_tokens << " i=" << i;
+    }
+
+    for (float fraction : {0.0f, 0.2f, 0.5f, 1.0f}) {
+      const int k = std::max(1, static_cast<int>(c.n_tokens * fraction));
+      DeviceArray<int32_t> dindices(static_cast<size_t>(n_kv_heads) * k);
+      ExpectRan(LaunchSelectTopK(
+          {dscores.get(), dindices.get(), n_kv_heads, c.n_tokens, k}, nullptr));
+      const std::vector<int32_t> got = dindices.ToHost();
+      EXPECT_EQ(got, CpuTopK(scores, n_kv_heads, c.n_tokens, k))
+          << "n_tokens=" << c.n_tokens << " k=" << k;
+      speculator::SelectionOptions options;
+      options.alpha = 1e30f;
+      options.max_fraction = fraction;
+      std::vector<int32_t> indices, offsets;
+      ASSERT_EQ(speculator::SelectTokens(scores.data(), n_kv_heads, c.n_tokens,
+                                         nullptr, options, indices, offsets),
+                k);
+      EXPECT_EQ(got, indices) << "n_tokens=" << c.n_tokens << " k=" << k;
+    }
+  }
+}
+
+// Exact. Scores with many ties (small integers, both zeros, infinities):
+// ties go to the lower position, -0 ties with +0.
+TEST_F(CudaKernels, SelectTopKBreaksTiesByPosition) {
+  const int n_kv_heads = 4;
+  std::uniform_int_distribution<int> value(-3, 3);
+  for (int n_tokens : {1, 5, 513, 4096, 33000}) {
+    std::vector<float> scores(static_cast<size_t>(n_kv_heads) * n_tokens);
+    for (float& s : scores) {
+      const int v = value(rng_);
+      s = v == 0 ? -0.0f : static_cast<float>(v);
+    }
+    for (size_t i = 0; i < scores.size(); i += 7) scores[i] = 0.0f;
+    scores[0] = -std::numeric_limits<float>::infinity();
+    if (scores.size() > 3) scores[3] = std::numeric_limits<float>::infinity();
+    DeviceArray<float> dscores(scores);
+    for (int k : {1, 2, n_tokens / 3 + 1, n_tokens}) {
+      k = std::min(k, n_tokens);
+      DeviceArray<int32_t> dindices(static_cast<size_t>(n_kv_heads) * k);
+      ExpectRan(LaunchSelectTopK(
+          {dscores.get(), dindices.get(), n_kv_heads, n_tokens, k}, nullptr));
+      EXPECT_EQ(dindices.ToHost(), CpuTopK(scores, n_kv_heads, n_tokens, k))
+          << "n_tokens=" << n_tokens << " k=" << k;
+    }
+  }
+}
+
+// No device needed: every launcher rejects bad arguments before any CUDA
+// call, with cudaErrorInvalidValue.
+TEST(CudaKernelArguments, RejectedBeforeLaunch) {
+  const int bad = static_cast<int>(cudaErrorInvalidValue);
+  // Never dereferenced: every call below is rejected first.
+  float* f = reinterpret_cast<float*>(0x1000);
+  int* i = reinterpret_cast<int*>(0x1000);
+  int32_t* i32 = reinterpret_cast<int32_t*>(0x1000);
+  uint16_t* h = reinterpret_cast<uint16_t*>(0x1000);
+
+  EXPECT_EQ(LaunchRmsNorm({f, f, f, 0, 64, 1e-5f}, nullptr), bad);
+  EXPECT_EQ(LaunchRmsNorm({f, nullptr, f, 1, 64, 1e-5f}, nullptr), bad);
+  EXPECT_EQ(LaunchLayerNorm({f, f, f, f, 2, 0, 1e-5f}, nullptr), bad);
+  EXPECT_EQ(LaunchLayerNorm({f, f, nullptr, f, 2, 8, 1e-5f}, nullptr), bad);
+  EXPECT_EQ(LaunchRope({f, i, 1, 2, 7, 10000.0f}, nullptr), bad);  // odd dim
+  EXPECT_EQ(LaunchRope({f, i, 1, 0, 8, 10000.0f}, nullptr), bad);
+  EXPECT_EQ(LaunchRope({f, i, 1, 2, 8, 0.0f}, nullptr), bad);
+  EXPECT_EQ(LaunchSwiGlu({f, f, 0}, nullptr), bad);
+  EXPECT_EQ(LaunchRelu({f, -1}, nullptr), bad);
+  EXPECT_EQ(LaunchAdd({f, nullptr, 4}, nullptr), bad);
+  EXPECT_EQ(LaunchBiasAdd({f, f, 3, 0}, nullptr), bad);
+  EXPECT_EQ(LaunchFloatToHalf({f, h, 0}, nullptr), bad);
+  EXPECT_EQ(LaunchInt4Dequant({h, f, 4, 6}, nullptr), bad);   // 6 % 4
+  EXPECT_EQ(LaunchInt4Dequant({h, f, 4, 96}, nullptr), bad);  // 96 % 64
+  EXPECT_EQ(LaunchInt4Dequant({h, f, 0, 64}, nullptr), bad);
+
+  AttentionKernelParams a;
+  a.q = a.k = a.v = f;
+  a.out = f;
+  a.n = 1;
+  a.n_heads = 9;
+  a.n_kv_heads = 3;
+  a.head_dim = 64;
+  a.kv_stride = 10;
+  a.kv_len0 = 10;
+  AttentionKernelParams b = a;
+  b.n_kv_heads = 2;  // does not divide 9
+  EXPECT_EQ(LaunchAttention(b, nullptr), bad);
+  b = a;
+  b.head_dim = 300;
+  EXPECT_EQ(LaunchAttention(b, nullptr), bad);
+  b = a;
+  b.kv_len0 = 0;
+  EXPECT_EQ(LaunchAttention(b, nullptr), bad);
+  b = a;
+  b.n = 2;  // needs kv_stride >= 11
+  EXPECT_EQ(LaunchAttention(b, nullptr), bad);
+  b = a;
+  b.kv_splits = 2;  // without a workspace
+  EXPECT_EQ(LaunchAttention(b, nullptr), bad);
+  b = a;
+  b.n = 0;
+  EXPECT_EQ(LaunchAttention(b, nullptr), bad);
+  b = a;
+  b.out = nullptr;
+  EXPECT_EQ(LaunchAttention(b, nullptr), bad);
+
+  SpeculateScoresParams s{f, f, i32, f, 9, 3, 64, 100, 100, 19};
+  SpeculateScoresParams t = s;
+  t.n_cols = 65;  // more than d
+  EXPECT_EQ(LaunchSpeculateScores(t, nullptr), bad);
+  t = s;
+  t.k_stride = 99;  // fewer than n_tokens
+  EXPECT_EQ(LaunchSpeculateScores(t, nullptr), bad);
+  t = s;
+  t.n_kv_heads = 2;
+  EXPECT_EQ(LaunchSpeculateScores(t, nullptr), bad);
+  t = s;
+  t.n_tokens = 0;
+  EXPECT_EQ(LaunchSpeculateScores(t, nullptr), bad);
+
+  EXPECT_EQ(LaunchSelectTopK({f, i32, 3, 100, 0}, nullptr), bad);
+  EXPECT_EQ(LaunchSelectTopK({f, i32, 3, 100, 101}, nullptr), bad);
+  EXPECT_EQ(LaunchSelectTopK({f, i32, 0, 100, 5}, nullptr), bad);
 }
 
 }  // namespace

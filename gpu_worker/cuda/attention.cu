@@ -1,0 +1,312 @@
+// Causal attention over a KV cache (kernels.h, AttentionKernelParams).
+//
+// One block of kWarps warps per (query, head, KV split). A warp owns whole
+// KV rows: each lane holds R = ceil(head_dim / 32) dims of the query, of
+// every row it reads and of the running output, so a row's score is one
+// warp reduction and rows are read coalesced. Each warp keeps an online
+// softmax (running max m, sum l, unnormalised output acc) over its rows,
+// kKeysPerStep rows at a time; the warps then merge through shared memory
+// of kWarps * 32 * R floats. Nothing depends on the KV length but the loop
+// count. With kv_splits > 1 the blocks of one (query, head) write their
+// partial (acc, m, l) to the workspace and AttentionMergeKernel combines
+// them. Probabilities for prob_sums need the final max and sum, so they are
+// a second pass that recomputes each score exactly as the first did.
+#include <cuda_runtime.h>
+#include <math_constants.h>
+
+#include "gpu_worker/cuda/kernels.h"
+
+namespace infinigen::gpu_worker::cuda {
+namespace {
+
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+constexpr int kKeysPerStep = 4;  // independent row loads in flight per warp
+constexpr int kProbRowsPerBlock = 512;  // rows per block of the split pass
+constexpr int kMaxHeadDim = 256;
+
+__device__ float WarpSum(float v) {
+  for (int off = 16; off > 0; off >>= 1)
+    v += __shfl_xor_sync(kFullMask, v, off);
+  return v;
+}
+
+// This lane's dims (lane, lane + 32, ...) of a head_dim row; 0 past the end.
+template <int R>
+__device__ void LoadLaneDims(const float* row, int head_dim, float (&out)[R]) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int d = lane + 32 * r;
+    out[r] = d < head_dim ? row[d] : 0.0f;
+  }
+}
+
+// scale * q.k for one KV row, in every lane of the warp. Both passes score
+// rows through this one function, so their scores agree bit for bit.
+template <int R>
+__device__ float Score(const float (&q)[R], const float* k_row, int head_dim,
+                       float scale) {
+  const int lane = threadIdx.x % 32;
+  float s = 0.0f;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int d = lane + 32 * r;
+    if (d < head_dim) s = fmaf(q[r], k_row[d], s);
+  }
+  return WarpSum(s) * scale;
+}
+
+// Where (query i, head h) reads and writes.
+struct QueryHead {
+  int i;
+  int h;
+  int len;         // KV rows it sees: kv_len0 + i
+  long row;        // i * n_heads + h
+  const float* k;  // [kv_stride, head_dim] of its KV head
+  const float* v;  // same
+};
+
+__device__ QueryHead Locate(const AttentionKernelParams& p, long row) {
+  QueryHead r;
+  r.row = row;
+  r.i = static_cast<int>(row / p.n_heads);
+  r.h = static_cast<int>(row % p.n_heads);
+  r.len = p.kv_len0 + r.i;
+  const int g = r.h / (p.n_heads / p.n_kv_heads);
+  const long head_offset = static_cast<long>(g) * p.kv_stride * p.head_dim;
+  r.k = p.k + head_offset;
+  r.v = p.v + head_offset;
+  return r;
+}
+
+// prob_sums[h][t] += exp(score_t - max) * inv_sum for t in [begin, end), one
+// warp per row.
+template <int R>
+__device__ void AddProbabilities(const AttentionKernelParams& p,
+                                 const QueryHead& qh, const float (&q)[R],
+                                 int begin, int end, float max, float inv_sum) {
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int kv_max = p.kv_len0 + p.n - 1;
+  float* acc = p.prob_sums + static_cast<long>(qh.h) * kv_max;
+  for (int t = begin + warp; t < end; t += kWarps) {
+    const float s =
+        Score(q, qh.k + static_cast<long>(t) * p.head_dim, p.head_dim, p.scale);
+    if (lane == 0) atomicAdd(acc + t, expf(s - max) * inv_sum);
+  }
+}
+
+// blockIdx.x = (i * kv_splits + split) * n_heads + h: the query heads of a
+// KV group are neighbours, so their reads of the same rows meet in L2.
+template <int R>
+__global__ void __launch_bounds__(kThreads)
+    AttentionKernel(AttentionKernelParams p) {
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int h = blockIdx.x % p.n_heads;
+  const int split = (blockIdx.x / p.n_heads) % p.kv_splits;
+  const int i = blockIdx.x / p.n_heads / p.kv_splits;
+  const QueryHead qh = Locate(p, static_cast<long>(i) * p.n_heads + h);
+  const int chunk = (qh.len + p.kv_splits - 1) / p.kv_splits;
+  const int begin = min(qh.len, split * chunk);
+  const int end = min(qh.len, begin + chunk);
+
+  float q[R];
+  LoadLaneDims(p.q + qh.row * p.head_dim, p.head_dim, q);
+
+  float m = -CUDART_INF_F;  // max score so far
+  float l = 0.0f;           // sum of exp(score - m)
+  float acc[R];             // sum of exp(score - m) * v, this lane's dims
+#pragma unroll
+  for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+  for (int t0 = begin + warp * kKeysPerStep; t0 < end;
+       t0 += kWarps * kKeysPerStep) {
+    float s[kKeysPerStep];
+    float m_new = m;
+#pragma unroll
+    for (int u = 0; u < kKeysPerStep; ++u) {
+      const int t = min(t0 + u, end - 1);  // past the end: a repeat, unused
+      s[u] = Score(q, qh.k + static_cast<long>(t) * p.head_dim, p.head_dim,
+                   p.scale);
+      if (t0 + u < end) m_new = fmaxf(m_new, s[u]);
+    }
+    // exp(-inf) = 0 on the first step, when l and acc are still 0.
+    const float rescale = expf(m - m_new);
+    l *= rescale;
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] *= rescale;
+#pragma unroll
+    for (int u = 0; u < kKeysPerStep; ++u) {
+      const int t = t0 + u;
+      if (t < end) {
+        const float e = expf(s[u] - m_new);
+        l += e;
+        float v[R];
+        LoadLaneDims(qh.v + static_cast<long>(t) * p.head_dim, p.head_dim, v);
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[r] = fmaf(e, v[r], acc[r]);
+      }
+    }
+    m = m_new;
+  }
+
+  // Merge the warps: warp w's terms are scaled by exp(m_w - max).
+  __shared__ float warp_m[kWarps];
+  __shared__ float warp_l[kWarps];
+  __shared__ float warp_acc[kWarps][32 * R];
+  if (lane == 0) {
+    warp_m[warp] = m;
+    warp_l[warp] = l;
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) warp_acc[warp][lane + 32 * r] = acc[r];
+  __syncthreads();
+  float max = -CUDART_INF_F;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) max = fmaxf(max, warp_m[w]);
+  float weight[kWarps];
+  float sum = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    // A warp (or a whole split) that saw no row has m = -inf.
+    weight[w] = warp_m[w] == -CUDART_INF_F ? 0.0f : expf(warp_m[w] - max);
+    sum += weight[w] * warp_l[w];
+  }
+
+  if (p.kv_splits == 1) {
+    const float inv_sum = 1.0f / sum;
+    for (int d = threadIdx.x; d < p.head_dim; d += kThreads) {
+      float o = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) o = fmaf(weight[w], warp_acc[w][d], o);
+      p.out[qh.row * p.head_dim + d] = o * inv_sum;
+    }
+    if (p.prob_sums != nullptr) {
+      AddProbabilities(p, qh, q, 0, qh.len, max, inv_sum);
+    }
+    return;
+  }
+  const long rows = static_cast<long>(p.n) * p.n_heads;
+  const long part = qh.row * p.kv_splits + split;
+  float* part_acc = p.workspace;  // [rows, splits, dim]
+  float* part_ml = part_acc + rows * p.kv_splits * p.head_dim;  // [.., 2]
+  for (int d = threadIdx.x; d < p.head_dim; d += kThreads) {
+    float o = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) o = fmaf(weight[w], warp_acc[w][d], o);
+    part_acc[part * p.head_dim + d] = o;
+  }
+  if (threadIdx.x == 0) {
+    part_ml[2 * part] = max;
+    part_ml[2 * part + 1] = sum;
+  }
+}
+
+// One block per (query, head): merges its kv_splits partial results and
+// keeps the final (max, 1 / sum) for the probability pass.
+__global__ void __launch_bounds__(kThreads)
+    AttentionMergeKernel(AttentionKernelParams p) {
+  const long row = blockIdx.x;
+  const int splits = p.kv_splits;
+  const long rows = static_cast<long>(p.n) * p.n_heads;
+  const float* part_acc = p.workspace + row * splits * p.head_dim;
+  const float* part_ml =
+      p.workspace + rows * splits * p.head_dim + row * splits * 2;
+  float* stats = p.workspace + rows * splits * (p.head_dim + 2);  // [rows, 2]
+  float max = -CUDART_INF_F;
+  for (int s = 0; s < splits; ++s) max = fmaxf(max, part_ml[2 * s]);
+  float sum = 0.0f;
+  for (int s = 0; s < splits; ++s) {
+    const float m = part_ml[2 * s];
+    if (m != -CUDART_INF_F) sum += expf(m - max) * part_ml[2 * s + 1];
+  }
+  const float inv_sum = 1.0f / sum;
+  for (int d = threadIdx.x; d < p.head_dim; d += blockDim.x) {
+    float o = 0.0f;
+    for (int s = 0; s < splits; ++s) {
+      const float m = part_ml[2 * s];
+      if (m != -CUDART_INF_F) {
+        o = fmaf(expf(m - max), part_acc[static_cast<long>(s) * p.head_dim + d],
+                 o);
+      }
+    }
+    p.out[row * p.head_dim + d] = o * inv_sum;
+  }
+  if (threadIdx.x == 0) {
+    stats[2 * row] = max;
+    stats[2 * row + 1] = inv_sum;
+  }
+}
+
+// After the merge: blockIdx.x = row * chunks + chunk, kProbRowsPerBlock KV
+// rows per block.
+template <int R>
+__global__ void __launch_bounds__(kThreads)
+    AttentionProbsKernel(AttentionKernelParams p, int chunks) {
+  const QueryHead qh = Locate(p, blockIdx.x / chunks);
+  const int begin = (blockIdx.x % chunks) * kProbRowsPerBlock;
+  if (begin >= qh.len) return;
+  const int end = min(qh.len, begin + kProbRowsPerBlock);
+  const long rows = static_cast<long>(p.n) * p.n_heads;
+  const float* stats =
+      p.workspace + rows * p.kv_splits * (p.head_dim + 2) + 2 * qh.row;
+  float q[R];
+  LoadLaneDims(p.q + qh.row * p.head_dim, p.head_dim, q);
+  AddProbabilities(p, qh, q, begin, end, stats[0], stats[1]);
+}
+
+int ProbChunks(const AttentionKernelParams& p) {
+  const int kv_max = p.kv_len0 + p.n - 1;
+  return (kv_max + kProbRowsPerBlock - 1) / kProbRowsPerBlock;
+}
+
+template <int R>
+int LaunchWithLaneDims(const AttentionKernelParams& p, cudaStream_t stream) {
+  const long rows = static_cast<long>(p.n) * p.n_heads;
+  AttentionKernel<R>
+      <<<static_cast<unsigned>(rows * p.kv_splits), kThreads, 0, stream>>>(p);
+  if (p.kv_splits > 1) {
+    AttentionMergeKernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
+        p);
+    if (p.prob_sums != nullptr) {
+      const int chunks = ProbChunks(p);
+      AttentionProbsKernel<R>
+          <<<static_cast<unsigned>(rows * chunks), kThreads, 0, stream>>>(
+              p, chunks);
+    }
+  }
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace
+
+int LaunchAttention(const AttentionKernelParams& p, void* stream) {
+  const int invalid = static_cast<int>(cudaErrorInvalidValue);
+  if (!p.q || !p.k || !p.v || !p.out) return invalid;
+  if (p.n <= 0 || p.n_heads <= 0 || p.n_kv_heads <= 0 ||
+      p.n_heads % p.n_kv_heads != 0 || p.head_dim <= 0 ||
+      p.head_dim > kMaxHeadDim || p.kv_len0 <= 0 || p.kv_splits <= 0) {
+    return invalid;
+  }
+  if (static_cast<long>(p.kv_stride) < static_cast<long>(p.kv_len0) + p.n - 1) {
+    return invalid;
+  }
+  if (p.kv_splits > 1 && p.workspace == nullptr) return invalid;
+  const long blocks = static_cast<long>(p.n) * p.n_heads * p.kv_splits;
+  const long kv_max = static_cast<long>(p.kv_len0) + p.n - 1;
+  if (blocks > 0x7fffffffL || kv_max > 0x7fffffffL) return invalid;
+  if (p.kv_splits > 1 && p.prob_sums != nullptr &&
+      static_cast<long>(p.n) * p.n_heads * ProbChunks(p) > 0x7fffffffL) {
+    return invalid;
+  }
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const int lane_dims = (p.head_dim + 31) / 32;
+  if (lane_dims <= 1) return LaunchWithLaneDims<1>(p, s);
+  if (lane_dims <= 2) return LaunchWithLaneDims<2>(p, s);
+  if (lane_dims <= 4) return LaunchWithLaneDims<4>(p, s);
+  return LaunchWithLaneDims<8>(p, s);
+}
+
+}  // namespace infinigen::gpu_worker::cuda

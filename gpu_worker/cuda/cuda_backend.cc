@@ -1,0 +1,589 @@
+#include "gpu_worker/cuda/cuda_backend.h"
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_format.h"
+#include "common/log.h"
+#include "gpu_worker/cuda/kernels.h"
+
+namespace infinigen::gpu_worker::cuda {
+namespace {
+
+// Decode attention splits a (query, head)'s rows over more blocks while
+// there are fewer than kBlocksPerSm blocks per SM, in chunks of at least
+// kMinRowsPerSplit rows.
+constexpr long kBlocksPerSm = 4;
+constexpr long kMinRowsPerSplit = 256;
+constexpr int kMaxHeadDim = 256;  // the attention kernel's limit
+// Offset of the weight's fp16 copy in the Linear scratch, when it has one.
+constexpr size_t kScratchAlign = 256;
+
+std::string CudaError(cudaError_t err) {
+  return absl::StrFormat("%s (%s)", cudaGetErrorName(err),
+                         cudaGetErrorString(err));
+}
+
+// A registered weight range's device copy.
+struct ConstantRange {
+  size_t bytes;
+  char* device;  // the copy of the host range
+};
+
+size_t RangeBytes(size_t bytes) { return bytes; }
+size_t RangeBytes(const ConstantRange& range) { return range.bytes; }
+
+// The entry of `ranges` (keyed by first address) that contains address a,
+// or ranges.end().
+template <typename Map>
+typename Map::const_iterator FindRange(const Map& ranges, uintptr_t a) {
+  auto it = ranges.upper_bound(a);
+  if (it == ranges.begin()) return ranges.end();
+  --it;
+  return a < it->first + RangeBytes(it->second) ? it : ranges.end();
+}
+
+// Device memory that only grows: reused by every call once large enough.
+// Growing waits for the stream, as queued kernels may still read the old
+// buffer; contents do not survive growth.
+class DeviceScratch {
+ public:
+  DeviceScratch() = default;
+  DeviceScratch(const DeviceScratch&) = delete;
+  DeviceScratch& operator=(const DeviceScratch&) = delete;
+  ~DeviceScratch() { cudaFree(data_); }
+
+  cudaError_t Reserve(size_t bytes, cudaStream_t stream) {
+    if (bytes <= capacity_) return cudaSuccess;
+    const size_t grown = std::max(bytes, capacity_ + capacity_ / 2);
+    cudaError_t err = cudaStreamSynchronize(stream);
+    if (err != cudaSuccess) return err;
+    cudaFree(data_);
+    data_ = nullptr;
+    capacity_ = 0;
+    err = cudaMalloc(&data_, grown);
+    if (err != cudaSuccess) {
+      data_ = nullptr;
+      return err;
+    }
+    capacity_ = grown;
+    return cudaSuccess;
+  }
+  char* data() const { return static_cast<char*>(data_); }
+
+ private:
+  void* data_ = nullptr;
+  size_t capacity_ = 0;
+};
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend(int device, const cudaDeviceProp& prop,
+              const CudaBackendOptions& options, cudaStream_t stream,
+              cublasHandle_t cublas)
+      : device_(device),
+        name_(std::string("cuda:") + prop.name),
+        sm_count_(prop.multiProcessorCount),
+        options_(options),
+        stream_(stream),
+        cublas_(cublas) {}
+
+  ~CudaBackend() override {
+    cudaSetDevice(device_);
+    cudaStreamSynchronize(stream_);
+    for (auto& [begin, range] : constants_) cudaFree(range.device);
+    for (auto& [key, half] : half_weights_) cudaFree(half);
+    cublasDestroy(cublas_);
+    cudaStreamDestroy(stream_);
+  }
+
+  std::string name() const override { return name_; }
+
+  void* AllocateShared(size_t bytes) override {
+    cudaSetDevice(device_);
+    const size_t size = std::max<size_t>(bytes, 1);
+    void* p = nullptr;
+    if (cudaMallocManaged(&p, size) != cudaSuccess) {
+      cudaGetLastError();  // not sticky: later launches must not see it
+      return nullptr;
+    }
+    shared_[reinterpret_cast<uintptr_t>(p)] = size;
+    return p;
+  }
+
+  void FreeShared(void* p) override {
+    if (p == nullptr) return;
+    cudaSetDevice(device_);
+    // Operations still queued may use the buffer.
+    const cudaError_t err = cudaStreamSynchronize(stream_);
+    if (err != cudaSuccess) {
+      Fail(absl::InternalError("CUDA: " + CudaError(err)));
+    }
+    shared_.erase(reinterpret_cast<uintptr_t>(p));
+    cudaFree(p);
+  }
+
+  absl::Status RegisterConstant(const float* p, size_t count) override {
+    if (count == 0) return absl::OkStatus();
+    if (p == nullptr) {
+      return absl::InvalidArgumentError("RegisterConstant: null pointer");
+    }
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(p);
+    const size_t bytes = count * sizeof(float);
+    // Managed memory is already visible to the device: nothing to copy.
+    if (FindRange(shared_, begin) != shared_.end()) {
+      return absl::OkStatus();
+    }
+    // The last range starting before our end must end before our start.
+    auto it = constants_.lower_bound(begin + bytes);
+    if (it != constants_.begin()) {
+      --it;
+      if (it->first == begin && it->second.bytes == bytes) {
+        return absl::OkStatus();  // registered before
+      }
+      if (it->first + it->second.bytes > begin) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "RegisterConstant: [%p, +%zu bytes) overlaps the registered range "
+            "[%#x, +%zu bytes)",
+            p, bytes, it->first, it->second.bytes));
+      }
+    }
+    cudaSetDevice(device_);
+    void* device = nullptr;
+    cudaError_t err = cudaMalloc(&device, bytes);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      return absl::ResourceExhaustedError(
+          absl::StrFormat("RegisterConstant: cudaMalloc of %zu bytes: %s",
+                          bytes, CudaError(err)));
+    }
+    // From pageable memory this returns once the source has been read.
+    err = cudaMemcpyAsync(device, p, bytes, cudaMemcpyHostToDevice, stream_);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      cudaFree(device);
+      return absl::InternalError(absl::StrFormat(
+          "RegisterConstant: copy of %zu bytes: %s", bytes, CudaError(err)));
+    }
+    constants_[begin] = ConstantRange{bytes, static_cast<char*>(device)};
+    return absl::OkStatus();
+  }
+
+  absl::Status Synchronize() override {
+    cudaSetDevice(device_);
+    const cudaError_t err = cudaStreamSynchronize(stream_);
+    if (err != cudaSuccess) {
+      Fail(absl::InternalError("CUDA: " + CudaError(err)));
+    }
+    return error_;
+  }
+
+  void Linear(const float* x, int n, int in, const float* w, const float* bias,
+              int out, float* y) override {
+    constexpr const char* kOp = "Linear";
+    if (!Begin() || n == 0 || out == 0) return;
+    if (n < 0 || in <= 0 || out < 0) {
+      return FailShape(kOp, absl::StrFormat("n=%d in=%d out=%d", n, in, out));
+    }
+    const long x_count = static_cast<long>(n) * in;
+    const long w_count = static_cast<long>(out) * in;
+    bool w_constant = false;
+    const float* xd = In(x, x_count, kOp, "x");
+    const float* wd = In(w, w_count, kOp, "w", &w_constant);
+    const float* bd = bias == nullptr ? nullptr : In(bias, out, kOp, "bias");
+    float* yd = Out(y, static_cast<long>(n) * out, kOp, "y");
+    if (!ok()) return;
+    const float one = 1.0f, zero = 0.0f;
+    // Row-major y[n, out] = x[n, in] . w[out, in]^T is, column-major,
+    // y^T[out, n] = w^T . x^T with w read as a column-major [in, out].
+    cublasStatus_t status;
+    if (options_.half_weights) {
+      const size_t w_offset = (x_count * sizeof(uint16_t) + kScratchAlign - 1) /
+                              kScratchAlign * kScratchAlign;
+      const size_t need =
+          w_offset + (w_constant ? 0 : w_count * sizeof(uint16_t));
+      if (!CheckCuda(linear_scratch_.Reserve(need, stream_), kOp)) return;
+      auto* x16 = reinterpret_cast<uint16_t*>(linear_scratch_.data());
+      if (!Launched(LaunchFloatToHalf({xd, x16, x_count}, stream_), kOp))
+        return;
+      const uint16_t* w16 = nullptr;
+      if (w_constant) {
+        w16 = HalfWeights(wd, w_count);
+        if (w16 == nullptr) return;
+      } else {
+        // Not a registered constant: it may change, so convert each call.
+        auto* w16_scratch =
+            reinterpret_cast<uint16_t*>(linear_scratch_.data() + w_offset);
+        if (!Launched(LaunchFloatToHalf({wd, w16_scratch, w_count}, stream_),
+                      kOp)) {
+          return;
+        }
+        w16 = w16_scratch;
+      }
+      status = cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, out, n, in, &one,
+                            w16, CUDA_R_16F, in, x16, CUDA_R_16F, in, &zero, yd,
+                            CUDA_R_32F, out, CUBLAS_COMPUTE_32F,
+                            CUBLAS_GEMM_DEFAULT);
+    } else {
+      status = cublasSgemm(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, out, n, in, &one,
+                           wd, in, xd, in, &zero, yd, out);
+    }
+    if (status != CUBLAS_STATUS_SUCCESS) {
+      return Fail(absl::InternalError(
+          absl::StrFormat("Linear: cuBLAS: %s (n=%d in=%d out=%d)",
+                          cublasGetStatusString(status), n, in, out)));
+    }
+    if (bd != nullptr) {
+      Launched(LaunchBiasAdd({yd, bd, n, out}, stream_), kOp);
+    }
+  }
+
+  void RmsNorm(const float* x, int n, int dim, const float* gain, float eps,
+               float* y) override {
+    constexpr const char* kOp = "RmsNorm";
+    if (!Begin() || n == 0) return;
+    if (n < 0 || dim <= 0) {
+      return FailShape(kOp, absl::StrFormat("n=%d dim=%d", n, dim));
+    }
+    const long count = static_cast<long>(n) * dim;
+    RmsNormParams p;
+    p.x = In(x, count, kOp, "x");
+    p.gain = In(gain, dim, kOp, "gain");
+    p.y = Out(y, count, kOp, "y");
+    p.n = n;
+    p.dim = dim;
+    p.eps = eps;
+    if (ok()) Launched(LaunchRmsNorm(p, stream_), kOp);
+  }
+
+  void LayerNorm(const float* x, int n, int dim, const float* gain,
+                 const float* bias, float eps, float* y) override {
+    constexpr const char* kOp = "LayerNorm";
+    if (!Begin() || n == 0) return;
+    if (n < 0 || dim <= 0) {
+      return FailShape(kOp, absl::StrFormat("n=%d dim=%d", n, dim));
+    }
+    const long count = static_cast<long>(n) * dim;
+    LayerNormParams p;
+    p.x = In(x, count, kOp, "x");
+    p.gain = In(gain, dim, kOp, "gain");
+    p.bias = In(bias, dim, kOp, "bias");
+    p.y = Out(y, count, kOp, "y");
+    p.n = n;
+    p.dim = dim;
+    p.eps = eps;
+    if (ok()) Launched(LaunchLayerNorm(p, stream_), kOp);
+  }
+
+  void Rope(float* x, int n, int n_heads, int head_dim, const int* positions,
+            float theta) override {
+    constexpr const char* kOp = "Rope";
+    if (!Begin() || n == 0) return;
+    if (n < 0 || n_heads <= 0 || head_dim <= 0 || head_dim % 2 != 0 ||
+        !(theta > 0.0f)) {
+      return FailShape(kOp, absl::StrFormat("n=%d n_heads=%d head_dim=%d "
+                                            "(even) theta=%g",
+                                            n, n_heads, head_dim, theta));
+    }
+    RopeParams p;
+    p.x = Out(x, static_cast<long>(n) * n_heads * head_dim, kOp, "x");
+    p.positions = In(positions, n, kOp, "positions");
+    p.n = n;
+    p.n_heads = n_heads;
+    p.head_dim = head_dim;
+    p.theta = theta;
+    if (ok()) Launched(LaunchRope(p, stream_), kOp);
+  }
+
+  void Attention(const AttentionParams& a) override {
+    constexpr const char* kOp = "Attention";
+    if (!Begin() || a.n == 0) return;
+    const long kv_max = static_cast<long>(a.kv_len0) + a.n - 1;
+    if (a.n < 0 || a.n_heads <= 0 || a.n_kv_heads <= 0 ||
+        a.n_heads % a.n_kv_heads != 0 || a.head_dim <= 0 ||
+        a.head_dim > kMaxHeadDim || a.kv_len0 < 1 || a.kv_stride < kv_max) {
+      return FailShape(
+          kOp,
+          absl::StrFormat("n=%d n_heads=%d n_kv_heads=%d (must divide n_heads) "
+                          "head_dim=%d (1..%d) kv_len0=%d (>= 1) kv_stride=%d "
+                          "(>= kv_len0 + n - 1)",
+                          a.n, a.n_heads, a.n_kv_heads, a.head_dim, kMaxHeadDim,
+                          a.kv_len0, a.kv_stride));
+    }
+    const long q_count = static_cast<long>(a.n) * a.n_heads * a.head_dim;
+    const long kv_count =
+        ((a.n_kv_heads - 1L) * a.kv_stride + kv_max) * a.head_dim;
+    AttentionKernelParams p;
+    p.q = In(a.q, q_count, kOp, "q");
+    p.k = In(a.k, kv_count, kOp, "k");
+    p.v = In(a.v, kv_count, kOp, "v");
+    p.out = Out(a.out, q_count, kOp, "out");
+    if (a.prob_sums != nullptr) {
+      p.prob_sums = Out(a.prob_sums, a.n_heads * kv_max, kOp, "prob_sums");
+    }
+    if (!ok()) return;
+    p.n = a.n;
+    p.n_heads = a.n_heads;
+    p.n_kv_heads = a.n_kv_heads;
+    p.head_dim = a.head_dim;
+    p.kv_stride = a.kv_stride;
+    p.kv_len0 = a.kv_len0;
+    p.scale = a.scale;
+    // Few (query, head) rows over a long cache (decoding): split the cache
+    // so that every SM has blocks to run.
+    const long rows = static_cast<long>(a.n) * a.n_heads;
+    const long target = kBlocksPerSm * sm_count_;
+    if (rows < target && kv_max >= 2 * kMinRowsPerSplit) {
+      p.kv_splits = static_cast<int>(
+          std::min(kv_max / kMinRowsPerSplit, (target + rows - 1) / rows));
+    }
+    if (p.kv_splits > 1) {
+      const size_t bytes = AttentionWorkspaceFloats(p) * sizeof(float);
+      if (!CheckCuda(attention_scratch_.Reserve(bytes, stream_), kOp)) return;
+      p.workspace = reinterpret_cast<float*>(attention_scratch_.data());
+    }
+    Launched(LaunchAttention(p, stream_), kOp);
+  }
+
+  void SwiGlu(float* gate, const float* up, long count) override {
+    constexpr const char* kOp = "SwiGlu";
+    if (!Begin() || count == 0) return;
+    if (count < 0) return FailShape(kOp, absl::StrFormat("count=%d", count));
+    SwiGluParams p;
+    p.gate = Out(gate, count, kOp, "gate");
+    p.up = In(up, count, kOp, "up");
+    p.count = count;
+    if (ok()) Launched(LaunchSwiGlu(p, stream_), kOp);
+  }
+
+  void Relu(float* x, long count) override {
+    constexpr const char* kOp = "Relu";
+    if (!Begin() || count == 0) return;
+    if (count < 0) return FailShape(kOp, absl::StrFormat("count=%d", count));
+    ReluParams p;
+    p.x = Out(x, count, kOp, "x");
+    p.count = count;
+    if (ok()) Launched(LaunchRelu(p, stream_), kOp);
+  }
+
+  void Add(float* x, const float* y, long count) override {
+    constexpr const char* kOp = "Add";
+    if (!Begin() || count == 0) return;
+    if (count < 0) return FailShape(kOp, absl::StrFormat("count=%d", count));
+    AddParams p;
+    p.x = Out(x, count, kOp, "x");
+    p.y = In(y, count, kOp, "y");
+    p.count = count;
+    if (ok()) Launched(LaunchAdd(p, stream_), kOp);
+  }
+
+ private:
+  bool ok() const { return error_.ok(); }
+
+  // Records the first error; later ones are consequences of it or wait.
+  void Fail(absl::Status status) {
+    if (!error_.ok()) return;
+    IG_LOG(ERROR) << name_ << ": " << status.message();
+    error_ = std::move(status);
+  }
+
+  void FailShape(const char* op, const std::string& shape) {
+    Fail(absl::InvalidArgumentError(
+        absl::StrFormat("%s: invalid shape: %s", op, shape)));
+  }
+
+  // False (skip the operation) once an error is recorded.
+  bool Begin() {
+    if (!ok()) return false;
+    cudaSetDevice(device_);
+    return true;
+  }
+
+  bool CheckCuda(cudaError_t err, const char* op) {
+    if (err == cudaSuccess) return true;
+    cudaGetLastError();
+    Fail(absl::InternalError(absl::StrFormat("%s: %s", op, CudaError(err))));
+    return false;
+  }
+
+  // A launcher's result: the launchers reject bad arguments with
+  // cudaErrorInvalidValue before launching anything.
+  bool Launched(int code, const char* op) {
+    if (code == 0) return true;
+    const auto err = static_cast<cudaError_t>(code);
+    if (err == cudaErrorInvalidValue) {
+      Fail(absl::InvalidArgumentError(absl::StrFormat(
+          "%s: the kernel rejected its arguments: %s", op, CudaError(err))));
+    } else {
+      Fail(absl::InternalError(
+          absl::StrFormat("%s: launch: %s", op, CudaError(err))));
+    }
+    return false;
+  }
+
+  // The device address of `bytes` at p, which `op` reads (or writes): the
+  // device copy when p lies in a registered constant (read only), p itself
+  // for managed or device memory. Records InvalidArgument and returns null
+  // for anything else.
+  const void* Resolve(const void* p, size_t bytes, bool write, const char* op,
+                      const char* arg, bool* constant) {
+    if (p == nullptr) {
+      Fail(absl::InvalidArgumentError(
+          absl::StrFormat("%s: %s is null", op, arg)));
+      return nullptr;
+    }
+    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+    auto c = FindRange(constants_, a);
+    if (c != constants_.end()) {
+      if (write) {
+        Fail(absl::InvalidArgumentError(absl::StrFormat(
+            "%s: %s (%p) would write into a registered constant", op, arg, p)));
+        return nullptr;
+      }
+      if (a + bytes > c->first + c->second.bytes) {
+        Fail(absl::InvalidArgumentError(absl::StrFormat(
+            "%s: %s (%p, %zu bytes) runs past the end of its registered range",
+            op, arg, p, bytes)));
+        return nullptr;
+      }
+      if (constant != nullptr) *constant = true;
+      return c->second.device + (a - c->first);
+    }
+    auto s = FindRange(shared_, a);
+    if (s != shared_.end()) {
+      if (a + bytes > s->first + s->second) {
+        Fail(absl::InvalidArgumentError(absl::StrFormat(
+            "%s: %s (%p, %zu bytes) runs past the end of its AllocateShared "
+            "buffer",
+            op, arg, p, bytes)));
+        return nullptr;
+      }
+      return p;
+    }
+    // Memory the caller allocated with CUDA itself.
+    cudaPointerAttributes attributes;
+    const cudaError_t err = cudaPointerGetAttributes(&attributes, p);
+    if (err != cudaSuccess) cudaGetLastError();
+    if (err == cudaSuccess && (attributes.type == cudaMemoryTypeManaged ||
+                               (attributes.type == cudaMemoryTypeDevice &&
+                                attributes.device == device_))) {
+      return p;
+    }
+    Fail(absl::InvalidArgumentError(absl::StrFormat(
+        "%s: %s (%p) is neither managed or device memory nor inside a range "
+        "given to RegisterConstant",
+        op, arg, p)));
+    return nullptr;
+  }
+
+  template <typename T>
+  const T* In(const T* p, long count, const char* op, const char* arg,
+              bool* constant = nullptr) {
+    return static_cast<const T*>(
+        Resolve(p, count * sizeof(T), /*write=*/false, op, arg, constant));
+  }
+  template <typename T>
+  T* Out(T* p, long count, const char* op, const char* arg) {
+    return static_cast<T*>(const_cast<void*>(
+        Resolve(p, count * sizeof(T), /*write=*/true, op, arg, nullptr)));
+  }
+
+  // The fp16 copy of the registered matrix at device address w (count
+  // floats), made on first use. Null (error recorded) on failure.
+  const uint16_t* HalfWeights(const float* w, long count) {
+    const auto key = std::make_pair(w, count);
+    auto it = half_weights_.find(key);
+    if (it != half_weights_.end()) return it->second;
+    void* half = nullptr;
+    if (!CheckCuda(cudaMalloc(&half, count * sizeof(uint16_t)), "Linear")) {
+      return nullptr;
+    }
+    auto* h = static_cast<uint16_t*>(half);
+    if (!Launched(LaunchFloatToHalf({w, h, count}, stream_), "Linear")) {
+      cudaFree(half);
+      return nullptr;
+    }
+    half_weights_[key] = h;
+    return h;
+  }
+
+  const int device_;
+  const std::string name_;
+  const int sm_count_;
+  const CudaBackendOptions options_;
+  cudaStream_t stream_;
+  cublasHandle_t cublas_;
+  absl::Status error_;  // the first error; sticky
+
+  std::map<uintptr_t, ConstantRange> constants_;  // by host address
+  std::map<uintptr_t, size_t> shared_;            // AllocateShared: bytes
+  // fp16 copies of registered matrices, by (device address, floats).
+  std::map<std::pair<const float*, long>, uint16_t*> half_weights_;
+  DeviceScratch linear_scratch_;     // fp16 x, and w when not registered
+  DeviceScratch attention_scratch_;  // split-KV partial results
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(
+    int device, const CudaBackendOptions& options) {
+  int count = 0;
+  cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return absl::UnavailableError("no CUDA device: cudaGetDeviceCount: " +
+                                  CudaError(err));
+  }
+  if (count == 0) {
+    return absl::UnavailableError(
+        "no CUDA device: cudaGetDeviceCount reports 0 devices");
+  }
+  if (device < 0 || device >= count) {
+    return absl::UnavailableError(absl::StrFormat(
+        "CUDA device %d is out of range: %d device(s) answer", device, count));
+  }
+  cudaDeviceProp prop;
+  if ((err = cudaSetDevice(device)) != cudaSuccess ||
+      (err = cudaGetDeviceProperties(&prop, device)) != cudaSuccess) {
+    cudaGetLastError();
+    return absl::UnavailableError(
+        absl::StrFormat("CUDA device %d: %s", device, CudaError(err)));
+  }
+  if (!prop.managedMemory) {
+    return absl::UnavailableError(absl::StrFormat(
+        "CUDA device %d (%s) has no managed memory", device, prop.name));
+  }
+  cudaStream_t stream = nullptr;
+  if ((err = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking)) !=
+      cudaSuccess) {
+    cudaGetLastError();
+    return absl::UnavailableError(absl::StrFormat(
+        "CUDA device %d: cudaStreamCreate: %s", device, CudaError(err)));
+  }
+  cublasHandle_t cublas = nullptr;
+  cublasStatus_t status = cublasCreate(&cublas);
+  if (status == CUBLAS_STATUS_SUCCESS) {
+    status = cublasSetStream(cublas, stream);
+    if (status != CUBLAS_STATUS_SUCCESS) cublasDestroy(cublas);
+  }
+  if (status != CUBLAS_STATUS_SUCCESS) {
+    cudaStreamDestroy(stream);
+    return absl::UnavailableError(absl::StrFormat(
+        "CUDA device %d: cuBLAS: %s", device, cublasGetStatusString(status)));
+  }
+  IG_LOG(INFO) << "cuda backend: device " << device << " " << prop.name << ", "
+               << prop.multiProcessorCount << " SMs, "
+               << (prop.totalGlobalMem >> 20) << " MiB, "
+               << (options.half_weights ? "fp16" : "fp32") << " weights";
+  return std::unique_ptr<Backend>(
+      new CudaBackend(device, prop, options, stream, cublas));
+}
+
+}  // namespace infinigen::gpu_worker::cuda

@@ -1,0 +1,478 @@
+// The CUDA backend against the CPU backend, operation by operation, as the
+// engine drives it: buffers from AllocateShared, weights registered with
+// RegisterConstant (and used through pointers inside their ranges). Then
+// the errors: bad shapes, pointers the backend cannot reach, sticky
+// errors, devices that do not exist. Skips with the reason when no CUDA
+// device answers, except CudaBackendWithoutDevice, which checks that
+// creation fails cleanly for a missing device.
+#include "gpu_worker/cuda/cuda_backend.h"
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <deque>
+#include <iostream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gpu_worker/backend.h"
+#include "gtest/gtest.h"
+
+namespace infinigen::gpu_worker::cuda {
+namespace {
+
+std::vector<float> Normal(size_t n, std::mt19937& rng, float sd = 1.0f) {
+  std::normal_distribution<float> normal(0.0f, sd);
+  std::vector<float> v(n);
+  for (float& x : v) x = normal(rng);
+  return v;
+}
+
+std::unique_ptr<Backend> NewGpu(bool half_weights) {
+  CudaBackendOptions options;
+  options.half_weights = half_weights;
+  auto backend = CreateCudaBackend(0, options);
+  EXPECT_TRUE(backend.ok()) << backend.status();
+  return backend.ok() ? std::move(*backend) : nullptr;
+}
+
+bool Contains(const absl::Status& status, const std::string& text) {
+  return std::string(status.message()).find(text) != std::string::npos;
+}
+
+class CudaBackendTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    int count = 0;
+    cudaError_t err = cudaGetDeviceCount(&count);
+    if (err != cudaSuccess || count == 0) {
+      GTEST_SKIP() << "no CUDA device: " << cudaGetErrorString(err);
+    }
+    gpu_ = NewGpu(/*half_weights=*/false);
+    ASSERT_NE(gpu_, nullptr);
+  }
+
+  // A copy of `host` in `backend`'s shared memory.
+  template <typename T>
+  static SharedVector<T> Shared(Backend* backend, const std::vector<T>& host) {
+    return SharedVector<T>(host.begin(), host.end(),
+                           SharedAllocator<T>(backend));
+  }
+
+  // `host` registered with `backend` as a constant; it lives as long as the
+  // fixture (a freed range's address could be reused by the next one).
+  const float* Constant(Backend* backend, std::vector<float> host) {
+    constants_.push_back(std::move(host));
+    const std::vector<float>& c = constants_.back();
+    EXPECT_TRUE(backend->RegisterConstant(c.data(), c.size()).ok());
+    return c.data();
+  }
+
+  std::mt19937 rng_{11};
+  std::unique_ptr<Backend> cpu_ = NewCpuBackend();
+  std::deque<std::vector<float>> constants_;  // outlives the backends below
+  std::unique_ptr<Backend> gpu_;              // fp32 weights
+};
+
+struct LinearCase {
+  int n, in, out;
+  bool bias;
+  bool registered;  // else the weights are in shared memory
+};
+
+// Tolerance rel * (1 + |want| + sqrt(sum_k (x_k w_k)^2)), the last term the
+// size of a dot product's rounding error: rel = 1e-4 for fp32 weights
+// (cuBLAS sums in another order), 2e-2 for fp16 (each fp16 operand is off
+// by up to 2^-11 relative, about 1e-3 for the sum).
+TEST_F(CudaBackendTest, LinearMatchesCpu) {
+  const LinearCase cases[] = {
+      {1, 64, 96, true, true},     {7, 577, 129, false, true},
+      {33, 1000, 257, true, true}, {128, 2048, 64, false, true},
+      {1, 4096, 11, true, true},   {5, 300, 70, true, false},
+  };
+  for (bool half : {false, true}) {
+    std::unique_ptr<Backend> half_gpu = half ? NewGpu(true) : nullptr;
+    Backend* gpu = half ? half_gpu.get() : gpu_.get();
+    ASSERT_NE(gpu, nullptr);
+    const float rel = half ? 2e-2f : 1e-4f;
+    for (const LinearCase& c : cases) {
+      const size_t w_size = static_cast<size_t>(c.out) * c.in;
+      std::vector<float> x = Normal(static_cast<size_t>(c.n) * c.in, rng_);
+      std::vector<float> w = Normal(w_size, rng_, 0.1f);
+      std::vector<float> bias = Normal(c.out, rng_);
+      std::vector<float> want(static_cast<size_t>(c.n) * c.out);
+      cpu_->Linear(x.data(), c.n, c.in, w.data(),
+                   c.bias ? bias.data() : nullptr, c.out, want.data());
+
+      SharedVector<float> gx = Shared(gpu, x);
+      SharedVector<float> gy(want.size(), 0.0f, SharedAllocator<float>(gpu));
+      SharedVector<float> gy2(want.size(), 0.0f, SharedAllocator<float>(gpu));
+      auto shared_w = SharedVector<float>(SharedAllocator<float>(gpu));
+      auto shared_bias = SharedVector<float>(SharedAllocator<float>(gpu));
+      const float* gw;
+      const float* gbias;
+      if (c.registered) {
+        // One range holding padding, the matrix and the bias: the backend
+        // must map pointers inside it.
+        std::vector<float> range(17, 0.0f);
+        range.insert(range.end(), w.begin(), w.end());
+        range.insert(range.end(), bias.begin(), bias.end());
+        const float* base = Constant(gpu, std::move(range));
+        gw = base + 17;
+        gbias = gw + w_size;
+      } else {
+        shared_w = Shared(gpu, w);
+        shared_bias = Shared(gpu, bias);
+        gw = shared_w.data();
+        gbias = shared_bias.data();
+      }
+      gpu->Linear(gx.data(), c.n, c.in, gw, c.bias ? gbias : nullptr, c.out,
+                  gy.data());
+      // Again: the cached fp16 weights must give the same result.
+      gpu->Linear(gx.data(), c.n, c.in, gw, c.bias ? gbias : nullptr, c.out,
+                  gy2.data());
+      ASSERT_TRUE(gpu->Synchronize().ok()) << gpu->Synchronize();
+      for (int i = 0; i < c.n; ++i) {
+        for (int j = 0; j < c.out; ++j) {
+          double ss = 0.0;
+          for (int k = 0; k < c.in; ++k) {
+            const double p =
+                static_cast<double>(x[static_cast<size_t>(i) * c.in + k]) *
+                w[static_cast<size_t>(j) * c.in + k];
+            ss += p * p;
+          }
+          const size_t at = static_cast<size_t>(i) * c.out + j;
+          const float tol = rel * (1 + std::abs(want[at]) +
+                                   static_cast<float>(std::sqrt(ss)));
+          ASSERT_NEAR(gy[at], want[at], tol)
+              << (half ? "fp16" : "fp32") << " n=" << c.n << " in=" << c.in
+              << " out=" << c.out << " i=" << i << " j=" << j;
+          ASSERT_EQ(gy2[at], gy[at]);
+        }
+      }
+    }
+  }
+}
+
+// Tolerance 1e-4 * (1 + |want|).
+TEST_F(CudaBackendTest, NormsMatchCpu) {
+  for (auto [n, dim] : {std::pair{1, 64}, {7, 577}, {33, 1000}, {2, 4096}}) {
+    std::vector<float> x = Normal(static_cast<size_t>(n) * dim, rng_, 3.0f);
+    for (float& v : x) v += 2.0f;
+    std::vector<float> gain = Normal(dim, rng_), bias = Normal(dim, rng_);
+    std::vector<float> want_rms(x.size()), want_ln(x.size());
+    cpu_->RmsNorm(x.data(), n, dim, gain.data(), 1e-5f, want_rms.data());
+    cpu_->LayerNorm(x.data(), n, dim, gain.data(), bias.data(), 1e-5f,
+                    want_ln.data());
+    const float* ggain = Constant(gpu_.get(), gain);
+    const float* gbias = Constant(gpu_.get(), bias);
+    SharedVector<float> rms = Shared(gpu_.get(), x);
+    SharedVector<float> gx = Shared(gpu_.get(), x);
+    SharedVector<float> ln(x.size(), 0.0f, SharedAllocator<float>(gpu_.get()));
+    gpu_->RmsNorm(rms.data(), n, dim, ggain, 1e-5f, rms.data());  // in place
+    gpu_->LayerNorm(gx.data(), n, dim, ggain, gbias, 1e-5f, ln.data());
+    ASSERT_TRUE(gpu_->Synchronize().ok()) << gpu_->Synchronize();
+    for (size_t i = 0; i < x.size(); ++i) {
+      ASSERT_NEAR(rms[i], want_rms[i], 1e-4f * (1 + std::abs(want_rms[i])))
+          << "RmsNorm n=" << n << " dim=" << dim << " i=" << i;
+      ASSERT_NEAR(ln[i], want_ln[i], 1e-4f * (1 + std::abs(want_ln[i])))
+          << "LayerNorm n=" << n << " dim=" << dim << " i=" << i;
+    }
+  }
+}
+
+// Tolerance 1e-5 * (1 + |want|) + 2.5e-7 * position * (|a| + |b|): the
+// frequencies may differ by an ulp (see kernels.h, LaunchRope).
+TEST_F(CudaBackendTest, RopeMatchesCpu) {
+  struct Case {
+    int n, n_heads, head_dim;
+    float theta;
+  };
+  for (const Case& c : {Case{1, 9, 64, 10000.0f}, Case{7, 3, 128, 500000.0f},
+                        Case{33, 9, 128, 10000.0f}}) {
+    const int row = c.n_heads * c.head_dim, half = c.head_dim / 2;
+    std::vector<float> x = Normal(static_cast<size_t>(c.n) * row, rng_);
+    std::vector<int> positions(c.n);
+    std::uniform_int_distribution<int> pos(0, 4096);
+    for (int& p : positions) p = pos(rng_);
+    std::vector<float> want = x;
+    cpu_->Rope(want.data(), c.n, c.n_heads, c.head_dim, positions.data(),
+               c.theta);
+    SharedVector<float> gx = Shared(gpu_.get(), x);
+    SharedVector<int> gpos = Shared(gpu_.get(), positions);
+    gpu_->Rope(gx.data(), c.n, c.n_heads, c.head_dim, gpos.data(), c.theta);
+    ASSERT_TRUE(gpu_->Synchronize().ok()) << gpu_->Synchronize();
+    for (size_t at = 0; at < x.size(); ++at) {
+      const int i = static_cast<int>(at / row);
+      const int d = static_cast<int>(at % c.head_dim);
+      const size_t head = at - d;
+      const float ab =
+          std::abs(x[head + d % half]) + std::abs(x[head + d % half + half]);
+      ASSERT_NEAR(
+          gx[at], want[at],
+          1e-5f * (1 + std::abs(want[at])) + 2.5e-7f * positions[i] * ab)
+          << "head_dim=" << c.head_dim << " at=" << at;
+    }
+  }
+}
+
+// SwiGlu 1e-5 * (1 + |want|); Relu and Add exact.
+TEST_F(CudaBackendTest, PointwiseMatchCpu) {
+  for (long count : {1L, 1000L, (1L << 20) + 3}) {
+    std::vector<float> gate = Normal(count, rng_, 4.0f),
+                       up = Normal(count, rng_);
+    std::vector<float> want_swiglu = gate, want_relu = gate, want_add = gate;
+    cpu_->SwiGlu(want_swiglu.data(), up.data(), count);
+    cpu_->Relu(want_relu.data(), count);
+    cpu_->Add(want_add.data(), up.data(), count);
+    SharedVector<float> swiglu = Shared(gpu_.get(), gate);
+    SharedVector<float> relu = Shared(gpu_.get(), gate);
+    SharedVector<float> add = Shared(gpu_.get(), gate);
+    SharedVector<float> gup = Shared(gpu_.get(), up);
+    const float* constant_up = Constant(gpu_.get(), up);  // as a position table
+    gpu_->SwiGlu(swiglu.data(), gup.data(), count);
+    gpu_->Relu(relu.data(), count);
+    gpu_->Add(add.data(), constant_up, count);
+    ASSERT_TRUE(gpu_->Synchronize().ok()) << gpu_->Synchronize();
+    for (long i = 0; i < count; ++i) {
+      ASSERT_NEAR(swiglu[i], want_swiglu[i],
+                  1e-5f * (1 + std::abs(want_swiglu[i])))
+          << "count=" << count << " i=" << i;
+      ASSERT_EQ(relu[i], want_relu[i]) << "count=" << count << " i=" << i;
+      ASSERT_EQ(add[i], want_add[i]) << "count=" << count << " i=" << i;
+    }
+  }
+}
+
+struct AttentionCase {
+  int n, n_heads, n_kv_heads, head_dim, kv_len0;
+  int extra_stride;  // kv_stride - (kv_len0 + n - 1)
+  bool prob_sums;
+};
+
+// Outputs 1e-4 * (1 + |want|); probability sums 1e-4 * |want| + 1e-7. The
+// backend splits long decode caches over blocks by itself, so the long
+// cases also cover the split path.
+TEST_F(CudaBackendTest, AttentionMatchesCpu) {
+  const AttentionCase cases[] = {
+      {1, 9, 3, 64, 1, 0, true},      {1, 9, 3, 128, 37, 5, true},
+      {1, 9, 3, 128, 4096, 3, true},  {1, 9, 3, 64, 4096, 0, false},
+      {1, 9, 3, 128, 33000, 0, true}, {13, 9, 3, 64, 20, 4, true},
+      {13, 9, 3, 128, 1, 0, true},    {64, 8, 8, 80, 100, 0, false},
+      {3, 4, 1, 8, 5, 2, true},       {4, 9, 3, 64, 3000, 0, true},
+  };
+  for (const AttentionCase& c : cases) {
+    const int kv_max = c.kv_len0 + c.n - 1;
+    const int kv_stride = kv_max + c.extra_stride;
+    const size_t q_size = static_cast<size_t>(c.n) * c.n_heads * c.head_dim;
+    const size_t kv_size =
+        static_cast<size_t>(c.n_kv_heads) * kv_stride * c.head_dim;
+    std::vector<float> q = Normal(q_size, rng_, 2.0f),
+                       k = Normal(kv_size, rng_), v = Normal(kv_size, rng_);
+    std::vector<float> sums(static_cast<size_t>(c.n_heads) * kv_max, 0.5f);
+    AttentionParams a;
+    a.n = c.n;
+    a.n_heads = c.n_heads;
+    a.n_kv_heads = c.n_kv_heads;
+    a.head_dim = c.head_dim;
+    a.kv_stride = kv_stride;
+    a.kv_len0 = c.kv_len0;
+    a.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+    std::vector<float> want(q_size), want_sums = sums;
+    a.q = q.data();
+    a.k = k.data();
+    a.v = v.data();
+    a.out = want.data();
+    a.prob_sums = c.prob_sums ? want_sums.data() : nullptr;
+    cpu_->Attention(a);
+
+    SharedVector<float> gq = Shared(gpu_.get(), q), gk = Shared(gpu_.get(), k),
+                        gv = Shared(gpu_.get(), v),
+                        gsums = Shared(gpu_.get(), sums);
+    SharedVector<float> gout(q_size, 0.0f, SharedAllocator<float>(gpu_.get()));
+    a.q = gq.data();
+    a.k = gk.data();
+    a.v = gv.data();
+    a.out = gout.data();
+    a.prob_sums = c.prob_sums ? gsums.data() : nullptr;
+    gpu_->Attention(a);
+    ASSERT_TRUE(gpu_->Synchronize().ok()) << gpu_->Synchronize();
+    const std::string where = "n=" + std::to_string(c.n) +
+                              " heads=" + std::to_string(c.n_heads) + "/" +
+                              std::to_string(c.n_kv_heads) +
+                              " head_dim=" + std::to_string(c.head_dim) +
+                              " kv_len0=" + std::to_string(c.kv_len0);
+    for (size_t i = 0; i < q_size; ++i) {
+      ASSERT_NEAR(gout[i], want[i], 1e-4f * (1 + std::abs(want[i])))
+          << where << " i=" << i;
+    }
+    if (c.prob_sums) {
+      for (size_t i = 0; i < sums.size(); ++i) {
+        ASSERT_NEAR(gsums[i], want_sums[i],
+                    1e-4f * std::abs(want_sums[i]) + 1e-7f)
+            << where << " prob_sums[" << i << "]";
+      }
+    }
+  }
+}
+
+// Empty operations do nothing, as on the CPU.
+TEST_F(CudaBackendTest, EmptyOperationsAreNoOps) {
+  SharedVector<float> x(8, 1.0f, SharedAllocator<float>(gpu_.get()));
+  gpu_->Linear(x.data(), 0, 8, x.data(), nullptr, 1, x.data());
+  gpu_->RmsNorm(x.data(), 0, 8, x.data(), 1e-5f, x.data());
+  gpu_->Add(x.data(), x.data(), 0);
+  gpu_->Relu(x.data(), 0);
+  AttentionParams a;
+  a.q = a.k = a.v = x.data();
+  a.out = x.data();
+  a.n = 0;
+  gpu_->Attention(a);
+  EXPECT_TRUE(gpu_->Synchronize().ok()) << gpu_->Synchronize();
+  EXPECT_EQ(x[0], 1.0f);
+}
+
+TEST_F(CudaBackendTest, InvalidShapesAreInvalidArgument) {
+  struct BadCall {
+    std::string op;
+    void (*call)(Backend*, float*, int*);
+  };
+  const BadCall calls[] = {
+      {"Attention",
+       [](Backend* b, float* f, int*) {
+         AttentionParams a;
+         a.q = a.k = a.v = f;
+         a.out = f;
+         a.n = 1;
+         a.n_heads = 9;
+         a.n_kv_heads = 2;  // does not divide 9
+         a.head_dim = 4;
+         a.kv_stride = a.kv_len0 = 4;
+         b->Attention(a);
+       }},
+      {"Attention",
+       [](Backend* b, float* f, int*) {
+         AttentionParams a;
+         a.q = a.k = a.v = f;
+         a.out = f;
+         a.n = 1;
+         a.n_heads = a.n_kv_heads = 1;
+         a.head_dim = 4;
+         a.kv_stride = 4;
+         a.kv_len0 = 0;  // the first query must see a row
+         b->Attention(a);
+       }},
+      {"Rope",
+       [](Backend* b, float* f, int* pos) {
+         b->Rope(f, 1, 1, 7, pos, 10000.0f);  // odd head_dim
+       }},
+      {"Linear", [](Backend* b, float* f,
+                    int*) { b->Linear(f, -1, 4, f, nullptr, 4, f); }},
+      {"RmsNorm",
+       [](Backend* b, float* f, int*) { b->RmsNorm(f, 1, 0, f, 1e-5f, f); }},
+      {"Add", [](Backend* b, float* f, int*) { b->Add(f, f, -3); }},
+  };
+  for (const BadCall& bad : calls) {
+    std::unique_ptr<Backend> gpu = NewGpu(false);
+    ASSERT_NE(gpu, nullptr);
+    SharedVector<float> f(64, 0.0f, SharedAllocator<float>(gpu.get()));
+    SharedVector<int> pos(4, 0, SharedAllocator<int>(gpu.get()));
+    bad.call(gpu.get(), f.data(), pos.data());
+    const absl::Status status = gpu->Synchronize();
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument)
+        << bad.op << ": " << status;
+    EXPECT_TRUE(Contains(status, bad.op)) << status;
+  }
+}
+
+// A plain host pointer is an error; errors are sticky and later operations
+// are skipped.
+TEST_F(CudaBackendTest, HostPointerIsAStickyError) {
+  std::vector<float> host(16, 1.0f);
+  SharedVector<float> x(16, 2.0f, SharedAllocator<float>(gpu_.get()));
+  gpu_->Add(x.data(), host.data(), 16);
+  const absl::Status status = gpu_->Synchronize();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_TRUE(Contains(status, "Add")) << status;
+  EXPECT_TRUE(Contains(status, "RegisterConstant")) << status;
+  gpu_->Add(x.data(), x.data(), 16);  // valid, but skipped
+  EXPECT_EQ(gpu_->Synchronize(), status);
+  EXPECT_EQ(x[0], 2.0f);
+}
+
+TEST_F(CudaBackendTest, WritingIntoAConstantIsAnError) {
+  const float* c = Constant(gpu_.get(), std::vector<float>(16, -1.0f));
+  gpu_->Relu(const_cast<float*>(c), 16);
+  const absl::Status status = gpu_->Synchronize();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_TRUE(Contains(status, "Relu")) << status;
+}
+
+TEST_F(CudaBackendTest, ReadingPastARegisteredRangeIsAnError) {
+  const float* w = Constant(gpu_.get(), std::vector<float>(100, 1.0f));
+  SharedVector<float> x(10, 1.0f, SharedAllocator<float>(gpu_.get()));
+  SharedVector<float> y(11, 0.0f, SharedAllocator<float>(gpu_.get()));
+  gpu_->Linear(x.data(), 1, 10, w, nullptr, 11, y.data());  // needs 110
+  const absl::Status status = gpu_->Synchronize();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_TRUE(Contains(status, "Linear")) << status;
+}
+
+TEST_F(CudaBackendTest, RegisterConstantRejectsOverlaps) {
+  std::vector<float> w(200, 1.0f);
+  EXPECT_TRUE(gpu_->RegisterConstant(w.data(), 100).ok());
+  EXPECT_TRUE(gpu_->RegisterConstant(w.data(), 100).ok());  // again: no-op
+  EXPECT_TRUE(gpu_->RegisterConstant(w.data() + 100, 100).ok());  // adjacent
+  EXPECT_EQ(gpu_->RegisterConstant(w.data() + 50, 100).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(gpu_->RegisterConstant(nullptr, 4).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(gpu_->RegisterConstant(nullptr, 0).ok());
+  EXPECT_TRUE(gpu_->Synchronize().ok()) << gpu_->Synchronize();
+}
+
+TEST_F(CudaBackendTest, NameAndFailedAllocation) {
+  EXPECT_EQ(gpu_->name().rfind("cuda:", 0), 0u) << gpu_->name();
+  EXPECT_EQ(gpu_->AllocateShared(size_t{1} << 52), nullptr);
+  // A failed allocation is not an operation's error.
+  SharedVector<float> x(4, -1.0f, SharedAllocator<float>(gpu_.get()));
+  gpu_->Relu(x.data(), 4);
+  EXPECT_TRUE(gpu_->Synchronize().ok()) << gpu_->Synchronize();
+  EXPECT_EQ(x[3], 0.0f);
+}
+
+// The tests below run everywhere.
+
+TEST(CudaBackendWithoutDevice, MissingDeviceIsUnavailable) {
+  for (int device : {99, -1}) {
+    auto backend = CreateCudaBackend(device);
+    ASSERT_FALSE(backend.ok());
+    EXPECT_EQ(backend.status().code(), absl::StatusCode::kUnavailable)
+        << backend.status();
+  }
+}
+
+// Without a device, creation reports Unavailable with the reason rather
+// than crashing.
+TEST(CudaBackendWithoutDevice, CreationIsUnavailable) {
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  auto backend = CreateCudaBackend(0);
+  if (err == cudaSuccess && count > 0) {
+    EXPECT_TRUE(backend.ok()) << backend.status();
+    return;
+  }
+  ASSERT_FALSE(backend.ok());
+  EXPECT_EQ(backend.status().code(), absl::StatusCode::kUnavailable)
+      << backend.status();
+  EXPECT_TRUE(Contains(backend.status(), "no CUDA device")) << backend.status();
+  std::cerr << "CreateCudaBackend(0): " << backend.status() << "\n";
+  auto factory = NewCudaBackend(0);
+  ASSERT_FALSE(factory.ok());
+  EXPECT_EQ(factory.status().code(), absl::StatusCode::kUnavailable)
+      << factory.status();
+}
+
+}  // namespace
+}  // namespace infinigen::gpu_worker::cuda

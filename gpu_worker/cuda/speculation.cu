@@ -1,0 +1,174 @@
+// InfiniGen's speculation on the device: approximate scores from the
+// partial key cache, then each KV head's top-k positions (kernels.h).
+#include <cuda_runtime.h>
+#include <math_constants.h>
+
+#include <cmath>
+
+#include "gpu_worker/cuda/kernels.h"
+
+namespace infinigen::gpu_worker::cuda {
+namespace {
+
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int kScoreThreads = 256;
+constexpr int kTopKThreads = 512;
+// The group's gathered queries live in shared memory: [group][n_cols].
+constexpr int kMaxGatheredQuery = 12 * 1024;
+
+// grid (token blocks, KV heads); one thread per cached token.
+__global__ void SpeculateScoresKernel(SpeculateScoresParams p, float scale) {
+  extern __shared__ float qg[];  // [group][n_cols], pre-scaled as the CPU does
+  const int g = blockIdx.y;
+  const int group = p.n_heads / p.n_kv_heads;
+  const int32_t* cols = p.cols + static_cast<long>(g) * p.n_cols;
+  for (int idx = threadIdx.x; idx < group * p.n_cols; idx += blockDim.x) {
+    const int j = idx / p.n_cols;
+    const int c = idx % p.n_cols;
+    qg[idx] =
+        p.q_skewed[static_cast<long>(g * group + j) * p.d + cols[c]] * scale;
+  }
+  __syncthreads();
+  const int t = blockIdx.x * blockDim.x + threadIdx.x;
+  if (t >= p.n_tokens) return;
+  const float* row =
+      p.partial_k + (static_cast<long>(g) * p.k_stride + t) * p.n_cols;
+  float best = -CUDART_INF_F;
+  for (int j = 0; j < group; ++j) {
+    const float* q = qg + j * p.n_cols;
+    float dot = 0.0f;
+    for (int c = 0; c < p.n_cols; ++c) dot = fmaf(row[c], q[c], dot);
+    best = fmaxf(best, dot);
+  }
+  p.scores[static_cast<long>(g) * p.n_tokens + t] = best;
+}
+
+// Unsigned keys in the order of the floats (no NaN); -0 and +0 share one.
+__device__ uint32_t OrderedKey(float f) {
+  const uint32_t u = f == 0.0f ? 0u : __float_as_uint(f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// The number of threads below this one whose flag is set, and the block's
+// total in *total. `scratch` holds 32 ints; consecutive calls may reuse it.
+__device__ int BlockCountBefore(bool flag, int* scratch, int* total) {
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int n_warps = blockDim.x / 32;
+  const unsigned ballot = __ballot_sync(kFullMask, flag);
+  const int in_warp = __popc(ballot & ((1u << lane) - 1u));
+  __syncthreads();  // a previous call's readers are done
+  if (lane == 0) scratch[warp] = __popc(ballot);
+  __syncthreads();
+  if (warp == 0) {
+    // Inclusive scan of the warps' counts.
+    int v = lane < n_warps ? scratch[lane] : 0;
+    for (int off = 1; off < 32; off <<= 1) {
+      const int u = __shfl_up_sync(kFullMask, v, off);
+      if (lane >= off) v += u;
+    }
+    scratch[lane] = v;
+  }
+  __syncthreads();
+  *total = scratch[n_warps - 1];
+  return (warp == 0 ? 0 : scratch[warp - 1]) + in_warp;
+}
+
+// One block per KV head. A four-pass radix select (8 bits per pass, most
+// significant first) finds the key T of the k-th largest score and how many
+// of the scores equal to T are taken; one ordered scan then emits every
+// position above T and the first of those at T, ascending.
+__global__ void __launch_bounds__(kTopKThreads)
+    SelectTopKKernel(SelectTopKParams p) {
+  __shared__ int histogram[256];
+  __shared__ uint32_t chosen_prefix;
+  __shared__ int chosen_remaining;
+  __shared__ int scan_scratch[32];
+  const float* scores = p.scores + static_cast<long>(blockIdx.x) * p.n_tokens;
+  int32_t* out = p.indices + static_cast<long>(blockIdx.x) * p.k;
+
+  // Invariant: `remaining` of the keys matching `prefix` on `mask` are
+  // still to be taken, and exactly k - remaining keys lie above them.
+  uint32_t prefix = 0, mask = 0;
+  int remaining = p.k;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int b = threadIdx.x; b < 256; b += blockDim.x) histogram[b] = 0;
+    __syncthreads();
+    for (int t = threadIdx.x; t < p.n_tokens; t += blockDim.x) {
+      const uint32_t key = OrderedKey(scores[t]);
+      if ((key & mask) == prefix)
+        atomicAdd(&histogram[(key >> shift) & 0xFF], 1);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int above = 0;
+      int b = 255;
+      for (; b > 0; --b) {
+        if (above + histogram[b] >= remaining) break;
+        above += histogram[b];
+      }
+      chosen_prefix = prefix | (static_cast<uint32_t>(b) << shift);
+      chosen_remaining = remaining - above;
+    }
+    __syncthreads();
+    prefix = chosen_prefix;
+    remaining = chosen_remaining;
+    mask |= 0xFFu << shift;
+    __syncthreads();  // everyone has read chosen_* before the next pass
+  }
+
+  const uint32_t threshold = prefix;
+  const int take_equal = remaining;
+  int equal_before_chunk = 0, taken_before_chunk = 0;
+  for (int base = 0; base < p.n_tokens && taken_before_chunk < p.k;
+       base += blockDim.x) {
+    const int t = base + threadIdx.x;
+    const bool valid = t < p.n_tokens;
+    const uint32_t key = valid ? OrderedKey(scores[t]) : 0u;
+    const bool equal = valid && key == threshold;
+    int equal_total, taken_total;
+    const int equal_rank = equal_before_chunk +
+                           BlockCountBefore(equal, scan_scratch, &equal_total);
+    const bool take =
+        valid && (key > threshold || (equal && equal_rank < take_equal));
+    const int slot =
+        taken_before_chunk + BlockCountBefore(take, scan_scratch, &taken_total);
+    if (take) out[slot] = t;
+    equal_before_chunk += equal_total;
+    taken_before_chunk += taken_total;
+  }
+}
+
+}  // namespace
+
+int LaunchSpeculateScores(const SpeculateScoresParams& p, void* stream) {
+  const int invalid = static_cast<int>(cudaErrorInvalidValue);
+  if (!p.q_skewed || !p.partial_k || !p.cols || !p.scores) return invalid;
+  if (p.n_heads <= 0 || p.n_kv_heads <= 0 || p.n_heads % p.n_kv_heads != 0 ||
+      p.d <= 0 || p.n_tokens <= 0 || p.k_stride < p.n_tokens || p.n_cols <= 0 ||
+      p.n_cols > p.d || p.n_kv_heads > 65535) {
+    return invalid;
+  }
+  const int group = p.n_heads / p.n_kv_heads;
+  if (static_cast<long>(group) * p.n_cols > kMaxGatheredQuery) return invalid;
+  // The CPU's scale, rounded the same way.
+  const float scale = 1.0f / std::sqrt(static_cast<float>(p.d));
+  const dim3 grid((p.n_tokens + kScoreThreads - 1) / kScoreThreads,
+                  p.n_kv_heads);
+  const size_t shared = sizeof(float) * group * p.n_cols;
+  SpeculateScoresKernel<<<grid, kScoreThreads, shared,
+                          static_cast<cudaStream_t>(stream)>>>(p, scale);
+  return static_cast<int>(cudaGetLastError());
+}
+
+int LaunchSelectTopK(const SelectTopKParams& p, void* stream) {
+  if (!p.scores || !p.indices || p.n_kv_heads <= 0 || p.n_tokens <= 0 ||
+      p.k <= 0 || p.k > p.n_tokens) {
+    return static_cast<int>(cudaErrorInvalidValue);
+  }
+  SelectTopKKernel<<<p.n_kv_heads, kTopKThreads, 0,
+                     static_cast<cudaStream_t>(stream)>>>(p);
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace infinigen::gpu_worker::cuda

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Builds on this (CPU) machine and bundles what a GPU host without Bazel or
+# a package registry needs to run the GPU tests and benchmarks:
+#
+#   scripts/gpu_bundle.sh [--out=DIR] [--no_cuda_libs] [--no_smollm2]
+#
+# DIR (default device_bundle/, git-ignored) receives bin/ (infinigen,
+# kv_memory_server, h2d_bandwidth and the CUDA test binaries), lib/ (every
+# shared library they load that is not part of the C library or the NVIDIA
+# driver), models/stories260K, the SmolLM2 GGUF when the fetch script has
+# cached it, and run.sh (scripts/gpu_host_run.sh). On the GPU host:
+#
+#   DIR/run.sh OUT_DIR
+#
+# --no_cuda_libs leaves out libcudart/libcublas (hundreds of MB) for hosts
+# that have a CUDA 13 runtime of their own; run.sh then looks for them in
+# the host's CUDA install and Python packages (nvidia-*-cu13 wheels).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "${ROOT}"
+OUT="${ROOT}/device_bundle"
+CUDA_LIBS=1
+SMOLLM2=1
+for arg in "$@"; do
+  case "${arg}" in
+    --out=*) OUT="${arg#--out=}" ;;
+    --no_cuda_libs) CUDA_LIBS=0 ;;
+    --no_smollm2) SMOLLM2=0 ;;
+    -h|--help) awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "$0"; exit 0 ;;
+    *) echo "gpu_bundle.sh: unknown argument '${arg}' (see --help)" >&2; exit 2 ;;
+  esac
+done
+if [ ! -x /usr/local/cuda/bin/nvcc ] && [ -z "${CUDA_PATH:-}" ]; then
+  echo "gpu_bundle.sh: no CUDA toolkit here (nvcc); the bundle would hold no GPU code" >&2
+  exit 1
+fi
+
+TARGETS=(
+  //gpu_worker:infinigen
+  //kv_memory_service:kv_memory_server
+  //bench/h2d:h2d_bandwidth
+  //gpu_worker/cuda:kernels_test
+  //gpu_worker/cuda:cuda_backend_test
+  //tests:cuda_engine_parity_test
+)
+echo "gpu_bundle.sh: building ${TARGETS[*]}" >&2
+bazel build "${TARGETS[@]}" >&2
+
+rm -rf "${OUT}"
+mkdir -p "${OUT}/bin" "${OUT}/lib" "${OUT}/models"
+for t in "${TARGETS[@]}"; do
+  path="bazel-bin/$(echo "${t#//}" | tr ':' '/')"
+  cp -L "${path}" "${OUT}/bin/"
+done
+cp -rL models/stories260K "${OUT}/models/"
+if [ "${SMOLLM2}" = 1 ] && [ -f models_cache/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
+  mkdir -p "${OUT}/models_cache/smollm2-135m"
+  cp models_cache/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf "${OUT}/models_cache/smollm2-135m/"
+fi
+
+# Shared libraries: everything ldd resolves except the C library family and
+# the driver (libcuda comes with the host's driver).
+for b in "${OUT}"/bin/*; do
+  ldd "${b}" | awk '/=> \//{print $3}'
+done | sort -u | while read -r lib; do
+  name="$(basename "${lib}")"
+  case "${name}" in
+    libc.so*|libm.so*|libdl.so*|librt.so*|libpthread.so*|ld-linux*|libcuda.so*) continue ;;
+    libcudart.so*|libcublas.so*|libcublasLt.so*)
+      [ "${CUDA_LIBS}" = 1 ] || continue ;;
+  esac
+  cp -L "${lib}" "${OUT}/lib/"
+done
+cp scripts/gpu_host_run.sh "${OUT}/run.sh"
+chmod +x "${OUT}/run.sh"
+du -sh "${OUT}" >&2
+echo "${OUT}"

@@ -1,0 +1,167 @@
+#!/usr/bin/env python3
+"""The infinigen command line as a user meets it: output on stdout only,
+--help everywhere, one clear line and a non-zero exit for bad input.
+
+Usage: cli_test.py INFINIGEN STORIES260K.bin TOK512.bin TEXT KV_MEMORY_SERVER
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+BIN, MODEL, TOK, TEXT, SERVER = sys.argv[1:6]
+STORY = ("Once upon a time, there was a little girl named Lily. She loved to "
+         "play outside in the park. One day, she saw a big, red ball.")
+
+
+def run(*args, timeout=120):
+    return subprocess.run([BIN, *args], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, timeout=timeout)
+
+
+class Cli(unittest.TestCase):
+    def test_generate_greedy_prints_the_known_story_and_nothing_else(self):
+        r = run("generate", f"--model={MODEL}", f"--tokenizer={TOK}",
+                "--prompt=Once upon a time", "--max_new_tokens=60",
+                "--temperature=0", "--backend=cpu")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertTrue(r.stdout.startswith(STORY), r.stdout)
+        self.assertNotIn("INFO", r.stdout)
+
+    def test_help_on_every_command(self):
+        for cmd in ["generate", "perplexity", "skew", "bench-decode", "serve"]:
+            r = run(cmd, "--help")
+            self.assertEqual(r.returncode, 0, cmd)
+            self.assertIn(cmd, r.stdout + r.stderr)
+            self.assertIn("--model", r.stdout + r.stderr, cmd)
+        r = run("--help")
+        self.assertEqual(r.returncode, 0)
+        self.assertIn("generate", r.stdout + r.stderr)
+
+    def assert_one_line_failure(self, r, code, words):
+        self.assertEqual(r.returncode, code, r.stderr)
+        self.assertEqual(r.stdout, "")
+        # Informational log lines ("I file:line] ...") may come first; the
+        # failure itself is one line.
+        lines = [l for l in r.stderr.splitlines()
+                 if l.strip() and not l.startswith("I ")]
+        self.assertEqual(len(lines), 1, r.stderr)
+        for w in words:
+            self.assertIn(w, lines[0])
+
+    def test_unknown_flag_and_command(self):
+        r = run("generate", "--no_such_flag=1")
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("no_such_flag", r.stderr)
+        r = run("frobnicate")
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("frobnicate", r.stderr)
+
+    def test_missing_model_file(self):
+        r = run("generate", "--model=/nonexistent/model.bin",
+                f"--tokenizer={TOK}", "--max_new_tokens=2")
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("/nonexistent/model.bin", r.stderr)
+        self.assertEqual(r.stdout, "")
+
+    def test_truncated_model_file_names_the_file(self):
+        with tempfile.TemporaryDirectory() as d:
+            bad = os.path.join(d, "truncated.bin")
+            with open(MODEL, "rb") as f, open(bad, "wb") as g:
+                g.write(f.read(1000))
+            r = run("generate", f"--model={bad}", f"--tokenizer={TOK}",
+                    "--max_new_tokens=2")
+            self.assertNotEqual(r.returncode, 0)
+            self.assertIn("truncated.bin", r.stderr)
+
+    def test_backend_flag(self):
+        r = run("generate", f"--model={MODEL}", f"--tokenizer={TOK}",
+                "--max_new_tokens=2", "--backend=tpu")
+        self.assert_one_line_failure(r, 2, ["--backend", "tpu"])
+        # cuda: works where a device answers, else one clear line.
+        r = run("generate", f"--model={MODEL}", f"--tokenizer={TOK}",
+                "--prompt=Once upon a time", "--max_new_tokens=60",
+                "--temperature=0", "--backend=cuda")
+        if r.returncode == 0:
+            self.assertTrue(r.stdout.startswith("Once upon a time"))
+        else:
+            self.assert_one_line_failure(r, 1, ["CUDA"])
+        # auto never fails for want of a GPU.
+        r = run("generate", f"--model={MODEL}", f"--tokenizer={TOK}",
+                "--prompt=Once upon a time", "--max_new_tokens=60",
+                "--temperature=0", "--backend=auto")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertTrue(r.stdout.startswith("Once upon a time"))
+
+    def test_perplexity_json_is_the_last_line(self):
+        r = run("perplexity", f"--model={MODEL}", f"--tokenizer={TOK}",
+                f"--text={TEXT}", "--ctx=128", "--max_windows=2", "--json",
+                "--backend=cpu")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        last = json.loads(r.stdout.strip().splitlines()[-1])
+        self.assertEqual(last["tokens"], 2 * 127)
+        self.assertGreater(last["ppl"], 1.0)
+        self.assertAlmostEqual(last["ppl"], 2.718281828 ** last["nll"],
+                               delta=1e-3 * last["ppl"])
+
+    def test_bench_decode_rejects_a_context_beyond_the_model(self):
+        r = run("bench-decode", f"--model={MODEL}", "--ctx=100000",
+                "--decode_tokens=4", "--policy=ideal")
+        self.assert_one_line_failure(r, 2, ["context"])
+
+    def test_bench_decode_reports_json_per_policy(self):
+        r = run("bench-decode", f"--model={MODEL}", "--ctx=64",
+                "--decode_tokens=4", "--batch=2", "--policy=ideal,full",
+                "--json", "--backend=cpu")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        rows = [json.loads(l) for l in r.stdout.splitlines()
+                if l.startswith("{")]
+        self.assertEqual([x["policy"] for x in rows], ["ideal", "full"])
+        self.assertEqual(rows[0]["backend"], "cpu")
+        self.assertEqual(rows[0]["bytes_fetched_per_token"], 0)
+        self.assertGreater(rows[1]["bytes_fetched_per_token"], 0)
+
+    def test_kv_auth_token_reaches_the_memory_server(self):
+        with tempfile.TemporaryDirectory() as d:
+            token = os.path.join(d, "token")
+            with open(token, "w") as f:
+                f.write("s3cret-token\n")
+            ready = os.path.join(d, "ready")
+            server = subprocess.Popen(
+                [SERVER, "--listen=127.0.0.1:0", f"--ready_file={ready}",
+                 f"--auth_token_file={token}"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            try:
+                for _ in range(400):
+                    if os.path.exists(ready):
+                        with open(ready) as f:
+                            if f.read().strip():
+                                break
+                    self.assertIsNone(server.poll(), "server exited")
+                    time.sleep(0.025)
+                with open(ready) as f:
+                    address = f.read().strip()
+                base = ["generate", f"--model={MODEL}", f"--tokenizer={TOK}",
+                        "--prompt=Once upon a time", "--max_new_tokens=60",
+                        "--temperature=0", "--policy=full", "--backend=cpu",
+                        f"--kv_service={address}"]
+                r = run(*base, f"--kv_auth_token_file={token}")
+                self.assertEqual(r.returncode, 0, r.stderr)
+                self.assertTrue(r.stdout.startswith(STORY), r.stdout)
+                r = run(*base)
+                self.assertNotEqual(r.returncode, 0)
+                self.assertIn("token", r.stderr.splitlines()[-1])
+                r = run(*base, "--kv_auth_token_file=/nonexistent/token")
+                self.assertEqual(r.returncode, 2, r.stderr)
+                self.assertIn("--kv_auth_token_file", r.stderr)
+            finally:
+                server.send_signal(signal.SIGTERM)
+                server.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    unittest.main(argv=sys.argv[:1], verbosity=2)

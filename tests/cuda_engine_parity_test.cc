@@ -1,0 +1,189 @@
+// A whole forward pass on the CUDA backend against the CPU backend: prefill
+// and batched decode steps of stories260K (and of SmolLM2-135M when the
+// fetch script has cached it), every policy. Skips with the reason when no
+// CUDA device answers.
+//
+// Tolerances: with fp32 GEMMs (CudaBackendOptions::half_weights = false) the
+// two backends differ only in summation order, so logits agree to 2e-3
+// absolute (logits are O(10)); with fp16 weights and activations they agree
+// to 5% of the logit range, and the greedy token agrees on at least 90% of
+// the steps. InfiniGen's selection is discrete, so a near-tie can flip one
+// token's selection between backends: it gets the argmax check.
+#include <cmath>
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gpu_worker/backend.h"
+#include "gpu_worker/calibrate.h"
+#include "gpu_worker/cuda/cuda_backend.h"
+#include "gpu_worker/engine.h"
+#include "gtest/gtest.h"
+#include "kv_memory_service/kv_client.h"
+#include "model/loader.h"
+
+namespace infinigen {
+namespace {
+
+using gpu_worker::Backend;
+using gpu_worker::Engine;
+using gpu_worker::EngineOptions;
+using gpu_worker::PolicyKind;
+
+std::string Root() {
+  const char* r = std::getenv("INFINIGEN_ROOT");
+  return r != nullptr ? std::string(r) + "/" : "";
+}
+
+struct DecodeRun {
+  std::vector<std::vector<float>> logits;  // per decode step, [batch, vocab]
+};
+
+class CudaEngineParity : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto probe = gpu_worker::NewCudaBackend(0);
+    if (!probe.ok()) GTEST_SKIP() << probe.status().message();
+  }
+
+  // Prefill of `prompt` tokens in two slots, then `steps` batched decode
+  // steps, teacher-forced.
+  DecodeRun Decode(const model::Weights& w, const std::vector<int>& tokens,
+             std::unique_ptr<Backend> backend, PolicyKind kind,
+             const speculator::SkewMatrices* skew, int prompt, int steps) {
+    DecodeRun run;
+    auto client = kv_memory_service::ConnectKvClient("inproc:");
+    EXPECT_TRUE(client.ok()) << client.status();
+    EngineOptions o;
+    o.max_seq_len = prompt + steps + 2;
+    o.batch = 2;
+    o.policy.kind = kind;
+    o.policy.skew = skew;
+    o.kv_client = client->get();
+    auto engine = Engine::Create(w, std::move(backend), o);
+    EXPECT_TRUE(engine.ok()) << engine.status();
+    if (!engine.ok()) return run;
+    for (int s = 0; s < 2; ++s) {
+      auto l = (*engine)->Forward(
+          s, absl::MakeConstSpan(tokens).subspan(s, prompt), false);
+      EXPECT_TRUE(l.ok()) << l.status();
+    }
+    for (int i = 0; i < steps; ++i) {
+      auto l = (*engine)->DecodeBatch(
+          {0, 1}, {tokens[prompt + i], tokens[prompt + i + 1]});
+      EXPECT_TRUE(l.ok()) << l.status();
+      if (!l.ok()) break;
+      run.logits.emplace_back(l->begin(), l->end());
+    }
+    return run;
+  }
+
+  static void ExpectClose(const DecodeRun& a, const DecodeRun& b, int vocab,
+                          double abs_tol, double range_frac,
+                          double argmax_agreement) {
+    ASSERT_EQ(a.logits.size(), b.logits.size());
+    int agree = 0, total = 0;
+    for (size_t i = 0; i < a.logits.size(); ++i) {
+      const auto& x = a.logits[i];
+      const auto& y = b.logits[i];
+      ASSERT_EQ(x.size(), y.size());
+      for (size_t r = 0; r < x.size() / vocab; ++r) {
+        float lo = x[r * vocab];
+        float hi = lo;
+        size_t ax = 0, ay = 0;
+        double worst = 0;
+        for (int v = 0; v < vocab; ++v) {
+          const size_t j = r * vocab + v;
+          lo = std::min(lo, x[j]);
+          hi = std::max(hi, x[j]);
+          if (x[j] > x[r * vocab + ax]) ax = v;
+          if (y[j] > y[r * vocab + ay]) ay = v;
+          worst = std::max(worst, static_cast<double>(std::abs(x[j] - y[j])));
+        }
+        if (abs_tol > 0) {
+          EXPECT_LE(worst, abs_tol + range_frac * (hi - lo))
+              << "step " << i << " row " << r;
+        }
+        agree += ax == ay;
+        ++total;
+      }
+    }
+    EXPECT_GE(agree, argmax_agreement * total);
+  }
+};
+
+TEST_F(CudaEngineParity, Stories260KEveryPolicy) {
+  auto m = model::LoadModel(Root() + "models/stories260K/stories260K.bin",
+                            Root() + "models/stories260K/tok512.bin");
+  ASSERT_TRUE(m.ok()) << m.status();
+  const std::vector<int> tokens = m->tokenizer->Encode(
+      "Once upon a time, there was a little dog named Max. Max liked to run "
+      "in the big green park with his friend Sue. One day, Sue found a red "
+      "box under a tree. She opened it and saw a shiny key. She was happy.",
+      true);
+  ASSERT_GE(tokens.size(), 40u);
+  auto skew = gpu_worker::CalibrateSkew(m->weights, tokens);
+  ASSERT_TRUE(skew.ok()) << skew.status();
+  const int vocab = m->weights.config.vocab_size;
+  for (PolicyKind kind : {PolicyKind::kIdeal, PolicyKind::kFull,
+                          PolicyKind::kH2O, PolicyKind::kInt4,
+                          PolicyKind::kInfiniGen}) {
+    SCOPED_TRACE(gpu_worker::PolicyName(kind));
+    const DecodeRun cpu = Decode(m->weights, tokens, gpu_worker::NewCpuBackend(),
+                           kind, &*skew, 12, 24);
+    gpu_worker::cuda::CudaBackendOptions fp32;
+    fp32.half_weights = false;
+    auto cuda = gpu_worker::cuda::CreateCudaBackend(0, fp32);
+    ASSERT_TRUE(cuda.ok()) << cuda.status();
+    const DecodeRun gpu =
+        Decode(m->weights, tokens, std::move(*cuda), kind, &*skew, 12, 24);
+    if (kind == PolicyKind::kInfiniGen) {
+      ExpectClose(cpu, gpu, vocab, 0, 0, 0.9);
+    } else {
+      ExpectClose(cpu, gpu, vocab, 2e-3, 0, 1.0);
+    }
+  }
+  // fp16 weights (the default): looser.
+  const DecodeRun cpu = Decode(m->weights, tokens, gpu_worker::NewCpuBackend(),
+                         PolicyKind::kIdeal, nullptr, 12, 24);
+  auto half = gpu_worker::NewCudaBackend(0);
+  ASSERT_TRUE(half.ok());
+  const DecodeRun gpu = Decode(m->weights, tokens, std::move(*half),
+                         PolicyKind::kIdeal, nullptr, 12, 24);
+  ExpectClose(cpu, gpu, vocab, 0, 0.05, 0.9);
+}
+
+TEST_F(CudaEngineParity, SmolLM2DecodeStep) {
+  const std::string path =
+      Root() + "models_cache/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf";
+  if (!std::ifstream(path).good()) {
+    GTEST_SKIP() << path << " absent (scripts/fetch_smollm2.sh fetches it)";
+  }
+  auto m = model::LoadModel(path, "");
+  ASSERT_TRUE(m.ok()) << m.status();
+  std::vector<int> tokens = m->tokenizer->Encode(
+      "The history of the city begins in the twelfth century, when a small "
+      "market grew up beside the river crossing. Over the next three hundred "
+      "years it became one of the richest towns of the region, with a "
+      "cathedral, a university and a harbour that traded across the sea.",
+      false);
+  ASSERT_GE(tokens.size(), 40u);
+  const int vocab = m->weights.config.vocab_size;
+  for (PolicyKind kind : {PolicyKind::kIdeal, PolicyKind::kFull}) {
+    SCOPED_TRACE(gpu_worker::PolicyName(kind));
+    const DecodeRun cpu = Decode(m->weights, tokens, gpu_worker::NewCpuBackend(),
+                           kind, nullptr, 24, 8);
+    gpu_worker::cuda::CudaBackendOptions fp32;
+    fp32.half_weights = false;
+    auto cuda = gpu_worker::cuda::CreateCudaBackend(0, fp32);
+    ASSERT_TRUE(cuda.ok()) << cuda.status();
+    const DecodeRun gpu =
+        Decode(m->weights, tokens, std::move(*cuda), kind, nullptr, 24, 8);
+    ExpectClose(cpu, gpu, vocab, 5e-3, 0, 1.0);
+  }
+}
+
+}  // namespace
+}  // namespace infinigen
