@@ -43,3 +43,9 @@ if [ ${#missing[@]} -gt 0 ]; then
   $SUDO apt-get update -qq
   $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
+
+# The python3 on PATH may not be Debian's (pyenv, venv): give it PyYAML too.
+if ! python3 -c 'import yaml' >/dev/null 2>&1; then
+  echo "install_deps: installing PyYAML for $(command -v python3)" >&2
+  python3 -m pip install -q pyyaml >/dev/null
+fi
