@@ -47,12 +47,58 @@ def start_server(server, plane, tmp):
     return proc, address
 
 
+def plot(rows, out):
+    """OUT.png: p50 ms per step against context, one line per policy, plane
+    and batch; with a single context, tokens/s as grouped bars."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("decode_sweep.py: no matplotlib; skipped the plot",
+              file=sys.stderr)
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    contexts = sorted({int(r["ctx"]) for r in rows})
+    if len(contexts) == 1:
+        groups = sorted({(r["plane"], int(r["batch"])) for r in rows})
+        policies = list(dict.fromkeys(r["policy"] for r in rows))
+        width = 0.8 / max(1, len(policies))
+        for j, policy in enumerate(policies):
+            xs, ys = [], []
+            for i, g in enumerate(groups):
+                for r in rows:
+                    if (r["plane"], int(r["batch"])) == g and r["policy"] == policy:
+                        xs.append(i + j * width)
+                        ys.append(float(r["tokens_per_s"]))
+            ax.bar(xs, ys, width, label=policy)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))])
+        ax.set_xticklabels([f"{p}, batch {b}" for p, b in groups])
+        ax.set_ylabel("tokens/s")
+        ax.set_title(f"decode at context {contexts[0]}", fontsize=9)
+        ax.legend(fontsize=7)
+    else:
+        lines = {}
+        for r in rows:
+            lines.setdefault((r["plane"], r["policy"], int(r["batch"])),
+                             []).append((int(r["ctx"]), float(r["p50_ms"])))
+        for (plane, policy, batch), pts in sorted(lines.items()):
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                    label=f"{policy} ({plane}, b{batch})")
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("p50 ms per decode step")
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(out + ".png", dpi=120)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--binary", default="bazel-bin/gpu_worker/infinigen")
     ap.add_argument("--server",
                     default="bazel-bin/kv_memory_service/kv_memory_server")
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model", default="")
     ap.add_argument("--tokenizer", default="")
     ap.add_argument("--text", default="")
     ap.add_argument("--contexts", default="1024,2048,4096,8000")
@@ -65,7 +111,15 @@ def main():
     ap.add_argument("--extra", default="",
                     help="more flags for bench-decode, space-separated")
     ap.add_argument("--out", required=True, help="output path without suffix")
+    ap.add_argument("--plot_only", action="store_true",
+                    help="only redraw OUT.png from an earlier OUT.csv")
     a = ap.parse_args()
+    if a.plot_only:
+        with open(a.out + ".csv") as f:
+            plot(list(csv.DictReader(f)), a.out)
+        return
+    if not a.model:
+        ap.error("--model is required")
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     rows = []
     started = time.time()
@@ -144,27 +198,7 @@ def main():
         w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        lines = {}
-        for r in rows:
-            lines.setdefault((r["plane"], r["policy"], r["batch"]), []).append(
-                (r["ctx"], r["p50_ms"]))
-        for (plane, policy, batch), pts in sorted(lines.items()):
-            pts.sort()
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
-                    label=f"{policy} ({plane}, b{batch})")
-        ax.set_xlabel("context (tokens)")
-        ax.set_ylabel("p50 ms per decode step")
-        ax.legend(fontsize=6)
-        fig.tight_layout()
-        fig.savefig(a.out + ".png", dpi=120)
-    except ImportError:
-        print("decode_sweep.py: no matplotlib; skipped the plot",
-              file=sys.stderr)
+    plot(rows, a.out)
     print(open(a.out + ".md").read())
 
 
