@@ -82,6 +82,8 @@ class Backend {
   virtual void Relu(float* x, long count) = 0;
   // x[i] += y[i].
   virtual void Add(float* x, const float* y, long count) = 0;
+  // dst[i] = src[i] (the ranges do not overlap).
+  virtual void Copy(float* dst, const float* src, long count) = 0;
 };
 
 // std::vector storage from a backend's AllocateShared: the engine's buffers.

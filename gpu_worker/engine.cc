@@ -394,8 +394,12 @@ absl::Status Engine::ForwardChunk(Slot& s, const int* tokens, int n,
     };
     AttentionNorm(w, n);
     QueryKeyValue(w, n);
-    // The host reads q_, k_ and v_ below (skew, observer, cache, staging).
-    IG_RETURN_IF_ERROR(b.Synchronize());
+    // The skew, the observer and the memory node's staging read q_, k_ and
+    // v_ on the host; without them the layer stays on the backend.
+    if (options_.attention_skew != nullptr || options_.observer ||
+        s.policy != nullptr) {
+      IG_RETURN_IF_ERROR(b.Synchronize());
+    }
     if (options_.attention_skew != nullptr) {
       const int group = c.n_heads / c.n_kv_heads;
       auto skew_rows = [&](float* rows, int count, auto head_to_kv) {
@@ -421,8 +425,8 @@ absl::Status Engine::ForwardChunk(Slot& s, const int* tokens, int n,
         const size_t dst =
             (static_cast<size_t>(g) * max_seq_len_ + positions_[i]) * hd;
         const size_t src = static_cast<size_t>(i) * kvd + g * hd;
-        std::memcpy(kc + dst, &k_[src], hd * sizeof(float));
-        std::memcpy(vc + dst, &v_[src], hd * sizeof(float));
+        b.Copy(kc + dst, &k_[src], hd);
+        b.Copy(vc + dst, &v_[src], hd);
       }
     }
     if (s.policy != nullptr) {
@@ -718,7 +722,8 @@ absl::StatusOr<absl::Span<const float>> Engine::DecodeBatch(
       }
     }
     QueryKeyValue(w, n);
-    IG_RETURN_IF_ERROR(b.Synchronize());
+    // Offloaded policies read k_ and v_ on the host (staging, speculation).
+    if (offloaded) IG_RETURN_IF_ERROR(b.Synchronize());
     for (int i = 0; i < n; ++i) {
       Slot& s = slots_[slot_ids[i]];
       float* kc = KeyCache(s, l);
@@ -728,8 +733,8 @@ absl::StatusOr<absl::Span<const float>> Engine::DecodeBatch(
       for (int g = 0; g < c.n_kv_heads; ++g) {
         const size_t dst =
             (static_cast<size_t>(g) * max_seq_len_ + s.position) * hd;
-        std::memcpy(kc + dst, kr + g * hd, hd * sizeof(float));
-        std::memcpy(vc + dst, vr + g * hd, hd * sizeof(float));
+        b.Copy(kc + dst, kr + g * hd, hd);
+        b.Copy(vc + dst, vr + g * hd, hd);
       }
       if (!offloaded) {
         LocalAttention(s, l, i, 1, s.position, nullptr);

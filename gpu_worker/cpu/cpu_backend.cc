@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "gpu_worker/backend.h"
@@ -129,6 +130,10 @@ class CpuBackend final : public Backend {
 
   void Relu(float* x, long count) override {
     for (long i = 0; i < count; ++i) x[i] = std::max(x[i], 0.0f);
+  }
+
+  void Copy(float* dst, const float* src, long count) override {
+    std::memcpy(dst, src, count * sizeof(float));
   }
 
   void Add(float* x, const float* y, long count) override {

@@ -384,6 +384,18 @@ class CudaBackend final : public Backend {
     if (ok()) Launched(LaunchAdd(p, stream_), kOp);
   }
 
+  void Copy(float* dst, const float* src, long count) override {
+    constexpr const char* kOp = "Copy";
+    if (!Begin() || count == 0) return;
+    if (count < 0) return FailShape(kOp, absl::StrFormat("count=%d", count));
+    float* d = Out(dst, count, kOp, "dst");
+    const float* s = In(src, count, kOp, "src");
+    if (!ok()) return;
+    CheckCuda(cudaMemcpyAsync(d, s, count * sizeof(float), cudaMemcpyDefault,
+                              stream_),
+              kOp);
+  }
+
  private:
   bool ok() const { return error_.ok(); }
 

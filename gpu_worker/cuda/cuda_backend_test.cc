@@ -230,10 +230,12 @@ TEST_F(CudaBackendTest, PointwiseMatchCpu) {
     SharedVector<float> relu = Shared(gpu_.get(), gate);
     SharedVector<float> add = Shared(gpu_.get(), gate);
     SharedVector<float> gup = Shared(gpu_.get(), up);
+    SharedVector<float> copied = Shared(gpu_.get(), std::vector<float>(count));
     const float* constant_up = Constant(gpu_.get(), up);  // as a position table
     gpu_->SwiGlu(swiglu.data(), gup.data(), count);
     gpu_->Relu(relu.data(), count);
     gpu_->Add(add.data(), constant_up, count);
+    gpu_->Copy(copied.data(), gup.data(), count);
     ASSERT_TRUE(gpu_->Synchronize().ok()) << gpu_->Synchronize();
     for (long i = 0; i < count; ++i) {
       ASSERT_NEAR(swiglu[i], want_swiglu[i],
@@ -241,6 +243,7 @@ TEST_F(CudaBackendTest, PointwiseMatchCpu) {
           << "count=" << count << " i=" << i;
       ASSERT_EQ(relu[i], want_relu[i]) << "count=" << count << " i=" << i;
       ASSERT_EQ(add[i], want_add[i]) << "count=" << count << " i=" << i;
+      ASSERT_EQ(copied[i], up[i]) << "count=" << count << " i=" << i;
     }
   }
 }
