@@ -711,8 +711,19 @@ absl::StatusOr<absl::Span<const float>> Engine::DecodeBatch(
       return opt ? v.data() : nullptr;
     };
     AttentionNorm(w, n);
+    if (offloaded && options_.policy.same_layer_input && l > 0) {
+      // Diagnostic: layer l's selection from its own input (no overlap).
+      IG_RETURN_IF_ERROR(b.Synchronize());
+      for (int i = 0; i < n; ++i) {
+        Slot& s = slots_[slot_ids[i]];
+        std::memcpy(s.xb_prev.data(), &xb_[static_cast<size_t>(i) * dim],
+                    dim * sizeof(float));
+        IG_RETURN_IF_ERROR(IssueFetch(s, l, s.xb_prev.data()));
+      }
+    }
     // Layer l + 1's fetch leaves before layer l's attention and MLP run.
-    if (offloaded && l + 1 < c.n_layers) {
+    if (offloaded && !options_.policy.same_layer_input &&
+        l + 1 < c.n_layers) {
       IG_RETURN_IF_ERROR(b.Synchronize());
       for (int i = 0; i < n; ++i) {
         Slot& s = slots_[slot_ids[i]];

@@ -83,6 +83,11 @@ ABSL_FLAG(double, budget, 0.2,
           "infinigen: cap on tokens fetched per head as a fraction of the "
           "cached tokens; h2o: fraction kept (half heavy hitters, half "
           "recent).");
+ABSL_FLAG(bool, same_layer_input, false,
+          "infinigen, diagnostic: speculate each layer's selection from its "
+          "own attention input instead of the previous layer's (no "
+          "prefetch): measures the cost of the subset apart from the "
+          "speculation error.");
 ABSL_FLAG(std::string, partial_rank, "q",
           "infinigen: rank partial columns by the prompt's summed |q| (q, "
           "the reference) or by |q| times |k| (qk).");
@@ -151,6 +156,7 @@ const std::map<std::string, Command>& Commands() {
         "decodes through a KV policy and reports the rows it fetched.",
         {"model", "tokenizer", "text", "ctx", "max_windows", "json",
          "prompt_tokens", "policy", "alpha", "partial_ratio", "partial_rank",
+         "same_layer_input",
          "budget", "skew", "kv_service", "kv_auth_token_file", "backend", "kv_capacity", "eviction",
          "calibration_tokens", "threads"}}},
       {"bench-decode",
@@ -269,6 +275,7 @@ absl::StatusOr<PolicySetup> SetUpPolicy(const model::Weights& weights,
         absl::StrFormat("--partial_rank must be q or qk, got '%s'", rank));
   }
   s.options.policy.rank_columns_by_keys = rank == "qk";
+  s.options.policy.same_layer_input = absl::GetFlag(FLAGS_same_layer_input);
   s.options.kv_capacity = absl::GetFlag(FLAGS_kv_capacity);
   if (s.options.policy.kind == gpu_worker::PolicyKind::kIdeal) return s;
   const model::ModelConfig& c = weights.config;

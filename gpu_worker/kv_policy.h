@@ -56,6 +56,11 @@ struct PolicyOptions {
   // the summed |q A| (the reference); true: by summed |q A| times summed
   // |k A|, the columns whose products carry the scores (our variant).
   bool rank_columns_by_keys = false;
+  // Diagnostic (accuracy only): speculate each layer's selection from that
+  // layer's own attention input instead of the previous layer's, so the
+  // fetch cannot leave early. Separates the loss of attending to a subset
+  // from the error of speculating one layer ahead.
+  bool same_layer_input = false;
   // infinigen: the skew matrices (not owned; must outlive the engine).
   // Required for infinigen.
   const speculator::SkewMatrices* skew = nullptr;

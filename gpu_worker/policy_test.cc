@@ -173,6 +173,28 @@ TEST_F(PolicyTest, InfiniGenFetchesWithinTheCapAndTracksFull) {
   EXPECT_LT(tight.stats.fraction_mean(), inf.stats.fraction_mean());
 }
 
+TEST_F(PolicyTest, SameLayerInputSpeculatesFromTheLayersOwnInput) {
+  PolicyOptions all = Policy(PolicyKind::kInfiniGen);
+  all.alpha = 1e9f;
+  all.budget = 1.0f;
+  all.skew = skew_;
+  all.same_layer_input = true;
+  Run every = TeacherForced(all, 8);
+  Run full = TeacherForced(Policy(PolicyKind::kFull), 8);
+  ASSERT_EQ(every.logits, full.logits);
+  // At a 20% cap the layer's own query picks other rows than the previous
+  // layer's input does, within the same cap.
+  PolicyOptions own = all;
+  own.budget = 0.2f;
+  own.partial_ratio = 1.0f;
+  PolicyOptions ahead = own;
+  ahead.same_layer_input = false;
+  Run by_own = TeacherForced(own, 8);
+  Run by_ahead = TeacherForced(ahead, 8);
+  EXPECT_NE(by_own.logits, by_ahead.logits);
+  EXPECT_LT(by_own.stats.fraction_max, 0.4 + 0.6 * 0.2 + 0.6 / 8 + 1e-9);
+}
+
 TEST_F(PolicyTest, ColumnRankingByKeysChangesOnlyWhichColumns) {
   // With every column kept the ranking cannot matter: identical logits.
   PolicyOptions q = Policy(PolicyKind::kInfiniGen);
