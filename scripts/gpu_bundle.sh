@@ -2,7 +2,7 @@
 # Builds on this (CPU) machine and bundles what a GPU host without Bazel or
 # a package registry needs to run the GPU tests and benchmarks:
 #
-#   scripts/gpu_bundle.sh [--out=DIR] [--no_cuda_libs] [--no_smollm2]
+#   scripts/gpu_bundle.sh [--out=DIR] [--no_cuda_libs] [--no_smollm2] [--archive]
 #
 # DIR (default device_bundle/, git-ignored) receives bin/ (infinigen,
 # kv_memory_server, h2d_bandwidth and the CUDA test binaries), lib/ (every
@@ -11,6 +11,10 @@
 # cached it, and run.sh (scripts/gpu_host_run.sh). On the GPU host:
 #
 #   DIR/run.sh OUT_DIR
+#
+# --archive also writes DIR.tar.xz (for hosts reached through a size-limited
+# copy, such as the device machine's 64 MiB carry): unpack it there with
+# `tar -xJf DIR.tar.xz`.
 #
 # --no_cuda_libs leaves out libcudart/libcublas (hundreds of MB) for hosts
 # that have a CUDA 13 runtime of their own; run.sh then looks for them in
@@ -21,11 +25,13 @@ cd "${ROOT}"
 OUT="${ROOT}/device_bundle"
 CUDA_LIBS=1
 SMOLLM2=1
+ARCHIVE=0
 for arg in "$@"; do
   case "${arg}" in
     --out=*) OUT="${arg#--out=}" ;;
     --no_cuda_libs) CUDA_LIBS=0 ;;
     --no_smollm2) SMOLLM2=0 ;;
+    --archive) ARCHIVE=1 ;;
     -h|--help) awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "$0"; exit 0 ;;
     *) echo "gpu_bundle.sh: unknown argument '${arg}' (see --help)" >&2; exit 2 ;;
   esac
@@ -60,11 +66,14 @@ fi
 
 # Shared libraries: everything ldd resolves except the C library family and
 # the driver (libcuda comes with the host's driver).
-for b in "${OUT}"/bin/*; do
-  ldd "${b}" | awk '/=> \//{print $3}'
+# ldd the binaries where Bazel built them: test binaries find Bazel's own
+# shared libraries (_solib_*) through rpaths relative to that place.
+for t in "${TARGETS[@]}"; do
+  ldd "bazel-bin/$(echo "${t#//}" | tr ':' '/')" | awk '/=> \//{print $3}'
 done | sort -u | while read -r lib; do
   name="$(basename "${lib}")"
   case "${name}" in
+    *"=> not found"*) ;;
     libc.so*|libm.so*|libdl.so*|librt.so*|libpthread.so*|ld-linux*|libcuda.so*) continue ;;
     libcudart.so*|libcublas.so*|libcublasLt.so*)
       [ "${CUDA_LIBS}" = 1 ] || continue ;;
@@ -74,4 +83,10 @@ done
 cp scripts/gpu_host_run.sh "${OUT}/run.sh"
 chmod +x "${OUT}/run.sh"
 du -sh "${OUT}" >&2
-echo "${OUT}"
+if [ "${ARCHIVE}" = 1 ]; then
+  tar -C "$(dirname "${OUT}")" -cJf "${OUT}.tar.xz" "$(basename "${OUT}")"
+  du -sh "${OUT}.tar.xz" >&2
+  echo "${OUT}.tar.xz"
+else
+  echo "${OUT}"
+fi
