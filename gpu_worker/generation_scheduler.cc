@@ -130,6 +130,11 @@ absl::StatusOr<std::unique_ptr<GenerationScheduler>> GenerationScheduler::Create
   if (engine == nullptr) {
     return absl::InvalidArgumentError("generation scheduler: no engine");
   }
+  if (options.max_prefills_per_step < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "generation scheduler: max_prefills_per_step must be >= 0, got ",
+        options.max_prefills_per_step));
+  }
   if (options.max_queue < 1) {
     return absl::InvalidArgumentError(absl::StrCat(
         "generation scheduler: max_queue must be at least 1, got ",
@@ -330,7 +335,9 @@ void GenerationScheduler::Loop() {
         mu_.Await(absl::Condition(&work));
       }
       if (abort_) break;
-      while (!free_slots_.empty() && !queue_.empty()) {
+      const int limit = options_.max_prefills_per_step;
+      while (!free_slots_.empty() && !queue_.empty() &&
+             (limit == 0 || static_cast<int>(admitted.size()) < limit)) {
         std::unique_ptr<Sequence> seq = std::move(queue_.front());
         queue_.pop_front();
         if (seq->stream->cancelled()) {

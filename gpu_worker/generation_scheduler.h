@@ -120,6 +120,10 @@ struct GenerationSchedulerOptions {
   // Largest max_new_tokens a request may ask for; 0: the engine's
   // max_seq_len.
   int max_new_tokens_limit = 0;
+  // New requests prefilled between two decode steps; 0: every waiting
+  // request that has a slot. A small number keeps the streams already
+  // decoding from stalling behind a burst of long prompts.
+  int max_prefills_per_step = 1;
   // Tests: called on the scheduler thread before every decode step.
   std::function<void()> before_decode_step;
 };

@@ -5,6 +5,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <memory>
@@ -287,6 +288,34 @@ TEST_F(GenerationServiceTest, QueuedRequestsTakeFreedSlots) {
   ExpectSameAsAlone(alone, Together(requests));
 }
 
+// A burst of requests joins the running batch one prefill per decode step
+// (max_prefills_per_step = 1, the default), and gets the same tokens.
+TEST_F(GenerationServiceTest, BurstJoinsOnePrefillPerStep) {
+  GenerationSchedulerOptions options;
+  absl::Mutex mu;
+  std::vector<int> active;  // in slots at each decode step
+  options.before_decode_step = [&] {
+    const int a = server_->scheduler().stats().active;
+    absl::MutexLock lock(&mu);
+    active.push_back(a);
+  };
+  StartServer(/*batch=*/8, options);
+  const std::vector<worker::GenerateRequest> requests = MixedRequests();
+  const std::vector<Generation> alone = Alone(requests);
+  {
+    absl::MutexLock lock(&mu);
+    active.clear();
+  }
+  ExpectSameAsAlone(alone, Together(requests));
+  absl::MutexLock lock(&mu);
+  ASSERT_FALSE(active.empty());
+  EXPECT_EQ(active.front(), 1);
+  for (size_t i = 1; i < active.size(); ++i) {
+    EXPECT_LE(active[i], active[i - 1] + 1) << "step " << i;
+  }
+  EXPECT_GT(*std::max_element(active.begin(), active.end()), 1);
+}
+
 TEST_F(GenerationServiceTest, CancelledClientDoesNotDisturbTheOthers) {
   GenerationSchedulerOptions options;
   // Slow decoding down so the cancel lands mid-generation.
@@ -548,6 +577,14 @@ TEST(GenerationScheduler, RejectsBadOptions) {
   auto s = GenerationScheduler::Create(std::move(*engine), **tok, options);
   EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(GenerationScheduler::Create(nullptr, **tok).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  auto engine2 = Engine::Create(*w, NewCpuBackend());
+  ASSERT_TRUE(engine2.ok()) << engine2.status();
+  GenerationSchedulerOptions negative;
+  negative.max_prefills_per_step = -1;
+  EXPECT_EQ(GenerationScheduler::Create(std::move(*engine2), **tok, negative)
+                .status()
+                .code(),
             absl::StatusCode::kInvalidArgument);
 }
 

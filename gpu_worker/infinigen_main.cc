@@ -120,6 +120,9 @@ ABSL_FLAG(std::string, listen, "",
 ABSL_FLAG(int, max_batch, 8,
           "serve: sequences generating at once (the engine's slots); more "
           "requests wait in the queue.");
+ABSL_FLAG(int, max_prefills_per_step, 1,
+          "serve: new requests prefilled between two decode steps (0: all "
+          "that have a slot); small values keep running streams smooth.");
 ABSL_FLAG(int, max_queue, 64,
           "serve: requests waiting for a slot; beyond it requests get "
           "RESOURCE_EXHAUSTED.");
@@ -175,6 +178,7 @@ const std::map<std::string, Command>& Commands() {
         "--max_batch sequences decoded together. SIGTERM or SIGINT stops "
         "taking requests, lets streams finish for --drain_timeout, exits 0.",
         {"model", "tokenizer", "listen", "max_batch", "max_queue",
+         "max_prefills_per_step",
          "drain_timeout", "max_seq_len", "policy", "alpha", "partial_ratio",
          "partial_rank",
          "budget", "skew", "kv_service", "kv_auth_token_file", "backend", "kv_capacity", "eviction",
@@ -785,6 +789,8 @@ int RunServe() {
   if (!engine.ok()) return Fail(kExitUsage, engine.status());
   gpu_worker::GenerationSchedulerOptions scheduler_options;
   scheduler_options.max_queue = absl::GetFlag(FLAGS_max_queue);
+  scheduler_options.max_prefills_per_step =
+      absl::GetFlag(FLAGS_max_prefills_per_step);
   auto scheduler = gpu_worker::GenerationScheduler::Create(
       std::move(*engine), *m->tokenizer, scheduler_options);
   if (!scheduler.ok()) return Fail(kExitUsage, scheduler.status());
