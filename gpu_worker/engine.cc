@@ -277,6 +277,9 @@ void Engine::Embed(const int* tokens, const int* positions, int n) {
     std::memcpy(&x_[static_cast<size_t>(i) * dim],
                 &weights_.token_embedding[static_cast<size_t>(tokens[i]) * dim],
                 dim * sizeof(float));
+  }
+  // Every host write to x_ is done before the first asynchronous Add on it.
+  for (int i = 0; i < n; ++i) {
     if (c.arch == Architecture::kOpt) {
       const float* pos = &weights_.position_embedding[
           static_cast<size_t>(positions[i] + ModelConfig::kOptPositionOffset) *
@@ -417,23 +420,26 @@ absl::Status Engine::ForwardChunk(Slot& s, const int* tokens, int n,
                 [&](int r) { return r % c.n_kv_heads; });
     }
     if (options_.observer) options_.observer(l, q_.data(), k_.data(), n);
-    // Append this chunk's keys and values: [pos][kv_head][d] -> cache layout.
-    float* kc = KeyCache(s, l);
-    float* vc = ValueCache(s, l);
-    for (int i = 0; i < n; ++i) {
-      for (int g = 0; g < c.n_kv_heads; ++g) {
-        const size_t dst =
-            (static_cast<size_t>(g) * max_seq_len_ + positions_[i]) * hd;
-        const size_t src = static_cast<size_t>(i) * kvd + g * hd;
-        b.Copy(kc + dst, &k_[src], hd);
-        b.Copy(vc + dst, &v_[src], hd);
-      }
-    }
+    // The host reads k_ and v_ before the Copy ops below are queued.
     if (s.policy != nullptr) {
       // Rows for the memory node: [layer][token][kv_head][row_width].
       const size_t at = static_cast<size_t>(l) * n * c.n_kv_heads * row_width_;
       s.policy->EncodeRows(k_.data(), n * c.n_kv_heads, &k_stage_[at]);
       s.policy->EncodeRows(v_.data(), n * c.n_kv_heads, &v_stage_[at]);
+    }
+    // Append this chunk's keys and values: [pos][kv_head][d] -> cache layout.
+    // (positions_[i] == s.position + i; positions_ itself is not read on the
+    // host while Rope may still read it.)
+    float* kc = KeyCache(s, l);
+    float* vc = ValueCache(s, l);
+    for (int i = 0; i < n; ++i) {
+      for (int g = 0; g < c.n_kv_heads; ++g) {
+        const size_t dst =
+            (static_cast<size_t>(g) * max_seq_len_ + s.position + i) * hd;
+        const size_t src = static_cast<size_t>(i) * kvd + g * hd;
+        b.Copy(kc + dst, &k_[src], hd);
+        b.Copy(vc + dst, &v_[src], hd);
+      }
     }
     const bool probs = s.policy != nullptr && s.policy->WantsPrefillProbs();
     if (probs) {
@@ -610,6 +616,8 @@ absl::Status Engine::FetchedAttention(Slot& s, int layer, int row) {
   const float* k_new = &k_[static_cast<size_t>(row) * c.kv_dim()];
   const float* v_new = &v_[static_cast<size_t>(row) * c.kv_dim()];
   float* att = &att_[static_cast<size_t>(row) * c.q_dim()];
+  // Every host write to kf_, vf_ and probs_ comes before the first
+  // asynchronous Attention over them.
   for (int g = 0; g < c.n_kv_heads; ++g) {
     const int begin = plan.head_offsets[g];
     const int count = plan.head_offsets[g + 1] - begin;
@@ -624,6 +632,18 @@ absl::Status Engine::FetchedAttention(Slot& s, int layer, int row) {
                 hd * sizeof(float));
     std::memcpy(vg + static_cast<size_t>(count) * hd, v_new + g * hd,
                 hd * sizeof(float));
+    if (want_probs) {
+      for (int h = g * group; h < (g + 1) * group; ++h) {
+        float* pr = probs_.data() + static_cast<size_t>(h) * stride;
+        std::fill(pr, pr + count + 1, 0.0f);
+      }
+    }
+  }
+  for (int g = 0; g < c.n_kv_heads; ++g) {
+    const int begin = plan.head_offsets[g];
+    const int count = plan.head_offsets[g + 1] - begin;
+    float* kg = kf_.data() + static_cast<size_t>(g) * stride * hd;
+    float* vg = vf_.data() + static_cast<size_t>(g) * stride * hd;
     for (int h = g * group; h < (g + 1) * group; ++h) {
       AttentionParams p;
       p.q = q + h * hd;
@@ -638,9 +658,7 @@ absl::Status Engine::FetchedAttention(Slot& s, int layer, int row) {
       p.kv_len0 = count + 1;
       p.scale = scale;
       if (want_probs) {
-        float* pr = probs_.data() + static_cast<size_t>(h) * stride;
-        std::fill(pr, pr + count + 1, 0.0f);
-        p.prob_sums = pr;
+        p.prob_sums = probs_.data() + static_cast<size_t>(h) * stride;
       }
       backend_->Attention(p);
     }
@@ -741,6 +759,12 @@ absl::StatusOr<absl::Span<const float>> Engine::DecodeBatch(
       float* vc = ValueCache(s, l);
       const float* kr = &k_[static_cast<size_t>(i) * kvd];
       const float* vr = &v_[static_cast<size_t>(i) * kvd];
+      // The host reads k_ and v_ before this slot's Copy ops are queued.
+      if (offloaded) {
+        const size_t at = static_cast<size_t>(l) * c.n_kv_heads * row_width_;
+        s.policy->EncodeRows(kr, c.n_kv_heads, &s.k_step[at]);
+        s.policy->EncodeRows(vr, c.n_kv_heads, &s.v_step[at]);
+      }
       for (int g = 0; g < c.n_kv_heads; ++g) {
         const size_t dst =
             (static_cast<size_t>(g) * max_seq_len_ + s.position) * hd;
@@ -751,9 +775,6 @@ absl::StatusOr<absl::Span<const float>> Engine::DecodeBatch(
         LocalAttention(s, l, i, 1, s.position, nullptr);
         continue;
       }
-      const size_t at = static_cast<size_t>(l) * c.n_kv_heads * row_width_;
-      s.policy->EncodeRows(kr, c.n_kv_heads, &s.k_step[at]);
-      s.policy->EncodeRows(vr, c.n_kv_heads, &s.v_step[at]);
       IG_RETURN_IF_ERROR(FetchedAttention(s, l, i));
       s.policy->OnDecodeAppend(l, s.position, kr);
     }
