@@ -9,6 +9,7 @@
 #include <cstring>
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_format.h"
 
 namespace infinigen {
@@ -79,6 +80,16 @@ absl::StatusOr<std::string> ReadFileToString(const std::string& path) {
   absl::StatusOr<MappedFile> f = MappedFile::Open(path);
   if (!f.ok()) return f.status();
   return std::string(f->view());
+}
+
+absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
+  absl::StatusOr<std::string> text = ReadFileToString(path);
+  if (!text.ok()) return text.status();
+  std::string token(absl::StripAsciiWhitespace(*text));
+  if (token.empty()) {
+    return absl::InvalidArgumentError(path + " is empty");
+  }
+  return token;
 }
 
 }  // namespace infinigen

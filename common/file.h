@@ -44,6 +44,11 @@ class MappedFile {
 // The whole file as a string (for small text files such as config.json).
 absl::StatusOr<std::string> ReadFileToString(const std::string& path);
 
+// A secret such as an auth token: the file's contents without surrounding
+// whitespace. ReadFileToString's errors, or InvalidArgument naming the file
+// when nothing is left.
+absl::StatusOr<std::string> ReadTokenFile(const std::string& path);
+
 }  // namespace infinigen
 
 #endif  // INFINIGEN_COMMON_FILE_H_

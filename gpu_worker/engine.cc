@@ -729,25 +729,17 @@ absl::StatusOr<absl::Span<const float>> Engine::DecodeBatch(
       return opt ? v.data() : nullptr;
     };
     AttentionNorm(w, n);
-    if (offloaded && options_.policy.same_layer_input && l > 0) {
-      // Diagnostic: layer l's selection from its own input (no overlap).
+    // Layer l + 1's fetch leaves before layer l's attention and MLP run
+    // (with the same_layer_input diagnostic, layer l's leaves now, from its
+    // own input; layer 0's left at the start of the step).
+    const int fetch_layer = options_.policy.same_layer_input ? l : l + 1;
+    if (offloaded && fetch_layer > 0 && fetch_layer < c.n_layers) {
       IG_RETURN_IF_ERROR(b.Synchronize());
       for (int i = 0; i < n; ++i) {
         Slot& s = slots_[slot_ids[i]];
         std::memcpy(s.xb_prev.data(), &xb_[static_cast<size_t>(i) * dim],
                     dim * sizeof(float));
-        IG_RETURN_IF_ERROR(IssueFetch(s, l, s.xb_prev.data()));
-      }
-    }
-    // Layer l + 1's fetch leaves before layer l's attention and MLP run.
-    if (offloaded && !options_.policy.same_layer_input &&
-        l + 1 < c.n_layers) {
-      IG_RETURN_IF_ERROR(b.Synchronize());
-      for (int i = 0; i < n; ++i) {
-        Slot& s = slots_[slot_ids[i]];
-        std::memcpy(s.xb_prev.data(), &xb_[static_cast<size_t>(i) * dim],
-                    dim * sizeof(float));
-        IG_RETURN_IF_ERROR(IssueFetch(s, l + 1, s.xb_prev.data()));
+        IG_RETURN_IF_ERROR(IssueFetch(s, fetch_layer, s.xb_prev.data()));
       }
     }
     QueryKeyValue(w, n);

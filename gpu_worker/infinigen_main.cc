@@ -22,7 +22,6 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
-#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -144,45 +143,48 @@ struct Command {
   std::vector<const char*> flags;
 };
 
+// `own` followed by the flags of every command that builds an engine: the
+// KV policy, the memory node and the device.
+std::vector<const char*> WithEngineFlags(std::vector<const char*> own) {
+  for (const char* f :
+       {"policy", "alpha", "partial_ratio", "partial_rank", "budget", "skew",
+        "kv_service", "kv_auth_token_file", "kv_capacity", "eviction",
+        "backend", "threads"}) {
+    own.push_back(f);
+  }
+  return own;
+}
+
 const std::map<std::string, Command>& Commands() {
   static const auto* commands = new std::map<std::string, Command>{
       {"generate",
        {"Writes the prompt and the model's continuation to stdout.",
-        {"model", "tokenizer", "prompt", "max_new_tokens", "temperature",
-         "top_p", "seed", "max_seq_len", "policy", "alpha", "partial_ratio",
-         "partial_rank",
-         "budget", "skew", "kv_service", "kv_auth_token_file", "backend", "kv_capacity", "eviction",
-         "calibration_tokens", "threads"}}},
+        WithEngineFlags({"model", "tokenizer", "prompt", "max_new_tokens",
+                         "temperature", "top_p", "seed", "max_seq_len",
+                         "calibration_tokens"})}},
       {"perplexity",
        {"Scores a text file in windows of --ctx tokens and reports the mean "
         "negative log-likelihood and the perplexity; with --prompt_tokens, "
         "decodes through a KV policy and reports the rows it fetched.",
-        {"model", "tokenizer", "text", "ctx", "max_windows", "json",
-         "prompt_tokens", "policy", "alpha", "partial_ratio", "partial_rank",
-         "same_layer_input",
-         "budget", "skew", "kv_service", "kv_auth_token_file", "backend", "kv_capacity", "eviction",
-         "calibration_tokens", "threads"}}},
+        WithEngineFlags({"model", "tokenizer", "text", "ctx", "max_windows",
+                         "json", "prompt_tokens", "same_layer_input",
+                         "calibration_tokens"})}},
       {"bench-decode",
        {"Fills --ctx tokens of context per sequence (from --text, else "
         "synthetic), decodes --decode_tokens steps of --batch sequences "
         "under each policy of the comma-separated --policy, and reports "
         "per-token latency (p50, p99), tokens/s, KV bytes fetched per token "
         "and the time spent waiting on fetches.",
-        {"model", "tokenizer", "text", "ctx", "batch", "decode_tokens",
-         "policy", "alpha", "partial_ratio", "partial_rank", "budget", "skew", "kv_service", "kv_auth_token_file", "backend",
-         "kv_capacity", "eviction", "calibration_tokens", "json",
-         "threads"}}},
+        WithEngineFlags({"model", "tokenizer", "text", "ctx", "batch",
+                         "decode_tokens", "calibration_tokens", "json"})}},
       {"serve",
        {"Serves the Worker gRPC generation API (proto/worker.proto) and "
         "grpc.health.v1 on --listen: token streams to many clients, "
         "--max_batch sequences decoded together. SIGTERM or SIGINT stops "
         "taking requests, lets streams finish for --drain_timeout, exits 0.",
-        {"model", "tokenizer", "listen", "max_batch", "max_queue",
-         "max_prefills_per_step",
-         "drain_timeout", "max_seq_len", "policy", "alpha", "partial_ratio",
-         "partial_rank",
-         "budget", "skew", "kv_service", "kv_auth_token_file", "backend", "kv_capacity", "eviction",
-         "threads"}}},
+        WithEngineFlags({"model", "tokenizer", "listen", "max_batch",
+                         "max_queue", "max_prefills_per_step",
+                         "drain_timeout", "max_seq_len"})}},
       {"skew",
        {"Computes InfiniGen's skew matrices from calibration text and writes "
         "them to --out.",
@@ -214,18 +216,25 @@ std::string CommandUsage(const std::string& name, const Command& cmd) {
   return s;
 }
 
-int Fail(int code, const absl::Status& status);
+int Fail(int code, const absl::Status& status) {
+  std::fprintf(stderr, "infinigen: %s\n", std::string(status.message()).c_str());
+  return code;
+}
 
-// A --backend that cannot start: a usage error for an unknown name, a
-// failure when the device is missing.
-int BackendFailure(const absl::Status& status) {
+// An engine that cannot be created: a usage error for bad flags (an unknown
+// --backend, options out of range), a failure otherwise (no CUDA device, an
+// unreachable memory node).
+int EngineFailure(const absl::Status& status) {
   return Fail(absl::IsInvalidArgument(status) ? kExitUsage : kExitFailure,
               status);
 }
 
-int Fail(int code, const absl::Status& status) {
-  std::fprintf(stderr, "infinigen: %s\n", std::string(status.message()).c_str());
-  return code;
+// The engine over `weights` on the --backend device.
+absl::StatusOr<std::unique_ptr<Engine>> CreateEngine(
+    const model::Weights& weights, const EngineOptions& options) {
+  IG_ASSIGN_OR_RETURN(auto backend,
+                      gpu_worker::NewBackend(absl::GetFlag(FLAGS_backend)));
+  return Engine::Create(weights, std::move(backend), options);
 }
 
 // Model loading errors caused by the user's paths are usage errors.
@@ -304,17 +313,12 @@ absl::StatusOr<PolicySetup> SetUpPolicy(const model::Weights& weights,
   kv_memory_service::KvClientOptions client_options;
   if (const std::string token_file = absl::GetFlag(FLAGS_kv_auth_token_file);
       !token_file.empty()) {
-    auto token = ReadFileToString(token_file);
+    auto token = ReadTokenFile(token_file);
     if (!token.ok()) {
       return absl::InvalidArgumentError(
           absl::StrCat("--kv_auth_token_file: ", token.status().message()));
     }
-    client_options.auth_token =
-        std::string(absl::StripAsciiWhitespace(*token));
-    if (client_options.auth_token.empty()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--kv_auth_token_file: ", token_file, " is empty"));
-    }
+    client_options.auth_token = *std::move(token);
   }
   IG_ASSIGN_OR_RETURN(
       client_options.inproc_store_options.eviction,
@@ -357,10 +361,8 @@ int RunGenerate() {
     options.max_seq_len = std::min<int>(m->weights.config.max_seq_len,
                                         tokens.size() + max_new);
   }
-  auto backend = gpu_worker::NewBackend(absl::GetFlag(FLAGS_backend));
-  if (!backend.ok()) return BackendFailure(backend.status());
-  auto engine = Engine::Create(m->weights, std::move(*backend), options);
-  if (!engine.ok()) return Fail(kExitUsage, engine.status());
+  auto engine = CreateEngine(m->weights, options);
+  if (!engine.ok()) return EngineFailure(engine.status());
   if (static_cast<int>(tokens.size()) >= (*engine)->max_seq_len()) {
     return Fail(kExitUsage,
                 absl::InvalidArgumentError(absl::StrFormat(
@@ -471,10 +473,8 @@ int RunPerplexity() {
   if (!setup.ok()) return Fail(kExitUsage, setup.status());
   EngineOptions& options = setup->options;
   options.max_seq_len = ctx;
-  auto backend = gpu_worker::NewBackend(absl::GetFlag(FLAGS_backend));
-  if (!backend.ok()) return BackendFailure(backend.status());
-  auto engine = Engine::Create(run->model.weights, std::move(*backend), options);
-  if (!engine.ok()) return Fail(kExitUsage, engine.status());
+  auto engine = CreateEngine(run->model.weights, options);
+  if (!engine.ok()) return EngineFailure(engine.status());
   const int chunk = options.max_chunk;
 
   double nll_sum = 0.0;
@@ -641,10 +641,8 @@ int RunBenchDecode() {
     EngineOptions& options = setup->options;
     options.max_seq_len = ctx + steps;
     options.batch = batch;
-    auto backend = gpu_worker::NewBackend(absl::GetFlag(FLAGS_backend));
-    if (!backend.ok()) return BackendFailure(backend.status());
-    auto engine = Engine::Create(m->weights, std::move(*backend), options);
-    if (!engine.ok()) return Fail(kExitUsage, engine.status());
+    auto engine = CreateEngine(m->weights, options);
+    if (!engine.ok()) return EngineFailure(engine.status());
     DecodeBenchResult r;
     r.policy = policy;
     r.backend = (*engine)->backend().name();
@@ -783,10 +781,8 @@ int RunServe() {
   EngineOptions& options = setup->options;
   options.max_seq_len = absl::GetFlag(FLAGS_max_seq_len);
   options.batch = max_batch;
-  auto backend = gpu_worker::NewBackend(absl::GetFlag(FLAGS_backend));
-  if (!backend.ok()) return BackendFailure(backend.status());
-  auto engine = Engine::Create(m->weights, std::move(*backend), options);
-  if (!engine.ok()) return Fail(kExitUsage, engine.status());
+  auto engine = CreateEngine(m->weights, options);
+  if (!engine.ok()) return EngineFailure(engine.status());
   gpu_worker::GenerationSchedulerOptions scheduler_options;
   scheduler_options.max_queue = absl::GetFlag(FLAGS_max_queue);
   scheduler_options.max_prefills_per_step =

@@ -19,7 +19,6 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
-#include "absl/strings/ascii.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/time.h"
 #include "common/file.h"
@@ -113,16 +112,12 @@ int Run() {
   }
   const std::string token_file = absl::GetFlag(FLAGS_auth_token_file);
   if (!token_file.empty()) {
-    absl::StatusOr<std::string> token = ReadFileToString(token_file);
+    absl::StatusOr<std::string> token = ReadTokenFile(token_file);
     if (!token.ok()) {
       return UsageError(absl::StrCat("--auth_token_file: ",
                                      token.status().message()));
     }
-    options.auth_token = std::string(absl::StripAsciiWhitespace(*token));
-    if (options.auth_token.empty()) {
-      return UsageError(
-          absl::StrCat("--auth_token_file: ", token_file, " is empty"));
-    }
+    options.auth_token = *std::move(token);
   }
 
   // Every thread gRPC starts inherits this mask, so only sigwait below sees

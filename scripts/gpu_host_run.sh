@@ -28,7 +28,10 @@ export LD_LIBRARY_PATH="${HERE}/lib${LD_LIBRARY_PATH:+:${LD_LIBRARY_PATH}}"
 # CUDA runtime libraries the bundle left out: the host's toolkit or the
 # nvidia wheels of its Python.
 if [ ! -e "${HERE}/lib/libcublas.so.13" ]; then
-  for d in /usr/local/cuda/lib64 $(python3 -c 'import site,glob;print(" ".join(sorted({p.rsplit("/",1)[0] for s in site.getsitepackages() for p in glob.glob(s+"/nvidia/**/libcublas*.so*", recursive=True)})))' 2>/dev/null) $(python3 -c 'import site,glob;print(" ".join(sorted({p.rsplit("/",1)[0] for s in site.getsitepackages() for p in glob.glob(s+"/nvidia/**/libcudart*.so*", recursive=True)})))' 2>/dev/null); do
+  wheels="$(python3 -c 'import glob, os, site
+print(" ".join(sorted({os.path.dirname(p) for s in site.getsitepackages()
+    for p in glob.glob(s + "/nvidia/**/libcu*.so*", recursive=True)})))' 2>/dev/null)"
+  for d in /usr/local/cuda/lib64 ${wheels}; do
     [ -d "${d}" ] && LD_LIBRARY_PATH="${LD_LIBRARY_PATH}:${d}"
   done
 fi

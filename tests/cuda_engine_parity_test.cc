@@ -102,7 +102,7 @@ class CudaEngineParity : public ::testing::Test {
           if (y[j] > y[r * vocab + ay]) ay = v;
           worst = std::max(worst, static_cast<double>(std::abs(x[j] - y[j])));
         }
-        if (abs_tol > 0) {
+        if (abs_tol > 0 || range_frac > 0) {
           EXPECT_LE(worst, abs_tol + range_frac * (hi - lo))
               << "step " << i << " row " << r;
         }

@@ -7,8 +7,6 @@
 // creation fails cleanly for a missing device.
 #include "gpu_worker/cuda/cuda_backend.h"
 
-#include <cuda_runtime.h>
-
 #include <cmath>
 #include <deque>
 #include <iostream>
@@ -17,17 +15,11 @@
 #include <vector>
 
 #include "gpu_worker/backend.h"
+#include "gpu_worker/cuda/parity_testing.h"
 #include "gtest/gtest.h"
 
 namespace infinigen::gpu_worker::cuda {
 namespace {
-
-std::vector<float> Normal(size_t n, std::mt19937& rng, float sd = 1.0f) {
-  std::normal_distribution<float> normal(0.0f, sd);
-  std::vector<float> v(n);
-  for (float& x : v) x = normal(rng);
-  return v;
-}
 
 std::unique_ptr<Backend> NewGpu(bool half_weights) {
   CudaBackendOptions options;
@@ -44,10 +36,8 @@ bool Contains(const absl::Status& status, const std::string& text) {
 class CudaBackendTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    int count = 0;
-    cudaError_t err = cudaGetDeviceCount(&count);
-    if (err != cudaSuccess || count == 0) {
-      GTEST_SKIP() << "no CUDA device: " << cudaGetErrorString(err);
+    if (const std::string why = NoDeviceReason(); !why.empty()) {
+      GTEST_SKIP() << why;
     }
     gpu_ = NewGpu(/*half_weights=*/false);
     ASSERT_NE(gpu_, nullptr);
@@ -248,16 +238,11 @@ TEST_F(CudaBackendTest, PointwiseMatchCpu) {
   }
 }
 
-struct AttentionCase {
-  int n, n_heads, n_kv_heads, head_dim, kv_len0;
-  int extra_stride;  // kv_stride - (kv_len0 + n - 1)
-  bool prob_sums;
-};
-
-// Outputs 1e-4 * (1 + |want|); probability sums 1e-4 * |want| + 1e-7. The
-// backend splits long decode caches over blocks by itself, so the long
-// cases also cover the split path.
+// Tolerances: ExpectAttentionMatches (parity_testing.h). The backend splits
+// long decode caches over blocks by itself, so the long cases also cover
+// the split path.
 TEST_F(CudaBackendTest, AttentionMatchesCpu) {
+  // {n, heads, kv_heads, head_dim, kv_len0, extra_stride, prob_sums}
   const AttentionCase cases[] = {
       {1, 9, 3, 64, 1, 0, true},      {1, 9, 3, 128, 37, 5, true},
       {1, 9, 3, 128, 4096, 3, true},  {1, 9, 3, 64, 4096, 0, false},
@@ -266,34 +251,14 @@ TEST_F(CudaBackendTest, AttentionMatchesCpu) {
       {3, 4, 1, 8, 5, 2, true},       {4, 9, 3, 64, 3000, 0, true},
   };
   for (const AttentionCase& c : cases) {
-    const int kv_max = c.kv_len0 + c.n - 1;
-    const int kv_stride = kv_max + c.extra_stride;
-    const size_t q_size = static_cast<size_t>(c.n) * c.n_heads * c.head_dim;
-    const size_t kv_size =
-        static_cast<size_t>(c.n_kv_heads) * kv_stride * c.head_dim;
-    std::vector<float> q = Normal(q_size, rng_, 2.0f),
-                       k = Normal(kv_size, rng_), v = Normal(kv_size, rng_);
-    std::vector<float> sums(static_cast<size_t>(c.n_heads) * kv_max, 0.5f);
-    AttentionParams a;
-    a.n = c.n;
-    a.n_heads = c.n_heads;
-    a.n_kv_heads = c.n_kv_heads;
-    a.head_dim = c.head_dim;
-    a.kv_stride = kv_stride;
-    a.kv_len0 = c.kv_len0;
-    a.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
-    std::vector<float> want(q_size), want_sums = sums;
-    a.q = q.data();
-    a.k = k.data();
-    a.v = v.data();
-    a.out = want.data();
-    a.prob_sums = c.prob_sums ? want_sums.data() : nullptr;
-    cpu_->Attention(a);
-
-    SharedVector<float> gq = Shared(gpu_.get(), q), gk = Shared(gpu_.get(), k),
-                        gv = Shared(gpu_.get(), v),
-                        gsums = Shared(gpu_.get(), sums);
-    SharedVector<float> gout(q_size, 0.0f, SharedAllocator<float>(gpu_.get()));
+    const AttentionProblem prob = MakeAttentionProblem(c, rng_, *cpu_);
+    SharedVector<float> gq = Shared(gpu_.get(), prob.q),
+                        gk = Shared(gpu_.get(), prob.k),
+                        gv = Shared(gpu_.get(), prob.v),
+                        gsums = Shared(gpu_.get(), prob.sums);
+    SharedVector<float> gout(prob.want.size(), 0.0f,
+                             SharedAllocator<float>(gpu_.get()));
+    AttentionParams a = prob.shape;
     a.q = gq.data();
     a.k = gk.data();
     a.v = gv.data();
@@ -301,26 +266,11 @@ TEST_F(CudaBackendTest, AttentionMatchesCpu) {
     a.prob_sums = c.prob_sums ? gsums.data() : nullptr;
     gpu_->Attention(a);
     ASSERT_TRUE(gpu_->Synchronize().ok()) << gpu_->Synchronize();
-    const std::string where = "n=" + std::to_string(c.n) +
-                              " heads=" + std::to_string(c.n_heads) + "/" +
-                              std::to_string(c.n_kv_heads) +
-                              " head_dim=" + std::to_string(c.head_dim) +
-                              " kv_len0=" + std::to_string(c.kv_len0);
-    for (size_t i = 0; i < q_size; ++i) {
-      ASSERT_NEAR(gout[i], want[i], 1e-4f * (1 + std::abs(want[i])))
-          << where << " i=" << i;
-    }
-    if (c.prob_sums) {
-      for (size_t i = 0; i < sums.size(); ++i) {
-        ASSERT_NEAR(gsums[i], want_sums[i],
-                    1e-4f * std::abs(want_sums[i]) + 1e-7f)
-            << where << " prob_sums[" << i << "]";
-      }
-    }
+    ASSERT_NO_FATAL_FAILURE(
+        ExpectAttentionMatches(prob, gout.data(), gsums.data()));
   }
 }
 
-// Empty operations do nothing, as on the CPU.
 TEST_F(CudaBackendTest, EmptyOperationsAreNoOps) {
   SharedVector<float> x(8, 1.0f, SharedAllocator<float>(gpu_.get()));
   gpu_->Linear(x.data(), 0, 8, x.data(), nullptr, 1, x.data());
@@ -459,10 +409,8 @@ TEST(CudaBackendWithoutDevice, MissingDeviceIsUnavailable) {
 // Without a device, creation reports Unavailable with the reason rather
 // than crashing.
 TEST(CudaBackendWithoutDevice, CreationIsUnavailable) {
-  int count = 0;
-  const cudaError_t err = cudaGetDeviceCount(&count);
   auto backend = CreateCudaBackend(0);
-  if (err == cudaSuccess && count > 0) {
+  if (NoDeviceReason().empty()) {
     EXPECT_TRUE(backend.ok()) << backend.status();
     return;
   }

@@ -18,6 +18,7 @@
 
 #include "common/half.h"
 #include "gpu_worker/backend.h"
+#include "gpu_worker/cuda/parity_testing.h"
 #include "gpu_worker/kv_policy.h"
 #include "gtest/gtest.h"
 #include "model/weights.h"
@@ -54,13 +55,6 @@ class DeviceArray {
   size_t size_;
 };
 
-std::vector<float> Normal(size_t n, std::mt19937& rng, float sd = 1.0f) {
-  std::normal_distribution<float> normal(0.0f, sd);
-  std::vector<float> v(n);
-  for (float& x : v) x = normal(rng);
-  return v;
-}
-
 // The kernel's status, then every launch error and asynchronous fault.
 void ExpectRan(int code) {
   ASSERT_EQ(code, 0) << cudaGetErrorString(static_cast<cudaError_t>(code));
@@ -71,10 +65,8 @@ void ExpectRan(int code) {
 class CudaKernels : public ::testing::Test {
  protected:
   void SetUp() override {
-    int count = 0;
-    cudaError_t err = cudaGetDeviceCount(&count);
-    if (err != cudaSuccess || count == 0) {
-      GTEST_SKIP() << "no CUDA device: " << cudaGetErrorString(err);
+    if (const std::string why = NoDeviceReason(); !why.empty()) {
+      GTEST_SKIP() << why;
     }
   }
   std::unique_ptr<Backend> cpu_ = NewCpuBackend();
@@ -264,53 +256,21 @@ TEST_F(CudaKernels, Int4DequantMatchesInt4Policy) {
   }
 }
 
-struct AttentionCase {
-  int n, n_heads, n_kv_heads, head_dim, kv_len0;
-  int extra_stride;  // kv_stride - (kv_len0 + n - 1)
-  int kv_splits;
-  bool prob_sums;
-};
-
-// Tolerances: outputs 1e-4 * (1 + |want|); probability sums 1e-4 * |want|
-// + 1e-7 (relative: a score's rounding error moves its exp by that much).
+// Tolerances: ExpectAttentionMatches (parity_testing.h).
 TEST_F(CudaKernels, AttentionMatchesCpu) {
+  // {n, heads, kv_heads, head_dim, kv_len0, extra_stride, prob_sums, splits}
   const AttentionCase cases[] = {
-      {1, 9, 3, 64, 1, 0, 1, true},      {1, 9, 3, 128, 37, 5, 1, true},
-      {1, 9, 3, 128, 4096, 3, 1, true},  {1, 9, 3, 128, 4096, 3, 7, true},
-      {1, 9, 3, 64, 33000, 0, 16, true}, {1, 9, 3, 64, 33000, 0, 1, false},
-      {13, 9, 3, 64, 20, 4, 1, true},    {13, 9, 3, 128, 1, 0, 3, true},
-      {64, 8, 8, 80, 100, 0, 1, true},   {3, 4, 1, 8, 5, 2, 1, true},
-      {2, 6, 2, 256, 300, 0, 2, false},  {200, 9, 3, 128, 57, 0, 1, true},
+      {1, 9, 3, 64, 1, 0, true, 1},      {1, 9, 3, 128, 37, 5, true, 1},
+      {1, 9, 3, 128, 4096, 3, true, 1},  {1, 9, 3, 128, 4096, 3, true, 7},
+      {1, 9, 3, 64, 33000, 0, true, 16}, {1, 9, 3, 64, 33000, 0, false, 1},
+      {13, 9, 3, 64, 20, 4, true, 1},    {13, 9, 3, 128, 1, 0, true, 3},
+      {64, 8, 8, 80, 100, 0, true, 1},   {3, 4, 1, 8, 5, 2, true, 1},
+      {2, 6, 2, 256, 300, 0, false, 2},  {200, 9, 3, 128, 57, 0, true, 1},
   };
   for (const AttentionCase& c : cases) {
-    const int kv_max = c.kv_len0 + c.n - 1;
-    const int kv_stride = kv_max + c.extra_stride;
-    const size_t q_size = static_cast<size_t>(c.n) * c.n_heads * c.head_dim;
-    const size_t kv_size =
-        static_cast<size_t>(c.n_kv_heads) * kv_stride * c.head_dim;
-    // Queries twice the keys' scale: peaked softmaxes test the running max.
-    std::vector<float> q = Normal(q_size, rng_, 2.0f),
-                       k = Normal(kv_size, rng_), v = Normal(kv_size, rng_);
-    std::vector<float> sums_init =
-        Normal(static_cast<size_t>(c.n_heads) * kv_max, rng_);
-    for (float& s : sums_init) s = std::abs(s);
-    AttentionParams a;
-    a.n = c.n;
-    a.n_heads = c.n_heads;
-    a.n_kv_heads = c.n_kv_heads;
-    a.head_dim = c.head_dim;
-    a.kv_stride = kv_stride;
-    a.kv_len0 = c.kv_len0;
-    a.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
-    std::vector<float> want(q_size), want_sums = sums_init;
-    a.q = q.data();
-    a.k = k.data();
-    a.v = v.data();
-    a.out = want.data();
-    a.prob_sums = c.prob_sums ? want_sums.data() : nullptr;
-    cpu_->Attention(a);
-
-    DeviceArray<float> dq(q), dk(k), dv(v), dout(q_size), dsums(sums_init);
+    const AttentionProblem prob = MakeAttentionProblem(c, rng_, *cpu_);
+    DeviceArray<float> dq(prob.q), dk(prob.k), dv(prob.v),
+        dout(prob.want.size()), dsums(prob.sums);
     AttentionKernelParams p;
     p.q = dq.get();
     p.k = dk.get();
@@ -320,34 +280,17 @@ TEST_F(CudaKernels, AttentionMatchesCpu) {
     p.n_heads = c.n_heads;
     p.n_kv_heads = c.n_kv_heads;
     p.head_dim = c.head_dim;
-    p.kv_stride = kv_stride;
+    p.kv_stride = prob.shape.kv_stride;
     p.kv_len0 = c.kv_len0;
-    p.scale = a.scale;
+    p.scale = prob.shape.scale;
     p.prob_sums = c.prob_sums ? dsums.get() : nullptr;
     p.kv_splits = c.kv_splits;
     DeviceArray<float> workspace(
         static_cast<size_t>(AttentionWorkspaceFloats(p)));
     p.workspace = c.kv_splits > 1 ? workspace.get() : nullptr;
     ExpectRan(LaunchAttention(p, nullptr));
-    const std::vector<float> got = dout.ToHost();
-    const std::string where = "n=" + std::to_string(c.n) +
-                              " heads=" + std::to_string(c.n_heads) + "/" +
-                              std::to_string(c.n_kv_heads) +
-                              " head_dim=" + std::to_string(c.head_dim) +
-                              " kv_len0=" + std::to_string(c.kv_len0) +
-                              " splits=" + std::to_string(c.kv_splits);
-    for (size_t i = 0; i < got.size(); ++i) {
-      ASSERT_NEAR(got[i], want[i], 1e-4f * (1 + std::abs(want[i])))
-          << where << " i=" << i;
-    }
-    if (c.prob_sums) {
-      const std::vector<float> sums = dsums.ToHost();
-      for (size_t i = 0; i < sums.size(); ++i) {
-        ASSERT_NEAR(sums[i], want_sums[i],
-                    1e-4f * std::abs(want_sums[i]) + 1e-7f)
-            << where << " prob_sums[" << i << "]";
-      }
-    }
+    ASSERT_NO_FATAL_FAILURE(ExpectAttentionMatches(
+        prob, dout.ToHost().data(), dsums.ToHost().data()));
   }
 }
 
