@@ -1,5 +1,6 @@
 // Backend defaults: shared memory is aligned host memory.
 #include <cstdlib>
+#include <cstring>
 
 #include "gpu_worker/backend.h"
 
@@ -12,5 +13,15 @@ void* Backend::AllocateShared(size_t bytes) {
 }
 
 void Backend::FreeShared(void* p) { std::free(p); }
+
+void Backend::DecodeKvRows(const uint16_t* in, int n_rows, int head_dim,
+                           KvRowFormat format, float* rows) {
+  gpu_worker::DecodeKvRows(format, in, n_rows, head_dim, rows);
+}
+
+void Backend::CopyFromHost(void* dst, const void* src, size_t bytes,
+                           Mark after) {
+  std::memcpy(dst, src, bytes);
+}
 
 }  // namespace infinigen::gpu_worker

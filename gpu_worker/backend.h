@@ -5,7 +5,10 @@
 // engine's activations and caches) or lies inside a range registered with
 // RegisterConstant (the model's weights, which a device backend copies to
 // the device once). Operations may run asynchronously: host code reads or
-// writes shared memory only after Synchronize() has returned. Matrices are
+// writes shared memory only after Synchronize() has returned. Rows fetched
+// from the memory node arrive in host memory and reach the backend through
+// CopyFromHost, which a device backend runs on a copy queue beside the
+// operations (pinned with PinHost for full speed). Matrices are
 // row-major. Implementations are not required to be thread-safe: one engine
 // drives one backend.
 #ifndef INFINIGEN_GPU_WORKER_BACKEND_H_
@@ -20,6 +23,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "gpu_worker/kv_rows.h"
 
 namespace infinigen::gpu_worker {
 
@@ -84,6 +88,34 @@ class Backend {
   virtual void Add(float* x, const float* y, long count) = 0;
   // dst[i] = src[i] (the ranges do not overlap).
   virtual void Copy(float* dst, const float* src, long count) = 0;
+  // rows [n_rows, head_dim] = the stored KV rows `in` (`format`, see
+  // kv_rows.h) decoded. Default: DecodeKvRows on the host.
+  virtual void DecodeKvRows(const uint16_t* in, int n_rows, int head_dim,
+                            KvRowFormat format, float* rows);
+
+  // --- Host memory to the backend, beside the operations.
+  // A point in the order of the operations issued so far (0: none).
+  using Mark = uint64_t;
+  virtual Mark MarkIssued() { return 0; }
+  // Copies `bytes` of host memory at src into shared memory dst. The copy
+  // starts once every operation issued before `after` has finished (so it
+  // may overwrite what they read) and every operation issued after this
+  // call sees the data; on a device it runs on a copy queue, overlapping
+  // the operations issued in between. The caller leaves src unchanged
+  // until WaitCopies() returns. Default: memcpy now.
+  virtual void CopyFromHost(void* dst, const void* src, size_t bytes,
+                            Mark after);
+  // Waits until every CopyFromHost issued so far has read its source;
+  // returns the first error (sticky, like Synchronize).
+  virtual absl::Status WaitCopies() { return absl::OkStatus(); }
+  // Pins host memory [p, p + bytes) so that copies from it run at full
+  // speed (CUDA: cudaHostRegister), until UnpinHost(p); it must stay mapped
+  // until then. Unpinned host memory copies too, slower. An error leaves p
+  // unpinned and the backend usable. Default: nothing to do.
+  virtual absl::Status PinHost(void* p, size_t bytes) {
+    return absl::OkStatus();
+  }
+  virtual void UnpinHost(void* p) {}
 };
 
 // std::vector storage from a backend's AllocateShared: the engine's buffers.

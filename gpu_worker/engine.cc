@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "absl/strings/str_format.h"
+#include "common/log.h"
 #include "common/status.h"
 
 namespace infinigen::gpu_worker {
@@ -114,12 +115,24 @@ absl::Status Engine::Init() {
   ctx.backend = host_backend_.get();
   ctx.max_seq_len = max_seq_len_;
   const size_t rows = static_cast<size_t>(c.n_kv_heads) * max_seq_len_;
+  bool pin_warned = false;
   for (Slot& s : slots_) {
     IG_ASSIGN_OR_RETURN(s.policy, KvPolicy::Create(options_.policy, ctx));
     row_width_ = s.policy->RowWidth();
-    for (auto& buffer : s.buffers) {
-      IG_ASSIGN_OR_RETURN(buffer, options_.kv_client->NewFetchBuffer(
-                                      2 * rows * row_width_));
+    for (int i = 0; i < 2; ++i) {
+      IG_ASSIGN_OR_RETURN(s.buffers[i], options_.kv_client->NewFetchBuffer(
+                                            2 * rows * row_width_));
+      const absl::Status pinned = backend_->PinHost(
+          s.buffers[i]->data(), s.buffers[i]->size() * sizeof(uint16_t));
+      s.pinned[i] = pinned.ok();
+      if (!pinned.ok() && !pin_warned) {
+        IG_LOG(WARNING) << "engine: fetch buffers stay pageable (copies run "
+                           "slower): "
+                        << pinned.message();
+        pin_warned = true;
+      }
+      s.staged[i] = SharedVector<uint16_t>(
+          2 * rows * row_width_, 0, SharedAllocator<uint16_t>(backend_.get()));
     }
     s.present.assign(static_cast<size_t>(c.n_layers) * rows, 0);
     s.present_count.assign(c.n_layers, 0);
@@ -134,7 +147,7 @@ absl::Status Engine::Init() {
   v_stage_.resize(stage);
   kf_ = make((rows + c.n_kv_heads) * c.head_dim);
   vf_ = make((rows + c.n_kv_heads) * c.head_dim);
-  fetched_.resize(2 * rows * c.head_dim);
+  new_k_.resize(static_cast<size_t>(c.n_kv_heads) * c.head_dim);
   probs_ = make(static_cast<size_t>(c.n_heads) * (max_seq_len_ + 1));
   if (slots_[0].policy->WantsPrefillProbs()) {
     prefill_probs_ = make(static_cast<size_t>(c.n_heads) * max_seq_len_);
@@ -179,6 +192,14 @@ Engine::~Engine() {
   }
   for (Slot& s : slots_) {
     if (s.seq != 0) options_.kv_client->Close(s.seq).IgnoreError();
+  }
+  // Copies may still read the fetch buffers; unpin them before they go.
+  backend_->WaitCopies().IgnoreError();
+  for (Slot& s : slots_) {
+    for (int i = 0; i < 2; ++i) {
+      s.handles[i].Wait().IgnoreError();
+      if (s.pinned[i]) backend_->UnpinHost(s.buffers[i]->data());
+    }
   }
 }
 
@@ -577,6 +598,9 @@ absl::Status Engine::FinishAppends() {
 
 absl::Status Engine::IssueFetch(Slot& s, int layer, const float* xb_prev) {
   const ModelConfig& c = weights_.config;
+  // The last copy out of this fetch buffer must have read it.
+  IG_RETURN_IF_ERROR(backend_->WaitCopies());
+  s.uploaded[layer % 2] = false;
   kv_memory_service::OwnedFetchPlan& plan = s.plans[layer % 2];
   s.policy->PlanFetch(
       layer, s.position, xb_prev,
@@ -591,52 +615,65 @@ absl::Status Engine::IssueFetch(Slot& s, int layer, const float* xb_prev) {
   return absl::OkStatus();
 }
 
-absl::Status Engine::FetchedAttention(Slot& s, int layer, int row) {
-  const ModelConfig& c = weights_.config;
-  const int hd = c.head_dim, group = c.n_heads / c.n_kv_heads;
+absl::Status Engine::UploadFetched(Slot& s, int layer) {
   const int slot = layer % 2;
+  if (s.uploaded[slot]) return absl::OkStatus();
   const auto t0 = std::chrono::steady_clock::now();
   absl::Status fetched = s.handles[slot].Wait();
   s.stats.wait_seconds += std::chrono::duration<double>(
                               std::chrono::steady_clock::now() - t0)
                               .count();
   IG_RETURN_IF_ERROR(fetched);
+  // K rows of every head, then V rows, as stored.
+  const size_t values = 2 * s.plans[slot].indices.size() * row_width_;
+  backend_->CopyFromHost(s.staged[slot].data(), s.buffers[slot]->data(),
+                         values * sizeof(uint16_t), s.staged_free[slot]);
+  s.uploaded[slot] = true;
+  return absl::OkStatus();
+}
+
+absl::Status Engine::FetchedAttention(Slot& s, int layer, int row) {
+  const ModelConfig& c = weights_.config;
+  const int hd = c.head_dim, group = c.n_heads / c.n_kv_heads;
+  const int slot = layer % 2;
+  IG_RETURN_IF_ERROR(UploadFetched(s, layer));
   const kv_memory_service::OwnedFetchPlan& plan = s.plans[slot];
   const int total = static_cast<int>(plan.indices.size());
-  // The previous sequence's attention may still read kf_, vf_ and probs_.
-  IG_RETURN_IF_ERROR(backend_->Synchronize());
-  const uint16_t* rows = s.buffers[slot]->data();
-  s.policy->DecodeRows(rows, total, fetched_.data());
-  s.policy->DecodeRows(rows + static_cast<size_t>(total) * row_width_, total,
-                       fetched_.data() + static_cast<size_t>(total) * hd);
   const int stride = max_seq_len_ + 1;
   const bool want_probs = s.policy->WantsAttentionProbs();
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const KvRowFormat format = s.policy->row_format();
   const float* q = &q_[static_cast<size_t>(row) * c.q_dim()];
   const float* k_new = &k_[static_cast<size_t>(row) * c.kv_dim()];
   const float* v_new = &v_[static_cast<size_t>(row) * c.kv_dim()];
   float* att = &att_[static_cast<size_t>(row) * c.q_dim()];
-  // Every host write to kf_, vf_ and probs_ comes before the first
-  // asynchronous Attention over them.
+  const uint16_t* k_rows = s.staged[slot].data();
+  const uint16_t* v_rows = k_rows + static_cast<size_t>(total) * row_width_;
+  // Each KV head's rows, decoded where attention reads them, then the new
+  // token's exact (unstored) row.
   for (int g = 0; g < c.n_kv_heads; ++g) {
     const int begin = plan.head_offsets[g];
     const int count = plan.head_offsets[g + 1] - begin;
     float* kg = kf_.data() + static_cast<size_t>(g) * stride * hd;
     float* vg = vf_.data() + static_cast<size_t>(g) * stride * hd;
-    std::memcpy(kg, fetched_.data() + static_cast<size_t>(begin) * hd,
-                static_cast<size_t>(count) * hd * sizeof(float));
-    std::memcpy(vg, fetched_.data() + static_cast<size_t>(total + begin) * hd,
-                static_cast<size_t>(count) * hd * sizeof(float));
-    // The new token attends to itself with its exact (unstored) row.
-    std::memcpy(kg + static_cast<size_t>(count) * hd, k_new + g * hd,
-                hd * sizeof(float));
-    std::memcpy(vg + static_cast<size_t>(count) * hd, v_new + g * hd,
-                hd * sizeof(float));
-    if (want_probs) {
-      for (int h = g * group; h < (g + 1) * group; ++h) {
-        float* pr = probs_.data() + static_cast<size_t>(h) * stride;
-        std::fill(pr, pr + count + 1, 0.0f);
-      }
+    if (count > 0) {
+      backend_->DecodeKvRows(k_rows + static_cast<size_t>(begin) * row_width_,
+                             count, hd, format, kg);
+      backend_->DecodeKvRows(v_rows + static_cast<size_t>(begin) * row_width_,
+                             count, hd, format, vg);
+    }
+    backend_->Copy(kg + static_cast<size_t>(count) * hd, k_new + g * hd, hd);
+    backend_->Copy(vg + static_cast<size_t>(count) * hd, v_new + g * hd, hd);
+  }
+  s.staged_free[slot] = backend_->MarkIssued();
+  if (want_probs) {
+    // The host zeroes the probability rows once earlier attention is done.
+    IG_RETURN_IF_ERROR(backend_->Synchronize());
+    for (int h = 0; h < c.n_heads; ++h) {
+      const int count = plan.head_offsets[h / group + 1] -
+                        plan.head_offsets[h / group];
+      float* pr = probs_.data() + static_cast<size_t>(h) * stride;
+      std::fill(pr, pr + count + 1, 0.0f);
     }
   }
   for (int g = 0; g < c.n_kv_heads; ++g) {
@@ -668,6 +705,25 @@ absl::Status Engine::FetchedAttention(Slot& s, int layer, int row) {
     s.policy->ObserveAttention(layer, plan.view(), probs_.data(), stride);
   }
   return absl::OkStatus();
+}
+
+void Engine::StageStepRows(Slot& s) {
+  const ModelConfig& c = weights_.config;
+  const int hd = c.head_dim;
+  for (int l = 0; l < c.n_layers; ++l) {
+    const size_t at = static_cast<size_t>(l) * c.n_kv_heads * row_width_;
+    for (int g = 0; g < c.n_kv_heads; ++g) {
+      const size_t src =
+          (static_cast<size_t>(g) * max_seq_len_ + s.position) * hd;
+      s.policy->EncodeRows(KeyCache(s, l) + src, 1,
+                           &s.k_step[at + static_cast<size_t>(g) * row_width_]);
+      s.policy->EncodeRows(ValueCache(s, l) + src, 1,
+                           &s.v_step[at + static_cast<size_t>(g) * row_width_]);
+      std::memcpy(&new_k_[static_cast<size_t>(g) * hd], KeyCache(s, l) + src,
+                  hd * sizeof(float));
+    }
+    s.policy->OnDecodeAppend(l, s.position, new_k_.data());
+  }
 }
 
 absl::StatusOr<absl::Span<const float>> Engine::DecodeBatch(
@@ -708,6 +764,8 @@ absl::StatusOr<absl::Span<const float>> Engine::DecodeBatch(
   const int dim = c.dim, hd = c.head_dim, qd = c.q_dim(), kvd = c.kv_dim();
   Backend& b = *backend_;
   const bool offloaded = options_.policy.kind != PolicyKind::kIdeal;
+  const bool plans_from_input =
+      offloaded && slots_[slot_ids[0]].policy->PlansFromInput();
   IG_RETURN_IF_ERROR(b.Synchronize());
   for (int i = 0; i < n; ++i) positions_[i] = slots_[slot_ids[i]].position;
   Embed(tokens.data(), positions_.data(), n);
@@ -734,29 +792,26 @@ absl::StatusOr<absl::Span<const float>> Engine::DecodeBatch(
     // own input; layer 0's left at the start of the step).
     const int fetch_layer = options_.policy.same_layer_input ? l : l + 1;
     if (offloaded && fetch_layer > 0 && fetch_layer < c.n_layers) {
-      IG_RETURN_IF_ERROR(b.Synchronize());
+      // Speculation reads the layer's attention input on the host.
+      if (plans_from_input) IG_RETURN_IF_ERROR(b.Synchronize());
       for (int i = 0; i < n; ++i) {
         Slot& s = slots_[slot_ids[i]];
-        std::memcpy(s.xb_prev.data(), &xb_[static_cast<size_t>(i) * dim],
-                    dim * sizeof(float));
-        IG_RETURN_IF_ERROR(IssueFetch(s, fetch_layer, s.xb_prev.data()));
+        const float* xb_prev = nullptr;
+        if (plans_from_input) {
+          std::memcpy(s.xb_prev.data(), &xb_[static_cast<size_t>(i) * dim],
+                      dim * sizeof(float));
+          xb_prev = s.xb_prev.data();
+        }
+        IG_RETURN_IF_ERROR(IssueFetch(s, fetch_layer, xb_prev));
       }
     }
     QueryKeyValue(w, n);
-    // Offloaded policies read k_ and v_ on the host (staging, speculation).
-    if (offloaded) IG_RETURN_IF_ERROR(b.Synchronize());
     for (int i = 0; i < n; ++i) {
       Slot& s = slots_[slot_ids[i]];
       float* kc = KeyCache(s, l);
       float* vc = ValueCache(s, l);
       const float* kr = &k_[static_cast<size_t>(i) * kvd];
       const float* vr = &v_[static_cast<size_t>(i) * kvd];
-      // The host reads k_ and v_ before this slot's Copy ops are queued.
-      if (offloaded) {
-        const size_t at = static_cast<size_t>(l) * c.n_kv_heads * row_width_;
-        s.policy->EncodeRows(kr, c.n_kv_heads, &s.k_step[at]);
-        s.policy->EncodeRows(vr, c.n_kv_heads, &s.v_step[at]);
-      }
       for (int g = 0; g < c.n_kv_heads; ++g) {
         const size_t dst =
             (static_cast<size_t>(g) * max_seq_len_ + s.position) * hd;
@@ -768,14 +823,26 @@ absl::StatusOr<absl::Span<const float>> Engine::DecodeBatch(
         continue;
       }
       IG_RETURN_IF_ERROR(FetchedAttention(s, l, i));
-      s.policy->OnDecodeAppend(l, s.position, kr);
     }
-    // Every fetch of the step is done: the appends may run while the last
-    // layer's MLP and the classifier compute.
-    if (offloaded && l + 1 == c.n_layers) StartAppends(slot_ids);
+    // Every fetch of the step is done: the host encodes the step's new rows
+    // and the appends run while the last layer's MLP and the classifier
+    // compute.
+    if (offloaded && l + 1 == c.n_layers) {
+      IG_RETURN_IF_ERROR(b.Synchronize());
+      for (int i = 0; i < n; ++i) StageStepRows(slots_[slot_ids[i]]);
+      StartAppends(slot_ids);
+    }
     b.Linear(att_.data(), n, qd, w.wo.data(), bias(w.bo), dim, proj_.data());
     b.Add(x_.data(), proj_.data(), static_cast<long>(n) * dim);
     Mlp(w, n);
+    // The next layer's rows move to the backend while this layer computes
+    // (its fetch left before this layer's attention).
+    if (offloaded && !options_.policy.same_layer_input &&
+        l + 1 < c.n_layers) {
+      for (int i = 0; i < n; ++i) {
+        IG_RETURN_IF_ERROR(UploadFetched(slots_[slot_ids[i]], l + 1));
+      }
+    }
   }
   Logits(0, n, logits_.data());
   IG_RETURN_IF_ERROR(b.Synchronize());

@@ -12,8 +12,11 @@
 // token's K and V rows also go to the memory node through a KvClient (not
 // owned), and each decode step's attention reads only the rows the policy
 // fetched, plus the new token's own. Layer l + 1's fetch leaves before layer
-// l's attention and MLP and is waited on at layer l + 1's attention; the
-// step's appends run on a background thread while the last layer and the
+// l's attention and MLP; once those are queued, its rows are copied to the
+// backend (a device backend's copy queue, from fetch buffers it pinned)
+// while they run, and decoded there at layer l + 1's attention. Only
+// speculation (infinigen) reads activations on the host mid-step. The
+// step's appends run on a background thread while the last MLP and the
 // classifier compute. Not thread-safe: one caller drives one engine.
 #ifndef INFINIGEN_GPU_WORKER_ENGINE_H_
 #define INFINIGEN_GPU_WORKER_ENGINE_H_
@@ -131,8 +134,14 @@ class Engine {
     std::vector<uint8_t> present;     // [layer][kv_head][pos]
     std::vector<long> present_count;  // [layer]: present rows, all heads
     std::unique_ptr<kv_memory_service::FetchBuffer> buffers[2];
+    bool pinned[2] = {false, false};  // buffers[i] pinned by the backend
     kv_memory_service::OwnedFetchPlan plans[2];
     kv_memory_service::FetchHandle handles[2];
+    // buffers[i]'s rows copied to the backend's side (CopyFromHost), as
+    // stored; staged_free[i] marks the last operation that read staged[i].
+    SharedVector<uint16_t> staged[2];
+    Backend::Mark staged_free[2] = {0, 0};
+    bool uploaded[2] = {false, false};  // plans[i]'s rows are in staged[i]
     std::vector<uint16_t> k_step, v_step;  // [layer][kv_head][row_width]
     std::vector<float> xb_prev;       // [dim] previous layer's attn input
     kv_memory_service::AppendResult appended;  // last async append
@@ -159,9 +168,16 @@ class Engine {
   void MarkAppended(Slot& s, int first, int n,
                     const kv_memory_service::AppendResult& result);
   absl::Status IssueFetch(Slot& s, int layer, const float* xb_prev);
+  // Waits for `layer`'s fetch and queues the copy of its rows to the
+  // backend (once per fetch).
+  absl::Status UploadFetched(Slot& s, int layer);
   // Attention of the slot's new token (row `row` of the batch scratch) at
-  // `layer` over its fetched rows plus its own.
+  // `layer` over its fetched rows, decoded by the backend, plus its own.
   absl::Status FetchedAttention(Slot& s, int layer, int row);
+  // After a decode step's last layer (backend synchronized): encodes the
+  // new token's K and V rows of every layer for the memory node and tells
+  // the policy about them.
+  void StageStepRows(Slot& s);
   void LocalAttention(Slot& s, int layer, int row, int n, int first_pos,
                       float* prob_sums);
   void Embed(const int* tokens, const int* positions, int n);
@@ -212,7 +228,7 @@ class Engine {
   std::vector<uint16_t> k_stage_;  // prefill rows [layer][chunk][kv][width]
   std::vector<uint16_t> v_stage_;
   SharedVector<float> kf_, vf_;    // [kv_head][max_seq + 1][head_dim]
-  std::vector<float> fetched_;     // [2][rows][head_dim] decoded rows
+  std::vector<float> new_k_;       // [kv_head][head_dim] host row scratch
   SharedVector<float> probs_;       // [n_heads][max_seq + 1]
   SharedVector<float> prefill_probs_;  // [n_heads][max_seq]
 

@@ -59,14 +59,16 @@ absl::Status PolicyOptions::Validate() const {
   return absl::OkStatus();
 }
 
-int KvPolicy::RowWidth() const { return config().head_dim; }
+int KvPolicy::RowWidth() const {
+  return KvRowWidth(row_format(), config().head_dim);
+}
 
 void KvPolicy::EncodeRows(const float* rows, int n_rows, uint16_t* out) const {
-  FloatToHalf(rows, static_cast<size_t>(n_rows) * config().head_dim, out);
+  EncodeKvRows(row_format(), rows, n_rows, config().head_dim, out);
 }
 
 void KvPolicy::DecodeRows(const uint16_t* in, int n_rows, float* rows) const {
-  HalfToFloat(in, static_cast<size_t>(n_rows) * config().head_dim, rows);
+  DecodeKvRows(row_format(), in, n_rows, config().head_dim, rows);
 }
 
 void KvPolicy::PlanAllPresent(int p, const uint8_t* present,
@@ -96,80 +98,17 @@ class FullPolicy final : public KvPolicy {
   }
 };
 
-// FlexGen's group-wise asymmetric 4-bit quantization of K and V: groups of
-// min(64, head_dim) values along the head dimension; each group stores an
-// fp16 scale and minimum, then its values as nibbles (low nibble first).
+// FlexGen's group-wise asymmetric 4-bit quantization of K and V
+// (KvRowFormat::kInt4); every row fetched.
 class Int4Policy final : public KvPolicy {
  public:
-  explicit Int4Policy(const Context& c)
-      : KvPolicy(c),
-        group_(std::min(64, c.weights->config.head_dim)),
-        n_groups_(c.weights->config.head_dim / group_) {}
-
-  int RowWidth() const override {
-    return 2 * n_groups_ + config().head_dim / 4;
-  }
-
-  void EncodeRows(const float* rows, int n_rows, uint16_t* out) const override {
-    const int d = config().head_dim;
-    for (int r = 0; r < n_rows; ++r) {
-      const float* x = rows + static_cast<size_t>(r) * d;
-      uint16_t* o = out + static_cast<size_t>(r) * RowWidth();
-      uint8_t* packed = reinterpret_cast<uint8_t*>(o + 2 * n_groups_);
-      for (int gi = 0; gi < n_groups_; ++gi) {
-        const float* xg = x + gi * group_;
-        float mn = xg[0], mx = xg[0];
-        for (int i = 1; i < group_; ++i) {
-          mn = std::min(mn, xg[i]);
-          mx = std::max(mx, xg[i]);
-        }
-        const uint16_t mn_h = FloatToHalf(mn);
-        const float mn_q = HalfToFloat(mn_h);
-        const uint16_t scale_h = FloatToHalf((mx - mn_q) / 15.0f);
-        const float scale = HalfToFloat(scale_h);
-        const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
-        o[2 * gi] = scale_h;
-        o[2 * gi + 1] = mn_h;
-        for (int i = 0; i < group_; ++i) {
-          const int q = std::clamp(
-              static_cast<int>(std::lround((xg[i] - mn_q) * inv)), 0, 15);
-          const int idx = gi * group_ + i;
-          if (idx % 2 == 0) {
-            packed[idx / 2] = static_cast<uint8_t>(q);
-          } else {
-            packed[idx / 2] |= static_cast<uint8_t>(q << 4);
-          }
-        }
-      }
-    }
-  }
-
-  void DecodeRows(const uint16_t* in, int n_rows, float* rows) const override {
-    const int d = config().head_dim;
-    for (int r = 0; r < n_rows; ++r) {
-      const uint16_t* o = in + static_cast<size_t>(r) * RowWidth();
-      const uint8_t* packed = reinterpret_cast<const uint8_t*>(o + 2 * n_groups_);
-      float* x = rows + static_cast<size_t>(r) * d;
-      for (int gi = 0; gi < n_groups_; ++gi) {
-        const float scale = HalfToFloat(o[2 * gi]);
-        const float mn = HalfToFloat(o[2 * gi + 1]);
-        for (int i = 0; i < group_; ++i) {
-          const int idx = gi * group_ + i;
-          const int q = (packed[idx / 2] >> (4 * (idx % 2))) & 0xF;
-          x[idx] = q * scale + mn;
-        }
-      }
-    }
-  }
+  using KvPolicy::KvPolicy;
+  KvRowFormat row_format() const override { return KvRowFormat::kInt4; }
 
   void PlanFetch(int layer, int p, const float* xb_prev,
                  const uint8_t* present, OwnedFetchPlan& plan) override {
     PlanAllPresent(p, present, plan);
   }
-
- private:
-  const int group_;
-  const int n_groups_;
 };
 
 // H2O: per (layer, KV head), the recent budget/2 of the positions plus the
@@ -364,6 +303,8 @@ class InfiniGenPolicy final : public KvPolicy {
       }
     }
   }
+
+  bool PlansFromInput() const override { return true; }
 
   void PlanFetch(int layer, int p, const float* xb_prev,
                  const uint8_t* present, OwnedFetchPlan& plan) override {

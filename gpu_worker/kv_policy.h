@@ -29,6 +29,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "gpu_worker/backend.h"
+#include "gpu_worker/kv_rows.h"
 #include "kv_memory_service/kv_types.h"
 #include "model/weights.h"
 #include "speculator/speculator.h"
@@ -81,11 +82,14 @@ class KvPolicy {
       const PolicyOptions& options, const Context& context);
   virtual ~KvPolicy() = default;
 
-  // uint16_t values per stored K or V row: head_dim for fp16 rows.
-  virtual int RowWidth() const;
-  // rows [n_rows, head_dim] fp32 -> out [n_rows, RowWidth()]; and back.
-  virtual void EncodeRows(const float* rows, int n_rows, uint16_t* out) const;
-  virtual void DecodeRows(const uint16_t* in, int n_rows, float* rows) const;
+  // How this policy stores K and V rows (fp16 unless it quantizes).
+  virtual KvRowFormat row_format() const { return KvRowFormat::kHalf; }
+  // uint16_t values per stored K or V row.
+  int RowWidth() const;
+  // rows [n_rows, head_dim] fp32 -> out [n_rows, RowWidth()]; and back, on
+  // the host.
+  void EncodeRows(const float* rows, int n_rows, uint16_t* out) const;
+  void DecodeRows(const uint16_t* in, int n_rows, float* rows) const;
 
   // A new sequence begins.
   virtual void Reset() {}
@@ -103,6 +107,9 @@ class KvPolicy {
   virtual void FinishPrefill(
       int n_tokens, const std::function<const float*(int)>& key_cache) {}
 
+  // True when PlanFetch reads xb_prev (speculation): the engine then
+  // brings each layer's attention input to the host mid-step.
+  virtual bool PlansFromInput() const { return false; }
   // The rows `layer` attends to when positions [0, p) are cached. xb_prev
   // is layer - 1's attention input [dim] (null for layer 0); present is
   // [n_kv_heads, max_seq_len], 0 where the pool evicted a token.

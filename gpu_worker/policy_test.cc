@@ -2,6 +2,7 @@
 // in-process memory node: what each fetches, and what that does to the
 // logits.
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -287,6 +288,168 @@ TEST_F(PolicyTest, PoolEvictionFetchesOnlyWhatIsPresent) {
                            kv_memory_service::EvictionPolicy::kFifo);
   Run full = TeacherForced(Policy(PolicyKind::kFull), 8);
   EXPECT_GT(Mean(fifo.nll), Mean(full.nll));
+}
+
+// The CPU backend, recording how the engine moves fetched rows to the
+// backend: which host ranges it pins, what it copies, and whether every
+// copy into a staging buffer waits (its `after` mark) for the operations
+// that last read that buffer. On the CPU the operations are synchronous,
+// so only this bookkeeping shows that a device would see the right order.
+class RecordingBackend final : public Backend {
+ public:
+  struct Log {
+    int pins = 0, unpins = 0;
+    long copies = 0, unpinned_copies = 0, decodes = 0;
+    std::vector<std::string> violations;
+  };
+  explicit RecordingBackend(Log* log) : cpu_(NewCpuBackend()), log_(log) {}
+
+  std::string name() const override { return "recording-cpu"; }
+  void* AllocateShared(size_t bytes) override {
+    return cpu_->AllocateShared(bytes);
+  }
+  void FreeShared(void* p) override { cpu_->FreeShared(p); }
+  void Linear(const float* x, int n, int in, const float* w, const float* b,
+              int out, float* y) override {
+    ++issued_;
+    cpu_->Linear(x, n, in, w, b, out, y);
+  }
+  void RmsNorm(const float* x, int n, int dim, const float* gain, float eps,
+               float* y) override {
+    ++issued_;
+    cpu_->RmsNorm(x, n, dim, gain, eps, y);
+  }
+  void LayerNorm(const float* x, int n, int dim, const float* gain,
+                 const float* bias, float eps, float* y) override {
+    ++issued_;
+    cpu_->LayerNorm(x, n, dim, gain, bias, eps, y);
+  }
+  void Rope(float* x, int n, int n_heads, int head_dim, const int* positions,
+            float theta) override {
+    ++issued_;
+    cpu_->Rope(x, n, n_heads, head_dim, positions, theta);
+  }
+  void Attention(const AttentionParams& p) override {
+    ++issued_;
+    cpu_->Attention(p);
+  }
+  void SwiGlu(float* gate, const float* up, long count) override {
+    ++issued_;
+    cpu_->SwiGlu(gate, up, count);
+  }
+  void Relu(float* x, long count) override {
+    ++issued_;
+    cpu_->Relu(x, count);
+  }
+  void Add(float* x, const float* y, long count) override {
+    ++issued_;
+    cpu_->Add(x, y, count);
+  }
+  void Copy(float* dst, const float* src, long count) override {
+    ++issued_;
+    cpu_->Copy(dst, src, count);
+  }
+  void DecodeKvRows(const uint16_t* in, int n_rows, int head_dim,
+                    KvRowFormat format, float* rows) override {
+    ++issued_;
+    ++log_->decodes;
+    const auto* begin = reinterpret_cast<const char*>(in);
+    reads_.push_back({begin,
+                      begin + static_cast<size_t>(n_rows) *
+                                  KvRowWidth(format, head_dim) * 2,
+                      issued_});
+    cpu_->DecodeKvRows(in, n_rows, head_dim, format, rows);
+  }
+  Mark MarkIssued() override {
+    mark_at_.push_back(issued_);
+    return mark_at_.size();
+  }
+  void CopyFromHost(void* dst, const void* src, size_t bytes,
+                    Mark after) override {
+    ++log_->copies;
+    const long waited_for = after == 0 ? 0 : mark_at_.at(after - 1);
+    const char* d = static_cast<const char*>(dst);
+    for (const Read& r : reads_) {
+      if (r.begin < d + bytes && d < r.end && r.op > waited_for) {
+        log_->violations.push_back(
+            "a copy overwrites rows that an operation after its mark reads");
+      }
+    }
+    const char* sp = static_cast<const char*>(src);
+    bool inside = false;
+    for (const auto& [begin, end] : pinned_) {
+      inside |= sp >= begin && sp + bytes <= end;
+    }
+    if (!inside) ++log_->unpinned_copies;
+    std::memcpy(dst, src, bytes);
+  }
+  absl::Status PinHost(void* p, size_t bytes) override {
+    ++log_->pins;
+    pinned_.push_back({static_cast<char*>(p), static_cast<char*>(p) + bytes});
+    return absl::OkStatus();
+  }
+  void UnpinHost(void* p) override { ++log_->unpins; }
+
+ private:
+  struct Read {
+    const char* begin;
+    const char* end;
+    long op;  // issued_ when it was issued
+  };
+  std::unique_ptr<Backend> cpu_;
+  Log* log_;
+  long issued_ = 0;
+  std::vector<long> mark_at_;
+  std::vector<Read> reads_;
+  std::vector<std::pair<const char*, const char*>> pinned_;
+};
+
+TEST_F(PolicyTest, FetchedRowsMoveThroughPinnedCopiesInMarkOrder) {
+  PolicyOptions inf = Policy(PolicyKind::kInfiniGen);
+  inf.skew = skew_;
+  for (PolicyOptions policy :
+       {Policy(PolicyKind::kFull), Policy(PolicyKind::kInt4), inf}) {
+    SCOPED_TRACE(PolicyName(policy.kind));
+    auto client = kv_memory_service::ConnectKvClient("inproc:", {});
+    ASSERT_TRUE(client.ok());
+    EngineOptions options;
+    options.max_seq_len = 128;
+    options.policy = policy;
+    options.kv_client = client->get();
+    options.batch = 2;
+    RecordingBackend::Log log;
+    auto cpu = Engine::Create(*weights_, NewCpuBackend(), options);
+    auto recorded = Engine::Create(
+        *weights_, std::make_unique<RecordingBackend>(&log), options);
+    ASSERT_TRUE(cpu.ok() && recorded.ok());
+    const std::vector<int>& t = *tokens_;
+    const int steps = 6, layers = weights_->config.n_layers;
+    for (Engine* e : {cpu->get(), recorded->get()}) {
+      for (int slot = 0; slot < 2; ++slot) {
+        ASSERT_TRUE(
+            e->Forward(slot, absl::MakeConstSpan(t).subspan(0, 10 + slot),
+                       false)
+                .ok());
+      }
+    }
+    for (int step = 0; step < steps; ++step) {
+      const int tokens[] = {t[10 + step], t[11 + step]};
+      auto want = (*cpu)->DecodeBatch({0, 1}, tokens);
+      ASSERT_TRUE(want.ok()) << want.status();
+      const std::vector<float> w(want->begin(), want->end());
+      auto got = (*recorded)->DecodeBatch({0, 1}, tokens);
+      ASSERT_TRUE(got.ok()) << got.status();
+      // The same arithmetic in the same order: bit for bit.
+      ASSERT_EQ(std::vector<float>(got->begin(), got->end()), w);
+    }
+    EXPECT_EQ(log.pins, 2 * 2);  // two fetch buffers per slot
+    EXPECT_EQ(log.copies, 2L * steps * layers);
+    EXPECT_EQ(log.unpinned_copies, 0);
+    EXPECT_GE(log.decodes, 2L * 2 * steps * layers);
+    EXPECT_THAT(log.violations, ::testing::IsEmpty());
+    recorded->reset();
+    EXPECT_EQ(log.unpins, log.pins);
+  }
 }
 
 // Several sequences decoding together give each the logits it gets alone:

@@ -8,6 +8,7 @@
 #include <map>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_format.h"
@@ -25,6 +26,8 @@ constexpr long kMinRowsPerSplit = 256;
 constexpr int kMaxHeadDim = 256;  // the attention kernel's limit
 // Offset of the weight's fp16 copy in the Linear scratch, when it has one.
 constexpr size_t kScratchAlign = 256;
+// Events MarkIssued records round-robin on the compute stream.
+constexpr int kMarkEvents = 64;
 
 std::string CudaError(cudaError_t err) {
   return absl::StrFormat("%s (%s)", cudaGetErrorName(err),
@@ -85,22 +88,34 @@ class DeviceScratch {
 
 class CudaBackend final : public Backend {
  public:
+  // Takes ownership of the streams, the events and the cuBLAS handle.
   CudaBackend(int device, const cudaDeviceProp& prop,
               const CudaBackendOptions& options, cudaStream_t stream,
-              cublasHandle_t cublas)
+              cudaStream_t copy_stream, std::vector<cudaEvent_t> marks,
+              cudaEvent_t copied, cublasHandle_t cublas)
       : device_(device),
         name_(std::string("cuda:") + prop.name),
         sm_count_(prop.multiProcessorCount),
         options_(options),
         stream_(stream),
+        copy_stream_(copy_stream),
+        marks_(std::move(marks)),
+        copied_(copied),
         cublas_(cublas) {}
 
   ~CudaBackend() override {
     cudaSetDevice(device_);
+    cudaStreamSynchronize(copy_stream_);
     cudaStreamSynchronize(stream_);
+    for (auto& [begin, bytes] : pinned_) {
+      cudaHostUnregister(reinterpret_cast<void*>(begin));
+    }
     for (auto& [begin, range] : constants_) cudaFree(range.device);
     for (auto& [key, half] : half_weights_) cudaFree(half);
     cublasDestroy(cublas_);
+    for (cudaEvent_t e : marks_) cudaEventDestroy(e);
+    cudaEventDestroy(copied_);
+    cudaStreamDestroy(copy_stream_);
     cudaStreamDestroy(stream_);
   }
 
@@ -121,8 +136,9 @@ class CudaBackend final : public Backend {
   void FreeShared(void* p) override {
     if (p == nullptr) return;
     cudaSetDevice(device_);
-    // Operations still queued may use the buffer.
-    const cudaError_t err = cudaStreamSynchronize(stream_);
+    // Operations and copies still queued may use the buffer.
+    cudaError_t err = cudaStreamSynchronize(copy_stream_);
+    if (err == cudaSuccess) err = cudaStreamSynchronize(stream_);
     if (err != cudaSuccess) {
       Fail(absl::InternalError("CUDA: " + CudaError(err)));
     }
@@ -178,11 +194,87 @@ class CudaBackend final : public Backend {
 
   absl::Status Synchronize() override {
     cudaSetDevice(device_);
-    const cudaError_t err = cudaStreamSynchronize(stream_);
+    // The compute stream may wait on copies: they finish first.
+    cudaError_t err = cudaStreamSynchronize(copy_stream_);
+    if (err == cudaSuccess) err = cudaStreamSynchronize(stream_);
     if (err != cudaSuccess) {
       Fail(absl::InternalError("CUDA: " + CudaError(err)));
     }
     return error_;
+  }
+
+  Mark MarkIssued() override {
+    if (!Begin()) return 0;
+    cudaEvent_t event = marks_[mark_count_ % kMarkEvents];
+    if (!CheckCuda(cudaEventRecord(event, stream_), "MarkIssued")) return 0;
+    return ++mark_count_;
+  }
+
+  void CopyFromHost(void* dst, const void* src, size_t bytes,
+                    Mark after) override {
+    constexpr const char* kOp = "CopyFromHost";
+    if (!Begin() || bytes == 0) return;
+    if (src == nullptr) {
+      return Fail(absl::InvalidArgumentError("CopyFromHost: src is null"));
+    }
+    if (after > mark_count_) {
+      return Fail(absl::InvalidArgumentError(absl::StrFormat(
+          "CopyFromHost: mark %d was never issued (last %d)", after,
+          mark_count_)));
+    }
+    char* d = Out(static_cast<char*>(dst), static_cast<long>(bytes), kOp,
+                  "dst");
+    if (!ok()) return;
+    // Events are reused round-robin, so the newest record of the mark's
+    // event is at or after the mark: waiting on it is never too early.
+    if (after > 0 &&
+        !CheckCuda(cudaStreamWaitEvent(copy_stream_,
+                                       marks_[(after - 1) % kMarkEvents], 0),
+                   kOp)) {
+      return;
+    }
+    if (!CheckCuda(cudaMemcpyAsync(d, src, bytes, cudaMemcpyDefault,
+                                   copy_stream_),
+                   kOp) ||
+        !CheckCuda(cudaEventRecord(copied_, copy_stream_), kOp)) {
+      return;
+    }
+    CheckCuda(cudaStreamWaitEvent(stream_, copied_, 0), kOp);
+  }
+
+  absl::Status WaitCopies() override {
+    cudaSetDevice(device_);
+    const cudaError_t err = cudaStreamSynchronize(copy_stream_);
+    if (err != cudaSuccess) {
+      Fail(absl::InternalError("CUDA: " + CudaError(err)));
+    }
+    return error_;
+  }
+
+  absl::Status PinHost(void* p, size_t bytes) override {
+    if (p == nullptr || bytes == 0) {
+      return absl::InvalidArgumentError("PinHost: empty range");
+    }
+    cudaSetDevice(device_);
+    const cudaError_t err = cudaHostRegister(p, bytes, cudaHostRegisterDefault);
+    if (err != cudaSuccess) {
+      cudaGetLastError();  // not sticky: the memory stays pageable
+      return absl::UnavailableError(absl::StrFormat(
+          "cudaHostRegister of %zu bytes at %p: %s", bytes, p,
+          CudaError(err)));
+    }
+    pinned_[reinterpret_cast<uintptr_t>(p)] = bytes;
+    return absl::OkStatus();
+  }
+
+  void UnpinHost(void* p) override {
+    auto it = pinned_.find(reinterpret_cast<uintptr_t>(p));
+    if (it == pinned_.end()) return;
+    cudaSetDevice(device_);
+    // A copy still queued may read it.
+    cudaStreamSynchronize(copy_stream_);
+    if (cudaHostUnregister(p) != cudaSuccess) cudaGetLastError();
+    pinned_.erase(it);
   }
 
   void Linear(const float* x, int n, int in, const float* w, const float* bias,
@@ -384,6 +476,36 @@ class CudaBackend final : public Backend {
     if (ok()) Launched(LaunchAdd(p, stream_), kOp);
   }
 
+  void DecodeKvRows(const uint16_t* in, int n_rows, int head_dim,
+                    KvRowFormat format, float* rows) override {
+    constexpr const char* kOp = "DecodeKvRows";
+    if (!Begin() || n_rows == 0) return;
+    const bool int4 = format == KvRowFormat::kInt4;
+    if (n_rows < 0 || head_dim <= 0 ||
+        (int4 && (head_dim % 4 != 0 ||
+                  head_dim % std::min(64, head_dim) != 0))) {
+      return FailShape(kOp, absl::StrFormat("n_rows=%d head_dim=%d format=%s",
+                                            n_rows, head_dim,
+                                            KvRowFormatName(format)));
+    }
+    const long count = static_cast<long>(n_rows) * head_dim;
+    const uint16_t* id =
+        In(in, static_cast<long>(n_rows) * KvRowWidth(format, head_dim), kOp,
+           "in");
+    float* od = Out(rows, count, kOp, "rows");
+    if (!ok()) return;
+    if (int4) {
+      Int4DequantParams p;
+      p.in = id;
+      p.rows = od;
+      p.n_rows = n_rows;
+      p.head_dim = head_dim;
+      Launched(LaunchInt4Dequant(p, stream_), kOp);
+    } else {
+      Launched(LaunchHalfToFloat({id, od, count}, stream_), kOp);
+    }
+  }
+
   void Copy(float* dst, const float* src, long count) override {
     constexpr const char* kOp = "Copy";
     if (!Begin() || count == 0) return;
@@ -530,12 +652,17 @@ class CudaBackend final : public Backend {
   const std::string name_;
   const int sm_count_;
   const CudaBackendOptions options_;
-  cudaStream_t stream_;
+  cudaStream_t stream_;       // every operation
+  cudaStream_t copy_stream_;  // CopyFromHost
+  const std::vector<cudaEvent_t> marks_;  // [kMarkEvents], on stream_
+  cudaEvent_t copied_;        // the last copy, on copy_stream_
+  Mark mark_count_ = 0;       // marks issued
   cublasHandle_t cublas_;
   absl::Status error_;  // the first error; sticky
 
   std::map<uintptr_t, ConstantRange> constants_;  // by host address
   std::map<uintptr_t, size_t> shared_;            // AllocateShared: bytes
+  std::map<uintptr_t, size_t> pinned_;            // PinHost: bytes
   // fp16 copies of registered matrices, by (device address, floats).
   std::map<std::pair<const float*, long>, uint16_t*> half_weights_;
   DeviceScratch linear_scratch_;     // fp16 x, and w when not registered
@@ -579,6 +706,32 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(
     return absl::UnavailableError(absl::StrFormat(
         "CUDA device %d: cudaStreamCreate: %s", device, CudaError(err)));
   }
+  cudaStream_t copy_stream = nullptr;
+  std::vector<cudaEvent_t> marks;
+  cudaEvent_t copied = nullptr;
+  auto destroy_events = [&] {
+    for (cudaEvent_t e : marks) cudaEventDestroy(e);
+    if (copied != nullptr) cudaEventDestroy(copied);
+    if (copy_stream != nullptr) cudaStreamDestroy(copy_stream);
+  };
+  err = cudaStreamCreateWithFlags(&copy_stream, cudaStreamNonBlocking);
+  for (int i = 0; err == cudaSuccess && i <= kMarkEvents; ++i) {
+    cudaEvent_t e = nullptr;
+    err = cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+    if (err != cudaSuccess) break;
+    if (i < kMarkEvents) {
+      marks.push_back(e);
+    } else {
+      copied = e;
+    }
+  }
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    destroy_events();
+    cudaStreamDestroy(stream);
+    return absl::UnavailableError(absl::StrFormat(
+        "CUDA device %d: copy stream and events: %s", device, CudaError(err)));
+  }
   cublasHandle_t cublas = nullptr;
   cublasStatus_t status = cublasCreate(&cublas);
   if (status == CUBLAS_STATUS_SUCCESS) {
@@ -586,6 +739,7 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(
     if (status != CUBLAS_STATUS_SUCCESS) cublasDestroy(cublas);
   }
   if (status != CUBLAS_STATUS_SUCCESS) {
+    destroy_events();
     cudaStreamDestroy(stream);
     return absl::UnavailableError(absl::StrFormat(
         "CUDA device %d: cuBLAS: %s", device, cublasGetStatusString(status)));
@@ -595,7 +749,8 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(
                << (prop.totalGlobalMem >> 20) << " MiB, "
                << (options.half_weights ? "fp16" : "fp32") << " weights";
   return std::unique_ptr<Backend>(
-      new CudaBackend(device, prop, options, stream, cublas));
+      new CudaBackend(device, prop, options, stream, copy_stream,
+                      std::move(marks), copied, cublas));
 }
 
 }  // namespace infinigen::gpu_worker::cuda

@@ -7,6 +7,7 @@
 // creation fails cleanly for a missing device.
 #include "gpu_worker/cuda/cuda_backend.h"
 
+#include <algorithm>
 #include <cmath>
 #include <deque>
 #include <iostream>
@@ -393,6 +394,110 @@ TEST_F(CudaBackendTest, NameAndFailedAllocation) {
   gpu_->Relu(x.data(), 4);
   EXPECT_TRUE(gpu_->Synchronize().ok()) << gpu_->Synchronize();
   EXPECT_EQ(x[3], 0.0f);
+}
+
+// Fetched rows as the engine moves them: stored rows (fp16 and int4) in
+// host memory, pinned, copied with CopyFromHost, decoded on the device.
+// Both decodings are exact (the same conversions as the host's).
+TEST_F(CudaBackendTest, FetchedRowsDecodeLikeTheHost) {
+  for (const KvRowFormat format : {KvRowFormat::kHalf, KvRowFormat::kInt4}) {
+    for (const int head_dim : {64, 128, 32}) {
+      SCOPED_TRACE(testing::Message() << KvRowFormatName(format) << " d="
+                                      << head_dim);
+      const int n_rows = 37;
+      const int width = KvRowWidth(format, head_dim);
+      const std::vector<float> rows =
+          Normal(static_cast<size_t>(n_rows) * head_dim, rng_, 2.0f);
+      std::vector<uint16_t> stored(static_cast<size_t>(n_rows) * width);
+      EncodeKvRows(format, rows.data(), n_rows, head_dim, stored.data());
+      std::vector<float> want(rows.size());
+      DecodeKvRows(format, stored.data(), n_rows, head_dim, want.data());
+
+      ASSERT_TRUE(
+          gpu_->PinHost(stored.data(), stored.size() * sizeof(uint16_t)).ok());
+      SharedVector<uint16_t> staged(stored.size(), 0,
+                                    SharedAllocator<uint16_t>(gpu_.get()));
+      SharedVector<float> got(rows.size(), 0.0f,
+                              SharedAllocator<float>(gpu_.get()));
+      gpu_->CopyFromHost(staged.data(), stored.data(),
+                         stored.size() * sizeof(uint16_t), gpu_->MarkIssued());
+      gpu_->DecodeKvRows(staged.data(), n_rows, head_dim, format, got.data());
+      ASSERT_TRUE(gpu_->WaitCopies().ok());
+      gpu_->UnpinHost(stored.data());
+      ASSERT_TRUE(gpu_->Synchronize().ok()) << gpu_->Synchronize();
+      for (size_t i = 0; i < want.size(); ++i) {
+        ASSERT_EQ(got[i], want[i]) << "value " << i;
+      }
+    }
+  }
+}
+
+// A copy waits for the operations before its mark (they read the old
+// contents) and the operations after it see the new contents, while
+// operations issued in between run on.
+TEST_F(CudaBackendTest, CopyFromHostIsOrderedByMarks) {
+  const long count = 1 << 20;  // long enough that a race would show
+  std::vector<float> first(count, 1.0f), second(count, 2.0f);
+  ASSERT_TRUE(gpu_->PinHost(second.data(), count * sizeof(float)).ok());
+  SharedVector<float> staged(first.begin(), first.end(),
+                             SharedAllocator<float>(gpu_.get()));
+  SharedVector<float> before(count, 0.0f, SharedAllocator<float>(gpu_.get()));
+  SharedVector<float> after(count, 0.0f, SharedAllocator<float>(gpu_.get()));
+  for (int round = 0; round < 3; ++round) {
+    ASSERT_TRUE(gpu_->Synchronize().ok());
+    std::fill(staged.begin(), staged.end(), 1.0f);
+    gpu_->Copy(before.data(), staged.data(), count);
+    const Backend::Mark read = gpu_->MarkIssued();
+    EXPECT_GT(read, 0u);
+    gpu_->Relu(after.data(), count);  // in between: not waited for
+    gpu_->CopyFromHost(staged.data(), second.data(), count * sizeof(float),
+                       read);
+    gpu_->Copy(after.data(), staged.data(), count);
+    ASSERT_TRUE(gpu_->Synchronize().ok()) << gpu_->Synchronize();
+    EXPECT_EQ(before[0], 1.0f);
+    EXPECT_EQ(before[count - 1], 1.0f);
+    EXPECT_EQ(after[0], 2.0f);
+    EXPECT_EQ(after[count - 1], 2.0f);
+  }
+  gpu_->UnpinHost(second.data());
+  // Unpinned (pageable) memory copies too.
+  std::vector<float> third(count, 3.0f);
+  gpu_->CopyFromHost(staged.data(), third.data(), count * sizeof(float), 0);
+  ASSERT_TRUE(gpu_->WaitCopies().ok());
+  ASSERT_TRUE(gpu_->Synchronize().ok());
+  EXPECT_EQ(staged[count - 1], 3.0f);
+}
+
+TEST_F(CudaBackendTest, CopyAndPinErrors) {
+  std::vector<float> host(16, 1.0f);
+  EXPECT_EQ(gpu_->PinHost(nullptr, 16).code(),
+            absl::StatusCode::kInvalidArgument);
+  // Pinning twice fails and leaves the backend usable.
+  ASSERT_TRUE(gpu_->PinHost(host.data(), host.size() * sizeof(float)).ok());
+  EXPECT_FALSE(gpu_->PinHost(host.data(), host.size() * sizeof(float)).ok());
+  gpu_->UnpinHost(host.data());
+  gpu_->UnpinHost(host.data());  // a second unpin does nothing
+  EXPECT_TRUE(gpu_->Synchronize().ok());
+  // A mark that was never issued is a sticky error.
+  SharedVector<float> dst(16, 0.0f, SharedAllocator<float>(gpu_.get()));
+  gpu_->CopyFromHost(dst.data(), host.data(), 16 * sizeof(float),
+                     gpu_->MarkIssued() + 1000);
+  EXPECT_EQ(gpu_->Synchronize().code(), absl::StatusCode::kInvalidArgument);
+  // So is a destination the device cannot reach.
+  auto fresh = NewGpu(false);
+  ASSERT_NE(fresh, nullptr);
+  std::vector<float> not_shared(16);
+  fresh->CopyFromHost(not_shared.data(), host.data(), 16 * sizeof(float), 0);
+  const absl::Status status = fresh->WaitCopies();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_TRUE(Contains(status, "CopyFromHost")) << status;
+  // And a shape the int4 format cannot hold.
+  auto other = NewGpu(false);
+  ASSERT_NE(other, nullptr);
+  SharedVector<uint16_t> in(64, 0, SharedAllocator<uint16_t>(other.get()));
+  SharedVector<float> out(64, 0.0f, SharedAllocator<float>(other.get()));
+  other->DecodeKvRows(in.data(), 1, 30, KvRowFormat::kInt4, out.data());
+  EXPECT_EQ(other->Synchronize().code(), absl::StatusCode::kInvalidArgument);
 }
 
 // The tests below run everywhere.

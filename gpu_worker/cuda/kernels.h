@@ -105,6 +105,16 @@ struct FloatToHalfParams {
 // aside; magnitudes above 65504 become infinities.
 int LaunchFloatToHalf(const FloatToHalfParams& p, void* stream);
 
+struct HalfToFloatParams {
+  const uint16_t* x;  // [count] IEEE binary16
+  float* y;           // [count]
+  long count = 0;
+};
+
+// Fetched fp16 KV rows to the fp32 rows attention reads; exact, as
+// infinigen::HalfToFloat.
+int LaunchHalfToFloat(const HalfToFloatParams& p, void* stream);
+
 // -------------------------------------------------------------- int4 KV
 
 // Int4Policy's stored row (FlexGen's group-wise asymmetric 4-bit format):

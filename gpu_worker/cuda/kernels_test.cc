@@ -226,6 +226,27 @@ TEST_F(CudaKernels, FloatToHalfMatchesCommonHalf) {
   }
 }
 
+// Exact: every fp16 value (subnormals, infinities, NaNs) has one fp32
+// value; NaNs are compared as NaNs.
+TEST_F(CudaKernels, HalfToFloatMatchesCommonHalf) {
+  std::vector<uint16_t> x(1 << 16);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<uint16_t>(i);
+  std::vector<float> want(x.size());
+  HalfToFloat(x.data(), x.size(), want.data());
+  DeviceArray<uint16_t> dx(x);
+  DeviceArray<float> dy(x.size());
+  ExpectRan(LaunchHalfToFloat({dx.get(), dy.get(), static_cast<long>(x.size())},
+                              nullptr));
+  const std::vector<float> got = dy.ToHost();
+  for (size_t i = 0; i < x.size(); ++i) {
+    if (std::isnan(want[i])) {
+      ASSERT_TRUE(std::isnan(got[i])) << "half 0x" << std::hex << i;
+    } else {
+      ASSERT_EQ(got[i], want[i]) << "half 0x" << std::hex << i;
+    }
+  }
+}
+
 // Exact: nibble * scale is exact in fp32, so the device's fused
 // multiply-add rounds like the CPU's multiply and add.
 TEST_F(CudaKernels, Int4DequantMatchesInt4Policy) {
@@ -432,6 +453,8 @@ TEST(CudaKernelArguments, RejectedBeforeLaunch) {
   EXPECT_EQ(LaunchAdd({f, nullptr, 4}, nullptr), bad);
   EXPECT_EQ(LaunchBiasAdd({f, f, 3, 0}, nullptr), bad);
   EXPECT_EQ(LaunchFloatToHalf({f, h, 0}, nullptr), bad);
+  EXPECT_EQ(LaunchHalfToFloat({h, f, 0}, nullptr), bad);
+  EXPECT_EQ(LaunchHalfToFloat({nullptr, f, 4}, nullptr), bad);
   EXPECT_EQ(LaunchInt4Dequant({h, f, 4, 6}, nullptr), bad);   // 6 % 4
   EXPECT_EQ(LaunchInt4Dequant({h, f, 4, 96}, nullptr), bad);  // 96 % 64
   EXPECT_EQ(LaunchInt4Dequant({h, f, 0, 64}, nullptr), bad);

@@ -128,6 +128,10 @@ __global__ void FloatToHalfKernel(FloatToHalfParams p) {
   }
 }
 
+__global__ void HalfToFloatKernel(HalfToFloatParams p) {
+  IG_GRID_STRIDE(i, p.count) { p.y[i] = __half2float(__ushort_as_half(p.x[i])); }
+}
+
 // One thread per output value.
 __global__ void Int4DequantKernel(Int4DequantParams p, int group, int width) {
   const int n_groups = p.head_dim / group;
@@ -203,6 +207,12 @@ int LaunchBiasAdd(const BiasAddParams& p, void* stream) {
 int LaunchFloatToHalf(const FloatToHalfParams& p, void* stream) {
   if (p.count <= 0 || !p.x || !p.y) return Invalid();
   FloatToHalfKernel<<<BlocksFor(p.count), kThreads, 0, Stream(stream)>>>(p);
+  return LastError();
+}
+
+int LaunchHalfToFloat(const HalfToFloatParams& p, void* stream) {
+  if (p.count <= 0 || !p.x || !p.y) return Invalid();
+  HalfToFloatKernel<<<BlocksFor(p.count), kThreads, 0, Stream(stream)>>>(p);
   return LastError();
 }
 
