@@ -1,8 +1,11 @@
-// Backend defaults: shared memory is aligned host memory.
+// Backend defaults: shared memory is aligned host memory and the
+// operations run on the host.
+#include "gpu_worker/backend.h"
+
 #include <cstdlib>
 #include <cstring>
 
-#include "gpu_worker/backend.h"
+#include "speculator/speculator.h"
 
 namespace infinigen::gpu_worker {
 
@@ -17,6 +20,12 @@ void Backend::FreeShared(void* p) { std::free(p); }
 void Backend::DecodeKvRows(const uint16_t* in, int n_rows, int head_dim,
                            KvRowFormat format, float* rows) {
   gpu_worker::DecodeKvRows(format, in, n_rows, head_dim, rows);
+}
+
+void Backend::SpeculateScores(const SpeculationParams& p) {
+  speculator::SpeculateScores(p.q_skewed, p.n_heads, p.n_kv_heads, p.d,
+                              p.partial_k, p.k_stride, p.n_tokens, p.cols,
+                              p.n_cols, p.scores);
 }
 
 void Backend::CopyFromHost(void* dst, const void* src, size_t bytes,

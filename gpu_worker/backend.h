@@ -15,6 +15,7 @@
 #define INFINIGEN_GPU_WORKER_BACKEND_H_
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <new>
 #include <string>
@@ -44,6 +45,24 @@ struct AttentionParams {
   // Optional [n_heads, kv_len0 + n - 1]: each query's attention
   // probabilities are added here (H2O's accumulated attention).
   float* prob_sums = nullptr;
+};
+
+// InfiniGen's speculated attention scores over the partial key cache
+// (speculator::SpeculateScores):
+//   scores[g][t] = max over query heads h of group g of
+//                  sum_c (q_skewed[h][cols[g][c]] / sqrt(d)) *
+//                  partial_k[g][t][c]
+struct SpeculationParams {
+  const float* q_skewed;   // [n_heads, d]
+  const float* partial_k;  // [n_kv_heads, k_stride, n_cols]
+  const int32_t* cols;     // [n_kv_heads, n_cols], each in [0, d)
+  float* scores;           // [n_kv_heads, n_tokens]
+  int n_heads = 0;
+  int n_kv_heads = 0;  // divides n_heads
+  int d = 0;           // head dimension
+  int k_stride = 0;    // >= n_tokens
+  int n_tokens = 0;
+  int n_cols = 0;  // 1..d
 };
 
 class Backend {
@@ -92,6 +111,9 @@ class Backend {
   // kv_rows.h) decoded. Default: DecodeKvRows on the host.
   virtual void DecodeKvRows(const uint16_t* in, int n_rows, int head_dim,
                             KvRowFormat format, float* rows);
+
+  // Default: speculator::SpeculateScores.
+  virtual void SpeculateScores(const SpeculationParams& p);
 
   // --- Host memory to the backend, beside the operations.
   // A point in the order of the operations issued so far (0: none).

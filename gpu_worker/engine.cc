@@ -75,7 +75,6 @@ Engine::Engine(const model::Weights& weights, std::unique_ptr<Backend> backend,
                const EngineOptions& options, int max_seq_len, int max_chunk)
     : weights_(weights),
       backend_(std::move(backend)),
-      host_backend_(NewCpuBackend()),
       options_(options),
       max_seq_len_(max_seq_len),
       max_chunk_(max_chunk),
@@ -112,7 +111,7 @@ absl::Status Engine::Init() {
 
   KvPolicy::Context ctx;
   ctx.weights = &weights_;
-  ctx.backend = host_backend_.get();
+  ctx.backend = backend_.get();
   ctx.max_seq_len = max_seq_len_;
   const size_t rows = static_cast<size_t>(c.n_kv_heads) * max_seq_len_;
   bool pin_warned = false;
@@ -139,7 +138,6 @@ absl::Status Engine::Init() {
     s.k_step.resize(static_cast<size_t>(c.n_layers) * c.n_kv_heads *
                     row_width_);
     s.v_step.resize(s.k_step.size());
-    s.xb_prev.resize(c.dim);
   }
   const size_t stage = static_cast<size_t>(c.n_layers) * max_chunk_ *
                        c.n_kv_heads * row_width_;
@@ -147,7 +145,6 @@ absl::Status Engine::Init() {
   v_stage_.resize(stage);
   kf_ = make((rows + c.n_kv_heads) * c.head_dim);
   vf_ = make((rows + c.n_kv_heads) * c.head_dim);
-  new_k_.resize(static_cast<size_t>(c.n_kv_heads) * c.head_dim);
   probs_ = make(static_cast<size_t>(c.n_heads) * (max_seq_len_ + 1));
   if (slots_[0].policy->WantsPrefillProbs()) {
     prefill_probs_ = make(static_cast<size_t>(c.n_heads) * max_seq_len_);
@@ -602,10 +599,10 @@ absl::Status Engine::IssueFetch(Slot& s, int layer, const float* xb_prev) {
   IG_RETURN_IF_ERROR(backend_->WaitCopies());
   s.uploaded[layer % 2] = false;
   kv_memory_service::OwnedFetchPlan& plan = s.plans[layer % 2];
-  s.policy->PlanFetch(
+  IG_RETURN_IF_ERROR(s.policy->PlanFetch(
       layer, s.position, xb_prev,
       &s.present[static_cast<size_t>(layer) * c.n_kv_heads * max_seq_len_],
-      plan);
+      plan));
   s.step_rows += static_cast<long>(plan.indices.size());
   s.stats.rows_fetched += static_cast<long>(plan.indices.size());
   s.stats.bytes_fetched +=
@@ -719,10 +716,8 @@ void Engine::StageStepRows(Slot& s) {
                            &s.k_step[at + static_cast<size_t>(g) * row_width_]);
       s.policy->EncodeRows(ValueCache(s, l) + src, 1,
                            &s.v_step[at + static_cast<size_t>(g) * row_width_]);
-      std::memcpy(&new_k_[static_cast<size_t>(g) * hd], KeyCache(s, l) + src,
-                  hd * sizeof(float));
     }
-    s.policy->OnDecodeAppend(l, s.position, new_k_.data());
+    s.policy->OnDecodeAppend(l, s.position, KeyCache(s, l));
   }
 }
 
@@ -764,8 +759,6 @@ absl::StatusOr<absl::Span<const float>> Engine::DecodeBatch(
   const int dim = c.dim, hd = c.head_dim, qd = c.q_dim(), kvd = c.kv_dim();
   Backend& b = *backend_;
   const bool offloaded = options_.policy.kind != PolicyKind::kIdeal;
-  const bool plans_from_input =
-      offloaded && slots_[slot_ids[0]].policy->PlansFromInput();
   IG_RETURN_IF_ERROR(b.Synchronize());
   for (int i = 0; i < n; ++i) positions_[i] = slots_[slot_ids[i]].position;
   Embed(tokens.data(), positions_.data(), n);
@@ -792,17 +785,9 @@ absl::StatusOr<absl::Span<const float>> Engine::DecodeBatch(
     // own input; layer 0's left at the start of the step).
     const int fetch_layer = options_.policy.same_layer_input ? l : l + 1;
     if (offloaded && fetch_layer > 0 && fetch_layer < c.n_layers) {
-      // Speculation reads the layer's attention input on the host.
-      if (plans_from_input) IG_RETURN_IF_ERROR(b.Synchronize());
       for (int i = 0; i < n; ++i) {
-        Slot& s = slots_[slot_ids[i]];
-        const float* xb_prev = nullptr;
-        if (plans_from_input) {
-          std::memcpy(s.xb_prev.data(), &xb_[static_cast<size_t>(i) * dim],
-                      dim * sizeof(float));
-          xb_prev = s.xb_prev.data();
-        }
-        IG_RETURN_IF_ERROR(IssueFetch(s, fetch_layer, xb_prev));
+        IG_RETURN_IF_ERROR(IssueFetch(slots_[slot_ids[i]], fetch_layer,
+                                      &xb_[static_cast<size_t>(i) * dim]));
       }
     }
     QueryKeyValue(w, n);

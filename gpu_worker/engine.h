@@ -14,8 +14,9 @@
 // fetched, plus the new token's own. Layer l + 1's fetch leaves before layer
 // l's attention and MLP; once those are queued, its rows are copied to the
 // backend (a device backend's copy queue, from fetch buffers it pinned)
-// while they run, and decoded there at layer l + 1's attention. Only
-// speculation (infinigen) reads activations on the host mid-step. The
+// while they run, and decoded there at layer l + 1's attention.
+// Speculation (infinigen) runs on the backend too; only its scores come
+// back to the host mid-step, for the selection. The
 // step's appends run on a background thread while the last MLP and the
 // classifier compute. Not thread-safe: one caller drives one engine.
 #ifndef INFINIGEN_GPU_WORKER_ENGINE_H_
@@ -143,7 +144,6 @@ class Engine {
     Backend::Mark staged_free[2] = {0, 0};
     bool uploaded[2] = {false, false};  // plans[i]'s rows are in staged[i]
     std::vector<uint16_t> k_step, v_step;  // [layer][kv_head][row_width]
-    std::vector<float> xb_prev;       // [dim] previous layer's attn input
     kv_memory_service::AppendResult appended;  // last async append
     absl::Status append_status;
     FetchStats stats;
@@ -201,9 +201,6 @@ class Engine {
 
   const model::Weights& weights_;
   std::unique_ptr<Backend> backend_;
-  // Speculation's small query projection runs on the host, next to the
-  // partial key cache: the policies get this CPU backend.
-  std::unique_ptr<Backend> host_backend_;
   const EngineOptions options_;
   const int max_seq_len_;
   const int max_chunk_;
@@ -228,7 +225,6 @@ class Engine {
   std::vector<uint16_t> k_stage_;  // prefill rows [layer][chunk][kv][width]
   std::vector<uint16_t> v_stage_;
   SharedVector<float> kf_, vf_;    // [kv_head][max_seq + 1][head_dim]
-  std::vector<float> new_k_;       // [kv_head][head_dim] host row scratch
   SharedVector<float> probs_;       // [n_heads][max_seq + 1]
   SharedVector<float> prefill_probs_;  // [n_heads][max_seq]
 

@@ -92,9 +92,11 @@ namespace {
 class FullPolicy final : public KvPolicy {
  public:
   using KvPolicy::KvPolicy;
-  void PlanFetch(int layer, int p, const float* xb_prev,
-                 const uint8_t* present, OwnedFetchPlan& plan) override {
+  absl::Status PlanFetch(int layer, int p, const float* xb_prev,
+                         const uint8_t* present,
+                         OwnedFetchPlan& plan) override {
     PlanAllPresent(p, present, plan);
+    return absl::OkStatus();
   }
 };
 
@@ -105,9 +107,11 @@ class Int4Policy final : public KvPolicy {
   using KvPolicy::KvPolicy;
   KvRowFormat row_format() const override { return KvRowFormat::kInt4; }
 
-  void PlanFetch(int layer, int p, const float* xb_prev,
-                 const uint8_t* present, OwnedFetchPlan& plan) override {
+  absl::Status PlanFetch(int layer, int p, const float* xb_prev,
+                         const uint8_t* present,
+                         OwnedFetchPlan& plan) override {
     PlanAllPresent(p, present, plan);
+    return absl::OkStatus();
   }
 };
 
@@ -148,8 +152,9 @@ class H2OPolicy final : public KvPolicy {
     }
   }
 
-  void PlanFetch(int layer, int p, const float* xb_prev,
-                 const uint8_t* present, OwnedFetchPlan& plan) override {
+  absl::Status PlanFetch(int layer, int p, const float* xb_prev,
+                         const uint8_t* present,
+                         OwnedFetchPlan& plan) override {
     const int n_kv = config().n_kv_heads;
     const int half = std::max(1, static_cast<int>(p * budget_ / 2));
     const int recent_start = std::max(0, p - half);
@@ -178,6 +183,7 @@ class H2OPolicy final : public KvPolicy {
       }
       plan.head_offsets[g + 1] = static_cast<int32_t>(plan.indices.size());
     }
+    return absl::OkStatus();
   }
 
   void ObserveAttention(int layer, const FetchPlan& plan, const float* probs,
@@ -195,7 +201,7 @@ class H2OPolicy final : public KvPolicy {
     }
   }
 
-  void OnDecodeAppend(int layer, int p, const float* k) override {
+  void OnDecodeAppend(int layer, int p, const float* key_cache) override {
     const int group = config().n_heads / config().n_kv_heads;
     for (int h = 0; h < config().n_heads; ++h) {
       Acc(layer, h / group)[p] +=
@@ -222,6 +228,13 @@ class H2OPolicy final : public KvPolicy {
 // InfiniGen (ALGORITHM.md): layers 0 and 1 read everything; for layer
 // l >= 2 the plan comes from speculation with layer l - 1's attention input,
 // layer l's query weight, its skew and its partial key cache.
+//
+// The speculation's arithmetic runs on the engine's backend, next to the
+// activations: the partial key cache [layer][kv_head][max_seq][n_cols], the
+// partial key weights (the partial columns of each skew, so that a key's
+// partial row is one product) and the scores live in its shared memory; only
+// the scores come back to the host, where the threshold-and-cap selection
+// runs. Choosing the partial columns (once per prompt) runs on the host.
 class InfiniGenPolicy final : public KvPolicy {
  public:
   InfiniGenPolicy(const Context& c, const PolicyOptions& o)
@@ -232,17 +245,34 @@ class InfiniGenPolicy final : public KvPolicy {
                                                o.partial_ratio)) {
     const model::ModelConfig& m = c.weights->config;
     const int d = m.head_dim;
-    col_sums_.assign(static_cast<size_t>(m.n_layers) * m.n_kv_heads * d, 0.0f);
+    const size_t heads = static_cast<size_t>(m.n_layers) * m.n_kv_heads;
+    col_sums_.assign(heads * d, 0.0f);
     cols_.n_layers = m.n_layers;
     cols_.n_kv_heads = m.n_kv_heads;
     cols_.n_cols = n_cols_;
-    cols_.cols.assign(static_cast<size_t>(m.n_layers) * m.n_kv_heads * n_cols_, 0);
-    partial_k_.assign(static_cast<size_t>(m.n_layers) * m.n_kv_heads *
-                          c.max_seq_len * n_cols_,
-                      0.0f);
-    q_.resize(m.q_dim());
-    q_skewed_.resize(m.q_dim());
-    scores_.resize(static_cast<size_t>(m.n_kv_heads) * c.max_seq_len);
+    cols_.cols.assign(heads * n_cols_, 0);
+    Backend* b = c.backend;
+    const SharedAllocator<float> shared(b);
+    cols_dev_ = SharedVector<int32_t>(heads * n_cols_, 0,
+                                      SharedAllocator<int32_t>(b));
+    // Linear(x, w) is x . w^T: the transposed skews turn q into q A.
+    skew_t_ = SharedVector<float>(heads * d * d, 0.0f, shared);
+    for (size_t hd = 0; hd < heads; ++hd) {
+      const float* a = skew_.a.data() + hd * d * d;
+      float* t = skew_t_.data() + hd * d * d;
+      for (int r = 0; r < d; ++r) {
+        for (int col = 0; col < d; ++col) t[col * d + r] = a[r * d + col];
+      }
+    }
+    partial_w_ = SharedVector<float>(heads * n_cols_ * d, 0.0f, shared);
+    partial_k_ = SharedVector<float>(heads * c.max_seq_len * n_cols_, 0.0f,
+                                     shared);
+    q_ = SharedVector<float>(m.q_dim(), 0.0f, shared);
+    q_skewed_ = SharedVector<float>(m.q_dim(), 0.0f, shared);
+    scores_ = SharedVector<float>(static_cast<size_t>(m.n_kv_heads) *
+                                      c.max_seq_len,
+                                  0.0f, shared);
+    position_ = SharedVector<int>(1, 0, SharedAllocator<int>(b));
     row_.resize(d);
     k_sums_.resize(d);
   }
@@ -290,47 +320,68 @@ class InfiniGenPolicy final : public KvPolicy {
       // heads: SelectPartialColumns then ranks each head's columns alone.
       speculator::SelectPartialColumns(ColSums(l, 0), 1, m.n_kv_heads,
                                        m.n_kv_heads, d, n_cols_,
-                                       cols_.cols.data() +
-                                           static_cast<size_t>(l) *
-                                               m.n_kv_heads * n_cols_);
-      const float* keys = key_cache(l);
+                                       cols_.cols.data() + Head(l, 0) * n_cols_);
       for (int g = 0; g < m.n_kv_heads; ++g) {
-        for (int t = 0; t < n_tokens; ++t) {
-          AppendPartialKey(
-              l, g, t,
-              keys + (static_cast<size_t>(g) * ctx_.max_seq_len + t) * d);
+        // Partial key weight rows: w[c][j] = A[j][cols[c]].
+        const int32_t* cols = cols_.at(l, g);
+        const float* a = skew_.at(l, g);
+        float* w = PartialW(l, g);
+        for (int c = 0; c < n_cols_; ++c) {
+          for (int j = 0; j < d; ++j) w[c * d + j] = a[j * d + cols[c]];
         }
+      }
+    }
+    std::copy(cols_.cols.begin(), cols_.cols.end(), cols_dev_.begin());
+    // The prompt's partial keys, one product per (layer, KV head).
+    for (int l = 0; l < m.n_layers; ++l) {
+      for (int g = 0; g < m.n_kv_heads; ++g) {
+        ctx_.backend->Linear(
+            key_cache(l) + static_cast<size_t>(g) * ctx_.max_seq_len * d,
+            n_tokens, d, PartialW(l, g), nullptr, n_cols_, PartialK(l, g));
       }
     }
   }
 
-  bool PlansFromInput() const override { return true; }
-
-  void PlanFetch(int layer, int p, const float* xb_prev,
-                 const uint8_t* present, OwnedFetchPlan& plan) override {
+  absl::Status PlanFetch(int layer, int p, const float* xb_prev,
+                         const uint8_t* present,
+                         OwnedFetchPlan& plan) override {
     if (layer < 2 || xb_prev == nullptr) {
       PlanAllPresent(p, present, plan);
-      return;
+      return absl::OkStatus();
     }
     const model::ModelConfig& m = config();
     const model::LayerWeights& w = ctx_.weights->layers[layer];
     const int d = m.head_dim, group = m.n_heads / m.n_kv_heads;
-    // The approximate query of `layer` from the previous layer's input.
-    ctx_.backend->Linear(xb_prev, 1, m.dim, w.wq.data(),
-                         w.bq.empty() ? nullptr : w.bq.data(), m.q_dim(),
-                         q_.data());
+    Backend& b = *ctx_.backend;
+    // The approximate query of `layer` from the previous layer's input,
+    // rotated, then skewed per group.
+    b.Linear(xb_prev, 1, m.dim, w.wq.data(),
+             w.bq.empty() ? nullptr : w.bq.data(), m.q_dim(), q_.data());
     if (m.arch == model::Architecture::kLlama) {
-      ctx_.backend->Rope(q_.data(), 1, m.n_heads, d, &p, m.rope_theta);
+      position_[0] = p;  // the last reader synchronized before returning
+      b.Rope(q_.data(), 1, m.n_heads, d, position_.data(), m.rope_theta);
     }
-    for (int h = 0; h < m.n_heads; ++h) {
-      speculator::ApplySkew(q_.data() + h * d, 1, skew_.at(layer, h / group), d,
-                            q_skewed_.data() + h * d);
+    for (int g = 0; g < m.n_kv_heads; ++g) {
+      const size_t at = static_cast<size_t>(g) * group * d;
+      b.Linear(q_.data() + at, group, d, SkewT(layer, g), nullptr, d,
+               q_skewed_.data() + at);
     }
-    speculator::SpeculateScores(
-        q_skewed_.data(), m.n_heads, m.n_kv_heads, d, PartialK(layer, 0),
-        ctx_.max_seq_len, p, cols_.at(layer, 0), n_cols_, scores_.data());
-    // SpeculateScores writes [n_kv_heads][p]; present is strided by
-    // max_seq_len, so compact it for SelectTokens.
+    SpeculationParams sp;
+    sp.q_skewed = q_skewed_.data();
+    sp.partial_k = PartialK(layer, 0);
+    sp.cols = cols_dev_.data() +
+              static_cast<size_t>(layer) * m.n_kv_heads * n_cols_;
+    sp.scores = scores_.data();
+    sp.n_heads = m.n_heads;
+    sp.n_kv_heads = m.n_kv_heads;
+    sp.d = d;
+    sp.k_stride = ctx_.max_seq_len;
+    sp.n_tokens = p;
+    sp.n_cols = n_cols_;
+    b.SpeculateScores(sp);
+    IG_RETURN_IF_ERROR(b.Synchronize());
+    // The scores are [n_kv_heads][p]; present is strided by max_seq_len, so
+    // compact it for SelectTokens.
     present_.resize(static_cast<size_t>(m.n_kv_heads) * p);
     for (int g = 0; g < m.n_kv_heads; ++g) {
       std::memcpy(present_.data() + static_cast<size_t>(g) * p,
@@ -341,45 +392,54 @@ class InfiniGenPolicy final : public KvPolicy {
     sel.max_fraction = options_.budget;
     speculator::SelectTokens(scores_.data(), m.n_kv_heads, p, present_.data(),
                              sel, plan.indices, plan.head_offsets);
+    return absl::OkStatus();
   }
 
-  void OnDecodeAppend(int layer, int p, const float* k) override {
+  void OnDecodeAppend(int layer, int p, const float* key_cache) override {
+    const int d = config().head_dim;
     for (int g = 0; g < config().n_kv_heads; ++g) {
-      AppendPartialKey(layer, g, p, k + static_cast<size_t>(g) * config().head_dim);
+      ctx_.backend->Linear(
+          key_cache + (static_cast<size_t>(g) * ctx_.max_seq_len + p) * d, 1,
+          d, PartialW(layer, g), nullptr, n_cols_,
+          PartialK(layer, g) + static_cast<size_t>(p) * n_cols_);
     }
   }
 
  private:
+  size_t Head(int layer, int g) const {
+    return static_cast<size_t>(layer) * config().n_kv_heads + g;
+  }
   float* ColSums(int layer, int g) {
-    return col_sums_.data() +
-           (static_cast<size_t>(layer) * config().n_kv_heads + g) *
-               config().head_dim;
+    return col_sums_.data() + Head(layer, g) * config().head_dim;
+  }
+  const float* SkewT(int layer, int g) const {
+    const size_t d = config().head_dim;
+    return skew_t_.data() + Head(layer, g) * d * d;
+  }
+  float* PartialW(int layer, int g) {
+    return partial_w_.data() + Head(layer, g) * n_cols_ * config().head_dim;
   }
   float* PartialK(int layer, int g) {
-    return partial_k_.data() +
-           (static_cast<size_t>(layer) * config().n_kv_heads + g) *
-               ctx_.max_seq_len * n_cols_;
-  }
-  // partial_k[layer][g][t] = (k A)[cols]
-  void AppendPartialKey(int layer, int g, int t, const float* k) {
-    const int d = config().head_dim;
-    speculator::ApplySkew(k, 1, skew_.at(layer, g), d, row_.data());
-    const int32_t* cols = cols_.at(layer, g);
-    float* out = PartialK(layer, g) + static_cast<size_t>(t) * n_cols_;
-    for (int c = 0; c < n_cols_; ++c) out[c] = row_[cols[c]];
+    return partial_k_.data() + Head(layer, g) * ctx_.max_seq_len * n_cols_;
   }
 
   const PolicyOptions options_;
   const speculator::SkewMatrices& skew_;
   const int n_cols_;
+  // Host:
   std::vector<float> col_sums_;          // [layer][kv_head][d]
   speculator::PartialColumns cols_;      // [layer][kv_head][n_cols]
-  std::vector<float> partial_k_;         // [layer][kv_head][max_seq][n_cols]
-  std::vector<float> q_, q_skewed_;      // [n_heads * d]
-  std::vector<float> scores_;            // [kv_head][p]
   std::vector<uint8_t> present_;         // [kv_head][p]
   std::vector<float> row_;               // [d]
   std::vector<float> k_sums_;            // [d]
+  // The backend's shared memory:
+  SharedVector<int32_t> cols_dev_;   // cols_ for SpeculateScores
+  SharedVector<float> skew_t_;       // [layer][kv_head][d][d]: A^T
+  SharedVector<float> partial_w_;    // [layer][kv_head][n_cols][d]
+  SharedVector<float> partial_k_;    // [layer][kv_head][max_seq][n_cols]
+  SharedVector<float> q_, q_skewed_;  // [n_heads * d]
+  SharedVector<float> scores_;       // [kv_head][p]
+  SharedVector<int> position_;       // [1]: the speculated query's position
 };
 
 }  // namespace

@@ -74,6 +74,9 @@ class KvPolicy {
  public:
   struct Context {
     const model::Weights* weights = nullptr;
+    // The engine's backend (its weights registered): a policy keeps its
+    // per-token state in this backend's shared memory and runs its
+    // arithmetic there.
     Backend* backend = nullptr;
     int max_seq_len = 0;  // positions the caches hold
   };
@@ -101,21 +104,20 @@ class KvPolicy {
   virtual void ObservePrefill(int layer, const float* q, int n, int first_pos,
                               const float* prob_sums) {}
 
-  // Between the prefill of n_tokens and the first decode step.
-  // key_cache(layer) is the local post-RoPE key cache
-  // [n_kv_heads, max_seq_len, head_dim] holding those tokens.
+  // Between the prefill of n_tokens and the first decode step, with the
+  // backend synchronized. key_cache(layer) is the local post-RoPE key cache
+  // [n_kv_heads, max_seq_len, head_dim] holding those tokens (the backend's
+  // shared memory).
   virtual void FinishPrefill(
       int n_tokens, const std::function<const float*(int)>& key_cache) {}
 
-  // True when PlanFetch reads xb_prev (speculation): the engine then
-  // brings each layer's attention input to the host mid-step.
-  virtual bool PlansFromInput() const { return false; }
   // The rows `layer` attends to when positions [0, p) are cached. xb_prev
-  // is layer - 1's attention input [dim] (null for layer 0); present is
-  // [n_kv_heads, max_seq_len], 0 where the pool evicted a token.
-  virtual void PlanFetch(int layer, int p, const float* xb_prev,
-                         const uint8_t* present,
-                         kv_memory_service::OwnedFetchPlan& plan) = 0;
+  // is layer - 1's attention input [dim] in the backend's shared memory
+  // (null for layer 0); present is [n_kv_heads, max_seq_len] on the host,
+  // 0 where the pool evicted a token. Errors are the backend's.
+  virtual absl::Status PlanFetch(int layer, int p, const float* xb_prev,
+                                 const uint8_t* present,
+                                 kv_memory_service::OwnedFetchPlan& plan) = 0;
 
   // After `layer`'s attention over `plan`'s rows plus the new token:
   // probs [n_heads, stride], head h's row holds the probability of each of
@@ -125,9 +127,10 @@ class KvPolicy {
                                 const float* probs, int stride) {}
   virtual bool WantsAttentionProbs() const { return false; }
 
-  // After a decode step: the new token (position p) has post-RoPE key
-  // k [n_kv_heads, head_dim] in `layer`.
-  virtual void OnDecodeAppend(int layer, int p, const float* k) {}
+  // After a decode step: the new token's post-RoPE key is at position p of
+  // `layer`'s key cache [n_kv_heads, max_seq_len, head_dim] (the backend's
+  // shared memory, as in FinishPrefill).
+  virtual void OnDecodeAppend(int layer, int p, const float* key_cache) {}
 
  protected:
   explicit KvPolicy(const Context& context) : ctx_(context) {}

@@ -506,6 +506,41 @@ class CudaBackend final : public Backend {
     }
   }
 
+  void SpeculateScores(const SpeculationParams& a) override {
+    constexpr const char* kOp = "SpeculateScores";
+    if (!Begin() || a.n_tokens == 0) return;
+    if (a.n_tokens < 0 || a.n_heads <= 0 || a.n_kv_heads <= 0 ||
+        a.n_heads % a.n_kv_heads != 0 || a.d <= 0 || a.n_cols < 1 ||
+        a.n_cols > a.d || a.k_stride < a.n_tokens) {
+      return FailShape(
+          kOp, absl::StrFormat("n_heads=%d n_kv_heads=%d (must divide) d=%d "
+                               "n_cols=%d (1..d) n_tokens=%d k_stride=%d "
+                               "(>= n_tokens)",
+                               a.n_heads, a.n_kv_heads, a.d, a.n_cols,
+                               a.n_tokens, a.k_stride));
+    }
+    SpeculateScoresParams p;
+    p.q_skewed = In(a.q_skewed, static_cast<long>(a.n_heads) * a.d, kOp,
+                    "q_skewed");
+    p.partial_k =
+        In(a.partial_k,
+           (static_cast<long>(a.n_kv_heads - 1) * a.k_stride + a.n_tokens) *
+               a.n_cols,
+           kOp, "partial_k");
+    p.cols = In(a.cols, static_cast<long>(a.n_kv_heads) * a.n_cols, kOp,
+                "cols");
+    p.scores = Out(a.scores, static_cast<long>(a.n_kv_heads) * a.n_tokens,
+                   kOp, "scores");
+    if (!ok()) return;
+    p.n_heads = a.n_heads;
+    p.n_kv_heads = a.n_kv_heads;
+    p.d = a.d;
+    p.k_stride = a.k_stride;
+    p.n_tokens = a.n_tokens;
+    p.n_cols = a.n_cols;
+    Launched(LaunchSpeculateScores(p, stream_), kOp);
+  }
+
   void Copy(float* dst, const float* src, long count) override {
     constexpr const char* kOp = "Copy";
     if (!Begin() || count == 0) return;

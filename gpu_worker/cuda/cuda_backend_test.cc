@@ -396,6 +396,55 @@ TEST_F(CudaBackendTest, NameAndFailedAllocation) {
   EXPECT_EQ(x[3], 0.0f);
 }
 
+// The backend's SpeculateScores (the InfiniGen policy's scoring) against
+// the CPU backend's (speculator::SpeculateScores); within 1e-4 relative.
+TEST_F(CudaBackendTest, SpeculateScoresMatchesCpu) {
+  const int n_heads = 9, n_kv_heads = 3, d = 64, n_cols = 19;
+  for (const int n_tokens : {1, 300, 5000}) {
+    const int k_stride = n_tokens + 3;
+    std::vector<float> q = Normal(static_cast<size_t>(n_heads) * d, rng_);
+    std::vector<float> partial_k =
+        Normal(static_cast<size_t>(n_kv_heads) * k_stride * n_cols, rng_);
+    std::vector<int32_t> cols(static_cast<size_t>(n_kv_heads) * n_cols);
+    for (size_t i = 0; i < cols.size(); ++i) cols[i] = (i * 7) % d;
+    SpeculationParams p;
+    p.n_heads = n_heads;
+    p.n_kv_heads = n_kv_heads;
+    p.d = d;
+    p.k_stride = k_stride;
+    p.n_tokens = n_tokens;
+    p.n_cols = n_cols;
+    std::vector<float> want(static_cast<size_t>(n_kv_heads) * n_tokens);
+    p.q_skewed = q.data();
+    p.partial_k = partial_k.data();
+    p.cols = cols.data();
+    p.scores = want.data();
+    cpu_->SpeculateScores(p);
+    SharedVector<float> gq = Shared(gpu_.get(), q),
+                        gk = Shared(gpu_.get(), partial_k),
+                        gscores(want.size(), 0.0f,
+                                SharedAllocator<float>(gpu_.get()));
+    SharedVector<int32_t> gcols = Shared(gpu_.get(), cols);
+    p.q_skewed = gq.data();
+    p.partial_k = gk.data();
+    p.cols = gcols.data();
+    p.scores = gscores.data();
+    gpu_->SpeculateScores(p);
+    ASSERT_TRUE(gpu_->Synchronize().ok()) << gpu_->Synchronize();
+    for (size_t i = 0; i < want.size(); ++i) {
+      ASSERT_NEAR(gscores[i], want[i], 1e-4f * (1 + std::abs(want[i])))
+          << "n_tokens=" << n_tokens << " i=" << i;
+    }
+    // A stride shorter than the tokens is rejected.
+    auto other = NewGpu(false);
+    ASSERT_NE(other, nullptr);
+    p.k_stride = n_tokens - 1;
+    other->SpeculateScores(p);
+    EXPECT_EQ(other->Synchronize().code(),
+              absl::StatusCode::kInvalidArgument);
+  }
+}
+
 // Fetched rows as the engine moves them: stored rows (fp16 and int4) in
 // host memory, pinned, copied with CopyFromHost, decoded on the device.
 // Both decodings are exact (the same conversions as the host's).
