@@ -132,8 +132,9 @@ class Backend {
   virtual absl::Status WaitCopies() { return absl::OkStatus(); }
   // Pins host memory [p, p + bytes) so that copies from it run at full
   // speed (CUDA: cudaHostRegister), until UnpinHost(p); it must stay mapped
-  // until then. Unpinned host memory copies too, slower. An error leaves p
-  // unpinned and the backend usable. Default: nothing to do.
+  // until then. Memory someone else pinned already is accepted as is (and
+  // left to them to unpin). Unpinned host memory copies too, slower. An
+  // error leaves p unpinned and the backend usable. Default: nothing to do.
   virtual absl::Status PinHost(void* p, size_t bytes) {
     return absl::OkStatus();
   }

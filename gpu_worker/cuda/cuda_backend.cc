@@ -257,6 +257,12 @@ class CudaBackend final : public Backend {
     }
     cudaSetDevice(device_);
     const cudaError_t err = cudaHostRegister(p, bytes, cudaHostRegisterDefault);
+    if (err == cudaErrorHostMemoryAlreadyRegistered) {
+      // Pinned already (the shm and RDMA data planes pin their slots):
+      // usable as is, and not ours to unpin.
+      cudaGetLastError();
+      return absl::OkStatus();
+    }
     if (err != cudaSuccess) {
       cudaGetLastError();  // not sticky: the memory stays pageable
       return absl::UnavailableError(absl::StrFormat(
