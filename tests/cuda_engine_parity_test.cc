@@ -171,7 +171,8 @@ TEST_F(CudaEngineParity, SmolLM2DecodeStep) {
       false);
   ASSERT_GE(tokens.size(), 40u);
   const int vocab = m->weights.config.vocab_size;
-  for (PolicyKind kind : {PolicyKind::kIdeal, PolicyKind::kFull}) {
+  for (PolicyKind kind :
+       {PolicyKind::kIdeal, PolicyKind::kFull, PolicyKind::kInt4}) {
     SCOPED_TRACE(gpu_worker::PolicyName(kind));
     const DecodeRun cpu = Decode(m->weights, tokens, gpu_worker::NewCpuBackend(),
                            kind, nullptr, 24, 8);
