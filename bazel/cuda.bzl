@@ -13,15 +13,19 @@ _GENCODE = " ".join([
     "-gencode=arch=compute_90,code=compute_90",
 ])
 
-def cuda_library(name, srcs, hdrs = [], deps = [], visibility = None, testonly = False):
-    """Compiles `srcs` (.cu) with nvcc; headers in `hdrs` are shared with C++."""
+def cuda_library(name, srcs, hdrs = [], deps = [], nvcc_hdrs = [], visibility = None, testonly = False):
+    """Compiles `srcs` (.cu) with nvcc; headers in `hdrs` are shared with C++.
+
+    `nvcc_hdrs`: headers of other packages the sources include (exported
+    files; the cc_library declaring them must be in `deps`).
+    """
     if not CUDA_AVAILABLE:
         # No toolkit: nothing to build. Dependents must check CUDA_AVAILABLE.
         return
     lib = "lib%s_cuda.a" % name
     native.genrule(
         name = name + "_nvcc",
-        srcs = srcs + hdrs + ["@local_cuda//:nvcc", "@local_cuda//:cuda_headers"],
+        srcs = srcs + hdrs + nvcc_hdrs + ["@local_cuda//:nvcc", "@local_cuda//:cuda_headers"],
         outs = [lib],
         cmd = " ".join([
             CUDA_PATH + "/bin/nvcc",

@@ -25,6 +25,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "gpu_worker/kv_rows.h"
+#include "gpu_worker/speculation_params.h"
 
 namespace infinigen::gpu_worker {
 
@@ -45,24 +46,6 @@ struct AttentionParams {
   // Optional [n_heads, kv_len0 + n - 1]: each query's attention
   // probabilities are added here (H2O's accumulated attention).
   float* prob_sums = nullptr;
-};
-
-// InfiniGen's speculated attention scores over the partial key cache
-// (speculator::SpeculateScores):
-//   scores[g][t] = max over query heads h of group g of
-//                  sum_c (q_skewed[h][cols[g][c]] / sqrt(d)) *
-//                  partial_k[g][t][c]
-struct SpeculationParams {
-  const float* q_skewed;   // [n_heads, d]
-  const float* partial_k;  // [n_kv_heads, k_stride, n_cols]
-  const int32_t* cols;     // [n_kv_heads, n_cols], each in [0, d)
-  float* scores;           // [n_kv_heads, n_tokens]
-  int n_heads = 0;
-  int n_kv_heads = 0;  // divides n_heads
-  int d = 0;           // head dimension
-  int k_stride = 0;    // >= n_tokens
-  int n_tokens = 0;
-  int n_cols = 0;  // 1..d
 };
 
 class Backend {
@@ -134,7 +117,8 @@ class Backend {
   // speed (CUDA: cudaHostRegister), until UnpinHost(p); it must stay mapped
   // until then. Memory someone else pinned already is accepted as is (and
   // left to them to unpin). Unpinned host memory copies too, slower. An
-  // error leaves p unpinned and the backend usable. Default: nothing to do.
+  // error leaves p unpinned and the backend usable; unpinning memory that
+  // PinHost did not pin does nothing. Default: nothing to do.
   virtual absl::Status PinHost(void* p, size_t bytes) {
     return absl::OkStatus();
   }

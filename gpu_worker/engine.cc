@@ -123,7 +123,6 @@ absl::Status Engine::Init() {
                                             2 * rows * row_width_));
       const absl::Status pinned = backend_->PinHost(
           s.buffers[i]->data(), s.buffers[i]->size() * sizeof(uint16_t));
-      s.pinned[i] = pinned.ok();
       if (!pinned.ok() && !pin_warned) {
         IG_LOG(WARNING) << "engine: fetch buffers stay pageable (copies run "
                            "slower): "
@@ -195,7 +194,7 @@ Engine::~Engine() {
   for (Slot& s : slots_) {
     for (int i = 0; i < 2; ++i) {
       s.handles[i].Wait().IgnoreError();
-      if (s.pinned[i]) backend_->UnpinHost(s.buffers[i]->data());
+      if (s.buffers[i] != nullptr) backend_->UnpinHost(s.buffers[i]->data());
     }
   }
 }

@@ -135,7 +135,6 @@ class Engine {
     std::vector<uint8_t> present;     // [layer][kv_head][pos]
     std::vector<long> present_count;  // [layer]: present rows, all heads
     std::unique_ptr<kv_memory_service::FetchBuffer> buffers[2];
-    bool pinned[2] = {false, false};  // buffers[i] pinned by the backend
     kv_memory_service::OwnedFetchPlan plans[2];
     kv_memory_service::FetchHandle handles[2];
     // buffers[i]'s rows copied to the backend's side (CopyFromHost), as

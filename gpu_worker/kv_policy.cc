@@ -67,10 +67,6 @@ void KvPolicy::EncodeRows(const float* rows, int n_rows, uint16_t* out) const {
   EncodeKvRows(row_format(), rows, n_rows, config().head_dim, out);
 }
 
-void KvPolicy::DecodeRows(const uint16_t* in, int n_rows, float* rows) const {
-  DecodeKvRows(row_format(), in, n_rows, config().head_dim, rows);
-}
-
 void KvPolicy::PlanAllPresent(int p, const uint8_t* present,
                               OwnedFetchPlan& plan) const {
   const int n_kv = config().n_kv_heads;
@@ -297,8 +293,9 @@ class InfiniGenPolicy final : public KvPolicy {
     }
   }
 
-  void FinishPrefill(int n_tokens,
-                     const std::function<const float*(int)>& key_cache) override {
+  void FinishPrefill(
+      int n_tokens,
+      const std::function<const float*(int)>& key_cache) override {
     const model::ModelConfig& m = config();
     const int d = m.head_dim;
     for (int l = 0; l < m.n_layers; ++l) {
@@ -318,9 +315,9 @@ class InfiniGenPolicy final : public KvPolicy {
       }
       // Each KV head's column sums as one "token" whose heads are the KV
       // heads: SelectPartialColumns then ranks each head's columns alone.
-      speculator::SelectPartialColumns(ColSums(l, 0), 1, m.n_kv_heads,
-                                       m.n_kv_heads, d, n_cols_,
-                                       cols_.cols.data() + Head(l, 0) * n_cols_);
+      speculator::SelectPartialColumns(
+          ColSums(l, 0), 1, m.n_kv_heads, m.n_kv_heads, d, n_cols_,
+          cols_.cols.data() + Head(l, 0) * n_cols_);
       for (int g = 0; g < m.n_kv_heads; ++g) {
         // Partial key weight rows: w[c][j] = A[j][cols[c]].
         const int32_t* cols = cols_.at(l, g);

@@ -89,10 +89,9 @@ class KvPolicy {
   virtual KvRowFormat row_format() const { return KvRowFormat::kHalf; }
   // uint16_t values per stored K or V row.
   int RowWidth() const;
-  // rows [n_rows, head_dim] fp32 -> out [n_rows, RowWidth()]; and back, on
-  // the host.
+  // rows [n_rows, head_dim] fp32 -> out [n_rows, RowWidth()], on the host
+  // (the backend decodes them: Backend::DecodeKvRows).
   void EncodeRows(const float* rows, int n_rows, uint16_t* out) const;
-  void DecodeRows(const uint16_t* in, int n_rows, float* rows) const;
 
   // A new sequence begins.
   virtual void Reset() {}

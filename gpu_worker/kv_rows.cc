@@ -71,11 +71,6 @@ const char* KvRowFormatName(KvRowFormat format) {
   return format == KvRowFormat::kHalf ? "fp16" : "int4";
 }
 
-int KvRowWidth(KvRowFormat format, int head_dim) {
-  if (format == KvRowFormat::kHalf) return head_dim;
-  return 2 * (head_dim / Int4Group(head_dim)) + head_dim / 4;
-}
-
 void EncodeKvRows(KvRowFormat format, const float* rows, int n_rows,
                   int head_dim, uint16_t* out) {
   if (format == KvRowFormat::kHalf) {

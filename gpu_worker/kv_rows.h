@@ -2,7 +2,7 @@
 // fetch: the row formats of the KV policies, encoded and decoded on the
 // host. Backends decode fetched rows where attention reads them
 // (Backend::DecodeKvRows); the CUDA kernels follow these loops formula for
-// formula.
+// formula. Plain C++: nvcc includes it through gpu_worker/cuda/kernels.h.
 #ifndef INFINIGEN_GPU_WORKER_KV_ROWS_H_
 #define INFINIGEN_GPU_WORKER_KV_ROWS_H_
 
@@ -23,8 +23,12 @@ enum class KvRowFormat {
 
 const char* KvRowFormatName(KvRowFormat format);
 
-// uint16_t values per stored row.
-int KvRowWidth(KvRowFormat format, int head_dim);
+// uint16_t values per stored row (inline: the CUDA kernels use it too).
+inline int KvRowWidth(KvRowFormat format, int head_dim) {
+  if (format == KvRowFormat::kHalf) return head_dim;
+  const int group = head_dim < 64 ? head_dim : 64;
+  return 2 * (head_dim / group) + head_dim / 4;
+}
 
 // rows [n_rows, head_dim] fp32 -> out [n_rows, KvRowWidth()].
 void EncodeKvRows(KvRowFormat format, const float* rows, int n_rows,

@@ -255,7 +255,7 @@ TEST_F(PolicyTest, Int4CodecErrorIsWithinHalfAStep) {
   std::vector<uint16_t> packed(3 * (*int4)->RowWidth());
   std::vector<float> back(rows.size());
   (*int4)->EncodeRows(rows.data(), 3, packed.data());
-  (*int4)->DecodeRows(packed.data(), 3, back.data());
+  DecodeKvRows((*int4)->row_format(), packed.data(), 3, 128, back.data());
   for (int g = 0; g < 6; ++g) {
     float mn = rows[g * 64], mx = rows[g * 64];
     for (int i = 0; i < 64; ++i) {

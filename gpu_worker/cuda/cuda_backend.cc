@@ -525,7 +525,7 @@ class CudaBackend final : public Backend {
                                a.n_heads, a.n_kv_heads, a.d, a.n_cols,
                                a.n_tokens, a.k_stride));
     }
-    SpeculateScoresParams p;
+    SpeculationParams p = a;  // the shape; pointers resolved below
     p.q_skewed = In(a.q_skewed, static_cast<long>(a.n_heads) * a.d, kOp,
                     "q_skewed");
     p.partial_k =
@@ -538,12 +538,6 @@ class CudaBackend final : public Backend {
     p.scores = Out(a.scores, static_cast<long>(a.n_kv_heads) * a.n_tokens,
                    kOp, "scores");
     if (!ok()) return;
-    p.n_heads = a.n_heads;
-    p.n_kv_heads = a.n_kv_heads;
-    p.d = a.d;
-    p.k_stride = a.k_stride;
-    p.n_tokens = a.n_tokens;
-    p.n_cols = a.n_cols;
     Launched(LaunchSpeculateScores(p, stream_), kOp);
   }
 

@@ -18,6 +18,9 @@
 
 #include <cstdint>
 
+#include "gpu_worker/kv_rows.h"
+#include "gpu_worker/speculation_params.h"
+
 namespace infinigen::gpu_worker::cuda {
 
 // ---------------------------------------------------------------- norms
@@ -121,14 +124,9 @@ int LaunchHalfToFloat(const HalfToFloatParams& p, void* stream);
 // groups of g = min(64, head_dim) values; the row is head_dim / g pairs of
 // fp16 (scale, min), then head_dim / 2 bytes of nibbles, value 2i in the
 // low nibble of byte i and value 2i + 1 in its high nibble. Value =
-// nibble * scale + min. Returns the row's width in uint16_t.
-inline int Int4RowWidth(int head_dim) {
-  const int group = head_dim < 64 ? head_dim : 64;
-  return 2 * (head_dim / group) + head_dim / 4;
-}
-
+// nibble * scale + min (KvRowFormat::kInt4).
 struct Int4DequantParams {
-  const uint16_t* in;  // [n_rows, Int4RowWidth(head_dim)]
+  const uint16_t* in;  // [n_rows, KvRowWidth(kInt4, head_dim)]
   float* rows;         // [n_rows, head_dim]
   int n_rows = 0;
   int head_dim = 0;  // divisible by 4 and by min(64, head_dim)
@@ -176,24 +174,9 @@ int LaunchAttention(const AttentionKernelParams& p, void* stream);
 
 // ----------------------------------------------------------- speculation
 
-struct SpeculateScoresParams {
-  const float* q_skewed;   // [n_heads, d]
-  const float* partial_k;  // [n_kv_heads, k_stride, n_cols]
-  const int32_t* cols;     // [n_kv_heads, n_cols]
-  float* scores;           // [n_kv_heads, n_tokens]
-  int n_heads = 0;
-  int n_kv_heads = 0;  // divides n_heads
-  int d = 0;           // head dimension
-  int k_stride = 0;    // >= n_tokens
-  int n_tokens = 0;
-  int n_cols = 0;  // 1..d
-};
-
-// speculator::SpeculateScores on the device:
-//   scores[g][t] = max over query heads h of group g of
-//                  sum_c (q_skewed[h][cols[g][c]] / sqrt(d)) *
-//                  partial_k[g][t][c]
-int LaunchSpeculateScores(const SpeculateScoresParams& p, void* stream);
+// speculator::SpeculateScores on the device (SpeculationParams, in
+// gpu_worker/speculation_params.h, says what it computes).
+int LaunchSpeculateScores(const SpeculationParams& p, void* stream);
 
 struct SelectTopKParams {
   const float* scores;  // [n_kv_heads, n_tokens], no NaN

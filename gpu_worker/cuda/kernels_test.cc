@@ -258,7 +258,7 @@ TEST_F(CudaKernels, Int4DequantMatchesInt4Policy) {
     auto policy = KvPolicy::Create(options, {&weights, nullptr, 16});
     ASSERT_TRUE(policy.ok()) << policy.status();
     const int width = (*policy)->RowWidth();
-    ASSERT_EQ(width, Int4RowWidth(head_dim));
+    ASSERT_EQ(width, KvRowWidth(KvRowFormat::kInt4, head_dim));
     const int n_rows = 1031;
     std::vector<float> rows =
         Normal(static_cast<size_t>(n_rows) * head_dim, rng_, 2.0f);
@@ -268,7 +268,8 @@ TEST_F(CudaKernels, Int4DequantMatchesInt4Policy) {
     std::vector<uint16_t> stored(static_cast<size_t>(n_rows) * width);
     (*policy)->EncodeRows(rows.data(), n_rows, stored.data());
     std::vector<float> want(rows.size());
-    (*policy)->DecodeRows(stored.data(), n_rows, want.data());
+    DecodeKvRows(KvRowFormat::kInt4, stored.data(), n_rows, head_dim,
+                 want.data());
     DeviceArray<uint16_t> din(stored);
     DeviceArray<float> dout(rows.size());
     ExpectRan(
@@ -490,8 +491,8 @@ TEST(CudaKernelArguments, RejectedBeforeLaunch) {
   b.out = nullptr;
   EXPECT_EQ(LaunchAttention(b, nullptr), bad);
 
-  SpeculateScoresParams s{f, f, i32, f, 9, 3, 64, 100, 100, 19};
-  SpeculateScoresParams t = s;
+  SpeculationParams s{f, f, i32, f, 9, 3, 64, 100, 100, 19};
+  SpeculationParams t = s;
   t.n_cols = 65;  // more than d
   EXPECT_EQ(LaunchSpeculateScores(t, nullptr), bad);
   t = s;

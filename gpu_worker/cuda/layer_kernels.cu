@@ -129,7 +129,9 @@ __global__ void FloatToHalfKernel(FloatToHalfParams p) {
 }
 
 __global__ void HalfToFloatKernel(HalfToFloatParams p) {
-  IG_GRID_STRIDE(i, p.count) { p.y[i] = __half2float(__ushort_as_half(p.x[i])); }
+  IG_GRID_STRIDE(i, p.count) {
+    p.y[i] = __half2float(__ushort_as_half(p.x[i]));
+  }
 }
 
 // One thread per output value.
@@ -222,7 +224,7 @@ int LaunchInt4Dequant(const Int4DequantParams& p, void* stream) {
   if (p.head_dim % 4 != 0 || p.head_dim % group != 0) return Invalid();
   const long count = static_cast<long>(p.n_rows) * p.head_dim;
   Int4DequantKernel<<<BlocksFor(count), kThreads, 0, Stream(stream)>>>(
-      p, group, Int4RowWidth(p.head_dim));
+      p, group, KvRowWidth(KvRowFormat::kInt4, p.head_dim));
   return LastError();
 }
 

@@ -17,7 +17,7 @@ constexpr int kTopKThreads = 512;
 constexpr int kMaxGatheredQuery = 12 * 1024;
 
 // grid (token blocks, KV heads); one thread per cached token.
-__global__ void SpeculateScoresKernel(SpeculateScoresParams p, float scale) {
+__global__ void SpeculateScoresKernel(SpeculationParams p, float scale) {
   extern __shared__ float qg[];  // [group][n_cols], pre-scaled as the CPU does
   const int g = blockIdx.y;
   const int group = p.n_heads / p.n_kv_heads;
@@ -141,7 +141,7 @@ __global__ void __launch_bounds__(kTopKThreads)
 
 }  // namespace
 
-int LaunchSpeculateScores(const SpeculateScoresParams& p, void* stream) {
+int LaunchSpeculateScores(const SpeculationParams& p, void* stream) {
   const int invalid = static_cast<int>(cudaErrorInvalidValue);
   if (!p.q_skewed || !p.partial_k || !p.cols || !p.scores) return invalid;
   if (p.n_heads <= 0 || p.n_kv_heads <= 0 || p.n_heads % p.n_kv_heads != 0 ||

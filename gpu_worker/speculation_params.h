@@ -1,0 +1,31 @@
+// The parameters of InfiniGen's speculated scores, shared by the Backend
+// interface and the CUDA kernel (plain C++, no dependencies, so that nvcc
+// compiles it too).
+#ifndef INFINIGEN_GPU_WORKER_SPECULATION_PARAMS_H_
+#define INFINIGEN_GPU_WORKER_SPECULATION_PARAMS_H_
+
+#include <cstdint>
+
+namespace infinigen::gpu_worker {
+
+// InfiniGen's speculated attention scores over the partial key cache
+// (speculator::SpeculateScores):
+//   scores[g][t] = max over query heads h of group g of
+//                  sum_c (q_skewed[h][cols[g][c]] / sqrt(d)) *
+//                  partial_k[g][t][c]
+struct SpeculationParams {
+  const float* q_skewed;   // [n_heads, d]
+  const float* partial_k;  // [n_kv_heads, k_stride, n_cols]
+  const int32_t* cols;     // [n_kv_heads, n_cols], each in [0, d)
+  float* scores;           // [n_kv_heads, n_tokens]
+  int n_heads = 0;
+  int n_kv_heads = 0;  // divides n_heads
+  int d = 0;           // head dimension
+  int k_stride = 0;    // >= n_tokens
+  int n_tokens = 0;
+  int n_cols = 0;  // 1..d
+};
+
+}  // namespace infinigen::gpu_worker
+
+#endif  // INFINIGEN_GPU_WORKER_SPECULATION_PARAMS_H_
