@@ -58,6 +58,15 @@ class Backend {
   // Returns nullptr when out of memory.
   virtual void* AllocateShared(size_t bytes);
   virtual void FreeShared(void* p);
+  // Memory only the backend's operations and copies touch (never host
+  // code): the KV working set, staging and activations that stay on the
+  // device. CPU: the same as AllocateShared; CUDA: cudaMalloc. Returns
+  // nullptr when out of memory.
+  virtual void* AllocateDevice(size_t bytes) { return AllocateShared(bytes); }
+  virtual void FreeDevice(void* p) { FreeShared(p); }
+  // True when the operations read host memory directly (the CPU backend):
+  // rows fetched into host memory then need no CopyFromHost.
+  virtual bool OperatesOnHostMemory() const { return false; }
   // Declares host memory [p, p + count) unchanged for the backend's lifetime
   // (weights); operations may then be given pointers anywhere inside it.
   virtual absl::Status RegisterConstant(const float* p, size_t count) {
@@ -161,6 +170,60 @@ class SharedAllocator {
 };
 template <typename T>
 using SharedVector = std::vector<T, SharedAllocator<T>>;
+
+// `count` values of T in a backend's device memory (AllocateDevice),
+// uninitialized; freed with the buffer. Move-only; the backend must outlive
+// it. Host code never reads or writes through data().
+template <typename T>
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  // ResourceExhausted when the backend has no memory for it.
+  static absl::StatusOr<DeviceBuffer> Make(Backend* backend, size_t count,
+                                           const char* what) {
+    DeviceBuffer b;
+    if (count == 0) return b;
+    void* p = backend->AllocateDevice(count * sizeof(T));
+    if (p == nullptr) {
+      return absl::ResourceExhaustedError(
+          std::string("out of backend memory for ") + what + " (" +
+          std::to_string(count * sizeof(T)) + " bytes)");
+    }
+    b.backend_ = backend;
+    b.data_ = static_cast<T*>(p);
+    b.count_ = count;
+    return b;
+  }
+  DeviceBuffer(DeviceBuffer&& o) noexcept { *this = std::move(o); }
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+    if (this != &o) {
+      Release();
+      backend_ = o.backend_;
+      data_ = o.data_;
+      count_ = o.count_;
+      o.backend_ = nullptr;
+      o.data_ = nullptr;
+      o.count_ = 0;
+    }
+    return *this;
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() { Release(); }
+
+  T* data() const { return data_; }
+  size_t size() const { return count_; }
+  size_t bytes() const { return count_ * sizeof(T); }
+
+ private:
+  void Release() {
+    if (data_ != nullptr) backend_->FreeDevice(data_);
+    data_ = nullptr;
+  }
+  Backend* backend_ = nullptr;
+  T* data_ = nullptr;
+  size_t count_ = 0;
+};
 
 // The CPU backend: OpenBLAS for matrix work, plain loops elsewhere. It is
 // the reference every other backend is compared with.

@@ -120,13 +120,28 @@ class H2OPolicy final : public KvPolicy {
       : KvPolicy(c),
         budget_(budget),
         slab_(static_cast<size_t>(c.weights->config.n_kv_heads) *
-              c.max_seq_len) {
-    const size_t n = slab_ * c.weights->config.n_layers;
+              c.max_seq_len) {}
+
+  absl::Status Init() override {
+    const size_t n = slab_ * config().n_layers;
     acc_.assign(n, 0.0f);
     kept_.assign(n, 1);
     pending_new_.assign(
-        static_cast<size_t>(c.weights->config.n_layers) * c.weights->config.n_heads,
-        0.0f);
+        static_cast<size_t>(config().n_layers) * config().n_heads, 0.0f);
+    candidates_.reserve(ctx_.max_seq_len);
+    return absl::OkStatus();
+  }
+
+  static int64_t StateBytes(const Context& c) {
+    const model::ModelConfig& m = c.weights->config;
+    const int64_t slots = int64_t{m.n_layers} * m.n_kv_heads * c.max_seq_len;
+    return slots * (sizeof(float) + sizeof(uint8_t)) +
+           int64_t{m.n_layers} * m.n_heads * sizeof(float) +
+           int64_t{c.max_seq_len} * sizeof(int);
+  }
+
+  int MaxPlanRows(int p) const override {
+    return std::min(p, 2 * std::max(1, static_cast<int>(p * budget_ / 2)));
   }
 
   void Reset() override {
@@ -137,8 +152,8 @@ class H2OPolicy final : public KvPolicy {
   bool WantsPrefillProbs() const override { return true; }
   bool WantsAttentionProbs() const override { return true; }
 
-  void ObservePrefill(int layer, const float* q, int n, int first_pos,
-                      const float* prob_sums) override {
+  void ObservePrefill(int layer, const float* q, const float* k, int n,
+                      int first_pos, const float* prob_sums) override {
     const int kv_len = first_pos + n;
     const int group = config().n_heads / config().n_kv_heads;
     for (int h = 0; h < config().n_heads; ++h) {
@@ -197,7 +212,7 @@ class H2OPolicy final : public KvPolicy {
     }
   }
 
-  void OnDecodeAppend(int layer, int p, const float* key_cache) override {
+  void OnDecodeAppend(int layer, int p, const float* key) override {
     const int group = config().n_heads / config().n_kv_heads;
     for (int h = 0; h < config().n_heads; ++h) {
       Acc(layer, h / group)[p] +=
@@ -226,9 +241,10 @@ class H2OPolicy final : public KvPolicy {
 // layer l's query weight, its skew and its partial key cache.
 //
 // The speculation's arithmetic runs on the engine's backend, next to the
-// activations: the partial key cache [layer][kv_head][max_seq][n_cols], the
-// partial key weights (the partial columns of each skew, so that a key's
-// partial row is one product) and the scores live in its shared memory; only
+// activations: the partial key cache [layer][kv_head][max_seq][n_cols] (its
+// device memory), the partial key weights (the partial columns of each
+// skew, so that a key's partial row is one product) and the scores live in
+// its memory; only
 // the scores come back to the host, where the threshold-and-cap selection
 // runs. Choosing the partial columns (once per prompt) runs on the host.
 class InfiniGenPolicy final : public KvPolicy {
@@ -238,16 +254,46 @@ class InfiniGenPolicy final : public KvPolicy {
         options_(o),
         skew_(*o.skew),
         n_cols_(speculator::PartialColumnCount(c.weights->config.head_dim,
-                                               o.partial_ratio)) {
+                                               o.partial_ratio)) {}
+
+  // Every buffer below, in bytes, for StateBytes and Init alike.
+  struct Sizes {
+    size_t heads, d, n_cols, max_seq, q_dim, n_kv;
+    int64_t Bytes() const {
+      return static_cast<int64_t>(
+          2 * heads * d * sizeof(float) +             // col_sums_, k_col_sums_
+          2 * heads * n_cols * sizeof(int32_t) +      // cols_, cols_dev_
+          heads * d * d * sizeof(float) +             // skew_t_
+          heads * n_cols * d * sizeof(float) +        // partial_w_
+          heads * max_seq * n_cols * sizeof(float) +  // partial_k_
+          2 * q_dim * sizeof(float) +                 // q_, q_skewed_
+          n_kv * max_seq * (sizeof(float) + 1) +      // scores_, present_
+          2 * d * sizeof(float) + sizeof(int));       // row_, k_sums_, position_
+    }
+  };
+  static Sizes SizesFor(const Context& c, const PolicyOptions& o) {
     const model::ModelConfig& m = c.weights->config;
-    const int d = m.head_dim;
-    const size_t heads = static_cast<size_t>(m.n_layers) * m.n_kv_heads;
+    Sizes z;
+    z.heads = static_cast<size_t>(m.n_layers) * m.n_kv_heads;
+    z.d = m.head_dim;
+    z.n_cols = speculator::PartialColumnCount(m.head_dim, o.partial_ratio);
+    z.max_seq = c.max_seq_len;
+    z.q_dim = m.q_dim();
+    z.n_kv = m.n_kv_heads;
+    return z;
+  }
+
+  absl::Status Init() override {
+    const model::ModelConfig& m = config();
+    const Sizes z = SizesFor(ctx_, options_);
+    const size_t heads = z.heads, d = z.d;
     col_sums_.assign(heads * d, 0.0f);
+    k_col_sums_.assign(heads * d, 0.0f);
     cols_.n_layers = m.n_layers;
     cols_.n_kv_heads = m.n_kv_heads;
     cols_.n_cols = n_cols_;
     cols_.cols.assign(heads * n_cols_, 0);
-    Backend* b = c.backend;
+    Backend* b = ctx_.backend;
     const SharedAllocator<float> shared(b);
     cols_dev_ = SharedVector<int32_t>(heads * n_cols_, 0,
                                       SharedAllocator<int32_t>(b));
@@ -256,30 +302,35 @@ class InfiniGenPolicy final : public KvPolicy {
     for (size_t hd = 0; hd < heads; ++hd) {
       const float* a = skew_.a.data() + hd * d * d;
       float* t = skew_t_.data() + hd * d * d;
-      for (int r = 0; r < d; ++r) {
-        for (int col = 0; col < d; ++col) t[col * d + r] = a[r * d + col];
+      for (size_t r = 0; r < d; ++r) {
+        for (size_t col = 0; col < d; ++col) t[col * d + r] = a[r * d + col];
       }
     }
     partial_w_ = SharedVector<float>(heads * n_cols_ * d, 0.0f, shared);
-    partial_k_ = SharedVector<float>(heads * c.max_seq_len * n_cols_, 0.0f,
-                                     shared);
-    q_ = SharedVector<float>(m.q_dim(), 0.0f, shared);
-    q_skewed_ = SharedVector<float>(m.q_dim(), 0.0f, shared);
-    scores_ = SharedVector<float>(static_cast<size_t>(m.n_kv_heads) *
-                                      c.max_seq_len,
-                                  0.0f, shared);
+    IG_ASSIGN_OR_RETURN(partial_k_, DeviceBuffer<float>::Make(
+                                        b, heads * z.max_seq * n_cols_,
+                                        "the partial key cache"));
+    IG_ASSIGN_OR_RETURN(q_, DeviceBuffer<float>::Make(b, z.q_dim,
+                                                      "speculated queries"));
+    IG_ASSIGN_OR_RETURN(q_skewed_, DeviceBuffer<float>::Make(
+                                       b, z.q_dim, "speculated queries"));
+    scores_ = SharedVector<float>(z.n_kv * z.max_seq, 0.0f, shared);
     position_ = SharedVector<int>(1, 0, SharedAllocator<int>(b));
+    present_.reserve(z.n_kv * z.max_seq);
     row_.resize(d);
     k_sums_.resize(d);
+    return absl::OkStatus();
   }
 
   void Reset() override {
     std::fill(col_sums_.begin(), col_sums_.end(), 0.0f);
+    std::fill(k_col_sums_.begin(), k_col_sums_.end(), 0.0f);
   }
 
-  void ObservePrefill(int layer, const float* q, int n, int first_pos,
-                      const float* prob_sums) override {
-    // Partial columns rank by the summed |q A| over the prompt.
+  void ObservePrefill(int layer, const float* q, const float* k, int n,
+                      int first_pos, const float* prob_sums) override {
+    // Partial columns rank by the summed |q A| over the prompt (times the
+    // summed |k A| with rank_columns_by_keys).
     const model::ModelConfig& m = config();
     const int d = m.head_dim, group = m.n_heads / m.n_kv_heads;
     for (int i = 0; i < n; ++i) {
@@ -291,52 +342,53 @@ class InfiniGenPolicy final : public KvPolicy {
         for (int c = 0; c < d; ++c) sums[c] += std::fabs(row_[c]);
       }
     }
+    if (!options_.rank_columns_by_keys) return;
+    for (int g = 0; g < m.n_kv_heads; ++g) {
+      float* sums = k_col_sums_.data() + Head(layer, g) * d;
+      for (int i = 0; i < n; ++i) {
+        speculator::ApplySkew(
+            k + (static_cast<size_t>(i) * m.n_kv_heads + g) * d, 1,
+            skew_.at(layer, g), d, row_.data());
+        for (int c = 0; c < d; ++c) sums[c] += std::fabs(row_[c]);
+      }
+    }
   }
 
-  void FinishPrefill(
-      int n_tokens,
-      const std::function<const float*(int)>& key_cache) override {
+  absl::Status FinishPrefillLayer(int l, int n_tokens, const float* keys,
+                                  int key_stride) override {
     const model::ModelConfig& m = config();
     const int d = m.head_dim;
-    for (int l = 0; l < m.n_layers; ++l) {
-      if (options_.rank_columns_by_keys) {
-        for (int g = 0; g < m.n_kv_heads; ++g) {
-          std::fill(k_sums_.begin(), k_sums_.end(), 0.0f);
-          const float* keys =
-              key_cache(l) + static_cast<size_t>(g) * ctx_.max_seq_len * d;
-          for (int t = 0; t < n_tokens; ++t) {
-            speculator::ApplySkew(keys + static_cast<size_t>(t) * d, 1,
-                                  skew_.at(l, g), d, row_.data());
-            for (int c = 0; c < d; ++c) k_sums_[c] += std::fabs(row_[c]);
-          }
-          float* sums = ColSums(l, g);
-          for (int c = 0; c < d; ++c) sums[c] *= k_sums_[c];
-        }
-      }
-      // Each KV head's column sums as one "token" whose heads are the KV
-      // heads: SelectPartialColumns then ranks each head's columns alone.
-      speculator::SelectPartialColumns(
-          ColSums(l, 0), 1, m.n_kv_heads, m.n_kv_heads, d, n_cols_,
-          cols_.cols.data() + Head(l, 0) * n_cols_);
+    if (options_.rank_columns_by_keys) {
       for (int g = 0; g < m.n_kv_heads; ++g) {
-        // Partial key weight rows: w[c][j] = A[j][cols[c]].
-        const int32_t* cols = cols_.at(l, g);
-        const float* a = skew_.at(l, g);
-        float* w = PartialW(l, g);
-        for (int c = 0; c < n_cols_; ++c) {
-          for (int j = 0; j < d; ++j) w[c * d + j] = a[j * d + cols[c]];
-        }
+        const float* k_sums = k_col_sums_.data() + Head(l, g) * d;
+        float* sums = ColSums(l, g);
+        for (int c = 0; c < d; ++c) sums[c] *= k_sums[c];
       }
     }
-    std::copy(cols_.cols.begin(), cols_.cols.end(), cols_dev_.begin());
-    // The prompt's partial keys, one product per (layer, KV head).
-    for (int l = 0; l < m.n_layers; ++l) {
-      for (int g = 0; g < m.n_kv_heads; ++g) {
-        ctx_.backend->Linear(
-            key_cache(l) + static_cast<size_t>(g) * ctx_.max_seq_len * d,
-            n_tokens, d, PartialW(l, g), nullptr, n_cols_, PartialK(l, g));
+    // Each KV head's column sums as one "token" whose heads are the KV
+    // heads: SelectPartialColumns then ranks each head's columns alone.
+    speculator::SelectPartialColumns(
+        ColSums(l, 0), 1, m.n_kv_heads, m.n_kv_heads, d, n_cols_,
+        cols_.cols.data() + Head(l, 0) * n_cols_);
+    for (int g = 0; g < m.n_kv_heads; ++g) {
+      // Partial key weight rows: w[c][j] = A[j][cols[c]].
+      const int32_t* cols = cols_.at(l, g);
+      const float* a = skew_.at(l, g);
+      float* w = PartialW(l, g);
+      for (int c = 0; c < n_cols_; ++c) {
+        for (int j = 0; j < d; ++j) w[c * d + j] = a[j * d + cols[c]];
       }
     }
+    std::copy(cols_.cols.begin() + Head(l, 0) * n_cols_,
+              cols_.cols.begin() + Head(l + 1, 0) * n_cols_,
+              cols_dev_.begin() + Head(l, 0) * n_cols_);
+    // The prompt's partial keys, one product per KV head.
+    for (int g = 0; g < m.n_kv_heads; ++g) {
+      ctx_.backend->Linear(keys + static_cast<size_t>(g) * key_stride * d,
+                           n_tokens, d, PartialW(l, g), nullptr, n_cols_,
+                           PartialK(l, g));
+    }
+    return absl::OkStatus();
   }
 
   absl::Status PlanFetch(int layer, int p, const float* xb_prev,
@@ -392,13 +444,12 @@ class InfiniGenPolicy final : public KvPolicy {
     return absl::OkStatus();
   }
 
-  void OnDecodeAppend(int layer, int p, const float* key_cache) override {
+  void OnDecodeAppend(int layer, int p, const float* key) override {
     const int d = config().head_dim;
     for (int g = 0; g < config().n_kv_heads; ++g) {
-      ctx_.backend->Linear(
-          key_cache + (static_cast<size_t>(g) * ctx_.max_seq_len + p) * d, 1,
-          d, PartialW(layer, g), nullptr, n_cols_,
-          PartialK(layer, g) + static_cast<size_t>(p) * n_cols_);
+      ctx_.backend->Linear(key + static_cast<size_t>(g) * d, 1, d,
+                           PartialW(layer, g), nullptr, n_cols_,
+                           PartialK(layer, g) + static_cast<size_t>(p) * n_cols_);
     }
   }
 
@@ -425,6 +476,7 @@ class InfiniGenPolicy final : public KvPolicy {
   const int n_cols_;
   // Host:
   std::vector<float> col_sums_;          // [layer][kv_head][d]
+  std::vector<float> k_col_sums_;        // [layer][kv_head][d]: sum |k A|
   speculator::PartialColumns cols_;      // [layer][kv_head][n_cols]
   std::vector<uint8_t> present_;         // [kv_head][p]
   std::vector<float> row_;               // [d]
@@ -433,15 +485,40 @@ class InfiniGenPolicy final : public KvPolicy {
   SharedVector<int32_t> cols_dev_;   // cols_ for SpeculateScores
   SharedVector<float> skew_t_;       // [layer][kv_head][d][d]: A^T
   SharedVector<float> partial_w_;    // [layer][kv_head][n_cols][d]
-  SharedVector<float> partial_k_;    // [layer][kv_head][max_seq][n_cols]
-  SharedVector<float> q_, q_skewed_;  // [n_heads * d]
+  DeviceBuffer<float> partial_k_;    // [layer][kv_head][max_seq][n_cols]
+  DeviceBuffer<float> q_, q_skewed_;  // [n_heads * d]
   SharedVector<float> scores_;       // [kv_head][p]
   SharedVector<int> position_;       // [1]: the speculated query's position
 };
 
 }  // namespace
 
+absl::StatusOr<int64_t> KvPolicy::StateBytes(const PolicyOptions& options,
+                                              const Context& context) {
+  IG_RETURN_IF_ERROR(options.Validate());
+  switch (options.kind) {
+    case PolicyKind::kIdeal:
+      return absl::InvalidArgumentError("ideal has no KvPolicy: it stays local");
+    case PolicyKind::kFull:
+    case PolicyKind::kInt4:
+      return int64_t{0};
+    case PolicyKind::kH2O:
+      return H2OPolicy::StateBytes(context);
+    case PolicyKind::kInfiniGen:
+      return InfiniGenPolicy::SizesFor(context, options).Bytes();
+  }
+  return absl::InvalidArgumentError("unknown policy");
+}
+
 absl::StatusOr<std::unique_ptr<KvPolicy>> KvPolicy::Create(
+    const PolicyOptions& options, const Context& context) {
+  IG_ASSIGN_OR_RETURN(std::unique_ptr<KvPolicy> policy,
+                      CreateUninitialized(options, context));
+  IG_RETURN_IF_ERROR(policy->Init());
+  return policy;
+}
+
+absl::StatusOr<std::unique_ptr<KvPolicy>> KvPolicy::CreateUninitialized(
     const PolicyOptions& options, const Context& context) {
   IG_RETURN_IF_ERROR(options.Validate());
   const model::ModelConfig& m = context.weights->config;

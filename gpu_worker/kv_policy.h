@@ -15,9 +15,9 @@
 // and fetches them with FetchPlans, so the rows moved per step are counted
 // the same way for all.
 //
-// KvPolicy is the engine's internal interface; it owns the policy's state
-// (partial key cache, accumulated attention) and is driven by one engine.
-// Not thread-safe.
+// KvPolicy is the offloaded KV cache's internal interface (kv_cache.h): one
+// per sequence, it owns the policy's state (partial key cache, accumulated
+// attention); ideal has none, it never offloads. Not thread-safe.
 #ifndef INFINIGEN_GPU_WORKER_KV_POLICY_H_
 #define INFINIGEN_GPU_WORKER_KV_POLICY_H_
 
@@ -83,6 +83,15 @@ class KvPolicy {
 
   static absl::StatusOr<std::unique_ptr<KvPolicy>> Create(
       const PolicyOptions& options, const Context& context);
+  // The same without allocating its state: for the sizes and properties
+  // below (RowWidth, MaxPlanRows, Wants*), not for use.
+  static absl::StatusOr<std::unique_ptr<KvPolicy>> CreateUninitialized(
+      const PolicyOptions& options, const Context& context);
+  // Bytes of per-sequence state a policy of these options holds on the
+  // worker (InfiniGen's partial key cache and weights, H2O's scores and kept
+  // set), as Create would allocate them; computed without allocating.
+  static absl::StatusOr<int64_t> StateBytes(const PolicyOptions& options,
+                                            const Context& context);
   virtual ~KvPolicy() = default;
 
   // How this policy stores K and V rows (fp16 unless it quantizes).
@@ -92,28 +101,34 @@ class KvPolicy {
   // rows [n_rows, head_dim] fp32 -> out [n_rows, RowWidth()], on the host
   // (the backend decodes them: Backend::DecodeKvRows).
   void EncodeRows(const float* rows, int n_rows, uint16_t* out) const;
+  // Most rows of one (layer, KV head) a plan of this policy names when
+  // positions [0, p) are cached: what the fetch staging must hold.
+  virtual int MaxPlanRows(int p) const { return p; }
 
   // A new sequence begins.
   virtual void Reset() {}
 
-  // Dense prefill: layer's post-RoPE queries q [n, n_heads, head_dim] of
-  // positions [first_pos, first_pos + n), and, when WantsPrefillProbs, the
-  // summed attention probabilities prob_sums [n_heads, first_pos + n].
+  // Prefill, layer by layer, each layer in chunks: layer's post-RoPE
+  // queries q [n, n_heads, head_dim] and keys k [n, n_kv_heads, head_dim]
+  // of positions [first_pos, first_pos + n) (host-readable), and, when
+  // WantsPrefillProbs, the summed attention probabilities prob_sums
+  // [n_heads, first_pos + n].
   virtual bool WantsPrefillProbs() const { return false; }
-  virtual void ObservePrefill(int layer, const float* q, int n, int first_pos,
-                              const float* prob_sums) {}
+  virtual void ObservePrefill(int layer, const float* q, const float* k,
+                              int n, int first_pos, const float* prob_sums) {}
 
-  // Between the prefill of n_tokens and the first decode step, with the
-  // backend synchronized. key_cache(layer) is the local post-RoPE key cache
-  // [n_kv_heads, max_seq_len, head_dim] holding those tokens (the backend's
-  // shared memory).
-  virtual void FinishPrefill(
-      int n_tokens, const std::function<const float*(int)>& key_cache) {}
+  // After layer's last prefill chunk: keys [n_kv_heads, key_stride,
+  // head_dim] (backend memory) hold its post-RoPE keys of positions
+  // [0, n_tokens). Errors are the backend's.
+  virtual absl::Status FinishPrefillLayer(int layer, int n_tokens,
+                                          const float* keys, int key_stride) {
+    return absl::OkStatus();
+  }
 
   // The rows `layer` attends to when positions [0, p) are cached. xb_prev
-  // is layer - 1's attention input [dim] in the backend's shared memory
-  // (null for layer 0); present is [n_kv_heads, max_seq_len] on the host,
-  // 0 where the pool evicted a token. Errors are the backend's.
+  // is layer - 1's attention input [dim] in the backend's memory (null for
+  // layer 0); present is [n_kv_heads, max_seq_len] on the host, 0 where the
+  // pool evicted a token. Errors are the backend's.
   virtual absl::Status PlanFetch(int layer, int p, const float* xb_prev,
                                  const uint8_t* present,
                                  kv_memory_service::OwnedFetchPlan& plan) = 0;
@@ -126,13 +141,14 @@ class KvPolicy {
                                 const float* probs, int stride) {}
   virtual bool WantsAttentionProbs() const { return false; }
 
-  // After a decode step: the new token's post-RoPE key is at position p of
-  // `layer`'s key cache [n_kv_heads, max_seq_len, head_dim] (the backend's
-  // shared memory, as in FinishPrefill).
-  virtual void OnDecodeAppend(int layer, int p, const float* key_cache) {}
+  // After a decode step: key [n_kv_heads, head_dim] (backend memory) is the
+  // post-RoPE key of the new token at position p of `layer`.
+  virtual void OnDecodeAppend(int layer, int p, const float* key) {}
 
  protected:
   explicit KvPolicy(const Context& context) : ctx_(context) {}
+  // Allocates what the policy keeps in the backend's memory.
+  virtual absl::Status Init() { return absl::OkStatus(); }
   // Every present position of each head, ascending.
   void PlanAllPresent(int p, const uint8_t* present,
                       kv_memory_service::OwnedFetchPlan& plan) const;

@@ -16,6 +16,7 @@ namespace {
 class CpuBackend final : public Backend {
  public:
   std::string name() const override { return "cpu"; }
+  bool OperatesOnHostMemory() const override { return true; }
 
   void Linear(const float* x, int n, int in, const float* w,
               const float* bias, int out, float* y) override {

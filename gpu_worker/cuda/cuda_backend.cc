@@ -133,6 +133,20 @@ class CudaBackend final : public Backend {
     return p;
   }
 
+  void* AllocateDevice(size_t bytes) override {
+    cudaSetDevice(device_);
+    const size_t size = std::max<size_t>(bytes, 1);
+    void* p = nullptr;
+    if (cudaMalloc(&p, size) != cudaSuccess) {
+      cudaGetLastError();  // not sticky: later launches must not see it
+      return nullptr;
+    }
+    shared_[reinterpret_cast<uintptr_t>(p)] = size;
+    return p;
+  }
+
+  void FreeDevice(void* p) override { FreeShared(p); }
+
   void FreeShared(void* p) override {
     if (p == nullptr) return;
     cudaSetDevice(device_);
@@ -696,7 +710,8 @@ class CudaBackend final : public Backend {
   absl::Status error_;  // the first error; sticky
 
   std::map<uintptr_t, ConstantRange> constants_;  // by host address
-  std::map<uintptr_t, size_t> shared_;            // AllocateShared: bytes
+  // AllocateShared (managed) and AllocateDevice (device): bytes.
+  std::map<uintptr_t, size_t> shared_;
   std::map<uintptr_t, size_t> pinned_;            // PinHost: bytes
   // fp16 copies of registered matrices, by (device address, floats).
   std::map<std::pair<const float*, long>, uint16_t*> half_weights_;

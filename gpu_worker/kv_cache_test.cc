@@ -1,0 +1,565 @@
+// The KV cache seam: what the offloaded cache sends to the memory node and
+// when (through a fake KvClient that records every call), what it holds on
+// the worker, the worker-memory limit, and the staging path of a device
+// backend (through a recording backend).
+#include "gpu_worker/kv_cache.h"
+
+#include <cstring>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gpu_worker/engine.h"
+#include "gtest/gtest.h"
+#include "kv_memory_service/kv_store.h"
+
+namespace infinigen::gpu_worker {
+namespace {
+
+using ::testing::ElementsAreArray;
+using ::testing::HasSubstr;
+using kv_memory_service::AppendBlock;
+using kv_memory_service::AppendResult;
+using kv_memory_service::FetchBuffer;
+using kv_memory_service::FetchHandle;
+using kv_memory_service::FetchPlan;
+using kv_memory_service::KvClient;
+using kv_memory_service::KvStore;
+using kv_memory_service::SequenceGeometry;
+using kv_memory_service::SequenceId;
+using model::Architecture;
+using model::LayerWeights;
+using model::ModelConfig;
+using model::Weights;
+
+// A memory node in a KvStore that records every call, and can fail the
+// n-th append.
+class FakeKvClient final : public KvClient {
+ public:
+  struct AppendCall {
+    int first_layer, n_layers, n_tokens;
+    bool operator==(const AppendCall& o) const {
+      return first_layer == o.first_layer && n_layers == o.n_layers &&
+             n_tokens == o.n_tokens;
+    }
+  };
+  struct FetchCall {
+    int layer;
+    size_t rows;
+  };
+
+  FakeKvClient() : store_(KvStoreOptions()) {}
+
+  absl::StatusOr<SequenceId> Open(const SequenceGeometry& g) override {
+    ++opens;
+    return store_.Open(g);
+  }
+  absl::StatusOr<AppendResult> Append(SequenceId seq,
+                                      const AppendBlock& block) override {
+    if (fail_append_at > 0 && ++append_count_ == fail_append_at) {
+      return absl::UnavailableError("fake: the memory node went away");
+    }
+    appends.push_back({block.first_layer, block.n_layers, block.n_tokens});
+    return store_.Append(seq, block);
+  }
+  absl::StatusOr<std::unique_ptr<FetchBuffer>> NewFetchBuffer(
+      size_t elements) override {
+    buffer_values.push_back(elements);
+    return std::unique_ptr<FetchBuffer>(new Buffer(this, elements));
+  }
+  FetchHandle FetchAsync(SequenceId seq, int32_t layer, const FetchPlan& plan,
+                         FetchBuffer* dest) override {
+    auto* buffer = static_cast<Buffer*>(dest);
+    absl::Status begun = buffer->Begin();
+    if (!begun.ok()) return FetchHandle(begun);
+    fetches.push_back({layer, plan.indices.size()});
+    buffer->Complete(store_.Gather(seq, layer, plan, buffer->span()));
+    return FetchHandle(buffer);
+  }
+  absl::Status Close(SequenceId seq) override {
+    ++closes;
+    return store_.Close(seq);
+  }
+  absl::StatusOr<kv_memory_service::SequenceStats> GetSequenceStats(
+      SequenceId seq) override {
+    return store_.GetSequenceStats(seq);
+  }
+  absl::StatusOr<kv_memory_service::StoreStats> GetStoreStats() override {
+    return store_.GetStoreStats();
+  }
+  std::string data_plane() const override { return "fake"; }
+
+  int opens = 0, closes = 0, fail_append_at = 0;
+  std::vector<AppendCall> appends;
+  std::vector<FetchCall> fetches;
+  std::vector<size_t> buffer_values;
+
+ private:
+  using KvStoreOptions = kv_memory_service::KvStoreOptions;
+  class Buffer final : public FetchBuffer {
+   public:
+    Buffer(const void* owner, size_t n)
+        : Buffer(owner, new uint16_t[n], n) {}
+    absl::Status Begin() { return BeginFetch(); }
+    void Complete(absl::Status s) { CompleteFetch(std::move(s)); }
+
+   private:
+    Buffer(const void* owner, uint16_t* data, size_t n)
+        : FetchBuffer(owner, data, n), memory_(data) {}
+    std::unique_ptr<uint16_t[]> memory_;
+  };
+
+  KvStore store_;
+  int append_count_ = 0;
+};
+
+// A random Llama-shaped model with many layers and a small width: worker
+// memory per layer is what these tests measure.
+Weights ManyLayers(int n_layers, int max_seq) {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.0f, 0.3f);
+  auto rnd = [&](size_t n) {
+    std::vector<float> v(n);
+    for (float& e : v) e = normal(rng);
+    return v;
+  };
+  Weights w;
+  ModelConfig& c = w.config;
+  c.arch = Architecture::kLlama;
+  c.dim = 32;
+  c.hidden_dim = 48;
+  c.n_layers = n_layers;
+  c.n_heads = 4;
+  c.n_kv_heads = 2;
+  c.head_dim = 8;
+  c.vocab_size = 64;
+  c.max_seq_len = max_seq;
+  c.bos_id = 0;
+  c.eos_id = 1;
+  w.token_embedding = rnd(64 * 32);
+  for (int i = 0; i < n_layers; ++i) {
+    LayerWeights l;
+    l.attn_norm = rnd(32);
+    l.wq = rnd(32 * 32);
+    l.wk = rnd(32 * c.kv_dim());
+    l.wv = rnd(32 * c.kv_dim());
+    l.wo = rnd(32 * 32);
+    l.ffn_norm = rnd(32);
+    l.w1 = rnd(48 * 32);
+    l.w2 = rnd(48 * 32);
+    l.w3 = rnd(48 * 32);
+    w.layers.push_back(l);
+  }
+  w.final_norm = rnd(32);
+  return w;
+}
+
+std::vector<int> Tokens(int n) {
+  std::vector<int> t;
+  for (int i = 0; i < n; ++i) t.push_back((i * 37 + 11) % 64);
+  return t;
+}
+
+class KvCacheTest : public ::testing::Test {
+ protected:
+  KvCacheTest()
+      : weights_(ManyLayers(12, 1024)),
+        identity_(speculator::SkewMatrices::Identity(12, 2, 8)) {}
+
+  EngineOptions Options(PolicyKind kind, KvClient* client) {
+    EngineOptions o;
+    o.max_seq_len = 256;
+    o.max_chunk = 16;
+    o.policy.kind = kind;
+    o.policy.skew = &identity_;
+    o.kv_client = client;
+    return o;
+  }
+
+  Weights weights_;
+  speculator::SkewMatrices identity_;
+};
+
+TEST_F(KvCacheTest, PrefillSendsEachLayerBeforeTheNextAndDecodeFetches) {
+  FakeKvClient node;
+  auto engine =
+      Engine::Create(weights_, NewCpuBackend(), Options(PolicyKind::kFull, &node));
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  const std::vector<int> t = Tokens(45);
+  ASSERT_TRUE((*engine)->Forward(absl::MakeConstSpan(t).subspan(0, 40), false)
+                  .ok());
+  // Layer-major: one append per layer, in order, with the whole prompt
+  // (three chunks of 16 and one of 8 each).
+  std::vector<FakeKvClient::AppendCall> want;
+  for (int l = 0; l < 12; ++l) want.push_back({l, 1, 40});
+  EXPECT_THAT(node.appends, ElementsAreArray(want));
+  EXPECT_TRUE(node.fetches.empty());  // the prefill reads nothing back
+  for (int i = 40; i < 45; ++i) {
+    ASSERT_TRUE((*engine)->Forward({t[i]}, false).ok());
+  }
+  // Each decode step: every layer fetched once with every cached row (full),
+  // then one append of the new token's rows of every layer.
+  ASSERT_EQ(node.fetches.size(), 5u * 12);
+  for (size_t i = 0; i < node.fetches.size(); ++i) {
+    EXPECT_EQ(node.fetches[i].layer, static_cast<int>(i % 12));
+    EXPECT_EQ(node.fetches[i].rows, 2u * (40 + i / 12)) << i;
+  }
+  ASSERT_TRUE((*engine)->Reset().ok());  // waits for the last append
+  ASSERT_EQ(node.appends.size(), 12u + 5);
+  EXPECT_EQ(node.appends.back(), (FakeKvClient::AppendCall{0, 12, 1}));
+  EXPECT_EQ(node.opens, 1);
+  EXPECT_EQ(node.closes, 1);
+}
+
+TEST_F(KvCacheTest, OffloadedMatchesLocalUpToFp16) {
+  FakeKvClient node;
+  auto local = Engine::Create(weights_, NewCpuBackend(),
+                              Options(PolicyKind::kIdeal, nullptr));
+  auto full = Engine::Create(weights_, NewCpuBackend(),
+                             Options(PolicyKind::kFull, &node));
+  ASSERT_TRUE(local.ok() && full.ok());
+  const std::vector<int> t = Tokens(60);
+  for (Engine* e : {local->get(), full->get()}) {
+    ASSERT_TRUE(e->Forward(absl::MakeConstSpan(t).subspan(0, 50), false).ok());
+  }
+  for (int i = 50; i < 60; ++i) {
+    auto a = (*local)->Forward({t[i]}, false);
+    ASSERT_TRUE(a.ok());
+    const std::vector<float> want(a->begin(), a->end());
+    auto b = (*full)->Forward({t[i]}, false);
+    ASSERT_TRUE(b.ok()) << b.status();
+    double max_diff = 0, max_abs = 0;
+    for (size_t j = 0; j < want.size(); ++j) {
+      max_diff = std::max(max_diff, std::fabs(double((*b)[j]) - want[j]));
+      max_abs = std::max(max_abs, std::fabs(double(want[j])));
+    }
+    // Rows pass through fp16 on the memory node: close, not equal.
+    EXPECT_LT(max_diff, 2e-2 * std::max(1.0, max_abs)) << i;
+    EXPECT_GT(max_diff, 0.0) << i;
+  }
+}
+
+TEST_F(KvCacheTest, WorkerHoldsABoundedWorkingSet) {
+  FakeKvClient node;
+  std::map<PolicyKind, int64_t> bytes;
+  for (PolicyKind kind : {PolicyKind::kIdeal, PolicyKind::kFull,
+                          PolicyKind::kInfiniGen, PolicyKind::kH2O,
+                          PolicyKind::kInt4}) {
+    SCOPED_TRACE(PolicyName(kind));
+    EngineOptions o = Options(kind, &node);
+    o.max_seq_len = 1024;
+    o.batch = 2;
+    auto engine = Engine::Create(weights_, NewCpuBackend(), o);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    bytes[kind] = (*engine)->worker_kv_bytes();
+    KvCacheOptions kv;
+    kv.batch = 2;
+    kv.max_seq_len = 1024;
+    kv.policy = o.policy;
+    kv.kv_client = &node;
+    auto planned = KvCache::WorkerBytes(weights_, kv);
+    ASSERT_TRUE(planned.ok());
+    // The plan is sized for a device backend (with staging); the CPU
+    // backend reads fetched rows where they land and holds less.
+    EXPECT_LE(bytes[kind], *planned);
+    if (kind == PolicyKind::kIdeal) EXPECT_EQ(bytes[kind], *planned);
+  }
+  // Ideal: 2 slots x 12 layers x 2 KV heads x 1024 positions x 8 x (K, V)
+  // floats. The offloaded caches hold about 2.5 layers' worth on this
+  // backend (two fp16 fetch buffers per slot, one layer of decoded fp32
+  // rows, one layer of fp16 prefill rows) plus their policy's state.
+  EXPECT_EQ(bytes[PolicyKind::kIdeal], 2LL * 12 * 2 * 1024 * 8 * 2 * 4);
+  EXPECT_LE(bytes[PolicyKind::kFull], bytes[PolicyKind::kIdeal] / 4);
+  EXPECT_LE(bytes[PolicyKind::kInt4], bytes[PolicyKind::kIdeal] / 4);
+  EXPECT_LE(bytes[PolicyKind::kH2O], bytes[PolicyKind::kIdeal] / 4);
+  EXPECT_LE(bytes[PolicyKind::kInfiniGen], bytes[PolicyKind::kIdeal] / 2);
+}
+
+// SmolLM2-135M's shape (30 layers, 3 KV heads of 64) at context 4096 and
+// batch 4, sized for a device backend (fetched rows staged on the device):
+// the worker's share of the KV memory the issue asks for.
+TEST(KvCacheSizing, SmolLm2ShapeAtContext4096Batch4) {
+  Weights w;
+  ModelConfig& c = w.config;
+  c.arch = Architecture::kLlama;
+  c.dim = 576;
+  c.hidden_dim = 1536;
+  c.n_layers = 30;
+  c.n_heads = 9;
+  c.n_kv_heads = 3;
+  c.head_dim = 64;
+  c.vocab_size = 49152;
+  c.max_seq_len = 8192;
+  const auto skew = speculator::SkewMatrices::Identity(30, 3, 64);
+  FakeKvClient node;
+  auto bytes = [&](PolicyKind kind, int max_seq) {
+    KvCacheOptions kv;
+    kv.batch = 4;
+    kv.max_seq_len = max_seq;
+    kv.policy.kind = kind;
+    kv.policy.skew = &skew;
+    kv.kv_client = &node;
+    auto b = KvCache::WorkerBytes(w, kv);
+    EXPECT_TRUE(b.ok()) << b.status();
+    return static_cast<double>(b.value_or(0));
+  };
+  const double ideal = bytes(PolicyKind::kIdeal, 4096);
+  EXPECT_EQ(ideal, 4.0 * 30 * 3 * 4096 * 64 * 2 * 4);
+  EXPECT_LE(bytes(PolicyKind::kFull, 4096), 0.10 * ideal);
+  EXPECT_LE(bytes(PolicyKind::kInt4, 4096), 0.10 * ideal);
+  EXPECT_LE(bytes(PolicyKind::kH2O, 4096), 0.10 * ideal);
+  EXPECT_LE(bytes(PolicyKind::kInfiniGen, 4096), 0.25 * ideal);
+  // Doubling the context adds a few layers' rows, not thirty.
+  const double ideal_growth = bytes(PolicyKind::kIdeal, 8192) - ideal;
+  const double full_growth =
+      bytes(PolicyKind::kFull, 8192) - bytes(PolicyKind::kFull, 4096);
+  EXPECT_GT(full_growth, 0);
+  EXPECT_LE(full_growth, 0.10 * ideal_growth);
+}
+
+// A backend that counts the bytes its allocations hold.
+class CountingBackend final : public Backend {
+ public:
+  explicit CountingBackend(int64_t* live) : cpu_(NewCpuBackend()), live_(live) {}
+  std::string name() const override { return "counting-cpu"; }
+  bool OperatesOnHostMemory() const override { return true; }
+  void* AllocateShared(size_t bytes) override {
+    void* p = cpu_->AllocateShared(bytes);
+    sizes_[p] = bytes;
+    *live_ += bytes;
+    return p;
+  }
+  void FreeShared(void* p) override {
+    if (p == nullptr) return;
+    *live_ -= sizes_[p];
+    sizes_.erase(p);
+    cpu_->FreeShared(p);
+  }
+  void Linear(const float* x, int n, int in, const float* w, const float* b,
+              int out, float* y) override {
+    cpu_->Linear(x, n, in, w, b, out, y);
+  }
+  void RmsNorm(const float* x, int n, int dim, const float* g, float eps,
+               float* y) override {
+    cpu_->RmsNorm(x, n, dim, g, eps, y);
+  }
+  void LayerNorm(const float* x, int n, int dim, const float* g,
+                 const float* b, float eps, float* y) override {
+    cpu_->LayerNorm(x, n, dim, g, b, eps, y);
+  }
+  void Rope(float* x, int n, int h, int d, const int* pos,
+            float theta) override {
+    cpu_->Rope(x, n, h, d, pos, theta);
+  }
+  void Attention(const AttentionParams& p) override { cpu_->Attention(p); }
+  void SwiGlu(float* g, const float* u, long n) override {
+    cpu_->SwiGlu(g, u, n);
+  }
+  void Relu(float* x, long n) override { cpu_->Relu(x, n); }
+  void Add(float* x, const float* y, long n) override { cpu_->Add(x, y, n); }
+  void Copy(float* d, const float* s, long n) override { cpu_->Copy(d, s, n); }
+
+ private:
+  std::unique_ptr<Backend> cpu_;
+  int64_t* live_;
+  std::map<void*, size_t> sizes_;
+};
+
+// Full offload's KV memory does not grow as the context grows while
+// decoding: everything is allocated at creation (its growth with
+// max_seq_len: KvCacheSizing below).
+TEST_F(KvCacheTest, FullWorkerKvDoesNotGrowWithContext) {
+  FakeKvClient node;
+  int64_t live = 0;
+  EngineOptions o = Options(PolicyKind::kFull, &node);
+  auto engine =
+      Engine::Create(weights_, std::make_unique<CountingBackend>(&live), o);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  const int64_t after_create = live;
+  const std::vector<int> t = Tokens(200);
+  ASSERT_TRUE((*engine)->Forward(absl::MakeConstSpan(t).subspan(0, 8), false)
+                  .ok());
+  for (int i = 8; i < 200; ++i) {
+    ASSERT_TRUE((*engine)->Forward({t[i]}, false).ok());
+    ASSERT_EQ(live, after_create) << "allocation at context " << i;
+  }
+
+}
+
+TEST_F(KvCacheTest, WorkerKvLimitRefusesIdealAndServesOffloaded) {
+  FakeKvClient node;
+  KvCacheOptions kv;
+  kv.max_seq_len = 256;
+  kv.batch = 4;
+  kv.policy = Options(PolicyKind::kIdeal, nullptr).policy;
+  const int64_t ideal = *KvCache::WorkerBytes(weights_, kv);
+  const int64_t limit = ideal / 2;
+  for (PolicyKind kind :
+       {PolicyKind::kIdeal, PolicyKind::kFull, PolicyKind::kInfiniGen}) {
+    SCOPED_TRACE(PolicyName(kind));
+    EngineOptions o = Options(kind, &node);
+    o.batch = 4;
+    o.max_worker_kv_bytes = limit;
+    auto engine = Engine::Create(weights_, NewCpuBackend(), o);
+    if (kind == PolicyKind::kIdeal) {
+      ASSERT_EQ(engine.status().code(), absl::StatusCode::kResourceExhausted);
+      const std::string message(engine.status().message());
+      EXPECT_THAT(message, HasSubstr("policy ideal needs"));
+      EXPECT_THAT(message, HasSubstr("--max_worker_kv_bytes=" +
+                                     std::to_string(limit)));
+      continue;
+    }
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    EXPECT_LE((*engine)->worker_kv_bytes(), limit);
+    const std::vector<int> t = Tokens(30);
+    for (int slot = 0; slot < 4; ++slot) {
+      ASSERT_TRUE((*engine)
+                      ->Forward(slot, absl::MakeConstSpan(t).subspan(slot, 20),
+                                false)
+                      .ok());
+    }
+    auto step = (*engine)->DecodeBatch({0, 1, 2, 3}, {t[20], t[21], t[22], t[23]});
+    ASSERT_TRUE(step.ok()) << step.status();
+    // The node holds what the worker does not: every slot's reservation.
+    EXPECT_EQ((*engine)->node_kv_bytes(), 4LL * 12 * 2 * 256 * 8 * 2 * 2);
+  }
+  EngineOptions negative = Options(PolicyKind::kFull, &node);
+  negative.max_worker_kv_bytes = -1;
+  EXPECT_EQ(Engine::Create(weights_, NewCpuBackend(), negative).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(KvCacheTest, OffloadedPrefillIsOneCallAndAFailedOneLeavesTheSlotEmpty) {
+  FakeKvClient node;
+  node.fail_append_at = 5;  // layer 4's rows of the first prefill
+  auto engine =
+      Engine::Create(weights_, NewCpuBackend(), Options(PolicyKind::kFull, &node));
+  ASSERT_TRUE(engine.ok());
+  const std::vector<int> t = Tokens(20);
+  auto failed = (*engine)->Forward(absl::MakeConstSpan(t).subspan(0, 10), false);
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ((*engine)->position(), 0);
+  EXPECT_EQ(node.closes, 1);  // the half-written sequence is gone
+  // The same prompt again, from scratch, then a decode step.
+  ASSERT_TRUE((*engine)->Forward(absl::MakeConstSpan(t).subspan(0, 10), false)
+                  .ok());
+  ASSERT_TRUE((*engine)->Forward({t[10]}, false).ok());
+  EXPECT_EQ((*engine)->position(), 11);
+  auto more = (*engine)->Forward({t[11], t[12]}, false);
+  EXPECT_EQ(more.status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+// A device-like backend (its operations do not read host memory): fetched
+// rows must reach it by CopyFromHost into its device memory, and the
+// operations that decode them must read only there.
+class DeviceLikeBackend final : public Backend {
+ public:
+  explicit DeviceLikeBackend(std::vector<std::string>* violations)
+      : cpu_(NewCpuBackend()), violations_(violations) {}
+  std::string name() const override { return "device-like"; }
+  void* AllocateDevice(size_t bytes) override {
+    void* p = cpu_->AllocateShared(bytes);
+    device_[static_cast<char*>(p)] = bytes;
+    return p;
+  }
+  void FreeDevice(void* p) override {
+    device_.erase(static_cast<char*>(p));
+    cpu_->FreeShared(p);
+  }
+  void Linear(const float* x, int n, int in, const float* w, const float* b,
+              int out, float* y) override {
+    cpu_->Linear(x, n, in, w, b, out, y);
+  }
+  void RmsNorm(const float* x, int n, int dim, const float* g, float eps,
+               float* y) override {
+    cpu_->RmsNorm(x, n, dim, g, eps, y);
+  }
+  void LayerNorm(const float* x, int n, int dim, const float* g,
+                 const float* b, float eps, float* y) override {
+    cpu_->LayerNorm(x, n, dim, g, b, eps, y);
+  }
+  void Rope(float* x, int n, int h, int d, const int* pos,
+            float theta) override {
+    cpu_->Rope(x, n, h, d, pos, theta);
+  }
+  void Attention(const AttentionParams& p) override {
+    if (!InDevice(p.k) || !InDevice(p.v)) {
+      violations_->push_back("attention reads K/V outside device memory");
+    }
+    cpu_->Attention(p);
+  }
+  void SwiGlu(float* g, const float* u, long n) override {
+    cpu_->SwiGlu(g, u, n);
+  }
+  void Relu(float* x, long n) override { cpu_->Relu(x, n); }
+  void Add(float* x, const float* y, long n) override { cpu_->Add(x, y, n); }
+  void Copy(float* d, const float* s, long n) override { cpu_->Copy(d, s, n); }
+  void DecodeKvRows(const uint16_t* in, int n_rows, int head_dim,
+                    KvRowFormat format, float* rows) override {
+    ++decodes;
+    if (!InDevice(in)) {
+      violations_->push_back("fetched rows decoded from host memory");
+    }
+    cpu_->DecodeKvRows(in, n_rows, head_dim, format, rows);
+  }
+  void CopyFromHost(void* dst, const void* src, size_t bytes,
+                    Mark after) override {
+    ++copies;
+    if (!InDevice(dst)) violations_->push_back("a copy into host memory");
+    std::memcpy(dst, src, bytes);
+  }
+  long copies = 0, decodes = 0;
+
+ private:
+  bool InDevice(const void* p) const {
+    const char* c = static_cast<const char*>(p);
+    auto it = device_.upper_bound(c);
+    if (it == device_.begin()) return false;
+    --it;
+    return c < it->first + it->second;
+  }
+  std::unique_ptr<Backend> cpu_;
+  std::vector<std::string>* violations_;
+  std::map<char*, size_t, std::less<>> device_;
+};
+
+TEST_F(KvCacheTest, DeviceBackendsReadFetchedRowsFromTheirOwnMemory) {
+  for (PolicyKind kind : {PolicyKind::kIdeal, PolicyKind::kFull,
+                          PolicyKind::kInt4, PolicyKind::kInfiniGen}) {
+    SCOPED_TRACE(PolicyName(kind));
+    FakeKvClient a, b;
+    std::vector<std::string> violations;
+    auto device = std::make_unique<DeviceLikeBackend>(&violations);
+    DeviceLikeBackend* d = device.get();
+    auto on_device = Engine::Create(weights_, std::move(device),
+                                    Options(kind, &a));
+    auto on_cpu = Engine::Create(weights_, NewCpuBackend(), Options(kind, &b));
+    ASSERT_TRUE(on_device.ok() && on_cpu.ok());
+    const std::vector<int> t = Tokens(40);
+    for (Engine* e : {on_device->get(), on_cpu->get()}) {
+      ASSERT_TRUE(e->Forward(absl::MakeConstSpan(t).subspan(0, 30), false).ok());
+    }
+    for (int i = 30; i < 40; ++i) {
+      auto want = (*on_cpu)->Forward({t[i]}, false);
+      ASSERT_TRUE(want.ok());
+      const std::vector<float> w(want->begin(), want->end());
+      auto got = (*on_device)->Forward({t[i]}, false);
+      ASSERT_TRUE(got.ok()) << got.status();
+      // Staged or read in place, the same arithmetic: bit for bit.
+      EXPECT_EQ(std::vector<float>(got->begin(), got->end()), w);
+    }
+    EXPECT_THAT(violations, ::testing::IsEmpty());
+    if (kind == PolicyKind::kIdeal) {
+      EXPECT_EQ(d->copies, 0);
+    } else {
+      EXPECT_EQ(d->copies, 10L * 12);  // one copy per layer and step
+      EXPECT_GE(d->decodes, 2L * 2 * 10 * 12);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace infinigen::gpu_worker
