@@ -51,14 +51,18 @@ RUN apt-get update && \
     test -x "$CUDA_PATH/bin/nvcc"
 COPY . .
 # The Bazel output tree lives in a cache mount, so everything the runtime
-# stage needs is copied to /out in the same step: the binary, the shared
-# libraries it links (except glibc, libstdc++, CUDA and ibverbs, which the
+# stage needs is copied to /out in the same step: the binary with its CUDA
+# backend plugin beside it (loaded when --backend picks CUDA), the shared
+# libraries they link (except glibc, libstdc++, CUDA and ibverbs, which the
 # runtime image provides), and the model with its skew file.
 RUN --mount=type=cache,target=/root/.cache/bazel \
     bazel build --jobs="$(nproc)" //gpu_worker:infinigen && \
     install -D -m 0755 bazel-bin/gpu_worker/infinigen /out/bin/infinigen && \
+    install -m 0755 bazel-bin/gpu_worker/cuda/libinfinigen_cuda.so \
+        /out/bin/libinfinigen_cuda.so && \
     mkdir -p /out/lib /out/models/stories260K && \
-    ldd /out/bin/infinigen | awk '$2 == "=>" && $3 ~ /^\// { print $3 }' | \
+    ldd /out/bin/infinigen /out/bin/libinfinigen_cuda.so | \
+        awk '$2 == "=>" && $3 ~ /^\// { print $3 }' | sort -u | \
         grep -vE '/(libc|libm|libmvec|libpthread|libdl|librt|ld-linux-x86-64|libstdc\+\+|libgcc_s|libcuda|libcudart|libcublas|libcublasLt|libibverbs|libnl-3|libnl-route-3)\.so' | \
         xargs -r cp -L -t /out/lib/ && \
     cp models/stories260K/stories260K.bin models/stories260K/tok512.bin \

@@ -1,17 +1,103 @@
-// The backend factory: CPU, or CUDA when the binary has it and a device
-// answers.
+// The backend factory: CPU, or CUDA when the build has it and a device
+// answers. The CUDA backend is a plugin (gpu_worker/cuda/cuda_plugin.cc)
+// loaded on first use, so that CPU-only processes never load cudart and
+// cuBLAS.
+#include <dlfcn.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
 #include "common/log.h"
 #include "gpu_worker/backend.h"
 
+namespace infinigen::gpu_worker {
+namespace {
+
 #ifdef INFINIGEN_WITH_CUDA
-#include "gpu_worker/cuda/cuda_backend.h"
+constexpr char kPlugin[] = "libinfinigen_cuda.so";
+using CreateFn = Backend* (*)(int device, int* code, std::string* message);
+
+std::string ExecutableDir() {
+  std::string path(4096, '\0');
+  const ssize_t n = readlink("/proc/self/exe", path.data(), path.size() - 1);
+  if (n <= 0) return ".";
+  path.resize(n);
+  const size_t slash = path.rfind('/');
+  return slash == std::string::npos ? "." : path.substr(0, slash);
+}
+
+// Where the plugin may be: $INFINIGEN_CUDA_PLUGIN alone when set; else next
+// to the executable (an install or a bundle), then in its Bazel runfiles.
+std::vector<std::string> PluginCandidates() {
+  if (const char* env = std::getenv("INFINIGEN_CUDA_PLUGIN");
+      env != nullptr && *env != '\0') {
+    return {env};
+  }
+  const std::string dir = ExecutableDir();
+  std::vector<std::string> c = {dir + "/" + kPlugin};
+  std::string exe(4096, '\0');
+  const ssize_t n = readlink("/proc/self/exe", exe.data(), exe.size() - 1);
+  if (n > 0) {
+    exe.resize(n);
+    c.push_back(exe + ".runfiles/infinigen/gpu_worker/cuda/" + kPlugin);
+  }
+  if (const char* srcdir = std::getenv("TEST_SRCDIR"); srcdir != nullptr) {
+    c.push_back(std::string(srcdir) + "/infinigen/gpu_worker/cuda/" + kPlugin);
+  }
+  return c;
+}
+
+// The plugin's entry point, loaded once; Unavailable with what was tried.
+absl::StatusOr<CreateFn> LoadPlugin() {
+  static absl::Mutex mu;
+  static CreateFn create = nullptr;
+  static std::string* error = nullptr;
+  absl::MutexLock lock(&mu);
+  if (create != nullptr) return create;
+  if (error != nullptr) return absl::UnavailableError(*error);
+  std::vector<std::string> tried;
+  for (const std::string& path : PluginCandidates()) {
+    if (access(path.c_str(), R_OK) != 0) {
+      tried.push_back(path + " (absent)");
+      continue;
+    }
+    void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (handle == nullptr) {
+      tried.push_back(path + " (" + dlerror() + ")");
+      continue;
+    }
+    create = reinterpret_cast<CreateFn>(
+        dlsym(handle, "InfinigenCreateCudaBackend"));
+    if (create != nullptr) return create;
+    tried.push_back(path + " (no InfinigenCreateCudaBackend)");
+    dlclose(handle);
+  }
+  error = new std::string(absl::StrCat(
+      "the CUDA backend plugin ", kPlugin, " could not be loaded: ",
+      absl::StrJoin(tried, "; "),
+      " (set INFINIGEN_CUDA_PLUGIN to its path)"));
+  return absl::UnavailableError(*error);
+}
 #endif
 
-namespace infinigen::gpu_worker {
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(int device) {
 #ifdef INFINIGEN_WITH_CUDA
-  return cuda::CreateCudaBackend(device);
+  absl::StatusOr<CreateFn> create = LoadPlugin();
+  if (!create.ok()) return create.status();
+  int code = 0;
+  std::string message;
+  Backend* backend = (*create)(device, &code, &message);
+  if (backend == nullptr) {
+    return absl::Status(static_cast<absl::StatusCode>(code), message);
+  }
+  return std::unique_ptr<Backend>(backend);
 #else
   (void)device;
   return absl::UnavailableError(

@@ -7,6 +7,7 @@
 // inputs exit with status 2 and one line saying why; runtime failures exit 1.
 #include <cblas.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -95,7 +96,13 @@ ABSL_FLAG(std::string, skew, "",
           "the first tokens of the input.");
 ABSL_FLAG(std::string, kv_service, "inproc:",
           "The KV memory node for offloaded policies: inproc: (in this "
-          "process), tcp://HOST:PORT, unix:PATH.");
+          "process), tcp://HOST:PORT, unix:PATH, shm:unix:PATH (same host, "
+          "shared memory), rdma://HOST:PORT.");
+ABSL_FLAG(int64_t, max_worker_kv_bytes, 0,
+          "Most bytes the worker may hold for K/V rows, fetch staging and "
+          "policy state; a configuration (policy, --batch or --max_batch, "
+          "context) that needs more is refused at start with one line. 0: "
+          "no limit.");
 ABSL_FLAG(std::string, kv_auth_token_file, "",
           "File holding the memory server's auth token (the file its "
           "--auth_token_file reads); sent with every request.");
@@ -113,6 +120,10 @@ ABSL_FLAG(int, calibration_tokens, 1024,
 ABSL_FLAG(std::string, out, "", "skew: the skew file to write.");
 ABSL_FLAG(int, batch, 1, "bench-decode: sequences decoding together.");
 ABSL_FLAG(int, decode_tokens, 64, "bench-decode: decode steps timed.");
+ABSL_FLAG(bool, plan_only, false,
+          "bench-decode: create each policy's engine for --ctx and --batch "
+          "(refused above --max_worker_kv_bytes), report the worker KV bytes "
+          "it holds, and decode nothing.");
 ABSL_FLAG(std::string, listen, "",
           "serve: HOST:PORT to listen on (port 0 picks a free one), or "
           "unix:PATH.");
@@ -149,7 +160,7 @@ std::vector<const char*> WithEngineFlags(std::vector<const char*> own) {
   for (const char* f :
        {"policy", "alpha", "partial_ratio", "partial_rank", "budget", "skew",
         "kv_service", "kv_auth_token_file", "kv_capacity", "eviction",
-        "backend", "threads"}) {
+        "max_worker_kv_bytes", "backend", "threads"}) {
     own.push_back(f);
   }
   return own;
@@ -173,10 +184,12 @@ const std::map<std::string, Command>& Commands() {
        {"Fills --ctx tokens of context per sequence (from --text, else "
         "synthetic), decodes --decode_tokens steps of --batch sequences "
         "under each policy of the comma-separated --policy, and reports "
-        "per-token latency (p50, p99), tokens/s, KV bytes fetched per token "
-        "and the time spent waiting on fetches.",
+        "per-token latency (p50, p99), tokens/s, KV bytes fetched per token, "
+        "the time spent waiting on fetches, the KV memory held by the "
+        "worker and by the memory node, and the process's peak RSS.",
         WithEngineFlags({"model", "tokenizer", "text", "ctx", "batch",
-                         "decode_tokens", "calibration_tokens", "json"})}},
+                         "decode_tokens", "calibration_tokens", "json",
+                         "plan_only"})}},
       {"serve",
        {"Serves the Worker gRPC generation API (proto/worker.proto) and "
         "grpc.health.v1 on --listen: token streams to many clients, "
@@ -290,6 +303,12 @@ absl::StatusOr<PolicySetup> SetUpPolicy(const model::Weights& weights,
   s.options.policy.rank_columns_by_keys = rank == "qk";
   s.options.policy.same_layer_input = absl::GetFlag(FLAGS_same_layer_input);
   s.options.kv_capacity = absl::GetFlag(FLAGS_kv_capacity);
+  s.options.max_worker_kv_bytes = absl::GetFlag(FLAGS_max_worker_kv_bytes);
+  if (s.options.max_worker_kv_bytes < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--max_worker_kv_bytes must be >= 0, got %d",
+                        s.options.max_worker_kv_bytes));
+  }
   if (s.options.policy.kind == gpu_worker::PolicyKind::kIdeal) return s;
   const model::ModelConfig& c = weights.config;
   if (s.options.policy.kind == gpu_worker::PolicyKind::kInfiniGen) {
@@ -574,7 +593,17 @@ struct DecodeBenchResult {
   double seconds = 0;
   double prefill_seconds = 0;
   gpu_worker::FetchStats fetch;
+  int64_t worker_kv_bytes = 0;    // K/V, staging and policy state
+  int64_t memory_node_bytes = 0;  // reserved on the node for the run
+  int64_t peak_rss_bytes = 0;     // this process's, so far
 };
+
+// This process's peak resident set so far (Linux: ru_maxrss in KiB).
+int64_t PeakRssBytes() {
+  struct rusage usage;
+  if (getrusage(RUSAGE_SELF, &usage) != 0) return 0;
+  return static_cast<int64_t>(usage.ru_maxrss) * 1024;
+}
 
 double Percentile(std::vector<double> v, double p) {
   std::sort(v.begin(), v.end());
@@ -646,6 +675,13 @@ int RunBenchDecode() {
     DecodeBenchResult r;
     r.policy = policy;
     r.backend = (*engine)->backend().name();
+    if (absl::GetFlag(FLAGS_plan_only)) {
+      std::printf("bench-decode --plan_only: %s at ctx %d x batch %d holds "
+                  "%lld bytes of worker KV\n",
+                  policy.c_str(), ctx, batch,
+                  static_cast<long long>((*engine)->worker_kv_bytes()));
+      continue;
+    }
     auto t0 = std::chrono::steady_clock::now();
     std::vector<int> slots(batch), next(batch);
     for (int b = 0; b < batch; ++b) {
@@ -675,25 +711,38 @@ int RunBenchDecode() {
                     std::chrono::steady_clock::now() - t0)
                     .count();
     for (int b = 0; b < batch; ++b) r.fetch.Add((*engine)->fetch_stats(b));
+    r.worker_kv_bytes = (*engine)->worker_kv_bytes();
+    r.memory_node_bytes = (*engine)->node_kv_bytes();
+    r.peak_rss_bytes = PeakRssBytes();
     results.push_back(std::move(r));
   }
+  if (absl::GetFlag(FLAGS_plan_only)) return 0;
   const std::string plane = absl::GetFlag(FLAGS_kv_service);
   std::printf(
       "bench-decode: %s, ctx %d, batch %d, %d steps, KV node %s, backend %s\n",
       absl::GetFlag(FLAGS_model).c_str(), ctx, batch, steps, plane.c_str(),
       results.empty() ? "" : results[0].backend.c_str());
   std::printf("| policy | tokens/s | p50 ms/step | p99 ms/step | KV bytes "
-              "fetched/token | rows fetched | fetch wait | prefill s |\n"
-              "|---|---|---|---|---|---|---|---|\n");
+              "fetched/token | rows fetched | fetch wait | prefill s | "
+              "worker KV MiB | node KV MiB | peak RSS MiB |\n"
+              "|---|---|---|---|---|---|---|---|---|---|---|\n");
+  constexpr double kMiB = 1024.0 * 1024.0;
   for (const auto& r : results) {
     const long tokens = static_cast<long>(steps) * batch;
-    std::printf("| %s | %.2f | %.2f | %.2f | %.0f | %.2f%% | %.1f%% | %.1f |\n",
+    std::printf("| %s | %.2f | %.2f | %.2f | %.0f | %.2f%% | %.1f%% | %.1f | "
+                "%.1f | %.1f | %.0f |\n",
                 r.policy.c_str(), tokens / r.seconds,
                 1e3 * Percentile(r.step_seconds, 50),
                 1e3 * Percentile(r.step_seconds, 99),
                 static_cast<double>(r.fetch.bytes_fetched) / tokens,
                 100.0 * r.fetch.fraction_mean(),
-                100.0 * r.fetch.wait_seconds / r.seconds, r.prefill_seconds);
+                100.0 * r.fetch.wait_seconds / r.seconds, r.prefill_seconds,
+                r.worker_kv_bytes / kMiB, r.memory_node_bytes / kMiB,
+                r.peak_rss_bytes / kMiB);
+  }
+  if (results.size() > 1) {
+    std::printf("(peak RSS is the process's so far: with several policies in "
+                "one run, compare it only from one policy per process)\n");
   }
   if (absl::GetFlag(FLAGS_json)) {
     for (const auto& r : results) {
@@ -704,14 +753,19 @@ int RunBenchDecode() {
           "\"batch\": %d, \"decode_tokens\": %d, \"tokens_per_s\": %.4f, "
           "\"p50_ms\": %.4f, \"p99_ms\": %.4f, \"bytes_fetched_per_token\": "
           "%.1f, \"fetch_fraction_mean\": %.6f, \"fetch_wait_fraction\": "
-          "%.6f, \"compute_fraction\": %.6f, \"prefill_seconds\": %.3f}\n",
+          "%.6f, \"compute_fraction\": %.6f, \"prefill_seconds\": %.3f, "
+          "\"worker_kv_bytes\": %lld, \"memory_node_bytes\": %lld, "
+          "\"peak_rss_bytes\": %lld}\n",
           r.policy.c_str(), r.backend.c_str(), plane.c_str(), ctx, batch,
           steps,
           tokens / r.seconds, 1e3 * Percentile(r.step_seconds, 50),
           1e3 * Percentile(r.step_seconds, 99),
           static_cast<double>(r.fetch.bytes_fetched) / tokens,
           r.fetch.fraction_mean(), r.fetch.wait_seconds / r.seconds,
-          1.0 - r.fetch.wait_seconds / r.seconds, r.prefill_seconds);
+          1.0 - r.fetch.wait_seconds / r.seconds, r.prefill_seconds,
+          static_cast<long long>(r.worker_kv_bytes),
+          static_cast<long long>(r.memory_node_bytes),
+          static_cast<long long>(r.peak_rss_bytes));
     }
   }
   return 0;

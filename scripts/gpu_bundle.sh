@@ -4,8 +4,9 @@
 #
 #   scripts/gpu_bundle.sh [--out=DIR] [--no_cuda_libs] [--no_smollm2] [--archive]
 #
-# DIR (default device_bundle/, git-ignored) receives bin/ (infinigen,
-# kv_memory_server, h2d_bandwidth and the CUDA test binaries), lib/ (every
+# DIR (default device_bundle/, git-ignored) receives bin/ (infinigen with
+# its CUDA backend plugin libinfinigen_cuda.so beside it, kv_memory_server,
+# h2d_bandwidth and the CUDA test binaries), lib/ (every
 # shared library they load that is not part of the C library or the NVIDIA
 # driver), models/stories260K, the SmolLM2 GGUF when the fetch script has
 # cached it, and run.sh (scripts/gpu_host_run.sh). On the GPU host:
@@ -43,6 +44,7 @@ fi
 
 TARGETS=(
   //gpu_worker:infinigen
+  //gpu_worker/cuda:libinfinigen_cuda.so
   //kv_memory_service:kv_memory_server
   //bench/h2d:h2d_bandwidth
   //gpu_worker/cuda:kernels_test
