@@ -76,6 +76,18 @@ MappedFile::~MappedFile() {
   if (data_ != nullptr) ::munmap(const_cast<uint8_t*>(data_), size_);
 }
 
+void MappedFile::DropPages(const uint8_t* begin, size_t bytes) const {
+  if (begin < data_ || begin + bytes > data_ + size_ || bytes == 0) return;
+  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t first =
+      (reinterpret_cast<uintptr_t>(begin) + page - 1) / page * page;
+  const uintptr_t last = (reinterpret_cast<uintptr_t>(begin) + bytes) / page *
+                         page;
+  if (last > first) {
+    ::madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED);
+  }
+}
+
 absl::StatusOr<std::string> ReadFileToString(const std::string& path) {
   absl::StatusOr<MappedFile> f = MappedFile::Open(path);
   if (!f.ok()) return f.status();

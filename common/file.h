@@ -33,6 +33,12 @@ class MappedFile {
   }
   const std::string& path() const { return path_; }
 
+  // Tells the kernel the pages wholly inside [begin, begin + bytes) (which
+  // must lie in the mapping) are not needed now: they leave this process's
+  // resident memory, and a later read maps them in again from the file.
+  // For loaders that convert a file's contents once.
+  void DropPages(const uint8_t* begin, size_t bytes) const;
+
  private:
   MappedFile(std::string path, const uint8_t* data, size_t size)
       : path_(std::move(path)), data_(data), size_(size) {}

@@ -83,12 +83,41 @@ absl::StatusOr<CreateFn> LoadPlugin() {
       " (set INFINIGEN_CUDA_PLUGIN to its path)"));
   return absl::UnavailableError(*error);
 }
+
+// Whether the CUDA driver answers with at least one device, asked of the
+// driver library alone (small) before the plugin maps cudart and cuBLAS
+// (large). Unavailable("no CUDA device: ...") otherwise.
+absl::Status ProbeDriver() {
+  void* driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (driver == nullptr) {
+    return absl::UnavailableError(
+        absl::StrCat("no CUDA device: no CUDA driver (", dlerror(), ")"));
+  }
+  using InitFn = int (*)(unsigned int);
+  using CountFn = int (*)(int*);
+  auto init = reinterpret_cast<InitFn>(dlsym(driver, "cuInit"));
+  auto count = reinterpret_cast<CountFn>(dlsym(driver, "cuDeviceGetCount"));
+  int devices = 0;
+  int rc = init == nullptr || count == nullptr ? -1 : init(0);
+  if (rc == 0) rc = count(&devices);
+  if (rc != 0 || devices == 0) {
+    dlclose(driver);
+    return absl::UnavailableError(
+        rc != 0 ? absl::StrCat("no CUDA device: the CUDA driver failed "
+                               "(CUresult ",
+                               rc, ")")
+                : std::string("no CUDA device: the CUDA driver sees none"));
+  }
+  return absl::OkStatus();  // the driver stays loaded: the plugin uses it
+}
 #endif
 
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(int device) {
 #ifdef INFINIGEN_WITH_CUDA
+  static const absl::Status* driver = new absl::Status(ProbeDriver());
+  if (!driver->ok()) return *driver;
   absl::StatusOr<CreateFn> create = LoadPlugin();
   if (!create.ok()) return create.status();
   int code = 0;

@@ -105,7 +105,8 @@ absl::Status Engine::Init() {
   h1_ = make(n * c.hidden_dim);
   h3_ = make(n * c.hidden_dim);
   skew_row_.resize(c.head_dim);
-  logits_ = make(n * c.vocab_size);
+  // One row per sequence; all_logits prefills grow it to their chunk.
+  logits_ = make(static_cast<size_t>(options_.batch) * c.vocab_size);
   step_positions_.reserve(options_.batch);
   return absl::OkStatus();
 }
@@ -182,6 +183,12 @@ absl::StatusOr<absl::Span<const float>> Engine::Forward(
     return absl::FailedPreconditionError(absl::StrFormat(
         "forward: policy %s decodes one token at a time after the prefill",
         PolicyName(options_.policy.kind)));
+  }
+  const size_t logit_values =
+      static_cast<size_t>(all_logits ? n : 1) * c.vocab_size;
+  if (logits_.size() < logit_values) {
+    IG_RETURN_IF_ERROR(backend_->Synchronize());
+    logits_.resize(logit_values);
   }
   if (absl::Status s = Prefill(slot, tokens); !s.ok()) {
     // An offloaded cache cannot resume a prefill cut short: start over.

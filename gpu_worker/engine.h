@@ -160,7 +160,7 @@ class Engine {
   SharedVector<float> h1_;          // [rows, hidden]
   SharedVector<float> h3_;          // [rows, hidden]
   std::vector<float> skew_row_;    // [head_dim]
-  SharedVector<float> logits_;      // [rows, vocab]
+  SharedVector<float> logits_;      // [batch, vocab], or an all_logits chunk
   std::vector<int> step_positions_;  // [batch]
 
   // Declared last: destroyed first, while the backend is alive.

@@ -870,6 +870,10 @@ absl::StatusOr<std::vector<float>> GgufFile::ReadTensor(
     }
     for (auto& th : pool) th.join();
   }
+  // The quantized bytes are not needed resident once converted: a loader
+  // then holds the fp32 weights plus one tensor of the file at a time, not
+  // the whole file besides.
+  file_.DropPages(src, t.num_bytes);
   return out;
 }
 

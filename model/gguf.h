@@ -164,7 +164,8 @@ class GgufFile {
   }
 
   // The tensor dequantized to fp32, in file order (row-major over the
-  // reversed shape). Large tensors are split across threads.
+  // reversed shape). Large tensors are split across threads. The tensor's
+  // file pages leave resident memory afterwards (MappedFile::DropPages).
   absl::StatusOr<std::vector<float>> ReadTensor(const GgufTensorInfo& t) const;
 
  private:

@@ -125,6 +125,38 @@ class Cli(unittest.TestCase):
         self.assertEqual(rows[0]["bytes_fetched_per_token"], 0)
         self.assertGreater(rows[1]["bytes_fetched_per_token"], 0)
 
+    def test_worker_kv_limit_refuses_ideal_and_serves_full_and_infinigen(self):
+        common = [f"--model={MODEL}", f"--tokenizer={TOK}", f"--text={TEXT}",
+                  "--ctx=200", "--decode_tokens=4", "--batch=4", "--json",
+                  "--backend=cpu"]
+        r = run("bench-decode", *common, "--policy=ideal,full,infinigen")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        rows = {x["policy"]: x for x in
+                (json.loads(l) for l in r.stdout.splitlines()
+                 if l.startswith("{"))}
+        ideal = rows["ideal"]["worker_kv_bytes"]
+        # 4 sequences x 5 layers x 4 KV heads x 204 positions x 8, K and V.
+        self.assertEqual(ideal, 4 * 5 * 4 * 204 * 8 * 2 * 4)
+        self.assertEqual(rows["ideal"]["memory_node_bytes"], 0)
+        for policy in ["full", "infinigen"]:
+            self.assertLess(rows[policy]["worker_kv_bytes"], ideal)
+            # The node holds every sequence's fp16 rows.
+            self.assertEqual(rows[policy]["memory_node_bytes"],
+                             4 * 5 * 4 * 204 * 8 * 2 * 2)
+            self.assertGreater(rows[policy]["peak_rss_bytes"], 0)
+        limit = f"--max_worker_kv_bytes={ideal - 1}"
+        r = run("bench-decode", *common, "--policy=ideal", limit)
+        self.assert_one_line_failure(
+            r, 1, ["policy ideal needs", "--max_worker_kv_bytes"])
+        r = run("bench-decode", *common, "--policy=full,infinigen", limit)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        served = [json.loads(l) for l in r.stdout.splitlines()
+                  if l.startswith("{")]
+        self.assertEqual([x["policy"] for x in served], ["full", "infinigen"])
+        r = run("bench-decode", *common, "--policy=full",
+                "--max_worker_kv_bytes=-5")
+        self.assert_one_line_failure(r, 2, ["--max_worker_kv_bytes"])
+
     def test_kv_auth_token_reaches_the_memory_server(self):
         with tempfile.TemporaryDirectory() as d:
             token = os.path.join(d, "token")
