@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "common/status.h"
 #include "speculator/speculator.h"
 
 namespace infinigen::gpu_worker {
@@ -31,6 +32,12 @@ void Backend::SpeculateScores(const SpeculationParams& p) {
 void Backend::CopyFromHost(void* dst, const void* src, size_t bytes,
                            Mark after) {
   std::memcpy(dst, src, bytes);
+}
+
+absl::Status Backend::CopyToHost(void* dst, const void* src, size_t bytes) {
+  IG_RETURN_IF_ERROR(Synchronize());
+  if (bytes > 0) std::memcpy(dst, src, bytes);
+  return absl::OkStatus();
 }
 
 }  // namespace infinigen::gpu_worker

@@ -122,6 +122,11 @@ class Backend {
   // Waits until every CopyFromHost issued so far has read its source;
   // returns the first error (sticky, like Synchronize).
   virtual absl::Status WaitCopies() { return absl::OkStatus(); }
+  // Waits for every operation and copy issued so far, then copies `bytes`
+  // of backend memory at src (shared or device) into host memory dst;
+  // returns the first error (sticky, like Synchronize). The way host code
+  // reads what device memory holds. Default: memcpy.
+  virtual absl::Status CopyToHost(void* dst, const void* src, size_t bytes);
   // Pins host memory [p, p + bytes) so that copies from it run at full
   // speed (CUDA: cudaHostRegister), until UnpinHost(p); it must stay mapped
   // until then. Memory someone else pinned already is accepted as is (and

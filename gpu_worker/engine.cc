@@ -87,26 +87,34 @@ absl::Status Engine::Init() {
   kv.max_worker_bytes = options_.max_worker_kv_bytes;
   IG_ASSIGN_OR_RETURN(cache_, KvCache::Create(weights_, backend_.get(), kv));
   IG_RETURN_IF_ERROR(RegisterWeights());
-  const SharedAllocator<float> shared(backend_.get());
-  auto make = [&shared](size_t count) {
-    return SharedVector<float>(count, 0.0f, shared);
+  // Activations live in the backend's device memory: host code never
+  // touches them; positions go in and logits come out by explicit copies.
+  Backend* b = backend_.get();
+  auto make = [b](DeviceBuffer<float>& buffer, size_t count,
+                  const char* what) -> absl::Status {
+    IG_ASSIGN_OR_RETURN(buffer, DeviceBuffer<float>::Make(b, count, what));
+    return absl::OkStatus();
   };
   const size_t n = rows_;
   const size_t stream = std::max(max_seq_len_, options_.batch);
-  x_ = make(stream * c.dim);
-  positions_ =
-      SharedVector<int>(stream, 0, SharedAllocator<int>(backend_.get()));
-  xb_ = make(n * c.dim);
-  q_ = make(n * c.q_dim());
-  k_ = make(n * c.kv_dim());
-  v_ = make(n * c.kv_dim());
-  att_ = make(n * c.q_dim());
-  proj_ = make(n * c.dim);
-  h1_ = make(n * c.hidden_dim);
-  h3_ = make(n * c.hidden_dim);
+  IG_RETURN_IF_ERROR(make(x_, stream * c.dim, "the residual stream"));
+  IG_ASSIGN_OR_RETURN(positions_,
+                      DeviceBuffer<int>::Make(b, stream, "positions"));
+  positions_host_.assign(stream, 0);
+  IG_RETURN_IF_ERROR(make(xb_, n * c.dim, "activations"));
+  IG_RETURN_IF_ERROR(make(q_, n * c.q_dim(), "activations"));
+  IG_RETURN_IF_ERROR(make(k_, n * c.kv_dim(), "activations"));
+  IG_RETURN_IF_ERROR(make(v_, n * c.kv_dim(), "activations"));
+  IG_RETURN_IF_ERROR(make(att_, n * c.q_dim(), "activations"));
+  IG_RETURN_IF_ERROR(make(proj_, n * c.dim, "activations"));
+  IG_RETURN_IF_ERROR(make(h1_, n * c.hidden_dim, "activations"));
+  IG_RETURN_IF_ERROR(make(h3_, n * c.hidden_dim, "activations"));
   skew_row_.resize(c.head_dim);
   // One row per sequence; all_logits prefills grow it to their chunk.
-  logits_ = make(static_cast<size_t>(options_.batch) * c.vocab_size);
+  IG_RETURN_IF_ERROR(make(logits_,
+                          static_cast<size_t>(options_.batch) * c.vocab_size,
+                          "logits"));
+  logits_host_.resize(logits_.size());
   step_positions_.reserve(options_.batch);
   return absl::OkStatus();
 }
@@ -188,7 +196,10 @@ absl::StatusOr<absl::Span<const float>> Engine::Forward(
       static_cast<size_t>(all_logits ? n : 1) * c.vocab_size;
   if (logits_.size() < logit_values) {
     IG_RETURN_IF_ERROR(backend_->Synchronize());
-    logits_.resize(logit_values);
+    logits_ = DeviceBuffer<float>();
+    IG_ASSIGN_OR_RETURN(logits_, DeviceBuffer<float>::Make(
+                                     backend_.get(), logit_values, "logits"));
+    logits_host_.resize(logit_values);
   }
   if (absl::Status s = Prefill(slot, tokens); !s.ok()) {
     // An offloaded cache cannot resume a prefill cut short: start over.
@@ -197,13 +208,7 @@ absl::StatusOr<absl::Span<const float>> Engine::Forward(
   }
   // Final norm and classifier: every row, or just the last one.
   const int first = all_logits ? 0 : n - 1;
-  Logits(first, n - first, logits_.data());
-  IG_RETURN_IF_ERROR(backend_->Synchronize());
-  if (all_logits) {
-    return absl::Span<const float>(logits_.data(),
-                                   static_cast<size_t>(n) * c.vocab_size);
-  }
-  return absl::Span<const float>(logits_.data(), c.vocab_size);
+  return Logits(first, n - first);
 }
 
 absl::Status Engine::Prefill(int slot, absl::Span<const int> tokens) {
@@ -213,7 +218,7 @@ absl::Status Engine::Prefill(int slot, absl::Span<const int> tokens) {
   IG_RETURN_IF_ERROR(cache_->Flush());
   // Earlier operations may still read x_ and positions_.
   IG_RETURN_IF_ERROR(backend_->Synchronize());
-  for (int i = 0; i < n; ++i) positions_[i] = position + i;
+  for (int i = 0; i < n; ++i) positions_host_[i] = position + i;
   Embed(tokens.data(), n);
   IG_RETURN_IF_ERROR(cache_->BeginPrefill(slot, position, n));
   // Layer by layer over the whole input, each layer in chunks: a layer's
@@ -234,18 +239,23 @@ absl::Status Engine::Prefill(int slot, absl::Span<const int> tokens) {
 void Engine::Embed(const int* tokens, int n) {
   const ModelConfig& c = weights_.config;
   const int dim = c.dim;
+  Backend& b = *backend_;
+  // positions_host_ [0, n) is written; the backend's copy leaves after
+  // every operation issued so far (the caller synchronized).
+  b.CopyFromHost(positions_.data(), positions_host_.data(), n * sizeof(int),
+                 b.MarkIssued());
   for (int i = 0; i < n; ++i) {
-    std::memcpy(&x_[static_cast<size_t>(i) * dim],
-                &weights_.token_embedding[static_cast<size_t>(tokens[i]) * dim],
-                dim * sizeof(float));
-  }
-  // Every host write to x_ is done before the first asynchronous Add on it.
-  if (c.arch != Architecture::kOpt) return;
-  for (int i = 0; i < n; ++i) {
-    const float* pos = &weights_.position_embedding[
-        static_cast<size_t>(positions_[i] + ModelConfig::kOptPositionOffset) *
-        dim];
-    backend_->Add(&x_[static_cast<size_t>(i) * dim], pos, dim);
+    float* x = x_.data() + static_cast<size_t>(i) * dim;
+    b.Copy(x, &weights_.token_embedding[static_cast<size_t>(tokens[i]) * dim],
+           dim);
+    if (c.arch == Architecture::kOpt) {
+      b.Add(x,
+            &weights_.position_embedding[static_cast<size_t>(
+                                             positions_host_[i] +
+                                             ModelConfig::kOptPositionOffset) *
+                                         dim],
+            dim);
+    }
   }
 }
 
@@ -304,9 +314,9 @@ void Engine::Mlp(const LayerWeights& w, float* x, int n) {
   b.Add(x, proj_.data(), static_cast<long>(n) * dim);
 }
 
-void Engine::Logits(int first, int rows, float* logits) {
+absl::StatusOr<absl::Span<const float>> Engine::Logits(int first, int rows) {
   const ModelConfig& c = weights_.config;
-  const float* xr = &x_[static_cast<size_t>(first) * c.dim];
+  const float* xr = x_.data() + static_cast<size_t>(first) * c.dim;
   if (c.arch == Architecture::kOpt) {
     backend_->LayerNorm(xr, rows, c.dim, weights_.final_norm.data(),
                         weights_.final_norm_bias.data(), c.norm_eps,
@@ -316,7 +326,11 @@ void Engine::Logits(int first, int rows, float* logits) {
                       xb_.data());
   }
   backend_->Linear(xb_.data(), rows, c.dim, weights_.classifier(), nullptr,
-                   c.vocab_size, logits);
+                   c.vocab_size, logits_.data());
+  const size_t values = static_cast<size_t>(rows) * c.vocab_size;
+  IG_RETURN_IF_ERROR(backend_->CopyToHost(logits_host_.data(), logits_.data(),
+                                          values * sizeof(float)));
+  return absl::Span<const float>(logits_host_.data(), values);
 }
 
 absl::Status Engine::ObservePrefill(int l, int n) {
@@ -324,8 +338,15 @@ absl::Status Engine::ObservePrefill(int l, int n) {
   if (options_.attention_skew == nullptr && !options_.observer) {
     return absl::OkStatus();
   }
-  // The skew and the observer read q_ and k_ on the host.
-  IG_RETURN_IF_ERROR(backend_->Synchronize());
+  // The skew and the observer work on host copies of q_ and k_.
+  const size_t q_values = static_cast<size_t>(n) * c.q_dim();
+  const size_t k_values = static_cast<size_t>(n) * c.kv_dim();
+  q_host_.resize(q_values);
+  k_host_.resize(k_values);
+  IG_RETURN_IF_ERROR(backend_->CopyToHost(q_host_.data(), q_.data(),
+                                          q_values * sizeof(float)));
+  IG_RETURN_IF_ERROR(backend_->CopyToHost(k_host_.data(), k_.data(),
+                                          k_values * sizeof(float)));
   if (options_.attention_skew != nullptr) {
     const int hd = c.head_dim, group = c.n_heads / c.n_kv_heads;
     auto skew_rows = [&](float* rows, int count, auto head_to_kv) {
@@ -337,12 +358,19 @@ absl::Status Engine::ObservePrefill(int l, int n) {
         std::memcpy(row, skew_row_.data(), hd * sizeof(float));
       }
     };
-    skew_rows(q_.data(), n * c.n_heads,
+    skew_rows(q_host_.data(), n * c.n_heads,
               [&](int r) { return (r % c.n_heads) / group; });
-    skew_rows(k_.data(), n * c.n_kv_heads,
+    skew_rows(k_host_.data(), n * c.n_kv_heads,
               [&](int r) { return r % c.n_kv_heads; });
+    // Back to the backend; the host copies stay unchanged until the next
+    // CopyToHost, which waits for these.
+    Backend& b = *backend_;
+    b.CopyFromHost(q_.data(), q_host_.data(), q_values * sizeof(float),
+                   b.MarkIssued());
+    b.CopyFromHost(k_.data(), k_host_.data(), k_values * sizeof(float),
+                   b.MarkIssued());
   }
-  if (options_.observer) options_.observer(l, q_.data(), k_.data(), n);
+  if (options_.observer) options_.observer(l, q_host_.data(), k_host_.data(), n);
   return absl::OkStatus();
 }
 
@@ -410,19 +438,17 @@ absl::StatusOr<absl::Span<const float>> Engine::DecodeBatch(
   step_positions_.clear();
   for (int i = 0; i < n; ++i) {
     step_positions_.push_back(positions_of_[slot_ids[i]]);
-    positions_[i] = step_positions_[i];
+    positions_host_[i] = step_positions_[i];
   }
   Embed(tokens.data(), n);
   IG_RETURN_IF_ERROR(cache_->BeginStep(slot_ids, step_positions_));
   for (int l = 0; l < c.n_layers; ++l) {
     IG_RETURN_IF_ERROR(RunLayer(l, 0, n, /*decode=*/true, 0));
   }
-  Logits(0, n, logits_.data());
-  IG_RETURN_IF_ERROR(b.Synchronize());
+  IG_ASSIGN_OR_RETURN(absl::Span<const float> logits, Logits(0, n));
   IG_RETURN_IF_ERROR(cache_->EndStep());
   for (int i = 0; i < n; ++i) ++positions_of_[slot_ids[i]];
-  return absl::Span<const float>(logits_.data(),
-                                 static_cast<size_t>(n) * c.vocab_size);
+  return logits;
 }
 
 }  // namespace infinigen::gpu_worker

@@ -128,9 +128,11 @@ class Engine {
   // Prefill diagnostics and calibration: the skew and the observer, on the
   // host.
   absl::Status ObservePrefill(int layer, int n);
-  // x_ rows [0, n) = the tokens' embeddings at positions_ [0, n).
+  // positions_ [0, n) = positions_host_ [0, n); x_ rows [0, n) = the
+  // tokens' embeddings at those positions.
   void Embed(const int* tokens, int n);
-  void Logits(int first, int rows, float* logits);
+  // The logits of x_ rows [first, first + rows), on the host.
+  absl::StatusOr<absl::Span<const float>> Logits(int first, int rows);
   // xb_ = the layer's attention norm of x [n, dim]; q_, k_, v_ = its
   // projections, rotated at positions (Llama).
   void AttentionNorm(const model::LayerWeights& w, const float* x, int n);
@@ -146,21 +148,25 @@ class Engine {
   const int rows_;                 // max(max_chunk, batch): scratch rows
   std::vector<int> positions_of_;  // [slot]: tokens in its sequence
 
-  // Scratch. The residual stream and positions hold a whole prompt (the
-  // prefill runs layer by layer over it); the rest one chunk or batch,
-  // [rows_, ...]:
-  SharedVector<float> x_;           // [max(max_seq, batch), dim]
-  SharedVector<int> positions_;     // [max(max_seq, batch)]
-  SharedVector<float> xb_;          // normed input [rows, dim]
-  SharedVector<float> q_;           // [rows, q_dim]
-  SharedVector<float> k_;           // [rows, kv_dim]
-  SharedVector<float> v_;           // [rows, kv_dim]
-  SharedVector<float> att_;         // [rows, q_dim]
-  SharedVector<float> proj_;        // [rows, dim]
-  SharedVector<float> h1_;          // [rows, hidden]
-  SharedVector<float> h3_;          // [rows, hidden]
-  std::vector<float> skew_row_;    // [head_dim]
-  SharedVector<float> logits_;      // [batch, vocab], or an all_logits chunk
+  // Scratch in the backend's device memory. The residual stream and
+  // positions hold a whole prompt (the prefill runs layer by layer over it);
+  // the rest one chunk or batch, [rows_, ...]:
+  DeviceBuffer<float> x_;           // [max(max_seq, batch), dim]
+  DeviceBuffer<int> positions_;     // [max(max_seq, batch)]
+  DeviceBuffer<float> xb_;          // normed input [rows, dim]
+  DeviceBuffer<float> q_;           // [rows, q_dim]
+  DeviceBuffer<float> k_;           // [rows, kv_dim]
+  DeviceBuffer<float> v_;           // [rows, kv_dim]
+  DeviceBuffer<float> att_;         // [rows, q_dim]
+  DeviceBuffer<float> proj_;        // [rows, dim]
+  DeviceBuffer<float> h1_;          // [rows, hidden]
+  DeviceBuffer<float> h3_;          // [rows, hidden]
+  DeviceBuffer<float> logits_;      // [batch, vocab], or an all_logits chunk
+  // Host side:
+  std::vector<int> positions_host_;  // [max(max_seq, batch)]
+  std::vector<float> logits_host_;   // what Forward and DecodeBatch return
+  std::vector<float> q_host_, k_host_;  // diagnostics: [rows, q_dim|kv_dim]
+  std::vector<float> skew_row_;      // [head_dim]
   std::vector<int> step_positions_;  // [batch]
 
   // Declared last: destroyed first, while the backend is alive.

@@ -264,10 +264,10 @@ class InfiniGenPolicy final : public KvPolicy {
           2 * heads * d * sizeof(float) +             // col_sums_, k_col_sums_
           2 * heads * n_cols * sizeof(int32_t) +      // cols_, cols_dev_
           heads * d * d * sizeof(float) +             // skew_t_
-          heads * n_cols * d * sizeof(float) +        // partial_w_
+          2 * heads * n_cols * d * sizeof(float) +    // partial_w_, its host
           heads * max_seq * n_cols * sizeof(float) +  // partial_k_
           2 * q_dim * sizeof(float) +                 // q_, q_skewed_
-          n_kv * max_seq * (sizeof(float) + 1) +      // scores_, present_
+          n_kv * max_seq * (2 * sizeof(float) + 1) +  // scores_ (+host), present_
           2 * d * sizeof(float) + sizeof(int));       // row_, k_sums_, position_
     }
   };
@@ -294,19 +294,28 @@ class InfiniGenPolicy final : public KvPolicy {
     cols_.n_cols = n_cols_;
     cols_.cols.assign(heads * n_cols_, 0);
     Backend* b = ctx_.backend;
-    const SharedAllocator<float> shared(b);
-    cols_dev_ = SharedVector<int32_t>(heads * n_cols_, 0,
-                                      SharedAllocator<int32_t>(b));
+    IG_ASSIGN_OR_RETURN(cols_dev_, DeviceBuffer<int32_t>::Make(
+                                       b, heads * n_cols_, "partial columns"));
     // Linear(x, w) is x . w^T: the transposed skews turn q into q A.
-    skew_t_ = SharedVector<float>(heads * d * d, 0.0f, shared);
-    for (size_t hd = 0; hd < heads; ++hd) {
-      const float* a = skew_.a.data() + hd * d * d;
-      float* t = skew_t_.data() + hd * d * d;
-      for (size_t r = 0; r < d; ++r) {
-        for (size_t col = 0; col < d; ++col) t[col * d + r] = a[r * d + col];
+    IG_ASSIGN_OR_RETURN(skew_t_, DeviceBuffer<float>::Make(b, heads * d * d,
+                                                           "skew matrices"));
+    {
+      std::vector<float> t(heads * d * d);
+      for (size_t hd = 0; hd < heads; ++hd) {
+        const float* a = skew_.a.data() + hd * d * d;
+        float* th = t.data() + hd * d * d;
+        for (size_t r = 0; r < d; ++r) {
+          for (size_t col = 0; col < d; ++col) th[col * d + r] = a[r * d + col];
+        }
       }
+      b->CopyFromHost(skew_t_.data(), t.data(), t.size() * sizeof(float),
+                      b->MarkIssued());
+      IG_RETURN_IF_ERROR(b->WaitCopies());  // before t goes
     }
-    partial_w_ = SharedVector<float>(heads * n_cols_ * d, 0.0f, shared);
+    partial_w_host_.assign(heads * n_cols_ * d, 0.0f);
+    IG_ASSIGN_OR_RETURN(partial_w_, DeviceBuffer<float>::Make(
+                                        b, heads * n_cols_ * d,
+                                        "partial key weights"));
     IG_ASSIGN_OR_RETURN(partial_k_, DeviceBuffer<float>::Make(
                                         b, heads * z.max_seq * n_cols_,
                                         "the partial key cache"));
@@ -314,8 +323,12 @@ class InfiniGenPolicy final : public KvPolicy {
                                                       "speculated queries"));
     IG_ASSIGN_OR_RETURN(q_skewed_, DeviceBuffer<float>::Make(
                                        b, z.q_dim, "speculated queries"));
-    scores_ = SharedVector<float>(z.n_kv * z.max_seq, 0.0f, shared);
-    position_ = SharedVector<int>(1, 0, SharedAllocator<int>(b));
+    IG_ASSIGN_OR_RETURN(scores_, DeviceBuffer<float>::Make(
+                                     b, z.n_kv * z.max_seq,
+                                     "speculated scores"));
+    scores_host_.assign(z.n_kv * z.max_seq, 0.0f);
+    IG_ASSIGN_OR_RETURN(position_,
+                        DeviceBuffer<int>::Make(b, 1, "speculated position"));
     present_.reserve(z.n_kv * z.max_seq);
     row_.resize(d);
     k_sums_.resize(d);
@@ -374,14 +387,21 @@ class InfiniGenPolicy final : public KvPolicy {
       // Partial key weight rows: w[c][j] = A[j][cols[c]].
       const int32_t* cols = cols_.at(l, g);
       const float* a = skew_.at(l, g);
-      float* w = PartialW(l, g);
+      float* w = partial_w_host_.data() + Head(l, g) * n_cols_ * d;
       for (int c = 0; c < n_cols_; ++c) {
         for (int j = 0; j < d; ++j) w[c * d + j] = a[j * d + cols[c]];
       }
     }
-    std::copy(cols_.cols.begin() + Head(l, 0) * n_cols_,
-              cols_.cols.begin() + Head(l + 1, 0) * n_cols_,
-              cols_dev_.begin() + Head(l, 0) * n_cols_);
+    // This layer's slices of the host arrays are not written again before
+    // the next prefill, which waits for these copies.
+    Backend& b = *ctx_.backend;
+    const size_t first = Head(l, 0), heads = m.n_kv_heads;
+    b.CopyFromHost(cols_dev_.data() + first * n_cols_,
+                   cols_.cols.data() + first * n_cols_,
+                   heads * n_cols_ * sizeof(int32_t), b.MarkIssued());
+    b.CopyFromHost(partial_w_.data() + first * n_cols_ * d,
+                   partial_w_host_.data() + first * n_cols_ * d,
+                   heads * n_cols_ * d * sizeof(float), b.MarkIssued());
     // The prompt's partial keys, one product per KV head.
     for (int g = 0; g < m.n_kv_heads; ++g) {
       ctx_.backend->Linear(keys + static_cast<size_t>(g) * key_stride * d,
@@ -407,7 +427,11 @@ class InfiniGenPolicy final : public KvPolicy {
     b.Linear(xb_prev, 1, m.dim, w.wq.data(),
              w.bq.empty() ? nullptr : w.bq.data(), m.q_dim(), q_.data());
     if (m.arch == model::Architecture::kLlama) {
-      position_[0] = p;  // the last reader synchronized before returning
+      // The last copy from position_host_ finished: the previous PlanFetch
+      // ended with CopyToHost, which waits for copies.
+      position_host_ = p;
+      b.CopyFromHost(position_.data(), &position_host_, sizeof(int),
+                     b.MarkIssued());
       b.Rope(q_.data(), 1, m.n_heads, d, position_.data(), m.rope_theta);
     }
     for (int g = 0; g < m.n_kv_heads; ++g) {
@@ -428,7 +452,9 @@ class InfiniGenPolicy final : public KvPolicy {
     sp.n_tokens = p;
     sp.n_cols = n_cols_;
     b.SpeculateScores(sp);
-    IG_RETURN_IF_ERROR(b.Synchronize());
+    IG_RETURN_IF_ERROR(b.CopyToHost(
+        scores_host_.data(), scores_.data(),
+        static_cast<size_t>(m.n_kv_heads) * p * sizeof(float)));
     // The scores are [n_kv_heads][p]; present is strided by max_seq_len, so
     // compact it for SelectTokens.
     present_.resize(static_cast<size_t>(m.n_kv_heads) * p);
@@ -439,7 +465,8 @@ class InfiniGenPolicy final : public KvPolicy {
     speculator::SelectionOptions sel;
     sel.alpha = options_.alpha;
     sel.max_fraction = options_.budget;
-    speculator::SelectTokens(scores_.data(), m.n_kv_heads, p, present_.data(),
+    speculator::SelectTokens(scores_host_.data(), m.n_kv_heads, p,
+                             present_.data(),
                              sel, plan.indices, plan.head_offsets);
     return absl::OkStatus();
   }
@@ -481,14 +508,17 @@ class InfiniGenPolicy final : public KvPolicy {
   std::vector<uint8_t> present_;         // [kv_head][p]
   std::vector<float> row_;               // [d]
   std::vector<float> k_sums_;            // [d]
-  // The backend's shared memory:
-  SharedVector<int32_t> cols_dev_;   // cols_ for SpeculateScores
-  SharedVector<float> skew_t_;       // [layer][kv_head][d][d]: A^T
-  SharedVector<float> partial_w_;    // [layer][kv_head][n_cols][d]
+  std::vector<float> partial_w_host_;    // partial_w_, built here
+  std::vector<float> scores_host_;       // scores_, read here
+  int position_host_ = 0;                // position_, written here
+  // The backend's device memory:
+  DeviceBuffer<int32_t> cols_dev_;   // cols_ for SpeculateScores
+  DeviceBuffer<float> skew_t_;       // [layer][kv_head][d][d]: A^T
+  DeviceBuffer<float> partial_w_;    // [layer][kv_head][n_cols][d]
   DeviceBuffer<float> partial_k_;    // [layer][kv_head][max_seq][n_cols]
   DeviceBuffer<float> q_, q_skewed_;  // [n_heads * d]
-  SharedVector<float> scores_;       // [kv_head][p]
-  SharedVector<int> position_;       // [1]: the speculated query's position
+  DeviceBuffer<float> scores_;       // [kv_head][p]
+  DeviceBuffer<int> position_;       // [1]: the speculated query's position
 };
 
 }  // namespace

@@ -49,13 +49,18 @@ struct Layout {
            int64_t{c.n_layers} * c.n_kv_heads * max_seq +    // presence
            int64_t{c.n_layers} * 8 + policy_bytes;
   }
-  int64_t Shared(const model::ModelConfig& c, int max_seq) const {
+  int64_t Shared(const model::ModelConfig& c, int max_seq,
+                 int max_chunk) const {
     const int64_t decoded =
         int64_t{2} * c.n_kv_heads * (max_seq + 1) * c.head_dim * 4;
     const int64_t stage = int64_t{2} * max_seq * c.n_kv_heads * row_width * 2;
-    return decoded + stage +
-           (attention_probs ? int64_t{c.n_heads} * (max_seq + 1) * 4 : 0) +
-           (prefill_probs ? int64_t{c.n_heads} * max_seq * 4 : 0);
+    const int64_t host_rows =  // prefill chunk and step rows, read here
+        int64_t{max_chunk} * (c.q_dim() + 2 * c.kv_dim()) * 4 +
+        int64_t{2} * c.n_layers * c.kv_dim() * 4;
+    // Probabilities (h2o): on the backend and their host copies.
+    return decoded + stage + host_rows +
+           (attention_probs ? int64_t{2} * c.n_heads * (max_seq + 1) * 4 : 0) +
+           (prefill_probs ? int64_t{2} * c.n_heads * max_seq * 4 : 0);
   }
 };
 
@@ -166,10 +171,10 @@ class OffloadedKvCache final : public KvCache {
     DeviceBuffer<uint16_t> staged[2];
     Backend::Mark staged_free[2] = {0, 0};
     bool uploaded[2] = {false, false};  // plans[i]'s rows are readable
-    // The step's new K and V rows [layer][kv_dim] (backend memory the host
-    // reads after the last layer), encoded for the memory node into
+    // The step's new K and V rows [layer][kv_dim] (backend memory, copied
+    // to the host after the last layer), encoded for the memory node into
     // k_step/v_step [layer][kv_head][row_width].
-    SharedVector<float> new_k, new_v;
+    DeviceBuffer<float> new_k, new_v;
     std::vector<uint16_t> k_step, v_step;
     AppendResult appended;  // last async append
     absl::Status append_status;
@@ -199,9 +204,10 @@ class OffloadedKvCache final : public KvCache {
   absl::Status FetchedAttention(Sequence& s, int layer, int row,
                                 const float* q, const float* k,
                                 const float* v, float* out);
-  // After the step's last layer (backend synchronized): encodes the new
-  // token's rows of every layer and tells the policy about them.
-  void StageStepRows(Sequence& s);
+  // After the step's last layer's attention is queued: encodes the new
+  // token's rows of every layer (copied to the host) and tells the policy
+  // about them.
+  absl::Status StageStepRows(Sequence& s);
 
   void AppenderLoop();
   void StartAppends();
@@ -222,8 +228,14 @@ class OffloadedKvCache final : public KvCache {
   // step's fetched rows plus the new token, or one prefill layer's keys and
   // values.
   DeviceBuffer<float> k_rows_, v_rows_;
-  SharedVector<float> probs_;          // [n_heads][stride_] (h2o)
-  SharedVector<float> prefill_probs_;  // [n_heads][max_seq] (h2o)
+  // Attention probabilities (h2o), on the backend and their host copies.
+  DeviceBuffer<float> probs_;          // [n_heads][stride_]
+  DeviceBuffer<float> prefill_probs_;  // [n_heads][max_seq]
+  std::vector<float> probs_host_, prefill_probs_host_;
+  // Host copies: a prefill chunk's q, k, v [max_chunk][...] and a step's
+  // new rows [layer][kv_dim].
+  std::vector<float> q_host_, k_host_, v_host_;
+  std::vector<float> new_k_host_, new_v_host_;
   // One prefill layer's rows for the memory node: [pos][kv_head][width].
   std::vector<uint16_t> k_stage_, v_stage_;
 
@@ -251,7 +263,6 @@ absl::Status OffloadedKvCache::Init() {
   geometry_.head_dim = layout_.row_width;
   geometry_.max_tokens =
       std::max(1, static_cast<int>(options_.kv_capacity * max_seq_));
-  const SharedAllocator<float> shared(&backend_);
   bool pin_warned = false;
   for (Sequence& s : sequences_) {
     IG_ASSIGN_OR_RETURN(s.policy, KvPolicy::Create(options_.policy, ctx));
@@ -276,9 +287,11 @@ absl::Status OffloadedKvCache::Init() {
                          max_seq_,
                      0);
     s.present_count.assign(c_.n_layers, 0);
-    s.new_k = SharedVector<float>(static_cast<size_t>(c_.n_layers) * c_.kv_dim(),
-                                  0.0f, shared);
-    s.new_v = SharedVector<float>(s.new_k.size(), 0.0f, shared);
+    const size_t step_values = static_cast<size_t>(c_.n_layers) * c_.kv_dim();
+    IG_ASSIGN_OR_RETURN(s.new_k, DeviceBuffer<float>::Make(
+                                     &backend_, step_values, "step rows"));
+    IG_ASSIGN_OR_RETURN(s.new_v, DeviceBuffer<float>::Make(
+                                     &backend_, step_values, "step rows"));
     s.k_step.resize(static_cast<size_t>(c_.n_layers) * c_.n_kv_heads *
                     layout_.row_width);
     s.v_step.resize(s.k_step.size());
@@ -290,20 +303,31 @@ absl::Status OffloadedKvCache::Init() {
   IG_ASSIGN_OR_RETURN(v_rows_, DeviceBuffer<float>::Make(&backend_, decoded,
                                                          "decoded V rows"));
   if (layout_.attention_probs) {
-    probs_ = SharedVector<float>(static_cast<size_t>(c_.n_heads) * stride_,
-                                 0.0f, shared);
+    const size_t n = static_cast<size_t>(c_.n_heads) * stride_;
+    IG_ASSIGN_OR_RETURN(probs_, DeviceBuffer<float>::Make(
+                                    &backend_, n, "attention probabilities"));
+    probs_host_.assign(n, 0.0f);
   }
   if (layout_.prefill_probs) {
-    prefill_probs_ = SharedVector<float>(
-        static_cast<size_t>(c_.n_heads) * max_seq_, 0.0f, shared);
+    const size_t n = static_cast<size_t>(c_.n_heads) * max_seq_;
+    IG_ASSIGN_OR_RETURN(prefill_probs_,
+                        DeviceBuffer<float>::Make(&backend_, n,
+                                                  "attention probabilities"));
+    prefill_probs_host_.assign(n, 0.0f);
   }
+  const size_t chunk = options_.max_chunk;
+  q_host_.resize(chunk * c_.q_dim());
+  k_host_.resize(chunk * c_.kv_dim());
+  v_host_.resize(chunk * c_.kv_dim());
+  new_k_host_.resize(static_cast<size_t>(c_.n_layers) * c_.kv_dim());
+  new_v_host_.resize(new_k_host_.size());
   const size_t stage =
       static_cast<size_t>(max_seq_) * c_.n_kv_heads * layout_.row_width;
   k_stage_.resize(stage);
   v_stage_.resize(stage);
   step_slots_.reserve(sequences_.size());
   bytes_ = options_.batch * layout_.PerSequence(c_, max_seq_) +
-           layout_.Shared(c_, max_seq_);
+           layout_.Shared(c_, max_seq_, options_.max_chunk);
   {
     absl::MutexLock lock(&append_mu_);
     append_slots_.reserve(sequences_.size());
@@ -354,13 +378,25 @@ absl::Status OffloadedKvCache::PrefillAttention(int layer, int pos, int rows,
                                                 const float* k,
                                                 const float* v, float* out) {
   Sequence& s = sequences_[prefill_slot_];
+  if (rows > options_.max_chunk) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "kv cache: a prefill chunk of %d rows exceeds max_chunk %d", rows,
+        options_.max_chunk));
+  }
   const int hd = c_.head_dim, kvd = c_.kv_dim();
-  // The host encodes the chunk's rows for the memory node.
-  IG_RETURN_IF_ERROR(backend_.Synchronize());
+  // The host encodes the chunk's rows for the memory node and shows the
+  // policy its queries and keys.
+  const size_t kv_values = static_cast<size_t>(rows) * kvd;
+  IG_RETURN_IF_ERROR(backend_.CopyToHost(
+      q_host_.data(), q, static_cast<size_t>(rows) * c_.q_dim() * sizeof(float)));
+  IG_RETURN_IF_ERROR(
+      backend_.CopyToHost(k_host_.data(), k, kv_values * sizeof(float)));
+  IG_RETURN_IF_ERROR(
+      backend_.CopyToHost(v_host_.data(), v, kv_values * sizeof(float)));
   const size_t at = static_cast<size_t>(pos) * c_.n_kv_heads *
                     layout_.row_width;
-  s.policy->EncodeRows(k, rows * c_.n_kv_heads, &k_stage_[at]);
-  s.policy->EncodeRows(v, rows * c_.n_kv_heads, &v_stage_[at]);
+  s.policy->EncodeRows(k_host_.data(), rows * c_.n_kv_heads, &k_stage_[at]);
+  s.policy->EncodeRows(v_host_.data(), rows * c_.n_kv_heads, &v_stage_[at]);
   // The layer's keys and values so far, exact, for its attention.
   for (int i = 0; i < rows; ++i) {
     for (int g = 0; g < c_.n_kv_heads; ++g) {
@@ -371,17 +407,25 @@ absl::Status OffloadedKvCache::PrefillAttention(int layer, int pos, int rows,
     }
   }
   float* probs = nullptr;
+  const size_t prob_values = static_cast<size_t>(c_.n_heads) * (pos + rows);
   if (layout_.prefill_probs) {
+    // Zeroed through the host copy; CopyToHost below waits for this copy
+    // before the host array changes again.
     probs = prefill_probs_.data();
-    std::fill(prefill_probs_.begin(),
-              prefill_probs_.begin() +
-                  static_cast<size_t>(c_.n_heads) * (pos + rows),
-              0.0f);
+    std::fill(prefill_probs_host_.begin(),
+              prefill_probs_host_.begin() + prob_values, 0.0f);
+    backend_.CopyFromHost(probs, prefill_probs_host_.data(),
+                          prob_values * sizeof(float), backend_.MarkIssued());
   }
   QueueAttention(backend_, c_, q, k_rows_.data(), v_rows_.data(), stride_,
                  rows, pos + 1, out, probs);
-  if (probs != nullptr) IG_RETURN_IF_ERROR(backend_.Synchronize());
-  s.policy->ObservePrefill(layer, q, k, rows, pos, probs);
+  if (probs != nullptr) {
+    IG_RETURN_IF_ERROR(backend_.CopyToHost(prefill_probs_host_.data(), probs,
+                                           prob_values * sizeof(float)));
+  }
+  s.policy->ObservePrefill(layer, q_host_.data(), k_host_.data(), rows, pos,
+                           probs != nullptr ? prefill_probs_host_.data()
+                                            : nullptr);
   return absl::OkStatus();
 }
 
@@ -485,8 +529,9 @@ absl::Status OffloadedKvCache::DecodeAttention(int layer, const float* q,
   // and the appends run while the last layer's MLP and the classifier
   // compute.
   if (layer + 1 == c_.n_layers) {
-    IG_RETURN_IF_ERROR(backend_.Synchronize());
-    for (int slot : step_slots_) StageStepRows(sequences_[slot]);
+    for (int slot : step_slots_) {
+      IG_RETURN_IF_ERROR(StageStepRows(sequences_[slot]));
+    }
     StartAppends();
   }
   return absl::OkStatus();
@@ -601,13 +646,18 @@ absl::Status OffloadedKvCache::FetchedAttention(Sequence& s, int layer,
   }
   s.staged_free[i] = backend_.MarkIssued();
   if (want_probs) {
-    // The host zeroes the probability rows once earlier attention is done.
-    IG_RETURN_IF_ERROR(backend_.Synchronize());
+    // Each head's probability row zeroed from the host copy (a previous
+    // CopyToHost waited for earlier copies out of it).
+    IG_RETURN_IF_ERROR(backend_.WaitCopies());
     for (int h = 0; h < c_.n_heads; ++h) {
       const int count = plan.head_offsets[h / group + 1] -
                         plan.head_offsets[h / group];
-      float* pr = probs_.data() + static_cast<size_t>(h) * stride_;
-      std::fill(pr, pr + count + 1, 0.0f);
+      const size_t at = static_cast<size_t>(h) * stride_;
+      std::fill(probs_host_.begin() + at, probs_host_.begin() + at + count + 1,
+                0.0f);
+      backend_.CopyFromHost(probs_.data() + at, probs_host_.data() + at,
+                            (count + 1) * sizeof(float),
+                            backend_.MarkIssued());
     }
   }
   for (int g = 0; g < c_.n_kv_heads; ++g) {
@@ -635,23 +685,37 @@ absl::Status OffloadedKvCache::FetchedAttention(Sequence& s, int layer,
     }
   }
   if (want_probs) {
-    IG_RETURN_IF_ERROR(backend_.Synchronize());
-    s.policy->ObserveAttention(layer, plan.view(), probs_.data(), stride_);
+    for (int h = 0; h < c_.n_heads; ++h) {
+      const int count = plan.head_offsets[h / group + 1] -
+                        plan.head_offsets[h / group];
+      const size_t at = static_cast<size_t>(h) * stride_;
+      IG_RETURN_IF_ERROR(backend_.CopyToHost(probs_host_.data() + at,
+                                             probs_.data() + at,
+                                             (count + 1) * sizeof(float)));
+    }
+    s.policy->ObserveAttention(layer, plan.view(), probs_host_.data(),
+                               stride_);
   }
   return absl::OkStatus();
 }
 
-void OffloadedKvCache::StageStepRows(Sequence& s) {
+absl::Status OffloadedKvCache::StageStepRows(Sequence& s) {
   const size_t kvd = c_.kv_dim();
   const int width = layout_.row_width;
+  const size_t bytes = new_k_host_.size() * sizeof(float);
+  IG_RETURN_IF_ERROR(
+      backend_.CopyToHost(new_k_host_.data(), s.new_k.data(), bytes));
+  IG_RETURN_IF_ERROR(
+      backend_.CopyToHost(new_v_host_.data(), s.new_v.data(), bytes));
   for (int l = 0; l < c_.n_layers; ++l) {
     const size_t at = static_cast<size_t>(l) * c_.n_kv_heads * width;
-    s.policy->EncodeRows(s.new_k.data() + l * kvd, c_.n_kv_heads,
+    s.policy->EncodeRows(new_k_host_.data() + l * kvd, c_.n_kv_heads,
                          &s.k_step[at]);
-    s.policy->EncodeRows(s.new_v.data() + l * kvd, c_.n_kv_heads,
+    s.policy->EncodeRows(new_v_host_.data() + l * kvd, c_.n_kv_heads,
                          &s.v_step[at]);
     s.policy->OnDecodeAppend(l, s.position, s.new_k.data() + l * kvd);
   }
+  return absl::OkStatus();
 }
 
 // --- The background appender: one batch of decode-step appends at a time.
@@ -727,7 +791,7 @@ absl::StatusOr<int64_t> OffloadedKvCacheBytes(const model::Weights& weights,
   IG_ASSIGN_OR_RETURN(const Layout z,
                       MakeLayout(weights, /*operates_on_host=*/false, options));
   return options.batch * z.PerSequence(weights.config, options.max_seq_len) +
-         z.Shared(weights.config, options.max_seq_len);
+         z.Shared(weights.config, options.max_seq_len, options.max_chunk);
 }
 
 absl::StatusOr<std::unique_ptr<KvCache>> NewOffloadedKvCache(

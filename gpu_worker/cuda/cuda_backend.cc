@@ -256,6 +256,28 @@ class CudaBackend final : public Backend {
     CheckCuda(cudaStreamWaitEvent(stream_, copied_, 0), kOp);
   }
 
+  absl::Status CopyToHost(void* dst, const void* src, size_t bytes) override {
+    constexpr const char* kOp = "CopyToHost";
+    if (!Begin()) return error_;
+    if (bytes > 0) {
+      if (dst == nullptr) {
+        Fail(absl::InvalidArgumentError("CopyToHost: dst is null"));
+        return error_;
+      }
+      const char* s = In(static_cast<const char*>(src),
+                         static_cast<long>(bytes), kOp, "src");
+      if (!ok()) return error_;
+      // On the compute stream: after every operation issued so far, and
+      // after the copies they wait for.
+      if (!CheckCuda(cudaMemcpyAsync(dst, s, bytes, cudaMemcpyDefault,
+                                     stream_),
+                     kOp)) {
+        return error_;
+      }
+    }
+    return Synchronize();
+  }
+
   absl::Status WaitCopies() override {
     cudaSetDevice(device_);
     const cudaError_t err = cudaStreamSynchronize(copy_stream_);
