@@ -1,11 +1,13 @@
 // Backend: the arithmetic of a transformer layer, on one kind of device.
 //
 // The engine owns every buffer and calls these operations in order. Every
-// pointer given to an operation is either memory from AllocateShared (the
-// engine's activations and caches) or lies inside a range registered with
+// pointer given to an operation is either backend memory (AllocateDevice:
+// the engine's activations, KV working set and staging; AllocateShared for
+// memory host code also touches) or lies inside a range registered with
 // RegisterConstant (the model's weights, which a device backend copies to
 // the device once). Operations may run asynchronously: host code reads or
-// writes shared memory only after Synchronize() has returned. Rows fetched
+// writes shared memory only after Synchronize() has returned, and device
+// memory never, only through CopyFromHost and CopyToHost. Rows fetched
 // from the memory node arrive in host memory and reach the backend through
 // CopyFromHost, which a device backend runs on a copy queue beside the
 // operations (pinned with PinHost for full speed). Matrices are

@@ -3,8 +3,10 @@
 // rest.
 //
 // Every operation is issued asynchronously on the backend's one stream.
-// Buffers from AllocateShared are CUDA managed memory, so host code reads
-// them after Synchronize(). RegisterConstant copies a weight range to the
+// Buffers from AllocateDevice are plain device memory (cudaMalloc), reached
+// from the host only by CopyFromHost (on a second, copy stream, ordered by
+// events) and CopyToHost; buffers from AllocateShared are CUDA managed
+// memory, which host code reads after Synchronize(). RegisterConstant copies a weight range to the
 // device once (fp32); operations given a host pointer inside a registered
 // range use the device copy at the same offset. With half_weights, the
 // first Linear over a matrix also makes an fp16 copy of it, kept for the
