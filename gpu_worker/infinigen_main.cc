@@ -95,7 +95,10 @@ ABSL_FLAG(std::string, skew, "",
           "the first tokens of the input.");
 ABSL_FLAG(std::string, kv_service, "inproc:",
           "The KV memory node for offloaded policies: inproc: (in this "
-          "process), tcp://HOST:PORT, unix:PATH.");
+          "process), tcp://HOST:PORT, unix:PATH, shm:unix:PATH, "
+          "rdma://HOST:PORT. A remote node holds this process's sequences "
+          "under a lease renewed by heartbeats; it frees them if the "
+          "process dies.");
 ABSL_FLAG(std::string, kv_auth_token_file, "",
           "File holding the memory server's auth token (the file its "
           "--auth_token_file reads); sent with every request.");
@@ -180,7 +183,10 @@ const std::map<std::string, Command>& Commands() {
       {"serve",
        {"Serves the Worker gRPC generation API (proto/worker.proto) and "
         "grpc.health.v1 on --listen: token streams to many clients, "
-        "--max_batch sequences decoded together. SIGTERM or SIGINT stops "
+        "--max_batch sequences decoded together. Health is NOT_SERVING "
+        "while a remote --kv_service does not answer its heartbeats (about "
+        "once a second; the service infinigen.worker.Liveness stays "
+        "SERVING), SERVING again once it does. SIGTERM or SIGINT stops "
         "taking requests, lets streams finish for --drain_timeout, exits 0.",
         WithEngineFlags({"model", "tokenizer", "listen", "max_batch",
                          "max_queue", "max_prefills_per_step",
@@ -803,6 +809,11 @@ int RunServe() {
   (*scheduler)->Start();
   gpu_worker::GenerationServerOptions server_options;
   server_options.listen = listen;
+  if (const kv_memory_service::KvClient* kv = setup->client.get();
+      kv != nullptr) {
+    // Readiness follows the memory node's heartbeats (KvClient::Health).
+    server_options.dependency_health = [kv] { return kv->Health(); };
+  }
   auto server = gpu_worker::GenerationServer::Start(std::move(*scheduler),
                                                     server_options);
   if (!server.ok()) {
