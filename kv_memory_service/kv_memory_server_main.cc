@@ -60,7 +60,8 @@ ABSL_FLAG(std::string, rdma_device, "",
           "with \"no RDMA device\" where there is none.");
 ABSL_FLAG(absl::Duration, lease_timeout, absl::Seconds(10),
           "How long a client session lives without a heartbeat (clients "
-          "renew every third of it). When it runs out (the worker died or "
+          "renew every third of it, and at least once a second). When it "
+          "runs out (the worker died or "
           "was cut off) its sequences are closed and their rows freed; the "
           "client then gets NOT_FOUND for them. Keep it above the workers' "
           "fetch timeout (5s). 0 = never expire.");
