@@ -180,18 +180,22 @@ void KvServer::ExpireLeases() {
   const absl::Duration period =
       std::clamp(store_->options().lease_timeout / 10, absl::Milliseconds(20),
                  absl::Seconds(1));
-  absl::MutexLock lock(&lease_mu_);
-  while (!lease_mu_.AwaitWithTimeout(absl::Condition(&leases_stopped_),
+  while (true) {
+    {
+      absl::MutexLock lock(&lease_mu_);
+      if (lease_mu_.AwaitWithTimeout(absl::Condition(&leases_stopped_),
                                      period)) {
-    lease_mu_.Unlock();
+        return;
+      }
+    }
     for (const ExpiredSession& e : store_->ExpireSessions()) {
       IG_LOG(INFO) << "kv_memory_server: session " << e.session
                    << " expired (no heartbeat for "
-                   << absl::FormatDuration(absl::Trunc(e.idle, absl::Milliseconds(1)))
+                   << absl::FormatDuration(
+                          absl::Trunc(e.idle, absl::Milliseconds(1)))
                    << "): closed " << e.sequences << " sequences, freed "
                    << e.bytes_freed << " bytes";
     }
-    lease_mu_.Lock();
   }
 }
 
