@@ -51,8 +51,9 @@
 // --lease_timeout). If the client dies, the node frees its sequences once
 // the lease runs out. If the client is cut off for longer than the lease,
 // its sequences are gone when it comes back (NotFound); it opens a new
-// session by itself, so new sequences work. Health() reports whether the
-// heartbeats get answers. The in-process client has no lease.
+// session by itself, so new sequences work. Destroying a remote client ends
+// its session, closing the sequences it still owns. Health() reports
+// whether the heartbeats get answers. The in-process client has no lease.
 //
 // Thread-safety: every KvClient method may be called from several threads.
 // A FetchBuffer carries one fetch at a time: FetchAsync into a buffer whose

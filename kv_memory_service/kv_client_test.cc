@@ -21,7 +21,10 @@
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "grpcpp/client_context.h"
+#include "kv_memory_service/proto_convert.h"
 #include "kv_memory_service/server/kv_server.h"
+#include "proto/kv_memory.grpc.pb.h"
 #include "kv_memory_service/testing/fault_injection_client.h"
 #include "kv_memory_service/testing/kv_test_data.h"
 
@@ -397,16 +400,29 @@ TEST_P(KvClientLeaseTest, AnIdleClientKeepsItsSequences) {
 
 TEST_P(KvClientLeaseTest, ASilentClientsSequencesAreFreedWithinTheLease) {
   std::unique_ptr<KvClient> live = Connect();
-  std::unique_ptr<KvClient> doomed = Connect();
   ASSERT_NE(live, nullptr);
-  ASSERT_NE(doomed, nullptr);
   const SequenceGeometry g = MakeGeometry(1, 1, 8, 8);
   auto kept = live->Open(g);
   ASSERT_TRUE(kept.ok()) << kept.status();
-  for (int i = 0; i < 2; ++i) ASSERT_TRUE(doomed->Open(g).ok());
+  // A client that opens a session and two sequences, then never renews,
+  // as a killed worker: the raw RPCs, without the client library.
+  std::unique_ptr<kv::KvMemory::Stub> raw =
+      kv::KvMemory::NewStub(server_->InProcessChannel());
+  kv::OpenSessionResponse session;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(raw->OpenSession(&ctx, {}, &session).ok());
+    EXPECT_EQ(session.lease_timeout_ms(), absl::ToInt64Milliseconds(kLease));
+  }
+  for (int i = 0; i < 2; ++i) {
+    kv::OpenSequenceRequest req;
+    ToProto(g, req.mutable_geometry());
+    req.set_session_id(session.session_id());
+    kv::OpenSequenceResponse resp;
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(raw->OpenSequence(&ctx, req, &resp).ok());
+  }
   ASSERT_EQ(server_->store().GetStoreStats().open_sequences, 3);
-  // Gone without closing anything, as a killed worker: no more heartbeats.
-  doomed.reset();
   const absl::Duration took = Within(kLease + absl::Seconds(5), [&] {
     return server_->store().GetStoreStats().open_sequences == 1;
   });
@@ -417,6 +433,28 @@ TEST_P(KvClientLeaseTest, ASilentClientsSequencesAreFreedWithinTheLease) {
   EXPECT_EQ(stats.expired_sequences, 2);
   EXPECT_EQ(stats.bytes_reserved, ReservedBytes(g));
   EXPECT_TRUE(live->GetSequenceStats(*kept).ok());
+  // Renewing too late: the session is gone.
+  kv::HeartbeatRequest beat;
+  beat.set_session_id(session.session_id());
+  kv::HeartbeatResponse beat_resp;
+  grpc::ClientContext ctx;
+  EXPECT_EQ(raw->Heartbeat(&ctx, beat, &beat_resp).error_code(),
+            grpc::StatusCode::NOT_FOUND);
+}
+
+TEST_P(KvClientLeaseTest, DestroyingAClientEndsItsSessionAtOnce) {
+  std::unique_ptr<KvClient> client = Connect();
+  ASSERT_NE(client, nullptr);
+  const SequenceGeometry g = MakeGeometry(1, 1, 8, 8);
+  for (int i = 0; i < 2; ++i) ASSERT_TRUE(client->Open(g).ok());
+  ASSERT_EQ(server_->store().GetStoreStats().open_sessions, 1);
+  ASSERT_EQ(server_->store().GetStoreStats().open_sequences, 2);
+  client.reset();  // without closing its sequences
+  const StoreStats stats = server_->store().GetStoreStats();
+  EXPECT_EQ(stats.open_sessions, 0);
+  EXPECT_EQ(stats.open_sequences, 0);
+  EXPECT_EQ(stats.bytes_reserved, 0);
+  EXPECT_EQ(stats.expired_sessions, 0);  // ended, not expired
 }
 
 TEST_P(KvClientLeaseTest, AClientCutOffPastItsLeaseGetsNotFoundThenRecovers) {

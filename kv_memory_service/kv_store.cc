@@ -463,13 +463,42 @@ std::vector<ExpiredSession> KvStore::ExpireSessions() {
   return expired;
 }
 
+absl::Status KvStore::CloseSession(SessionId session) {
+  std::vector<std::shared_ptr<Sequence>> freed;  // released after mu_
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(session);
+  const absl::Time now = Now();
+  if (it != sessions_.end() && Expired(it->second, now)) {
+    ExpireLocked(session, now, &freed);
+    it = sessions_.end();
+  }
+  if (it == sessions_.end()) {
+    return absl::NotFoundError(absl::StrCat(
+        "no session ", session,
+        " (its lease expired, or the server restarted)"));
+  }
+  EndSessionLocked(session, now, &freed);
+  return absl::OkStatus();
+}
+
 ExpiredSession KvStore::ExpireLocked(
     SessionId id, absl::Time now,
     std::vector<std::shared_ptr<Sequence>>* freed) {
+  ExpiredSession out = EndSessionLocked(id, now, freed);
+  if (out.session != 0) {
+    ++expired_sessions_;
+    expired_sequences_ += out.sequences;
+  }
+  return out;
+}
+
+ExpiredSession KvStore::EndSessionLocked(
+    SessionId id, absl::Time now,
+    std::vector<std::shared_ptr<Sequence>>* freed) {
   ExpiredSession out;
-  out.session = id;
   auto it = sessions_.find(id);
   if (it == sessions_.end()) return out;
+  out.session = id;
   out.idle = now - it->second.renewed;
   for (const auto& [seq, bytes] : it->second.sequences) {
     auto s = sequences_.find(seq);
@@ -483,8 +512,6 @@ ExpiredSession KvStore::ExpireLocked(
     ++out.sequences;
   }
   sessions_.erase(it);
-  ++expired_sessions_;
-  expired_sequences_ += out.sequences;
   return out;
 }
 

@@ -107,6 +107,10 @@ class KvStore {
   // already run out (its sequences are then closed here, if ExpireSessions
   // has not done it yet).
   absl::Status RenewSession(SessionId session);
+  // Ends the session now and closes the sequences it still owns (its client
+  // is going away); not counted as an expiry. NotFound if it is unknown or
+  // has expired.
+  absl::Status CloseSession(SessionId session);
   // Closes the sequences of every session whose lease has run out, ends
   // those sessions, and returns them. Nothing when lease_timeout is zero.
   std::vector<ExpiredSession> ExpireSessions();
@@ -159,6 +163,10 @@ class KvStore {
   // `freed`, to be released after mu_) and the totals count them.
   ExpiredSession ExpireLocked(SessionId id, absl::Time now,
                               std::vector<std::shared_ptr<Sequence>>* freed)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // ExpireLocked without the expiry counts; what it closed.
+  ExpiredSession EndSessionLocked(SessionId id, absl::Time now,
+                                  std::vector<std::shared_ptr<Sequence>>* freed)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops `seq` from its session, if it has one.
   void ForgetOwnerLocked(SequenceId seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -827,6 +827,37 @@ TEST(LeaseTest, SequencesWithoutASessionAndStoresWithoutLeasesNeverExpire) {
   EXPECT_OK_STATUS(unleased.RenewSession(*session));
 }
 
+TEST(LeaseTest, ClosingASessionClosesItsSequencesWithoutCountingAnExpiry) {
+  FakeClock clock;
+  KvStore store(LeaseOptions(clock, absl::Seconds(5)));
+  const SequenceGeometry g = Geo(1, 1, 8, 8);
+  auto session = store.OpenSession();
+  auto other = store.OpenSession();
+  ASSERT_TRUE(session.ok() && other.ok());
+  auto a = store.Open(g, *session);
+  auto b = store.Open(g, *session);
+  auto kept = store.Open(g, *other);
+  ASSERT_TRUE(a.ok() && b.ok() && kept.ok());
+  ASSERT_OK(store.Close(*b));
+  ASSERT_OK(store.CloseSession(*session));
+  EXPECT_CODE(store.Geometry(*a).status(), kNotFound);
+  EXPECT_TRUE(store.Geometry(*kept).ok());
+  StoreStats stats = store.GetStoreStats();
+  EXPECT_EQ(stats.open_sequences, 1);
+  EXPECT_EQ(stats.open_sessions, 1);
+  EXPECT_EQ(stats.bytes_reserved, ReservedBytes(g));
+  EXPECT_EQ(stats.expired_sessions, 0);
+  EXPECT_CODE(store.CloseSession(*session), kNotFound);
+  EXPECT_CODE(store.RenewSession(*session), kNotFound);
+  // A session past its lease expires (and is counted) rather than closes.
+  clock.Advance(absl::Seconds(6));
+  EXPECT_CODE(store.CloseSession(*other), kNotFound);
+  stats = store.GetStoreStats();
+  EXPECT_EQ(stats.expired_sessions, 1);
+  EXPECT_EQ(stats.expired_sequences, 1);
+  EXPECT_EQ(stats.open_sequences, 0);
+}
+
 TEST(LeaseTest, UnknownSessionsAndTheSessionLimit) {
   FakeClock clock;
   KvStoreOptions o = LeaseOptions(clock, absl::Seconds(1));

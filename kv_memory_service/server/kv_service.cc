@@ -61,6 +61,14 @@ grpc::Status KvMemoryService::Heartbeat(grpc::ServerContext* ctx,
   return ToGrpcStatus(status);
 }
 
+grpc::Status KvMemoryService::CloseSession(grpc::ServerContext* ctx,
+                                           const kv::CloseSessionRequest* req,
+                                           kv::CloseSessionResponse*) {
+  absl::Status status = Authorize(*ctx);
+  if (status.ok()) status = store_->CloseSession(req->session_id());
+  return ToGrpcStatus(status);
+}
+
 grpc::Status KvMemoryService::OpenSequence(grpc::ServerContext* ctx,
                                            const kv::OpenSequenceRequest* req,
                                            kv::OpenSequenceResponse* resp) {

@@ -41,6 +41,9 @@ class KvMemoryService final : public kv::KvMemory::Service {
   grpc::Status Heartbeat(grpc::ServerContext* ctx,
                          const kv::HeartbeatRequest* req,
                          kv::HeartbeatResponse* resp) override;
+  grpc::Status CloseSession(grpc::ServerContext* ctx,
+                            const kv::CloseSessionRequest* req,
+                            kv::CloseSessionResponse* resp) override;
   grpc::Status OpenSequence(grpc::ServerContext* ctx,
                             const kv::OpenSequenceRequest* req,
                             kv::OpenSequenceResponse* resp) override;

@@ -424,8 +424,23 @@ class GrpcKvClient final : public KvClient {
       if (beat_ctx_ != nullptr) beat_ctx_->TryCancel();
     }
     heartbeat_.join();
-    absl::MutexLock lock(&mu_);
-    connection_.reset();  // cuts the connection and joins its reader
+    {
+      absl::MutexLock lock(&mu_);
+      connection_.reset();  // cuts the connection and joins its reader
+    }
+    // Going away cleanly: end the session now rather than at its lease
+    // (closing what sequences it still owns). Best effort, briefly.
+    absl::MutexLock lock(&session_mu_);
+    if (session_ != 0) {
+      kv::CloseSessionRequest req;
+      req.set_session_id(session_);
+      kv::CloseSessionResponse resp;
+      grpc::ClientContext ctx;
+      Prepare(&ctx);
+      ctx.set_deadline(absl::ToChronoTime(
+          absl::Now() + std::min(options_.rpc_timeout, absl::Seconds(1))));
+      (void)stub_->CloseSession(&ctx, req, &resp);
+    }
   }
 
   absl::StatusOr<SequenceId> Open(const SequenceGeometry& geometry) override {

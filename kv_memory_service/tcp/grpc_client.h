@@ -20,7 +20,8 @@
 // heartbeat thread renews it (kv_client.h, "Leases"); every sequence it
 // opens belongs to that session. A heartbeat that finds the session gone
 // (expired, or a restarted server) opens a new one and logs a warning.
-// Health() is the last heartbeat's outcome.
+// Health() is the last heartbeat's outcome. Destroying the client ends its
+// session at once (CloseSession), closing the sequences it still owns.
 #ifndef INFINIGEN_KV_MEMORY_SERVICE_TCP_GRPC_CLIENT_H_
 #define INFINIGEN_KV_MEMORY_SERVICE_TCP_GRPC_CLIENT_H_
 
