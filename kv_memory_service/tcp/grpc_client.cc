@@ -430,10 +430,14 @@ class GrpcKvClient final : public KvClient {
     }
     // Going away cleanly: end the session now rather than at its lease
     // (closing what sequences it still owns). Best effort, briefly.
-    absl::MutexLock lock(&session_mu_);
-    if (session_ != 0) {
+    SessionId session;
+    {
+      absl::MutexLock lock(&session_mu_);
+      session = session_;
+    }
+    if (session != 0) {
       kv::CloseSessionRequest req;
-      req.set_session_id(session_);
+      req.set_session_id(session);
       kv::CloseSessionResponse resp;
       grpc::ClientContext ctx;
       Prepare(&ctx);
