@@ -68,6 +68,19 @@ std::string ReadFile(const std::string& path) {
   return s.str();
 }
 
+// A unix socket path for a test, removed when it goes out of scope (a
+// SIGKILLed server leaves its socket file behind).
+class SocketFile {
+ public:
+  explicit SocketFile(const std::string& name)
+      : path_(ServerProcess::SocketPath(name)) {}
+  ~SocketFile() { std::remove(path_.c_str()); }
+  const std::string& path() const { return path_; }
+
+ private:
+  const std::string path_;
+};
+
 // A child process with stdout and stderr in temp files. The destructor
 // SIGKILLs it if it still runs, reaps it and removes the files.
 class Child {
@@ -190,8 +203,9 @@ TEST(WorkerLeaseTest, AKilledWorkersSequencesAreFreedAndANewWorkerGetsTheRoom) {
   g.head_dim = weights->config.head_dim;
   g.max_tokens = 512;
   const int64_t capacity = 8 * kv_memory_service::ReservedBytes(g);
+  const SocketFile socket("lease_kill");
   auto server = ServerProcess::Start(
-      {"--listen=unix:" + ServerProcess::SocketPath("lease_kill"), kLeaseFlag,
+      {"--listen=unix:" + socket.path(), kLeaseFlag,
        absl::StrCat("--capacity_bytes=", capacity)});
   ASSERT_TRUE(server.ok()) << server.status();
   const std::string kv = (*server)->address();
@@ -246,8 +260,9 @@ TEST(WorkerLeaseTest, AKilledWorkersSequencesAreFreedAndANewWorkerGetsTheRoom) {
 }
 
 TEST(WorkerLeaseTest, ALiveIdleWorkerKeepsItsSequencesAKilledOneDoesNot) {
+  const SocketFile socket("lease_idle");
   auto server = ServerProcess::Start(
-      {"--listen=unix:" + ServerProcess::SocketPath("lease_idle"), kLeaseFlag});
+      {"--listen=unix:" + socket.path(), kLeaseFlag});
   ASSERT_TRUE(server.ok()) << server.status();
   const std::string kv = (*server)->address();
   Stats stats(kv);
@@ -303,11 +318,12 @@ grpc::health::v1::HealthCheckResponse::ServingStatus HealthOf(
 
 TEST(ServeHealthTest, NotServingWhileItsMemoryNodeIsDownServingOnceItIsBack) {
   using grpc::health::v1::HealthCheckResponse;
-  const std::string kv_listen =
-      "--listen=unix:" + ServerProcess::SocketPath("serve_health_kv");
+  const SocketFile kv_socket("serve_health_kv");
+  const SocketFile serve_socket_file("serve_health");
+  const std::string kv_listen = "--listen=unix:" + kv_socket.path();
   auto server = ServerProcess::Start({kv_listen, kLeaseFlag});
   ASSERT_TRUE(server.ok()) << server.status();
-  const std::string serve_socket = ServerProcess::SocketPath("serve_health");
+  const std::string& serve_socket = serve_socket_file.path();
   std::unique_ptr<Child> serve = Child::Start(
       "gpu_worker/infinigen",
       {"serve", absl::StrCat("--model=", Runfile(kModel)),
@@ -374,7 +390,6 @@ TEST(ServeHealthTest, NotServingWhileItsMemoryNodeIsDownServingOnceItIsBack) {
                absl::FormatDuration(up).c_str());
   serve->Signal(SIGTERM);
   EXPECT_TRUE(serve->Wait(absl::Seconds(60)));
-  std::remove(serve_socket.c_str());
 }
 
 }  // namespace
