@@ -152,10 +152,19 @@ absl::StatusOr<std::unique_ptr<GenerationServer>> GenerationServer::Start(
                      "' (address in use, or not allowed)"));
   }
   server->port_ = unix_socket ? 0 : port;
+  server->dependency_health_ = options.dependency_health;
+  server->health_poll_interval_ = options.health_poll_interval;
   grpc::HealthCheckServiceInterface* health =
       server->server_->GetHealthCheckService();
-  health->SetServingStatus(kServiceName, true);
-  health->SetServingStatus(true);
+  health->SetServingStatus(GenerationServer::kLivenessService, true);
+  {
+    absl::MutexLock lock(&server->health_mu_);
+    server->UpdateHealth();
+  }
+  if (server->dependency_health_) {
+    GenerationServer* raw = server.get();
+    server->health_thread_ = std::thread([raw] { raw->WatchHealth(); });
+  }
   IG_LOG(INFO) << "infinigen serve: listening on "
                << (listen.empty() ? std::string("(in-process only)")
                    : unix_socket ? listen
@@ -173,16 +182,58 @@ GenerationServer::~GenerationServer() {
   Wait();
 }
 
+bool GenerationServer::serving() const {
+  absl::MutexLock lock(&health_mu_);
+  return serving_;
+}
+
+void GenerationServer::UpdateHealth() {
+  if (shut_down_) return;
+  const absl::Status status =
+      dependency_health_ ? dependency_health_() : absl::OkStatus();
+  const bool serving = status.ok();
+  if (published_ && serving == serving_) return;
+  grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
+  health->SetServingStatus(kServiceName, serving);
+  health->SetServingStatus("", serving);
+  // The first publication (at Start) is not a change worth a line unless
+  // the dependency already fails.
+  if (!serving) {
+    IG_LOG(WARNING) << "infinigen serve: health NOT_SERVING: " << status;
+  } else if (published_) {
+    IG_LOG(INFO) << "infinigen serve: health SERVING again";
+  }
+  serving_ = serving;
+  published_ = true;
+}
+
+void GenerationServer::WatchHealth() {
+  absl::MutexLock lock(&health_mu_);
+  while (!health_mu_.AwaitWithTimeout(absl::Condition(&shut_down_),
+                                      health_poll_interval_)) {
+    UpdateHealth();
+  }
+}
+
+void GenerationServer::StopHealthThread() {
+  {
+    absl::MutexLock lock(&health_mu_);
+    shut_down_ = true;
+    serving_ = false;
+  }
+  if (health_thread_.joinable()) health_thread_.join();
+}
+
 std::shared_ptr<grpc::Channel> GenerationServer::InProcessChannel() {
   return server_->InProcessChannel(grpc::ChannelArguments());
 }
 
 void GenerationServer::Shutdown(absl::Duration grace) {
   const absl::Time deadline = absl::Now() + grace;
+  StopHealthThread();
   grpc::HealthCheckServiceInterface* health =
       server_->GetHealthCheckService();
-  health->SetServingStatus(kServiceName, false);
-  health->SetServingStatus(false);
+  health->SetServingStatus(false);  // every service, liveness too
   scheduler_->Shutdown(grace);
   // Every stream has its last event now; what is left of the grace (at
   // least a second) lets the handlers write it to their clients.

@@ -11,15 +11,29 @@
 // the service, the standard grpc.health.v1 service and the gRPC server
 // listening on a TCP port or a unix socket (or in-process only, for tests).
 //
+// Health. The server-wide status ("") and the Worker service's status are
+// what a readiness probe reads: SERVING while the server takes requests and
+// its dependency (options.dependency_health: `serve` passes its KV memory
+// node's KvClient::Health) answers; NOT_SERVING while the dependency fails
+// (polled every health_poll_interval, each flip logged once) and from
+// Shutdown on. kLivenessService stays SERVING until Shutdown whatever the
+// dependency says: a liveness probe reads it, so that a memory node outage
+// takes workers out of rotation without restarting them.
+//
 // Thread-safe: gRPC calls the service from many threads; Shutdown and Wait
 // may be called from any thread.
 #ifndef INFINIGEN_GPU_WORKER_GENERATION_SERVICE_H_
 #define INFINIGEN_GPU_WORKER_GENERATION_SERVICE_H_
 
+#include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "gpu_worker/generation_scheduler.h"
 #include "grpcpp/channel.h"
@@ -46,10 +60,19 @@ struct GenerationServerOptions {
   // "HOST:PORT" (port 0 picks a free one; see GenerationServer::port),
   // "unix:PATH", or empty: no listening socket, InProcessChannel only.
   std::string listen;
+  // Whether what the server needs besides itself (the KV memory node)
+  // works: OK, or why not. Called from the server's health thread, so it
+  // must be cheap and thread-safe. Null: nothing to check.
+  std::function<absl::Status()> dependency_health;
+  // How often dependency_health is polled.
+  absl::Duration health_poll_interval = absl::Milliseconds(250);
 };
 
 class GenerationServer {
  public:
+  // The grpc.health.v1 service name a liveness probe reads (see above).
+  static constexpr char kLivenessService[] = "infinigen.worker.Liveness";
+
   // Serves `scheduler` (which it owns; the caller Starts it, before or
   // after). InvalidArgument for a malformed listen address; Unavailable
   // when it cannot be bound.
@@ -63,6 +86,8 @@ class GenerationServer {
   // A channel to this server inside this process.
   std::shared_ptr<grpc::Channel> InProcessChannel();
   GenerationScheduler& scheduler() { return *scheduler_; }
+  // What the health service reports for "" and the Worker service now.
+  bool serving() const;
 
   // Marks the health service NOT_SERVING, stops taking requests (new calls
   // get UNAVAILABLE), lets queued and active generations finish for up to
@@ -74,10 +99,24 @@ class GenerationServer {
  private:
   GenerationServer() = default;
 
+  // Polls dependency_health until Shutdown, publishing each change.
+  void WatchHealth();
+  // Checks the dependency and publishes the result, logging a change.
+  void UpdateHealth() ABSL_EXCLUSIVE_LOCKS_REQUIRED(health_mu_);
+  void StopHealthThread();
+
   std::unique_ptr<GenerationScheduler> scheduler_;
   std::unique_ptr<GenerationService> service_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
+  std::function<absl::Status()> dependency_health_;
+  absl::Duration health_poll_interval_;
+
+  mutable absl::Mutex health_mu_;
+  bool serving_ ABSL_GUARDED_BY(health_mu_) = false;
+  bool published_ ABSL_GUARDED_BY(health_mu_) = false;  // serving_ is set
+  bool shut_down_ ABSL_GUARDED_BY(health_mu_) = false;
+  std::thread health_thread_;  // joinable while dependency_health is polled
 };
 
 }  // namespace infinigen::gpu_worker

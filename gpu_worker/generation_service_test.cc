@@ -6,8 +6,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -15,6 +17,8 @@
 
 #include "gmock/gmock.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
@@ -162,6 +166,8 @@ class GenerationServiceTest : public ::testing::Test {
     ASSERT_NE(scheduler, nullptr);
     if (start_scheduler) scheduler->Start();
     GenerationServerOptions server_options;
+    server_options.dependency_health = dependency_health_;
+    server_options.health_poll_interval = absl::Milliseconds(20);
     if (unix_socket) {
       socket_path_ = absl::StrCat("/tmp/generation_service_test_", getpid(),
                                   ".sock");
@@ -176,6 +182,9 @@ class GenerationServiceTest : public ::testing::Test {
                            : server_->InProcessChannel();
     stub_ = worker::Worker::NewStub(channel_);
   }
+
+  // Passed to GenerationServerOptions::dependency_health by StartServer.
+  std::function<absl::Status()> dependency_health_;
 
   void TearDown() override {
     stub_.reset();
@@ -518,10 +527,85 @@ TEST_F(GenerationServiceTest, DrainDeadlineEndsStreamsWithUnavailable) {
   }
 }
 
+// The grpc.health.v1 status of `service`, or UNKNOWN when the call fails.
+grpc::health::v1::HealthCheckResponse::ServingStatus HealthOf(
+    grpc::health::v1::Health::StubInterface& health,
+    const std::string& service) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + kCallDeadline);
+  grpc::health::v1::HealthCheckRequest request;
+  request.set_service(service);
+  grpc::health::v1::HealthCheckResponse response;
+  if (!health.Check(&ctx, request, &response).ok()) {
+    return grpc::health::v1::HealthCheckResponse::UNKNOWN;
+  }
+  return response.status();
+}
+
+TEST_F(GenerationServiceTest, HealthFollowsTheKvNodesHealth) {
+  using grpc::health::v1::HealthCheckResponse;
+  std::atomic<bool> kv_answers{true};
+  dependency_health_ = [&kv_answers] {
+    return kv_answers.load() ? absl::OkStatus()
+                             : absl::UnavailableError("heartbeat: no answer");
+  };
+  StartServer(/*batch=*/1);
+  auto health = grpc::health::v1::Health::NewStub(channel_);
+  const std::string worker = "infinigen.worker.Worker";
+  const std::string liveness = GenerationServer::kLivenessService;
+  EXPECT_EQ(HealthOf(*health, ""), HealthCheckResponse::SERVING);
+  EXPECT_EQ(HealthOf(*health, worker), HealthCheckResponse::SERVING);
+
+  // The memory node stops answering: out of rotation, but alive.
+  kv_answers = false;
+  const absl::Time down = absl::Now();
+  while (HealthOf(*health, "") == HealthCheckResponse::SERVING &&
+         absl::Now() - down < absl::Seconds(10)) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_LT(absl::Now() - down, absl::Seconds(1));
+  EXPECT_EQ(HealthOf(*health, ""), HealthCheckResponse::NOT_SERVING);
+  EXPECT_EQ(HealthOf(*health, worker), HealthCheckResponse::NOT_SERVING);
+  EXPECT_EQ(HealthOf(*health, liveness), HealthCheckResponse::SERVING);
+  EXPECT_FALSE(server_->serving());
+
+  // It answers again: back in rotation.
+  kv_answers = true;
+  const absl::Time up = absl::Now();
+  while (HealthOf(*health, "") != HealthCheckResponse::SERVING &&
+         absl::Now() - up < absl::Seconds(10)) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_LT(absl::Now() - up, absl::Seconds(1));
+  EXPECT_EQ(HealthOf(*health, worker), HealthCheckResponse::SERVING);
+  EXPECT_TRUE(server_->serving());
+  // Generation works again.
+  const Generation g = Generate(*stub_, Request(kPrompt, 5));
+  EXPECT_TRUE(g.status.ok()) << g.status.error_message();
+
+  // Shutdown wins over a healthy dependency.
+  server_->Shutdown(absl::ZeroDuration());
+  absl::SleepFor(absl::Milliseconds(100));  // several polls
+  EXPECT_FALSE(server_->serving());
+}
+
+TEST_F(GenerationServiceTest, ADependencyDownAtStartIsNotServingFromTheStart) {
+  using grpc::health::v1::HealthCheckResponse;
+  dependency_health_ = [] { return absl::UnavailableError("down"); };
+  StartServer(/*batch=*/1);
+  auto health = grpc::health::v1::Health::NewStub(channel_);
+  EXPECT_EQ(HealthOf(*health, ""), HealthCheckResponse::NOT_SERVING);
+  EXPECT_EQ(HealthOf(*health, "infinigen.worker.Worker"),
+            HealthCheckResponse::NOT_SERVING);
+  EXPECT_EQ(HealthOf(*health, GenerationServer::kLivenessService),
+            HealthCheckResponse::SERVING);
+}
+
 TEST_F(GenerationServiceTest, HealthServiceReportsServing) {
   StartServer(/*batch=*/1);
   auto health = grpc::health::v1::Health::NewStub(channel_);
-  for (const char* service : {"", "infinigen.worker.Worker"}) {
+  for (const char* service : {"", "infinigen.worker.Worker",
+                              GenerationServer::kLivenessService}) {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + kCallDeadline);
     grpc::health::v1::HealthCheckRequest request;

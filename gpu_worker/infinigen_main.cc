@@ -97,7 +97,9 @@ ABSL_FLAG(std::string, skew, "",
 ABSL_FLAG(std::string, kv_service, "inproc:",
           "The KV memory node for offloaded policies: inproc: (in this "
           "process), tcp://HOST:PORT, unix:PATH, shm:unix:PATH (same host, "
-          "shared memory), rdma://HOST:PORT.");
+          "shared memory), rdma://HOST:PORT. A remote node holds this "
+          "process's sequences under a lease renewed by heartbeats; it frees "
+          "them if the process dies.");
 ABSL_FLAG(int64_t, max_worker_kv_bytes, 0,
           "Most bytes the worker may hold for K/V rows, fetch staging and "
           "policy state; a configuration (policy, --batch or --max_batch, "
@@ -193,7 +195,10 @@ const std::map<std::string, Command>& Commands() {
       {"serve",
        {"Serves the Worker gRPC generation API (proto/worker.proto) and "
         "grpc.health.v1 on --listen: token streams to many clients, "
-        "--max_batch sequences decoded together. SIGTERM or SIGINT stops "
+        "--max_batch sequences decoded together. Health is NOT_SERVING "
+        "while a remote --kv_service does not answer its heartbeats (about "
+        "once a second; the service infinigen.worker.Liveness stays "
+        "SERVING), SERVING again once it does. SIGTERM or SIGINT stops "
         "taking requests, lets streams finish for --drain_timeout, exits 0.",
         WithEngineFlags({"model", "tokenizer", "listen", "max_batch",
                          "max_queue", "max_prefills_per_step",
@@ -857,6 +862,11 @@ int RunServe() {
   (*scheduler)->Start();
   gpu_worker::GenerationServerOptions server_options;
   server_options.listen = listen;
+  if (const kv_memory_service::KvClient* kv = setup->client.get();
+      kv != nullptr) {
+    // Readiness follows the memory node's heartbeats (KvClient::Health).
+    server_options.dependency_health = [kv] { return kv->Health(); };
+  }
   auto server = gpu_worker::GenerationServer::Start(std::move(*scheduler),
                                                     server_options);
   if (!server.ok()) {

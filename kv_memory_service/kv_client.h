@@ -45,6 +45,16 @@
 // timeouts): a dead or hung server gives an error in bounded time, never a
 // hang.
 //
+// Leases. A remote client owns its sequences through a session on the
+// memory node and renews the session's lease from a heartbeat thread (at
+// least every options.heartbeat_interval, and every third of the server's
+// --lease_timeout). If the client dies, the node frees its sequences once
+// the lease runs out. If the client is cut off for longer than the lease,
+// its sequences are gone when it comes back (NotFound); it opens a new
+// session by itself, so new sequences work. Destroying a remote client ends
+// its session, closing the sequences it still owns. Health() reports
+// whether the heartbeats get answers. The in-process client has no lease.
+//
 // Thread-safety: every KvClient method may be called from several threads.
 // A FetchBuffer carries one fetch at a time: FetchAsync into a buffer whose
 // previous fetch has not been waited on fails with FailedPrecondition.
@@ -86,6 +96,10 @@ struct KvClientOptions {
   // (a socket round trip instead of a gRPC stream message: several times
   // faster); false = always the gRPC FetchStream.
   bool tcp_fetch_socket = true;
+  // Remote clients: the longest time between two heartbeats (lease
+  // renewals and Health() checks); a third of the server's lease when that
+  // is shorter.
+  absl::Duration heartbeat_interval = absl::Seconds(1);
   // inproc: the store to serve from (shared with whoever else holds it);
   // null = a new store private to the client, made with
   // inproc_store_options.
@@ -220,6 +234,12 @@ class KvClient {
 
   // The data plane, for logs: "inproc", "tcp", "shm", "rdma".
   virtual std::string data_plane() const = 0;
+
+  // OK while the memory node answers; for a remote node, the outcome of the
+  // last heartbeat (Unavailable, DeadlineExceeded, Unauthenticated, ...)
+  // once one fails, OK again once one succeeds. Never calls the node:
+  // cheap enough to poll. In-process (the default here): always OK.
+  virtual absl::Status Health() const { return absl::OkStatus(); }
 };
 
 // Forwards every call to another client. Data planes that reuse another
@@ -253,6 +273,7 @@ class KvClientWrapper : public KvClient {
     return target_->GetStoreStats();
   }
   std::string data_plane() const override { return target_->data_plane(); }
+  absl::Status Health() const override { return target_->Health(); }
 
   KvClient* target() const { return target_.get(); }
 

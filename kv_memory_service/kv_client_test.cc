@@ -7,6 +7,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <random>
@@ -15,9 +16,15 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "grpcpp/client_context.h"
+#include "kv_memory_service/proto_convert.h"
 #include "kv_memory_service/server/kv_server.h"
+#include "proto/kv_memory.grpc.pb.h"
 #include "kv_memory_service/testing/fault_injection_client.h"
 #include "kv_memory_service/testing/kv_test_data.h"
 
@@ -297,6 +304,216 @@ INSTANTIATE_TEST_SUITE_P(DataPlanes, KvClientTest,
                          ::testing::Values("inproc", "tcp", "tcp_stream", "unix",
                                            "shm"),
                          [](const auto& info) { return info.param; });
+
+// Leases on the remote data planes, against a KvServer with a short lease.
+class KvClientLeaseTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  static constexpr absl::Duration kLease = absl::Milliseconds(900);
+
+  void SetUp() override { StartServer(); }
+
+  void StartServer() {
+    KvServerOptions options;
+    options.store.lease_timeout = kLease;
+    options.store.clock = [this] { return Now(); };
+    if (listen_.empty()) {
+      listen_ = GetParam() == "tcp" ? "127.0.0.1:0"
+                                    : "unix:" + SocketPath("kv_lease_test");
+      if (GetParam() == "shm") {
+        shm_listen_ = "unix:" + SocketPath("kv_lease_test_shm");
+      }
+    }
+    options.listen = listen_;
+    options.shm_listen = shm_listen_;
+    auto server = KvServer::Start(options);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = *std::move(server);
+    // A restart listens where the first server did.
+    if (absl::EndsWith(listen_, ":0")) {
+      listen_ = absl::StrCat("127.0.0.1:", server_->port());
+    }
+    address_ = GetParam() == "shm" ? server_->shm_client_address()
+                                   : server_->client_address();
+  }
+
+  std::unique_ptr<KvClient> Connect() {
+    KvClientOptions options;
+    options.heartbeat_interval = absl::Milliseconds(100);
+    options.connect_timeout = absl::Seconds(2);
+    auto client = ConnectKvClient(address_, options);
+    EXPECT_TRUE(client.ok()) << client.status();
+    return client.ok() ? *std::move(client) : nullptr;
+  }
+
+  // The store's clock: real time plus what the test skipped.
+  absl::Time Now() {
+    absl::MutexLock lock(&clock_mu_);
+    return absl::Now() + skipped_;
+  }
+  void Skip(absl::Duration d) {
+    absl::MutexLock lock(&clock_mu_);
+    skipped_ += d;
+  }
+
+  // Waits up to `limit` for `done`; returns how long it took, or limit.
+  template <typename F>
+  absl::Duration Within(absl::Duration limit, F done) {
+    const absl::Time start = absl::Now();
+    while (!done() && absl::Now() - start < limit) {
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    return absl::Now() - start;
+  }
+
+  std::string listen_, shm_listen_, address_;
+  std::unique_ptr<KvServer> server_;
+  absl::Mutex clock_mu_;
+  absl::Duration skipped_ ABSL_GUARDED_BY(clock_mu_);
+};
+
+TEST_P(KvClientLeaseTest, AnIdleClientKeepsItsSequences) {
+  std::unique_ptr<KvClient> client = Connect();
+  ASSERT_NE(client, nullptr);
+  const SequenceGeometry g = MakeGeometry(2, 2, 8, 16);
+  std::vector<SequenceId> ids;
+  for (int i = 0; i < 3; ++i) {
+    auto id = client->Open(g);
+    ASSERT_TRUE(id.ok()) << id.status();
+    testdata::TestBlock b = MakeTestBlock(i, g, 0, 2, 0, 4);
+    ASSERT_TRUE(client->Append(*id, b.block).ok());
+    ids.push_back(*id);
+  }
+  absl::SleepFor(4 * kLease);  // idle: only heartbeats
+  EXPECT_OK(client->Health());
+  const StoreStats stats = server_->store().GetStoreStats();
+  EXPECT_EQ(stats.open_sequences, 3);
+  EXPECT_EQ(stats.expired_sessions, 0);
+  auto buffer = client->NewFetchBuffer(2 * 2 * 8 * 4);
+  ASSERT_TRUE(buffer.ok());
+  const OwnedFetchPlan plan = OwnedFetchPlan::SameForAllHeads(2, {0, 3});
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_OK(client->Fetch(ids[i], 1, plan.view(), buffer->get()));
+    const std::vector<uint16_t> want = ExpectedRows(i, g, 1, plan.view());
+    EXPECT_TRUE(std::equal(want.begin(), want.end(), (*buffer)->data()));
+  }
+}
+
+TEST_P(KvClientLeaseTest, ASilentClientsSequencesAreFreedWithinTheLease) {
+  std::unique_ptr<KvClient> live = Connect();
+  ASSERT_NE(live, nullptr);
+  const SequenceGeometry g = MakeGeometry(1, 1, 8, 8);
+  auto kept = live->Open(g);
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  // A client that opens a session and two sequences, then never renews,
+  // as a killed worker: the raw RPCs, without the client library.
+  std::unique_ptr<kv::KvMemory::Stub> raw =
+      kv::KvMemory::NewStub(server_->InProcessChannel());
+  kv::OpenSessionResponse session;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(raw->OpenSession(&ctx, {}, &session).ok());
+    EXPECT_EQ(session.lease_timeout_ms(), absl::ToInt64Milliseconds(kLease));
+  }
+  for (int i = 0; i < 2; ++i) {
+    kv::OpenSequenceRequest req;
+    ToProto(g, req.mutable_geometry());
+    req.set_session_id(session.session_id());
+    kv::OpenSequenceResponse resp;
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(raw->OpenSequence(&ctx, req, &resp).ok());
+  }
+  ASSERT_EQ(server_->store().GetStoreStats().open_sequences, 3);
+  const absl::Duration took = Within(kLease + absl::Seconds(5), [&] {
+    return server_->store().GetStoreStats().open_sequences == 1;
+  });
+  EXPECT_LT(took, kLease + absl::Seconds(1));
+  const StoreStats stats = server_->store().GetStoreStats();
+  EXPECT_EQ(stats.open_sequences, 1);
+  EXPECT_EQ(stats.expired_sessions, 1);
+  EXPECT_EQ(stats.expired_sequences, 2);
+  EXPECT_EQ(stats.bytes_reserved, ReservedBytes(g));
+  EXPECT_TRUE(live->GetSequenceStats(*kept).ok());
+  // Renewing too late: the session is gone.
+  kv::HeartbeatRequest beat;
+  beat.set_session_id(session.session_id());
+  kv::HeartbeatResponse beat_resp;
+  grpc::ClientContext ctx;
+  EXPECT_EQ(raw->Heartbeat(&ctx, beat, &beat_resp).error_code(),
+            grpc::StatusCode::NOT_FOUND);
+}
+
+TEST_P(KvClientLeaseTest, DestroyingAClientEndsItsSessionAtOnce) {
+  std::unique_ptr<KvClient> client = Connect();
+  ASSERT_NE(client, nullptr);
+  const SequenceGeometry g = MakeGeometry(1, 1, 8, 8);
+  for (int i = 0; i < 2; ++i) ASSERT_TRUE(client->Open(g).ok());
+  ASSERT_EQ(server_->store().GetStoreStats().open_sessions, 1);
+  ASSERT_EQ(server_->store().GetStoreStats().open_sequences, 2);
+  client.reset();  // without closing its sequences
+  const StoreStats stats = server_->store().GetStoreStats();
+  EXPECT_EQ(stats.open_sessions, 0);
+  EXPECT_EQ(stats.open_sequences, 0);
+  EXPECT_EQ(stats.bytes_reserved, 0);
+  EXPECT_EQ(stats.expired_sessions, 0);  // ended, not expired
+}
+
+TEST_P(KvClientLeaseTest, AClientCutOffPastItsLeaseGetsNotFoundThenRecovers) {
+  std::unique_ptr<KvClient> client = Connect();
+  ASSERT_NE(client, nullptr);
+  const SequenceGeometry g = MakeGeometry(1, 1, 8, 8);
+  auto old = client->Open(g);
+  ASSERT_TRUE(old.ok()) << old.status();
+  // As if the client had been cut off for two leases.
+  Skip(2 * kLease);
+  Within(absl::Seconds(5), [&] {
+    return server_->store().GetStoreStats().expired_sessions == 1;
+  });
+  ASSERT_EQ(server_->store().GetStoreStats().expired_sessions, 1);
+  EXPECT_CODE(client->GetSequenceStats(*old).status(), kNotFound);
+  testdata::TestBlock b = MakeTestBlock(1, g, 0, 1, 0, 2);
+  EXPECT_CODE(client->Append(*old, b.block).status(), kNotFound);
+  // New sequences go into a new session, which stays alive.
+  auto fresh = client->Open(g);
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  absl::SleepFor(2 * kLease);
+  EXPECT_TRUE(client->Append(*fresh, b.block).ok());
+  EXPECT_OK(client->Health());
+  EXPECT_EQ(server_->store().GetStoreStats().expired_sessions, 1);
+}
+
+TEST_P(KvClientLeaseTest, HealthFollowsTheServer) {
+  std::unique_ptr<KvClient> client = Connect();
+  ASSERT_NE(client, nullptr);
+  EXPECT_OK(client->Health());
+  server_.reset();  // stops it
+  const absl::Duration down =
+      Within(absl::Seconds(10), [&] { return !client->Health().ok(); });
+  EXPECT_LT(down, absl::Seconds(3));
+  EXPECT_FALSE(client->Health().ok());
+  EXPECT_THAT(std::string(client->Health().message()),
+              ::testing::HasSubstr("heartbeat"));
+
+  StartServer();  // the same address, an empty store
+  const absl::Duration up =
+      Within(absl::Seconds(10), [&] { return client->Health().ok(); });
+  EXPECT_LT(up, absl::Seconds(5));
+  EXPECT_OK(client->Health());
+  // The new server gave the client a new session.
+  EXPECT_EQ(server_->store().GetStoreStats().open_sessions, 1);
+  EXPECT_TRUE(client->Open(MakeGeometry(1, 1, 8, 8)).ok());
+}
+
+INSTANTIATE_TEST_SUITE_P(RemotePlanes, KvClientLeaseTest,
+                         ::testing::Values("tcp", "unix", "shm"),
+                         [](const auto& info) { return info.param; });
+
+TEST(KvClientHealthTest, InProcessIsAlwaysHealthy) {
+  auto client = ConnectKvClient("inproc:");
+  ASSERT_TRUE(client.ok());
+  EXPECT_OK((*client)->Health());
+  FaultInjectionKvClient wrapped(*std::move(client));
+  EXPECT_OK(wrapped.Health());
+}
 
 TEST(ConnectKvClientTest, RejectsUnknownAndUnbuiltAddresses) {
   EXPECT_CODE(ConnectKvClient("ftp://x").status(), kInvalidArgument);

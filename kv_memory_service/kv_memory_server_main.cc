@@ -3,6 +3,10 @@
 //   kv_memory_server --listen=127.0.0.1:7070 --capacity_bytes=8000000000
 //       --eviction=counter --auth_token_file=/run/secrets/kv_token
 //
+// Sequences belong to client sessions with a lease (--lease_timeout) that
+// clients renew with heartbeats; a session that stops renewing has its
+// sequences closed and their rows freed.
+//
 // Serves KvMemory and grpc.health.v1 until SIGTERM or SIGINT, then stops
 // taking calls, lets calls in flight finish for --drain_timeout, and exits
 // 0. Bad flags exit 2 (1 for a flag absl itself rejects) with one line on
@@ -54,6 +58,13 @@ ABSL_FLAG(std::string, rdma_device, "",
           "rdma://HOST:PORT of --listen) on this ibverbs device, or on the "
           "first one with an active port for \"any\". Empty = off. Fails "
           "with \"no RDMA device\" where there is none.");
+ABSL_FLAG(absl::Duration, lease_timeout, absl::Seconds(10),
+          "How long a client session lives without a heartbeat (clients "
+          "renew every third of it, and at least once a second). When it "
+          "runs out (the worker died or "
+          "was cut off) its sequences are closed and their rows freed; the "
+          "client then gets NOT_FOUND for them. Keep it above the workers' "
+          "fetch timeout (5s). 0 = never expire.");
 ABSL_FLAG(std::string, ready_file, "",
           "If set, once listening, write the address clients should use "
           "(tcp://HOST:PORT or unix:PATH) to this file.");
@@ -75,7 +86,7 @@ std::string Usage() {
   for (const char* name :
        {"listen", "capacity_bytes", "eviction", "auth_token_file",
         "max_message_bytes", "max_sequences", "fetch_port", "drain_timeout",
-        "shm_listen", "rdma_device", "ready_file"}) {
+        "shm_listen", "rdma_device", "lease_timeout", "ready_file"}) {
     absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
     s += absl::StrFormat("  --%s (default: \"%s\")\n      %s\n", name,
                          flag->DefaultValue(), flag->Help());
@@ -107,6 +118,10 @@ int Run() {
     return UsageError(absl::StrCat("--eviction: ", eviction.status().message()));
   }
   options.store.eviction = *eviction;
+  options.store.lease_timeout = absl::GetFlag(FLAGS_lease_timeout);
+  if (options.store.lease_timeout < absl::ZeroDuration()) {
+    return UsageError("--lease_timeout must not be negative");
+  }
   if (absl::GetFlag(FLAGS_drain_timeout) < absl::ZeroDuration()) {
     return UsageError("--drain_timeout must not be negative");
   }
@@ -160,7 +175,9 @@ int Run() {
   const StoreStats stats = (*server)->store().GetStoreStats();
   IG_LOG(INFO) << "kv_memory_server: stopped; served " << stats.fetches
                << " fetches (" << stats.fetched_rows << " rows), "
-               << stats.appended_rows << " rows appended";
+               << stats.appended_rows << " rows appended, "
+               << stats.expired_sessions << " sessions expired ("
+               << stats.expired_sequences << " sequences closed)";
   return 0;
 }
 

@@ -329,11 +329,31 @@ KvStore::KvStore(const KvStoreOptions& options)
 KvStore::~KvStore() = default;
 
 absl::StatusOr<SequenceId> KvStore::Open(const SequenceGeometry& geometry) {
+  return Open(geometry, 0);
+}
+
+absl::StatusOr<SequenceId> KvStore::Open(const SequenceGeometry& geometry,
+                                         SessionId session) {
   IG_RETURN_IF_ERROR(ValidateGeometry(geometry));
   const int64_t bytes = ReservedBytes(geometry);
   SequenceId id;
+  std::vector<std::shared_ptr<Sequence>> freed;  // released after mu_
   {
     absl::MutexLock lock(&mu_);
+    Session* owner = nullptr;
+    if (session != 0) {
+      auto it = sessions_.find(session);
+      if (it != sessions_.end() && Expired(it->second, Now())) {
+        ExpireLocked(session, Now(), &freed);
+        it = sessions_.end();
+      }
+      if (it == sessions_.end()) {
+        return absl::NotFoundError(absl::StrCat(
+            "no session ", session,
+            " (its lease expired, or the server restarted)"));
+      }
+      owner = &it->second;
+    }
     if (static_cast<int64_t>(sequences_.size()) >= options_.max_sequences) {
       return absl::ResourceExhaustedError(
           absl::StrCat("the store already holds its limit of ",
@@ -351,6 +371,10 @@ absl::StatusOr<SequenceId> KvStore::Open(const SequenceGeometry& geometry) {
     // A placeholder keeps the count and the id taken while the rows are
     // allocated outside the lock.
     sequences_[id] = nullptr;
+    if (owner != nullptr) {
+      owner->sequences[id] = bytes;
+      owner_[id] = session;
+    }
   }
 
   const size_t half = static_cast<size_t>(bytes / 2);
@@ -358,15 +382,137 @@ absl::StatusOr<SequenceId> KvStore::Open(const SequenceGeometry& geometry) {
   RowMemory k(static_cast<uint16_t*>(std::aligned_alloc(kRowAlignment, alloc)));
   RowMemory v(static_cast<uint16_t*>(std::aligned_alloc(kRowAlignment, alloc)));
   absl::MutexLock lock(&mu_);
+  auto it = sequences_.find(id);
+  if (it == sequences_.end()) {
+    // The session expired while the rows were allocated; the expiry has
+    // released the reservation.
+    return absl::NotFoundError(absl::StrCat(
+        "session ", session, " expired while sequence ", id, " was opened"));
+  }
   if (k == nullptr || v == nullptr) {
-    sequences_.erase(id);
+    sequences_.erase(it);
     bytes_reserved_ -= bytes;
+    ForgetOwnerLocked(id);
     return absl::ResourceExhaustedError(
         absl::StrCat("cannot allocate ", bytes, " bytes of rows"));
   }
-  sequences_[id] = std::make_shared<Sequence>(id, geometry, options_.eviction,
-                                              std::move(k), std::move(v));
+  it->second = std::make_shared<Sequence>(id, geometry, options_.eviction,
+                                          std::move(k), std::move(v));
   return id;
+}
+
+absl::Time KvStore::Now() const {
+  return options_.clock ? options_.clock() : absl::Now();
+}
+
+bool KvStore::Expired(const Session& session, absl::Time now) const {
+  return options_.lease_timeout > absl::ZeroDuration() &&
+         now - session.renewed > options_.lease_timeout;
+}
+
+void KvStore::ForgetOwnerLocked(SequenceId seq) {
+  auto owner = owner_.find(seq);
+  if (owner == owner_.end()) return;
+  auto session = sessions_.find(owner->second);
+  if (session != sessions_.end()) session->second.sequences.erase(seq);
+  owner_.erase(owner);
+}
+
+absl::StatusOr<SessionId> KvStore::OpenSession() {
+  absl::MutexLock lock(&mu_);
+  if (static_cast<int64_t>(sessions_.size()) >= options_.max_sessions) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the store already holds its limit of ", options_.max_sessions,
+        " sessions"));
+  }
+  SessionId id = epoch_ | next_session_++;
+  while (id == 0 || sessions_.contains(id)) id = epoch_ | next_session_++;
+  sessions_[id].renewed = Now();
+  return id;
+}
+
+absl::Status KvStore::RenewSession(SessionId session) {
+  std::vector<std::shared_ptr<Sequence>> freed;  // released after mu_
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(session);
+  const absl::Time now = Now();
+  if (it != sessions_.end() && Expired(it->second, now)) {
+    ExpireLocked(session, now, &freed);
+    it = sessions_.end();
+  }
+  if (it == sessions_.end()) {
+    return absl::NotFoundError(absl::StrCat(
+        "no session ", session,
+        " (its lease expired, or the server restarted)"));
+  }
+  it->second.renewed = now;
+  return absl::OkStatus();
+}
+
+std::vector<ExpiredSession> KvStore::ExpireSessions() {
+  std::vector<ExpiredSession> expired;
+  if (options_.lease_timeout <= absl::ZeroDuration()) return expired;
+  std::vector<std::shared_ptr<Sequence>> freed;  // released after mu_
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = Now();
+  std::vector<SessionId> ids;
+  for (const auto& [id, session] : sessions_) {
+    if (Expired(session, now)) ids.push_back(id);
+  }
+  for (SessionId id : ids) expired.push_back(ExpireLocked(id, now, &freed));
+  return expired;
+}
+
+absl::Status KvStore::CloseSession(SessionId session) {
+  std::vector<std::shared_ptr<Sequence>> freed;  // released after mu_
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(session);
+  const absl::Time now = Now();
+  if (it != sessions_.end() && Expired(it->second, now)) {
+    ExpireLocked(session, now, &freed);
+    it = sessions_.end();
+  }
+  if (it == sessions_.end()) {
+    return absl::NotFoundError(absl::StrCat(
+        "no session ", session,
+        " (its lease expired, or the server restarted)"));
+  }
+  EndSessionLocked(session, now, &freed);
+  return absl::OkStatus();
+}
+
+ExpiredSession KvStore::ExpireLocked(
+    SessionId id, absl::Time now,
+    std::vector<std::shared_ptr<Sequence>>* freed) {
+  ExpiredSession out = EndSessionLocked(id, now, freed);
+  if (out.session != 0) {
+    ++expired_sessions_;
+    expired_sequences_ += out.sequences;
+  }
+  return out;
+}
+
+ExpiredSession KvStore::EndSessionLocked(
+    SessionId id, absl::Time now,
+    std::vector<std::shared_ptr<Sequence>>* freed) {
+  ExpiredSession out;
+  auto it = sessions_.find(id);
+  if (it == sessions_.end()) return out;
+  out.session = id;
+  out.idle = now - it->second.renewed;
+  for (const auto& [seq, bytes] : it->second.sequences) {
+    auto s = sequences_.find(seq);
+    if (s == sequences_.end()) continue;
+    // A placeholder (rows still being allocated) goes too: Open notices.
+    if (s->second != nullptr) freed->push_back(std::move(s->second));
+    sequences_.erase(s);
+    owner_.erase(seq);
+    bytes_reserved_ -= bytes;
+    out.bytes_freed += bytes;
+    ++out.sequences;
+  }
+  sessions_.erase(it);
+  return out;
 }
 
 absl::StatusOr<std::shared_ptr<KvStore::Sequence>> KvStore::Find(
@@ -406,6 +552,7 @@ absl::Status KvStore::Close(SequenceId seq) {
   s = std::move(it->second);
   sequences_.erase(it);
   bytes_reserved_ -= ReservedBytes(s->geometry());
+  ForgetOwnerLocked(seq);
   return absl::OkStatus();
 }
 
@@ -425,7 +572,11 @@ StoreStats KvStore::GetStoreStats() const {
     absl::ReaderMutexLock lock(&mu_);
     s.open_sequences = static_cast<int32_t>(sequences_.size());
     s.bytes_reserved = bytes_reserved_;
+    s.open_sessions = static_cast<int32_t>(sessions_.size());
+    s.expired_sessions = expired_sessions_;
+    s.expired_sequences = expired_sequences_;
   }
+  s.lease_timeout_ms = absl::ToInt64Milliseconds(options_.lease_timeout);
   s.max_sequences = options_.max_sequences;
   s.capacity_bytes = options_.capacity_bytes;
   s.eviction = options_.eviction;

@@ -23,6 +23,14 @@
 //    append or fetch beyond the per-call limits in KvStoreOptions.
 // A call that fails changes nothing: no row, length or counter.
 //
+// Leases. A sequence may belong to a session (OpenSession), which its
+// client keeps alive with RenewSession. ExpireSessions, called periodically
+// by the server, closes every sequence of each session that went
+// lease_timeout without a renewal, exactly as Close would. An expired
+// session is gone: renewing it, or opening a sequence in it, is NotFound,
+// and so is every later call on its sequences. Sequences opened without a
+// session (the in-process client) live until closed.
+//
 // Thread-safety: every method may be called concurrently. Calls on
 // different sequences run in parallel; calls on one sequence are serialized
 // by that sequence's lock. Close while another thread gathers from the same
@@ -31,6 +39,7 @@
 #define INFINIGEN_KV_MEMORY_SERVICE_KV_STORE_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -39,6 +48,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "kv_memory_service/kv_types.h"
 
@@ -57,6 +67,21 @@ struct KvStoreOptions {
   int32_t max_append_tokens = 1 << 20;
   // Most indices one FetchPlan may hold; more is ResourceExhausted.
   int64_t max_fetch_indices = 1 << 24;
+  // How long a session lives without a RenewSession before ExpireSessions
+  // closes its sequences. Zero: sessions never expire.
+  absl::Duration lease_timeout = absl::ZeroDuration();
+  // Most sessions at once; OpenSession beyond it is ResourceExhausted.
+  int32_t max_sessions = 4096;
+  // The clock leases are measured on; tests pass a fake. Null: absl::Now.
+  std::function<absl::Time()> clock;
+};
+
+// A session whose lease ExpireSessions found run out.
+struct ExpiredSession {
+  SessionId session = 0;
+  int32_t sequences = 0;    // closed with it
+  int64_t bytes_freed = 0;  // their ReservedBytes
+  absl::Duration idle;      // since the session's last renewal
 };
 
 class KvStore {
@@ -70,6 +95,25 @@ class KvStore {
   // InvalidArgument for a bad geometry; ResourceExhausted when
   // max_sequences are open or the reservation would pass capacity_bytes.
   absl::StatusOr<SequenceId> Open(const SequenceGeometry& geometry);
+  // The same, the sequence owned by `session` (0: none). NotFound if the
+  // session is unknown or its lease has run out.
+  absl::StatusOr<SequenceId> Open(const SequenceGeometry& geometry,
+                                  SessionId session);
+
+  // Starts a session with a full lease. ResourceExhausted beyond
+  // max_sessions.
+  absl::StatusOr<SessionId> OpenSession();
+  // Renews the session's lease. NotFound if it is unknown or its lease has
+  // already run out (its sequences are then closed here, if ExpireSessions
+  // has not done it yet).
+  absl::Status RenewSession(SessionId session);
+  // Ends the session now and closes the sequences it still owns (its client
+  // is going away); not counted as an expiry. NotFound if it is unknown or
+  // has expired.
+  absl::Status CloseSession(SessionId session);
+  // Closes the sequences of every session whose lease has run out, ends
+  // those sessions, and returns them. Nothing when lease_timeout is zero.
+  std::vector<ExpiredSession> ExpireSessions();
 
   // Appends block.n_tokens tokens to each layer of the block (layout in
   // AppendBlock), evicting first where a (layer, head) is full, and returns
@@ -105,7 +149,27 @@ class KvStore {
  private:
   class Sequence;  // one sequence's rows and bookkeeping; kv_store.cc
 
+  // A client session: its last renewal and the sequences it owns, with
+  // their reserved bytes.
+  struct Session {
+    absl::Time renewed;
+    absl::flat_hash_map<SequenceId, int64_t> sequences;
+  };
+
   absl::StatusOr<std::shared_ptr<Sequence>> Find(SequenceId seq) const;
+  absl::Time Now() const;
+  bool Expired(const Session& session, absl::Time now) const;
+  // Ends the session: its sequences leave the store (their rows move to
+  // `freed`, to be released after mu_) and the totals count them.
+  ExpiredSession ExpireLocked(SessionId id, absl::Time now,
+                              std::vector<std::shared_ptr<Sequence>>* freed)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // ExpireLocked without the expiry counts; what it closed.
+  ExpiredSession EndSessionLocked(SessionId id, absl::Time now,
+                                  std::vector<std::shared_ptr<Sequence>>* freed)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops `seq` from its session, if it has one.
+  void ForgetOwnerLocked(SequenceId seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const KvStoreOptions options_;
   const uint64_t epoch_;  // high 32 bits of every id this store hands out
@@ -115,6 +179,12 @@ class KvStore {
       ABSL_GUARDED_BY(mu_);
   uint32_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   int64_t bytes_reserved_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::flat_hash_map<SessionId, Session> sessions_ ABSL_GUARDED_BY(mu_);
+  // The session of each sequence that has one.
+  absl::flat_hash_map<SequenceId, SessionId> owner_ ABSL_GUARDED_BY(mu_);
+  uint32_t next_session_ ABSL_GUARDED_BY(mu_) = 1;
+  int64_t expired_sessions_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t expired_sequences_ ABSL_GUARDED_BY(mu_) = 0;
 
   // Lifetime totals, kept as atomics so the hot paths do not take mu_.
   struct Totals;

@@ -2,12 +2,15 @@
 
 #include <algorithm>
 #include <atomic>
+#include <functional>
 #include <map>
 #include <random>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kv_memory_service/testing/kv_test_data.h"
@@ -20,6 +23,11 @@ using ::testing::IsEmpty;
 
 #define EXPECT_CODE(expr, code_name)                                   \
   EXPECT_EQ((expr).code(), absl::StatusCode::code_name) << (expr)
+#define EXPECT_OK_STATUS(expr)                   \
+  do {                                           \
+    const absl::Status s_ = (expr);              \
+    EXPECT_TRUE(s_.ok()) << s_;                  \
+  } while (0)
 #define ASSERT_OK(expr)                 \
   do {                                  \
     const absl::Status s_ = (expr);     \
@@ -688,6 +696,220 @@ TEST(KvStoreConcurrencyTest, ReadersAndAWriterShareASequence) {
   EXPECT_EQ(failures.load(), 0);
   // Closing while nobody uses it, then gathers see NotFound.
   ASSERT_OK(store.Close(id));
+}
+
+// A clock the test moves by hand.
+class FakeClock {
+ public:
+  absl::Time Now() const {
+    absl::MutexLock lock(&mu_);
+    return now_;
+  }
+  void Advance(absl::Duration d) {
+    absl::MutexLock lock(&mu_);
+    now_ += d;
+  }
+  std::function<absl::Time()> AsFunction() {
+    return [this] { return Now(); };
+  }
+
+ private:
+  mutable absl::Mutex mu_;
+  absl::Time now_ = absl::FromUnixSeconds(1000000);
+};
+
+KvStoreOptions LeaseOptions(FakeClock& clock, absl::Duration lease) {
+  KvStoreOptions o;
+  o.lease_timeout = lease;
+  o.clock = clock.AsFunction();
+  return o;
+}
+
+TEST(LeaseTest, ExpiredSessionsSequencesAreClosedAndTheirBytesFreed) {
+  FakeClock clock;
+  KvStoreOptions o = LeaseOptions(clock, absl::Seconds(10));
+  const SequenceGeometry g = Geo(2, 2, 8, 16);
+  o.capacity_bytes = 3 * ReservedBytes(g);
+  KvStore store(o);
+  auto dead = store.OpenSession();
+  auto live = store.OpenSession();
+  ASSERT_TRUE(dead.ok() && live.ok());
+  ASSERT_NE(*dead, *live);
+  auto a = store.Open(g, *dead);
+  auto b = store.Open(g, *dead);
+  auto c = store.Open(g, *live);
+  ASSERT_TRUE(a.ok() && b.ok() && c.ok());
+  // Full: a fourth sequence does not fit.
+  EXPECT_CODE(store.Open(g, *live).status(), kResourceExhausted);
+
+  // `live` keeps renewing; `dead` stops.
+  for (int i = 0; i < 4; ++i) {
+    clock.Advance(absl::Seconds(4));
+    ASSERT_OK(store.RenewSession(*live));
+    std::vector<ExpiredSession> none = store.ExpireSessions();
+    if (i < 2) {
+      EXPECT_THAT(none, IsEmpty()) << "at " << 4 * (i + 1) << " s";
+    }
+  }
+  // 16 s without a renewal: gone (the sweep after 12 s took it).
+  EXPECT_EQ(store.GetStoreStats().open_sequences, 1);
+  EXPECT_EQ(store.GetStoreStats().bytes_reserved, ReservedBytes(g));
+  EXPECT_EQ(store.GetStoreStats().expired_sessions, 1);
+  EXPECT_EQ(store.GetStoreStats().expired_sequences, 2);
+  EXPECT_EQ(store.GetStoreStats().open_sessions, 1);
+  EXPECT_EQ(store.GetStoreStats().lease_timeout_ms, 10000);
+  Block blk = MakeBlock(1, g, 0, 2, 0, 1);
+  EXPECT_CODE(store.Append(*a, blk.block).status(), kNotFound);
+  EXPECT_CODE(store.Close(*b), kNotFound);
+  EXPECT_CODE(store.RenewSession(*dead), kNotFound);
+  EXPECT_CODE(store.Open(g, *dead).status(), kNotFound);
+  // The live session's sequence is untouched and the capacity is back.
+  ASSERT_OK(store.Append(*c, blk.block).status());
+  EXPECT_TRUE(store.Open(g, *live).ok());
+  EXPECT_TRUE(store.Open(g, *live).ok());
+}
+
+TEST(LeaseTest, ExpireSessionsReportsWhatItClosed) {
+  FakeClock clock;
+  KvStore store(LeaseOptions(clock, absl::Seconds(3)));
+  const SequenceGeometry g = Geo(1, 1, 8, 8);
+  auto session = store.OpenSession();
+  ASSERT_TRUE(session.ok());
+  ASSERT_TRUE(store.Open(g, *session).ok());
+  ASSERT_TRUE(store.Open(g, *session).ok());
+  auto closed = store.Open(g, *session);
+  ASSERT_TRUE(closed.ok());
+  ASSERT_OK(store.Close(*closed));  // closed by its client: not counted
+  clock.Advance(absl::Seconds(3));
+  EXPECT_THAT(store.ExpireSessions(), IsEmpty());  // exactly the lease: alive
+  clock.Advance(absl::Milliseconds(1));
+  std::vector<ExpiredSession> expired = store.ExpireSessions();
+  ASSERT_EQ(expired.size(), 1u);
+  EXPECT_EQ(expired[0].session, *session);
+  EXPECT_EQ(expired[0].sequences, 2);
+  EXPECT_EQ(expired[0].bytes_freed, 2 * ReservedBytes(g));
+  EXPECT_EQ(expired[0].idle, absl::Seconds(3) + absl::Milliseconds(1));
+  EXPECT_THAT(store.ExpireSessions(), IsEmpty());
+  EXPECT_EQ(store.GetStoreStats().open_sequences, 0);
+  EXPECT_EQ(store.GetStoreStats().bytes_reserved, 0);
+}
+
+TEST(LeaseTest, ALateRenewalFindsTheSessionGoneEvenBeforeTheSweep) {
+  FakeClock clock;
+  KvStore store(LeaseOptions(clock, absl::Seconds(2)));
+  const SequenceGeometry g = Geo(1, 1, 8, 8);
+  auto session = store.OpenSession();
+  ASSERT_TRUE(session.ok());
+  auto seq = store.Open(g, *session);
+  ASSERT_TRUE(seq.ok());
+  clock.Advance(absl::Seconds(5));
+  EXPECT_CODE(store.RenewSession(*session), kNotFound);
+  EXPECT_CODE(store.Geometry(*seq).status(), kNotFound);
+  EXPECT_EQ(store.GetStoreStats().expired_sequences, 1);
+  EXPECT_THAT(store.ExpireSessions(), IsEmpty());
+}
+
+TEST(LeaseTest, SequencesWithoutASessionAndStoresWithoutLeasesNeverExpire) {
+  FakeClock clock;
+  KvStore leased(LeaseOptions(clock, absl::Seconds(1)));
+  KvStore unleased(LeaseOptions(clock, absl::ZeroDuration()));
+  const SequenceGeometry g = Geo(1, 1, 8, 8);
+  auto free_seq = leased.Open(g);
+  auto session = unleased.OpenSession();
+  ASSERT_TRUE(free_seq.ok() && session.ok());
+  auto owned = unleased.Open(g, *session);
+  ASSERT_TRUE(owned.ok());
+  clock.Advance(absl::Hours(1));
+  EXPECT_THAT(leased.ExpireSessions(), IsEmpty());
+  EXPECT_THAT(unleased.ExpireSessions(), IsEmpty());
+  EXPECT_TRUE(leased.Geometry(*free_seq).ok());
+  EXPECT_TRUE(unleased.Geometry(*owned).ok());
+  EXPECT_OK_STATUS(unleased.RenewSession(*session));
+}
+
+TEST(LeaseTest, ClosingASessionClosesItsSequencesWithoutCountingAnExpiry) {
+  FakeClock clock;
+  KvStore store(LeaseOptions(clock, absl::Seconds(5)));
+  const SequenceGeometry g = Geo(1, 1, 8, 8);
+  auto session = store.OpenSession();
+  auto other = store.OpenSession();
+  ASSERT_TRUE(session.ok() && other.ok());
+  auto a = store.Open(g, *session);
+  auto b = store.Open(g, *session);
+  auto kept = store.Open(g, *other);
+  ASSERT_TRUE(a.ok() && b.ok() && kept.ok());
+  ASSERT_OK(store.Close(*b));
+  ASSERT_OK(store.CloseSession(*session));
+  EXPECT_CODE(store.Geometry(*a).status(), kNotFound);
+  EXPECT_TRUE(store.Geometry(*kept).ok());
+  StoreStats stats = store.GetStoreStats();
+  EXPECT_EQ(stats.open_sequences, 1);
+  EXPECT_EQ(stats.open_sessions, 1);
+  EXPECT_EQ(stats.bytes_reserved, ReservedBytes(g));
+  EXPECT_EQ(stats.expired_sessions, 0);
+  EXPECT_CODE(store.CloseSession(*session), kNotFound);
+  EXPECT_CODE(store.RenewSession(*session), kNotFound);
+  // A session past its lease expires (and is counted) rather than closes.
+  clock.Advance(absl::Seconds(6));
+  EXPECT_CODE(store.CloseSession(*other), kNotFound);
+  stats = store.GetStoreStats();
+  EXPECT_EQ(stats.expired_sessions, 1);
+  EXPECT_EQ(stats.expired_sequences, 1);
+  EXPECT_EQ(stats.open_sequences, 0);
+}
+
+TEST(LeaseTest, UnknownSessionsAndTheSessionLimit) {
+  FakeClock clock;
+  KvStoreOptions o = LeaseOptions(clock, absl::Seconds(1));
+  o.max_sessions = 2;
+  KvStore store(o);
+  const SequenceGeometry g = Geo(1, 1, 8, 8);
+  EXPECT_CODE(store.RenewSession(12345), kNotFound);
+  EXPECT_CODE(store.Open(g, 12345).status(), kNotFound);
+  EXPECT_EQ(store.GetStoreStats().open_sequences, 0);
+  ASSERT_TRUE(store.OpenSession().ok());
+  ASSERT_TRUE(store.OpenSession().ok());
+  EXPECT_CODE(store.OpenSession().status(), kResourceExhausted);
+  // Expired sessions make room.
+  clock.Advance(absl::Seconds(2));
+  EXPECT_EQ(store.ExpireSessions().size(), 2u);
+  EXPECT_TRUE(store.OpenSession().ok());
+}
+
+TEST(LeaseTest, ConcurrentOpensRenewalsAndExpiriesKeepTheAccountsStraight) {
+  FakeClock clock;
+  KvStore store(LeaseOptions(clock, absl::Seconds(1)));
+  const SequenceGeometry g = Geo(1, 1, 8, 8);
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&] {
+      while (!stop.load()) {
+        auto session = store.OpenSession();
+        if (!session.ok()) continue;
+        for (int i = 0; i < 4; ++i) {
+          auto seq = store.Open(g, *session);
+          if (seq.ok() && i % 2 == 0) store.Close(*seq).IgnoreError();
+          store.RenewSession(*session).IgnoreError();
+        }
+      }
+    });
+  }
+  threads.emplace_back([&] {
+    for (int i = 0; i < 200; ++i) {
+      clock.Advance(absl::Milliseconds(300));
+      store.ExpireSessions();
+    }
+    stop.store(true);
+  });
+  for (std::thread& t : threads) t.join();
+  clock.Advance(absl::Seconds(2));
+  store.ExpireSessions();
+  const StoreStats stats = store.GetStoreStats();
+  EXPECT_EQ(stats.open_sequences, 0);
+  EXPECT_EQ(stats.open_sessions, 0);
+  EXPECT_EQ(stats.bytes_reserved, 0);
+  EXPECT_GT(stats.expired_sequences, 0);
 }
 
 }  // namespace

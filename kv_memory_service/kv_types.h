@@ -33,6 +33,12 @@ namespace infinigen::kv_memory_service {
 // has since restarted is NotFound rather than someone else's sequence.
 using SequenceId = uint64_t;
 
+// Names a client session: the owner of the sequences a client opens, kept
+// alive by the client's heartbeats (a lease). Assigned by the store, same
+// epoch scheme as SequenceId; 0 = no session (the sequence lives until
+// closed).
+using SessionId = uint64_t;
+
 // The meaning of the 16-bit row values. Stored and returned bit for bit.
 enum class KvDType { kFloat16 = 0, kBFloat16 = 1 };
 
@@ -192,6 +198,10 @@ struct StoreStats {
   int64_t evicted_rows = 0;
   int64_t fetches = 0;
   int64_t fetched_rows = 0;
+  int32_t open_sessions = 0;
+  int64_t expired_sessions = 0;   // leases that ran out, over the store's life
+  int64_t expired_sequences = 0;  // sequences closed with them
+  int64_t lease_timeout_ms = 0;   // 0 = sessions never expire
 };
 
 }  // namespace infinigen::kv_memory_service

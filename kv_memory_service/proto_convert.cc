@@ -89,6 +89,10 @@ void ToProto(const StoreStats& s, kv::StoreStats* out) {
   out->set_evicted_rows(s.evicted_rows);
   out->set_fetches(s.fetches);
   out->set_fetched_rows(s.fetched_rows);
+  out->set_open_sessions(s.open_sessions);
+  out->set_expired_sessions(s.expired_sessions);
+  out->set_expired_sequences(s.expired_sequences);
+  out->set_lease_timeout_ms(s.lease_timeout_ms);
 }
 
 StoreStats FromProto(const kv::StoreStats& s) {
@@ -102,6 +106,10 @@ StoreStats FromProto(const kv::StoreStats& s) {
   out.evicted_rows = s.evicted_rows();
   out.fetches = s.fetches();
   out.fetched_rows = s.fetched_rows();
+  out.open_sessions = s.open_sessions();
+  out.expired_sessions = s.expired_sessions();
+  out.expired_sequences = s.expired_sequences();
+  out.lease_timeout_ms = s.lease_timeout_ms();
   return out;
 }
 

@@ -58,6 +58,10 @@ WORKER, SERVER = "infinigen", "kv_memory_server"
 # The flags naming the token file: the server requires it, the worker sends it.
 SERVER_TOKEN_FLAG, WORKER_TOKEN_FLAG = "auth_token_file", "kv_auth_token_file"
 WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet", "Job", "ReplicaSet")
+# The worker's grpc.health.v1 service that stays SERVING while its memory
+# node is down (`infinigen serve --help`); the server-wide status ("") does
+# not. Liveness and startup must read the first, readiness the second.
+WORKER_LIVENESS_SERVICE = "infinigen.worker.Liveness"
 # Time a binary gets after its drain to log and exit before SIGKILL.
 EXIT_MARGIN_S = 5
 # The pool must leave the process this much of its memory limit.
@@ -477,6 +481,21 @@ def check_ports_and_probes(m, ctx):
             elif grpc.get("port") != port:
                 errors.append("%s: %s checks port %r, --listen is %d"
                               % (c.where(), probe, grpc.get("port"), port))
+            elif c.binary == WORKER:
+                service = grpc.get("service") or ""
+                if probe == "readinessProbe" and service:
+                    errors.append(
+                        "%s: readinessProbe reads service %r, which does not "
+                        "follow the memory node; read the server-wide status "
+                        "(no service), NOT_SERVING while the memory node is "
+                        "down" % (c.where(), service))
+                elif probe != "readinessProbe" and \
+                        service != WORKER_LIVENESS_SERVICE:
+                    errors.append(
+                        "%s: %s reads service %r, which is NOT_SERVING while "
+                        "the memory node is down: the kubelet would restart "
+                        "every worker during its outage; read service %r"
+                        % (c.where(), probe, service, WORKER_LIVENESS_SERVICE))
     return errors
 
 
@@ -1124,6 +1143,12 @@ class RenderedManifestsTest(unittest.TestCase):
     def test_base(self):
         self._check("base")
 
+    def test_the_liveness_service_is_the_workers(self):
+        out = subprocess.run([ARGS.infinigen, "serve", "--help"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             universal_newlines=True, timeout=60)
+        self.assertIn(WORKER_LIVENESS_SERVICE, out.stdout)
+
     def test_single_node(self):
         self._check("overlays/single-node")
         m = rendered()["overlays/single-node"]
@@ -1253,6 +1278,20 @@ class BrokenManifestsTest(unittest.TestCase):
                 "tcpSocket": {"port": 8080}}
         self.assertReports(check_ports_and_probes, mutate(self.DG, fn),
                            "livenessProbe is not a grpc probe")
+
+    def test_worker_liveness_follows_the_memory_node(self):
+        def fn(docs):
+            del pod_containers(docs, "Deployment")[0]["livenessProbe"][
+                "grpc"]["service"]
+        self.assertReports(check_ports_and_probes, mutate(self.DG, fn),
+                           "the kubelet would restart every worker")
+
+    def test_worker_readiness_ignores_the_memory_node(self):
+        def fn(docs):
+            pod_containers(docs, "Deployment")[0]["readinessProbe"]["grpc"][
+                "service"] = WORKER_LIVENESS_SERVICE
+        self.assertReports(check_ports_and_probes, mutate(self.DG, fn),
+                           "readinessProbe reads service")
 
     def test_listen_port_not_declared(self):
         def fn(docs):

@@ -1,6 +1,9 @@
 // KvServer: a running KV memory node. Owns a KvStore, the gRPC KvMemory
 // service in front of it (kv_service.h), the standard grpc.health.v1
 // service, and the gRPC server listening on a TCP port or a unix socket.
+// When options.store.lease_timeout is set, a lease thread expires the
+// sessions of clients that stopped renewing (KvStore::ExpireSessions),
+// logging one line per expired session.
 // kv_memory_server's main() is flags + Start + wait for a signal +
 // Shutdown; tests start one in-process the same way.
 //
@@ -11,8 +14,11 @@
 
 #include <memory>
 #include <string>
+#include <thread>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/server.h"
@@ -82,6 +88,10 @@ class KvServer {
  private:
   KvServer() = default;
 
+  // The lease thread: expires sessions until StopLeases.
+  void ExpireLeases();
+  void StopLeases();
+
   std::shared_ptr<KvStore> store_;
   std::unique_ptr<KvMemoryService> service_;
   std::unique_ptr<RdmaServer> rdma_server_;  // its service outlives server_
@@ -92,6 +102,10 @@ class KvServer {
   std::string client_address_;
   std::string shm_client_address_;
   std::unique_ptr<ShmServer> shm_server_;
+
+  absl::Mutex lease_mu_;
+  bool leases_stopped_ ABSL_GUARDED_BY(lease_mu_) = false;
+  std::thread lease_thread_;  // joinable while leases are on
 };
 
 }  // namespace infinigen::kv_memory_service

@@ -33,6 +33,42 @@ void KvMemoryService::CancelStreams() {
   for (grpc::ServerContext* ctx : streams_) ctx->TryCancel();
 }
 
+grpc::Status KvMemoryService::OpenSession(grpc::ServerContext* ctx,
+                                          const kv::OpenSessionRequest*,
+                                          kv::OpenSessionResponse* resp) {
+  absl::Status status = Authorize(*ctx);
+  if (status.ok()) {
+    absl::StatusOr<SessionId> session = store_->OpenSession();
+    status = session.status();
+    if (session.ok()) {
+      resp->set_session_id(*session);
+      resp->set_lease_timeout_ms(
+          absl::ToInt64Milliseconds(store_->options().lease_timeout));
+    }
+  }
+  return ToGrpcStatus(status);
+}
+
+grpc::Status KvMemoryService::Heartbeat(grpc::ServerContext* ctx,
+                                        const kv::HeartbeatRequest* req,
+                                        kv::HeartbeatResponse* resp) {
+  absl::Status status = Authorize(*ctx);
+  if (status.ok()) status = store_->RenewSession(req->session_id());
+  if (status.ok()) {
+    resp->set_lease_timeout_ms(
+        absl::ToInt64Milliseconds(store_->options().lease_timeout));
+  }
+  return ToGrpcStatus(status);
+}
+
+grpc::Status KvMemoryService::CloseSession(grpc::ServerContext* ctx,
+                                           const kv::CloseSessionRequest* req,
+                                           kv::CloseSessionResponse*) {
+  absl::Status status = Authorize(*ctx);
+  if (status.ok()) status = store_->CloseSession(req->session_id());
+  return ToGrpcStatus(status);
+}
+
 grpc::Status KvMemoryService::OpenSequence(grpc::ServerContext* ctx,
                                            const kv::OpenSequenceRequest* req,
                                            kv::OpenSequenceResponse* resp) {
@@ -127,7 +163,7 @@ absl::Status KvMemoryService::DoOpen(const kv::OpenSequenceRequest& req,
     return absl::InvalidArgumentError("OpenSequence needs a geometry");
   }
   IG_ASSIGN_OR_RETURN(SequenceGeometry g, FromProto(req.geometry()));
-  IG_ASSIGN_OR_RETURN(SequenceId id, store_->Open(g));
+  IG_ASSIGN_OR_RETURN(SequenceId id, store_->Open(g, req.session_id()));
   resp->set_sequence_id(id);
   return absl::OkStatus();
 }

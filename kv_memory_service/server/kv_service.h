@@ -35,6 +35,15 @@ class KvMemoryService final : public kv::KvMemory::Service {
   // Unary calls are unaffected; grpc::Server::Shutdown drains those.
   void CancelStreams();
 
+  grpc::Status OpenSession(grpc::ServerContext* ctx,
+                           const kv::OpenSessionRequest* req,
+                           kv::OpenSessionResponse* resp) override;
+  grpc::Status Heartbeat(grpc::ServerContext* ctx,
+                         const kv::HeartbeatRequest* req,
+                         kv::HeartbeatResponse* resp) override;
+  grpc::Status CloseSession(grpc::ServerContext* ctx,
+                            const kv::CloseSessionRequest* req,
+                            kv::CloseSessionResponse* resp) override;
   grpc::Status OpenSequence(grpc::ServerContext* ctx,
                             const kv::OpenSequenceRequest* req,
                             kv::OpenSequenceResponse* resp) override;

@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstdlib>
@@ -20,6 +21,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/log.h"
 #include "common/status.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/create_channel.h"
@@ -408,21 +410,62 @@ class GrpcKvClient final : public KvClient {
         options_(options),
         auth_(options.auth_token.empty() ? ""
                                          : "Bearer " + options.auth_token),
-        fetch_host_(options.tcp_fetch_socket ? std::move(fetch_host) : "") {}
+        fetch_host_(options.tcp_fetch_socket ? std::move(fetch_host) : "") {
+    // The first beat opens the session, so Health() means something from
+    // the start; a failure here is retried by the thread.
+    Beat();
+    heartbeat_ = std::thread([this] { HeartbeatLoop(); });
+  }
 
   ~GrpcKvClient() override {
-    absl::MutexLock lock(&mu_);
-    connection_.reset();  // cuts the connection and joins its reader
+    {
+      absl::MutexLock lock(&session_mu_);
+      stopping_ = true;
+      if (beat_ctx_ != nullptr) beat_ctx_->TryCancel();
+    }
+    heartbeat_.join();
+    {
+      absl::MutexLock lock(&mu_);
+      connection_.reset();  // cuts the connection and joins its reader
+    }
+    // Going away cleanly: end the session now rather than at its lease
+    // (closing what sequences it still owns). Best effort, briefly.
+    SessionId session;
+    {
+      absl::MutexLock lock(&session_mu_);
+      session = session_;
+    }
+    if (session != 0) {
+      kv::CloseSessionRequest req;
+      req.set_session_id(session);
+      kv::CloseSessionResponse resp;
+      grpc::ClientContext ctx;
+      Prepare(&ctx);
+      ctx.set_deadline(absl::ToChronoTime(
+          absl::Now() + std::min(options_.rpc_timeout, absl::Seconds(1))));
+      (void)stub_->CloseSession(&ctx, req, &resp);
+    }
   }
 
   absl::StatusOr<SequenceId> Open(const SequenceGeometry& geometry) override {
     kv::OpenSequenceRequest req;
     ToProto(geometry, req.mutable_geometry());
-    kv::OpenSequenceResponse resp;
-    grpc::ClientContext ctx;
-    Prepare(&ctx);
-    IG_RETURN_IF_ERROR(FromGrpcStatus(stub_->OpenSequence(&ctx, req, &resp)));
-    return resp.sequence_id();
+    IG_ASSIGN_OR_RETURN(SessionId session, CurrentSession());
+    absl::Status status;
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      req.set_session_id(session);
+      kv::OpenSequenceResponse resp;
+      grpc::ClientContext ctx;
+      Prepare(&ctx);
+      status = FromGrpcStatus(stub_->OpenSequence(&ctx, req, &resp));
+      if (status.ok()) return resp.sequence_id();
+      // The only NotFound of OpenSequence: the session expired (or the
+      // server restarted). Its sequences are gone; new ones go into a new
+      // session.
+      if (!absl::IsNotFound(status)) break;
+      IG_ASSIGN_OR_RETURN(session, NewSession(session, options_.rpc_timeout));
+    }
+    return status;
   }
 
   absl::StatusOr<AppendResult> Append(SequenceId seq,
@@ -532,6 +575,11 @@ class GrpcKvClient final : public KvClient {
 
   std::string data_plane() const override { return "tcp"; }
 
+  absl::Status Health() const override {
+    absl::MutexLock lock(&session_mu_);
+    return health_;
+  }
+
   // FetchBuffer::WaitForFetch of this client's buffers.
   absl::Status WaitFor(GrpcFetchBuffer* buffer) {
     if (!buffer->Await(buffer->deadline)) {
@@ -553,6 +601,103 @@ class GrpcKvClient final : public KvClient {
   void Prepare(grpc::ClientContext* ctx) const {
     ctx->set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
     if (!auth_.empty()) ctx->AddMetadata("authorization", auth_);
+  }
+
+  // The session sequences are opened in, opened if there is none.
+  absl::StatusOr<SessionId> CurrentSession() {
+    {
+      absl::MutexLock lock(&session_mu_);
+      if (session_ != 0) return session_;
+    }
+    return NewSession(0, options_.rpc_timeout);
+  }
+
+  // Opens a session to replace `stale` (0: none), unless another thread
+  // has already replaced it, and returns the current one.
+  absl::StatusOr<SessionId> NewSession(SessionId stale,
+                                       absl::Duration timeout) {
+    absl::MutexLock open_lock(&open_session_mu_);
+    {
+      absl::MutexLock lock(&session_mu_);
+      if (session_ != 0 && session_ != stale) return session_;
+    }
+    kv::OpenSessionRequest req;
+    kv::OpenSessionResponse resp;
+    grpc::ClientContext ctx;
+    Prepare(&ctx);
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+    IG_RETURN_IF_ERROR(FromGrpcStatus(stub_->OpenSession(&ctx, req, &resp)));
+    absl::MutexLock lock(&session_mu_);
+    if (stale != 0) {
+      IG_LOG(WARNING) << "KV memory session " << stale
+                      << " is gone on the server (its lease expired, or the "
+                         "server restarted): its sequences are lost; new "
+                         "sequences go into session "
+                      << resp.session_id();
+    }
+    session_ = resp.session_id();
+    beat_interval_ = options_.heartbeat_interval;
+    if (resp.lease_timeout_ms() > 0) {
+      beat_interval_ = std::min(beat_interval_,
+                                absl::Milliseconds(resp.lease_timeout_ms()) / 3);
+    }
+    return session_;
+  }
+
+  // One heartbeat: renews the session's lease (opening a session if there
+  // is none, a new one if the server no longer knows ours) and records the
+  // outcome for Health().
+  void Beat() {
+    absl::Duration timeout;
+    SessionId session;
+    {
+      absl::MutexLock lock(&session_mu_);
+      session = session_;
+      // Long enough for a loaded host, short enough that a hung server
+      // shows in Health() within about a second.
+      timeout = std::min(options_.rpc_timeout,
+                         std::max(beat_interval_, absl::Seconds(1)));
+    }
+    absl::Status status;
+    if (session == 0) {
+      status = NewSession(0, timeout).status();
+    } else {
+      kv::HeartbeatRequest req;
+      req.set_session_id(session);
+      kv::HeartbeatResponse resp;
+      grpc::ClientContext ctx;
+      Prepare(&ctx);
+      ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+      {
+        absl::MutexLock lock(&session_mu_);
+        if (stopping_) return;
+        beat_ctx_ = &ctx;
+      }
+      status = FromGrpcStatus(stub_->Heartbeat(&ctx, req, &resp));
+      {
+        absl::MutexLock lock(&session_mu_);
+        beat_ctx_ = nullptr;
+      }
+      if (absl::IsNotFound(status)) status = NewSession(session, timeout).status();
+    }
+    absl::MutexLock lock(&session_mu_);
+    health_ = status.ok()
+                  ? absl::OkStatus()
+                  : absl::Status(status.code(),
+                                 absl::StrCat("KV memory server heartbeat: ",
+                                              status.message()));
+  }
+
+  void HeartbeatLoop() {
+    while (true) {
+      {
+        absl::MutexLock lock(&session_mu_);
+        session_mu_.AwaitWithTimeout(absl::Condition(&stopping_),
+                                     beat_interval_);
+        if (stopping_) return;
+      }
+      Beat();
+    }
   }
 
   // The live fetch connection, opened (after waiting for the channel, at
@@ -616,6 +761,17 @@ class GrpcKvClient final : public KvClient {
 
   absl::Mutex mu_;
   std::shared_ptr<FetchConnection> connection_ ABSL_GUARDED_BY(mu_);
+
+  absl::Mutex open_session_mu_;  // one OpenSession in flight at a time
+  mutable absl::Mutex session_mu_;
+  SessionId session_ ABSL_GUARDED_BY(session_mu_) = 0;  // 0: none yet
+  absl::Duration beat_interval_ ABSL_GUARDED_BY(session_mu_) =
+      options_.heartbeat_interval;
+  absl::Status health_ ABSL_GUARDED_BY(session_mu_);
+  bool stopping_ ABSL_GUARDED_BY(session_mu_) = false;
+  // The heartbeat in flight, cancelled by the destructor.
+  grpc::ClientContext* beat_ctx_ ABSL_GUARDED_BY(session_mu_) = nullptr;
+  std::thread heartbeat_;  // last: starts after everything above exists
 };
 
 absl::Status GrpcFetchBuffer::WaitForFetch() { return client_->WaitFor(this); }

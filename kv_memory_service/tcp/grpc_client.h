@@ -15,6 +15,13 @@
 // While the server is unreachable, fetches fail at once with Unavailable;
 // the next fetch after it is back opens a new connection, so a restarted
 // server is picked up (its sequences are gone: NotFound). Thread-safe.
+//
+// Leases: the client opens a session (OpenSession) when it is made and a
+// heartbeat thread renews it (kv_client.h, "Leases"); every sequence it
+// opens belongs to that session. A heartbeat that finds the session gone
+// (expired, or a restarted server) opens a new one and logs a warning.
+// Health() is the last heartbeat's outcome. Destroying the client ends its
+// session at once (CloseSession), closing the sequences it still owns.
 #ifndef INFINIGEN_KV_MEMORY_SERVICE_TCP_GRPC_CLIENT_H_
 #define INFINIGEN_KV_MEMORY_SERVICE_TCP_GRPC_CLIENT_H_
 

@@ -251,7 +251,7 @@ TEST(FlagsTest, HelpListsTheFlagsAndExitsZero) {
   EXPECT_EQ(ExitCode(r), 0);
   for (const char* flag : {"--listen", "--capacity_bytes", "--eviction",
                            "--auth_token_file", "--max_message_bytes",
-                           "--max_sequences"}) {
+                           "--max_sequences", "--lease_timeout"}) {
     EXPECT_THAT(r.out, HasSubstr(flag));
   }
 }
@@ -266,6 +266,8 @@ TEST(FlagsTest, BadFlagsExitNonZeroWithOneLine) {
       {"--max_message_bytes=10"},
       {"--max_sequences=0"},
       {"--auth_token_file=/nonexistent/token"},
+      {"--lease_timeout=-1s"},
+      {"--lease_timeout=soon"},
       {"stray-argument"},
   };
   for (const auto& args : cases) {
