@@ -1,14 +1,24 @@
 // KvStore: the memory node's pool of KV caches, plain C++ (no gRPC).
 //
 // Holds many sequences. Each sequence's K and V rows live in one host
-// allocation made at Open, sized for SequenceGeometry::max_tokens tokens per
+// mapping made at Open, sized for SequenceGeometry::max_tokens tokens per
 // (layer, KV head); appends copy rows in, gathers copy the rows a FetchPlan
 // names into one contiguous caller-provided destination (layout in
-// kv_types.h). Gather allocates nothing. When a (layer, head) is at capacity,
-// each new token first evicts one token of that (layer, head) by the store's
-// EvictionPolicy, and Append reports which. Per token, the store counts
-// fetches and remembers the last one (the LRU and counter policies read
-// these).
+// kv_types.h). When a (layer, head) is at capacity, each new token first
+// evicts one token of that (layer, head) by the store's EvictionPolicy, and
+// Append reports which. Per present token, the store counts fetches and
+// remembers the last one (the LRU and counter policies read these).
+//
+// Memory. Open accounts ReservedBytes against capacity_bytes but commits
+// nothing: row pages are committed as rows are written, and per-(layer,
+// head) bookkeeping has one entry per present token, so a sequence's
+// memory is bounded by the rows it holds (at most its reservation plus the
+// bookkeeping of max_tokens tokens per head), however many positions were
+// ever appended. Close returns all of it. Each eviction costs O(log
+// max_tokens), whatever the policy.
+//
+// Ids. Sequence and session ids are random 64-bit values: knowing one is
+// what grants access, and none can be derived from another.
 //
 // Error contract, the same for every transport in front of the store:
 //  - NotFound: unknown (or closed) sequence id.
@@ -172,17 +182,14 @@ class KvStore {
   void ForgetOwnerLocked(SequenceId seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const KvStoreOptions options_;
-  const uint64_t epoch_;  // high 32 bits of every id this store hands out
 
   mutable absl::Mutex mu_;
   absl::flat_hash_map<SequenceId, std::shared_ptr<Sequence>> sequences_
       ABSL_GUARDED_BY(mu_);
-  uint32_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   int64_t bytes_reserved_ ABSL_GUARDED_BY(mu_) = 0;
   absl::flat_hash_map<SessionId, Session> sessions_ ABSL_GUARDED_BY(mu_);
   // The session of each sequence that has one.
   absl::flat_hash_map<SequenceId, SessionId> owner_ ABSL_GUARDED_BY(mu_);
-  uint32_t next_session_ ABSL_GUARDED_BY(mu_) = 1;
   int64_t expired_sessions_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t expired_sequences_ ABSL_GUARDED_BY(mu_) = 0;
 
