@@ -21,6 +21,7 @@
 #include <cstdio>
 #include <fstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -219,7 +220,18 @@ int Run() {
   IG_LOG(INFO) << "kv_memory_server: " << (signal == SIGTERM ? "SIGTERM" : "SIGINT")
                << ", draining for up to "
                << absl::FormatDuration(absl::GetFlag(FLAGS_drain_timeout));
-  (*server)->Shutdown(absl::GetFlag(FLAGS_drain_timeout));
+  const absl::Duration drain = absl::GetFlag(FLAGS_drain_timeout);
+  // Shutdown cancels what is still running at the deadline; a handler
+  // that does not notice gets one more second, then the process ends
+  // anyway: the drain is bounded whatever is in flight.
+  std::thread([drain] {
+    absl::SleepFor(drain + absl::Seconds(1));
+    IG_LOG(WARNING) << "kv_memory_server: calls still running "
+                    << absl::FormatDuration(drain + absl::Seconds(1))
+                    << " after the signal; exiting without them";
+    std::_Exit(kExitFailure);
+  }).detach();
+  (*server)->Shutdown(drain);
   (*server)->Wait();
   const StoreStats stats = (*server)->store().GetStoreStats();
   IG_LOG(INFO) << "kv_memory_server: stopped; served " << stats.fetches
