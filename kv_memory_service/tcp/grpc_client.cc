@@ -458,6 +458,19 @@ class GrpcKvClient final : public KvClient {
       grpc::ClientContext ctx;
       Prepare(&ctx);
       status = FromGrpcStatus(stub_->OpenSequence(&ctx, req, &resp));
+      if (absl::IsUnavailable(status)) {
+        // The channel is down, e.g. the server just restarted and gRPC is
+        // between reconnect attempts: a new generation starts here, so
+        // wait (up to connect_timeout) for it to come back rather than
+        // fail the generation at once.
+        grpc::ClientContext retry;
+        Prepare(&retry);
+        retry.set_wait_for_ready(true);
+        retry.set_deadline(absl::ToChronoTime(
+            absl::Now() + std::min(options_.rpc_timeout,
+                                   options_.connect_timeout)));
+        status = FromGrpcStatus(stub_->OpenSequence(&retry, req, &resp));
+      }
       if (status.ok()) return resp.sequence_id();
       // The only NotFound of OpenSequence: the session expired (or the
       // server restarted). Its sequences are gone; new ones go into a new
