@@ -679,6 +679,17 @@ absl::Status KvStore::Gather(SequenceId seq, int32_t layer,
   return s->Gather(layer, plan, dest, *totals_);
 }
 
+absl::Status KvStore::CheckOwner(SequenceId seq, SessionId session) const {
+  absl::ReaderMutexLock lock(&mu_);
+  auto it = sequences_.find(seq);
+  auto owner = owner_.find(seq);
+  if (it == sequences_.end() || it->second == nullptr ||
+      (owner != owner_.end() && owner->second != session)) {
+    return absl::NotFoundError(absl::StrCat("no open sequence ", seq));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status KvStore::Close(SequenceId seq) {
   std::shared_ptr<Sequence> s;  // freed after the lock is released
   absl::MutexLock lock(&mu_);

@@ -17,8 +17,12 @@
 // ever appended. Close returns all of it. Each eviction costs O(log
 // max_tokens), whatever the policy.
 //
-// Ids. Sequence and session ids are random 64-bit values: knowing one is
-// what grants access, and none can be derived from another.
+// Ids and ownership. Sequence and session ids are random 64-bit values:
+// none can be derived from another. A sequence opened in a session answers
+// control calls only from that session (CheckOwner; the gRPC service
+// applies it to Append, Close and statistics): another session gets
+// NotFound, as for an id never handed out. Fetches on the data planes
+// name only the sequence id; its 64 random bits are what guard them.
 //
 // Error contract, the same for every transport in front of the store:
 //  - NotFound: unknown (or closed) sequence id.
@@ -141,6 +145,13 @@ class KvStore {
   // written but nothing stored changes.
   absl::Status Gather(SequenceId seq, int32_t layer, const FetchPlan& plan,
                       absl::Span<uint16_t> dest);
+
+  // OK if `seq` is open and `session` may use it: the session that opened
+  // it, or any caller for a sequence opened without a session. NotFound
+  // otherwise, the same answer as for an id never handed out, so that a
+  // caller learns nothing of other sessions' sequences. The gRPC service
+  // checks it before each control call on a sequence.
+  absl::Status CheckOwner(SequenceId seq, SessionId session) const;
 
   // Frees the sequence's rows. NotFound if unknown.
   absl::Status Close(SequenceId seq);

@@ -382,6 +382,23 @@ TEST(KvStoreTest, IdsCannotBeGuessedFromOtherIds) {
   EXPECT_CODE(store.RenewSession(s2 + 1), kNotFound);
 }
 
+// Issue 20, behaviour 1: a sequence opened in a session answers only to
+// that session, as if it did not exist.
+TEST(KvStoreTest, ASessionsSequenceAnswersOnlyToItsSession) {
+  KvStore store(KvStoreOptions{});
+  const SessionId mine = *store.OpenSession(), theirs = *store.OpenSession();
+  const SequenceId owned = *store.Open(Geo(1, 1, 4, 4), mine);
+  const SequenceId shared = *store.Open(Geo(1, 1, 4, 4));
+  EXPECT_OK_STATUS(store.CheckOwner(owned, mine));
+  EXPECT_CODE(store.CheckOwner(owned, theirs), kNotFound);
+  EXPECT_CODE(store.CheckOwner(owned, 0), kNotFound);
+  EXPECT_OK_STATUS(store.CheckOwner(shared, theirs));
+  EXPECT_OK_STATUS(store.CheckOwner(shared, 0));
+  EXPECT_CODE(store.CheckOwner(owned + 1, mine), kNotFound);
+  ASSERT_OK(store.Close(owned));
+  EXPECT_CODE(store.CheckOwner(owned, mine), kNotFound);
+}
+
 // Issue 20, behaviour 5: picking an LRU victim scanned the whole head, so an
 // append that evicts 2^16 tokens from a full 2^16-token head took 2^32
 // steps (seconds). Now each eviction is O(log capacity).

@@ -485,6 +485,7 @@ class GrpcKvClient final : public KvClient {
                                       const AppendBlock& block) override {
     kv::AppendRequest req;
     req.set_sequence_id(seq);
+    req.set_session_id(SessionOfCalls());
     req.set_first_layer(block.first_layer);
     req.set_n_layers(block.n_layers);
     req.set_n_tokens(block.n_tokens);
@@ -561,6 +562,7 @@ class GrpcKvClient final : public KvClient {
   absl::Status Close(SequenceId seq) override {
     kv::CloseSequenceRequest req;
     req.set_sequence_id(seq);
+    req.set_session_id(SessionOfCalls());
     kv::CloseSequenceResponse resp;
     grpc::ClientContext ctx;
     Prepare(&ctx);
@@ -570,6 +572,7 @@ class GrpcKvClient final : public KvClient {
   absl::StatusOr<SequenceStats> GetSequenceStats(SequenceId seq) override {
     kv::GetStatsRequest req;
     req.set_sequence_id(seq);
+    req.set_session_id(SessionOfCalls());
     kv::GetStatsResponse resp;
     grpc::ClientContext ctx;
     Prepare(&ctx);
@@ -614,6 +617,12 @@ class GrpcKvClient final : public KvClient {
   void Prepare(grpc::ClientContext* ctx) const {
     ctx->set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
     if (!auth_.empty()) ctx->AddMetadata("authorization", auth_);
+  }
+
+  // The session to name in calls on a sequence (0 before the first).
+  SessionId SessionOfCalls() const {
+    absl::MutexLock lock(&session_mu_);
+    return session_;
   }
 
   // The session sequences are opened in, opened if there is none.

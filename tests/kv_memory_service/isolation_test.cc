@@ -103,6 +103,32 @@ TEST(IsolationTest, AnotherClientCannotReachASequenceByGuessing) {
   EXPECT_TRUE(std::equal(want.begin(), want.end(), (*mine)->data()));
 }
 
+// Behaviour 1, with the id known (leaked): control calls from another
+// client's session get NOT_FOUND and change nothing.
+TEST(IsolationTest, AnotherSessionCannotAppendCloseOrReadStats) {
+  auto server = ServerProcess::Start({"--listen=127.0.0.1:0"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto a = Connect((*server)->address());
+  auto b = Connect((*server)->address());
+  ASSERT_TRUE(a != nullptr && b != nullptr);
+  const SequenceGeometry g = MakeGeometry(1, 1, 8, 16);
+  auto id = a->Open(g);
+  ASSERT_TRUE(id.ok()) << id.status();
+  ASSERT_TRUE(b->Open(g).ok());  // B has a session of its own
+  testdata::TestBlock rows = MakeTestBlock(7, g, 0, 1, 0, 4);
+  ASSERT_TRUE(a->Append(*id, rows.block).ok());
+  testdata::TestBlock other = MakeTestBlock(8, g, 0, 1, 4, 4);
+  EXPECT_EQ(b->Append(*id, other.block).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(b->GetSequenceStats(*id).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(b->Close(*id).code(), absl::StatusCode::kNotFound);
+  auto stats = a->GetSequenceStats(*id);
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->layer_lengths[0], 4);
+  EXPECT_TRUE(a->Close(*id).ok());
+}
+
 // Behaviour 2: a bind to every interface without auth started silently.
 TEST(IsolationTest, NonLoopbackListenNeedsAuthOrAllowInsecure) {
   for (const char* listen : {"--listen=0.0.0.0:0", "--listen=[::]:0"}) {
