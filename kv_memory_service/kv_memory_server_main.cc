@@ -60,6 +60,13 @@ ABSL_FLAG(std::string, shm_listen, "",
           "unix:PATH: also serve the shared-memory data plane (same-host "
           "clients connect to shm:unix:PATH; control calls use --listen). "
           "Empty = off.");
+ABSL_FLAG(int64_t, shm_max_client_bytes, int64_t{4} << 30,
+          "With --shm_listen: most bytes of fetch-buffer slots one client may "
+          "have mapped; a buffer beyond it is RESOURCE_EXHAUSTED. Slots cost "
+          "the server memory only as it writes them.");
+ABSL_FLAG(int64_t, shm_max_total_bytes, int64_t{16} << 30,
+          "With --shm_listen: most bytes of slots all clients together may "
+          "have mapped.");
 ABSL_FLAG(std::string, rdma_device, "",
           "Also serve the RDMA data plane (clients connect to "
           "rdma://HOST:PORT of --listen) on this ibverbs device, or on the "
@@ -97,7 +104,8 @@ std::string Usage() {
   for (const char* name :
        {"listen", "capacity_bytes", "eviction", "auth_token_file",
         "max_message_bytes", "max_sequences", "fetch_port", "drain_timeout",
-        "shm_listen", "rdma_device", "lease_timeout", "allow_insecure",
+        "shm_listen", "shm_max_client_bytes", "shm_max_total_bytes",
+        "rdma_device", "lease_timeout", "allow_insecure",
         "ready_file"}) {
     absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
     s += absl::StrFormat("  --%s (default: \"%s\")\n      %s\n", name,
@@ -153,6 +161,12 @@ int Run() {
   }
   options.shm_listen = absl::GetFlag(FLAGS_shm_listen);
   options.rdma_device = absl::GetFlag(FLAGS_rdma_device);
+  options.shm_max_client_bytes = absl::GetFlag(FLAGS_shm_max_client_bytes);
+  options.shm_max_total_bytes = absl::GetFlag(FLAGS_shm_max_total_bytes);
+  if (options.shm_max_client_bytes <= 0 || options.shm_max_total_bytes <= 0) {
+    return UsageError("--shm_max_client_bytes and --shm_max_total_bytes must "
+                      "be positive");
+  }
   options.store.capacity_bytes = absl::GetFlag(FLAGS_capacity_bytes);
   options.store.max_sequences = absl::GetFlag(FLAGS_max_sequences);
   absl::StatusOr<EvictionPolicy> eviction =

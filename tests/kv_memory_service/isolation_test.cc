@@ -310,6 +310,26 @@ TEST(IsolationTest, ShmSlotsCostTheServerNothingUntilUsed) {
   EXPECT_TRUE(std::equal(want.begin(), want.end(), (*buffer)->data()));
 }
 
+// Behaviour 6, the caps: a client that asks for more slot memory than
+// --shm_max_client_bytes gets RESOURCE_EXHAUSTED; smaller buffers work.
+TEST(IsolationTest, ShmSlotsAreCappedPerClient) {
+  const std::string shm = ServerProcess::SocketPath("iso_cap");
+  auto server = ServerProcess::Start({"--listen=127.0.0.1:0",
+                                      "--shm_listen=unix:" + shm,
+                                      "--shm_max_client_bytes=1048576"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto client = Connect("shm:unix:" + shm);
+  ASSERT_NE(client, nullptr);
+  EXPECT_EQ(client->NewFetchBuffer(size_t{1} << 28).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(client->NewFetchBuffer(size_t{1} << 20).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  auto small = client->NewFetchBuffer(1024);
+  ASSERT_TRUE(small.ok()) << small.status();
+  ServerProcess::Result r = ServerProcess::Run({"--shm_max_client_bytes=0"});
+  EXPECT_EQ(ExitCode(r), 2);
+}
+
 // Behaviour 7: a second server on the same --shm_listen took the socket
 // over silently. Now it exits with a reason; the first keeps serving.
 TEST(IsolationTest, ASecondServerCannotTakeTheShmSocket) {
