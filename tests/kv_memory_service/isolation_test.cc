@@ -204,8 +204,9 @@ TEST(IsolationTest, FifoChurnOfAMillionPositionsKeepsRssFlat) {
   std::cout << "server RSS: " << warm / kMiB << " MiB after 2^17 positions, "
             << "peak " << peak / kMiB << " MiB over 2 x 2^20 (16 heads)\n";
   // The old bookkeeping grew by 4+ bytes per position and head: 64 MiB more
-  // by the end of the first round alone.
-  EXPECT_LT(peak - warm, 24 * kMiB);
+  // by the end of the first round alone (83 MiB measured). What remains is
+  // allocator noise from gRPC's buffers (up to 13 MiB seen).
+  EXPECT_LT(peak - warm, 40 * kMiB);
 }
 
 // Behaviour 4: an Open that reserves 256 MiB raised RSS to 1.3 GiB. Now the
