@@ -342,8 +342,13 @@ absl::Status OffloadedKvCache::OpenSequence(Sequence& s) {
 }
 
 absl::Status OffloadedKvCache::Reset(int slot) {
-  IG_RETURN_IF_ERROR(FinishAppends());
+  // A failed append (the memory node went away) is reported, but only after
+  // the slot is clean: the next generation in it must open a new sequence.
+  const absl::Status appended = FinishAppends();
   Sequence& s = sequences_[slot];
+  // A step that failed may have left a prefetch in flight: end it, so the
+  // buffer takes the next generation's fetches.
+  for (kv_memory_service::FetchHandle& h : s.handles) h.Wait().IgnoreError();
   s.stats = FetchStats();
   s.policy->Reset();
   std::fill(s.present.begin(), s.present.end(), 0);
@@ -353,7 +358,7 @@ absl::Status OffloadedKvCache::Reset(int slot) {
     s.seq = 0;
     IG_RETURN_IF_ERROR(options_.kv_client->Close(seq));
   }
-  return absl::OkStatus();
+  return appended;
 }
 
 // --- Prefill: layer by layer; each layer's rows leave before the next.

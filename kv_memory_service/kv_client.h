@@ -54,6 +54,9 @@
 // session by itself, so new sequences work. Destroying a remote client ends
 // its session, closing the sequences it still owns. Health() reports
 // whether the heartbeats get answers. The in-process client has no lease.
+// A sequence belongs to the session that opened it: another client's
+// Append, Close or GetSequenceStats on it gets NotFound, and sequence ids
+// are random, so they cannot be guessed from one's own.
 //
 // Thread-safety: every KvClient method may be called from several threads.
 // A FetchBuffer carries one fetch at a time: FetchAsync into a buffer whose

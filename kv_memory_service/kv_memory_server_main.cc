@@ -11,18 +11,25 @@
 // taking calls, lets calls in flight finish for --drain_timeout, and exits
 // 0. Bad flags exit 2 (1 for a flag absl itself rejects) with one line on
 // stderr; a listen failure exits 1.
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/socket.h>
 
 #include <cstdio>
 #include <fstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/time.h"
 #include "common/file.h"
@@ -53,6 +60,13 @@ ABSL_FLAG(std::string, shm_listen, "",
           "unix:PATH: also serve the shared-memory data plane (same-host "
           "clients connect to shm:unix:PATH; control calls use --listen). "
           "Empty = off.");
+ABSL_FLAG(int64_t, shm_max_client_bytes, int64_t{4} << 30,
+          "With --shm_listen: most bytes of fetch-buffer slots one client may "
+          "have mapped; a buffer beyond it is RESOURCE_EXHAUSTED. Slots cost "
+          "the server memory only as it writes them.");
+ABSL_FLAG(int64_t, shm_max_total_bytes, int64_t{16} << 30,
+          "With --shm_listen: most bytes of slots all clients together may "
+          "have mapped.");
 ABSL_FLAG(std::string, rdma_device, "",
           "Also serve the RDMA data plane (clients connect to "
           "rdma://HOST:PORT of --listen) on this ibverbs device, or on the "
@@ -65,6 +79,10 @@ ABSL_FLAG(absl::Duration, lease_timeout, absl::Seconds(10),
           "was cut off) its sequences are closed and their rows freed; the "
           "client then gets NOT_FOUND for them. Keep it above the workers' "
           "fetch timeout (5s). 0 = never expire.");
+ABSL_FLAG(bool, allow_insecure, false,
+          "Listen on a non-loopback address without --auth_token_file. "
+          "Without it the server refuses: every host that reaches such a "
+          "port could read and close every sequence.");
 ABSL_FLAG(std::string, ready_file, "",
           "If set, once listening, write the address clients should use "
           "(tcp://HOST:PORT or unix:PATH) to this file.");
@@ -86,12 +104,45 @@ std::string Usage() {
   for (const char* name :
        {"listen", "capacity_bytes", "eviction", "auth_token_file",
         "max_message_bytes", "max_sequences", "fetch_port", "drain_timeout",
-        "shm_listen", "rdma_device", "lease_timeout", "ready_file"}) {
+        "shm_listen", "shm_max_client_bytes", "shm_max_total_bytes",
+        "rdma_device", "lease_timeout", "allow_insecure",
+        "ready_file"}) {
     absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
     s += absl::StrFormat("  --%s (default: \"%s\")\n      %s\n", name,
                          flag->DefaultValue(), flag->Help());
   }
   return s;
+}
+
+// Whether clients can reach `listen` only from this host: a unix socket, or
+// a HOST:PORT whose host is or resolves only to loopback addresses.
+bool LoopbackOnly(const std::string& listen) {
+  if (absl::StartsWith(listen, "unix:")) return true;
+  const size_t colon = listen.rfind(':');
+  if (colon == std::string::npos) return false;
+  std::string host = listen.substr(0, colon);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  if (host.empty()) return false;  // ":PORT" is every interface
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(host.c_str(), nullptr, &hints, &found) != 0) return false;
+  bool loopback = found != nullptr;
+  for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    if (a->ai_family == AF_INET) {
+      const auto* in = reinterpret_cast<const sockaddr_in*>(a->ai_addr);
+      loopback &= (ntohl(in->sin_addr.s_addr) >> 24) == 127;
+    } else if (a->ai_family == AF_INET6) {
+      const auto* in6 = reinterpret_cast<const sockaddr_in6*>(a->ai_addr);
+      loopback &= IN6_IS_ADDR_LOOPBACK(&in6->sin6_addr) != 0;
+    } else {
+      loopback = false;
+    }
+  }
+  freeaddrinfo(found);
+  return loopback;
 }
 
 int UsageError(const std::string& message) {
@@ -110,6 +161,12 @@ int Run() {
   }
   options.shm_listen = absl::GetFlag(FLAGS_shm_listen);
   options.rdma_device = absl::GetFlag(FLAGS_rdma_device);
+  options.shm_max_client_bytes = absl::GetFlag(FLAGS_shm_max_client_bytes);
+  options.shm_max_total_bytes = absl::GetFlag(FLAGS_shm_max_total_bytes);
+  if (options.shm_max_client_bytes <= 0 || options.shm_max_total_bytes <= 0) {
+    return UsageError("--shm_max_client_bytes and --shm_max_total_bytes must "
+                      "be positive");
+  }
   options.store.capacity_bytes = absl::GetFlag(FLAGS_capacity_bytes);
   options.store.max_sequences = absl::GetFlag(FLAGS_max_sequences);
   absl::StatusOr<EvictionPolicy> eviction =
@@ -133,6 +190,13 @@ int Run() {
                                      token.status().message()));
     }
     options.auth_token = *std::move(token);
+  }
+  if (options.auth_token.empty() && !absl::GetFlag(FLAGS_allow_insecure) &&
+      !LoopbackOnly(options.listen)) {
+    return UsageError(absl::StrCat(
+        "refusing to listen on non-loopback '", options.listen,
+        "' without --auth_token_file: any host that reaches it could read "
+        "and close every sequence (pass --allow_insecure to do it anyway)"));
   }
 
   // Every thread gRPC starts inherits this mask, so only sigwait below sees
@@ -170,7 +234,18 @@ int Run() {
   IG_LOG(INFO) << "kv_memory_server: " << (signal == SIGTERM ? "SIGTERM" : "SIGINT")
                << ", draining for up to "
                << absl::FormatDuration(absl::GetFlag(FLAGS_drain_timeout));
-  (*server)->Shutdown(absl::GetFlag(FLAGS_drain_timeout));
+  const absl::Duration drain = absl::GetFlag(FLAGS_drain_timeout);
+  // Shutdown cancels what is still running at the deadline; a handler
+  // that does not notice gets one more second, then the process ends
+  // anyway: the drain is bounded whatever is in flight.
+  std::thread([drain] {
+    absl::SleepFor(drain + absl::Seconds(1));
+    IG_LOG(WARNING) << "kv_memory_server: calls still running "
+                    << absl::FormatDuration(drain + absl::Seconds(1))
+                    << " after the signal; exiting without them";
+    std::_Exit(kExitFailure);
+  }).detach();
+  (*server)->Shutdown(drain);
   (*server)->Wait();
   const StoreStats stats = (*server)->store().GetStoreStats();
   IG_LOG(INFO) << "kv_memory_server: stopped; served " << stats.fetches

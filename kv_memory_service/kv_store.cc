@@ -1,6 +1,11 @@
 #include "kv_memory_service/kv_store.h"
 
+#include <sys/mman.h>
+#include <sys/random.h>
+
+#include <algorithm>
 #include <atomic>
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -12,19 +17,47 @@
 namespace infinigen::kv_memory_service {
 namespace {
 
-// Rows are page-aligned so a data plane may register them (RDMA, CUDA).
-constexpr size_t kRowAlignment = 4096;
+// The rows of a sequence: an anonymous private mapping, so the kernel
+// commits its pages only as rows are written (an Open reserves capacity, it
+// does not take memory), and Close returns all of it at once. Page-aligned,
+// so a data plane may register it (RDMA, CUDA).
+class RowMemory {
+ public:
+  RowMemory() = default;
+  // Null (get() == nullptr) when the mapping fails.
+  explicit RowMemory(size_t bytes) : bytes_(bytes == 0 ? 1 : bytes) {
+    void* p = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    data_ = p == MAP_FAILED ? nullptr : static_cast<uint16_t*>(p);
+  }
+  RowMemory(RowMemory&& o) noexcept : data_(o.data_), bytes_(o.bytes_) {
+    o.data_ = nullptr;
+  }
+  RowMemory& operator=(RowMemory&&) = delete;
+  RowMemory(const RowMemory&) = delete;
+  ~RowMemory() {
+    if (data_ != nullptr) munmap(data_, bytes_);
+  }
+  uint16_t* get() const { return data_; }
+  bool operator==(std::nullptr_t) const { return data_ == nullptr; }
 
-struct FreeDeleter {
-  void operator()(uint16_t* p) const { std::free(p); }
+ private:
+  uint16_t* data_ = nullptr;
+  size_t bytes_ = 0;
 };
-using RowMemory = std::unique_ptr<uint16_t[], FreeDeleter>;
 
-uint64_t RandomEpoch() {
-  std::random_device rd;
-  uint64_t epoch = 0;
-  while (epoch == 0) epoch = rd() & 0xffffffffu;
-  return epoch << 32;
+// A fresh random 64-bit value, never 0: sequence and session ids are
+// capabilities (whoever knows one may use it), so they must not be
+// guessable from the ids a client was given.
+uint64_t RandomId() {
+  uint64_t id = 0;
+  while (id == 0) {
+    if (getrandom(&id, sizeof(id), 0) != static_cast<ssize_t>(sizeof(id))) {
+      std::random_device rd;
+      id = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+    }
+  }
+  return id;
 }
 
 }  // namespace
@@ -41,6 +74,14 @@ struct KvStore::Totals {
 // (layer, head) is below capacity its tokens take slots 0, 1, 2, ...; once
 // full, each new token takes the slot of the token evicted for it, so slots
 // [0, present) are always the occupied ones.
+//
+// Memory follows what is stored, not what was reserved or ever appended: the
+// rows are an mmap the kernel commits page by page as rows are written, and
+// the bookkeeping of a (layer, head) is one entry per occupied slot (a
+// position -> slot hash map, never an array indexed by position). Eviction
+// costs O(log present) per evicted row: present tokens are kept on a list in
+// position order (FIFO takes its head), and the LRU and counter policies
+// keep their candidates (the older half) in a min-heap with lazy deletion.
 class KvStore::Sequence {
  public:
   Sequence(SequenceId id, const SequenceGeometry& g, EvictionPolicy policy,
@@ -53,13 +94,7 @@ class KvStore::Sequence {
         k_(std::move(k)),
         v_(std::move(v)),
         heads_(static_cast<size_t>(g.n_layers) * g.n_kv_heads),
-        layer_length_(g.n_layers, 0) {
-    for (Head& head : heads_) {
-      head.position_of_slot.assign(g.max_tokens, -1);
-      head.fetch_count.assign(g.max_tokens, 0);
-      head.last_fetch.assign(g.max_tokens, 0);
-    }
-  }
+        layer_length_(g.n_layers, 0) {}
 
   const SequenceGeometry& geometry() const { return g_; }
 
@@ -111,19 +146,24 @@ class KvStore::Sequence {
         const int32_t position = layer_length_[layer];
         for (int32_t h = 0; h < g_.n_kv_heads; ++h) {
           Head& head = HeadAt(layer, h);
+          AdvanceCandidates(head, position);
           int32_t slot;
-          if (head.present < g_.max_tokens) {
-            slot = head.present++;
+          if (static_cast<int32_t>(head.slots.size()) < g_.max_tokens) {
+            slot = static_cast<int32_t>(head.slots.size());
+            head.slots.emplace_back();
           } else {
-            slot = EvictionSlot(head, position);
-            const int32_t victim = head.position_of_slot[slot];
-            head.slot_of_position[victim] = -1;
+            slot = EvictionSlot(head);
+            const int32_t victim = head.slots[slot].position;
+            Unlink(head, slot);
+            head.slot_of.erase(victim);
             result.evicted.push_back(EvictedToken{layer, h, victim});
           }
-          head.slot_of_position.push_back(slot);
-          head.position_of_slot[slot] = position;
-          head.fetch_count[slot] = 0;
-          head.last_fetch[slot] = 0;
+          Slot& s = head.slots[slot];
+          s.position = position;
+          s.fetch_count = 0;
+          s.last_fetch = 0;
+          LinkAtTail(head, slot);
+          head.slot_of[position] = slot;
           const size_t src = static_cast<size_t>(t) * token_stride +
                              static_cast<size_t>(h) * row_elems_;
           std::memcpy(Row(k_.get(), layer, h, slot), k_src + src,
@@ -176,7 +216,7 @@ class KvStore::Sequence {
               "position ", pos, " is beyond layer ", layer, "'s length ",
               length));
         }
-        if (head.slot_of_position[pos] < 0) {
+        if (!head.slot_of.contains(pos)) {
           return absl::FailedPreconditionError(absl::StrCat(
               "position ", pos, " of layer ", layer, " head ", h,
               " was evicted"));
@@ -192,15 +232,23 @@ class KvStore::Sequence {
       const uint16_t* k_head = Row(k_.get(), layer, h, 0);
       const uint16_t* v_head = Row(v_.get(), layer, h, 0);
       for (int32_t j = plan.head_offsets[h]; j < plan.head_offsets[h + 1]; ++j) {
-        const int32_t slot = head.slot_of_position[plan.indices[j]];
+        const int32_t pos = plan.indices[j];
+        const int32_t slot = head.slot_of.find(pos)->second;
         std::memcpy(k_out, k_head + static_cast<size_t>(slot) * row_elems_,
                     row_bytes);
         std::memcpy(v_out, v_head + static_cast<size_t>(slot) * row_elems_,
                     row_bytes);
         k_out += row_elems_;
         v_out += row_elems_;
-        ++head.fetch_count[slot];
-        head.last_fetch[slot] = now;
+        Slot& s = head.slots[slot];
+        const uint64_t before = Key(s);
+        ++s.fetch_count;
+        s.last_fetch = now;
+        // A candidate's key changed: its heap entry is stale, push a fresh
+        // one (the stale one is skipped when it surfaces).
+        if (pos < head.candidates_below && Key(s) != before) {
+          PushCandidate(head, slot);
+        }
       }
     }
     ++fetches_;
@@ -217,7 +265,9 @@ class KvStore::Sequence {
     s.id = id_;
     s.geometry = g_;
     s.layer_lengths = layer_length_;
-    for (const Head& head : heads_) s.present_rows += head.present;
+    for (const Head& head : heads_) {
+      s.present_rows += static_cast<int64_t>(head.slots.size());
+    }
     s.evicted_rows = evicted_rows_;
     s.bytes_reserved = ReservedBytes(g_);
     s.fetches = fetches_;
@@ -238,28 +288,51 @@ class KvStore::Sequence {
           " KV heads"));
     }
     absl::MutexLock lock(&mu_);
-    const Head& head = heads_[static_cast<size_t>(layer) * g_.n_kv_heads + kv_head];
+    const Head& head = HeadAt(layer, kv_head);
     std::vector<TokenFetchStats> out;
-    out.reserve(head.present);
-    for (int32_t pos = 0; pos < static_cast<int32_t>(head.slot_of_position.size());
-         ++pos) {
-      const int32_t slot = head.slot_of_position[pos];
-      if (slot < 0) continue;
-      out.push_back(TokenFetchStats{pos, head.fetch_count[slot],
-                                    head.last_fetch[slot]});
+    out.reserve(head.slots.size());
+    for (int32_t slot = head.oldest; slot >= 0; slot = head.slots[slot].next) {
+      const Slot& s = head.slots[slot];
+      out.push_back(TokenFetchStats{s.position, s.fetch_count, s.last_fetch});
     }
     return out;
   }
 
  private:
-  // Bookkeeping of one (layer, KV head).
+  // One occupied slot of a (layer, KV head).
+  struct Slot {
+    int32_t position = -1;
+    int32_t prev = -1;  // the slot of the next older present token; -1: none
+    int32_t next = -1;  // the slot of the next newer present token; -1: none
+    int64_t fetch_count = 0;
+    uint64_t last_fetch = 0;  // 0 = never
+  };
+  // An eviction candidate as it was when pushed; stale once the slot holds
+  // another position or its key changed.
+  struct Candidate {
+    uint64_t key;
+    int32_t position;
+    int32_t slot;
+    // std::push_heap keeps the largest on top; the best victim is the
+    // smallest (key, position).
+    bool operator<(const Candidate& o) const {
+      return key != o.key ? key > o.key : position > o.position;
+    }
+  };
+  // Bookkeeping of one (layer, KV head): O(present) entries, never more
+  // than max_tokens (the candidate heap up to about twice that).
   struct Head {
-    std::vector<int32_t> slot_of_position;  // [length]; -1 once evicted
-    std::vector<int32_t> position_of_slot;  // [max_tokens]; -1 while free
-    std::vector<int64_t> fetch_count;       // [max_tokens]
-    std::vector<uint64_t> last_fetch;       // [max_tokens]; 0 = never
-    int32_t present = 0;                    // occupied slots: [0, present)
-    int32_t fifo_cursor = 0;  // every position below it is evicted
+    std::vector<Slot> slots;  // [present]; grows to max_tokens, then reused
+    absl::flat_hash_map<int32_t, int32_t> slot_of;  // present position -> slot
+    int32_t oldest = -1;  // present tokens by position: a list from here...
+    int32_t newest = -1;  // ...to here
+    // LRU and counter: every present token below this position is a
+    // candidate (the older half of the last append's position), each with
+    // one live entry in `heap`; `first_young` is the oldest non-candidate.
+    int32_t candidates_below = 0;
+    int32_t first_young = -1;
+    int32_t candidates = 0;
+    std::vector<Candidate> heap;
   };
 
   Head& HeadAt(int32_t layer, int32_t h) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -275,34 +348,98 @@ class KvStore::Sequence {
            static_cast<size_t>(slot) * row_elems_;
   }
 
-  // The slot of the token to evict from a full head before appending
-  // `position` (ALGORITHM.md, "The memory pool"; kv_types.h spells it out).
-  int32_t EvictionSlot(Head& head, int32_t position)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (policy_ != EvictionPolicy::kFifo) {
-      const int32_t limit = position / 2;
-      int32_t best = -1;
-      for (int32_t slot = 0; slot < head.present; ++slot) {
-        const int32_t pos = head.position_of_slot[slot];
-        if (pos >= limit) continue;
-        if (best < 0 || Prefer(head, slot, best)) best = slot;
-      }
-      if (best >= 0) return best;
-    }
-    while (head.slot_of_position[head.fifo_cursor] < 0) ++head.fifo_cursor;
-    return head.slot_of_position[head.fifo_cursor];
+  // What the LRU or counter rule ranks a candidate by (smaller: evicted
+  // first; ties go to the smaller position).
+  uint64_t Key(const Slot& s) const {
+    return policy_ == EvictionPolicy::kCounter
+               ? static_cast<uint64_t>(s.fetch_count)
+               : s.last_fetch;
   }
 
-  // Whether `a` is a better victim than `b` under the LRU or counter rule.
-  bool Prefer(const Head& head, int32_t a, int32_t b) const {
-    if (policy_ == EvictionPolicy::kLru) {
-      if (head.last_fetch[a] != head.last_fetch[b]) {
-        return head.last_fetch[a] < head.last_fetch[b];
-      }
-    } else if (head.fetch_count[a] != head.fetch_count[b]) {
-      return head.fetch_count[a] < head.fetch_count[b];
+  void LinkAtTail(Head& head, int32_t slot) {
+    Slot& s = head.slots[slot];
+    s.prev = head.newest;
+    s.next = -1;
+    if (head.newest >= 0) {
+      head.slots[head.newest].next = slot;
+    } else {
+      head.oldest = slot;
     }
-    return head.position_of_slot[a] < head.position_of_slot[b];
+    head.newest = slot;
+    if (head.first_young < 0) head.first_young = slot;
+  }
+
+  void Unlink(Head& head, int32_t slot) {
+    Slot& s = head.slots[slot];
+    if (s.position < head.candidates_below) {
+      --head.candidates;
+    } else if (head.first_young == slot) {
+      head.first_young = s.next;
+    }
+    if (s.prev >= 0) {
+      head.slots[s.prev].next = s.next;
+    } else {
+      head.oldest = s.next;
+    }
+    if (s.next >= 0) {
+      head.slots[s.next].prev = s.prev;
+    } else {
+      head.newest = s.prev;
+    }
+    s.prev = s.next = -1;
+  }
+
+  void PushCandidate(Head& head, int32_t slot) {
+    const Slot& s = head.slots[slot];
+    head.heap.push_back(Candidate{Key(s), s.position, slot});
+    std::push_heap(head.heap.begin(), head.heap.end());
+    // Stale entries are dropped once they outnumber the live ones, so the
+    // heap stays within about twice the present tokens.
+    if (head.heap.size() > 2 * static_cast<size_t>(head.candidates) + 64) {
+      RebuildHeap(head);
+    }
+  }
+
+  void RebuildHeap(Head& head) {
+    head.heap.clear();
+    for (int32_t slot = head.oldest; slot >= 0 && slot != head.first_young;
+         slot = head.slots[slot].next) {
+      const Slot& s = head.slots[slot];
+      head.heap.push_back(Candidate{Key(s), s.position, slot});
+    }
+    std::make_heap(head.heap.begin(), head.heap.end());
+  }
+
+  // Before `position` is appended: the present tokens below position / 2
+  // become LRU / counter candidates.
+  void AdvanceCandidates(Head& head, int32_t position) {
+    if (policy_ == EvictionPolicy::kFifo) return;
+    head.candidates_below = position / 2;
+    while (head.first_young >= 0 &&
+           head.slots[head.first_young].position < head.candidates_below) {
+      const int32_t slot = head.first_young;
+      head.first_young = head.slots[slot].next;
+      ++head.candidates;
+      PushCandidate(head, slot);
+    }
+  }
+
+  // The slot of the token to evict from a full head (ALGORITHM.md, "The
+  // memory pool"; kv_types.h spells it out).
+  int32_t EvictionSlot(Head& head) {
+    if (policy_ != EvictionPolicy::kFifo) {
+      while (!head.heap.empty()) {
+        std::pop_heap(head.heap.begin(), head.heap.end());
+        const Candidate c = head.heap.back();
+        head.heap.pop_back();
+        const Slot& s = head.slots[c.slot];
+        if (s.position == c.position && Key(s) == c.key &&
+            c.position < head.candidates_below) {
+          return c.slot;
+        }
+      }
+    }
+    return head.oldest;
   }
 
   const SequenceId id_;
@@ -324,7 +461,7 @@ class KvStore::Sequence {
 };
 
 KvStore::KvStore(const KvStoreOptions& options)
-    : options_(options), epoch_(RandomEpoch()), totals_(new Totals) {}
+    : options_(options), totals_(new Totals) {}
 
 KvStore::~KvStore() = default;
 
@@ -367,7 +504,9 @@ absl::StatusOr<SequenceId> KvStore::Open(const SequenceGeometry& geometry,
           options_.capacity_bytes, " left"));
     }
     bytes_reserved_ += bytes;
-    id = epoch_ | next_id_++;
+    do {
+      id = RandomId();
+    } while (sequences_.contains(id));
     // A placeholder keeps the count and the id taken while the rows are
     // allocated outside the lock.
     sequences_[id] = nullptr;
@@ -377,10 +516,8 @@ absl::StatusOr<SequenceId> KvStore::Open(const SequenceGeometry& geometry,
     }
   }
 
-  const size_t half = static_cast<size_t>(bytes / 2);
-  const size_t alloc = (half + kRowAlignment - 1) / kRowAlignment * kRowAlignment;
-  RowMemory k(static_cast<uint16_t*>(std::aligned_alloc(kRowAlignment, alloc)));
-  RowMemory v(static_cast<uint16_t*>(std::aligned_alloc(kRowAlignment, alloc)));
+  RowMemory k(static_cast<size_t>(bytes / 2));
+  RowMemory v(static_cast<size_t>(bytes / 2));
   absl::MutexLock lock(&mu_);
   auto it = sequences_.find(id);
   if (it == sequences_.end()) {
@@ -425,8 +562,8 @@ absl::StatusOr<SessionId> KvStore::OpenSession() {
         "the store already holds its limit of ", options_.max_sessions,
         " sessions"));
   }
-  SessionId id = epoch_ | next_session_++;
-  while (id == 0 || sessions_.contains(id)) id = epoch_ | next_session_++;
+  SessionId id = RandomId();
+  while (sessions_.contains(id)) id = RandomId();
   sessions_[id].renewed = Now();
   return id;
 }
@@ -540,6 +677,17 @@ absl::Status KvStore::Gather(SequenceId seq, int32_t layer,
   }
   IG_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(seq));
   return s->Gather(layer, plan, dest, *totals_);
+}
+
+absl::Status KvStore::CheckOwner(SequenceId seq, SessionId session) const {
+  absl::ReaderMutexLock lock(&mu_);
+  auto it = sequences_.find(seq);
+  auto owner = owner_.find(seq);
+  if (it == sequences_.end() || it->second == nullptr ||
+      (owner != owner_.end() && owner->second != session)) {
+    return absl::NotFoundError(absl::StrCat("no open sequence ", seq));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status KvStore::Close(SequenceId seq) {

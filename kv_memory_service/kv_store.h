@@ -1,14 +1,28 @@
 // KvStore: the memory node's pool of KV caches, plain C++ (no gRPC).
 //
 // Holds many sequences. Each sequence's K and V rows live in one host
-// allocation made at Open, sized for SequenceGeometry::max_tokens tokens per
+// mapping made at Open, sized for SequenceGeometry::max_tokens tokens per
 // (layer, KV head); appends copy rows in, gathers copy the rows a FetchPlan
 // names into one contiguous caller-provided destination (layout in
-// kv_types.h). Gather allocates nothing. When a (layer, head) is at capacity,
-// each new token first evicts one token of that (layer, head) by the store's
-// EvictionPolicy, and Append reports which. Per token, the store counts
-// fetches and remembers the last one (the LRU and counter policies read
-// these).
+// kv_types.h). When a (layer, head) is at capacity, each new token first
+// evicts one token of that (layer, head) by the store's EvictionPolicy, and
+// Append reports which. Per present token, the store counts fetches and
+// remembers the last one (the LRU and counter policies read these).
+//
+// Memory. Open accounts ReservedBytes against capacity_bytes but commits
+// nothing: row pages are committed as rows are written, and per-(layer,
+// head) bookkeeping has one entry per present token, so a sequence's
+// memory is bounded by the rows it holds (at most its reservation plus the
+// bookkeeping of max_tokens tokens per head), however many positions were
+// ever appended. Close returns all of it. Each eviction costs O(log
+// max_tokens), whatever the policy.
+//
+// Ids and ownership. Sequence and session ids are random 64-bit values:
+// none can be derived from another. A sequence opened in a session answers
+// control calls only from that session (CheckOwner; the gRPC service
+// applies it to Append, Close and statistics): another session gets
+// NotFound, as for an id never handed out. Fetches on the data planes
+// name only the sequence id; its 64 random bits are what guard them.
 //
 // Error contract, the same for every transport in front of the store:
 //  - NotFound: unknown (or closed) sequence id.
@@ -132,6 +146,13 @@ class KvStore {
   absl::Status Gather(SequenceId seq, int32_t layer, const FetchPlan& plan,
                       absl::Span<uint16_t> dest);
 
+  // OK if `seq` is open and `session` may use it: the session that opened
+  // it, or any caller for a sequence opened without a session. NotFound
+  // otherwise, the same answer as for an id never handed out, so that a
+  // caller learns nothing of other sessions' sequences. The gRPC service
+  // checks it before each control call on a sequence.
+  absl::Status CheckOwner(SequenceId seq, SessionId session) const;
+
   // Frees the sequence's rows. NotFound if unknown.
   absl::Status Close(SequenceId seq);
 
@@ -172,17 +193,14 @@ class KvStore {
   void ForgetOwnerLocked(SequenceId seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const KvStoreOptions options_;
-  const uint64_t epoch_;  // high 32 bits of every id this store hands out
 
   mutable absl::Mutex mu_;
   absl::flat_hash_map<SequenceId, std::shared_ptr<Sequence>> sequences_
       ABSL_GUARDED_BY(mu_);
-  uint32_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   int64_t bytes_reserved_ ABSL_GUARDED_BY(mu_) = 0;
   absl::flat_hash_map<SessionId, Session> sessions_ ABSL_GUARDED_BY(mu_);
   // The session of each sequence that has one.
   absl::flat_hash_map<SequenceId, SessionId> owner_ ABSL_GUARDED_BY(mu_);
-  uint32_t next_session_ ABSL_GUARDED_BY(mu_) = 1;
   int64_t expired_sessions_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t expired_sequences_ ABSL_GUARDED_BY(mu_) = 0;
 

@@ -354,8 +354,77 @@ TEST(KvStoreTest, IdsOfAnotherStoreAreNotFound) {
   KvStore a(KvStoreOptions{}), b(KvStoreOptions{});
   SequenceId ia = *a.Open(Geo(1, 1, 4, 4));
   SequenceId ib = *b.Open(Geo(1, 1, 4, 4));
-  EXPECT_NE(ia, ib);  // different random epochs
+  EXPECT_NE(ia, ib);
   EXPECT_CODE(b.GetSequenceStats(ia).status(), kNotFound);
+}
+
+// Issue 20, behaviour 1: ids were sequential (B opened after A got A + 1), so
+// any client could reach another's sequence by counting.
+TEST(KvStoreTest, IdsCannotBeGuessedFromOtherIds) {
+  KvStore store(KvStoreOptions{});
+  std::vector<SequenceId> ids;
+  for (int i = 0; i < 64; ++i) ids.push_back(*store.Open(Geo(1, 1, 4, 4)));
+  int same_high_half = 0;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    for (SequenceId guess : {ids[i] + 1, ids[i] - 1, ids[i] + 2}) {
+      if (std::find(ids.begin(), ids.end(), guess) != ids.end()) {
+        ADD_FAILURE() << "id " << guess << " is a neighbour of " << ids[i];
+      }
+      EXPECT_CODE(store.GetSequenceStats(guess).status(), kNotFound);
+      EXPECT_CODE(store.Close(guess), kNotFound);
+    }
+    if (i > 0 && (ids[i] >> 32) == (ids[i - 1] >> 32)) ++same_high_half;
+  }
+  // 64 random bits each: no shared prefix, no counter in the low half.
+  EXPECT_LT(same_high_half, 2);
+  SessionId s1 = *store.OpenSession(), s2 = *store.OpenSession();
+  EXPECT_NE(s2, s1 + 1);
+  EXPECT_CODE(store.RenewSession(s2 + 1), kNotFound);
+}
+
+// Issue 20, behaviour 1: a sequence opened in a session answers only to
+// that session, as if it did not exist.
+TEST(KvStoreTest, ASessionsSequenceAnswersOnlyToItsSession) {
+  KvStore store(KvStoreOptions{});
+  const SessionId mine = *store.OpenSession(), theirs = *store.OpenSession();
+  const SequenceId owned = *store.Open(Geo(1, 1, 4, 4), mine);
+  const SequenceId shared = *store.Open(Geo(1, 1, 4, 4));
+  EXPECT_OK_STATUS(store.CheckOwner(owned, mine));
+  EXPECT_CODE(store.CheckOwner(owned, theirs), kNotFound);
+  EXPECT_CODE(store.CheckOwner(owned, 0), kNotFound);
+  EXPECT_OK_STATUS(store.CheckOwner(shared, theirs));
+  EXPECT_OK_STATUS(store.CheckOwner(shared, 0));
+  EXPECT_CODE(store.CheckOwner(owned + 1, mine), kNotFound);
+  ASSERT_OK(store.Close(owned));
+  EXPECT_CODE(store.CheckOwner(owned, mine), kNotFound);
+}
+
+// Issue 20, behaviour 5: picking an LRU victim scanned the whole head, so an
+// append that evicts 2^16 tokens from a full 2^16-token head took 2^32
+// steps (seconds). Now each eviction is O(log capacity).
+TEST(EvictionTest, EvictingFromALargeHeadIsFast) {
+  for (EvictionPolicy policy : {EvictionPolicy::kLru, EvictionPolicy::kCounter,
+                                EvictionPolicy::kFifo}) {
+    KvStoreOptions options;
+    options.eviction = policy;
+    KvStore store(options);
+    constexpr int kTokens = 1 << 16;
+    const SequenceGeometry g = Geo(1, 1, 1, kTokens);
+    SequenceId id = *store.Open(g);
+    Block fill = MakeBlock(1, g, 0, 1, 0, kTokens);
+    ASSERT_TRUE(store.Append(id, fill.block).ok());
+    // Fetch a few so LRU and counter have something to rank.
+    OwnedFetchPlan plan = OwnedFetchPlan::SameForAllHeads(1, {1, 5, 9, 100});
+    std::vector<uint16_t> dest(FetchElements(plan.view(), 1));
+    ASSERT_OK(store.Gather(id, 0, plan.view(), absl::MakeSpan(dest)));
+    const absl::Time start = absl::Now();
+    Block more = MakeBlock(1, g, 0, 1, kTokens, kTokens);
+    absl::StatusOr<AppendResult> r = store.Append(id, more.block);
+    const absl::Duration took = absl::Now() - start;
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->evicted.size(), static_cast<size_t>(kTokens));
+    EXPECT_LT(took, absl::Seconds(2)) << EvictionPolicyName(policy);
+  }
 }
 
 // ---- Eviction ------------------------------------------------------------

@@ -28,15 +28,16 @@
 
 namespace infinigen::kv_memory_service {
 
-// Names an open sequence. Assigned by the store at Open; 0 is never used.
-// The high 32 bits are a per-store random epoch, so an id from a store that
-// has since restarted is NotFound rather than someone else's sequence.
+// Names an open sequence. Assigned by the store at Open: 64 random bits
+// (never 0), so an id cannot be guessed from other ids (sequences opened
+// one after the other get unrelated ids), and an id from a store that has
+// since restarted is NotFound rather than someone else's sequence. Whoever
+// knows an id may use the sequence: clients should not share them.
 using SequenceId = uint64_t;
 
 // Names a client session: the owner of the sequences a client opens, kept
-// alive by the client's heartbeats (a lease). Assigned by the store, same
-// epoch scheme as SequenceId; 0 = no session (the sequence lives until
-// closed).
+// alive by the client's heartbeats (a lease). Assigned by the store, random
+// like SequenceId; 0 = no session (the sequence lives until closed).
 using SessionId = uint64_t;
 
 // The meaning of the 16-bit row values. Stored and returned bit for bit.
@@ -65,8 +66,8 @@ struct SequenceGeometry {
   int32_t head_dim = 0;    // > 0, values per row
   // Most tokens kept per (layer, KV head): the pool's capacity for this
   // sequence. When a (layer, head) holds this many, appending one more first
-  // evicts one by the store's EvictionPolicy. The rows are allocated once, at
-  // Open, for this many tokens.
+  // evicts one by the store's EvictionPolicy. Open reserves (accounts) room
+  // for this many tokens; memory is committed as rows arrive.
   int32_t max_tokens = 0;  // > 0
   KvDType dtype = KvDType::kFloat16;
 };

@@ -5,6 +5,7 @@
 #include <signal.h>
 
 #include <chrono>
+#include <cstdio>
 #include <memory>
 #include <string>
 #include <vector>
@@ -142,6 +143,9 @@ TEST_F(Disaggregated, ServerDeathIsAClearErrorNotAHang) {
                                  absl::StatusCode::kDeadlineExceeded,
                                  absl::StatusCode::kAborted));
     EXPECT_LT(secs, 30.0) << "the worker must not hang on a dead server";
+    // A SIGKILLed server leaves its shm socket and lock file behind.
+    std::remove(shm_sock.c_str());
+    std::remove((shm_sock + ".lock").c_str());
   }
 }
 

@@ -392,5 +392,79 @@ TEST(ServeHealthTest, NotServingWhileItsMemoryNodeIsDownServingOnceItIsBack) {
   EXPECT_TRUE(serve->Wait(absl::Seconds(60)));
 }
 
+// Issue 20, behaviour 8: `serve --policy=full` over the shm data plane.
+// After its memory node restarted on the same addresses, the next two
+// generations failed (UNAVAILABLE on the old data-plane connection, then
+// FAILED_PRECONDITION from a fetch buffer the failed step left busy). Now
+// the KV client reconnects before the generation's first fetch and a failed
+// step leaves nothing behind: the very next generation succeeds, without
+// waiting for the worker's health to notice.
+TEST(ServeRestartTest, TheGenerationAfterAShmNodeRestartSucceeds) {
+  const SocketFile kv_socket("restart_kv");
+  const SocketFile shm_socket("restart_shm");
+  const SocketFile serve_socket("restart_serve");
+  const std::vector<std::string> kv_flags = {
+      "--listen=unix:" + kv_socket.path(),
+      "--shm_listen=unix:" + shm_socket.path(), kLeaseFlag};
+  auto server = ServerProcess::Start(kv_flags);
+  ASSERT_TRUE(server.ok()) << server.status();
+  std::unique_ptr<Child> serve = Child::Start(
+      "gpu_worker/infinigen",
+      {"serve", absl::StrCat("--model=", Runfile(kModel)),
+       absl::StrCat("--tokenizer=", Runfile(kTokenizer)),
+       "--listen=unix:" + serve_socket.path(), "--policy=full",
+       "--max_batch=2", "--backend=cpu", "--threads=1",
+       "--kv_service=shm:unix:" + shm_socket.path()});
+  auto channel = grpc::CreateChannel("unix:" + serve_socket.path(),
+                                     grpc::InsecureChannelCredentials());
+  auto health = grpc::health::v1::Health::NewStub(channel);
+  const absl::Time start = absl::Now();
+  while (HealthOf(*health, "") != grpc::health::v1::HealthCheckResponse::SERVING &&
+         absl::Now() - start < absl::Seconds(60) && serve->Running()) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  ASSERT_EQ(HealthOf(*health, ""),
+            grpc::health::v1::HealthCheckResponse::SERVING)
+      << serve->err();
+  auto stub = worker::Worker::NewStub(channel);
+  auto generate = [&](std::string* text) {
+    worker::GenerateRequest request;
+    request.set_prompt("Once upon a time");
+    request.set_max_new_tokens(20);
+    request.set_temperature(0);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::seconds(60));
+    auto reader = stub->Generate(&ctx, request);
+    text->clear();
+    worker::GenerateResponse response;
+    while (reader->Read(&response)) {
+      if (response.has_token()) *text += response.token().text();
+    }
+    return reader->Finish();
+  };
+  std::string text;
+  grpc::Status status = generate(&text);
+  ASSERT_TRUE(status.ok()) << status.error_message() << "\n" << serve->err();
+  EXPECT_THAT(text, StartsWith(", there was a little girl named Lily."));
+
+  (*server)->Signal(SIGKILL);
+  (*server)->WaitExit();
+  auto restarted = ServerProcess::Start(kv_flags);
+  ASSERT_TRUE(restarted.ok()) << restarted.status();
+  for (int i = 0; i < 3; ++i) {
+    status = generate(&text);
+    EXPECT_TRUE(status.ok()) << "generation " << i << " after the restart: "
+                             << status.error_message() << "\n"
+                             << serve->err();
+    EXPECT_THAT(text, StartsWith(", there was a little girl named Lily."));
+  }
+  serve->Signal(SIGTERM);
+  EXPECT_TRUE(serve->Wait(absl::Seconds(60)));
+  (*restarted)->Signal(SIGTERM);
+  (*restarted)->WaitExit();
+  std::remove((shm_socket.path() + ".lock").c_str());
+}
+
 }  // namespace
 }  // namespace infinigen

@@ -140,6 +140,8 @@ absl::StatusOr<std::unique_ptr<KvServer>> KvServer::Start(
     shm_options.listen_address = options.shm_listen;
     shm_options.control_address = server->client_address_;
     shm_options.auth_token = options.auth_token;
+    shm_options.max_client_slot_bytes = options.shm_max_client_bytes;
+    shm_options.max_total_slot_bytes = options.shm_max_total_bytes;
     absl::StatusOr<std::unique_ptr<ShmServer>> shm =
         ShmServer::Start(server->store_, shm_options);
     if (!shm.ok()) return shm.status();

@@ -51,6 +51,10 @@ struct KvServerOptions {
   // "unix:PATH": also serve the shared-memory data plane there (clients
   // connect to shm:unix:PATH; control calls come to `listen`). Empty = off.
   std::string shm_listen;
+  // shm: most bytes of fetch-buffer slots one client, and all clients
+  // together, may have mapped (ShmServerOptions).
+  int64_t shm_max_client_bytes = int64_t{4} << 30;
+  int64_t shm_max_total_bytes = int64_t{16} << 30;
   // Also serve the RDMA data plane (clients connect to rdma://HOST:PORT of
   // `listen`) on this ibverbs device, or on the first with an active port
   // for "any". Empty = off. Start fails with Unavailable("no RDMA device:

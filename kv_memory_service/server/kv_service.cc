@@ -126,6 +126,9 @@ grpc::Status KvMemoryService::CloseSequence(grpc::ServerContext* ctx,
                                             const kv::CloseSequenceRequest* req,
                                             kv::CloseSequenceResponse*) {
   absl::Status status = Authorize(*ctx);
+  if (status.ok()) {
+    status = store_->CheckOwner(req->sequence_id(), req->session_id());
+  }
   if (status.ok()) status = store_->Close(req->sequence_id());
   return ToGrpcStatus(status);
 }
@@ -176,6 +179,7 @@ absl::Status KvMemoryService::DoAppend(const kv::AppendRequest& req,
   block.n_tokens = req.n_tokens();
   IG_ASSIGN_OR_RETURN(block.k, RowsView(req.k(), "k"));
   IG_ASSIGN_OR_RETURN(block.v, RowsView(req.v(), "v"));
+  IG_RETURN_IF_ERROR(store_->CheckOwner(req.sequence_id(), req.session_id()));
   IG_ASSIGN_OR_RETURN(AppendResult result,
                       store_->Append(req.sequence_id(), block));
   ToProto(result, resp);
@@ -196,6 +200,7 @@ absl::Status KvMemoryService::DoGetStats(const kv::GetStatsRequest& req,
                                          kv::GetStatsResponse* resp) {
   ToProto(store_->GetStoreStats(), resp->mutable_store());
   if (req.sequence_id() == 0) return absl::OkStatus();
+  IG_RETURN_IF_ERROR(store_->CheckOwner(req.sequence_id(), req.session_id()));
   IG_ASSIGN_OR_RETURN(SequenceStats s,
                       store_->GetSequenceStats(req.sequence_id()));
   ToProto(s, resp->mutable_sequence());

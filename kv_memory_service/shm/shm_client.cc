@@ -197,6 +197,20 @@ class ShmKvClient final : public KvClientWrapper {
   absl::StatusOr<std::unique_ptr<FetchBuffer>> NewFetchBuffer(
       size_t elements) override;
 
+  // A new sequence is where a generation starts: if the server closed the
+  // data plane since the last fetch (it restarted), reconnect now, so that
+  // the generation's first fetch does not fail on the old connection.
+  absl::StatusOr<SequenceId> Open(const SequenceGeometry& geometry) override {
+    IG_ASSIGN_OR_RETURN(const SequenceId seq, KvClientWrapper::Open(geometry));
+    ServerGone();
+    absl::Status connected = EnsureConnected();
+    if (!connected.ok()) {
+      KvClientWrapper::Close(seq).IgnoreError();
+      return connected;
+    }
+    return seq;
+  }
+
   FetchHandle FetchAsync(SequenceId seq, int32_t layer, const FetchPlan& plan,
                          FetchBuffer* dest) override {
     if (dest == nullptr || dest->owner() != this) {

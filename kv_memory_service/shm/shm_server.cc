@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/eventfd.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -40,8 +41,9 @@ bool SameToken(absl::string_view a, absl::string_view b) {
 // Maps [offset, offset + bytes) of a client's memfd. The client must have
 // sealed it against shrinking: a file truncated under our mapping would
 // make the gather fault.
-absl::StatusOr<void*> MapClientMemory(int fd, size_t offset, size_t bytes,
-                                      bool populate) {
+// Never pre-populated: pages the client never touched cost the server
+// nothing.
+absl::StatusOr<void*> MapClientMemory(int fd, size_t offset, size_t bytes) {
   const int seals = fcntl(fd, F_GET_SEALS);
   if (seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
     return absl::InvalidArgumentError(
@@ -58,13 +60,55 @@ absl::StatusOr<void*> MapClientMemory(int fd, size_t offset, size_t bytes,
         " bytes; its layout needs ", offset + bytes));
   }
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
-                 MAP_SHARED | (populate ? MAP_POPULATE : 0), fd,
+                 MAP_SHARED, fd,
                  static_cast<off_t>(offset));
   if (p == MAP_FAILED) {
     return shm::ErrnoStatus(absl::StatusCode::kResourceExhausted,
                             "mmap of a shm slot", errno);
   }
   return p;
+}
+
+std::string LockPath(const std::string& socket_path) {
+  return socket_path + ".lock";
+}
+
+// Takes PATH.lock (flock, exclusive): the socket at PATH belongs to whoever
+// holds it. FailedPrecondition when a live server holds it. A lock file left
+// by a dead server is simply taken over (flock dies with its holder).
+absl::StatusOr<int> LockSocketPath(const std::string& path) {
+  const std::string lock_path = LockPath(path);
+  while (true) {
+    const int fd = open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+    if (fd < 0) {
+      return shm::ErrnoStatus(absl::StatusCode::kUnavailable,
+                              absl::StrCat("open ", lock_path), errno);
+    }
+    if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+      const int err = errno;
+      close(fd);
+      if (err == EWOULDBLOCK) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "another kv_memory_server is serving ", path, " (it holds ",
+            lock_path, ")"));
+      }
+      return shm::ErrnoStatus(absl::StatusCode::kUnavailable,
+                              absl::StrCat("flock ", lock_path), err);
+    }
+    // The holder we waited out may have removed the file as we opened it:
+    // the lock counts only on the file still at the path.
+    struct stat held, now;
+    if (fstat(fd, &held) == 0 && stat(lock_path.c_str(), &now) == 0 &&
+        held.st_ino == now.st_ino && held.st_dev == now.st_dev) {
+      return fd;
+    }
+    close(fd);
+  }
+}
+
+void UnlockSocketPath(const std::string& path, int lock_fd) {
+  unlink(LockPath(path).c_str());  // while still held: see LockSocketPath
+  close(lock_fd);
 }
 
 }  // namespace
@@ -204,7 +248,7 @@ class ShmServer::Connection {
           "shm data plane: Attach carries no control region");
     }
     const size_t bytes = shm::ControlRegionBytes(attach.max_slots);
-    IG_ASSIGN_OR_RETURN(void* region, MapClientMemory(fd, 0, bytes, true));
+    IG_ASSIGN_OR_RETURN(void* region, MapClientMemory(fd, 0, bytes));
     auto* header = static_cast<shm::RegionHeader*>(region);
     if (header->magic != shm::kRegionMagic ||
         header->version != shm::kProtocolVersion ||
@@ -271,15 +315,32 @@ class ShmServer::Connection {
     slot.data_bytes = shm::SlotDataBytes(elements);
     slot.plan_capacity = shm::SlotPlanCapacity(elements);
     slot.plan_bytes = shm::SlotPlanBytes(elements);
-    IG_ASSIGN_OR_RETURN(void* data,
-                        MapClientMemory(fd, 0, slot.data_bytes, true));
+    const int64_t bytes = static_cast<int64_t>(slot.data_bytes + slot.plan_bytes);
+    const ShmServerOptions& options = server_->options_;
+    if (bytes > options.max_client_slot_bytes - client_slot_bytes_) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "shm data plane: a slot of ", bytes, " bytes would pass the limit of ",
+          options.max_client_slot_bytes, " bytes of slots per client (",
+          client_slot_bytes_, " mapped)"));
+    }
+    if (server_->slot_bytes_.fetch_add(bytes) + bytes >
+        options.max_total_slot_bytes) {
+      server_->slot_bytes_.fetch_sub(bytes);
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "shm data plane: a slot of ", bytes, " bytes would pass the limit of ",
+          options.max_total_slot_bytes, " bytes of slots of all clients"));
+    }
+    absl::StatusOr<void*> data = MapClientMemory(fd, 0, slot.data_bytes);
     absl::StatusOr<void*> plan =
-        MapClientMemory(fd, slot.data_bytes, slot.plan_bytes, false);
+        data.ok() ? MapClientMemory(fd, slot.data_bytes, slot.plan_bytes)
+                  : data.status();
     if (!plan.ok()) {
-      munmap(data, slot.data_bytes);
+      if (data.ok()) munmap(*data, slot.data_bytes);
+      server_->slot_bytes_.fetch_sub(bytes);
       return plan.status();
     }
-    slot.data = static_cast<uint16_t*>(data);
+    client_slot_bytes_ += bytes;
+    slot.data = static_cast<uint16_t*>(*data);
     slot.plan = static_cast<int32_t*>(*plan);
     if (slot.plan_capacity > scratch_capacity_) {
       // new[] of a large array is untouched memory until a plan uses it.
@@ -293,8 +354,12 @@ class ShmServer::Connection {
 
   void UnmapSlot(uint32_t i) {
     MappedSlot& slot = slots_[i];
-    if (slot.data != nullptr) munmap(slot.data, slot.data_bytes);
-    if (slot.plan != nullptr) munmap(slot.plan, slot.plan_bytes);
+    if (slot.data == nullptr) return;
+    munmap(slot.data, slot.data_bytes);
+    munmap(slot.plan, slot.plan_bytes);
+    const int64_t bytes = static_cast<int64_t>(slot.data_bytes + slot.plan_bytes);
+    client_slot_bytes_ -= bytes;
+    server_->slot_bytes_.fetch_sub(bytes);
     slot = MappedSlot();
   }
 
@@ -377,6 +442,7 @@ class ShmServer::Connection {
   uint32_t slot_limit_ = 0;  // 1 + the highest slot ever mapped
   uint32_t next_slot_ = 0;
   uint32_t seen_control_ = 0;
+  int64_t client_slot_bytes_ = 0;  // of the slots mapped now
   std::unique_ptr<int32_t[]> scratch_;  // the plan being served
   size_t scratch_capacity_ = 0;
 };
@@ -391,13 +457,17 @@ absl::StatusOr<std::unique_ptr<ShmServer>> ShmServer::Start(
         "shm data plane listen address: ", path_or.status().message()));
   }
   std::string path = *std::move(path_or);
+  IG_ASSIGN_OR_RETURN(const int lock_fd, LockSocketPath(path));
   const int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
   if (fd < 0) {
+    close(lock_fd);
     return shm::ErrnoStatus(absl::StatusCode::kInternal, "socket", errno);
   }
   struct stat st;
   if (lstat(path.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) {
-    unlink(path.c_str());  // left by a server that did not exit cleanly
+    // Left by a server that did not exit cleanly: a live one would hold the
+    // lock.
+    unlink(path.c_str());
   }
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
@@ -405,6 +475,7 @@ absl::StatusOr<std::unique_ptr<ShmServer>> ShmServer::Start(
   if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
     const int err = errno;
     close(fd);
+    UnlockSocketPath(path, lock_fd);
     return shm::ErrnoStatus(absl::StatusCode::kUnavailable,
                             absl::StrCat("bind ", path), err);
   }
@@ -412,6 +483,7 @@ absl::StatusOr<std::unique_ptr<ShmServer>> ShmServer::Start(
     const int err = errno;
     close(fd);
     unlink(path.c_str());
+    UnlockSocketPath(path, lock_fd);
     return shm::ErrnoStatus(absl::StatusCode::kInternal, "listen", err);
   }
   const int stop_fd = eventfd(0, EFD_CLOEXEC);
@@ -419,10 +491,13 @@ absl::StatusOr<std::unique_ptr<ShmServer>> ShmServer::Start(
     const int err = errno;
     close(fd);
     unlink(path.c_str());
+    UnlockSocketPath(path, lock_fd);
     return shm::ErrnoStatus(absl::StatusCode::kInternal, "eventfd", err);
   }
-  std::unique_ptr<ShmServer> server(new ShmServer(
-      std::move(store), std::move(options), std::move(path), fd, stop_fd));
+  std::unique_ptr<ShmServer> server(new ShmServer(std::move(store),
+                                                  std::move(options),
+                                                  std::move(path), fd, stop_fd,
+                                                  lock_fd));
   server->accept_thread_ = std::thread([s = server.get()] { s->AcceptLoop(); });
   IG_LOG(INFO) << "shm data plane listening on " << server->client_address()
                << " (control at " << server->options_.control_address << ")";
@@ -430,12 +505,14 @@ absl::StatusOr<std::unique_ptr<ShmServer>> ShmServer::Start(
 }
 
 ShmServer::ShmServer(std::shared_ptr<KvStore> store, ShmServerOptions options,
-                     std::string path, int listen_fd, int stop_fd)
+                     std::string path, int listen_fd, int stop_fd,
+                     int lock_fd)
     : store_(std::move(store)),
       options_(std::move(options)),
       path_(std::move(path)),
       listen_fd_(listen_fd),
-      stop_fd_(stop_fd) {}
+      stop_fd_(stop_fd),
+      lock_fd_(lock_fd) {}
 
 ShmServer::~ShmServer() {
   stopping_.store(true);
@@ -454,6 +531,7 @@ ShmServer::~ShmServer() {
   close(listen_fd_);
   close(stop_fd_);
   unlink(path_.c_str());
+  UnlockSocketPath(path_, lock_fd_);
 }
 
 std::string ShmServer::client_address() const {

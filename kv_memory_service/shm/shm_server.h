@@ -32,7 +32,9 @@
 namespace infinigen::kv_memory_service {
 
 struct ShmServerOptions {
-  // Where to listen: "unix:PATH". A stale socket file at PATH is replaced.
+  // Where to listen: "unix:PATH". The server holds PATH.lock (flock) while
+  // it serves: Start fails with FailedPrecondition while another live
+  // server holds it; a stale socket file at PATH is replaced.
   std::string listen_address;
   // The address clients use for control calls, sent in the Hello; e.g.
   // "unix:/run/kv.sock" or "tcp://127.0.0.1:7070".
@@ -45,6 +47,11 @@ struct ShmServerOptions {
   absl::Duration spin = absl::Microseconds(200);
   // Most clients connected at once; more are refused.
   int max_connections = 256;
+  // Most bytes of FetchBuffer slots one client may have mapped at once, and
+  // all clients together; a MapSlot beyond either is ResourceExhausted.
+  // Slots are mapped without pre-populating: only pages written cost memory.
+  int64_t max_client_slot_bytes = int64_t{4} << 30;
+  int64_t max_total_slot_bytes = int64_t{16} << 30;
 };
 
 class ShmServer {
@@ -68,7 +75,7 @@ class ShmServer {
   class Connection;
 
   ShmServer(std::shared_ptr<KvStore> store, ShmServerOptions options,
-            std::string path, int listen_fd, int stop_fd);
+            std::string path, int listen_fd, int stop_fd, int lock_fd);
   void AcceptLoop();
   void ReapFinished() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -77,7 +84,9 @@ class ShmServer {
   const std::string path_;
   const int listen_fd_;
   const int stop_fd_;  // eventfd: wakes the accept loop at shutdown
+  const int lock_fd_;  // holds PATH.lock
   std::atomic<bool> stopping_{false};
+  std::atomic<int64_t> slot_bytes_{0};  // mapped by all connections
 
   mutable absl::Mutex mu_;
   std::list<std::unique_ptr<Connection>> connections_ ABSL_GUARDED_BY(mu_);

@@ -304,6 +304,92 @@ TEST_F(ShmTest, SlotsRunOutAndComeBack) {
   ASSERT_TRUE(again.ok()) << again.status();
 }
 
+// Issue 20, behaviour 6: a client could map slots of up to 256 x 2^40
+// values. Now its slots are capped per client and for all clients, and the
+// server keeps serving what is already mapped.
+TEST_F(ShmTest, SlotBytesAreCappedPerClientAndInTotal) {
+  server_.reset();
+  ShmServerOptions options;
+  options.listen_address = "unix:" + SocketPath("shm_caps");
+  options.control_address = "inproc:";
+  // A slot of 2^16 values takes 128 KiB of rows and 144 KiB of plan.
+  constexpr size_t kElements = size_t{1} << 16;
+  const int64_t slot_bytes = static_cast<int64_t>(
+      shm::SlotDataBytes(kElements) + shm::SlotPlanBytes(kElements));
+  options.max_client_slot_bytes = 2 * slot_bytes;
+  options.max_total_slot_bytes = 3 * slot_bytes;
+  auto server = ShmServer::Start(store_, options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  server_ = *std::move(server);
+
+  auto a = Connect();
+  ASSERT_NE(a, nullptr);
+  auto a1 = a->NewFetchBuffer(kElements);
+  auto a2 = a->NewFetchBuffer(kElements);
+  ASSERT_TRUE(a1.ok() && a2.ok());
+  EXPECT_CODE(a->NewFetchBuffer(kElements).status(), kResourceExhausted);
+  EXPECT_CODE(a->NewFetchBuffer(size_t{1} << 28).status(), kResourceExhausted);
+  auto b = Connect();
+  ASSERT_NE(b, nullptr);
+  auto b1 = b->NewFetchBuffer(kElements);
+  ASSERT_TRUE(b1.ok()) << b1.status();
+  EXPECT_CODE(b->NewFetchBuffer(kElements).status(), kResourceExhausted);
+
+  // What is mapped still serves.
+  const SequenceGeometry g = MakeGeometry(1, 1, 8, 16);
+  const SequenceId id = OpenFilled(*a, g, 3, 16);
+  const OwnedFetchPlan plan = OwnedFetchPlan::SameForAllHeads(1, {0, 7, 15});
+  ASSERT_OK(a->Fetch(id, 0, plan.view(), a1->get()));
+  EXPECT_EQ(Rows(**a1, FetchElements(plan.view(), 8)),
+            ExpectedRows(3, g, 0, plan.view()));
+  // Freed slots count no more.
+  a2->reset();
+  a1->reset();
+  auto b2 = b->NewFetchBuffer(kElements);
+  EXPECT_TRUE(b2.ok()) << b2.status();
+}
+
+// Issue 20, behaviour 7: a second server on the same path took the socket
+// over silently. Now it is refused while the first lives, and a socket left
+// by a dead server is taken over.
+TEST_F(ShmTest, ASecondServerOnTheSamePathIsRefused) {
+  server_.reset();
+  const std::string path = SocketPath("shm_lock");
+  ShmServerOptions options;
+  options.listen_address = "unix:" + path;
+  options.control_address = "inproc:";
+  auto first = ShmServer::Start(store_, options);
+  ASSERT_TRUE(first.ok()) << first.status();
+  server_ = *std::move(first);
+  auto second = ShmServer::Start(store_, options);
+  EXPECT_CODE(second.status(), kFailedPrecondition);
+  // The first still serves on its socket.
+  auto client = Connect();
+  ASSERT_NE(client, nullptr);
+  EXPECT_TRUE(client->NewFetchBuffer(64).ok());
+  client.reset();
+  server_.reset();
+  EXPECT_NE(access(path.c_str(), F_OK), 0);
+  EXPECT_NE(access((path + ".lock").c_str(), F_OK), 0);
+
+  // A stale socket file and lock file (their server died) are taken over.
+  const int stale = socket(AF_UNIX, SOCK_SEQPACKET, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  ASSERT_EQ(bind(stale, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  close(stale);
+  const int lock = open((path + ".lock").c_str(), O_CREAT | O_RDWR, 0600);
+  ASSERT_GE(lock, 0);
+  close(lock);
+  auto third = ShmServer::Start(store_, options);
+  ASSERT_TRUE(third.ok()) << third.status();
+  server_ = *std::move(third);
+  EXPECT_NE(Connect(), nullptr);
+  server_.reset();
+  EXPECT_NE(access(path.c_str(), F_OK), 0);
+}
+
 TEST_F(ShmTest, AuthToken) {
   StartServer("s3cret");
   KvClientOptions options;

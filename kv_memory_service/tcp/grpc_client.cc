@@ -458,6 +458,19 @@ class GrpcKvClient final : public KvClient {
       grpc::ClientContext ctx;
       Prepare(&ctx);
       status = FromGrpcStatus(stub_->OpenSequence(&ctx, req, &resp));
+      if (absl::IsUnavailable(status)) {
+        // The channel is down, e.g. the server just restarted and gRPC is
+        // between reconnect attempts: a new generation starts here, so
+        // wait (up to connect_timeout) for it to come back rather than
+        // fail the generation at once.
+        grpc::ClientContext retry;
+        Prepare(&retry);
+        retry.set_wait_for_ready(true);
+        retry.set_deadline(absl::ToChronoTime(
+            absl::Now() + std::min(options_.rpc_timeout,
+                                   options_.connect_timeout)));
+        status = FromGrpcStatus(stub_->OpenSequence(&retry, req, &resp));
+      }
       if (status.ok()) return resp.sequence_id();
       // The only NotFound of OpenSequence: the session expired (or the
       // server restarted). Its sequences are gone; new ones go into a new
@@ -472,6 +485,7 @@ class GrpcKvClient final : public KvClient {
                                       const AppendBlock& block) override {
     kv::AppendRequest req;
     req.set_sequence_id(seq);
+    req.set_session_id(SessionOfCalls());
     req.set_first_layer(block.first_layer);
     req.set_n_layers(block.n_layers);
     req.set_n_tokens(block.n_tokens);
@@ -548,6 +562,7 @@ class GrpcKvClient final : public KvClient {
   absl::Status Close(SequenceId seq) override {
     kv::CloseSequenceRequest req;
     req.set_sequence_id(seq);
+    req.set_session_id(SessionOfCalls());
     kv::CloseSequenceResponse resp;
     grpc::ClientContext ctx;
     Prepare(&ctx);
@@ -557,6 +572,7 @@ class GrpcKvClient final : public KvClient {
   absl::StatusOr<SequenceStats> GetSequenceStats(SequenceId seq) override {
     kv::GetStatsRequest req;
     req.set_sequence_id(seq);
+    req.set_session_id(SessionOfCalls());
     kv::GetStatsResponse resp;
     grpc::ClientContext ctx;
     Prepare(&ctx);
@@ -601,6 +617,12 @@ class GrpcKvClient final : public KvClient {
   void Prepare(grpc::ClientContext* ctx) const {
     ctx->set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
     if (!auth_.empty()) ctx->AddMetadata("authorization", auth_);
+  }
+
+  // The session to name in calls on a sequence (0 before the first).
+  SessionId SessionOfCalls() const {
+    absl::MutexLock lock(&session_mu_);
+    return session_;
   }
 
   // The session sequences are opened in, opened if there is none.

@@ -7,12 +7,15 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
+#include <cstring>
 #include <atomic>
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -90,6 +93,13 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
   std::vector<std::string> args = flags;
   args.push_back("--ready_file=" + ready);
   std::unique_ptr<ServerProcess> p(new ServerProcess);
+  for (const std::string& flag : flags) {
+    for (const char* prefix : {"--listen=unix:", "--shm_listen=unix:"}) {
+      if (absl::StartsWith(flag, prefix)) {
+        p->socket_files_.push_back(flag.substr(std::strlen(prefix)));
+      }
+    }
+  }
   p->pid_ = Spawn(args, "", "");
   if (p->pid_ < 0) {
     return absl::UnavailableError("cannot spawn " + BinaryPath());
@@ -117,6 +127,12 @@ ServerProcess::~ServerProcess() {
   if (pid_ > 0 && !exited_) {
     kill(pid_, SIGKILL);
     WaitExit();
+    // Still running until now, so these were its own: a SIGKILLed server
+    // leaves its socket files (and the shm socket's lock file) behind.
+    for (const std::string& path : socket_files_) {
+      std::remove(path.c_str());
+      std::remove((path + ".lock").c_str());
+    }
   }
 }
 

@@ -2,7 +2,7 @@
 // integration tests. Start() spawns it (from the test's runfiles) with the
 // given flags plus --ready_file, and returns once it listens, with the
 // address clients should use. The destructor SIGKILLs a server still
-// running. Not thread-safe: one test thread drives it.
+// running and removes the unix socket files its flags name. Not thread-safe: one test thread drives it.
 #ifndef INFINIGEN_TESTS_KV_MEMORY_SERVICE_SERVER_PROCESS_H_
 #define INFINIGEN_TESTS_KV_MEMORY_SERVICE_SERVER_PROCESS_H_
 
@@ -55,6 +55,8 @@ class ServerProcess {
   bool exited_ = false;
   int wait_status_ = 0;
   std::string address_;
+  // Unix socket paths from its flags; removed if the destructor kills it.
+  std::vector<std::string> socket_files_;
 };
 
 }  // namespace infinigen::kv_memory_service

@@ -7,6 +7,7 @@
 #include <signal.h>
 
 #include <atomic>
+#include <cstdio>
 #include <fstream>
 #include <iostream>
 #include <random>
@@ -191,8 +192,12 @@ TEST(ShmServerProcessTest, BadInputGetsTheSameCodesAsGrpc) {
   ASSERT_TRUE((*shm)->Fetch(*id, 1, good.view(), shm_buffer->get()).ok());
   const auto want = ExpectedRows(5, g, 1, good.view());
   EXPECT_TRUE(std::equal(want.begin(), want.end(), (*shm_buffer)->data()));
-  auto stats = (*grpc)->GetSequenceStats(*id);
-  ASSERT_TRUE(stats.ok());
+  // Statistics of a sequence answer only its own session (the shm client's
+  // control connection); the other client is told it does not exist.
+  EXPECT_EQ((*grpc)->GetSequenceStats(*id).status().code(),
+            absl::StatusCode::kNotFound);
+  auto stats = (*shm)->GetSequenceStats(*id);
+  ASSERT_TRUE(stats.ok()) << stats.status();
   EXPECT_EQ(stats->fetches, 1);
   EXPECT_EQ(stats->layer_lengths, (std::vector<int32_t>{6, 6}));
 }
@@ -253,6 +258,11 @@ TEST(ShmServerProcessTest, SigkillMidStreamFailsEveryWaitQuickly) {
   server.process->Signal(SIGKILL);
   fetcher.join();
   server.process->WaitExit();
+  // A SIGKILLed server leaves its socket files behind.
+  const std::string shm_path = server.shm_address.substr(9);  // "shm:unix:"
+  std::remove(shm_path.c_str());
+  std::remove((shm_path + ".lock").c_str());
+  std::remove(server.grpc_address.substr(5).c_str());  // "unix:"
   EXPECT_EQ(wrong_rows.load(), 0);
   EXPECT_EQ(first_error.code(), absl::StatusCode::kUnavailable) << first_error;
   EXPECT_LT(failed_at - killed_at, absl::Seconds(5))
