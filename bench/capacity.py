@@ -109,7 +109,7 @@ def main():
     ap.add_argument("--binary", default="bazel-bin/gpu_worker/infinigen")
     ap.add_argument("--server",
                     default="bazel-bin/kv_memory_service/kv_memory_server")
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model", default="")
     ap.add_argument("--text", default="")
     ap.add_argument("--skew", default="")
     ap.add_argument("--contexts", default="2048,8000")
@@ -121,7 +121,16 @@ def main():
     ap.add_argument("--max_batch", type=int, default=1024,
                     help="largest batch the headline search tries")
     ap.add_argument("--out", required=True, help="output path without suffix")
+    ap.add_argument("--plot_only", action="store_true",
+                    help="only redraw OUT.png from an earlier OUT.csv")
     a = ap.parse_args()
+    if a.plot_only:
+        with open(a.out + ".csv") as f:
+            plot(list(csv.DictReader(l for l in f if not l.startswith("#"))),
+                 a.out)
+        return
+    if not a.model:
+        ap.error("--model is required")
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     started = time.time()
     rows = []
