@@ -654,7 +654,7 @@ def _resolve_server(m, c, ctx):
     holds nothing."""
     kv = c.flag("kv_service", ctx.flags[WORKER])
     parts = kv.split(",")
-    if len(parts) == 1:
+    if _plane(c, ctx) not in ("tcp", "rdma"):
         return _resolve_one(m, c, ctx, kv)
     errors = []
     found = []
@@ -678,6 +678,8 @@ def _resolve_server(m, c, ctx):
     ordinals = []
     for h in hosts:
         mo = re.match(r"^%s-(\d+)$" % re.escape(w.name), h.split(".")[0])
+        if not mo and len(parts) == 1:
+            return found[0], []  # one Service name
         if not mo:
             return None, ["%s: --kv_service=%s: %s is not a pod of StatefulSet "
                           "%s (<name>-<n>.<headless service>): a Service "
@@ -1434,8 +1436,8 @@ class BrokenManifestsTest(unittest.TestCase):
     def test_kv_service_ordinal_out_of_range(self):
         m = mutate(self.DG, lambda d: set_config(
             d, "WORKER_KV_SERVICE",
-            "tcp://infinigen-kv-memory-1.infinigen-kv-memory:7070"))
-        self.assertReports(check_kv_service, m, "has 1 replicas")
+            "tcp://infinigen-kv-memory-2.infinigen-kv-memory:7070"))
+        self.assertReports(check_kv_service, m, "has 2 replicas")
 
     def test_kv_service_wrong_port(self):
         m = mutate(self.DG, lambda d: set_config(
