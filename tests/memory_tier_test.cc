@@ -7,6 +7,7 @@
 #include <signal.h>
 
 #include <chrono>
+#include <cstdio>
 #include <memory>
 #include <string>
 #include <vector>
@@ -188,6 +189,8 @@ TEST_F(MemoryTier, AStoppedNodeFailsItsWorkerInBoundedTimeNotTheOthers) {
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
           .count();
   ASSERT_FALSE(status.ok()) << "a stopped node must fail its sequences";
+  std::fprintf(stderr, "worker A, %.2f s after node 0 stopped: %s\n", secs,
+               status.ToString().c_str());
   EXPECT_THAT(status.code(),
               ::testing::AnyOf(absl::StatusCode::kUnavailable,
                                absl::StatusCode::kDeadlineExceeded));
