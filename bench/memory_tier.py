@@ -36,7 +36,7 @@ WORKER = BIN + "/gpu_worker/infinigen"
 def start_servers(n, tmp):
     procs, addrs = [], []
     for i in range(n):
-        ready = os.path.join(tmp, "ready%d" % i)
+        ready = os.path.join(tmp, "ready%d_of_%d" % (i, n))
         p = subprocess.Popen([SERVER, "--listen=127.0.0.1:0",
                               "--ready_file=" + ready],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -73,6 +73,9 @@ def fetch_bench(address, tmp, min_time):
     rows = {}
     for b in json.load(open(out))["benchmarks"]:
         tokens = int(re.findall(r"\d+", b["name"])[-1])
+        if "p50_us" not in b:
+            sys.exit("memory_tier.py: %s failed: %s"
+                     % (b["name"], b.get("error_message", "no counters")))
         rows[tokens] = (b["p50_us"], b["GB/s"])
     return rows
 
