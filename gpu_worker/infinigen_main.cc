@@ -97,7 +97,10 @@ ABSL_FLAG(std::string, skew, "",
 ABSL_FLAG(std::string, kv_service, "inproc:",
           "The KV memory node for offloaded policies: inproc: (in this "
           "process), tcp://HOST:PORT, unix:PATH, shm:unix:PATH (same host, "
-          "shared memory), rdma://HOST:PORT. A remote node holds this "
+          "shared memory), rdma://HOST:PORT; a memory tier: a comma-"
+          "separated list of those (A,B,...) or dns+tcp://NAME:PORT (every "
+          "address NAME resolves to), each sequence's KV heads spread over "
+          "the nodes. A remote node holds this "
           "process's sequences under a lease renewed by heartbeats; it frees "
           "them if the process dies.");
 ABSL_FLAG(int64_t, max_worker_kv_bytes, 0,

@@ -6,12 +6,14 @@
 #include "kv_memory_service/inproc/inproc_client.h"
 #include "kv_memory_service/kv_client.h"
 #include "kv_memory_service/rdma/rdma_client.h"
+#include "kv_memory_service/sharded/sharded_kv_client.h"
 #include "kv_memory_service/shm/shm_client.h"
 #include "kv_memory_service/tcp/grpc_client.h"
 
 namespace infinigen::kv_memory_service {
+namespace {
 
-absl::StatusOr<std::unique_ptr<KvClient>> ConnectKvClient(
+absl::StatusOr<std::unique_ptr<KvClient>> ConnectOneNode(
     const std::string& address, const KvClientOptions& options) {
   if (address == "inproc:") {
     std::shared_ptr<KvStore> store = options.inproc_store;
@@ -33,7 +35,19 @@ absl::StatusOr<std::unique_ptr<KvClient>> ConnectKvClient(
   }
   return absl::InvalidArgumentError(absl::StrCat(
       "unknown KV memory address '", address,
-      "' (want inproc:, tcp://HOST:PORT, unix:PATH, shm:..., rdma://HOST:PORT)"));
+      "' (want inproc:, tcp://HOST:PORT, unix:PATH, shm:..., rdma://HOST:PORT,"
+      " a comma-separated list of those, or dns+tcp://NAME:PORT)"));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<KvClient>> ConnectKvClient(
+    const std::string& address, const KvClientOptions& options) {
+  // Several nodes: one sequence's KV heads spread over all of them.
+  if (IsMemoryTierAddress(address)) {
+    return ConnectMemoryTier(address, options, ConnectOneNode);
+  }
+  return ConnectOneNode(address, options);
 }
 
 }  // namespace infinigen::kv_memory_service

@@ -622,7 +622,10 @@ def _check_network_policies(m, ctx):
 
 
 def _plane(c, ctx):
-    kv = c.flag("kv_service", ctx.flags[WORKER])
+    return _plane_of(c.flag("kv_service", ctx.flags[WORKER]).split(",")[0])
+
+
+def _plane_of(kv):
     for prefix, plane in (("inproc:", "inproc"), ("shm:", "shm"),
                           ("tcp://", "tcp"), ("rdma://", "rdma"),
                           ("unix:", "unix")):
@@ -645,9 +648,53 @@ def _server_ports_used(server, ctx, plane):
 
 def _resolve_server(m, c, ctx):
     """The memory server container a worker's --kv_service reaches, and the
-    errors met on the way: (container or None, errors)."""
+    errors met on the way: (container or None, errors). A memory tier
+    (a comma-separated list) must reach one memory server workload, list
+    each of its StatefulSet pods once and every one of them: a pod left out
+    holds nothing."""
     kv = c.flag("kv_service", ctx.flags[WORKER])
-    plane = _plane(c, ctx)
+    parts = kv.split(",")
+    if _plane(c, ctx) not in ("tcp", "rdma"):
+        return _resolve_one(m, c, ctx, kv)
+    errors = []
+    found = []
+    for part in parts:
+        if _plane_of(part) != _plane(c, ctx):
+            errors.append("%s: --kv_service=%s mixes data planes"
+                          % (c.where(), kv))
+        srv, errs = _resolve_one(m, c, ctx, part)
+        errors += errs
+        if srv is not None:
+            found.append(srv)
+    if errors:
+        return None, errors
+    if any(s is not found[0] for s in found):
+        return None, ["%s: --kv_service=%s reaches several memory server "
+                      "workloads: a tier is the pods of one StatefulSet"
+                      % (c.where(), kv)]
+    w = found[0].workload
+    hosts = [p.split("://", 1)[-1].split("?", 1)[0].rpartition(":")[0]
+             for p in parts]
+    ordinals = []
+    for h in hosts:
+        mo = re.match(r"^%s-(\d+)$" % re.escape(w.name), h.split(".")[0])
+        if not mo and len(parts) == 1:
+            return found[0], []  # one Service name
+        if not mo:
+            return None, ["%s: --kv_service=%s: %s is not a pod of StatefulSet "
+                          "%s (<name>-<n>.<headless service>): a Service "
+                          "would spread one node's rows over every pod"
+                          % (c.where(), kv, h, w.name)]
+        ordinals.append(int(mo.group(1)))
+    if sorted(ordinals) != list(range(w.replicas())):
+        return None, ["%s: --kv_service lists pods %s of StatefulSet %s, which "
+                      "has %d replicas: list each pod once, all of them"
+                      % (c.where(), sorted(ordinals), w.name, w.replicas())]
+    return found[0], []
+
+
+def _resolve_one(m, c, ctx, kv):
+    plane = _plane_of(kv)
     if plane in ("inproc", "unknown", "unix"):
         return None, []
     if plane == "shm":
@@ -1163,6 +1210,10 @@ class RenderedManifestsTest(unittest.TestCase):
         (worker,) = m.containers(WORKER)
         self.assertEqual("Deployment", worker.workload.kind)
         self.assertEqual("1", str(worker.limits().get("nvidia.com/gpu")))
+        # A memory tier: several pods, every one of them in the worker's list.
+        self.assertGreater(server.workload.replicas(), 1)
+        kv = worker.flag("kv_service", context().flags[WORKER])
+        self.assertEqual(server.workload.replicas(), len(kv.split(",")))
 
     def test_disaggregated_rdma(self):
         self._check("overlays/disaggregated-rdma")
@@ -1324,6 +1375,26 @@ class BrokenManifestsTest(unittest.TestCase):
         self.assertReports(check_services, mutate(self.DG, fn),
                            "targetPort 'fetch-socket' is not a port")
 
+    def test_a_tier_pod_left_out(self):
+        m = mutate(self.DG, lambda d: set_config(
+            d, "WORKER_KV_SERVICE",
+            "tcp://infinigen-kv-memory-1.infinigen-kv-memory:7070"))
+        self.assertReports(check_kv_service, m, "which has 2 replicas")
+
+    def test_a_tier_pod_out_of_range(self):
+        def fn(docs):
+            find(docs, "StatefulSet", "infinigen-kv-memory")["spec"][
+                "replicas"] = 1
+        self.assertReports(check_kv_service, mutate(self.DG, fn),
+                           "the StatefulSet has 1 replicas")
+
+    def test_a_tier_through_a_service(self):
+        m = mutate(self.DG, lambda d: set_config(
+            d, "WORKER_KV_SERVICE",
+            "tcp://infinigen-kv-memory-0.infinigen-kv-memory:7070,"
+            "tcp://infinigen-kv-memory:7070"))
+        self.assertReports(check_kv_service, m, "is not a pod of StatefulSet")
+
     def test_statefulset_service_not_headless(self):
         def fn(docs):
             del find(docs, "Service", "infinigen-kv-memory")["spec"]["clusterIP"]
@@ -1365,8 +1436,8 @@ class BrokenManifestsTest(unittest.TestCase):
     def test_kv_service_ordinal_out_of_range(self):
         m = mutate(self.DG, lambda d: set_config(
             d, "WORKER_KV_SERVICE",
-            "tcp://infinigen-kv-memory-1.infinigen-kv-memory:7070"))
-        self.assertReports(check_kv_service, m, "has 1 replicas")
+            "tcp://infinigen-kv-memory-2.infinigen-kv-memory:7070"))
+        self.assertReports(check_kv_service, m, "has 2 replicas")
 
     def test_kv_service_wrong_port(self):
         m = mutate(self.DG, lambda d: set_config(
