@@ -153,6 +153,31 @@ TEST_F(MemoryTier, TwoAndFourNodesGiveExactlyTheSingleNodeLogits) {
   }
 }
 
+// The same tier over the shared-memory plane: each node's rows reach the
+// worker through its own shm slots, then the composite buffer.
+TEST_F(MemoryTier, AShmTierGivesExactlyTheSingleNodeLogits) {
+  std::vector<std::string> shm;
+  for (int i = 0; i < 2; ++i) {
+    shm.push_back("shm:unix:" +
+                  ServerProcess::SocketPath("tier_shm" + std::to_string(i)));
+    auto s = ServerProcess::Start(
+        {"--listen=127.0.0.1:0", "--shm_listen=" + shm.back().substr(4)});
+    ASSERT_TRUE(s.ok()) << s.status();
+    servers_.push_back(std::move(*s));
+  }
+  for (PolicyKind kind : {PolicyKind::kFull, PolicyKind::kInfiniGen}) {
+    SCOPED_TRACE(gpu_worker::PolicyName(kind));
+    const int64_t before0 = AppendedRows(0), before1 = AppendedRows(1);
+    const auto want = Decode(shm[0], kind);
+    ASSERT_EQ(want.size(), 22u);
+    const int64_t single = AppendedRows(0) - before0;
+    ASSERT_GT(single, 0);
+    EXPECT_EQ(Decode(shm[0] + "," + shm[1], kind), want);
+    EXPECT_EQ(AppendedRows(0) - before0, single + single / 2);
+    EXPECT_EQ(AppendedRows(1) - before1, single / 2);
+  }
+}
+
 TEST_F(MemoryTier, AStoppedNodeFailsItsWorkerInBoundedTimeNotTheOthers) {
   StartServers(3);
   ASSERT_EQ(servers_.size(), 3u);
