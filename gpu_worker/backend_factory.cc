@@ -22,15 +22,6 @@ namespace {
 constexpr char kPlugin[] = "libinfinigen_cuda.so";
 using CreateFn = Backend* (*)(int device, int* code, std::string* message);
 
-std::string ExecutableDir() {
-  std::string path(4096, '\0');
-  const ssize_t n = readlink("/proc/self/exe", path.data(), path.size() - 1);
-  if (n <= 0) return ".";
-  path.resize(n);
-  const size_t slash = path.rfind('/');
-  return slash == std::string::npos ? "." : path.substr(0, slash);
-}
-
 // Where the plugin may be: $INFINIGEN_CUDA_PLUGIN alone when set; else next
 // to the executable (an install or a bundle), then in its Bazel runfiles.
 std::vector<std::string> PluginCandidates() {
@@ -38,12 +29,14 @@ std::vector<std::string> PluginCandidates() {
       env != nullptr && *env != '\0') {
     return {env};
   }
-  const std::string dir = ExecutableDir();
-  std::vector<std::string> c = {dir + "/" + kPlugin};
+  std::vector<std::string> c;
   std::string exe(4096, '\0');
   const ssize_t n = readlink("/proc/self/exe", exe.data(), exe.size() - 1);
   if (n > 0) {
     exe.resize(n);
+    const size_t slash = exe.rfind('/');
+    c.push_back(exe.substr(0, slash == std::string::npos ? 0 : slash + 1) +
+                kPlugin);
     c.push_back(exe + ".runfiles/infinigen/gpu_worker/cuda/" + kPlugin);
   }
   if (const char* srcdir = std::getenv("TEST_SRCDIR"); srcdir != nullptr) {

@@ -171,10 +171,11 @@ class OffloadedKvCache final : public KvCache {
     DeviceBuffer<uint16_t> staged[2];
     Backend::Mark staged_free[2] = {0, 0};
     bool uploaded[2] = {false, false};  // plans[i]'s rows are readable
-    // The step's new K and V rows [layer][kv_dim] (backend memory, copied
-    // to the host after the last layer), encoded for the memory node into
-    // k_step/v_step [layer][kv_head][row_width].
-    DeviceBuffer<float> new_k, new_v;
+    // The step's new K rows [layer][kv_dim], then its V rows the same
+    // (backend memory, copied to the host in one piece after the last
+    // layer), encoded for the memory node into k_step/v_step
+    // [layer][kv_head][row_width].
+    DeviceBuffer<float> new_rows;
     std::vector<uint16_t> k_step, v_step;
     AppendResult appended;  // last async append
     absl::Status append_status;
@@ -235,7 +236,7 @@ class OffloadedKvCache final : public KvCache {
   // Host copies: a prefill chunk's q, k, v [max_chunk][...] and a step's
   // new rows [layer][kv_dim].
   std::vector<float> q_host_, k_host_, v_host_;
-  std::vector<float> new_k_host_, new_v_host_;
+  std::vector<float> new_rows_host_;
   // One prefill layer's rows for the memory node: [pos][kv_head][width].
   std::vector<uint16_t> k_stage_, v_stage_;
 
@@ -288,10 +289,9 @@ absl::Status OffloadedKvCache::Init() {
                      0);
     s.present_count.assign(c_.n_layers, 0);
     const size_t step_values = static_cast<size_t>(c_.n_layers) * c_.kv_dim();
-    IG_ASSIGN_OR_RETURN(s.new_k, DeviceBuffer<float>::Make(
-                                     &backend_, step_values, "step rows"));
-    IG_ASSIGN_OR_RETURN(s.new_v, DeviceBuffer<float>::Make(
-                                     &backend_, step_values, "step rows"));
+    IG_ASSIGN_OR_RETURN(s.new_rows, DeviceBuffer<float>::Make(
+                                        &backend_, 2 * step_values,
+                                        "step rows"));
     s.k_step.resize(static_cast<size_t>(c_.n_layers) * c_.n_kv_heads *
                     layout_.row_width);
     s.v_step.resize(s.k_step.size());
@@ -319,8 +319,7 @@ absl::Status OffloadedKvCache::Init() {
   q_host_.resize(chunk * c_.q_dim());
   k_host_.resize(chunk * c_.kv_dim());
   v_host_.resize(chunk * c_.kv_dim());
-  new_k_host_.resize(static_cast<size_t>(c_.n_layers) * c_.kv_dim());
-  new_v_host_.resize(new_k_host_.size());
+  new_rows_host_.resize(2 * static_cast<size_t>(c_.n_layers) * c_.kv_dim());
   const size_t stage =
       static_cast<size_t>(max_seq_) * c_.n_kv_heads * layout_.row_width;
   k_stage_.resize(stage);
@@ -525,8 +524,9 @@ absl::Status OffloadedKvCache::DecodeAttention(int layer, const float* q,
   for (size_t i = 0; i < step_slots_.size(); ++i) {
     Sequence& s = sequences_[step_slots_[i]];
     // The new token's rows, kept until the step's appends are encoded.
-    backend_.Copy(s.new_k.data() + layer * kvd, k + i * kvd, kvd);
-    backend_.Copy(s.new_v.data() + layer * kvd, v + i * kvd, kvd);
+    float* new_k = s.new_rows.data() + layer * kvd;
+    backend_.Copy(new_k, k + i * kvd, kvd);
+    backend_.Copy(new_k + c_.n_layers * kvd, v + i * kvd, kvd);
     IG_RETURN_IF_ERROR(
         FetchedAttention(s, layer, static_cast<int>(i), q, k, v, out));
   }
@@ -707,18 +707,16 @@ absl::Status OffloadedKvCache::FetchedAttention(Sequence& s, int layer,
 absl::Status OffloadedKvCache::StageStepRows(Sequence& s) {
   const size_t kvd = c_.kv_dim();
   const int width = layout_.row_width;
-  const size_t bytes = new_k_host_.size() * sizeof(float);
-  IG_RETURN_IF_ERROR(
-      backend_.CopyToHost(new_k_host_.data(), s.new_k.data(), bytes));
-  IG_RETURN_IF_ERROR(
-      backend_.CopyToHost(new_v_host_.data(), s.new_v.data(), bytes));
+  IG_RETURN_IF_ERROR(backend_.CopyToHost(new_rows_host_.data(),
+                                         s.new_rows.data(),
+                                         s.new_rows.bytes()));
+  const float* new_k = new_rows_host_.data();
+  const float* new_v = new_k + c_.n_layers * kvd;
   for (int l = 0; l < c_.n_layers; ++l) {
     const size_t at = static_cast<size_t>(l) * c_.n_kv_heads * width;
-    s.policy->EncodeRows(new_k_host_.data() + l * kvd, c_.n_kv_heads,
-                         &s.k_step[at]);
-    s.policy->EncodeRows(new_v_host_.data() + l * kvd, c_.n_kv_heads,
-                         &s.v_step[at]);
-    s.policy->OnDecodeAppend(l, s.position, s.new_k.data() + l * kvd);
+    s.policy->EncodeRows(new_k + l * kvd, c_.n_kv_heads, &s.k_step[at]);
+    s.policy->EncodeRows(new_v + l * kvd, c_.n_kv_heads, &s.v_step[at]);
+    s.policy->OnDecodeAppend(l, s.position, s.new_rows.data() + l * kvd);
   }
   return absl::OkStatus();
 }

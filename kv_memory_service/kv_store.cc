@@ -479,17 +479,7 @@ absl::StatusOr<SequenceId> KvStore::Open(const SequenceGeometry& geometry,
     absl::MutexLock lock(&mu_);
     Session* owner = nullptr;
     if (session != 0) {
-      auto it = sessions_.find(session);
-      if (it != sessions_.end() && Expired(it->second, Now())) {
-        ExpireLocked(session, Now(), &freed);
-        it = sessions_.end();
-      }
-      if (it == sessions_.end()) {
-        return absl::NotFoundError(absl::StrCat(
-            "no session ", session,
-            " (its lease expired, or the server restarted)"));
-      }
-      owner = &it->second;
+      IG_ASSIGN_OR_RETURN(owner, LiveSessionLocked(session, Now(), &freed));
     }
     if (static_cast<int64_t>(sequences_.size()) >= options_.max_sequences) {
       return absl::ResourceExhaustedError(
@@ -571,19 +561,25 @@ absl::StatusOr<SessionId> KvStore::OpenSession() {
 absl::Status KvStore::RenewSession(SessionId session) {
   std::vector<std::shared_ptr<Sequence>> freed;  // released after mu_
   absl::MutexLock lock(&mu_);
-  auto it = sessions_.find(session);
   const absl::Time now = Now();
+  IG_ASSIGN_OR_RETURN(Session * live, LiveSessionLocked(session, now, &freed));
+  live->renewed = now;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<KvStore::Session*> KvStore::LiveSessionLocked(
+    SessionId id, absl::Time now,
+    std::vector<std::shared_ptr<Sequence>>* freed) {
+  auto it = sessions_.find(id);
   if (it != sessions_.end() && Expired(it->second, now)) {
-    ExpireLocked(session, now, &freed);
+    ExpireLocked(id, now, freed);
     it = sessions_.end();
   }
   if (it == sessions_.end()) {
     return absl::NotFoundError(absl::StrCat(
-        "no session ", session,
-        " (its lease expired, or the server restarted)"));
+        "no session ", id, " (its lease expired, or the server restarted)"));
   }
-  it->second.renewed = now;
-  return absl::OkStatus();
+  return &it->second;
 }
 
 std::vector<ExpiredSession> KvStore::ExpireSessions() {
@@ -603,17 +599,8 @@ std::vector<ExpiredSession> KvStore::ExpireSessions() {
 absl::Status KvStore::CloseSession(SessionId session) {
   std::vector<std::shared_ptr<Sequence>> freed;  // released after mu_
   absl::MutexLock lock(&mu_);
-  auto it = sessions_.find(session);
   const absl::Time now = Now();
-  if (it != sessions_.end() && Expired(it->second, now)) {
-    ExpireLocked(session, now, &freed);
-    it = sessions_.end();
-  }
-  if (it == sessions_.end()) {
-    return absl::NotFoundError(absl::StrCat(
-        "no session ", session,
-        " (its lease expired, or the server restarted)"));
-  }
+  IG_RETURN_IF_ERROR(LiveSessionLocked(session, now, &freed).status());
   EndSessionLocked(session, now, &freed);
   return absl::OkStatus();
 }

@@ -189,6 +189,12 @@ class KvStore {
   ExpiredSession EndSessionLocked(SessionId id, absl::Time now,
                                   std::vector<std::shared_ptr<Sequence>>* freed)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The live session `id` at `now`; one whose lease ran out is expired
+  // first. NotFound when there is none.
+  absl::StatusOr<Session*> LiveSessionLocked(
+      SessionId id, absl::Time now,
+      std::vector<std::shared_ptr<Sequence>>* freed)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops `seq` from its session, if it has one.
   void ForgetOwnerLocked(SequenceId seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
