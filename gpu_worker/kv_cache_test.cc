@@ -58,9 +58,11 @@ class FakeKvClient final : public KvClient {
 
   FakeKvClient() : store_(KvStoreOptions()) {}
 
-  absl::StatusOr<SequenceId> Open(const SequenceGeometry& g) override {
+  absl::StatusOr<kv_memory_service::OpenedSequence> OpenSequence(
+      const SequenceGeometry& g,
+      const kv_memory_service::PrefixRequest& prefix) override {
     ++opens;
-    return store_.Open(g);
+    return store_.Open(g, 0, prefix);
   }
   absl::StatusOr<AppendResult> Append(SequenceId seq,
                                       const AppendBlock& block) override {

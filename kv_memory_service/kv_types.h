@@ -19,6 +19,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -78,6 +79,42 @@ absl::Status ValidateGeometry(const SequenceGeometry& geometry);
 // Bytes of K and V rows the pool reserves for a sequence of this geometry:
 // 2 * n_layers * n_kv_heads * max_tokens * head_dim * 2.
 int64_t ReservedBytes(const SequenceGeometry& geometry);
+
+// Names one prefix block: the rows of block_tokens consecutive tokens of
+// every (layer, KV head), as one model in one row format computed them
+// after the same earlier tokens. A 128-bit hash chain (PrefixKeys in
+// prefix_keys.h): equal keys mean equal model identity, block size and
+// tokens from position 0 through the block's end.
+struct PrefixKey {
+  uint64_t lo = 0;
+  uint64_t hi = 0;
+
+  bool operator==(const PrefixKey& o) const { return lo == o.lo && hi == o.hi; }
+  bool operator!=(const PrefixKey& o) const { return !(*this == o); }
+  template <typename H>
+  friend H AbslHashValue(H h, const PrefixKey& k) {
+    return H::combine(std::move(h), k.lo, k.hi);
+  }
+};
+
+// What a sequence may reuse and share. keys[i] names the tokens
+// [i * block_tokens, (i + 1) * block_tokens) of the sequence (with all
+// before them). Open attaches the longest run of leading blocks the store
+// holds; the rest are published as shared blocks once every layer's rows
+// of a block are appended. Empty keys: nothing reused or shared.
+struct PrefixRequest {
+  int32_t block_tokens = 0;  // > 0 when keys is not empty
+  std::vector<PrefixKey> keys;
+};
+
+// An opened sequence: its id and how many leading tokens (a multiple of
+// block_tokens) were attached from shared blocks. Every layer's length
+// starts at cached_tokens, their rows present; the caller appends from
+// there.
+struct OpenedSequence {
+  SequenceId id = 0;
+  int32_t cached_tokens = 0;
+};
 
 // The K and V rows of n_tokens new tokens, for the consecutive layers
 // [first_layer, first_layer + n_layers). Layer l's tokens take its next
@@ -203,6 +240,13 @@ struct StoreStats {
   int64_t expired_sessions = 0;   // leases that ran out, over the store's life
   int64_t expired_sequences = 0;  // sequences closed with them
   int64_t lease_timeout_ms = 0;   // 0 = sessions never expire
+  // The shared prefix blocks (prefix_cache.h).
+  int64_t prefix_blocks = 0;          // held now
+  int64_t prefix_bytes = 0;           // their K and V rows, each counted once
+  int64_t prefix_capacity_bytes = 0;  // 0 = no prefix sharing
+  int64_t prefix_hit_tokens = 0;      // tokens attached at Open, life total
+  int64_t prefix_lookup_tokens = 0;   // tokens Open was asked to attach
+  int64_t prefix_evicted_blocks = 0;  // dropped to make room, life total
 };
 
 }  // namespace infinigen::kv_memory_service

@@ -17,6 +17,7 @@ PKGS=(
   libgmock-dev
   libbenchmark-dev
   libibverbs-dev
+  libxxhash-dev
   nlohmann-json3-dev
   python3
   python3-yaml

@@ -166,8 +166,11 @@ absl::Status KvMemoryService::DoOpen(const kv::OpenSequenceRequest& req,
     return absl::InvalidArgumentError("OpenSequence needs a geometry");
   }
   IG_ASSIGN_OR_RETURN(SequenceGeometry g, FromProto(req.geometry()));
-  IG_ASSIGN_OR_RETURN(SequenceId id, store_->Open(g, req.session_id()));
-  resp->set_sequence_id(id);
+  IG_ASSIGN_OR_RETURN(const PrefixRequest prefix, PrefixFromProto(req));
+  IG_ASSIGN_OR_RETURN(const OpenedSequence opened,
+                      store_->Open(g, req.session_id(), prefix));
+  resp->set_sequence_id(opened.id);
+  resp->set_cached_tokens(opened.cached_tokens);
   return absl::OkStatus();
 }
 

@@ -447,9 +447,11 @@ class GrpcKvClient final : public KvClient {
     }
   }
 
-  absl::StatusOr<SequenceId> Open(const SequenceGeometry& geometry) override {
+  absl::StatusOr<OpenedSequence> OpenSequence(
+      const SequenceGeometry& geometry, const PrefixRequest& prefix) override {
     kv::OpenSequenceRequest req;
     ToProto(geometry, req.mutable_geometry());
+    ToProto(prefix, &req);
     IG_ASSIGN_OR_RETURN(SessionId session, CurrentSession());
     absl::Status status;
     for (int attempt = 0; attempt < 2; ++attempt) {
@@ -471,7 +473,9 @@ class GrpcKvClient final : public KvClient {
                                    options_.connect_timeout)));
         status = FromGrpcStatus(stub_->OpenSequence(&retry, req, &resp));
       }
-      if (status.ok()) return resp.sequence_id();
+      if (status.ok()) {
+        return OpenedSequence{resp.sequence_id(), resp.cached_tokens()};
+      }
       // The only NotFound of OpenSequence: the session expired (or the
       // server restarted). Its sequences are gone; new ones go into a new
       // session.
