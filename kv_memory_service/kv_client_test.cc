@@ -281,6 +281,8 @@ TEST_P(KvClientTest, ASecondClientReusesAPrefixAnotherPublished) {
   ASSERT_TRUE(first.ok()) << first.status();
   EXPECT_EQ(first->cached_tokens, 0);
   testdata::TestBlock rows = MakeTestBlock(7, g, 0, g.n_layers, 0, 20);
+  const std::vector<std::string> meta = {"block zero", "block one"};
+  rows.block.prefix_meta = meta;
   ASSERT_TRUE(client_->Append(first->id, rows.block).ok());
   ASSERT_TRUE(client_->Close(first->id).ok());
 
@@ -289,6 +291,7 @@ TEST_P(KvClientTest, ASecondClientReusesAPrefixAnotherPublished) {
   auto second = other->OpenSequence(g, prefix);
   ASSERT_TRUE(second.ok()) << second.status();
   EXPECT_EQ(second->cached_tokens, 16);
+  EXPECT_EQ(second->prefix_meta, meta);
   const OwnedFetchPlan plan =
       OwnedFetchPlan::SameForAllHeads(2, {0, 7, 8, 15});
   auto buffer = other->NewFetchBuffer(FetchElements(plan.view(), 8));

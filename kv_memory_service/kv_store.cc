@@ -115,6 +115,16 @@ class KvStore::Sequence {
       return absl::InvalidArgumentError(
           absl::StrCat("n_tokens must be positive, got ", b.n_tokens));
     }
+    if (b.prefix_meta_first_block < 0) {
+      return absl::InvalidArgumentError("prefix_meta_first_block is negative");
+    }
+    for (const std::string& meta : b.prefix_meta) {
+      if (meta.size() > kMaxPrefixMetaBytes) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "a prefix block annotation of ", meta.size(),
+            " bytes exceeds the limit of ", kMaxPrefixMetaBytes));
+      }
+    }
     if (b.n_tokens > max_append_tokens) {
       return absl::ResourceExhaustedError(
           absl::StrCat("append of ", b.n_tokens, " tokens exceeds the limit of ",
@@ -179,6 +189,16 @@ class KvStore::Sequence {
       }
     }
     evicted_rows_ += static_cast<int64_t>(result.evicted.size());
+    // Annotations of blocks still to publish are kept until then.
+    const size_t first_pending = attached_.size() + next_pending_;
+    for (size_t i = 0; i < b.prefix_meta.size(); ++i) {
+      const size_t block = static_cast<size_t>(b.prefix_meta_first_block) + i;
+      if (block < first_pending || block >= attached_.size() + pending_.size()) {
+        continue;
+      }
+      pending_meta_.resize(pending_.size());
+      pending_meta_[block - attached_.size()] = b.prefix_meta[i];
+    }
     CollectPublishable(published);
     totals.appended_rows.fetch_add(
         int64_t{b.n_layers} * b.n_tokens * g_.n_kv_heads,
@@ -436,6 +456,9 @@ class KvStore::Sequence {
           }
         }
       }
+      if (next_pending_ < pending_meta_.size()) {
+        b->meta = std::move(pending_meta_[next_pending_]);
+      }
       out->push_back(std::move(b));
       ++next_pending_;
     }
@@ -557,6 +580,7 @@ class KvStore::Sequence {
   std::vector<std::shared_ptr<const PrefixBlock>> attached_
       ABSL_GUARDED_BY(mu_);
   std::vector<PrefixKey> pending_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> pending_meta_ ABSL_GUARDED_BY(mu_);
   size_t next_pending_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
@@ -788,6 +812,7 @@ absl::StatusOr<OpenedSequence> KvStore::Open(const SequenceGeometry& geometry,
   if (prefix_cache_->capacity_bytes() > 0) {
     pending.assign(keys.begin() + blocks.size(), keys.end());
   }
+  for (const auto& b : blocks) opened.prefix_meta.push_back(b->meta);
   auto s = Find(id);
   if (!s.ok()) return s.status();  // its session expired meanwhile
   opened.cached_tokens = (*s)->Attach(std::move(blocks), prefix.block_tokens,

@@ -114,6 +114,9 @@ struct PrefixRequest {
 struct OpenedSequence {
   SequenceId id = 0;
   int32_t cached_tokens = 0;
+  // The annotation each attached block was published with (AppendBlock),
+  // one per block, in order.
+  std::vector<std::string> prefix_meta;
 };
 
 // The K and V rows of n_tokens new tokens, for the consecutive layers
@@ -129,7 +132,17 @@ struct AppendBlock {
   // what a K projection of n_tokens produces.
   absl::Span<const uint16_t> k;
   absl::Span<const uint16_t> v;  // same layout as k
+  // Optional annotations of the sequence's prefix blocks (PrefixRequest):
+  // prefix_meta[i] belongs to block prefix_meta_first_block + i and is
+  // kept with that block when it is shared, returned to whoever attaches
+  // it (OpenedSequence::prefix_meta). The node never reads them; a worker
+  // keeps there what it derives from a block's tokens besides K and V
+  // (InfiniGen: the block's summed query magnitudes). At most
+  // kMaxPrefixMetaBytes each.
+  int32_t prefix_meta_first_block = 0;
+  absl::Span<const std::string> prefix_meta;
 };
+inline constexpr size_t kMaxPrefixMetaBytes = 1 << 20;
 
 // One token the pool dropped to make room. Fetching it afterwards fails with
 // FailedPrecondition; the caller should stop selecting it.

@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <list>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -41,9 +42,11 @@ struct PrefixBlock {
   SequenceGeometry format;
   int32_t tokens = 0;
   std::vector<uint16_t> k, v;
+  std::string meta;  // AppendBlock::prefix_meta, opaque
 
   int64_t bytes() const {
-    return static_cast<int64_t>(k.size() + v.size()) * sizeof(uint16_t);
+    return static_cast<int64_t>(k.size() + v.size()) * sizeof(uint16_t) +
+           static_cast<int64_t>(meta.size());
   }
   size_t RowOffset(int32_t layer, int32_t kv_head, int32_t token) const {
     return ((static_cast<size_t>(layer) * format.n_kv_heads + kv_head) *

@@ -117,6 +117,47 @@ TEST_F(PrefixStoreTest, SecondSequenceAttachesTheFirstOnesBlocks) {
   EXPECT_EQ(s.prefix_bytes, int64_t{4} * 2 * kLayers * kHeads * kBlock * kDim * 2);
 }
 
+TEST_F(PrefixStoreTest, AnnotationsTravelWithTheirBlocks) {
+  const std::vector<int32_t> tokens = Tokens(12);  // 3 blocks
+  const SequenceGeometry g = MakeGeometry(kLayers, kHeads, kDim, 64);
+  PrefixRequest p;
+  p.block_tokens = kBlock;
+  p.keys = PrefixKeys("m", kBlock, tokens);
+  auto a = store_->Open(g, 0, p);
+  ASSERT_TRUE(a.ok());
+  // Layer by layer; the annotations come with the last layer's rows, the
+  // first block's on its own.
+  for (int l = 0; l < kLayers; ++l) {
+    auto b = MakeTestBlock(1, g, l, 1, 0, 12);
+    std::vector<std::string> meta;
+    if (l == kLayers - 1) {
+      meta = {"one", "two"};
+      b.block.prefix_meta_first_block = 1;
+      b.block.prefix_meta = meta;
+      auto early = MakeTestBlock(1, g, l, 1, 0, 12);
+      const std::vector<std::string> zero = {"zero"};
+      early.block.prefix_meta = zero;
+      early.block.n_tokens = 0;  // invalid: nothing of it is kept
+      EXPECT_FALSE(store_->Append(a->id, early.block).ok());
+    }
+    ASSERT_TRUE(store_->Append(a->id, b.block).ok());
+  }
+  auto c = store_->Open(g, 0, p);
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->cached_tokens, 12);
+  EXPECT_EQ(c->prefix_meta, (std::vector<std::string>{"", "one", "two"}));
+  // An oversized annotation is refused and changes nothing.
+  auto d = store_->Open(g, 0, PrefixRequest());
+  auto rows = MakeTestBlock(1, g, 0, kLayers, 0, 4);
+  const std::vector<std::string> big = {std::string(kMaxPrefixMetaBytes + 1, 'x')};
+  rows.block.prefix_meta = big;
+  EXPECT_EQ(store_->Append(d->id, rows.block).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  auto stats = store_->GetSequenceStats(d->id);
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->present_rows, 0);
+}
+
 TEST_F(PrefixStoreTest, AnotherModelOrOtherTokensMiss) {
   const std::vector<int32_t> tokens = Tokens(16);
   Prefill(1, "model-a", tokens);

@@ -147,6 +147,7 @@ class ShardedKvClient final : public KvClient {
       shards->node_ids.assign(nodes_.size(), 0);
       SequenceId id = 0;
       int32_t least = -1, most = -1;
+      std::vector<std::string> meta;
       for (int node = 0; node < n; ++node) {
         const HeadRange r = NodeHeads(node, n, geometry.n_kv_heads);
         if (r.begin == r.end) continue;
@@ -158,7 +159,10 @@ class ShardedKvClient final : public KvClient {
           return AtNode(nodes_[node].address, opened.status());
         }
         shards->node_ids[node] = opened->id;
-        if (id == 0) id = opened->id;
+        if (id == 0) {
+          id = opened->id;
+          meta = std::move(opened->prefix_meta);
+        }
         least = least < 0 ? opened->cached_tokens
                           : std::min(least, opened->cached_tokens);
         most = std::max(most, opened->cached_tokens);
@@ -166,7 +170,9 @@ class ShardedKvClient final : public KvClient {
       if (least == most || want.keys.empty()) {
         absl::MutexLock lock(&mu_);
         sequences_[id] = std::move(shards);
-        return OpenedSequence{id, std::max(least, 0)};
+        meta.resize(std::max(least, 0) /
+                    std::max(want.block_tokens, int32_t{1}));
+        return OpenedSequence{id, std::max(least, 0), std::move(meta)};
       }
       CloseOnNodes(*shards);
       want.keys.resize(attempt == 0 ? least / want.block_tokens : 0);
