@@ -19,6 +19,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/reflection.h"
@@ -36,6 +38,8 @@
 #include "gpu_worker/kv_policy.h"
 #include "kv_memory_service/kv_client.h"
 #include "gpu_worker/engine.h"
+#include "gpu_worker/model_identity.h"
+#include "kv_memory_service/kv_store.h"
 #include "gpu_worker/generation_scheduler.h"
 #include "gpu_worker/generation_service.h"
 #include "gpu_worker/sampler.h"
@@ -114,6 +118,20 @@ ABSL_FLAG(std::string, kv_auth_token_file, "",
 ABSL_FLAG(double, kv_capacity, 1.0,
           "Tokens the memory pool keeps per layer and KV head, as a fraction "
           "of the context; below 1 it evicts by --eviction.");
+ABSL_FLAG(int, prefix_block_tokens, 16,
+          "Prefix reuse: a prompt's leading tokens whose KV rows the memory "
+          "node already holds (from any earlier request of any worker with "
+          "the same model, policy and --skew) are fetched instead of "
+          "computed, in blocks of this many tokens; 0 = never reuse. Not "
+          "for h2o (it needs the prompt's attention) or ideal (no node).");
+ABSL_FLAG(int64_t, prefix_cache_bytes, int64_t{1} << 30,
+          "The embedded (inproc:) memory node's room for shared prefix "
+          "blocks; a remote node has its own flag.");
+ABSL_FLAG(std::string, on_kv_loss, "recompute",
+          "When the memory node loses a sequence mid-generation (restart, "
+          "eviction, replacement): recompute (prefill it again from the "
+          "tokens the worker holds and continue; same greedy output) or "
+          "fail (the request fails with the node's error).");
 ABSL_FLAG(std::string, eviction, "lru",
           "The in-process pool's eviction policy: fifo, lru, counter.");
 ABSL_FLAG(int, prompt_tokens, 0,
@@ -171,13 +189,27 @@ std::vector<const char*> WithEngineFlags(std::vector<const char*> own) {
   return own;
 }
 
+// `own` and the engine's flags, with prefix reuse and recovery: the
+// commands that serve generations.
+std::vector<const char*> WithServingFlags(std::vector<const char*> own) {
+  own = WithEngineFlags(std::move(own));
+  for (const char* f : {"prefix_block_tokens", "prefix_cache_bytes",
+                        "on_kv_loss"}) {
+    own.push_back(f);
+  }
+  return own;
+}
+
 const std::map<std::string, Command>& Commands() {
   static const auto* commands = new std::map<std::string, Command>{
       {"generate",
-       {"Writes the prompt and the model's continuation to stdout.",
-        WithEngineFlags({"model", "tokenizer", "prompt", "max_new_tokens",
-                         "temperature", "top_p", "seed", "max_seq_len",
-                         "calibration_tokens"})}},
+       {"Writes the prompt and the model's continuation to stdout; with "
+        "--json, then a JSON line: prompt_tokens, cached_tokens (reused "
+        "from the memory node), prefill_seconds, generated_tokens, "
+        "decode_seconds, kv_recoveries.",
+        WithServingFlags({"model", "tokenizer", "prompt", "max_new_tokens",
+                          "temperature", "top_p", "seed", "max_seq_len",
+                          "calibration_tokens", "json"})}},
       {"perplexity",
        {"Scores a text file in windows of --ctx tokens and reports the mean "
         "negative log-likelihood and the perplexity; with --prompt_tokens, "
@@ -192,9 +224,9 @@ const std::map<std::string, Command>& Commands() {
         "per-token latency (p50, p99), tokens/s, KV bytes fetched per token, "
         "the time spent waiting on fetches, the KV memory held by the "
         "worker and by the memory node, and the process's peak RSS.",
-        WithEngineFlags({"model", "tokenizer", "text", "ctx", "batch",
-                         "decode_tokens", "calibration_tokens", "json",
-                         "plan_only"})}},
+        WithServingFlags({"model", "tokenizer", "text", "ctx", "batch",
+                          "decode_tokens", "calibration_tokens", "json",
+                          "plan_only"})}},
       {"serve",
        {"Serves the Worker gRPC generation API (proto/worker.proto) and "
         "grpc.health.v1 on --listen: token streams to many clients, "
@@ -203,9 +235,9 @@ const std::map<std::string, Command>& Commands() {
         "once a second; the service infinigen.worker.Liveness stays "
         "SERVING), SERVING again once it does. SIGTERM or SIGINT stops "
         "taking requests, lets streams finish for --drain_timeout, exits 0.",
-        WithEngineFlags({"model", "tokenizer", "listen", "max_batch",
-                         "max_queue", "max_prefills_per_step",
-                         "drain_timeout", "max_seq_len"})}},
+        WithServingFlags({"model", "tokenizer", "listen", "max_batch",
+                          "max_queue", "max_prefills_per_step",
+                          "drain_timeout", "max_seq_len"})}},
       {"skew",
        {"Computes InfiniGen's skew matrices from calibration text and writes "
         "them to --out.",
@@ -293,10 +325,27 @@ struct PolicySetup {
 };
 
 // Failures are usage errors (bad flags or files) unless the memory node
-// fails at run time.
+// fails at run time. `serving`: the commands that take the reuse and
+// recovery flags (generate, serve, bench-decode); scoring runs neither.
 absl::StatusOr<PolicySetup> SetUpPolicy(const model::Weights& weights,
-                                        absl::Span<const int> calibration) {
+                                        absl::Span<const int> calibration,
+                                        bool serving = false) {
   PolicySetup s;
+  const std::string on_loss = absl::GetFlag(FLAGS_on_kv_loss);
+  if (on_loss != "recompute" && on_loss != "fail") {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--on_kv_loss must be recompute or fail, got '%s'", on_loss));
+  }
+  s.options.recompute_on_kv_loss = serving && on_loss == "recompute";
+  const int block = absl::GetFlag(FLAGS_prefix_block_tokens);
+  if (block < 0 || block > kv_memory_service::KvStore::kMaxBlockTokens) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--prefix_block_tokens must be in [0, %d], got %d",
+        kv_memory_service::KvStore::kMaxBlockTokens, block));
+  }
+  if (absl::GetFlag(FLAGS_prefix_cache_bytes) < 0) {
+    return absl::InvalidArgumentError("--prefix_cache_bytes must be >= 0");
+  }
   IG_ASSIGN_OR_RETURN(s.options.policy.kind,
                       gpu_worker::ParsePolicy(absl::GetFlag(FLAGS_policy)));
   s.options.policy.alpha = static_cast<float>(absl::GetFlag(FLAGS_alpha));
@@ -350,6 +399,12 @@ absl::StatusOr<PolicySetup> SetUpPolicy(const model::Weights& weights,
   IG_ASSIGN_OR_RETURN(
       client_options.inproc_store_options.eviction,
       kv_memory_service::ParseEvictionPolicy(absl::GetFlag(FLAGS_eviction)));
+  client_options.inproc_store_options.prefix_cache_bytes =
+      absl::GetFlag(FLAGS_prefix_cache_bytes);
+  if (serving && block > 0) {
+    s.options.prefix_block_tokens = block;
+    s.options.model_identity = gpu_worker::ModelIdentity(weights, s.skew.get());
+  }
   IG_ASSIGN_OR_RETURN(s.client, kv_memory_service::ConnectKvClient(
                                     absl::GetFlag(FLAGS_kv_service),
                                     client_options));
@@ -380,7 +435,7 @@ int RunGenerate() {
     return Fail(kExitUsage, absl::InvalidArgumentError(
                                 "the prompt is empty and the model has no BOS"));
   }
-  auto setup = SetUpPolicy(m->weights, tokens);
+  auto setup = SetUpPolicy(m->weights, tokens, /*serving=*/true);
   if (!setup.ok()) return Fail(kExitUsage, setup.status());
   EngineOptions& options = setup->options;
   options.max_seq_len = absl::GetFlag(FLAGS_max_seq_len);
@@ -424,11 +479,23 @@ int RunGenerate() {
       std::chrono::duration<double>(prefill_done - start).count();
   const double decode_s =
       std::chrono::duration<double>(end - prefill_done).count();
+  const Engine& e = **engine;
   IG_LOG(INFO) << absl::StrFormat(
-      "prompt %d tokens in %.3f s; generated %d tokens in %.3f s (%.1f "
-      "tokens/s)",
-      tokens.size(), prefill_s, generated, decode_s,
+      "prompt %d tokens (%d reused from the memory node) in %.3f s; "
+      "generated %d tokens in %.3f s (%.1f tokens/s)",
+      tokens.size(), e.cached_tokens(), prefill_s, generated, decode_s,
       decode_s > 0 ? generated / decode_s : 0.0);
+  if (absl::GetFlag(FLAGS_json)) {
+    nlohmann::json j;
+    j["prompt_tokens"] = tokens.size();
+    j["cached_tokens"] = e.cached_tokens();
+    j["prefill_seconds"] = prefill_s;
+    j["generated_tokens"] = generated;
+    j["decode_seconds"] = decode_s;
+    j["kv_recoveries"] = e.kv_recoveries();
+    j["policy"] = gpu_worker::PolicyName(e.policy());
+    std::printf("%s\n", j.dump().c_str());
+  }
   return 0;
 }
 
@@ -673,7 +740,7 @@ int RunBenchDecode() {
   std::vector<DecodeBenchResult> results;
   for (const std::string& policy : policies) {
     absl::SetFlag(&FLAGS_policy, policy);
-    auto setup = SetUpPolicy(m->weights, source);
+    auto setup = SetUpPolicy(m->weights, source, /*serving=*/true);
     if (!setup.ok()) return Fail(kExitUsage, setup.status());
     EngineOptions& options = setup->options;
     options.max_seq_len = ctx + steps;
@@ -838,7 +905,7 @@ int RunServe() {
   }
   auto m = LoadFromFlags(/*need_tokenizer=*/true);
   if (!m.ok()) return LoadFailure(m.status());
-  auto setup = SetUpPolicy(m->weights, {});
+  auto setup = SetUpPolicy(m->weights, {}, /*serving=*/true);
   if (!setup.ok()) return Fail(kExitUsage, setup.status());
   EngineOptions& options = setup->options;
   options.max_seq_len = absl::GetFlag(FLAGS_max_seq_len);

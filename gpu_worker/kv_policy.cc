@@ -150,6 +150,8 @@ class H2OPolicy final : public KvPolicy {
   }
 
   bool WantsPrefillProbs() const override { return true; }
+  // Heavy hitters rank by the prompt's own attention: no reuse.
+  bool ReusesPrefix() const override { return false; }
   bool WantsAttentionProbs() const override { return true; }
 
   void ObservePrefill(int layer, const float* q, const float* k, int n,
@@ -342,27 +344,60 @@ class InfiniGenPolicy final : public KvPolicy {
 
   void ObservePrefill(int layer, const float* q, const float* k, int n,
                       int first_pos, const float* prob_sums) override {
-    // Partial columns rank by the summed |q A| over the prompt (times the
-    // summed |k A| with rank_columns_by_keys).
+    const model::ModelConfig& m = config();
+    const size_t d = m.head_dim;
+    Accumulate(layer, q, k, n, ColSums(layer, 0),
+               k_col_sums_.data() + Head(layer, 0) * d, row_.data());
+  }
+
+  // Per layer: the summed |q A| of each KV head's columns, then (with
+  // rank_columns_by_keys) the summed |k A|.
+  int PrefixStateFloats() const override {
+    const model::ModelConfig& m = config();
+    return m.n_kv_heads * m.head_dim * (options_.rank_columns_by_keys ? 2 : 1);
+  }
+  void SummarizePrefill(int layer, const float* q, const float* k, int n,
+                        float* out) const override {
+    const model::ModelConfig& m = config();
+    std::vector<float> row(m.head_dim);
+    Accumulate(layer, q, k, n, out,
+               out + static_cast<size_t>(m.n_kv_heads) * m.head_dim,
+               row.data());
+  }
+  void AddPrefixState(int layer, const float* state) override {
+    const model::ModelConfig& m = config();
+    const size_t n = static_cast<size_t>(m.n_kv_heads) * m.head_dim;
+    float* q_sums = ColSums(layer, 0);
+    for (size_t i = 0; i < n; ++i) q_sums[i] += state[i];
+    if (!options_.rank_columns_by_keys) return;
+    float* k_sums = k_col_sums_.data() + Head(layer, 0) * m.head_dim;
+    for (size_t i = 0; i < n; ++i) k_sums[i] += state[n + i];
+  }
+
+  // Partial columns rank by the summed |q A| over the prompt (times the
+  // summed |k A| with rank_columns_by_keys): adds n tokens' magnitudes to
+  // q_sums [n_kv_heads][d] and k_sums (the same), using row [d].
+  void Accumulate(int layer, const float* q, const float* k, int n,
+                  float* q_sums, float* k_sums, float* row) const {
     const model::ModelConfig& m = config();
     const int d = m.head_dim, group = m.n_heads / m.n_kv_heads;
     for (int i = 0; i < n; ++i) {
       for (int h = 0; h < m.n_heads; ++h) {
         const int g = h / group;
         speculator::ApplySkew(q + (static_cast<size_t>(i) * m.n_heads + h) * d,
-                              1, skew_.at(layer, g), d, row_.data());
-        float* sums = ColSums(layer, g);
-        for (int c = 0; c < d; ++c) sums[c] += std::fabs(row_[c]);
+                              1, skew_.at(layer, g), d, row);
+        float* sums = q_sums + static_cast<size_t>(g) * d;
+        for (int c = 0; c < d; ++c) sums[c] += std::fabs(row[c]);
       }
     }
     if (!options_.rank_columns_by_keys) return;
     for (int g = 0; g < m.n_kv_heads; ++g) {
-      float* sums = k_col_sums_.data() + Head(layer, g) * d;
+      float* sums = k_sums + static_cast<size_t>(g) * d;
       for (int i = 0; i < n; ++i) {
         speculator::ApplySkew(
             k + (static_cast<size_t>(i) * m.n_kv_heads + g) * d, 1,
-            skew_.at(layer, g), d, row_.data());
-        for (int c = 0; c < d; ++c) sums[c] += std::fabs(row_[c]);
+            skew_.at(layer, g), d, row);
+        for (int c = 0; c < d; ++c) sums[c] += std::fabs(row[c]);
       }
     }
   }

@@ -117,6 +117,23 @@ class KvPolicy {
   virtual void ObservePrefill(int layer, const float* q, const float* k,
                               int n, int first_pos, const float* prob_sums) {}
 
+  // Prefix reuse (kv_cache.h): a sequence may start from the rows of a
+  // prompt prefix another sequence computed. Whether this policy can:
+  // false where it needs the whole prompt's attention itself (h2o).
+  virtual bool ReusesPrefix() const { return true; }
+  // What the policy derives from prefill queries and keys beyond the
+  // stored rows, per layer, as floats that add up over tokens (InfiniGen:
+  // the summed |q A| its partial columns rank by). A reused block carries
+  // its tokens' sums, so that the sequence ranks as if it had seen them.
+  virtual int PrefixStateFloats() const { return 0; }
+  // Adds the contribution of n prefill tokens of `layer` (q, k as in
+  // ObservePrefill) to out [PrefixStateFloats()].
+  virtual void SummarizePrefill(int layer, const float* q, const float* k,
+                                int n, float* out) const {}
+  // Counts a reused block's summary of `layer` as if ObservePrefill had
+  // seen its tokens.
+  virtual void AddPrefixState(int layer, const float* state) {}
+
   // After layer's last prefill chunk: keys [n_kv_heads, key_stride,
   // head_dim] (backend memory) hold its post-RoPE keys of positions
   // [0, n_tokens). Errors are the backend's.
