@@ -667,6 +667,7 @@ struct DecodeBenchResult {
   std::vector<double> step_seconds;
   double seconds = 0;
   double prefill_seconds = 0;
+  long cached_tokens = 0;  // prefill tokens reused from the memory node
   gpu_worker::FetchStats fetch;
   int64_t worker_kv_bytes = 0;    // K/V, staging and policy state
   int64_t memory_node_bytes = 0;  // reserved on the node for the run
@@ -764,6 +765,7 @@ int RunBenchDecode() {
       const int* seq = source.data() + static_cast<size_t>(b) * (ctx + steps);
       auto l = (*engine)->Forward(b, absl::MakeConstSpan(seq, ctx), false);
       if (!l.ok()) return Fail(kExitFailure, l.status());
+      r.cached_tokens += (*engine)->cached_tokens(b);
       std::fprintf(stderr, "bench-decode %s: prefilled sequence %d/%d\n",
                    policy.c_str(), b + 1, batch);
     }
@@ -830,7 +832,7 @@ int RunBenchDecode() {
           "%.1f, \"fetch_fraction_mean\": %.6f, \"fetch_wait_fraction\": "
           "%.6f, \"compute_fraction\": %.6f, \"prefill_seconds\": %.3f, "
           "\"worker_kv_bytes\": %lld, \"memory_node_bytes\": %lld, "
-          "\"peak_rss_bytes\": %lld}\n",
+          "\"peak_rss_bytes\": %lld, \"cached_tokens\": %ld}\n",
           r.policy.c_str(), r.backend.c_str(), plane.c_str(), ctx, batch,
           steps,
           tokens / r.seconds, 1e3 * Percentile(r.step_seconds, 50),
@@ -840,7 +842,7 @@ int RunBenchDecode() {
           1.0 - r.fetch.wait_seconds / r.seconds, r.prefill_seconds,
           static_cast<long long>(r.worker_kv_bytes),
           static_cast<long long>(r.memory_node_bytes),
-          static_cast<long long>(r.peak_rss_bytes));
+          static_cast<long long>(r.peak_rss_bytes), r.cached_tokens);
     }
   }
   return 0;
