@@ -76,7 +76,9 @@ ABSL_FLAG(std::string, backend, "auto",
 ABSL_FLAG(int, threads, 0, "CPU threads for the matrix work; 0: all cores.");
 ABSL_FLAG(std::string, policy, "ideal",
           "How K and V reach attention when decoding: ideal (all local), full "
-          "(fetch every row), infinigen, h2o, int4.");
+          "(fetch every row), infinigen, h2o, int4, oracle (a diagnostic: "
+          "each layer's exact top --budget of its own scores, layers 0 and 1 "
+          "whole).");
 ABSL_FLAG(double, alpha, 5.0,
           "infinigen: fetch tokens whose speculated score is within alpha of "
           "the head's maximum.");
@@ -85,8 +87,14 @@ ABSL_FLAG(double, partial_ratio, 0.3,
           "weight and partial key cache.");
 ABSL_FLAG(double, budget, 0.2,
           "infinigen: cap on tokens fetched per head as a fraction of the "
-          "cached tokens; h2o: fraction kept (half heavy hitters, half "
-          "recent).");
+          "cached tokens; oracle: the fraction each head takes; h2o: fraction "
+          "kept (half heavy hitters, half recent).");
+ABSL_FLAG(int, sink_tokens, 0,
+          "infinigen, oracle: the first N positions (attention sinks) are "
+          "fetched at every speculated layer besides the selection.");
+ABSL_FLAG(int, recent_tokens, 0,
+          "infinigen, oracle: the last N positions before the new token are "
+          "fetched at every speculated layer besides the selection.");
 ABSL_FLAG(bool, same_layer_input, false,
           "infinigen, diagnostic: speculate each layer's selection from its "
           "own attention input instead of the previous layer's (no "
@@ -181,7 +189,8 @@ struct Command {
 // KV policy, the memory node and the device.
 std::vector<const char*> WithEngineFlags(std::vector<const char*> own) {
   for (const char* f :
-       {"policy", "alpha", "partial_ratio", "partial_rank", "budget", "skew",
+       {"policy", "alpha", "partial_ratio", "partial_rank", "budget",
+        "sink_tokens", "recent_tokens", "skew",
         "kv_service", "kv_auth_token_file", "kv_capacity", "eviction",
         "max_worker_kv_bytes", "backend", "threads"}) {
     own.push_back(f);
@@ -359,6 +368,8 @@ absl::StatusOr<PolicySetup> SetUpPolicy(const model::Weights& weights,
   }
   s.options.policy.rank_columns_by_keys = rank == "qk";
   s.options.policy.same_layer_input = absl::GetFlag(FLAGS_same_layer_input);
+  s.options.policy.sink_tokens = absl::GetFlag(FLAGS_sink_tokens);
+  s.options.policy.recent_tokens = absl::GetFlag(FLAGS_recent_tokens);
   s.options.kv_capacity = absl::GetFlag(FLAGS_kv_capacity);
   s.options.max_worker_kv_bytes = absl::GetFlag(FLAGS_max_worker_kv_bytes);
   if (s.options.max_worker_kv_bytes < 0) {

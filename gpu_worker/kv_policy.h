@@ -11,6 +11,11 @@
 //              budget a fraction of the sequence, evicted for good
 //   int4       rows stored group-wise 4-bit (asymmetric, group 64, FlexGen's
 //              scheme); every row fetched
+//   oracle     the upper bound of top-k selection: layers 0 and 1 fetch
+//              everything; layer i >= 2 fetches the exact top `budget` of
+//              its own attention scores per KV head (max over the head's
+//              queries), chosen from its own input (the fetch cannot leave
+//              early: a diagnostic, not a serving policy)
 // Every policy but ideal stores rows in the memory node through a KvClient
 // and fetches them with FetchPlans, so the rows moved per step are counted
 // the same way for all.
@@ -36,7 +41,7 @@
 
 namespace infinigen::gpu_worker {
 
-enum class PolicyKind { kIdeal, kFull, kInfiniGen, kH2O, kInt4 };
+enum class PolicyKind { kIdeal, kFull, kInfiniGen, kH2O, kInt4, kOracle };
 
 // "ideal", "full", "infinigen", "h2o", "int4"; InvalidArgument otherwise.
 absl::StatusOr<PolicyKind> ParsePolicy(absl::string_view name);
@@ -65,6 +70,17 @@ struct PolicyOptions {
   // infinigen: the skew matrices (not owned; must outlive the engine).
   // Required for infinigen.
   const speculator::SkewMatrices* skew = nullptr;
+  // infinigen and oracle: the first sink_tokens positions (attention
+  // sinks) and the last recent_tokens before the new token are fetched at
+  // every speculated layer, besides the speculated selection.
+  int sink_tokens = 0;
+  int recent_tokens = 0;
+
+  // Whether a layer's fetch is chosen from that layer's own input
+  // (same_layer_input, oracle) rather than the previous layer's.
+  bool SpeculatesFromOwnInput() const {
+    return same_layer_input || kind == PolicyKind::kOracle;
+  }
 
   // InvalidArgument for values out of range or a missing skew.
   absl::Status Validate() const;

@@ -706,7 +706,8 @@ absl::Status OffloadedKvCache::LayerInput(int layer, const float* xb) {
   // Layer l + 1's fetch leaves before layer l's attention and MLP run
   // (with the same_layer_input diagnostic, layer l's leaves now, from its
   // own input; layer 0's left at the start of the step).
-  const int fetch_layer = options_.policy.same_layer_input ? layer : layer + 1;
+  const int fetch_layer =
+      options_.policy.SpeculatesFromOwnInput() ? layer : layer + 1;
   if (fetch_layer <= 0 || fetch_layer >= c_.n_layers) return absl::OkStatus();
   for (size_t i = 0; i < step_slots_.size(); ++i) {
     IG_RETURN_IF_ERROR(IssueFetch(sequences_[step_slots_[i]], fetch_layer,
@@ -743,7 +744,7 @@ absl::Status OffloadedKvCache::DecodeAttention(int layer, const float* q,
 absl::Status OffloadedKvCache::LayerDone(int layer) {
   // The next layer's rows move to the backend while this layer computes
   // (its fetch left before this layer's attention).
-  if (options_.policy.same_layer_input || layer + 1 >= c_.n_layers) {
+  if (options_.policy.SpeculatesFromOwnInput() || layer + 1 >= c_.n_layers) {
     return absl::OkStatus();
   }
   for (int slot : step_slots_) {
