@@ -54,6 +54,19 @@ ABSL_FLAG(int32_t, fetch_port, 0,
           "With a TCP --listen: the port of the plain-socket fetch endpoint "
           "on the same host, which tcp:// clients use for fetches (faster "
           "than the gRPC stream). 0 = any free port, -1 = none.");
+ABSL_FLAG(int32_t, fetch_threads, 2,
+          "Event-loop threads serving every plain-socket fetch connection.");
+ABSL_FLAG(int32_t, fetch_max_connections, 1024,
+          "Most plain-socket fetch connections past their Hello; more are "
+          "refused (RESOURCE_EXHAUSTED).");
+ABSL_FLAG(int32_t, fetch_max_connections_per_peer, 256,
+          "Most plain-socket fetch connections from one peer address.");
+ABSL_FLAG(absl::Duration, fetch_handshake_timeout, absl::Seconds(5),
+          "A fetch connection that has not completed its Hello by then is "
+          "closed (at most 64 wait at once, the oldest dropped first).");
+ABSL_FLAG(absl::Duration, fetch_idle_timeout, absl::Minutes(10),
+          "A fetch connection silent either way this long is closed (the "
+          "client reconnects); 0 = never.");
 ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(5),
           "On SIGTERM, how long calls in flight may take to finish.");
 ABSL_FLAG(std::string, shm_listen, "",
@@ -103,7 +116,9 @@ std::string Usage() {
       "%s\n\nUsage: kv_memory_server [--flag=value ...]\n\nFlags:\n", kSummary);
   for (const char* name :
        {"listen", "capacity_bytes", "eviction", "auth_token_file",
-        "max_message_bytes", "max_sequences", "fetch_port", "drain_timeout",
+        "max_message_bytes", "max_sequences", "fetch_port", "fetch_threads",
+        "fetch_max_connections", "fetch_max_connections_per_peer",
+        "fetch_handshake_timeout", "fetch_idle_timeout", "drain_timeout",
         "shm_listen", "shm_max_client_bytes", "shm_max_total_bytes",
         "rdma_device", "lease_timeout", "allow_insecure",
         "ready_file"}) {
@@ -158,6 +173,22 @@ int Run() {
   if (options.fetch_port < -1 || options.fetch_port > 65535) {
     return UsageError(absl::StrCat("--fetch_port must be -1..65535, got ",
                                    options.fetch_port));
+  }
+  options.fetch_threads = absl::GetFlag(FLAGS_fetch_threads);
+  options.fetch_max_connections = absl::GetFlag(FLAGS_fetch_max_connections);
+  options.fetch_max_connections_per_peer =
+      absl::GetFlag(FLAGS_fetch_max_connections_per_peer);
+  options.fetch_handshake_timeout =
+      absl::GetFlag(FLAGS_fetch_handshake_timeout);
+  options.fetch_idle_timeout = absl::GetFlag(FLAGS_fetch_idle_timeout);
+  if (options.fetch_threads < 1 || options.fetch_max_connections < 1 ||
+      options.fetch_max_connections_per_peer < 1 ||
+      options.fetch_handshake_timeout <= absl::ZeroDuration() ||
+      options.fetch_idle_timeout < absl::ZeroDuration()) {
+    return UsageError(
+        "--fetch_threads, --fetch_max_connections, "
+        "--fetch_max_connections_per_peer and --fetch_handshake_timeout must "
+        "be positive, --fetch_idle_timeout not negative");
   }
   options.shm_listen = absl::GetFlag(FLAGS_shm_listen);
   options.rdma_device = absl::GetFlag(FLAGS_rdma_device);

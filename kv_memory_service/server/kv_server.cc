@@ -81,6 +81,12 @@ absl::StatusOr<std::unique_ptr<KvServer>> KvServer::Start(
     fetch_options.port = options.fetch_port;
     fetch_options.auth_token = options.auth_token;
     fetch_options.max_message_bytes = options.max_message_bytes;
+    fetch_options.threads = options.fetch_threads;
+    fetch_options.max_connections = options.fetch_max_connections;
+    fetch_options.max_connections_per_peer =
+        options.fetch_max_connections_per_peer;
+    fetch_options.handshake_timeout = options.fetch_handshake_timeout;
+    fetch_options.idle_timeout = options.fetch_idle_timeout;
     absl::StatusOr<std::unique_ptr<FetchSocketServer>> fetch_server =
         FetchSocketServer::Start(server->store_, fetch_options);
     if (!fetch_server.ok()) return fetch_server.status();
