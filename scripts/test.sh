@@ -2,8 +2,9 @@
 # Runs every test: installs the build's Debian packages, fetches the larger
 # real model into the git-ignored cache (tests that need it skip without it),
 # runs `bazel test //...`, then a focused set of unit tests under ASan+UBSan
-# and TSan (scripts/sanitizer_tests.sh), and ends with one line `N passed,
-# N failed, N skipped` counted over the individual test cases of all three.
+# and TSan (scripts/sanitizer_tests.sh), a few seconds of each libFuzzer
+# target (fuzz/run.sh), and ends with one line `N passed, N failed,
+# N skipped` counted over the individual test cases of all of them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root="$PWD"
@@ -29,6 +30,15 @@ for config in asan tsan; do
   [ "$src" -ne 0 ] && [ "$rc" -eq 0 ] && rc=$src
   counted+=("$slog" "$(readlink -f bazel-testlogs)")
 done
+
+# And a short smoke of each libFuzzer target (fuzz/run.sh): its seeds, then
+# a few seconds of fuzzing; one check per target in the count.
+flog="$(mktemp)"
+fuzz/run.sh "${FUZZ_SMOKE_SECONDS:-5}" | tee /dev/stderr |
+  awk 'NR > 1 { print "//fuzz:" $1, ($NF == "ok" ? "PASSED" : "FAILED") }' >"$flog"
+frc=${PIPESTATUS[0]}
+[ "$frc" -ne 0 ] && [ "$rc" -eq 0 ] && rc=$frc
+counted+=("$flog" "fuzz/out")
 
 python3 scripts/count_tests.py "${counted[@]}"
 for ((i = 0; i < ${#counted[@]}; i += 2)); do rm -f "${counted[$i]}"; done
