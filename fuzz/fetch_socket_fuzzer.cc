@@ -16,7 +16,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstddef>
+#include <cstdio>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -99,14 +101,30 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     at += body;
   }
 
-  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   sockaddr_in addr = {};
   addr.sin_family = AF_INET;
   addr.sin_port = htons(fixture->server->port());
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    std::abort();
+  int fd = -1;
+  // Thousands of connections a second can run the loopback out of
+  // ephemeral ports for a moment (EADDRNOTAVAIL): wait, that is the
+  // harness, not the server.
+  for (int attempt = 0;; ++attempt) {
+    fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+      break;
+    }
+    const int err = errno;
+    close(fd);
+    if (err != EADDRNOTAVAIL || attempt == 10000) {
+      std::fprintf(stderr, "connect: %s\n", std::strerror(err));
+      std::abort();
+    }
+    usleep(1000);
   }
+  // Reset on close: no TIME_WAIT left to hold the port.
+  const linger reset = {1, 0};
+  setsockopt(fd, SOL_SOCKET, SO_LINGER, &reset, sizeof(reset));
   timeval tv = {10, 0};  // a hang is a bug: the server must answer or close
   setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
   size_t sent = 0;

@@ -92,6 +92,15 @@ ABSL_FLAG(absl::Duration, lease_timeout, absl::Seconds(10),
           "was cut off) its sequences are closed and their rows freed; the "
           "client then gets NOT_FOUND for them. Keep it above the workers' "
           "fetch timeout (5s). 0 = never expire.");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM file: serve gRPC over TLS with this certificate chain (needs "
+          "--tls_key). The plain fetch socket is then off; tcp:// clients "
+          "fetch over the gRPC stream.");
+ABSL_FLAG(std::string, tls_key, "", "PEM file: the private key of --tls_cert.");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM file: with --tls_cert, require every client to present a "
+          "certificate this CA signed (mutual TLS; counts as auth for a "
+          "non-loopback listen).");
 ABSL_FLAG(bool, allow_insecure, false,
           "Listen on a non-loopback address without --auth_token_file. "
           "Without it the server refuses: every host that reaches such a "
@@ -120,7 +129,8 @@ std::string Usage() {
         "fetch_max_connections", "fetch_max_connections_per_peer",
         "fetch_handshake_timeout", "fetch_idle_timeout", "drain_timeout",
         "shm_listen", "shm_max_client_bytes", "shm_max_total_bytes",
-        "rdma_device", "lease_timeout", "allow_insecure",
+        "rdma_device", "lease_timeout", "tls_cert", "tls_key",
+        "tls_client_ca", "allow_insecure",
         "ready_file"}) {
     absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
     s += absl::StrFormat("  --%s (default: \"%s\")\n      %s\n", name,
@@ -222,12 +232,31 @@ int Run() {
     }
     options.auth_token = *std::move(token);
   }
-  if (options.auth_token.empty() && !absl::GetFlag(FLAGS_allow_insecure) &&
-      !LoopbackOnly(options.listen)) {
+  const struct {
+    const char* flag;
+    std::string path;
+    std::string* pem;
+  } tls_files[] = {
+      {"tls_cert", absl::GetFlag(FLAGS_tls_cert), &options.tls_cert_pem},
+      {"tls_key", absl::GetFlag(FLAGS_tls_key), &options.tls_key_pem},
+      {"tls_client_ca", absl::GetFlag(FLAGS_tls_client_ca),
+       &options.tls_client_ca_pem}};
+  for (const auto& file : tls_files) {
+    if (file.path.empty()) continue;
+    absl::StatusOr<std::string> text = ReadFileToString(file.path);
+    if (!text.ok()) {
+      return UsageError(
+          absl::StrCat("--", file.flag, ": ", text.status().message()));
+    }
+    *file.pem = *std::move(text);
+  }
+  if (options.auth_token.empty() && options.tls_client_ca_pem.empty() &&
+      !absl::GetFlag(FLAGS_allow_insecure) && !LoopbackOnly(options.listen)) {
     return UsageError(absl::StrCat(
         "refusing to listen on non-loopback '", options.listen,
-        "' without --auth_token_file: any host that reaches it could read "
-        "and close every sequence (pass --allow_insecure to do it anyway)"));
+        "' without --auth_token_file or --tls_client_ca: any host that "
+        "reaches it could read and close every sequence (pass "
+        "--allow_insecure to do it anyway)"));
   }
 
   // Every thread gRPC starts inherits this mask, so only sigwait below sees

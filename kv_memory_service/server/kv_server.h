@@ -51,6 +51,14 @@ struct KvServerOptions {
   // The fetch endpoint's event-loop threads, connection limits (past the
   // Hello, in all and per peer address) and timeouts
   // (FetchSocketServerOptions).
+  // gRPC over TLS when tls_cert_pem is set: the server's certificate chain
+  // and private key (PEM). With tls_client_ca_pem too, clients must present
+  // a certificate that CA signed (mutual TLS). The plain fetch socket is
+  // not offered under TLS (it would carry rows in the clear); tcp:// clients
+  // then fetch over the gRPC stream.
+  std::string tls_cert_pem;
+  std::string tls_key_pem;
+  std::string tls_client_ca_pem;
   int32_t fetch_threads = 2;
   int32_t fetch_max_connections = 1024;
   int32_t fetch_max_connections_per_peer = 256;
