@@ -18,7 +18,9 @@ def count(log_path, testlogs):
     with open(log_path, errors="replace") as f:
         log = f.read()
     statuses = {}
-    for m in re.finditer(r"^(//\S+)\s+(PASSED|FAILED TO BUILD|FAILED|"
+    # "(cached)": a result Bazel did not rerun still counts.
+    for m in re.finditer(r"^(//\S+)\s+(?:\(cached\)\s+)?"
+                         r"(PASSED|FAILED TO BUILD|FAILED|"
                          r"TIMEOUT|NO STATUS|FLAKY|SKIPPED)", log, re.M):
         statuses[m.group(1)] = m.group(2)
     passed = failed = skipped = 0

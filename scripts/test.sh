@@ -34,9 +34,13 @@ done
 # And a short smoke of each libFuzzer target (fuzz/run.sh): its seeds, then
 # a few seconds of fuzzing; one check per target in the count.
 flog="$(mktemp)"
-fuzz/run.sh "${FUZZ_SMOKE_SECONDS:-5}" | tee /dev/stderr |
-  awk 'NR > 1 { print "//fuzz:" $1, ($NF == "ok" ? "PASSED" : "FAILED") }' >"$flog"
-frc=${PIPESTATUS[0]}
+ftable="$(mktemp)"
+fuzz/run.sh "${FUZZ_SMOKE_SECONDS:-5}" >"$ftable"
+frc=$?
+cat "$ftable"
+awk 'NR > 1 { print "//fuzz:" $1, ($NF == "ok" ? "PASSED" : "FAILED") }' \
+  "$ftable" >"$flog"
+rm -f "$ftable"
 [ "$frc" -ne 0 ] && [ "$rc" -eq 0 ] && rc=$frc
 counted+=("$flog" "fuzz/out")
 
