@@ -677,10 +677,12 @@ void FetchSocketServer::MakeRoomForHandshakeLocked(const std::string& peer) {
     shutdown(c->fd, SHUT_RDWR);  // its loop sees the end and closes it
   };
   if (peers_[peer].handshakes >= options_.max_handshakes_per_peer) {
-    drop(std::find_if(handshakes_.begin(), handshakes_.end(),
-                      [&](Connection* c) { return c->peer == peer; }));
+    auto oldest = std::find_if(handshakes_.begin(), handshakes_.end(),
+                               [&](Connection* c) { return c->peer == peer; });
+    if (oldest != handshakes_.end()) drop(oldest);
   }
-  if (static_cast<int32_t>(handshakes_.size()) >= options_.max_handshakes) {
+  if (!handshakes_.empty() &&
+      static_cast<int32_t>(handshakes_.size()) >= options_.max_handshakes) {
     drop(handshakes_.begin());
   }
 }
@@ -690,10 +692,8 @@ absl::Status FetchSocketServer::Admit(Connection* c) {
   if (c->dropped) {
     return absl::UnavailableError("the handshake was dropped for a newer one");
   }
-  handshakes_.erase(std::find(handshakes_.begin(), handshakes_.end(), c));
+  ForgetHandshakeLocked(c);
   PeerCount& peer = peers_[c->peer];
-  --peer.handshakes;
-  c->handshake = false;
   if (connections_ >= options_.max_connections ||
       peer.connections >= options_.max_connections_per_peer) {
     ++refused_;
@@ -707,6 +707,13 @@ absl::Status FetchSocketServer::Admit(Connection* c) {
   return absl::OkStatus();
 }
 
+void FetchSocketServer::ForgetHandshakeLocked(Connection* c) {
+  auto it = std::find(handshakes_.begin(), handshakes_.end(), c);
+  if (it != handshakes_.end()) handshakes_.erase(it);
+  --peers_[c->peer].handshakes;
+  c->handshake = false;
+}
+
 void FetchSocketServer::CountRefused() {
   absl::MutexLock lock(&mu_);
   ++refused_;
@@ -716,10 +723,7 @@ void FetchSocketServer::Release(Connection* c, bool timed_out) {
   absl::MutexLock lock(&mu_);
   if (c->handshake || c->counted) {
     PeerCount& peer = peers_[c->peer];
-    if (c->handshake) {
-      handshakes_.erase(std::find(handshakes_.begin(), handshakes_.end(), c));
-      --peer.handshakes;
-    }
+    if (c->handshake) ForgetHandshakeLocked(c);
     if (c->counted) {
       --connections_;
       --peer.connections;

@@ -99,6 +99,8 @@ class FetchSocketServer {
   // The Hello of `c` was valid: OK if it may become a connection (counted
   // as one from now), ResourceExhausted at the limits.
   absl::Status Admit(Connection* c);
+  // `c`, counted as a handshake, is one no longer.
+  void ForgetHandshakeLocked(Connection* c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A Hello refused for its form or its token.
   void CountRefused();
   // Uncounts `c` (counting a timeout if it `timed_out`) and closes its
