@@ -10,6 +10,7 @@
 #   shm_protocol_fuzzer        shm data-plane setup packets
 #   gguf_fuzzer                GGUF files, and the BPE tokenizer they carry
 #   llama2c_tokenizer_fuzzer   llama2.c tokenizer.bin files
+#   safetensors_fuzzer         .safetensors files and Hugging Face config.json
 # Seeds live in fuzz/corpus/TARGET (small, in git); what a run discovers goes
 # to fuzz/out/corpus/TARGET, crashes to fuzz/out/crashes/ (copy a fixed
 # crash into fuzz/corpus/TARGET to keep it as a regression input: every run
@@ -21,7 +22,7 @@ cd "$(dirname "$0")/.."
 seconds="${1:-10}"
 shift || true
 all=(fetch_socket_fuzzer shm_protocol_fuzzer gguf_fuzzer
-     llama2c_tokenizer_fuzzer)
+     llama2c_tokenizer_fuzzer safetensors_fuzzer)
 targets=("$@")
 [ ${#targets[@]} -eq 0 ] && targets=("${all[@]}")
 
@@ -33,7 +34,7 @@ fi
 
 model_srcs=(common/file.cc common/log.cc model/gguf.cc model/bpe_tokenizer.cc
             model/tokenizer.cc model/config.cc model/weights.cc
-            model/llama2c.cc)
+            model/llama2c.cc model/safetensors.cc)
 sources_of() {
   case "$1" in
     fetch_socket_fuzzer)
@@ -41,7 +42,8 @@ sources_of() {
         kv_memory_service/kv_types.cc kv_memory_service/tcp/fetch_wire.cc \
         kv_memory_service/server/fetch_socket_server.cc ;;
     shm_protocol_fuzzer) echo kv_memory_service/shm/shm_protocol.cc ;;
-    gguf_fuzzer | llama2c_tokenizer_fuzzer) echo "${model_srcs[@]}" ;;
+    gguf_fuzzer | llama2c_tokenizer_fuzzer | safetensors_fuzzer)
+      echo "${model_srcs[@]}" ;;
     *) return 1 ;;
   esac
 }
