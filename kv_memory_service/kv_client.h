@@ -99,6 +99,15 @@ struct KvClientOptions {
   // (a socket round trip instead of a gRPC stream message: several times
   // faster); false = always the gRPC FetchStream.
   bool tcp_fetch_socket = true;
+  // tcp://: gRPC over TLS when tls_ca_pem is set: the CA (PEM) the server's
+  // certificate must chain to. tls_cert_pem and tls_key_pem: this client's
+  // certificate and key, for a server that requires them (mutual TLS).
+  // tls_server_name: the name to check the certificate against, when not
+  // the host of the address.
+  std::string tls_ca_pem;
+  std::string tls_cert_pem;
+  std::string tls_key_pem;
+  std::string tls_server_name;
   // Remote clients: the longest time between two heartbeats (lease
   // renewals and Health() checks); a third of the server's lease when that
   // is shorter.

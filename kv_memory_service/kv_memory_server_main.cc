@@ -59,6 +59,19 @@ ABSL_FLAG(int32_t, fetch_port, 0,
           "With a TCP --listen: the port of the plain-socket fetch endpoint "
           "on the same host, which tcp:// clients use for fetches (faster "
           "than the gRPC stream). 0 = any free port, -1 = none.");
+ABSL_FLAG(int32_t, fetch_threads, 2,
+          "Event-loop threads serving every plain-socket fetch connection.");
+ABSL_FLAG(int32_t, fetch_max_connections, 1024,
+          "Most plain-socket fetch connections past their Hello; more are "
+          "refused (RESOURCE_EXHAUSTED).");
+ABSL_FLAG(int32_t, fetch_max_connections_per_peer, 256,
+          "Most plain-socket fetch connections from one peer address.");
+ABSL_FLAG(absl::Duration, fetch_handshake_timeout, absl::Seconds(5),
+          "A fetch connection that has not completed its Hello by then is "
+          "closed (at most 64 wait at once, the oldest dropped first).");
+ABSL_FLAG(absl::Duration, fetch_idle_timeout, absl::Minutes(10),
+          "A fetch connection silent either way this long is closed (the "
+          "client reconnects); 0 = never.");
 ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(5),
           "On SIGTERM, how long calls in flight may take to finish.");
 ABSL_FLAG(std::string, shm_listen, "",
@@ -84,6 +97,15 @@ ABSL_FLAG(absl::Duration, lease_timeout, absl::Seconds(10),
           "was cut off) its sequences are closed and their rows freed; the "
           "client then gets NOT_FOUND for them. Keep it above the workers' "
           "fetch timeout (5s). 0 = never expire.");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM file: serve gRPC over TLS with this certificate chain (needs "
+          "--tls_key). The plain fetch socket is then off; tcp:// clients "
+          "fetch over the gRPC stream.");
+ABSL_FLAG(std::string, tls_key, "", "PEM file: the private key of --tls_cert.");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM file: with --tls_cert, require every client to present a "
+          "certificate this CA signed (mutual TLS; counts as auth for a "
+          "non-loopback listen).");
 ABSL_FLAG(bool, allow_insecure, false,
           "Listen on a non-loopback address without --auth_token_file. "
           "Without it the server refuses: every host that reaches such a "
@@ -109,9 +131,12 @@ std::string Usage() {
   for (const char* name :
        {"listen", "capacity_bytes", "prefix_cache_bytes", "eviction",
         "auth_token_file",
-        "max_message_bytes", "max_sequences", "fetch_port", "drain_timeout",
+        "max_message_bytes", "max_sequences", "fetch_port", "fetch_threads",
+        "fetch_max_connections", "fetch_max_connections_per_peer",
+        "fetch_handshake_timeout", "fetch_idle_timeout", "drain_timeout",
         "shm_listen", "shm_max_client_bytes", "shm_max_total_bytes",
-        "rdma_device", "lease_timeout", "allow_insecure",
+        "rdma_device", "lease_timeout", "tls_cert", "tls_key",
+        "tls_client_ca", "allow_insecure",
         "ready_file"}) {
     absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
     s += absl::StrFormat("  --%s (default: \"%s\")\n      %s\n", name,
@@ -165,6 +190,22 @@ int Run() {
     return UsageError(absl::StrCat("--fetch_port must be -1..65535, got ",
                                    options.fetch_port));
   }
+  options.fetch_threads = absl::GetFlag(FLAGS_fetch_threads);
+  options.fetch_max_connections = absl::GetFlag(FLAGS_fetch_max_connections);
+  options.fetch_max_connections_per_peer =
+      absl::GetFlag(FLAGS_fetch_max_connections_per_peer);
+  options.fetch_handshake_timeout =
+      absl::GetFlag(FLAGS_fetch_handshake_timeout);
+  options.fetch_idle_timeout = absl::GetFlag(FLAGS_fetch_idle_timeout);
+  if (options.fetch_threads < 1 || options.fetch_max_connections < 1 ||
+      options.fetch_max_connections_per_peer < 1 ||
+      options.fetch_handshake_timeout <= absl::ZeroDuration() ||
+      options.fetch_idle_timeout < absl::ZeroDuration()) {
+    return UsageError(
+        "--fetch_threads, --fetch_max_connections, "
+        "--fetch_max_connections_per_peer and --fetch_handshake_timeout must "
+        "be positive, --fetch_idle_timeout not negative");
+  }
   options.shm_listen = absl::GetFlag(FLAGS_shm_listen);
   options.rdma_device = absl::GetFlag(FLAGS_rdma_device);
   options.shm_max_client_bytes = absl::GetFlag(FLAGS_shm_max_client_bytes);
@@ -201,12 +242,31 @@ int Run() {
     }
     options.auth_token = *std::move(token);
   }
-  if (options.auth_token.empty() && !absl::GetFlag(FLAGS_allow_insecure) &&
-      !LoopbackOnly(options.listen)) {
+  const struct {
+    const char* flag;
+    std::string path;
+    std::string* pem;
+  } tls_files[] = {
+      {"tls_cert", absl::GetFlag(FLAGS_tls_cert), &options.tls_cert_pem},
+      {"tls_key", absl::GetFlag(FLAGS_tls_key), &options.tls_key_pem},
+      {"tls_client_ca", absl::GetFlag(FLAGS_tls_client_ca),
+       &options.tls_client_ca_pem}};
+  for (const auto& file : tls_files) {
+    if (file.path.empty()) continue;
+    absl::StatusOr<std::string> text = ReadFileToString(file.path);
+    if (!text.ok()) {
+      return UsageError(
+          absl::StrCat("--", file.flag, ": ", text.status().message()));
+    }
+    *file.pem = *std::move(text);
+  }
+  if (options.auth_token.empty() && options.tls_client_ca_pem.empty() &&
+      !absl::GetFlag(FLAGS_allow_insecure) && !LoopbackOnly(options.listen)) {
     return UsageError(absl::StrCat(
         "refusing to listen on non-loopback '", options.listen,
-        "' without --auth_token_file: any host that reaches it could read "
-        "and close every sequence (pass --allow_insecure to do it anyway)"));
+        "' without --auth_token_file or --tls_client_ca: any host that "
+        "reaches it could read and close every sequence (pass "
+        "--allow_insecure to do it anyway)"));
   }
 
   // Every thread gRPC starts inherits this mask, so only sigwait below sees

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <new>
 #include <random>
 
 #include "absl/strings/str_cat.h"
@@ -649,8 +650,24 @@ absl::StatusOr<SequenceId> KvStore::Open(const SequenceGeometry& geometry,
     return absl::ResourceExhaustedError(
         absl::StrCat("cannot allocate ", bytes, " bytes of rows"));
   }
-  it->second = std::make_shared<Sequence>(id, geometry, options_.eviction,
+  // The bookkeeping is bounded by ValidateGeometry, but an allocation may
+  // still fail: it must not escape (an RPC would see UNKNOWN) nor leave the
+  // placeholder and its reservation behind.
+  std::shared_ptr<Sequence> sequence;
+  try {
+    sequence = std::make_shared<Sequence>(id, geometry, options_.eviction,
                                           std::move(k), std::move(v));
+  } catch (const std::bad_alloc&) {
+  }
+  if (sequence == nullptr) {
+    sequences_.erase(it);
+    bytes_reserved_ -= bytes;
+    ForgetOwnerLocked(id);
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "cannot allocate the bookkeeping of ", geometry.n_layers, " x ",
+        geometry.n_kv_heads, " (layer, head) pairs"));
+  }
+  it->second = std::move(sequence);
   return id;
 }
 

@@ -91,6 +91,40 @@ TEST(KvStoreTest, RejectsBadGeometry) {
   EXPECT_EQ(store.GetStoreStats().open_sequences, 1);
 }
 
+// Issue 18, finding 1: 2^20 layers x 2^10 KV heads x 1 token x dim 1 is
+// only 4 GiB of rows but 2^30 (layer, head) bookkeeping entries; it used to
+// throw out of Open (gRPC UNKNOWN) and leave its placeholder and its
+// reservation behind. It is refused before anything is reserved.
+TEST(KvStoreTest, AbsurdGeometryIsRefusedAndReservesNothing) {
+  KvStoreOptions options;
+  options.max_sequences = 4;
+  options.capacity_bytes = int64_t{8} << 30;
+  KvStore store(options);
+  for (int i = 0; i < 8; ++i) {
+    EXPECT_CODE(store.Open(Geo(1 << 20, 1 << 10, 1, 1)).status(),
+                kInvalidArgument);
+    EXPECT_CODE(store.Open(Geo(1 << 30, 1 << 10, 1, 1)).status(),
+                kInvalidArgument);
+  }
+  StoreStats stats = store.GetStoreStats();
+  EXPECT_EQ(stats.open_sequences, 0);
+  EXPECT_EQ(stats.bytes_reserved, 0);
+  // The largest bookkeeping allowed still opens.
+  auto wide = store.Open(Geo(1 << 8, 1 << 8, 1, 1));
+  ASSERT_TRUE(wide.ok()) << wide.status();
+  ASSERT_OK(store.Close(*wide));
+  EXPECT_CODE(store.Open(Geo((1 << 8) + 1, 1 << 8, 1, 1)).status(),
+              kInvalidArgument);
+  // A well-behaved client is served as before.
+  const SequenceGeometry g = Geo(2, 2, 8, 16);
+  auto id = store.Open(g);
+  ASSERT_TRUE(id.ok()) << id.status();
+  const Block block = MakeBlock(3, g, 0, 2, 0, 4);
+  ASSERT_TRUE(store.Append(*id, block.block).ok());
+  ExpectAllRows(store, *id, 3, g, 4);
+  EXPECT_EQ(store.GetStoreStats().bytes_reserved, ReservedBytes(g));
+}
+
 TEST(KvStoreTest, LimitsSequencesAndBytes) {
   KvStoreOptions options;
   options.max_sequences = 2;

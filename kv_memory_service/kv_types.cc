@@ -10,6 +10,10 @@ namespace {
 // Largest reservation one sequence may ask for; keeps every size
 // computation far from overflow.
 constexpr int64_t kMaxSequenceBytes = int64_t{1} << 50;
+// Most (layer, KV head) pairs one sequence may have: the store keeps
+// bookkeeping per pair from Open on, so this bounds what an Open costs
+// whatever its rows (models have at most a few thousand).
+constexpr int64_t kMaxLayerHeads = int64_t{1} << 16;
 
 }  // namespace
 
@@ -53,6 +57,11 @@ absl::Status ValidateGeometry(const SequenceGeometry& g) {
   if (g.dtype != KvDType::kFloat16 && g.dtype != KvDType::kBFloat16) {
     return absl::InvalidArgumentError(absl::StrCat(
         "dtype must be float16 or bfloat16, got ", static_cast<int>(g.dtype)));
+  }
+  if (int64_t{g.n_layers} * g.n_kv_heads > kMaxLayerHeads) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "geometry too large: ", g.n_layers, " layers x ", g.n_kv_heads,
+        " KV heads exceeds ", kMaxLayerHeads, " (layer, head) pairs"));
   }
   // Each factor is below 2^31, so the product of two fits; check before
   // each further multiplication.

@@ -73,7 +73,8 @@ struct SequenceGeometry {
   KvDType dtype = KvDType::kFloat16;
 };
 
-// InvalidArgument naming the field when a field is out of range.
+// InvalidArgument naming the field when a field is out of range, when
+// n_layers x n_kv_heads exceeds 2^16 or the reservation 2^50 bytes.
 absl::Status ValidateGeometry(const SequenceGeometry& geometry);
 
 // Bytes of K and V rows the pool reserves for a sequence of this geometry:

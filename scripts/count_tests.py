@@ -1,8 +1,10 @@
 """Counts test cases from Bazel's test.xml files and its summary.
 
-Usage: count_tests.py BAZEL_OUTPUT_LOG TESTLOGS_DIR
+Usage: count_tests.py BAZEL_OUTPUT_LOG TESTLOGS_DIR [LOG TESTLOGS_DIR ...]
 
-Prints `N passed, N failed, N skipped`. A test target that Bazel reports as
+Prints `N passed, N failed, N skipped`, summed over every (log, testlogs)
+pair: one per `bazel test` run (the plain run, then each sanitizer's,
+whose test logs are in its own output directory). A test target that Bazel reports as
 failed (or not built, timed out, flaky) but whose XML records no failing
 case counts as one failure, so a crash or build break is never hidden.
 """
@@ -12,12 +14,13 @@ import sys
 import xml.etree.ElementTree as ET
 
 
-def main():
-    log_path, testlogs = sys.argv[1], sys.argv[2]
+def count(log_path, testlogs):
     with open(log_path, errors="replace") as f:
         log = f.read()
     statuses = {}
-    for m in re.finditer(r"^(//\S+)\s+(PASSED|FAILED TO BUILD|FAILED|"
+    # "(cached)": a result Bazel did not rerun still counts.
+    for m in re.finditer(r"^(//\S+)\s+(?:\(cached\)\s+)?"
+                         r"(PASSED|FAILED TO BUILD|FAILED|"
                          r"TIMEOUT|NO STATUS|FLAKY|SKIPPED)", log, re.M):
         statuses[m.group(1)] = m.group(2)
     passed = failed = skipped = 0
@@ -41,12 +44,25 @@ def main():
                 pass
         if status != "PASSED" and t_fail == 0:
             t_fail = 1
+        elif status == "PASSED" and t_pass + t_skip == 0:
+            t_pass = 1  # a check without test cases (fuzz/run.sh's smoke)
         passed += t_pass
         failed += t_fail
         skipped += t_skip
     if not statuses and "ERROR" in log:
         failed += 1  # the build broke before any test ran
-    print(f"{passed} passed, {failed} failed, {skipped} skipped")
+    return passed, failed, skipped
+
+
+def main():
+    args = sys.argv[1:]
+    if not args or len(args) % 2:
+        sys.exit("usage: count_tests.py LOG TESTLOGS_DIR [LOG TESTLOGS_DIR ...]")
+    totals = [0, 0, 0]
+    for i in range(0, len(args), 2):
+        for k, n in enumerate(count(args[i], args[i + 1])):
+            totals[k] += n
+    print(f"{totals[0]} passed, {totals[1]} failed, {totals[2]} skipped")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,13 @@ PKGS=(
   nlohmann-json3-dev
   python3
   python3-yaml
+  # Sanitizer runtimes (--config=asan / --config=tsan; g++ usually brings
+  # them) and clang's libFuzzer for fuzz/run.sh.
+  libasan8
+  libubsan1
+  libtsan2
+  clang-14
+  libclang-rt-14-dev
 )
 # //k8s:manifests_test renders the manifests with `kubectl kustomize`. Any
 # kubectl will do; Debian's (1.20) only where there is none, so a newer one

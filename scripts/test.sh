@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Runs every test: installs the build's Debian packages, fetches the larger
 # real model into the git-ignored cache (tests that need it skip without it),
-# runs `bazel test //...`, and ends with one line `N passed, N failed,
-# N skipped` counted over the individual test cases.
+# runs `bazel test //...`, then a focused set of unit tests under ASan+UBSan
+# and TSan (scripts/sanitizer_tests.sh), a few seconds of each libFuzzer
+# target (fuzz/run.sh), and ends with one line `N passed, N failed,
+# N skipped` counted over the individual test cases of all of them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root="$PWD"
@@ -11,11 +13,37 @@ root="$PWD"
 ./scripts/fetch_smollm2.sh >/dev/null ||
   echo "test.sh: SmolLM2 could not be fetched; tests that need it will skip" >&2
 
+quiet='^(Loading|Analyzing|INFO: From|\[[0-9,]+ / [0-9,]+\])'
 log="$(mktemp)"
 bazel test //... --test_env=INFINIGEN_ROOT="$root" --keep_going "$@" 2>&1 |
-  tee "$log" | grep -vE '^(Loading|Analyzing|INFO: From|\[[0-9,]+ / [0-9,]+\])'
+  tee "$log" | grep -vE "$quiet"
 rc=${PIPESTATUS[0]}
+# Each run's log and its test logs (bazel-testlogs follows the last run).
+counted=("$log" "$(readlink -f bazel-testlogs)")
 
-python3 scripts/count_tests.py "$log" bazel-testlogs
-rm -f "$log"
+# Then a focused set of unit tests under ASan+UBSan and under TSan
+# (scripts/sanitizer_tests.sh), counted in the same line.
+for config in asan tsan; do
+  slog="$(mktemp)"
+  ./scripts/sanitizer_tests.sh "$config" 2>&1 | tee "$slog" | grep -vE "$quiet"
+  src=${PIPESTATUS[0]}
+  [ "$src" -ne 0 ] && [ "$rc" -eq 0 ] && rc=$src
+  counted+=("$slog" "$(readlink -f bazel-testlogs)")
+done
+
+# And a short smoke of each libFuzzer target (fuzz/run.sh): its seeds, then
+# a few seconds of fuzzing; one check per target in the count.
+flog="$(mktemp)"
+ftable="$(mktemp)"
+fuzz/run.sh "${FUZZ_SMOKE_SECONDS:-5}" >"$ftable"
+frc=$?
+cat "$ftable"
+awk 'NR > 1 { print "//fuzz:" $1, ($NF == "ok" ? "PASSED" : "FAILED") }' \
+  "$ftable" >"$flog"
+rm -f "$ftable"
+[ "$frc" -ne 0 ] && [ "$rc" -eq 0 ] && rc=$frc
+counted+=("$flog" "fuzz/out")
+
+python3 scripts/count_tests.py "${counted[@]}"
+for ((i = 0; i < ${#counted[@]}; i += 2)); do rm -f "${counted[$i]}"; done
 exit "$rc"

@@ -123,9 +123,12 @@ size_t EncodeFetchRequest(uint32_t slot, SequenceId sequence, int32_t layer,
   std::memcpy(out.data(), &header, sizeof(header));
   if (!header.plan_inline) return sizeof(header);
   char* p = out.data() + sizeof(header);
-  std::memcpy(p, plan.indices.data(), n * sizeof(int32_t));
-  std::memcpy(p + n * sizeof(int32_t), plan.head_offsets.data(),
-              m * sizeof(int32_t));
+  // An empty span's data() may be null, which memcpy must not see.
+  if (n > 0) std::memcpy(p, plan.indices.data(), n * sizeof(int32_t));
+  if (m > 0) {
+    std::memcpy(p + n * sizeof(int32_t), plan.head_offsets.data(),
+                m * sizeof(int32_t));
+  }
   return inline_bytes;
 }
 
@@ -174,8 +177,10 @@ size_t EncodeFetchResponse(uint32_t slot, const absl::Status& status,
   header.message_bytes =
       static_cast<uint32_t>(std::min(status.message().size(), room));
   std::memcpy(out.data(), &header, sizeof(header));
-  std::memcpy(out.data() + sizeof(header), status.message().data(),
-              header.message_bytes);
+  if (header.message_bytes > 0) {
+    std::memcpy(out.data() + sizeof(header), status.message().data(),
+                header.message_bytes);
+  }
   return sizeof(header) + header.message_bytes;
 }
 

@@ -1,25 +1,40 @@
 // FetchSocketServer: the server side of the plain-socket fetch path of the
 // TCP data plane (protocol in kv_memory_service/tcp/fetch_wire.h). Listens
-// on a TCP port beside the gRPC one; each connection gets a thread that
-// reads a request, gathers straight into its reusable response buffer and
-// writes the response with one sendmsg. Same checks and codes as the gRPC
+// on a TCP port beside the gRPC one. Same checks and codes as the gRPC
 // Fetch (serve_fetch.h), the same auth token (in the Hello).
+//
+// Bounded under hostile peers. A fixed number of event-loop threads serve
+// every connection with non-blocking sockets (no thread per connection).
+// Each frame's header is read first and judged against the sequence it
+// names (its head count, and the rows one response may carry) before the
+// body is read; a body is buffered only as its bytes arrive, and the body
+// of a refused frame is dropped as it arrives. A connection that has not
+// passed the Hello is a handshake: handshakes wait in a small pool of their
+// own (max_handshakes, max_handshakes_per_peer; when it is full the oldest
+// is dropped) for at most handshake_timeout, so peers that connect and say
+// nothing cannot take the slots of authenticated clients; a wrong token or
+// a malformed Hello closes the connection at the first frame.
+// Authenticated connections are limited in total and per peer address and
+// closed after idle_timeout without a byte either way.
 //
 // KvServer owns one when it listens on TCP and advertises its port through
 // GetServerInfo. Thread-safe; Stop() closes every connection (clients see
-// Unavailable) and waits for their threads.
+// Unavailable) and waits for the threads.
 #ifndef INFINIGEN_KV_MEMORY_SERVICE_SERVER_FETCH_SOCKET_SERVER_H_
 #define INFINIGEN_KV_MEMORY_SERVICE_SERVER_FETCH_SOCKET_SERVER_H_
 
 #include <atomic>
-#include <list>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "kv_memory_service/kv_store.h"
 
 namespace infinigen::kv_memory_service {
@@ -30,44 +45,92 @@ struct FetchSocketServerOptions {
   std::string auth_token;          // empty: no check
   // Largest request frame and largest response rows.
   int32_t max_message_bytes = 64 << 20;
+  // Event-loop threads serving all connections.
+  int32_t threads = 2;
+  // Most connections past the Hello, in all and from one peer address.
+  // Beyond them a Hello is answered ResourceExhausted.
   int32_t max_connections = 1024;
+  int32_t max_connections_per_peer = 256;
+  // Most connections waiting for their Hello, in all and from one peer
+  // address; one more drops the oldest.
+  int32_t max_handshakes = 64;
+  int32_t max_handshakes_per_peer = 16;
+  // A connection must complete its Hello within handshake_timeout, and is
+  // closed after idle_timeout without progress either way (zero: never).
+  absl::Duration handshake_timeout = absl::Seconds(5);
+  absl::Duration idle_timeout = absl::Minutes(10);
+};
+
+// What the server holds now, and what it has refused.
+struct FetchSocketStats {
+  int32_t handshakes = 0;      // connections waiting for their Hello
+  int32_t connections = 0;     // connections past the Hello
+  int64_t buffer_bytes = 0;    // request and reply buffers, all connections
+  int64_t body_bytes_received = 0;   // request bodies, over the server's life
+  int64_t dropped_handshakes = 0;    // oldest handshakes dropped for newer
+  int64_t refused = 0;               // refused at the limits, or bad Hello
+  int64_t timed_out = 0;             // handshake or idle timeout
 };
 
 class FetchSocketServer {
  public:
-  // Unavailable when the address cannot be bound.
+  // Unavailable when the address cannot be bound; InvalidArgument for an
+  // option out of range.
   static absl::StatusOr<std::unique_ptr<FetchSocketServer>> Start(
       std::shared_ptr<KvStore> store, const FetchSocketServerOptions& options);
   ~FetchSocketServer();  // Stop()
 
   int port() const { return port_; }
+  FetchSocketStats GetStats() const;
   void Stop();
 
  private:
+  class Loop;
+  struct Connection;
+
   FetchSocketServer(std::shared_ptr<KvStore> store,
                     const FetchSocketServerOptions& options, int listen_fd,
                     int port);
-  struct Connection {
-    int fd = -1;
-    bool closed = false;  // guarded by mu_
-    std::atomic<bool> done{false};  // its thread has finished
-    std::thread thread;
-  };
-
   void AcceptLoop();
-  void Serve(Connection* connection);
-  bool Hello(int fd);
+  // Makes room for one more handshake from `peer`: drops the oldest
+  // handshake of the peer, or of all, when a pool is full.
+  void MakeRoomForHandshakeLocked(const std::string& peer)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The Hello of `c` was valid: OK if it may become a connection (counted
+  // as one from now), ResourceExhausted at the limits.
+  absl::Status Admit(Connection* c);
+  // `c`, counted as a handshake, is one no longer.
+  void ForgetHandshakeLocked(Connection* c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A Hello refused for its form or its token.
+  void CountRefused();
+  // Uncounts `c` (counting a timeout if it `timed_out`) and closes its
+  // descriptor; it leaves every list.
+  void Release(Connection* c, bool timed_out);
 
   const std::shared_ptr<KvStore> store_;
   const FetchSocketServerOptions options_;
   const std::string expected_token_;  // "Bearer TOKEN", or empty
   const int listen_fd_;
   const int port_;
+  std::vector<std::unique_ptr<Loop>> loops_;
   std::thread acceptor_;
 
-  absl::Mutex mu_;
+  mutable absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  std::list<std::unique_ptr<Connection>> connections_ ABSL_GUARDED_BY(mu_);
+  // Handshakes, oldest first; Connection::closed guards against a second
+  // shutdown once a loop has closed one.
+  std::vector<Connection*> handshakes_ ABSL_GUARDED_BY(mu_);
+  int32_t connections_ ABSL_GUARDED_BY(mu_) = 0;
+  struct PeerCount {
+    int32_t handshakes = 0;
+    int32_t connections = 0;
+  };
+  absl::flat_hash_map<std::string, PeerCount> peers_ ABSL_GUARDED_BY(mu_);
+  int64_t dropped_handshakes_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t refused_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t timed_out_ ABSL_GUARDED_BY(mu_) = 0;
+  std::atomic<int64_t> buffer_bytes_{0};
+  std::atomic<int64_t> body_bytes_received_{0};
 };
 
 }  // namespace infinigen::kv_memory_service

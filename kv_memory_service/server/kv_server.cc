@@ -49,6 +49,13 @@ absl::StatusOr<std::unique_ptr<KvServer>> KvServer::Start(
     absl::Status ok = CheckHostPort(options.listen);
     if (!ok.ok()) return ok;
   }
+  const bool tls = !options.tls_cert_pem.empty();
+  if (tls != !options.tls_key_pem.empty() ||
+      (!tls && !options.tls_client_ca_pem.empty())) {
+    return absl::InvalidArgumentError(
+        "TLS needs both a certificate and a key (and a client CA only with "
+        "them)");
+  }
   if (options.max_message_bytes < 4096) {
     return absl::InvalidArgumentError(absl::StrCat(
         "max_message_bytes must be at least 4096, got ",
@@ -71,7 +78,7 @@ absl::StatusOr<std::unique_ptr<KvServer>> KvServer::Start(
 
   std::unique_ptr<KvServer> server(new KvServer);
   server->store_ = std::make_shared<KvStore>(options.store);
-  if (!unix_socket && options.fetch_port >= 0) {
+  if (!unix_socket && options.fetch_port >= 0 && !tls) {
     FetchSocketServerOptions fetch_options;
     fetch_options.host = options.listen.substr(0, options.listen.rfind(':'));
     if (fetch_options.host.size() > 2 && fetch_options.host.front() == '[') {
@@ -81,6 +88,12 @@ absl::StatusOr<std::unique_ptr<KvServer>> KvServer::Start(
     fetch_options.port = options.fetch_port;
     fetch_options.auth_token = options.auth_token;
     fetch_options.max_message_bytes = options.max_message_bytes;
+    fetch_options.threads = options.fetch_threads;
+    fetch_options.max_connections = options.fetch_max_connections;
+    fetch_options.max_connections_per_peer =
+        options.fetch_max_connections_per_peer;
+    fetch_options.handshake_timeout = options.fetch_handshake_timeout;
+    fetch_options.idle_timeout = options.fetch_idle_timeout;
     absl::StatusOr<std::unique_ptr<FetchSocketServer>> fetch_server =
         FetchSocketServer::Start(server->store_, fetch_options);
     if (!fetch_server.ok()) return fetch_server.status();
@@ -104,8 +117,18 @@ absl::StatusOr<std::unique_ptr<KvServer>> KvServer::Start(
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(),
-                           &port);
+  std::shared_ptr<grpc::ServerCredentials> credentials =
+      grpc::InsecureServerCredentials();
+  if (tls) {
+    grpc::SslServerCredentialsOptions ssl(
+        options.tls_client_ca_pem.empty()
+            ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
+            : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+    ssl.pem_root_certs = options.tls_client_ca_pem;
+    ssl.pem_key_cert_pairs.push_back({options.tls_key_pem, options.tls_cert_pem});
+    credentials = grpc::SslServerCredentials(ssl);
+  }
+  builder.AddListeningPort(options.listen, credentials, &port);
   builder.RegisterService(server->service_.get());
   if (server->rdma_server_ != nullptr) {
     builder.RegisterService(server->rdma_server_->service());
@@ -159,8 +182,13 @@ absl::StatusOr<std::unique_ptr<KvServer>> KvServer::Start(
                        ? std::string("unlimited")
                        : absl::StrCat(options.store.capacity_bytes, " bytes"))
                << ", auth " << (options.auth_token.empty() ? "off" : "on")
+               << ", TLS "
+               << (!tls ? "off"
+                        : options.tls_client_ca_pem.empty() ? "on"
+                                                            : "on (mutual)")
                << ", fetch socket "
                << (server->fetch_port_ > 0 ? absl::StrCat("port ", server->fetch_port_)
+                   : tls                   ? std::string("off (TLS)")
                                            : std::string("off"))
                << ", lease "
                << (options.store.lease_timeout > absl::ZeroDuration()

@@ -48,6 +48,22 @@ struct KvServerOptions {
   // same host (tcp/fetch_wire.h), which tcp:// clients use for fetches
   // instead of the gRPC stream. 0 = any free port, -1 = none.
   int fetch_port = 0;
+  // The fetch endpoint's event-loop threads, connection limits (past the
+  // Hello, in all and per peer address) and timeouts
+  // (FetchSocketServerOptions).
+  // gRPC over TLS when tls_cert_pem is set: the server's certificate chain
+  // and private key (PEM). With tls_client_ca_pem too, clients must present
+  // a certificate that CA signed (mutual TLS). The plain fetch socket is
+  // not offered under TLS (it would carry rows in the clear); tcp:// clients
+  // then fetch over the gRPC stream.
+  std::string tls_cert_pem;
+  std::string tls_key_pem;
+  std::string tls_client_ca_pem;
+  int32_t fetch_threads = 2;
+  int32_t fetch_max_connections = 1024;
+  int32_t fetch_max_connections_per_peer = 256;
+  absl::Duration fetch_handshake_timeout = absl::Seconds(5);
+  absl::Duration fetch_idle_timeout = absl::Minutes(10);
   // "unix:PATH": also serve the shared-memory data plane there (clients
   // connect to shm:unix:PATH; control calls come to `listen`). Empty = off.
   std::string shm_listen;

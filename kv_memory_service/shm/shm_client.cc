@@ -483,8 +483,11 @@ FetchHandle ShmFetchBuffer::Start(SequenceId seq, int32_t layer,
         "shm fetch buffer of ", memory_.elements, " values")));
     return FetchHandle(this);
   }
-  std::memcpy(memory_.plan, plan.indices.data(), n * sizeof(int32_t));
-  std::memcpy(memory_.plan + n, plan.head_offsets.data(), m * sizeof(int32_t));
+  // An empty span's data() may be null, which memcpy must not see.
+  if (n > 0) std::memcpy(memory_.plan, plan.indices.data(), n * sizeof(int32_t));
+  if (m > 0) {
+    std::memcpy(memory_.plan + n, plan.head_offsets.data(), m * sizeof(int32_t));
+  }
   control_->layer = layer;
   control_->sequence = seq;
   control_->n_indices = static_cast<uint32_t>(n);

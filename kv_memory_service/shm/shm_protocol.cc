@@ -59,7 +59,10 @@ absl::Status SendMessage(int socket, const SocketMessage& message, int fd) {
   header.elements = message.elements;
   header.text_bytes = static_cast<uint32_t>(message.text.size());
   std::memcpy(packet, &header, sizeof(header));
-  std::memcpy(packet + sizeof(header), message.text.data(), message.text.size());
+  if (!message.text.empty()) {
+    std::memcpy(packet + sizeof(header), message.text.data(),
+                message.text.size());
+  }
 
   iovec iov{packet, sizeof(header) + message.text.size()};
   msghdr msg{};

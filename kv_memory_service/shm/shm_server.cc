@@ -423,7 +423,8 @@ class ShmServer::Connection {
     }
     control->status_code = static_cast<int32_t>(status.code());
     const size_t len = std::min(status.message().size(), shm::kStatusMessageBytes);
-    std::memcpy(control->message, status.message().data(), len);
+    // An OK status's message may be a null view: memcpy's source must not.
+    if (len > 0) std::memcpy(control->message, status.message().data(), len);
     control->message_bytes = static_cast<uint32_t>(len);
     control->state.store(shm::kDone);
     if (control->client_waiting.load() != 0) shm::FutexWakeAll(&control->state);

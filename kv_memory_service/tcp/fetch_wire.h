@@ -12,9 +12,15 @@
 //   server -> client   FetchResponse  header, message, rows (rows_bytes)
 //
 // Responses come in request order and echo request_id. A failed fetch is a
-// response with a status code (the connection stays up); a frame the
-// server cannot read (bad magic, more than the size limit) gets one error
-// response with request_id 0 and the connection is closed. The helpers
+// response with a status code (the connection stays up). The server judges
+// each request header before its body: one the sequence cannot need (an
+// unknown sequence, head offsets not n_kv_heads + 1, more indices than one
+// response's rows allow) is answered at once and its body dropped as it
+// arrives; a frame the server cannot read (bad magic, more than the size
+// limit) gets one error response with request_id 0 and the connection is
+// closed, as does a Hello with a bad form or token. The server closes a
+// connection that has not said Hello within its handshake timeout, or that
+// stays silent past its idle timeout. The helpers
 // retry on EINTR and short transfers; they are thread-compatible.
 #ifndef INFINIGEN_KV_MEMORY_SERVICE_TCP_FETCH_WIRE_H_
 #define INFINIGEN_KV_MEMORY_SERVICE_TCP_FETCH_WIRE_H_

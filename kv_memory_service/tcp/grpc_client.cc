@@ -860,8 +860,29 @@ absl::StatusOr<std::unique_ptr<KvClient>> ConnectGrpcKvClient(
     return absl::InvalidArgumentError(absl::StrCat(
         "address '", address, "' is not tcp://HOST:PORT or unix:PATH"));
   }
-  std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(
-      target, grpc::InsecureChannelCredentials(), ChannelArgs(options));
+  std::shared_ptr<grpc::ChannelCredentials> credentials =
+      grpc::InsecureChannelCredentials();
+  grpc::ChannelArguments args = ChannelArgs(options);
+  if (!options.tls_ca_pem.empty()) {
+    if (options.tls_cert_pem.empty() != options.tls_key_pem.empty()) {
+      return absl::InvalidArgumentError(
+          "a TLS client certificate needs its key, and the key its "
+          "certificate");
+    }
+    grpc::SslCredentialsOptions ssl;
+    ssl.pem_root_certs = options.tls_ca_pem;
+    ssl.pem_cert_chain = options.tls_cert_pem;
+    ssl.pem_private_key = options.tls_key_pem;
+    credentials = grpc::SslCredentials(ssl);
+    if (!options.tls_server_name.empty()) {
+      args.SetSslTargetNameOverride(options.tls_server_name);
+    }
+  } else if (!options.tls_cert_pem.empty()) {
+    return absl::InvalidArgumentError(
+        "a TLS client certificate needs tls_ca_pem (the server's CA)");
+  }
+  std::shared_ptr<grpc::Channel> channel =
+      grpc::CreateCustomChannel(target, credentials, args);
   if (!channel->WaitForConnected(
           absl::ToChronoTime(absl::Now() + options.connect_timeout))) {
     return absl::UnavailableError(

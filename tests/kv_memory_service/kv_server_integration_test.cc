@@ -368,6 +368,21 @@ TEST_P(BadInputTest, BadGeometryIsInvalidArgument) {
             grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(RawOpen(kv::OpenSequenceRequest()).error_code(),
             grpc::StatusCode::INVALID_ARGUMENT);
+  // Issue 18, finding 1: 2^20 layers x 2^10 KV heads used to escape the
+  // handler as UNKNOWN and stay open with its bytes reserved; now 1,100 of
+  // them (the server allows 3 sequences) leave it as it was.
+  kv::OpenSequenceRequest absurd;
+  absurd.mutable_geometry()->set_n_layers(1 << 20);
+  absurd.mutable_geometry()->set_n_kv_heads(1 << 10);
+  absurd.mutable_geometry()->set_head_dim(1);
+  absurd.mutable_geometry()->set_max_tokens(1);
+  for (int i = 0; i < 1100; ++i) {  // past the default 1,024 as well
+    ASSERT_EQ(RawOpen(absurd).error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+        << "call " << i;
+  }
+  auto id = client_->Open(MakeGeometry(2, 2, 16, 8));
+  ASSERT_TRUE(id.ok()) << id.status();
+  ASSERT_OK(client_->Close(*id));
 }
 
 TEST_P(BadInputTest, MalformedMessageIsRejected) {
