@@ -18,6 +18,8 @@ PKGS=(
   libbenchmark-dev
   libibverbs-dev
   nlohmann-json3-dev
+  libcpp-httplib-dev
+  curl
   python3
   python3-yaml
 )
@@ -48,4 +50,10 @@ fi
 if ! python3 -c 'import yaml' >/dev/null 2>&1; then
   echo "install_deps: installing PyYAML for $(command -v python3)" >&2
   python3 -m pip install -q pyyaml >/dev/null
+fi
+
+# The HTTP API's tests drive `infinigen serve` with the official OpenAI client.
+if ! python3 -c 'import openai' >/dev/null 2>&1; then
+  echo "install_deps: installing openai for $(command -v python3)" >&2
+  python3 -m pip install -q openai >/dev/null
 fi
