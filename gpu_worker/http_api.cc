@@ -13,6 +13,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "common/api_key.h"
 #include "common/log.h"
 #include "httplib.h"
 #include "nlohmann/json.hpp"
@@ -20,17 +21,6 @@
 namespace infinigen::gpu_worker {
 
 using json = nlohmann::json;
-
-bool ConstantTimeEquals(absl::string_view a, absl::string_view b) {
-  // Every byte of `a` is compared (against `b` cycled), whether or not the
-  // lengths match, so the time says nothing about where they differ.
-  unsigned char diff = a.size() == b.size() ? 0 : 1;
-  for (size_t i = 0; i < a.size(); ++i) {
-    const unsigned char y = b.empty() ? 0 : b[i % b.size()];
-    diff |= static_cast<unsigned char>(a[i]) ^ y;
-  }
-  return diff == 0;
-}
 
 namespace {
 
@@ -261,16 +251,10 @@ class Api {
       return httplib::Server::HandlerResponse::Unhandled;
     }
     const std::string header = req.get_header_value("Authorization");
-    constexpr absl::string_view kBearer = "Bearer ";
-    if (absl::StartsWith(header, kBearer) &&
-        ConstantTimeEquals(absl::string_view(header).substr(kBearer.size()),
-                           options_.api_key)) {
-      return httplib::Server::HandlerResponse::Unhandled;
-    }
-    SetError(res, ApiError{401,
-                           header.empty()
-                               ? "missing API key (Authorization: Bearer KEY)"
-                               : "invalid API key",
+    const absl::string_view presented(header);
+    const absl::Status status = CheckApiKey(&presented, options_.api_key);
+    if (status.ok()) return httplib::Server::HandlerResponse::Unhandled;
+    SetError(res, ApiError{401, std::string(status.message()),
                            "authentication_error", "", "invalid_api_key"});
     return httplib::Server::HandlerResponse::Handled;
   }

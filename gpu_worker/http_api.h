@@ -91,9 +91,6 @@ class HttpApiServer {
   int port_ = 0;
 };
 
-// Whether `a` equals `b`, in time that depends on their lengths only.
-bool ConstantTimeEquals(absl::string_view a, absl::string_view b);
-
 }  // namespace infinigen::gpu_worker
 
 #endif  // INFINIGEN_GPU_WORKER_HTTP_API_H_

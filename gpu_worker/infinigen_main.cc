@@ -142,8 +142,10 @@ ABSL_FLAG(std::string, served_model_name, "",
           "serve: the model id of the HTTP API; empty: --model's file name "
           "without its extension.");
 ABSL_FLAG(std::string, api_key_file, "",
-          "serve: file holding the API key every HTTP request must carry as "
-          "'Authorization: Bearer KEY' (/health excepted); empty: none.");
+          "serve: file holding the API key every request must carry: HTTP as "
+          "'Authorization: Bearer KEY' (/health excepted), gRPC Worker calls "
+          "as the metadata 'authorization: Bearer KEY' (grpc.health.v1 "
+          "excepted); empty: none.");
 ABSL_FLAG(std::string, chat_template, "",
           "serve, generate --chat: chatml, llama2 or llama3; empty: the "
           "model's own (GGUF tokenizer.chat_template).");
@@ -933,6 +935,7 @@ int RunServe() {
   (*scheduler)->Start();
   gpu_worker::GenerationServerOptions server_options;
   server_options.listen = listen;
+  server_options.api_key = http_options.api_key;
   if (const kv_memory_service::KvClient* kv = setup->client.get();
       kv != nullptr) {
     // Readiness follows the memory node's heartbeats (KvClient::Health).
