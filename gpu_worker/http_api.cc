@@ -220,6 +220,13 @@ class Api {
                      json{{"status", ok ? "ok" : "unavailable"}}.dump(),
                      "application/json");
                });
+    if (options_.metrics) {
+      server.Get("/metrics",
+                 [this](const httplib::Request&, httplib::Response& res) {
+                   res.set_content(options_.metrics(),
+                                   "text/plain; version=0.0.4");
+                 });
+    }
     server.Get("/v1/models",
                [this](const httplib::Request&, httplib::Response& res) {
                  res.set_content(
@@ -247,7 +254,8 @@ class Api {
  private:
   httplib::Server::HandlerResponse Authorize(const httplib::Request& req,
                                              httplib::Response& res) {
-    if (options_.api_key.empty() || req.path == "/health") {
+    if (options_.api_key.empty() || req.path == "/health" ||
+        (req.path == "/metrics" && options_.metrics)) {
       return httplib::Server::HandlerResponse::Unhandled;
     }
     const std::string header = req.get_header_value("Authorization");

@@ -4,7 +4,7 @@
 //
 //   POST /v1/completions        prompt -> text
 //   POST /v1/chat/completions   messages -> the model's chat template -> text
-//   GET  /v1/models, /v1/models/{id}, /health
+//   GET  /v1/models, /v1/models/{id}, /health, /metrics (when given)
 //
 // Both POST routes take model, max_tokens (chat: or max_completion_tokens),
 // temperature, top_p, seed, stop (a string or up to 4), n (only 1), stream
@@ -63,6 +63,9 @@ struct HttpApiOptions {
   size_t max_body_bytes = 1 << 20;
   // What GET /health reports: 200 while true, 503 otherwise. Null: 200.
   std::function<bool()> serving;
+  // Not null: GET /metrics answers its Prometheus text (no key needed, as
+  // for /health).
+  std::function<std::string()> metrics;
   // Connections served at once (each streaming request holds one).
   int threads = 16;
 };

@@ -30,6 +30,7 @@
 #include "absl/time/time.h"
 #include "common/file.h"
 #include "common/log.h"
+#include "common/metrics.h"
 #include "common/status.h"
 #include "gpu_worker/backend.h"
 #include "gpu_worker/calibrate.h"
@@ -40,6 +41,7 @@
 #include "gpu_worker/generation_scheduler.h"
 #include "gpu_worker/generation_service.h"
 #include "gpu_worker/http_api.h"
+#include "gpu_worker/worker_metrics.h"
 #include "gpu_worker/sampler.h"
 #include "model/loader.h"
 
@@ -152,6 +154,9 @@ ABSL_FLAG(std::string, chat_template, "",
 ABSL_FLAG(bool, chat, false,
           "generate: --prompt is a user message, wrapped in the chat "
           "template; prints only the reply.");
+ABSL_FLAG(std::string, metrics_listen, "",
+          "serve: HOST:PORT serving Prometheus metrics at /metrics (they are "
+          "also at /metrics of --http_listen); empty: none.");
 ABSL_FLAG(int, max_batch, 8,
           "serve: sequences generating at once (the engine's slots); more "
           "requests wait in the queue.");
@@ -226,6 +231,7 @@ const std::map<std::string, Command>& Commands() {
         "taking requests, lets streams finish for --drain_timeout, exits 0.",
         WithEngineFlags({"model", "tokenizer", "listen", "http_listen",
                          "served_model_name", "api_key_file", "chat_template",
+                         "metrics_listen",
                          "max_batch",
                          "max_queue", "max_prefills_per_step",
                          "drain_timeout", "max_seq_len"})}},
@@ -890,9 +896,15 @@ int RunServe() {
   scheduler_options.max_queue = absl::GetFlag(FLAGS_max_queue);
   scheduler_options.max_prefills_per_step =
       absl::GetFlag(FLAGS_max_prefills_per_step);
+  auto metrics = std::make_shared<gpu_worker::WorkerMetrics>();
+  scheduler_options.on_sequence_done =
+      [metrics](const gpu_worker::SequenceRecord& r) {
+        metrics->OnSequenceDone(r);
+      };
   auto scheduler = gpu_worker::GenerationScheduler::Create(
       std::move(*engine), *m->tokenizer, scheduler_options);
   if (!scheduler.ok()) return Fail(kExitUsage, scheduler.status());
+  metrics->set_scheduler(scheduler->get());
 
   if (pipe(stop_pipe) != 0) {
     return Fail(kExitFailure, absl::InternalError("pipe() failed"));
@@ -929,6 +941,9 @@ int RunServe() {
     }
     http_options.api_key = *std::move(key);
   }
+  http_options.metrics = [metrics] {
+    return MetricsText(metrics->collectables());
+  };
   http_options.threads =
       max_batch + absl::GetFlag(FLAGS_max_queue) + 4;  // + idle keep-alives
 
@@ -970,6 +985,24 @@ int RunServe() {
     http = *std::move(started);
     IG_LOG(INFO) << "infinigen serve: HTTP API on port " << http->port();
   }
+  std::unique_ptr<MetricsServer> metrics_server;
+  if (const std::string metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+      !metrics_listen.empty()) {
+    auto started = MetricsServer::Start(metrics_listen, metrics->collectables());
+    if (!started.ok()) {
+      if (http != nullptr) http->Stop();
+      metrics->set_scheduler(nullptr);
+      (*server)->Shutdown(absl::ZeroDuration());
+      (*server)->Wait();
+      return Fail(started.status().code() == absl::StatusCode::kInvalidArgument
+                      ? kExitUsage
+                      : kExitFailure,
+                  started.status());
+    }
+    metrics_server = *std::move(started);
+    IG_LOG(INFO) << "infinigen serve: metrics on port "
+                 << metrics_server->port();
+  }
   char signal = 0;
   while (read(stop_pipe[0], &signal, 1) < 0 && errno == EINTR) {
   }
@@ -978,6 +1011,8 @@ int RunServe() {
                << ", draining for up to " << absl::FormatDuration(drain);
   (*server)->Shutdown(drain);
   if (http != nullptr) http->Stop();  // its streams ended with the drain
+  metrics_server.reset();
+  metrics->set_scheduler(nullptr);
   (*server)->Wait();
   const gpu_worker::SchedulerStats stats = (*server)->scheduler().stats();
   IG_LOG(INFO) << "infinigen serve: stopped; " << stats.completed

@@ -19,6 +19,7 @@ PKGS=(
   libibverbs-dev
   nlohmann-json3-dev
   libcpp-httplib-dev
+  prometheus-cpp-dev
   curl
   python3
   python3-yaml
@@ -52,8 +53,13 @@ if ! python3 -c 'import yaml' >/dev/null 2>&1; then
   python3 -m pip install -q pyyaml >/dev/null
 fi
 
-# The HTTP API's tests drive `infinigen serve` with the official OpenAI client.
+# The HTTP API's tests drive `infinigen serve` with the official OpenAI client
+# and read /metrics with Prometheus's own parser.
 if ! python3 -c 'import openai' >/dev/null 2>&1; then
   echo "install_deps: installing openai for $(command -v python3)" >&2
   python3 -m pip install -q openai >/dev/null
+fi
+if ! python3 -c 'import prometheus_client' >/dev/null 2>&1; then
+  echo "install_deps: installing prometheus_client for $(command -v python3)" >&2
+  python3 -m pip install -q prometheus_client >/dev/null
 fi

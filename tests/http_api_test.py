@@ -21,6 +21,7 @@ import urllib.error
 import urllib.request
 
 import openai
+from prometheus_client.parser import text_string_to_metric_families
 
 BIN, MODEL, TOK = sys.argv[1:4]
 SMOLLM2 = os.path.join(os.environ.get("INFINIGEN_ROOT", ""), "models_cache",
@@ -405,6 +406,67 @@ class Scheduling(unittest.TestCase):
             codes = [f.result()[0] for f in backlog]
             pool.shutdown()
             self.assertEqual(set(codes) - {503}, {200})
+        finally:
+            server.stop()
+
+
+def scrape(url):
+    """{(sample name, labels as a sorted tuple): value} of a /metrics page."""
+    with urllib.request.urlopen(url, timeout=30) as r:
+        text = r.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+class Metrics(unittest.TestCase):
+    def test_worker_series_move_after_a_request(self):
+        mport = free_port()
+        server = Server("--policy=full", f"--metrics_listen=127.0.0.1:{mport}")
+        try:
+            urls = [f"http://127.0.0.1:{mport}/metrics",
+                    server.base + "/metrics"]
+            before = [scrape(u) for u in urls]
+            code, body = post(server.base + "/v1/completions",
+                              {"prompt": "Once upon a time",
+                               "max_tokens": 20, "temperature": 0})
+            self.assertEqual(code, 200, body)
+            # The scheduler refuses a token outside the vocabulary.
+            self.assertEqual(post(server.base + "/v1/completions",
+                                  {"prompt": [1, 99999]})[0], 400)
+            for url, b in zip(urls, before):
+                a = scrape(url)
+
+                def delta(name, **labels):
+                    key = (name, tuple(sorted(labels.items())))
+                    self.assertIn(key, a, url)
+                    return a[key] - b.get(key, 0)
+                self.assertEqual(delta("infinigen_worker_requests_total",
+                                       outcome="completed"), 1, url)
+                self.assertEqual(delta("infinigen_worker_generated_tokens_total"),
+                                 20)
+                self.assertEqual(delta("infinigen_worker_prompt_tokens_total"),
+                                 body["usage"]["prompt_tokens"])
+                self.assertEqual(delta(
+                    "infinigen_worker_time_to_first_token_seconds_count"), 1)
+                self.assertGreater(delta(
+                    "infinigen_worker_time_to_first_token_seconds_sum"), 0)
+                self.assertEqual(delta(
+                    "infinigen_worker_time_per_output_token_seconds_count"), 1)
+                self.assertGreater(
+                    delta("infinigen_worker_kv_bytes_fetched_total"), 0)
+                self.assertEqual(
+                    delta("infinigen_worker_kv_fetch_fraction_count"), 1)
+                self.assertEqual(delta(
+                    "infinigen_worker_kv_fetch_wait_seconds_per_step_count"), 1)
+                self.assertEqual(delta("infinigen_worker_requests_total",
+                                       outcome="rejected"), 1)
+                self.assertEqual(a[("infinigen_worker_queue_depth", ())], 0)
+                self.assertEqual(a[("infinigen_worker_running_sequences", ())],
+                                 0)
+                self.assertEqual(a[("infinigen_worker_sequence_slots", ())], 8)
         finally:
             server.stop()
 
