@@ -3,7 +3,7 @@
 `openai` client and curl against the real binary, on stories260K (always)
 and SmolLM2-135M-Instruct (when $INFINIGEN_ROOT/models_cache has it).
 
-Usage: http_api_test.py INFINIGEN STORIES260K.bin TOK512.bin
+Usage: http_api_test.py INFINIGEN STORIES260K.bin TOK512.bin KV_MEMORY_SERVER
 """
 import concurrent.futures
 import json
@@ -23,7 +23,7 @@ import urllib.request
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-BIN, MODEL, TOK = sys.argv[1:4]
+BIN, MODEL, TOK, KV_SERVER = sys.argv[1:5]
 SMOLLM2 = os.path.join(os.environ.get("INFINIGEN_ROOT", ""), "models_cache",
                        "smollm2-135m", "SmolLM2-135M-Instruct.Q4_1.gguf")
 # A request that runs to max_tokens=500 (about 0.2 s on one core): this seed
@@ -469,6 +469,50 @@ class Metrics(unittest.TestCase):
                 self.assertEqual(a[("infinigen_worker_sequence_slots", ())], 8)
         finally:
             server.stop()
+
+
+    def test_memory_node_series_move_after_a_request(self):
+        d = tempfile.mkdtemp(prefix="http_api_kv_")
+        ready = os.path.join(d, "ready")
+        mport = free_port()
+        node = subprocess.Popen(
+            [KV_SERVER, "--listen=127.0.0.1:0", f"--ready_file={ready}",
+             f"--metrics_listen=127.0.0.1:{mport}",
+             "--capacity_bytes=100000000", "--eviction=lru"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        server = None
+        try:
+            deadline = time.time() + 30
+            while not (os.path.exists(ready) and open(ready).read().strip()):
+                self.assertIsNone(node.poll(), "kv_memory_server exited")
+                self.assertLess(time.time(), deadline)
+                time.sleep(0.025)
+            address = open(ready).read().strip()
+            url = f"http://127.0.0.1:{mport}/metrics"
+            before = scrape(url)
+            self.assertEqual(before[("infinigen_kv_pool_capacity_bytes", ())],
+                             100000000)
+            server = Server("--policy=full", f"--kv_service={address}")
+            code, body = post(server.base + "/v1/completions",
+                              {"prompt": "Once upon a time",
+                               "max_tokens": 20, "temperature": 0})
+            self.assertEqual(code, 200, body)
+            after = scrape(url)
+            for name in ("infinigen_kv_appended_rows_total",
+                         "infinigen_kv_fetches_total",
+                         "infinigen_kv_fetched_rows_total"):
+                self.assertGreater(after[(name, ())], before[(name, ())],
+                                   name)
+            self.assertIn(("infinigen_kv_evicted_rows_total",
+                           (("policy", "lru"),)), after)
+            self.assertIn(("infinigen_kv_pool_bytes_used", ()), after)
+            self.assertEqual(after[("infinigen_kv_sessions", ())], 1)
+        finally:
+            if server is not None:
+                server.stop()
+            node.send_signal(signal.SIGTERM)
+            node.wait(timeout=60)
+            shutil.rmtree(d, ignore_errors=True)
 
 
 @unittest.skipUnless(os.path.exists(SMOLLM2), f"no {SMOLLM2}")
