@@ -23,6 +23,8 @@ PKGS=(
   curl
   python3
   python3-yaml
+  python3-prometheus-client
+  python3-pip
 )
 # //k8s:manifests_test renders the manifests with `kubectl kustomize`. Any
 # kubectl will do; Debian's (1.20) only where there is none, so a newer one
@@ -54,12 +56,17 @@ if ! python3 -c 'import yaml' >/dev/null 2>&1; then
 fi
 
 # The HTTP API's tests drive `infinigen serve` with the official OpenAI client
-# and read /metrics with Prometheus's own parser.
+# (not packaged by Debian 12) and read /metrics with Prometheus's own parser.
+# Debian's python3 is externally managed (PEP 668): pip needs
+# --break-system-packages there, and an older pip elsewhere lacks the flag.
+pip_install() {
+  echo "install_deps: installing $1 for $(command -v python3)" >&2
+  python3 -m pip install -q "$1" >/dev/null 2>&1 ||
+    python3 -m pip install -q --break-system-packages "$1" >/dev/null
+}
 if ! python3 -c 'import openai' >/dev/null 2>&1; then
-  echo "install_deps: installing openai for $(command -v python3)" >&2
-  python3 -m pip install -q openai >/dev/null
+  pip_install openai
 fi
 if ! python3 -c 'import prometheus_client' >/dev/null 2>&1; then
-  echo "install_deps: installing prometheus_client for $(command -v python3)" >&2
-  python3 -m pip install -q prometheus_client >/dev/null
+  pip_install prometheus_client
 fi
