@@ -7,6 +7,15 @@ ideal, full, infinigen, h2o and int4, and for the memory pool at capacities
 writes OUT.md (a Markdown table), OUT.csv and, when matplotlib is available,
 OUT.png (perplexity against the fraction of KV rows fetched per step).
 
+With --sweep=F1,F2,...: a fetch-fraction sweep instead, one line per
+policy (oracle, infinigen, infinigen with sinks and a recent window, h2o;
+full as the reference): for each target mean fetched fraction F, oracle and
+infinigen take --budget so that layers 0 and 1 (always whole) plus the
+speculated layers at that budget average F (alpha 1e9: the cap decides),
+h2o takes --budget=F. Fractions below what layers 0 and 1 alone fetch are
+skipped for oracle and infinigen. OUT_sweep.{md,csv,png}: perplexity
+against the fraction actually fetched.
+
 Example (SmolLM2-135M, WikiText-2, ctx 2048):
   bench/accuracy.py --model=$(scripts/fetch_smollm2.sh) \
     --text=../shared/data/wiki.test.raw --ctx=2048 --windows=4 \
@@ -54,6 +63,84 @@ def plot(rows, model, ctx, out):
     fig.savefig(out + ".png", dpi=120)
 
 
+def sweep(a, common, skew):
+    """Perplexity against the fetched fraction, one line per policy."""
+    targets = [float(f) for f in a.sweep.split(",")]
+    dense = 2.0 / a.n_layers  # layers 0 and 1 read everything
+    rows = []
+    started = time.time()
+    full = run(a.binary, common + ["--policy=full"])
+    full.update(name="full", line="full", target=1.0)
+    rows.append(full)
+    for f in targets:
+        budget = (f - dense) / (1.0 - dense)
+        lines = [("h2o", ["--policy=h2o", f"--budget={f}"])]
+        if budget > 0:
+            spec = [f"--budget={budget:.5f}", "--alpha=1e9"]
+            inf = ["--policy=infinigen", f"--partial_ratio={a.partial_ratio}",
+                   f"--skew={skew}"] + spec
+            lines += [
+                ("oracle", ["--policy=oracle"] + spec),
+                ("infinigen", inf),
+                (f"infinigen+sinks{a.sinks}+recent{a.recent}",
+                 inf + [f"--sink_tokens={a.sinks}",
+                        f"--recent_tokens={a.recent}"]),
+            ]
+        for line, extra in lines:
+            r = run(a.binary, common + extra)
+            r.update(name=f"{line} @{f:g}", line=line, target=f)
+            rows.append(r)
+            print(f"{line:28s} target {100 * f:5.1f}%  ppl {r['ppl']:9.4f}  "
+                  f"fetched {100 * r['fetch_fraction_mean']:6.2f}%  "
+                  f"({100 * (r['ppl'] / full['ppl'] - 1):+.1f}% vs full)",
+                  file=sys.stderr, flush=True)
+    cmdline = " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:])
+    machine = f"{platform.machine()}, {os.cpu_count()} cores"
+    out = a.out + "_sweep"
+    with open(out + ".md", "w") as fh:
+        fh.write(f"# Perplexity against the fetched fraction\n\nCommand: "
+                 f"`{cmdline}`  \nMachine: {machine}; "
+                 f"{time.time() - started:.0f} s  \nModel: `{a.model}`; text: "
+                 f"`{a.text}`; ctx {a.ctx}, {a.windows} windows, dense prefix "
+                 f"{a.prompt_tokens} tokens, then one token at a time; "
+                 f"{full['tokens']} scored tokens per run. full: perplexity "
+                 f"{full['ppl']:.4f}.\n\n"
+                 "| target fetch | policy | perplexity | vs full | fetched "
+                 "(mean) | (max) |\n|---|---|---|---|---|---|\n")
+        for r in rows[1:]:
+            fh.write(f"| {100 * r['target']:g}% | {r['line']} | {r['ppl']:.4f} | "
+                     f"{100 * (r['ppl'] / full['ppl'] - 1):+.2f}% | "
+                     f"{100 * r['fetch_fraction_mean']:.2f}% | "
+                     f"{100 * r['fetch_fraction_max']:.2f}% |\n")
+    with open(out + ".csv", "w", newline="") as fh:
+        keys = ["line", "target", "policy", "ppl", "nll", "tokens",
+                "fetch_fraction_mean", "fetch_fraction_max", "budget", "alpha",
+                "partial_ratio", "ctx", "windows", "prompt_tokens", "seconds"]
+        w = csv.DictWriter(fh, fieldnames=keys, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for line in dict.fromkeys(r["line"] for r in rows[1:]):
+            pts = sorted((100 * r["fetch_fraction_mean"], r["ppl"])
+                         for r in rows if r["line"] == line)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                    label=line)
+        ax.axhline(full["ppl"], color="gray", linestyle="--", label="full")
+        ax.set_xlabel("KV rows fetched per step (%)")
+        ax.set_ylabel("perplexity")
+        ax.set_title(f"{os.path.basename(a.model)}, ctx {a.ctx}", fontsize=9)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out + ".png", dpi=120)
+    except ImportError:
+        print("accuracy.py: no matplotlib; skipped the plot", file=sys.stderr)
+    print(open(out + ".md").read())
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--binary", default="bazel-bin/gpu_worker/infinigen")
@@ -72,6 +159,15 @@ def main():
     ap.add_argument("--pool", action=argparse.BooleanOptionalAction,
                     default=True, help="also run the 80%% pool experiment")
     ap.add_argument("--out", required=True, help="output path without suffix")
+    ap.add_argument("--sweep", default="",
+                    help="comma-separated target fetch fractions (see above)")
+    ap.add_argument("--n_layers", type=int, default=30,
+                    help="the model's layers (30 for SmolLM2-135M): sets "
+                    "the budget that reaches a target fraction in --sweep")
+    ap.add_argument("--sinks", type=int, default=4,
+                    help="--sweep: sink tokens of the sinks+recent line")
+    ap.add_argument("--recent", type=int, default=32,
+                    help="--sweep: recent tokens of the sinks+recent line")
     ap.add_argument("--plot_only", action="store_true",
                     help="only redraw OUT.png from an earlier OUT.csv")
     a = ap.parse_args()
@@ -98,6 +194,9 @@ def main():
     print("+", " ".join(cal), file=sys.stderr, flush=True)
     subprocess.run(cal, check=True, stdout=subprocess.DEVNULL)
 
+    if a.sweep:
+        sweep(a, common, skew)
+        return
     inf = [f"--alpha={a.alpha}", f"--partial_ratio={a.partial_ratio}",
            f"--budget={a.budget}", f"--skew={skew}"]
     configs = [

@@ -71,7 +71,10 @@ Engine::Engine(const model::Weights& weights, std::unique_ptr<Backend> backend,
       max_seq_len_(max_seq_len),
       max_chunk_(max_chunk),
       rows_(std::max(max_chunk, options.batch)),
-      positions_of_(options.batch, 0) {}
+      positions_of_(options.batch, 0),
+      cached_of_(options.batch, 0),
+      history_(options.batch),
+      prompt_of_(options.batch, 0) {}
 
 absl::Status Engine::Init() {
   const ModelConfig& c = weights_.config;
@@ -85,6 +88,8 @@ absl::Status Engine::Init() {
   kv.kv_client = options_.kv_client;
   kv.kv_capacity = options_.kv_capacity;
   kv.max_worker_bytes = options_.max_worker_kv_bytes;
+  kv.prefix_block_tokens = options_.prefix_block_tokens;
+  kv.model_identity = options_.model_identity;
   IG_ASSIGN_OR_RETURN(cache_, KvCache::Create(weights_, backend_.get(), kv));
   IG_RETURN_IF_ERROR(RegisterWeights());
   // Activations live in the backend's device memory: host code never
@@ -157,6 +162,9 @@ absl::Status Engine::CheckSlot(int slot) const {
 absl::Status Engine::Reset(int slot) {
   IG_RETURN_IF_ERROR(CheckSlot(slot));
   positions_of_[slot] = 0;
+  cached_of_[slot] = 0;
+  history_[slot].clear();
+  prompt_of_[slot] = 0;
   return cache_->Reset(slot);
 }
 
@@ -192,6 +200,63 @@ absl::StatusOr<absl::Span<const float>> Engine::Forward(
         "forward: policy %s decodes one token at a time after the prefill",
         PolicyName(options_.policy.kind)));
   }
+  absl::StatusOr<absl::Span<const float>> out =
+      ForwardChecked(slot, tokens, all_logits);
+  if (out.ok() || position > 0 || !RecoverableKvLoss(out.status())) {
+    return out;
+  }
+  // A prefill the memory node failed: the slot is empty again (the failed
+  // prefill reset it); once more, on a fresh sequence.
+  IG_LOG(WARNING) << "engine: the memory node failed slot " << slot
+                  << "'s prefill (" << out.status().message()
+                  << "); prefilling again";
+  ++kv_recoveries_;
+  return ForwardChecked(slot, tokens, all_logits);
+}
+
+bool Engine::RecoverableKvLoss(const absl::Status& status) const {
+  if (!options_.recompute_on_kv_loss || !cache_->offloaded()) return false;
+  switch (status.code()) {
+    case absl::StatusCode::kNotFound:            // the sequence is gone
+    case absl::StatusCode::kFailedPrecondition:  // rows gone, buffer stuck
+    case absl::StatusCode::kOutOfRange:          // a shorter sequence
+    case absl::StatusCode::kUnavailable:         // restarting, unreachable
+    case absl::StatusCode::kDeadlineExceeded:
+    case absl::StatusCode::kAborted:
+    case absl::StatusCode::kDataLoss:
+      return true;
+    default:
+      return false;
+  }
+}
+
+absl::Status Engine::Recompute(absl::Span<const int> slots,
+                               const absl::Status& cause) {
+  IG_LOG(WARNING) << "engine: the memory node lost the KV of "
+                  << slots.size() << " sequence(s) (" << cause.message()
+                  << "); recomputing it from their tokens";
+  ++kv_recoveries_;
+  for (int slot : slots) {
+    const std::vector<int> tokens = std::move(history_[slot]);
+    const int prompt = prompt_of_[slot];
+    // Closing a lost sequence fails; the slot is clean regardless.
+    Reset(slot).IgnoreError();
+    IG_RETURN_IF_ERROR(ForwardChecked(slot,
+                                      absl::MakeConstSpan(tokens.data(), prompt),
+                                      /*all_logits=*/false)
+                           .status());
+    for (size_t i = prompt; i < tokens.size(); ++i) {
+      IG_RETURN_IF_ERROR(DecodeChecked({slot}, {tokens[i]}).status());
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<absl::Span<const float>> Engine::ForwardChecked(
+    int slot, absl::Span<const int> tokens, bool all_logits) {
+  const ModelConfig& c = weights_.config;
+  const int n = static_cast<int>(tokens.size());
+  const bool offloaded = cache_->offloaded();
   const size_t logit_values =
       static_cast<size_t>(all_logits ? n : 1) * c.vocab_size;
   if (logits_.size() < logit_values) {
@@ -201,39 +266,52 @@ absl::StatusOr<absl::Span<const float>> Engine::Forward(
                                      backend_.get(), logit_values, "logits"));
     logits_host_.resize(logit_values);
   }
-  if (absl::Status s = Prefill(slot, tokens); !s.ok()) {
+  // Reuse needs only the last token's logits: all_logits computes all.
+  absl::StatusOr<int> cached = Prefill(slot, tokens, /*reuse=*/!all_logits);
+  if (!cached.ok()) {
     // An offloaded cache cannot resume a prefill cut short: start over.
     if (offloaded) Reset(slot).IgnoreError();
-    return s;
+    return cached.status();
   }
-  // Final norm and classifier: every row, or just the last one.
-  const int first = all_logits ? 0 : n - 1;
-  return Logits(first, n - first);
+  if (history_[slot].empty()) prompt_of_[slot] = n;
+  history_[slot].insert(history_[slot].end(), tokens.begin(), tokens.end());
+  // Final norm and classifier: every computed row, or just the last one.
+  const int computed = n - *cached;
+  const int first = all_logits ? 0 : computed - 1;
+  return Logits(first, computed - first);
 }
 
-absl::Status Engine::Prefill(int slot, absl::Span<const int> tokens) {
+absl::StatusOr<int> Engine::Prefill(int slot, absl::Span<const int> tokens,
+                                    bool reuse) {
   const ModelConfig& c = weights_.config;
   const int n = static_cast<int>(tokens.size());
   const int position = positions_of_[slot];
-  IG_RETURN_IF_ERROR(cache_->Flush());
+  // Earlier steps' appends are in. One that failed marks its own slot
+  // lost (its next step fails), not this prefill.
+  cache_->Flush().IgnoreError();
   // Earlier operations may still read x_ and positions_.
   IG_RETURN_IF_ERROR(backend_->Synchronize());
-  for (int i = 0; i < n; ++i) positions_host_[i] = position + i;
-  Embed(tokens.data(), n);
-  IG_RETURN_IF_ERROR(cache_->BeginPrefill(slot, position, n));
+  // The cache may hold a leading part already: only the rest is computed.
+  IG_ASSIGN_OR_RETURN(const int cached,
+                      cache_->BeginPrefill(slot, position, tokens, reuse));
+  const int m = n - cached;
+  const int first = position + cached;
+  for (int i = 0; i < m; ++i) positions_host_[i] = first + i;
+  Embed(tokens.data() + cached, m);
   // Layer by layer over the whole input, each layer in chunks: a layer's
   // K and V can leave before the next layer starts.
   for (int l = 0; l < c.n_layers; ++l) {
-    for (int start = 0; start < n; start += max_chunk_) {
-      const int len = std::min(max_chunk_, n - start);
+    for (int start = 0; start < m; start += max_chunk_) {
+      const int len = std::min(max_chunk_, m - start);
       IG_RETURN_IF_ERROR(RunLayer(l, start, len, /*decode=*/false,
-                                  position + start));
+                                  first + start));
     }
     IG_RETURN_IF_ERROR(cache_->EndPrefillLayer(l));
   }
   IG_RETURN_IF_ERROR(cache_->EndPrefill());
   positions_of_[slot] += n;
-  return absl::OkStatus();
+  cached_of_[slot] = cached;
+  return cached;
 }
 
 void Engine::Embed(const int* tokens, int n) {
@@ -431,8 +509,19 @@ absl::StatusOr<absl::Span<const float>> Engine::DecodeBatch(
           c.vocab_size));
     }
   }
-  // The previous step's appends must be in before this step fetches.
-  IG_RETURN_IF_ERROR(cache_->Flush());
+  absl::StatusOr<absl::Span<const float>> out = DecodeChecked(slot_ids, tokens);
+  if (out.ok() || !RecoverableKvLoss(out.status())) return out;
+  IG_RETURN_IF_ERROR(Recompute(slot_ids, out.status()));
+  return DecodeChecked(slot_ids, tokens);
+}
+
+absl::StatusOr<absl::Span<const float>> Engine::DecodeChecked(
+    absl::Span<const int> slot_ids, absl::Span<const int> tokens) {
+  const ModelConfig& c = weights_.config;
+  const int n = static_cast<int>(slot_ids.size());
+  // The previous step's appends must be in before this step fetches; a
+  // slot whose rows did not get there fails BeginStep.
+  cache_->Flush().IgnoreError();
   Backend& b = *backend_;
   IG_RETURN_IF_ERROR(b.Synchronize());
   step_positions_.clear();
@@ -447,7 +536,10 @@ absl::StatusOr<absl::Span<const float>> Engine::DecodeBatch(
   }
   IG_ASSIGN_OR_RETURN(absl::Span<const float> logits, Logits(0, n));
   IG_RETURN_IF_ERROR(cache_->EndStep());
-  for (int i = 0; i < n; ++i) ++positions_of_[slot_ids[i]];
+  for (int i = 0; i < n; ++i) {
+    ++positions_of_[slot_ids[i]];
+    history_[slot_ids[i]].push_back(tokens[i]);
+  }
   return logits;
 }
 

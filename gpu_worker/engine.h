@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -51,6 +52,17 @@ struct EngineOptions {
   // policy state: KvCache::WorkerBytes); 0 = no limit. Create refuses a
   // configuration above it with ResourceExhausted, before allocating.
   int64_t max_worker_kv_bytes = 0;
+  // Prefix reuse through the memory node (kv_cache.h): tokens per shared
+  // block (0 = none) and the identity of the model's rows (weights and
+  // skew; ModelIdentity in the worker's commands). A prefill that asks for
+  // one logit row starts after the prompt's longest prefix the node holds.
+  int prefix_block_tokens = 0;
+  std::string model_identity;
+  // When the memory node loses a sequence (it restarted, evicted it, was
+  // replaced) or cannot be reached mid-step: true re-prefills each slot of
+  // the failed call from the tokens it holds and runs the call again, once
+  // (greedy output unchanged); false returns the error.
+  bool recompute_on_kv_loss = true;
   // Diagnostics: multiply every post-RoPE query and key by these skew
   // matrices before attention. The logits must not change (A A^T = I).
   const speculator::SkewMatrices* attention_skew = nullptr;
@@ -100,6 +112,11 @@ class Engine {
   absl::Status Reset(int slot = 0);
 
   int position(int slot = 0) const { return positions_of_[slot]; }
+  // Leading tokens of the slot's last prefill that were reused from the
+  // memory node rather than computed (prefix reuse).
+  int cached_tokens(int slot = 0) const { return cached_of_[slot]; }
+  // Times a call recovered from a lost KV sequence by recomputing.
+  int64_t kv_recoveries() const { return kv_recoveries_; }
   int max_seq_len() const { return max_seq_len_; }
   int batch() const { return static_cast<int>(positions_of_.size()); }
   const model::ModelConfig& config() const { return weights_.config; }
@@ -120,7 +137,23 @@ class Engine {
   // Declares every weight tensor to the backend as a constant.
   absl::Status RegisterWeights();
   absl::Status CheckSlot(int slot) const;
-  absl::Status Prefill(int slot, absl::Span<const int> tokens);
+  // Forward and DecodeBatch after their arguments were checked.
+  absl::StatusOr<absl::Span<const float>> ForwardChecked(
+      int slot, absl::Span<const int> tokens, bool all_logits);
+  absl::StatusOr<absl::Span<const float>> DecodeChecked(
+      absl::Span<const int> slots, absl::Span<const int> tokens);
+  // Whether `status` from the KV path means the memory node lost what the
+  // slots stored (or could not be reached) and recomputing may help.
+  bool RecoverableKvLoss(const absl::Status& status) const;
+  // Forgets the slots' sequences and computes each again from its tokens
+  // as it was computed: its prompt in one prefill, then one decode step per
+  // later token, so the rows (and the policy's state) come out the same.
+  absl::Status Recompute(absl::Span<const int> slots,
+                         const absl::Status& cause);
+  // Returns the leading tokens reused rather than computed (0 unless
+  // `reuse`); the residual stream's rows [0, n - that) are the rest.
+  absl::StatusOr<int> Prefill(int slot, absl::Span<const int> tokens,
+                              bool reuse);
   // One layer over n rows of the residual stream starting at row `first`:
   // a prefill chunk at positions [pos, pos + n) of the slot being
   // prefilled, or (decode) the step's n sequences.
@@ -147,6 +180,10 @@ class Engine {
   const int max_chunk_;
   const int rows_;                 // max(max_chunk, batch): scratch rows
   std::vector<int> positions_of_;  // [slot]: tokens in its sequence
+  std::vector<int> cached_of_;     // [slot]: reused by its last prefill
+  std::vector<std::vector<int>> history_;  // [slot]: its tokens so far
+  std::vector<int> prompt_of_;  // [slot]: tokens of its first (prefill) call
+  int64_t kv_recoveries_ = 0;
 
   // Scratch in the backend's device memory. The residual stream and
   // positions hold a whole prompt (the prefill runs layer by layer over it);

@@ -382,6 +382,7 @@ void GenerationScheduler::Prefill(Sequence& seq) {
     Fail(seq, error);
     return;
   }
+  seq.cached = engine_->cached_tokens(seq.slot);
   Advance(seq, *logits);
 }
 
@@ -442,6 +443,7 @@ void GenerationScheduler::Finish(Sequence& seq, FinishReason reason) {
   GenerationSummary& s = event.summary;
   s.reason = reason;
   s.prompt_tokens = static_cast<int>(seq.prompt.size());
+  s.cached_tokens = seq.cached;
   s.generated_tokens = seq.generated;
   s.text = seq.text.Flush();
   s.queue_seconds = Seconds(seq.arrived, seq.prefill_start);

@@ -72,6 +72,9 @@ const char* FinishReasonName(FinishReason reason);
 struct GenerationSummary {
   FinishReason reason = FinishReason::kLength;
   int prompt_tokens = 0;
+  // Of the prompt, tokens reused from the memory node (prefix reuse)
+  // rather than computed.
+  int cached_tokens = 0;
   int generated_tokens = 0;
   // Held-back bytes of an unfinished UTF-8 character, as U+FFFD; usually
   // empty.
@@ -208,6 +211,7 @@ class GenerationScheduler {
     int prev = -1;       // last token of the sequence so far
     int next = -1;       // sampled, to be fed at the next decode step
     int generated = 0;
+    int cached = 0;  // prompt tokens the prefill reused
     bool done = false;   // ended; its slot is free
     Utf8Assembler text;
     absl::Time arrived, prefill_start, first_token, last_token;

@@ -56,6 +56,7 @@ worker::FinishReason ToProto(FinishReason reason) {
 void ToProto(const GenerationSummary& s, worker::Finished* out) {
   out->set_reason(ToProto(s.reason));
   out->set_prompt_tokens(s.prompt_tokens);
+  out->set_cached_tokens(s.cached_tokens);
   out->set_generated_tokens(s.generated_tokens);
   out->set_text(s.text);
   out->set_queue_seconds(s.queue_seconds);

@@ -19,6 +19,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/reflection.h"
@@ -38,6 +40,8 @@
 #include "gpu_worker/kv_policy.h"
 #include "kv_memory_service/kv_client.h"
 #include "gpu_worker/engine.h"
+#include "gpu_worker/model_identity.h"
+#include "kv_memory_service/kv_store.h"
 #include "gpu_worker/generation_scheduler.h"
 #include "gpu_worker/generation_service.h"
 #include "gpu_worker/http_api.h"
@@ -76,7 +80,9 @@ ABSL_FLAG(std::string, backend, "auto",
 ABSL_FLAG(int, threads, 0, "CPU threads for the matrix work; 0: all cores.");
 ABSL_FLAG(std::string, policy, "ideal",
           "How K and V reach attention when decoding: ideal (all local), full "
-          "(fetch every row), infinigen, h2o, int4.");
+          "(fetch every row), infinigen, h2o, int4, oracle (a diagnostic: "
+          "each layer's exact top --budget of its own scores, layers 0 and 1 "
+          "whole).");
 ABSL_FLAG(double, alpha, 5.0,
           "infinigen: fetch tokens whose speculated score is within alpha of "
           "the head's maximum.");
@@ -85,8 +91,14 @@ ABSL_FLAG(double, partial_ratio, 0.3,
           "weight and partial key cache.");
 ABSL_FLAG(double, budget, 0.2,
           "infinigen: cap on tokens fetched per head as a fraction of the "
-          "cached tokens; h2o: fraction kept (half heavy hitters, half "
-          "recent).");
+          "cached tokens; oracle: the fraction each head takes; h2o: fraction "
+          "kept (half heavy hitters, half recent).");
+ABSL_FLAG(int, sink_tokens, 0,
+          "infinigen, oracle: the first N positions (attention sinks) are "
+          "fetched at every speculated layer besides the selection.");
+ABSL_FLAG(int, recent_tokens, 0,
+          "infinigen, oracle: the last N positions before the new token are "
+          "fetched at every speculated layer besides the selection.");
 ABSL_FLAG(bool, same_layer_input, false,
           "infinigen, diagnostic: speculate each layer's selection from its "
           "own attention input instead of the previous layer's (no "
@@ -118,6 +130,20 @@ ABSL_FLAG(std::string, kv_auth_token_file, "",
 ABSL_FLAG(double, kv_capacity, 1.0,
           "Tokens the memory pool keeps per layer and KV head, as a fraction "
           "of the context; below 1 it evicts by --eviction.");
+ABSL_FLAG(int, prefix_block_tokens, 16,
+          "Prefix reuse: a prompt's leading tokens whose KV rows the memory "
+          "node already holds (from any earlier request of any worker with "
+          "the same model, policy and --skew) are fetched instead of "
+          "computed, in blocks of this many tokens; 0 = never reuse. Not "
+          "for h2o (it needs the prompt's attention) or ideal (no node).");
+ABSL_FLAG(int64_t, prefix_cache_bytes, int64_t{1} << 30,
+          "The embedded (inproc:) memory node's room for shared prefix "
+          "blocks; a remote node has its own flag.");
+ABSL_FLAG(std::string, on_kv_loss, "recompute",
+          "When the memory node loses a sequence mid-generation (restart, "
+          "eviction, replacement): recompute (prefill it again from the "
+          "tokens the worker holds and continue; same greedy output) or "
+          "fail (the request fails with the node's error).");
 ABSL_FLAG(std::string, eviction, "lru",
           "The in-process pool's eviction policy: fifo, lru, counter.");
 ABSL_FLAG(int, prompt_tokens, 0,
@@ -188,9 +214,21 @@ struct Command {
 // KV policy, the memory node and the device.
 std::vector<const char*> WithEngineFlags(std::vector<const char*> own) {
   for (const char* f :
-       {"policy", "alpha", "partial_ratio", "partial_rank", "budget", "skew",
+       {"policy", "alpha", "partial_ratio", "partial_rank", "budget",
+        "sink_tokens", "recent_tokens", "skew",
         "kv_service", "kv_auth_token_file", "kv_capacity", "eviction",
         "max_worker_kv_bytes", "backend", "threads"}) {
+    own.push_back(f);
+  }
+  return own;
+}
+
+// `own` and the engine's flags, with prefix reuse and recovery: the
+// commands that serve generations.
+std::vector<const char*> WithServingFlags(std::vector<const char*> own) {
+  own = WithEngineFlags(std::move(own));
+  for (const char* f : {"prefix_block_tokens", "prefix_cache_bytes",
+                        "on_kv_loss"}) {
     own.push_back(f);
   }
   return own;
@@ -199,10 +237,16 @@ std::vector<const char*> WithEngineFlags(std::vector<const char*> own) {
 const std::map<std::string, Command>& Commands() {
   static const auto* commands = new std::map<std::string, Command>{
       {"generate",
-       {"Writes the prompt and the model's continuation to stdout.",
-        WithEngineFlags({"model", "tokenizer", "prompt", "max_new_tokens",
-                         "temperature", "top_p", "seed", "max_seq_len",
-                         "calibration_tokens", "chat", "chat_template"})}},
+       {"Writes the prompt and the model's continuation to stdout; with "
+        "--json, then a JSON line: prompt_tokens, cached_tokens (reused "
+        "from the memory node), prefill_seconds, generated_tokens, "
+        "decode_seconds, kv_recoveries. With --chat, --prompt is a user "
+        "message in the model's chat template and only the reply is "
+        "written.",
+        WithServingFlags({"model", "tokenizer", "prompt", "max_new_tokens",
+                          "temperature", "top_p", "seed", "max_seq_len",
+                          "calibration_tokens", "json", "chat",
+                          "chat_template"})}},
       {"perplexity",
        {"Scores a text file in windows of --ctx tokens and reports the mean "
         "negative log-likelihood and the perplexity; with --prompt_tokens, "
@@ -217,9 +261,9 @@ const std::map<std::string, Command>& Commands() {
         "per-token latency (p50, p99), tokens/s, KV bytes fetched per token, "
         "the time spent waiting on fetches, the KV memory held by the "
         "worker and by the memory node, and the process's peak RSS.",
-        WithEngineFlags({"model", "tokenizer", "text", "ctx", "batch",
-                         "decode_tokens", "calibration_tokens", "json",
-                         "plan_only"})}},
+        WithServingFlags({"model", "tokenizer", "text", "ctx", "batch",
+                          "decode_tokens", "calibration_tokens", "json",
+                          "plan_only"})}},
       {"serve",
        {"Serves the Worker gRPC generation API (proto/worker.proto) and "
         "grpc.health.v1 on --listen, and with --http_listen the "
@@ -229,12 +273,11 @@ const std::map<std::string, Command>& Commands() {
         "once a second; the service infinigen.worker.Liveness stays "
         "SERVING), SERVING again once it does. SIGTERM or SIGINT stops "
         "taking requests, lets streams finish for --drain_timeout, exits 0.",
-        WithEngineFlags({"model", "tokenizer", "listen", "http_listen",
-                         "served_model_name", "api_key_file", "chat_template",
-                         "metrics_listen",
-                         "max_batch",
-                         "max_queue", "max_prefills_per_step",
-                         "drain_timeout", "max_seq_len"})}},
+        WithServingFlags({"model", "tokenizer", "listen", "http_listen",
+                          "served_model_name", "api_key_file",
+                          "chat_template", "metrics_listen", "max_batch",
+                          "max_queue", "max_prefills_per_step",
+                          "drain_timeout", "max_seq_len"})}},
       {"skew",
        {"Computes InfiniGen's skew matrices from calibration text and writes "
         "them to --out.",
@@ -322,10 +365,27 @@ struct PolicySetup {
 };
 
 // Failures are usage errors (bad flags or files) unless the memory node
-// fails at run time.
+// fails at run time. `serving`: the commands that take the reuse and
+// recovery flags (generate, serve, bench-decode); scoring runs neither.
 absl::StatusOr<PolicySetup> SetUpPolicy(const model::Weights& weights,
-                                        absl::Span<const int> calibration) {
+                                        absl::Span<const int> calibration,
+                                        bool serving = false) {
   PolicySetup s;
+  const std::string on_loss = absl::GetFlag(FLAGS_on_kv_loss);
+  if (on_loss != "recompute" && on_loss != "fail") {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--on_kv_loss must be recompute or fail, got '%s'", on_loss));
+  }
+  s.options.recompute_on_kv_loss = serving && on_loss == "recompute";
+  const int block = absl::GetFlag(FLAGS_prefix_block_tokens);
+  if (block < 0 || block > kv_memory_service::KvStore::kMaxBlockTokens) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--prefix_block_tokens must be in [0, %d], got %d",
+        kv_memory_service::KvStore::kMaxBlockTokens, block));
+  }
+  if (absl::GetFlag(FLAGS_prefix_cache_bytes) < 0) {
+    return absl::InvalidArgumentError("--prefix_cache_bytes must be >= 0");
+  }
   IG_ASSIGN_OR_RETURN(s.options.policy.kind,
                       gpu_worker::ParsePolicy(absl::GetFlag(FLAGS_policy)));
   s.options.policy.alpha = static_cast<float>(absl::GetFlag(FLAGS_alpha));
@@ -339,6 +399,8 @@ absl::StatusOr<PolicySetup> SetUpPolicy(const model::Weights& weights,
   }
   s.options.policy.rank_columns_by_keys = rank == "qk";
   s.options.policy.same_layer_input = absl::GetFlag(FLAGS_same_layer_input);
+  s.options.policy.sink_tokens = absl::GetFlag(FLAGS_sink_tokens);
+  s.options.policy.recent_tokens = absl::GetFlag(FLAGS_recent_tokens);
   s.options.kv_capacity = absl::GetFlag(FLAGS_kv_capacity);
   s.options.max_worker_kv_bytes = absl::GetFlag(FLAGS_max_worker_kv_bytes);
   if (s.options.max_worker_kv_bytes < 0) {
@@ -379,6 +441,12 @@ absl::StatusOr<PolicySetup> SetUpPolicy(const model::Weights& weights,
   IG_ASSIGN_OR_RETURN(
       client_options.inproc_store_options.eviction,
       kv_memory_service::ParseEvictionPolicy(absl::GetFlag(FLAGS_eviction)));
+  client_options.inproc_store_options.prefix_cache_bytes =
+      absl::GetFlag(FLAGS_prefix_cache_bytes);
+  if (serving && block > 0) {
+    s.options.prefix_block_tokens = block;
+    s.options.model_identity = gpu_worker::ModelIdentity(weights, s.skew.get());
+  }
   IG_ASSIGN_OR_RETURN(s.client, kv_memory_service::ConnectKvClient(
                                     absl::GetFlag(FLAGS_kv_service),
                                     client_options));
@@ -418,7 +486,7 @@ int RunGenerate() {
     return Fail(kExitUsage, absl::InvalidArgumentError(
                                 "the prompt is empty and the model has no BOS"));
   }
-  auto setup = SetUpPolicy(m->weights, tokens);
+  auto setup = SetUpPolicy(m->weights, tokens, /*serving=*/true);
   if (!setup.ok()) return Fail(kExitUsage, setup.status());
   EngineOptions& options = setup->options;
   options.max_seq_len = absl::GetFlag(FLAGS_max_seq_len);
@@ -462,11 +530,23 @@ int RunGenerate() {
       std::chrono::duration<double>(prefill_done - start).count();
   const double decode_s =
       std::chrono::duration<double>(end - prefill_done).count();
+  const Engine& e = **engine;
   IG_LOG(INFO) << absl::StrFormat(
-      "prompt %d tokens in %.3f s; generated %d tokens in %.3f s (%.1f "
-      "tokens/s)",
-      tokens.size(), prefill_s, generated, decode_s,
+      "prompt %d tokens (%d reused from the memory node) in %.3f s; "
+      "generated %d tokens in %.3f s (%.1f tokens/s)",
+      tokens.size(), e.cached_tokens(), prefill_s, generated, decode_s,
       decode_s > 0 ? generated / decode_s : 0.0);
+  if (absl::GetFlag(FLAGS_json)) {
+    nlohmann::json j;
+    j["prompt_tokens"] = tokens.size();
+    j["cached_tokens"] = e.cached_tokens();
+    j["prefill_seconds"] = prefill_s;
+    j["generated_tokens"] = generated;
+    j["decode_seconds"] = decode_s;
+    j["kv_recoveries"] = e.kv_recoveries();
+    j["policy"] = gpu_worker::PolicyName(e.policy());
+    std::printf("%s\n", j.dump().c_str());
+  }
   return 0;
 }
 
@@ -638,6 +718,7 @@ struct DecodeBenchResult {
   std::vector<double> step_seconds;
   double seconds = 0;
   double prefill_seconds = 0;
+  long cached_tokens = 0;  // prefill tokens reused from the memory node
   gpu_worker::FetchStats fetch;
   int64_t worker_kv_bytes = 0;    // K/V, staging and policy state
   int64_t memory_node_bytes = 0;  // reserved on the node for the run
@@ -711,7 +792,7 @@ int RunBenchDecode() {
   std::vector<DecodeBenchResult> results;
   for (const std::string& policy : policies) {
     absl::SetFlag(&FLAGS_policy, policy);
-    auto setup = SetUpPolicy(m->weights, source);
+    auto setup = SetUpPolicy(m->weights, source, /*serving=*/true);
     if (!setup.ok()) return Fail(kExitUsage, setup.status());
     EngineOptions& options = setup->options;
     options.max_seq_len = ctx + steps;
@@ -735,6 +816,7 @@ int RunBenchDecode() {
       const int* seq = source.data() + static_cast<size_t>(b) * (ctx + steps);
       auto l = (*engine)->Forward(b, absl::MakeConstSpan(seq, ctx), false);
       if (!l.ok()) return Fail(kExitFailure, l.status());
+      r.cached_tokens += (*engine)->cached_tokens(b);
       std::fprintf(stderr, "bench-decode %s: prefilled sequence %d/%d\n",
                    policy.c_str(), b + 1, batch);
     }
@@ -801,7 +883,7 @@ int RunBenchDecode() {
           "%.1f, \"fetch_fraction_mean\": %.6f, \"fetch_wait_fraction\": "
           "%.6f, \"compute_fraction\": %.6f, \"prefill_seconds\": %.3f, "
           "\"worker_kv_bytes\": %lld, \"memory_node_bytes\": %lld, "
-          "\"peak_rss_bytes\": %lld}\n",
+          "\"peak_rss_bytes\": %lld, \"cached_tokens\": %ld}\n",
           r.policy.c_str(), r.backend.c_str(), plane.c_str(), ctx, batch,
           steps,
           tokens / r.seconds, 1e3 * Percentile(r.step_seconds, 50),
@@ -811,7 +893,7 @@ int RunBenchDecode() {
           1.0 - r.fetch.wait_seconds / r.seconds, r.prefill_seconds,
           static_cast<long long>(r.worker_kv_bytes),
           static_cast<long long>(r.memory_node_bytes),
-          static_cast<long long>(r.peak_rss_bytes));
+          static_cast<long long>(r.peak_rss_bytes), r.cached_tokens);
     }
   }
   return 0;
@@ -885,7 +967,7 @@ int RunServe() {
   }
   auto m = LoadFromFlags(/*need_tokenizer=*/true);
   if (!m.ok()) return LoadFailure(m.status());
-  auto setup = SetUpPolicy(m->weights, {});
+  auto setup = SetUpPolicy(m->weights, {}, /*serving=*/true);
   if (!setup.ok()) return Fail(kExitUsage, setup.status());
   EngineOptions& options = setup->options;
   options.max_seq_len = absl::GetFlag(FLAGS_max_seq_len);

@@ -74,9 +74,11 @@ class LocalKvCache final : public KvCache {
     return absl::OkStatus();
   }
 
-  absl::Status BeginPrefill(int slot, int first, int n) override {
+  absl::StatusOr<int> BeginPrefill(int slot, int first,
+                                   absl::Span<const int> tokens,
+                                   bool reuse) override {
     slot_ = slot;
-    return absl::OkStatus();
+    return 0;
   }
 
   absl::Status PrefillAttention(int layer, int pos, int rows, const float* q,

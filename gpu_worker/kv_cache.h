@@ -22,8 +22,17 @@
 // Not thread-safe: one engine drives it.
 //
 // Call order. Prefill of one slot (positions [first, first + n)):
-//   BeginPrefill; for each layer: for each chunk: PrefillAttention;
-//   EndPrefillLayer; then EndPrefill.
+//   BeginPrefill (which may find a leading part of the prompt already
+//   cached: the chunks then start after it); for each layer: for each
+//   chunk: PrefillAttention; EndPrefillLayer; then EndPrefill.
+//
+// Prefix reuse (offloaded, with prefix_block_tokens): BeginPrefill opens
+// the slot's sequence on the memory node with the prompt's block keys
+// (kv_memory_service/prefix_keys.h over model_identity and the row
+// format) and learns how many leading tokens another sequence (of this
+// worker or another) already stored; those rows are fetched layer by
+// layer during the prefill instead of computed, and the policy's prompt
+// statistics come with the blocks, so decoding behaves as without reuse.
 // Decode step of several slots (one token each, row i = slots[i]):
 //   BeginStep; for each layer: LayerInput (after the attention norm),
 //   DecodeAttention (after Q, K, V), LayerDone (after the MLP); EndStep.
@@ -69,6 +78,11 @@ struct KvCacheOptions {
   // Most bytes the cache may hold on the worker (WorkerBytes); 0 = no
   // limit. Create refuses a configuration above it before allocating.
   int64_t max_worker_bytes = 0;
+  // Prefix reuse (offloaded only): tokens per shared block; 0 = none.
+  int prefix_block_tokens = 0;
+  // Names the model and everything its rows depend on (weights, skew); the
+  // cache adds the policy and row format. Reuse needs it non-empty.
+  std::string model_identity;
 };
 
 class KvCache {
@@ -89,10 +103,15 @@ class KvCache {
   virtual ~KvCache() = default;
 
   // --- Prefill of one slot, layer-major.
-  // n tokens at positions [first, first + n). FailedPrecondition where the
-  // cache cannot continue this slot's prefill (offloaded: after its first
-  // prefill call).
-  virtual absl::Status BeginPrefill(int slot, int first, int n) = 0;
+  // `tokens` at positions [first, first + n). Returns how many leading
+  // tokens are already cached (prefix reuse, when `reuse` and the cache
+  // does it; fewer than n): the engine computes only the rest, and the
+  // PrefillAttention calls start at first + that. FailedPrecondition where
+  // the cache cannot continue this slot's prefill (offloaded: after its
+  // first prefill call).
+  virtual absl::StatusOr<int> BeginPrefill(int slot, int first,
+                                           absl::Span<const int> tokens,
+                                           bool reuse) = 0;
   // One chunk of `layer`: q [rows, n_heads, head_dim] and k, v [rows,
   // n_kv_heads, head_dim] (backend memory, host-readable after
   // Synchronize) of positions [pos, pos + rows). Stores the chunk's K and V
@@ -120,9 +139,12 @@ class KvCache {
   // After the step's last operation (backend synchronized).
   virtual absl::Status EndStep() = 0;
 
-  // Forgets `slot`'s sequence (closing it on the memory node).
+  // Forgets `slot`'s sequence (closing it on the memory node; the close's
+  // error is returned, the slot is clean regardless).
   virtual absl::Status Reset(int slot) = 0;
-  // Finishes background work (appends) and returns its first error.
+  // Finishes background work (a step's appends) and returns its first
+  // error. A slot whose rows did not reach the memory node is lost: its
+  // next BeginStep returns that error again, until Reset.
   virtual absl::Status Flush() = 0;
 
   // Whether slot's cache holds rows of a sequence that may take several

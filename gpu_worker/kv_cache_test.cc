@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <random>
@@ -56,11 +57,21 @@ class FakeKvClient final : public KvClient {
     size_t rows;
   };
 
-  FakeKvClient() : store_(KvStoreOptions()) {}
+  FakeKvClient() : store_(WithPrefixCache()) {}
 
-  absl::StatusOr<SequenceId> Open(const SequenceGeometry& g) override {
+  // The memory node loses every sequence opened so far (a restart, an
+  // eviction, a replacement).
+  void LoseEverything() {
+    for (SequenceId seq : opened_) store_.Close(seq).IgnoreError();
+  }
+
+  absl::StatusOr<kv_memory_service::OpenedSequence> OpenSequence(
+      const SequenceGeometry& g,
+      const kv_memory_service::PrefixRequest& prefix) override {
     ++opens;
-    return store_.Open(g);
+    auto opened = store_.Open(g, 0, prefix);
+    if (opened.ok()) opened_.push_back(opened->id);
+    return opened;
   }
   absl::StatusOr<AppendResult> Append(SequenceId seq,
                                       const AppendBlock& block) override {
@@ -117,8 +128,15 @@ class FakeKvClient final : public KvClient {
     std::unique_ptr<uint16_t[]> memory_;
   };
 
+  static KvStoreOptions WithPrefixCache() {
+    KvStoreOptions o;
+    o.prefix_cache_bytes = 64 << 20;
+    return o;
+  }
+
   KvStore store_;
   int append_count_ = 0;
+  std::vector<SequenceId> opened_;
 };
 
 // A random Llama-shaped model with many layers and a small width: worker
@@ -440,8 +458,9 @@ TEST_F(KvCacheTest, WorkerKvLimitRefusesIdealAndServesOffloaded) {
 TEST_F(KvCacheTest, OffloadedPrefillIsOneCallAndAFailedOneLeavesTheSlotEmpty) {
   FakeKvClient node;
   node.fail_append_at = 5;  // layer 4's rows of the first prefill
-  auto engine =
-      Engine::Create(weights_, NewCpuBackend(), Options(PolicyKind::kFull, &node));
+  EngineOptions o = Options(PolicyKind::kFull, &node);
+  o.recompute_on_kv_loss = false;
+  auto engine = Engine::Create(weights_, NewCpuBackend(), o);
   ASSERT_TRUE(engine.ok());
   const std::vector<int> t = Tokens(20);
   auto failed = (*engine)->Forward(absl::MakeConstSpan(t).subspan(0, 10), false);
@@ -455,6 +474,171 @@ TEST_F(KvCacheTest, OffloadedPrefillIsOneCallAndAFailedOneLeavesTheSlotEmpty) {
   EXPECT_EQ((*engine)->position(), 11);
   auto more = (*engine)->Forward({t[11], t[12]}, false);
   EXPECT_EQ(more.status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+// Greedy decoding of `steps` tokens after `prompt`; `before_step(i)` runs
+// before step i.
+std::vector<int> Greedy(Engine& e, const std::vector<int>& prompt, int steps,
+                        const std::function<void(int)>& before_step = {}) {
+  std::vector<int> out;
+  auto logits = e.Forward(prompt, false);
+  for (int i = 0; i < steps && logits.ok(); ++i) {
+    const int next = static_cast<int>(
+        std::max_element(logits->begin(), logits->end()) - logits->begin());
+    out.push_back(next);
+    if (before_step) before_step(i);
+    logits = e.Forward({next}, false);
+  }
+  if (!logits.ok()) out.push_back(-static_cast<int>(logits.status().code()));
+  return out;
+}
+
+// Prefix reuse: a second prefill of a prompt sharing a long prefix with an
+// earlier one (here from another engine: another worker on the same node)
+// fetches the prefix's rows instead of computing them, and decodes as
+// without reuse: the same greedy tokens, and for infinigen the same rows
+// fetched at every step (its column ranking sees the reused tokens' query
+// sums, carried with the blocks).
+TEST_F(KvCacheTest, APrefixReusedFromTheNodeDecodesAsWithoutReuse) {
+  for (PolicyKind kind : {PolicyKind::kFull, PolicyKind::kInfiniGen}) {
+    SCOPED_TRACE(PolicyName(kind));
+    FakeKvClient node;
+    EngineOptions o = Options(kind, &node);
+    o.prefix_block_tokens = 8;
+    o.model_identity = "test-model";
+    const std::vector<int> shared = Tokens(70);
+    std::vector<int> prompt = shared;
+    prompt.push_back(5);
+    prompt.push_back(9);
+    auto first = Engine::Create(weights_, NewCpuBackend(), o);
+    ASSERT_TRUE(first.ok());
+    ASSERT_TRUE((*first)->Forward(shared, false).ok());
+    EXPECT_EQ((*first)->cached_tokens(), 0);
+    // Another worker, another prompt with the same first 70 tokens.
+    auto second = Engine::Create(weights_, NewCpuBackend(), o);
+    ASSERT_TRUE(second.ok());
+    node.appends.clear();
+    const std::vector<int> reused = Greedy(**second, prompt, 12);
+    EXPECT_EQ((*second)->cached_tokens(), 64);  // 8 whole blocks of 8
+    // Each layer appended only the 8 tokens after the reused ones.
+    ASSERT_FALSE(node.appends.empty());
+    EXPECT_EQ(node.appends[0].n_tokens, 8);
+    // The same without reuse.
+    EngineOptions plain = o;
+    plain.prefix_block_tokens = 0;
+    auto third = Engine::Create(weights_, NewCpuBackend(), plain);
+    ASSERT_TRUE(third.ok());
+    const std::vector<int> computed = Greedy(**third, prompt, 12);
+    EXPECT_EQ((*third)->cached_tokens(), 0);
+    EXPECT_EQ(reused, computed);
+    EXPECT_EQ((*second)->fetch_stats().rows_fetched,
+              (*third)->fetch_stats().rows_fetched);
+    // Another model identity: nothing reused.
+    EngineOptions other = o;
+    other.model_identity = "another-model";
+    auto fourth = Engine::Create(weights_, NewCpuBackend(), other);
+    ASSERT_TRUE(fourth.ok());
+    ASSERT_TRUE((*fourth)->Forward(prompt, false).ok());
+    EXPECT_EQ((*fourth)->cached_tokens(), 0);
+  }
+}
+
+// h2o ranks by the prompt's own attention: it never reuses.
+TEST_F(KvCacheTest, H2ONeverReusesAPrefix) {
+  FakeKvClient node;
+  EngineOptions o = Options(PolicyKind::kH2O, &node);
+  o.prefix_block_tokens = 8;
+  o.model_identity = "test-model";
+  const std::vector<int> prompt = Tokens(40);
+  for (int i = 0; i < 2; ++i) {
+    auto e = Engine::Create(weights_, NewCpuBackend(), o);
+    ASSERT_TRUE(e.ok());
+    ASSERT_TRUE((*e)->Forward(prompt, false).ok());
+    EXPECT_EQ((*e)->cached_tokens(), 0);
+  }
+}
+
+// Teacher-forced decoding of `next` after `prompt`: the logits of every
+// step; `before_step(i)` runs before step i. Stops at the first error,
+// returned as the last entry's status.
+struct ForcedRun {
+  std::vector<std::vector<float>> logits;
+  absl::Status status;
+};
+ForcedRun Forced(Engine& e, const std::vector<int>& prompt,
+           const std::vector<int>& next,
+           const std::function<void(int)>& before_step = {}) {
+  ForcedRun run;
+  auto logits = e.Forward(prompt, false);
+  for (size_t i = 0; logits.ok(); ++i) {
+    run.logits.emplace_back(logits->begin(), logits->end());
+    if (i == next.size()) break;
+    if (before_step) before_step(static_cast<int>(i));
+    logits = e.Forward({next[i]}, false);
+  }
+  run.status = logits.status();
+  return run;
+}
+
+// The node loses the sequence mid-generation: with recompute the engine
+// prefills the prompt again and replays the decoded tokens, so every
+// later step's logits are the uninterrupted run's, bit for bit (InfiniGen
+// included: its partial columns rank over the same prompt); without, the
+// step fails with the node's NotFound.
+TEST_F(KvCacheTest, ASequenceTheNodeLostIsRecomputed) {
+  for (PolicyKind kind : {PolicyKind::kFull, PolicyKind::kInfiniGen}) {
+    SCOPED_TRACE(PolicyName(kind));
+    const std::vector<int> prompt = Tokens(30);
+    std::vector<int> next;
+    for (int i = 0; i < 16; ++i) next.push_back((i * 13 + 5) % 64);
+    FakeKvClient clean_node;
+    auto clean = Engine::Create(weights_, NewCpuBackend(),
+                                Options(kind, &clean_node));
+    ASSERT_TRUE(clean.ok());
+    const ForcedRun want = Forced(**clean, prompt, next);
+    ASSERT_TRUE(want.status.ok());
+    auto expect_close = [&](const ForcedRun& got) {
+      ASSERT_TRUE(got.status.ok()) << got.status;
+      ASSERT_EQ(got.logits.size(), want.logits.size());
+      for (size_t i = 0; i < got.logits.size(); ++i) {
+        double max_diff = 0, max_abs = 0;
+        for (size_t j = 0; j < got.logits[i].size(); ++j) {
+          max_diff = std::max(max_diff, std::fabs(double(got.logits[i][j]) -
+                                                  want.logits[i][j]));
+          max_abs = std::max(max_abs, std::fabs(double(want.logits[i][j])));
+        }
+        EXPECT_EQ(max_diff, 0.0) << "step " << i << " of logits up to " << max_abs;
+      }
+    };
+
+    FakeKvClient node;
+    auto engine = Engine::Create(weights_, NewCpuBackend(), Options(kind, &node));
+    ASSERT_TRUE(engine.ok());
+    expect_close(Forced(**engine, prompt, next, [&](int i) {
+      if (i == 6) node.LoseEverything();
+    }));
+    EXPECT_EQ((*engine)->kv_recoveries(), 1);
+    EXPECT_EQ(node.opens, 2);
+
+    // A step's rows that never reached the node: recomputed too.
+    FakeKvClient flaky;
+    flaky.fail_append_at = 12 + 4;  // the prefill's 12, then step 4's
+    auto again = Engine::Create(weights_, NewCpuBackend(), Options(kind, &flaky));
+    ASSERT_TRUE(again.ok());
+    expect_close(Forced(**again, prompt, next));
+    EXPECT_EQ((*again)->kv_recoveries(), 1);
+
+    EngineOptions strict = Options(kind, &node);
+    strict.recompute_on_kv_loss = false;
+    auto failing = Engine::Create(weights_, NewCpuBackend(), strict);
+    ASSERT_TRUE(failing.ok());
+    const ForcedRun cut = Forced(**failing, prompt, next, [&](int i) {
+      if (i == 6) node.LoseEverything();
+    });
+    EXPECT_EQ(cut.logits.size(), 7u);
+    EXPECT_EQ(cut.status.code(), absl::StatusCode::kNotFound);
+    EXPECT_EQ((*failing)->kv_recoveries(), 0);
+  }
 }
 
 // A device-like backend whose device memory the host cannot touch: it is

@@ -20,8 +20,10 @@ absl::StatusOr<PolicyKind> ParsePolicy(absl::string_view name) {
   if (name == "infinigen") return PolicyKind::kInfiniGen;
   if (name == "h2o") return PolicyKind::kH2O;
   if (name == "int4") return PolicyKind::kInt4;
+  if (name == "oracle") return PolicyKind::kOracle;
   return absl::InvalidArgumentError(absl::StrFormat(
-      "unknown policy '%s' (ideal, full, infinigen, h2o, int4)", name));
+      "unknown policy '%s' (ideal, full, infinigen, h2o, int4, oracle)",
+      name));
 }
 
 const char* PolicyName(PolicyKind kind) {
@@ -36,6 +38,8 @@ const char* PolicyName(PolicyKind kind) {
       return "h2o";
     case PolicyKind::kInt4:
       return "int4";
+    case PolicyKind::kOracle:
+      return "oracle";
   }
   return "unknown";
 }
@@ -55,6 +59,11 @@ absl::Status PolicyOptions::Validate() const {
   }
   if (kind == PolicyKind::kInfiniGen && skew == nullptr) {
     return absl::InvalidArgumentError("the infinigen policy needs a skew");
+  }
+  if (sink_tokens < 0 || recent_tokens < 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "sink_tokens and recent_tokens must be >= 0, got %d and %d",
+        sink_tokens, recent_tokens));
   }
   return absl::OkStatus();
 }
@@ -150,6 +159,8 @@ class H2OPolicy final : public KvPolicy {
   }
 
   bool WantsPrefillProbs() const override { return true; }
+  // Heavy hitters rank by the prompt's own attention: no reuse.
+  bool ReusesPrefix() const override { return false; }
   bool WantsAttentionProbs() const override { return true; }
 
   void ObservePrefill(int layer, const float* q, const float* k, int n,
@@ -247,12 +258,27 @@ class H2OPolicy final : public KvPolicy {
 // its memory; only
 // the scores come back to the host, where the threshold-and-cap selection
 // runs. Choosing the partial columns (once per prompt) runs on the host.
+// The oracle is InfiniGen's machinery with every column, no alpha cut and
+// an identity skew (a rotation changes no score), on each layer's own
+// input: the speculated scores are the exact ones.
+PolicyOptions OracleOptions(PolicyOptions o) {
+  o.partial_ratio = 1.0f;
+  o.alpha = 1e30f;
+  o.same_layer_input = true;
+  o.rank_columns_by_keys = false;
+  return o;
+}
+
 class InfiniGenPolicy final : public KvPolicy {
  public:
-  InfiniGenPolicy(const Context& c, const PolicyOptions& o)
+  // `owned_skew`: the skew to use instead of o.skew (the oracle's identity).
+  InfiniGenPolicy(const Context& c, const PolicyOptions& o,
+                  std::unique_ptr<const speculator::SkewMatrices> owned_skew =
+                      nullptr)
       : KvPolicy(c),
+        owned_skew_(std::move(owned_skew)),
         options_(o),
-        skew_(*o.skew),
+        skew_(owned_skew_ != nullptr ? *owned_skew_ : *o.skew),
         n_cols_(speculator::PartialColumnCount(c.weights->config.head_dim,
                                                o.partial_ratio)) {}
 
@@ -342,27 +368,60 @@ class InfiniGenPolicy final : public KvPolicy {
 
   void ObservePrefill(int layer, const float* q, const float* k, int n,
                       int first_pos, const float* prob_sums) override {
-    // Partial columns rank by the summed |q A| over the prompt (times the
-    // summed |k A| with rank_columns_by_keys).
+    const model::ModelConfig& m = config();
+    const size_t d = m.head_dim;
+    Accumulate(layer, q, k, n, ColSums(layer, 0),
+               k_col_sums_.data() + Head(layer, 0) * d, row_.data());
+  }
+
+  // Per layer: the summed |q A| of each KV head's columns, then (with
+  // rank_columns_by_keys) the summed |k A|.
+  int PrefixStateFloats() const override {
+    const model::ModelConfig& m = config();
+    return m.n_kv_heads * m.head_dim * (options_.rank_columns_by_keys ? 2 : 1);
+  }
+  void SummarizePrefill(int layer, const float* q, const float* k, int n,
+                        float* out) const override {
+    const model::ModelConfig& m = config();
+    std::vector<float> row(m.head_dim);
+    Accumulate(layer, q, k, n, out,
+               out + static_cast<size_t>(m.n_kv_heads) * m.head_dim,
+               row.data());
+  }
+  void AddPrefixState(int layer, const float* state) override {
+    const model::ModelConfig& m = config();
+    const size_t n = static_cast<size_t>(m.n_kv_heads) * m.head_dim;
+    float* q_sums = ColSums(layer, 0);
+    for (size_t i = 0; i < n; ++i) q_sums[i] += state[i];
+    if (!options_.rank_columns_by_keys) return;
+    float* k_sums = k_col_sums_.data() + Head(layer, 0) * m.head_dim;
+    for (size_t i = 0; i < n; ++i) k_sums[i] += state[n + i];
+  }
+
+  // Partial columns rank by the summed |q A| over the prompt (times the
+  // summed |k A| with rank_columns_by_keys): adds n tokens' magnitudes to
+  // q_sums [n_kv_heads][d] and k_sums (the same), using row [d].
+  void Accumulate(int layer, const float* q, const float* k, int n,
+                  float* q_sums, float* k_sums, float* row) const {
     const model::ModelConfig& m = config();
     const int d = m.head_dim, group = m.n_heads / m.n_kv_heads;
     for (int i = 0; i < n; ++i) {
       for (int h = 0; h < m.n_heads; ++h) {
         const int g = h / group;
         speculator::ApplySkew(q + (static_cast<size_t>(i) * m.n_heads + h) * d,
-                              1, skew_.at(layer, g), d, row_.data());
-        float* sums = ColSums(layer, g);
-        for (int c = 0; c < d; ++c) sums[c] += std::fabs(row_[c]);
+                              1, skew_.at(layer, g), d, row);
+        float* sums = q_sums + static_cast<size_t>(g) * d;
+        for (int c = 0; c < d; ++c) sums[c] += std::fabs(row[c]);
       }
     }
     if (!options_.rank_columns_by_keys) return;
     for (int g = 0; g < m.n_kv_heads; ++g) {
-      float* sums = k_col_sums_.data() + Head(layer, g) * d;
+      float* sums = k_sums + static_cast<size_t>(g) * d;
       for (int i = 0; i < n; ++i) {
         speculator::ApplySkew(
             k + (static_cast<size_t>(i) * m.n_kv_heads + g) * d, 1,
-            skew_.at(layer, g), d, row_.data());
-        for (int c = 0; c < d; ++c) sums[c] += std::fabs(row_[c]);
+            skew_.at(layer, g), d, row);
+        for (int c = 0; c < d; ++c) sums[c] += std::fabs(row[c]);
       }
     }
   }
@@ -468,7 +527,41 @@ class InfiniGenPolicy final : public KvPolicy {
     speculator::SelectTokens(scores_host_.data(), m.n_kv_heads, p,
                              present_.data(),
                              sel, plan.indices, plan.head_offsets);
+    if (options_.sink_tokens > 0 || options_.recent_tokens > 0) {
+      AddSinksAndRecent(p, plan);
+    }
     return absl::OkStatus();
+  }
+
+  // Adds the present sink and recent positions each head's selection
+  // lacks (present_ is [kv_head][p]).
+  void AddSinksAndRecent(int p, OwnedFetchPlan& plan) {
+    const int n_kv = config().n_kv_heads;
+    const int sinks = std::min(options_.sink_tokens, p);
+    const int recent_from = std::max(sinks, p - options_.recent_tokens);
+    std::vector<int32_t> indices;
+    std::vector<int32_t> offsets(1, 0);
+    indices.reserve(plan.indices.size() +
+                    static_cast<size_t>(n_kv) * (sinks + p - recent_from));
+    chosen_.assign(p, 0);
+    for (int g = 0; g < n_kv; ++g) {
+      const uint8_t* present = present_.data() + static_cast<size_t>(g) * p;
+      for (int j = plan.head_offsets[g]; j < plan.head_offsets[g + 1]; ++j) {
+        indices.push_back(plan.indices[j]);
+        chosen_[plan.indices[j]] = 1;
+      }
+      auto add = [&](int pos) {
+        if (present[pos] && !chosen_[pos]) indices.push_back(pos);
+      };
+      for (int pos = 0; pos < sinks; ++pos) add(pos);
+      for (int pos = recent_from; pos < p; ++pos) add(pos);
+      for (int j = plan.head_offsets[g]; j < plan.head_offsets[g + 1]; ++j) {
+        chosen_[plan.indices[j]] = 0;
+      }
+      offsets.push_back(static_cast<int32_t>(indices.size()));
+    }
+    plan.indices.swap(indices);
+    plan.head_offsets.swap(offsets);
   }
 
   void OnDecodeAppend(int layer, int p, const float* key) override {
@@ -498,6 +591,7 @@ class InfiniGenPolicy final : public KvPolicy {
     return partial_k_.data() + Head(layer, g) * ctx_.max_seq_len * n_cols_;
   }
 
+  const std::unique_ptr<const speculator::SkewMatrices> owned_skew_;
   const PolicyOptions options_;
   const speculator::SkewMatrices& skew_;
   const int n_cols_;
@@ -506,6 +600,7 @@ class InfiniGenPolicy final : public KvPolicy {
   std::vector<float> k_col_sums_;        // [layer][kv_head][d]: sum |k A|
   speculator::PartialColumns cols_;      // [layer][kv_head][n_cols]
   std::vector<uint8_t> present_;         // [kv_head][p]
+  std::vector<uint8_t> chosen_;          // [p]: AddSinksAndRecent's marks
   std::vector<float> row_;               // [d]
   std::vector<float> k_sums_;            // [d]
   std::vector<float> partial_w_host_;    // partial_w_, built here
@@ -536,6 +631,8 @@ absl::StatusOr<int64_t> KvPolicy::StateBytes(const PolicyOptions& options,
       return H2OPolicy::StateBytes(context);
     case PolicyKind::kInfiniGen:
       return InfiniGenPolicy::SizesFor(context, options).Bytes();
+    case PolicyKind::kOracle:
+      return InfiniGenPolicy::SizesFor(context, OracleOptions(options)).Bytes();
   }
   return absl::InvalidArgumentError("unknown policy");
 }
@@ -570,6 +667,12 @@ absl::StatusOr<std::unique_ptr<KvPolicy>> KvPolicy::CreateUninitialized(
       IG_RETURN_IF_ERROR(
           options.skew->CheckShape(m.n_layers, m.n_kv_heads, m.head_dim));
       return std::unique_ptr<KvPolicy>(new InfiniGenPolicy(context, options));
+    case PolicyKind::kOracle:
+      return std::unique_ptr<KvPolicy>(new InfiniGenPolicy(
+          context, OracleOptions(options),
+          std::make_unique<const speculator::SkewMatrices>(
+              speculator::SkewMatrices::Identity(m.n_layers, m.n_kv_heads,
+                                                 m.head_dim))));
   }
   return absl::InvalidArgumentError("unknown policy");
 }

@@ -11,6 +11,11 @@
 //              budget a fraction of the sequence, evicted for good
 //   int4       rows stored group-wise 4-bit (asymmetric, group 64, FlexGen's
 //              scheme); every row fetched
+//   oracle     the upper bound of top-k selection: layers 0 and 1 fetch
+//              everything; layer i >= 2 fetches the exact top `budget` of
+//              its own attention scores per KV head (max over the head's
+//              queries), chosen from its own input (the fetch cannot leave
+//              early: a diagnostic, not a serving policy)
 // Every policy but ideal stores rows in the memory node through a KvClient
 // and fetches them with FetchPlans, so the rows moved per step are counted
 // the same way for all.
@@ -36,7 +41,7 @@
 
 namespace infinigen::gpu_worker {
 
-enum class PolicyKind { kIdeal, kFull, kInfiniGen, kH2O, kInt4 };
+enum class PolicyKind { kIdeal, kFull, kInfiniGen, kH2O, kInt4, kOracle };
 
 // "ideal", "full", "infinigen", "h2o", "int4"; InvalidArgument otherwise.
 absl::StatusOr<PolicyKind> ParsePolicy(absl::string_view name);
@@ -65,6 +70,17 @@ struct PolicyOptions {
   // infinigen: the skew matrices (not owned; must outlive the engine).
   // Required for infinigen.
   const speculator::SkewMatrices* skew = nullptr;
+  // infinigen and oracle: the first sink_tokens positions (attention
+  // sinks) and the last recent_tokens before the new token are fetched at
+  // every speculated layer, besides the speculated selection.
+  int sink_tokens = 0;
+  int recent_tokens = 0;
+
+  // Whether a layer's fetch is chosen from that layer's own input
+  // (same_layer_input, oracle) rather than the previous layer's.
+  bool SpeculatesFromOwnInput() const {
+    return same_layer_input || kind == PolicyKind::kOracle;
+  }
 
   // InvalidArgument for values out of range or a missing skew.
   absl::Status Validate() const;
@@ -116,6 +132,23 @@ class KvPolicy {
   virtual bool WantsPrefillProbs() const { return false; }
   virtual void ObservePrefill(int layer, const float* q, const float* k,
                               int n, int first_pos, const float* prob_sums) {}
+
+  // Prefix reuse (kv_cache.h): a sequence may start from the rows of a
+  // prompt prefix another sequence computed. Whether this policy can:
+  // false where it needs the whole prompt's attention itself (h2o).
+  virtual bool ReusesPrefix() const { return true; }
+  // What the policy derives from prefill queries and keys beyond the
+  // stored rows, per layer, as floats that add up over tokens (InfiniGen:
+  // the summed |q A| its partial columns rank by). A reused block carries
+  // its tokens' sums, so that the sequence ranks as if it had seen them.
+  virtual int PrefixStateFloats() const { return 0; }
+  // Adds the contribution of n prefill tokens of `layer` (q, k as in
+  // ObservePrefill) to out [PrefixStateFloats()].
+  virtual void SummarizePrefill(int layer, const float* q, const float* k,
+                                int n, float* out) const {}
+  // Counts a reused block's summary of `layer` as if ObservePrefill had
+  // seen its tokens.
+  virtual void AddPrefixState(int layer, const float* state) {}
 
   // After layer's last prefill chunk: keys [n_kv_heads, key_stride,
   // head_dim] (backend memory) hold its post-RoPE keys of positions

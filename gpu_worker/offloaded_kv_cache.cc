@@ -22,6 +22,7 @@
 #include "common/log.h"
 #include "common/status.h"
 #include "gpu_worker/kv_cache_impl.h"
+#include "kv_memory_service/prefix_keys.h"
 
 namespace infinigen::gpu_worker {
 namespace {
@@ -127,7 +128,9 @@ class OffloadedKvCache final : public KvCache {
 
   absl::Status Init();
 
-  absl::Status BeginPrefill(int slot, int first, int n) override;
+  absl::StatusOr<int> BeginPrefill(int slot, int first,
+                                   absl::Span<const int> tokens,
+                                   bool reuse) override;
   absl::Status PrefillAttention(int layer, int pos, int rows, const float* q,
                                 const float* k, const float* v,
                                 float* out) override;
@@ -179,17 +182,39 @@ class OffloadedKvCache final : public KvCache {
     std::vector<uint16_t> k_step, v_step;
     AppendResult appended;  // last async append
     absl::Status append_status;
+    // Set when a step's rows did not reach the memory node: the sequence
+    // there lacks a position, so its next step fails with this (and the
+    // engine recomputes it) rather than attend without the row.
+    absl::Status lost;
     FetchStats stats;
     long step_rows = 0;  // rows fetched in the current step
+    // Prefix reuse: leading tokens attached from shared blocks at the
+    // prefill, and the policy summaries of the prompt's later whole blocks
+    // [annotated_first, ...), [block][layer][PrefixStateFloats], sent with
+    // the last layer's rows.
+    int cached = 0;
+    int annotated_first = 0;
+    std::vector<float> block_state;
   };
 
-  absl::Status OpenSequence(Sequence& s);
+  // Opens the slot's sequence with the prefix keys of `tokens` (none
+  // without reuse) and takes over what it attached; returns the cached
+  // tokens.
+  absl::StatusOr<int> OpenSequence(Sequence& s, absl::Span<const int> tokens,
+                                   bool reuse);
+  // Prefix reuse: fetches `layer`'s rows of the cached positions; then
+  // (LoadPrefix) decodes them into k_rows_/v_rows_ and starts the next
+  // layer's.
+  absl::Status IssuePrefixFetch(Sequence& s, int layer);
+  absl::Status LoadPrefix(Sequence& s, int layer);
   // Appends `n` tokens' rows of layers [first_layer, first_layer +
   // n_layers) (layout [layer][token][kv_head][row_width]) and marks them
   // present, less what the pool evicted.
   absl::Status AppendRows(Sequence& s, int first_layer, int n_layers,
                           const uint16_t* k, const uint16_t* v, int n,
-                          AppendResult* result);
+                          AppendResult* result,
+                          const std::vector<std::string>* meta = nullptr,
+                          int meta_first_block = 0);
   void MarkAppended(Sequence& s, int first_layer, int n_layers, int first,
                     int n, const AppendResult& result);
   absl::Status IssueFetch(Sequence& s, int layer, const float* xb_prev);
@@ -240,9 +265,16 @@ class OffloadedKvCache final : public KvCache {
   // One prefill layer's rows for the memory node: [pos][kv_head][width].
   std::vector<uint16_t> k_stage_, v_stage_;
 
-  // The prefill in progress.
+  // The prefill in progress: positions [prefill_first_, prefill_tokens_)
+  // computed, those before it cached.
   int prefill_slot_ = -1;
+  int prefill_first_ = 0;
   int prefill_tokens_ = 0;
+  // Prefix reuse: the identity hashed into the keys (KvCacheOptions::
+  // model_identity plus policy and row format; empty: no reuse) and the
+  // policy's per-layer summary size.
+  std::string identity_;
+  int state_floats_ = 0;
   // The step in progress.
   std::vector<int> step_slots_;
 
@@ -325,6 +357,21 @@ absl::Status OffloadedKvCache::Init() {
   k_stage_.resize(stage);
   v_stage_.resize(stage);
   step_slots_.reserve(sequences_.size());
+  const KvPolicy& policy = *sequences_[0].policy;
+  if (options_.prefix_block_tokens > 0 && !options_.model_identity.empty() &&
+      policy.ReusesPrefix()) {
+    // Rows are reusable between workers that store the same bits and read
+    // the same summaries: same model, policy, row format and shape.
+    identity_ = absl::StrFormat(
+        "%s|policy=%s|rank_by_keys=%d|format=%d|layers=%d|kv_heads=%d|"
+        "width=%d|dtype=%d",
+        options_.model_identity, PolicyName(options_.policy.kind),
+        options_.policy.rank_columns_by_keys ? 1 : 0,
+        static_cast<int>(policy.row_format()), geometry_.n_layers,
+        geometry_.n_kv_heads, geometry_.head_dim,
+        static_cast<int>(geometry_.dtype));
+    state_floats_ = policy.PrefixStateFloats();
+  }
   bytes_ = options_.batch * layout_.PerSequence(c_, max_seq_) +
            layout_.Shared(c_, max_seq_, options_.max_chunk);
   {
@@ -335,20 +382,121 @@ absl::Status OffloadedKvCache::Init() {
   return absl::OkStatus();
 }
 
-absl::Status OffloadedKvCache::OpenSequence(Sequence& s) {
-  IG_ASSIGN_OR_RETURN(s.seq, options_.kv_client->Open(geometry_));
+absl::StatusOr<int> OffloadedKvCache::OpenSequence(
+    Sequence& s, absl::Span<const int> tokens, bool reuse) {
+  const int n = static_cast<int>(tokens.size());
+  const int block = options_.prefix_block_tokens;
+  kv_memory_service::PrefixRequest prefix;
+  if (reuse && !identity_.empty()) {
+    // Whole blocks only, at least one token left to compute (its logits
+    // are the prefill's answer), no more than a layer's fetch holds.
+    const int per_head = static_cast<int>(layout_.plan_rows) / c_.n_kv_heads;
+    const int usable =
+        std::min({n - 1, per_head, static_cast<int>(geometry_.max_tokens)});
+    if (usable >= block) {
+      const std::vector<int32_t> ids(tokens.begin(),
+                                     tokens.begin() + usable / block * block);
+      prefix.block_tokens = block;
+      prefix.keys = kv_memory_service::PrefixKeys(identity_, block, ids);
+    }
+  }
+  IG_ASSIGN_OR_RETURN(kv_memory_service::OpenedSequence opened,
+                      options_.kv_client->OpenSequence(geometry_, prefix));
+  s.seq = opened.id;
+  const int cached = opened.cached_tokens;
+  const int blocks = block > 0 ? cached / block : 0;
+  const size_t meta_bytes =
+      static_cast<size_t>(c_.n_layers) * state_floats_ * sizeof(float);
+  absl::Status bad;
+  if (cached < 0 || cached > static_cast<int>(prefix.keys.size()) * block ||
+      (block > 0 && cached % block != 0)) {
+    bad = absl::InternalError(absl::StrFormat(
+        "kv cache: the memory node attached %d cached tokens for %d blocks of "
+        "%d", cached, prefix.keys.size(), block));
+  } else if (static_cast<int>(opened.prefix_meta.size()) != blocks) {
+    bad = absl::InternalError(absl::StrFormat(
+        "kv cache: %d attached blocks came with %d annotations", blocks,
+        opened.prefix_meta.size()));
+  }
+  for (const std::string& meta : opened.prefix_meta) {
+    if (bad.ok() && meta.size() != meta_bytes) {
+      bad = absl::DataLossError(absl::StrFormat(
+          "kv cache: a reused prefix block's policy summary has %d bytes, "
+          "%s expects %d",
+          meta.size(), PolicyName(options_.policy.kind), meta_bytes));
+    }
+  }
+  if (!bad.ok()) return bad;
+  // The attached blocks' prompt statistics, as if the policy had seen them.
+  std::vector<float> state(static_cast<size_t>(state_floats_));
+  for (const std::string& meta : opened.prefix_meta) {
+    for (int l = 0; l < c_.n_layers && state_floats_ > 0; ++l) {
+      std::memcpy(state.data(), meta.data() + l * state.size() * sizeof(float),
+                  state.size() * sizeof(float));
+      s.policy->AddPrefixState(l, state.data());
+    }
+  }
+  s.cached = cached;
+  s.annotated_first = blocks;
+  s.block_state.assign(
+      state_floats_ > 0 ? (prefix.keys.size() - blocks) * c_.n_layers *
+                              static_cast<size_t>(state_floats_)
+                        : 0,
+      0.0f);
+  if (cached > 0) {
+    AppendResult none;
+    MarkAppended(s, 0, c_.n_layers, 0, cached, none);
+  }
+  return cached;
+}
+
+absl::Status OffloadedKvCache::IssuePrefixFetch(Sequence& s, int layer) {
+  IG_RETURN_IF_ERROR(backend_.WaitCopies());
+  const int i = layer % 2;
+  s.uploaded[i] = false;
+  kv_memory_service::OwnedFetchPlan& plan = s.plans[i];
+  plan.indices.clear();
+  plan.head_offsets.assign(1, 0);
+  for (int g = 0; g < c_.n_kv_heads; ++g) {
+    for (int p = 0; p < s.cached; ++p) plan.indices.push_back(p);
+    plan.head_offsets.push_back(static_cast<int32_t>(plan.indices.size()));
+  }
+  s.handles[i] = options_.kv_client->FetchAsync(s.seq, layer, plan.view(),
+                                                s.buffers[i].get());
+  return absl::OkStatus();
+}
+
+absl::Status OffloadedKvCache::LoadPrefix(Sequence& s, int layer) {
+  IG_RETURN_IF_ERROR(UploadFetched(s, layer));
+  const int i = layer % 2;
+  const int hd = c_.head_dim, width = layout_.row_width;
+  const size_t total = s.plans[i].indices.size();
+  const uint16_t* k_rows = FetchedRows(s, layer);
+  const uint16_t* v_rows = k_rows + total * width;
+  const KvRowFormat format = s.policy->row_format();
+  for (int g = 0; g < c_.n_kv_heads; ++g) {
+    const size_t begin = s.plans[i].head_offsets[g];
+    backend_.DecodeKvRows(k_rows + begin * width, s.cached, hd, format,
+                          k_rows_.data() + static_cast<size_t>(g) * stride_ * hd);
+    backend_.DecodeKvRows(v_rows + begin * width, s.cached, hd, format,
+                          v_rows_.data() + static_cast<size_t>(g) * stride_ * hd);
+  }
+  s.staged_free[i] = backend_.MarkIssued();
+  if (layer + 1 < c_.n_layers) IG_RETURN_IF_ERROR(IssuePrefixFetch(s, layer + 1));
   return absl::OkStatus();
 }
 
 absl::Status OffloadedKvCache::Reset(int slot) {
-  // A failed append (the memory node went away) is reported, but only after
-  // the slot is clean: the next generation in it must open a new sequence.
-  const absl::Status appended = FinishAppends();
+  FinishAppends().IgnoreError();
   Sequence& s = sequences_[slot];
+  s.lost = absl::OkStatus();
   // A step that failed may have left a prefetch in flight: end it, so the
   // buffer takes the next generation's fetches.
   for (kv_memory_service::FetchHandle& h : s.handles) h.Wait().IgnoreError();
   s.stats = FetchStats();
+  s.cached = 0;
+  s.annotated_first = 0;
+  s.block_state.clear();
   s.policy->Reset();
   std::fill(s.present.begin(), s.present.end(), 0);
   std::fill(s.present_count.begin(), s.present_count.end(), 0);
@@ -357,12 +505,14 @@ absl::Status OffloadedKvCache::Reset(int slot) {
     s.seq = 0;
     IG_RETURN_IF_ERROR(options_.kv_client->Close(seq));
   }
-  return appended;
+  return absl::OkStatus();
 }
 
 // --- Prefill: layer by layer; each layer's rows leave before the next.
 
-absl::Status OffloadedKvCache::BeginPrefill(int slot, int first, int n) {
+absl::StatusOr<int> OffloadedKvCache::BeginPrefill(
+    int slot, int first, absl::Span<const int> tokens, bool reuse) {
+  const int n = static_cast<int>(tokens.size());
   if (first != 0) {
     return absl::FailedPreconditionError(absl::StrFormat(
         "forward: policy %s prefills a sequence in one call (slot %d holds "
@@ -371,10 +521,15 @@ absl::Status OffloadedKvCache::BeginPrefill(int slot, int first, int n) {
   }
   IG_RETURN_IF_ERROR(FinishAppends());
   Sequence& s = sequences_[slot];
-  if (s.seq == 0) IG_RETURN_IF_ERROR(OpenSequence(s));
+  int cached = 0;
+  if (s.seq == 0) {
+    IG_ASSIGN_OR_RETURN(cached, OpenSequence(s, tokens, reuse));
+  }
   prefill_slot_ = slot;
+  prefill_first_ = cached;
   prefill_tokens_ = n;
-  return absl::OkStatus();
+  if (cached > 0) IG_RETURN_IF_ERROR(IssuePrefixFetch(s, 0));
+  return cached;
 }
 
 absl::Status OffloadedKvCache::PrefillAttention(int layer, int pos, int rows,
@@ -388,6 +543,10 @@ absl::Status OffloadedKvCache::PrefillAttention(int layer, int pos, int rows,
         options_.max_chunk));
   }
   const int hd = c_.head_dim, kvd = c_.kv_dim();
+  // A reused prefix: the layer's cached rows first, fetched.
+  if (pos == prefill_first_ && s.cached > 0) {
+    IG_RETURN_IF_ERROR(LoadPrefix(s, layer));
+  }
   // The host encodes the chunk's rows for the memory node and shows the
   // policy its queries and keys.
   const size_t kv_values = static_cast<size_t>(rows) * kvd;
@@ -430,15 +589,47 @@ absl::Status OffloadedKvCache::PrefillAttention(int layer, int pos, int rows,
   s.policy->ObservePrefill(layer, q_host_.data(), k_host_.data(), rows, pos,
                            probs != nullptr ? prefill_probs_host_.data()
                                             : nullptr);
+  // Summaries of the whole blocks this sequence will share.
+  if (!s.block_state.empty()) {
+    const int block = options_.prefix_block_tokens;
+    const size_t per_block = static_cast<size_t>(c_.n_layers) * state_floats_;
+    const size_t blocks = s.block_state.size() / per_block;
+    for (int i = 0; i < rows;) {
+      const int b = (pos + i) / block - s.annotated_first;
+      const int run = std::min(rows - i, (b + s.annotated_first + 1) * block -
+                                             (pos + i));
+      if (b >= 0 && static_cast<size_t>(b) < blocks) {
+        s.policy->SummarizePrefill(
+            layer, q_host_.data() + static_cast<size_t>(i) * c_.q_dim(),
+            k_host_.data() + static_cast<size_t>(i) * kvd, run,
+            &s.block_state[b * per_block +
+                           static_cast<size_t>(layer) * state_floats_]);
+      }
+      i += run;
+    }
+  }
   return absl::OkStatus();
 }
 
 absl::Status OffloadedKvCache::EndPrefillLayer(int layer) {
   Sequence& s = sequences_[prefill_slot_];
   AppendResult result;
-  IG_RETURN_IF_ERROR(AppendRows(s, layer, 1, k_stage_.data(), v_stage_.data(),
-                                prefill_tokens_, &result));
-  MarkAppended(s, layer, 1, 0, prefill_tokens_, result);
+  const int n = prefill_tokens_ - prefill_first_;
+  const size_t at = static_cast<size_t>(prefill_first_) * c_.n_kv_heads *
+                    layout_.row_width;
+  // With the last layer, the summaries of the blocks to share.
+  std::vector<std::string> meta;
+  if (layer + 1 == c_.n_layers && !s.block_state.empty()) {
+    const size_t per_block = static_cast<size_t>(c_.n_layers) * state_floats_;
+    for (size_t b = 0; b < s.block_state.size() / per_block; ++b) {
+      meta.emplace_back(
+          reinterpret_cast<const char*>(&s.block_state[b * per_block]),
+          per_block * sizeof(float));
+    }
+  }
+  IG_RETURN_IF_ERROR(AppendRows(s, layer, 1, &k_stage_[at], &v_stage_[at], n,
+                                &result, &meta, s.annotated_first));
+  MarkAppended(s, layer, 1, prefill_first_, n, result);
   return s.policy->FinishPrefillLayer(layer, prefill_tokens_, k_rows_.data(),
                                       stride_);
 }
@@ -451,8 +642,14 @@ absl::Status OffloadedKvCache::EndPrefill() {
 absl::Status OffloadedKvCache::AppendRows(Sequence& s, int first_layer,
                                           int n_layers, const uint16_t* k,
                                           const uint16_t* v, int n,
-                                          AppendResult* result) {
+                                          AppendResult* result,
+                                          const std::vector<std::string>* meta,
+                                          int meta_first_block) {
   AppendBlock block;
+  if (meta != nullptr && !meta->empty()) {
+    block.prefix_meta = *meta;
+    block.prefix_meta_first_block = meta_first_block;
+  }
   block.first_layer = first_layer;
   block.n_layers = n_layers;
   block.n_tokens = n;
@@ -495,6 +692,7 @@ absl::Status OffloadedKvCache::BeginStep(absl::Span<const int> slots,
   // The previous step's appends must be in before this step fetches.
   IG_RETURN_IF_ERROR(FinishAppends());
   step_slots_.assign(slots.begin(), slots.end());
+  for (int slot : slots) IG_RETURN_IF_ERROR(sequences_[slot].lost);
   for (size_t i = 0; i < slots.size(); ++i) {
     Sequence& s = sequences_[slots[i]];
     s.position = positions[i];
@@ -508,7 +706,8 @@ absl::Status OffloadedKvCache::LayerInput(int layer, const float* xb) {
   // Layer l + 1's fetch leaves before layer l's attention and MLP run
   // (with the same_layer_input diagnostic, layer l's leaves now, from its
   // own input; layer 0's left at the start of the step).
-  const int fetch_layer = options_.policy.same_layer_input ? layer : layer + 1;
+  const int fetch_layer =
+      options_.policy.SpeculatesFromOwnInput() ? layer : layer + 1;
   if (fetch_layer <= 0 || fetch_layer >= c_.n_layers) return absl::OkStatus();
   for (size_t i = 0; i < step_slots_.size(); ++i) {
     IG_RETURN_IF_ERROR(IssueFetch(sequences_[step_slots_[i]], fetch_layer,
@@ -545,7 +744,7 @@ absl::Status OffloadedKvCache::DecodeAttention(int layer, const float* q,
 absl::Status OffloadedKvCache::LayerDone(int layer) {
   // The next layer's rows move to the backend while this layer computes
   // (its fetch left before this layer's attention).
-  if (options_.policy.same_layer_input || layer + 1 >= c_.n_layers) {
+  if (options_.policy.SpeculatesFromOwnInput() || layer + 1 >= c_.n_layers) {
     return absl::OkStatus();
   }
   for (int slot : step_slots_) {
@@ -775,6 +974,7 @@ absl::Status OffloadedKvCache::FinishAppends() {
     Sequence& s = sequences_[i];
     if (!s.append_status.ok()) {
       if (first.ok()) first = s.append_status;
+      if (s.lost.ok()) s.lost = s.append_status;
       continue;
     }
     MarkAppended(s, 0, c_.n_layers, s.position, 1, s.appended);

@@ -196,6 +196,67 @@ TEST_F(PolicyTest, SameLayerInputSpeculatesFromTheLayersOwnInput) {
   EXPECT_LT(by_own.stats.fraction_max, 0.4 + 0.6 * 0.2 + 0.6 / 8 + 1e-9);
 }
 
+// The oracle is the same-layer diagnostic at full columns with no alpha
+// cut, needing no skew: the same logits and fetches as spelling it out.
+TEST_F(PolicyTest, OracleIsTheExactTopKOfTheLayersOwnScores) {
+  PolicyOptions oracle = Policy(PolicyKind::kOracle);
+  oracle.budget = 0.2f;
+  PolicyOptions spelled = Policy(PolicyKind::kInfiniGen);
+  spelled.skew = skew_;
+  spelled.budget = 0.2f;
+  spelled.alpha = 1e30f;
+  spelled.partial_ratio = 1.0f;
+  spelled.same_layer_input = true;
+  Run a = TeacherForced(oracle, 8);
+  Run b = TeacherForced(spelled, 8);
+  ASSERT_EQ(a.logits.size(), b.logits.size());
+  for (size_t i = 0; i < a.logits.size(); ++i) {
+    for (size_t j = 0; j < a.logits[i].size(); ++j) {
+      // The skew rotates the scores (same ranking up to rounding).
+      ASSERT_NEAR(a.logits[i][j], b.logits[i][j], 1e-3) << i << " " << j;
+    }
+  }
+  EXPECT_EQ(a.stats.rows_fetched, b.stats.rows_fetched);
+  // Everything at budget 1: exactly full.
+  oracle.budget = 1.0f;
+  EXPECT_EQ(TeacherForced(oracle, 8).logits,
+            TeacherForced(Policy(PolicyKind::kFull), 8).logits);
+}
+
+// Sinks and a recent window come on top of the speculated selection: more
+// rows fetched; when they cover every position, the speculated layers read
+// everything.
+TEST_F(PolicyTest, SinksAndRecentTokensAreAlwaysFetched) {
+  PolicyOptions p = Policy(PolicyKind::kInfiniGen);
+  p.skew = skew_;
+  p.budget = 0.05f;
+  p.alpha = 0.0f;  // the head's best token only
+  Run bare = TeacherForced(p, 8);
+  PolicyOptions with = p;
+  with.sink_tokens = 2;
+  with.recent_tokens = 4;
+  Run more = TeacherForced(with, 8);
+  EXPECT_GT(more.stats.rows_fetched, bare.stats.rows_fetched);
+  // With every position a sink (or recent), the speculated layers read
+  // everything: full's rows in another order, so the same up to rounding
+  // (amplified where a new row rounds to another fp16 value).
+  const Run full = TeacherForced(Policy(PolicyKind::kFull), 8);
+  for (bool sinks : {true, false}) {
+    PolicyOptions all = p;
+    (sinks ? all.sink_tokens : all.recent_tokens) = 1000;
+    const Run every = TeacherForced(all, 8);
+    EXPECT_DOUBLE_EQ(every.stats.fraction_mean(), 1.0);
+    ASSERT_EQ(every.logits.size(), full.logits.size());
+    for (size_t i = 0; i < every.logits.size(); ++i) {
+      for (size_t j = 0; j < every.logits[i].size(); ++j) {
+        ASSERT_NEAR(every.logits[i][j], full.logits[i][j],
+                    2e-2 * std::max(1.0f, std::fabs(full.logits[i][j])))
+            << i;
+      }
+    }
+  }
+}
+
 TEST_F(PolicyTest, ColumnRankingByKeysChangesOnlyWhichColumns) {
   // With every column kept the ranking cannot matter: identical logits.
   PolicyOptions q = Policy(PolicyKind::kInfiniGen);
@@ -568,6 +629,10 @@ TEST_F(PolicyTest, BadOptionsAreRejected) {
             absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(ParsePolicy("bogus").status().code(),
             absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(*ParsePolicy("oracle"), PolicyKind::kOracle);
+  PolicyOptions negative = Policy(PolicyKind::kOracle);
+  negative.sink_tokens = -1;
+  EXPECT_EQ(negative.Validate().code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -201,7 +201,19 @@ class KvClient {
   virtual ~KvClient() = default;
 
   // Opens a sequence; the memory node reserves its rows now.
-  virtual absl::StatusOr<SequenceId> Open(const SequenceGeometry& geometry) = 0;
+  absl::StatusOr<SequenceId> Open(const SequenceGeometry& geometry) {
+    absl::StatusOr<OpenedSequence> opened =
+        OpenSequence(geometry, PrefixRequest());
+    if (!opened.ok()) return opened.status();
+    return opened->id;
+  }
+  // Opens a sequence reusing and sharing prefix blocks (kv_store.h,
+  // "Prefix sharing"): cached_tokens leading tokens are attached from
+  // blocks the node already holds (0 on a miss, or where the node or data
+  // plane shares nothing), and the later blocks of `prefix` are shared
+  // once appended.
+  virtual absl::StatusOr<OpenedSequence> OpenSequence(
+      const SequenceGeometry& geometry, const PrefixRequest& prefix) = 0;
 
   // Appends the rows of new tokens of one or more layers (AppendBlock) and
   // returns the tokens evicted to make room.
@@ -253,8 +265,9 @@ class KvClientWrapper : public KvClient {
   explicit KvClientWrapper(std::unique_ptr<KvClient> target)
       : target_(std::move(target)) {}
 
-  absl::StatusOr<SequenceId> Open(const SequenceGeometry& geometry) override {
-    return target_->Open(geometry);
+  absl::StatusOr<OpenedSequence> OpenSequence(
+      const SequenceGeometry& geometry, const PrefixRequest& prefix) override {
+    return target_->OpenSequence(geometry, prefix);
   }
   absl::StatusOr<AppendResult> Append(SequenceId seq,
                                       const AppendBlock& block) override {

@@ -22,6 +22,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "grpcpp/client_context.h"
+#include "kv_memory_service/prefix_keys.h"
 #include "kv_memory_service/proto_convert.h"
 #include "kv_memory_service/server/kv_server.h"
 #include "proto/kv_memory.grpc.pb.h"
@@ -64,6 +65,7 @@ class KvClientTest : public ::testing::TestWithParam<std::string> {
   void SetUp() override {
     store_options_.eviction = EvictionPolicy::kFifo;
     store_options_.max_sequences = 64;
+    store_options_.prefix_cache_bytes = 1 << 20;
     if (GetParam() == "inproc") {
       inproc_store_ = std::make_shared<KvStore>(store_options_);
       client_options_.inproc_store = inproc_store_;
@@ -263,6 +265,51 @@ TEST_P(KvClientTest, ReportsEvictions) {
   EXPECT_EQ(store->eviction, EvictionPolicy::kFifo);
   EXPECT_EQ(store->evicted_rows, 8);
   EXPECT_EQ(store->max_sequences, 64);
+}
+
+// A second client's sequence with the same prefix keys attaches the first
+// one's blocks on every data plane: the cached length comes back through
+// the control plane and the shared rows through the fetch path.
+TEST_P(KvClientTest, ASecondClientReusesAPrefixAnotherPublished) {
+  const SequenceGeometry g = MakeGeometry(2, 2, 8, 64);
+  std::vector<int32_t> tokens(20);
+  for (int i = 0; i < 20; ++i) tokens[i] = 3 * i + 1;
+  PrefixRequest prefix;
+  prefix.block_tokens = 8;
+  prefix.keys = PrefixKeys("test-model", 8, tokens);  // 2 blocks
+  auto first = client_->OpenSequence(g, prefix);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(first->cached_tokens, 0);
+  testdata::TestBlock rows = MakeTestBlock(7, g, 0, g.n_layers, 0, 20);
+  const std::vector<std::string> meta = {"block zero", "block one"};
+  rows.block.prefix_meta = meta;
+  ASSERT_TRUE(client_->Append(first->id, rows.block).ok());
+  ASSERT_TRUE(client_->Close(first->id).ok());
+
+  std::unique_ptr<KvClient> other = Connect();
+  ASSERT_NE(other, nullptr);
+  auto second = other->OpenSequence(g, prefix);
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ(second->cached_tokens, 16);
+  EXPECT_EQ(second->prefix_meta, meta);
+  const OwnedFetchPlan plan =
+      OwnedFetchPlan::SameForAllHeads(2, {0, 7, 8, 15});
+  auto buffer = other->NewFetchBuffer(FetchElements(plan.view(), 8));
+  ASSERT_TRUE(buffer.ok());
+  ASSERT_TRUE(other->Fetch(second->id, 1, plan.view(), buffer->get()).ok());
+  EXPECT_EQ(Rows(**buffer, FetchElements(plan.view(), 8)),
+            ExpectedRows(7, g, 1, plan.view()));
+  auto stats = other->GetStoreStats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->prefix_blocks, 2);
+  EXPECT_EQ(stats->prefix_hit_tokens, 16);
+  // Other tokens: a miss.
+  tokens[0] += 1;
+  prefix.keys = PrefixKeys("test-model", 8, tokens);
+  auto third = other->OpenSequence(g, prefix);
+  ASSERT_TRUE(third.ok());
+  EXPECT_EQ(third->cached_tokens, 0);
+  buffer->reset();
 }
 
 TEST_P(KvClientTest, ThreadsShareAClient) {

@@ -48,6 +48,11 @@ ABSL_FLAG(std::string, listen, "127.0.0.1:7070",
 ABSL_FLAG(int64_t, capacity_bytes, 0,
           "Most bytes of K/V rows all open sequences may reserve together; "
           "0 = unlimited. OpenSequence beyond it is RESOURCE_EXHAUSTED.");
+ABSL_FLAG(int64_t, prefix_cache_bytes, int64_t{1} << 30,
+          "Most bytes of shared prefix blocks held for reuse across "
+          "requests and clients (KV rows of prompt prefixes, each counted "
+          "once), on top of --capacity_bytes; least recently used blocks "
+          "no sequence uses are dropped first. 0 = no prefix reuse.");
 ABSL_FLAG(std::string, eviction, "lru",
           "What a full (layer, KV head) of a sequence drops before taking a "
           "new token: fifo, lru or counter.");
@@ -109,7 +114,8 @@ std::string Usage() {
   std::string s = absl::StrFormat(
       "%s\n\nUsage: kv_memory_server [--flag=value ...]\n\nFlags:\n", kSummary);
   for (const char* name :
-       {"listen", "capacity_bytes", "eviction", "auth_token_file",
+       {"listen", "capacity_bytes", "prefix_cache_bytes", "eviction",
+        "auth_token_file",
         "max_message_bytes", "max_sequences", "fetch_port", "drain_timeout",
         "shm_listen", "shm_max_client_bytes", "shm_max_total_bytes",
         "rdma_device", "lease_timeout", "allow_insecure",
@@ -176,6 +182,10 @@ int Run() {
   }
   options.store.capacity_bytes = absl::GetFlag(FLAGS_capacity_bytes);
   options.store.max_sequences = absl::GetFlag(FLAGS_max_sequences);
+  options.store.prefix_cache_bytes = absl::GetFlag(FLAGS_prefix_cache_bytes);
+  if (options.store.prefix_cache_bytes < 0) {
+    return UsageError("--prefix_cache_bytes must not be negative");
+  }
   absl::StatusOr<EvictionPolicy> eviction =
       ParseEvictionPolicy(absl::GetFlag(FLAGS_eviction));
   if (!eviction.ok()) {

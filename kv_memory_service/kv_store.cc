@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
+#include "kv_memory_service/prefix_cache.h"
 
 namespace infinigen::kv_memory_service {
 namespace {
@@ -98,9 +99,11 @@ class KvStore::Sequence {
 
   const SequenceGeometry& geometry() const { return g_; }
 
-  absl::StatusOr<AppendResult> Append(const AppendBlock& b,
-                                      int32_t max_append_tokens,
-                                      Totals& totals) {
+  // `published` receives the prefix blocks this append completed (see
+  // Attach), for the store to share.
+  absl::StatusOr<AppendResult> Append(
+      const AppendBlock& b, int32_t max_append_tokens, Totals& totals,
+      std::vector<std::shared_ptr<const PrefixBlock>>* published) {
     if (b.first_layer < 0 || b.n_layers <= 0 ||
         b.first_layer > g_.n_layers - b.n_layers) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -111,6 +114,16 @@ class KvStore::Sequence {
     if (b.n_tokens <= 0) {
       return absl::InvalidArgumentError(
           absl::StrCat("n_tokens must be positive, got ", b.n_tokens));
+    }
+    if (b.prefix_meta_first_block < 0) {
+      return absl::InvalidArgumentError("prefix_meta_first_block is negative");
+    }
+    for (const std::string& meta : b.prefix_meta) {
+      if (meta.size() > kMaxPrefixMetaBytes) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "a prefix block annotation of ", meta.size(),
+            " bytes exceeds the limit of ", kMaxPrefixMetaBytes));
+      }
     }
     if (b.n_tokens > max_append_tokens) {
       return absl::ResourceExhaustedError(
@@ -160,6 +173,7 @@ class KvStore::Sequence {
           }
           Slot& s = head.slots[slot];
           s.position = position;
+          s.shared = false;
           s.fetch_count = 0;
           s.last_fetch = 0;
           LinkAtTail(head, slot);
@@ -175,6 +189,17 @@ class KvStore::Sequence {
       }
     }
     evicted_rows_ += static_cast<int64_t>(result.evicted.size());
+    // Annotations of blocks still to publish are kept until then.
+    const size_t first_pending = attached_.size() + next_pending_;
+    for (size_t i = 0; i < b.prefix_meta.size(); ++i) {
+      const size_t block = static_cast<size_t>(b.prefix_meta_first_block) + i;
+      if (block < first_pending || block >= attached_.size() + pending_.size()) {
+        continue;
+      }
+      pending_meta_.resize(pending_.size());
+      pending_meta_[block - attached_.size()] = b.prefix_meta[i];
+    }
+    CollectPublishable(published);
     totals.appended_rows.fetch_add(
         int64_t{b.n_layers} * b.n_tokens * g_.n_kv_heads,
         std::memory_order_relaxed);
@@ -229,18 +254,14 @@ class KvStore::Sequence {
     const size_t row_bytes = row_elems_ * sizeof(uint16_t);
     for (int32_t h = 0; h < g_.n_kv_heads; ++h) {
       Head& head = HeadAt(layer, h);
-      const uint16_t* k_head = Row(k_.get(), layer, h, 0);
-      const uint16_t* v_head = Row(v_.get(), layer, h, 0);
       for (int32_t j = plan.head_offsets[h]; j < plan.head_offsets[h + 1]; ++j) {
         const int32_t pos = plan.indices[j];
         const int32_t slot = head.slot_of.find(pos)->second;
-        std::memcpy(k_out, k_head + static_cast<size_t>(slot) * row_elems_,
-                    row_bytes);
-        std::memcpy(v_out, v_head + static_cast<size_t>(slot) * row_elems_,
-                    row_bytes);
+        Slot& s = head.slots[slot];
+        std::memcpy(k_out, RowOf(/*v=*/false, layer, h, slot, s), row_bytes);
+        std::memcpy(v_out, RowOf(/*v=*/true, layer, h, slot, s), row_bytes);
         k_out += row_elems_;
         v_out += row_elems_;
-        Slot& s = head.slots[slot];
         const uint64_t before = Key(s);
         ++s.fetch_count;
         s.last_fetch = now;
@@ -257,6 +278,37 @@ class KvStore::Sequence {
     totals.fetched_rows.fetch_add(static_cast<int64_t>(n),
                                   std::memory_order_relaxed);
     return absl::OkStatus();
+  }
+
+  // Makes the attached blocks the sequence's first tokens (a fresh
+  // sequence: nothing appended yet) and remembers `pending` (the keys of
+  // the blocks after them) to publish each of those blocks once every
+  // layer's rows of it are appended. Returns the attached tokens.
+  int32_t Attach(std::vector<std::shared_ptr<const PrefixBlock>> blocks,
+                 int32_t block_tokens, std::vector<PrefixKey> pending) {
+    absl::MutexLock lock(&mu_);
+    block_tokens_ = block_tokens;
+    attached_ = std::move(blocks);
+    pending_ = std::move(pending);
+    next_pending_ = 0;
+    const int32_t tokens =
+        static_cast<int32_t>(attached_.size()) * block_tokens;
+    for (int32_t layer = 0; layer < g_.n_layers; ++layer) {
+      for (int32_t h = 0; h < g_.n_kv_heads; ++h) {
+        Head& head = HeadAt(layer, h);
+        head.slot_of.reserve(tokens);
+        for (int32_t p = 0; p < tokens; ++p) {
+          const int32_t slot = static_cast<int32_t>(head.slots.size());
+          head.slots.emplace_back();
+          head.slots[slot].position = p;
+          head.slots[slot].shared = true;
+          LinkAtTail(head, slot);
+          head.slot_of[p] = slot;
+        }
+      }
+      layer_length_[layer] = tokens;
+    }
+    return tokens;
   }
 
   SequenceStats Stats() const {
@@ -306,6 +358,9 @@ class KvStore::Sequence {
     int32_t next = -1;  // the slot of the next newer present token; -1: none
     int64_t fetch_count = 0;
     uint64_t last_fetch = 0;  // 0 = never
+    // The row lives in an attached prefix block (position / block_tokens_),
+    // not in k_/v_; cleared when the slot is reused.
+    bool shared = false;
   };
   // An eviction candidate as it was when pushed; stale once the slot holds
   // another position or its key changed.
@@ -346,6 +401,67 @@ class KvStore::Sequence {
     return base +
            (static_cast<size_t>(layer) * g_.n_kv_heads + h) * head_elems_ +
            static_cast<size_t>(slot) * row_elems_;
+  }
+
+  // Where the K (v = false) or V row of `slot` is: its attached block's
+  // row, or the sequence's own.
+  const uint16_t* RowOf(bool v, int32_t layer, int32_t h, int32_t slot,
+                        const Slot& s) const ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    if (s.shared) {
+      const PrefixBlock& b = *attached_[s.position / block_tokens_];
+      return (v ? b.v.data() : b.k.data()) +
+             b.RowOffset(layer, h, s.position % block_tokens_);
+    }
+    return Row(v ? v_.get() : k_.get(), layer, h, slot);
+  }
+
+  // Publishes the pending blocks every layer now holds in full: each
+  // becomes a PrefixBlock (a copy of its rows) in `out`. A block with an
+  // evicted row ends publishing: its later keys name rows no longer here.
+  void CollectPublishable(std::vector<std::shared_ptr<const PrefixBlock>>* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (next_pending_ >= pending_.size()) return;
+    int32_t complete = layer_length_[0];
+    for (int32_t len : layer_length_) complete = std::min(complete, len);
+    const int32_t first_block = static_cast<int32_t>(attached_.size());
+    while (next_pending_ < pending_.size()) {
+      const int32_t block = first_block + static_cast<int32_t>(next_pending_);
+      const int32_t begin = block * block_tokens_;
+      if (begin + block_tokens_ > complete) return;
+      auto b = std::make_shared<PrefixBlock>();
+      b->key = pending_[next_pending_];
+      b->format = g_;
+      b->format.max_tokens = 0;
+      b->tokens = block_tokens_;
+      const size_t values = static_cast<size_t>(g_.n_layers) * g_.n_kv_heads *
+                            block_tokens_ * row_elems_;
+      b->k.resize(values);
+      b->v.resize(values);
+      const size_t row_bytes = row_elems_ * sizeof(uint16_t);
+      for (int32_t layer = 0; layer < g_.n_layers; ++layer) {
+        for (int32_t h = 0; h < g_.n_kv_heads; ++h) {
+          const Head& head = HeadAt(layer, h);
+          for (int32_t t = 0; t < block_tokens_; ++t) {
+            auto found = head.slot_of.find(begin + t);
+            if (found == head.slot_of.end()) {  // evicted
+              next_pending_ = pending_.size();
+              return;
+            }
+            const Slot& s = head.slots[found->second];
+            const size_t at = b->RowOffset(layer, h, t);
+            std::memcpy(&b->k[at], RowOf(false, layer, h, found->second, s),
+                        row_bytes);
+            std::memcpy(&b->v[at], RowOf(true, layer, h, found->second, s),
+                        row_bytes);
+          }
+        }
+      }
+      if (next_pending_ < pending_meta_.size()) {
+        b->meta = std::move(pending_meta_[next_pending_]);
+      }
+      out->push_back(std::move(b));
+      ++next_pending_;
+    }
   }
 
   // What the LRU or counter rule ranks a candidate by (smaller: evicted
@@ -458,10 +574,20 @@ class KvStore::Sequence {
   int64_t evicted_rows_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t fetches_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t fetched_rows_ ABSL_GUARDED_BY(mu_) = 0;
+  // Shared prefix blocks this sequence reads its first tokens from, and
+  // the keys of the blocks it will publish (Attach).
+  int32_t block_tokens_ ABSL_GUARDED_BY(mu_) = 1;
+  std::vector<std::shared_ptr<const PrefixBlock>> attached_
+      ABSL_GUARDED_BY(mu_);
+  std::vector<PrefixKey> pending_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> pending_meta_ ABSL_GUARDED_BY(mu_);
+  size_t next_pending_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 KvStore::KvStore(const KvStoreOptions& options)
-    : options_(options), totals_(new Totals) {}
+    : options_(options),
+      totals_(new Totals),
+      prefix_cache_(new PrefixCache(options.prefix_cache_bytes)) {}
 
 KvStore::~KvStore() = default;
 
@@ -652,7 +778,46 @@ absl::StatusOr<std::shared_ptr<KvStore::Sequence>> KvStore::Find(
 absl::StatusOr<AppendResult> KvStore::Append(SequenceId seq,
                                              const AppendBlock& block) {
   IG_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(seq));
-  return s->Append(block, options_.max_append_tokens, *totals_);
+  std::vector<std::shared_ptr<const PrefixBlock>> published;
+  absl::StatusOr<AppendResult> result =
+      s->Append(block, options_.max_append_tokens, *totals_, &published);
+  for (auto& b : published) prefix_cache_->Insert(std::move(b));
+  return result;
+}
+
+absl::StatusOr<OpenedSequence> KvStore::Open(const SequenceGeometry& geometry,
+                                             SessionId session,
+                                             const PrefixRequest& prefix) {
+  if (!prefix.keys.empty() &&
+      (prefix.block_tokens <= 0 || prefix.block_tokens > kMaxBlockTokens)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prefix block_tokens must be in [1, ", kMaxBlockTokens,
+                     "], got ", prefix.block_tokens));
+  }
+  IG_ASSIGN_OR_RETURN(const SequenceId id, Open(geometry, session));
+  OpenedSequence opened;
+  opened.id = id;
+  if (prefix.keys.empty()) return opened;
+  // Blocks past the sequence's capacity could not all stay: neither
+  // attached nor published.
+  const size_t usable = std::min(
+      prefix.keys.size(),
+      static_cast<size_t>(geometry.max_tokens / prefix.block_tokens));
+  absl::Span<const PrefixKey> keys(prefix.keys.data(), usable);
+  std::vector<std::shared_ptr<const PrefixBlock>> blocks =
+      prefix_cache_->capacity_bytes() > 0
+          ? prefix_cache_->Attach(geometry, prefix.block_tokens, keys)
+          : std::vector<std::shared_ptr<const PrefixBlock>>();
+  std::vector<PrefixKey> pending;
+  if (prefix_cache_->capacity_bytes() > 0) {
+    pending.assign(keys.begin() + blocks.size(), keys.end());
+  }
+  for (const auto& b : blocks) opened.prefix_meta.push_back(b->meta);
+  auto s = Find(id);
+  if (!s.ok()) return s.status();  // its session expired meanwhile
+  opened.cached_tokens = (*s)->Attach(std::move(blocks), prefix.block_tokens,
+                                      std::move(pending));
+  return opened;
 }
 
 absl::Status KvStore::Gather(SequenceId seq, int32_t layer,
@@ -719,6 +884,13 @@ StoreStats KvStore::GetStoreStats() const {
   s.evicted_rows = totals_->evicted_rows.load(std::memory_order_relaxed);
   s.fetches = totals_->fetches.load(std::memory_order_relaxed);
   s.fetched_rows = totals_->fetched_rows.load(std::memory_order_relaxed);
+  const PrefixCacheStats p = prefix_cache_->Stats();
+  s.prefix_blocks = p.blocks;
+  s.prefix_bytes = p.bytes;
+  s.prefix_capacity_bytes = p.capacity_bytes;
+  s.prefix_hit_tokens = p.hit_tokens;
+  s.prefix_lookup_tokens = p.lookup_tokens;
+  s.prefix_evicted_blocks = p.evicted_blocks;
   return s;
 }
 

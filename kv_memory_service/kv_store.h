@@ -17,6 +17,15 @@
 // ever appended. Close returns all of it. Each eviction costs O(log
 // max_tokens), whatever the policy.
 //
+// Prefix sharing. A sequence opened with a PrefixRequest attaches the
+// longest run of its leading blocks already in the store's PrefixCache
+// (prefix_cache.h): those tokens are present in every (layer, head) from
+// the start, their rows read from the shared blocks (held by reference,
+// never copied into the sequence). Each later block of the request is
+// copied into the cache once every layer's rows of it are appended, so
+// the next sequence with the same prefix (from any client) attaches it.
+// Shared blocks take memory once, against prefix_cache_bytes.
+//
 // Ids and ownership. Sequence and session ids are random 64-bit values:
 // none can be derived from another. A sequence opened in a session answers
 // control calls only from that session (CheckOwner; the gRPC service
@@ -68,6 +77,8 @@
 
 namespace infinigen::kv_memory_service {
 
+class PrefixCache;
+
 struct KvStoreOptions {
   // Most bytes of rows all open sequences may reserve together (the sum of
   // ReservedBytes of their geometries); 0 = unlimited. Open beyond it is
@@ -86,6 +97,11 @@ struct KvStoreOptions {
   absl::Duration lease_timeout = absl::ZeroDuration();
   // Most sessions at once; OpenSession beyond it is ResourceExhausted.
   int32_t max_sessions = 4096;
+  // Most bytes of shared prefix blocks (prefix_cache.h) held at once,
+  // counted once however many sequences use them, on top of
+  // capacity_bytes; 0 = no sharing (prefix requests neither attach nor
+  // publish).
+  int64_t prefix_cache_bytes = 0;
   // The clock leases are measured on; tests pass a fake. Null: absl::Now.
   std::function<absl::Time()> clock;
 };
@@ -113,6 +129,18 @@ class KvStore {
   // session is unknown or its lease has run out.
   absl::StatusOr<SequenceId> Open(const SequenceGeometry& geometry,
                                   SessionId session);
+
+  // Open that also reuses and shares prefix blocks: attaches the longest
+  // run of prefix.keys' leading blocks held in the prefix cache (the new
+  // sequence's first cached_tokens positions of every layer, present and
+  // fetchable as if appended), and publishes each later block once every
+  // layer's rows of it are appended. Keys past max_tokens / block_tokens
+  // are ignored. InvalidArgument for block_tokens outside [1,
+  // kMaxBlockTokens] with keys; otherwise as Open.
+  absl::StatusOr<OpenedSequence> Open(const SequenceGeometry& geometry,
+                                      SessionId session,
+                                      const PrefixRequest& prefix);
+  static constexpr int32_t kMaxBlockTokens = 1 << 16;
 
   // Starts a session with a full lease. ResourceExhausted beyond
   // max_sessions.
@@ -213,6 +241,7 @@ class KvStore {
   // Lifetime totals, kept as atomics so the hot paths do not take mu_.
   struct Totals;
   std::unique_ptr<Totals> totals_;
+  std::unique_ptr<PrefixCache> prefix_cache_;
 };
 
 }  // namespace infinigen::kv_memory_service

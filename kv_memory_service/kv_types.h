@@ -19,6 +19,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -79,6 +80,45 @@ absl::Status ValidateGeometry(const SequenceGeometry& geometry);
 // 2 * n_layers * n_kv_heads * max_tokens * head_dim * 2.
 int64_t ReservedBytes(const SequenceGeometry& geometry);
 
+// Names one prefix block: the rows of block_tokens consecutive tokens of
+// every (layer, KV head), as one model in one row format computed them
+// after the same earlier tokens. A 128-bit hash chain (PrefixKeys in
+// prefix_keys.h): equal keys mean equal model identity, block size and
+// tokens from position 0 through the block's end.
+struct PrefixKey {
+  uint64_t lo = 0;
+  uint64_t hi = 0;
+
+  bool operator==(const PrefixKey& o) const { return lo == o.lo && hi == o.hi; }
+  bool operator!=(const PrefixKey& o) const { return !(*this == o); }
+  template <typename H>
+  friend H AbslHashValue(H h, const PrefixKey& k) {
+    return H::combine(std::move(h), k.lo, k.hi);
+  }
+};
+
+// What a sequence may reuse and share. keys[i] names the tokens
+// [i * block_tokens, (i + 1) * block_tokens) of the sequence (with all
+// before them). Open attaches the longest run of leading blocks the store
+// holds; the rest are published as shared blocks once every layer's rows
+// of a block are appended. Empty keys: nothing reused or shared.
+struct PrefixRequest {
+  int32_t block_tokens = 0;  // > 0 when keys is not empty
+  std::vector<PrefixKey> keys;
+};
+
+// An opened sequence: its id and how many leading tokens (a multiple of
+// block_tokens) were attached from shared blocks. Every layer's length
+// starts at cached_tokens, their rows present; the caller appends from
+// there.
+struct OpenedSequence {
+  SequenceId id = 0;
+  int32_t cached_tokens = 0;
+  // The annotation each attached block was published with (AppendBlock),
+  // one per block, in order.
+  std::vector<std::string> prefix_meta;
+};
+
 // The K and V rows of n_tokens new tokens, for the consecutive layers
 // [first_layer, first_layer + n_layers). Layer l's tokens take its next
 // positions: length(l), length(l) + 1, ... Layers may be appended separately
@@ -92,7 +132,17 @@ struct AppendBlock {
   // what a K projection of n_tokens produces.
   absl::Span<const uint16_t> k;
   absl::Span<const uint16_t> v;  // same layout as k
+  // Optional annotations of the sequence's prefix blocks (PrefixRequest):
+  // prefix_meta[i] belongs to block prefix_meta_first_block + i and is
+  // kept with that block when it is shared, returned to whoever attaches
+  // it (OpenedSequence::prefix_meta). The node never reads them; a worker
+  // keeps there what it derives from a block's tokens besides K and V
+  // (InfiniGen: the block's summed query magnitudes). At most
+  // kMaxPrefixMetaBytes each.
+  int32_t prefix_meta_first_block = 0;
+  absl::Span<const std::string> prefix_meta;
 };
+inline constexpr size_t kMaxPrefixMetaBytes = 1 << 20;
 
 // One token the pool dropped to make room. Fetching it afterwards fails with
 // FailedPrecondition; the caller should stop selecting it.
@@ -203,6 +253,13 @@ struct StoreStats {
   int64_t expired_sessions = 0;   // leases that ran out, over the store's life
   int64_t expired_sequences = 0;  // sequences closed with them
   int64_t lease_timeout_ms = 0;   // 0 = sessions never expire
+  // The shared prefix blocks (prefix_cache.h).
+  int64_t prefix_blocks = 0;          // held now
+  int64_t prefix_bytes = 0;           // their K and V rows, each counted once
+  int64_t prefix_capacity_bytes = 0;  // 0 = no prefix sharing
+  int64_t prefix_hit_tokens = 0;      // tokens attached at Open, life total
+  int64_t prefix_lookup_tokens = 0;   // tokens Open was asked to attach
+  int64_t prefix_evicted_blocks = 0;  // dropped to make room, life total
 };
 
 }  // namespace infinigen::kv_memory_service

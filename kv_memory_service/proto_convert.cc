@@ -93,6 +93,47 @@ void ToProto(const StoreStats& s, kv::StoreStats* out) {
   out->set_expired_sessions(s.expired_sessions);
   out->set_expired_sequences(s.expired_sequences);
   out->set_lease_timeout_ms(s.lease_timeout_ms);
+  out->set_prefix_blocks(s.prefix_blocks);
+  out->set_prefix_bytes(s.prefix_bytes);
+  out->set_prefix_capacity_bytes(s.prefix_capacity_bytes);
+  out->set_prefix_hit_tokens(s.prefix_hit_tokens);
+  out->set_prefix_lookup_tokens(s.prefix_lookup_tokens);
+  out->set_prefix_evicted_blocks(s.prefix_evicted_blocks);
+}
+
+void ToProto(const PrefixRequest& p, kv::OpenSequenceRequest* out) {
+  if (p.keys.empty()) return;
+  out->set_prefix_block_tokens(p.block_tokens);
+  for (const PrefixKey& k : p.keys) {
+    char bytes[16];
+    for (int i = 0; i < 8; ++i) {
+      bytes[i] = static_cast<char>(k.lo >> (8 * i));
+      bytes[8 + i] = static_cast<char>(k.hi >> (8 * i));
+    }
+    out->add_prefix_keys(std::string(bytes, 16));
+  }
+}
+
+absl::StatusOr<PrefixRequest> PrefixFromProto(
+    const kv::OpenSequenceRequest& req) {
+  PrefixRequest p;
+  p.block_tokens = req.prefix_block_tokens();
+  p.keys.reserve(req.prefix_keys_size());
+  for (const std::string& bytes : req.prefix_keys()) {
+    if (bytes.size() != 16) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a prefix key has 16 bytes, got ", bytes.size()));
+    }
+    PrefixKey k;
+    for (int i = 0; i < 8; ++i) {
+      k.lo |= static_cast<uint64_t>(static_cast<unsigned char>(bytes[i]))
+              << (8 * i);
+      k.hi |= static_cast<uint64_t>(static_cast<unsigned char>(bytes[8 + i]))
+              << (8 * i);
+    }
+    p.keys.push_back(k);
+  }
+  return p;
 }
 
 StoreStats FromProto(const kv::StoreStats& s) {
@@ -110,6 +151,12 @@ StoreStats FromProto(const kv::StoreStats& s) {
   out.expired_sessions = s.expired_sessions();
   out.expired_sequences = s.expired_sequences();
   out.lease_timeout_ms = s.lease_timeout_ms();
+  out.prefix_blocks = s.prefix_blocks();
+  out.prefix_bytes = s.prefix_bytes();
+  out.prefix_capacity_bytes = s.prefix_capacity_bytes();
+  out.prefix_hit_tokens = s.prefix_hit_tokens();
+  out.prefix_lookup_tokens = s.prefix_lookup_tokens();
+  out.prefix_evicted_blocks = s.prefix_evicted_blocks();
   return out;
 }
 

@@ -36,6 +36,11 @@ AppendResult FromProto(const kv::AppendResponse& response);
 
 void ToProto(const StoreStats& stats, kv::StoreStats* out);
 StoreStats FromProto(const kv::StoreStats& stats);
+// The prefix fields of an OpenSequenceRequest (nothing for empty keys);
+// InvalidArgument for a key that is not 16 bytes.
+void ToProto(const PrefixRequest& prefix, kv::OpenSequenceRequest* out);
+absl::StatusOr<PrefixRequest> PrefixFromProto(
+    const kv::OpenSequenceRequest& req);
 void ToProto(const SequenceStats& stats, kv::SequenceStats* out);
 // InvalidArgument for an unknown dtype in the geometry.
 absl::StatusOr<SequenceStats> FromProto(const kv::SequenceStats& stats);

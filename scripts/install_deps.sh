@@ -17,6 +17,7 @@ PKGS=(
   libgmock-dev
   libbenchmark-dev
   libibverbs-dev
+  libxxhash-dev
   nlohmann-json3-dev
   libcpp-httplib-dev
   prometheus-cpp-dev

@@ -1091,12 +1091,18 @@ def check_sizes(m, ctx):
             errors.append("%s: --capacity_bytes is not a number" % s.where())
             continue
         limit = s.limits().get("memory")
+        try:
+            prefix = int(s.flag("prefix_cache_bytes", ctx.flags[SERVER]) or 0)
+        except ValueError:
+            errors.append("%s: --prefix_cache_bytes is not a number" % s.where())
+            continue
         if cap <= 0:
             errors.append("%s: --capacity_bytes=%d is unlimited: the pool grows "
                           "until the memory limit kills the pod" % (s.where(), cap))
-        elif limit and cap > POOL_FRACTION_OF_LIMIT * parse_quantity(limit):
-            errors.append("%s: --capacity_bytes=%d leaves too little of the "
-                          "memory limit %s" % (s.where(), cap, limit))
+        elif limit and cap + prefix > POOL_FRACTION_OF_LIMIT * parse_quantity(limit):
+            errors.append("%s: --capacity_bytes=%d plus --prefix_cache_bytes=%d "
+                          "leave too little of the memory limit %s"
+                          % (s.where(), cap, prefix, limit))
     for s in m.containers(SERVER):
         # Each worker opens up to --max_batch sequences at once.
         workers = [c for c in m.containers(WORKER)
@@ -1716,7 +1722,14 @@ class BrokenManifestsTest(unittest.TestCase):
     def test_pool_above_memory_limit(self):
         m = mutate(self.SN, lambda d: set_config(d, "KV_CAPACITY_BYTES",
                                                  str(8 * 2**30)))
-        self.assertReports(check_sizes, m, "leaves too little")
+        self.assertReports(check_sizes, m, "leave too little")
+
+    def test_prefix_cache_pushes_the_node_past_its_memory_limit(self):
+        # 6 GiB of pool fits the sidecar's 8 GiB; 1.5 GiB of prefix blocks
+        # on top does not.
+        m = mutate(self.SN, lambda d: set_config(d, "KV_PREFIX_CACHE_BYTES",
+                                                 str(3 * 2**29)))
+        self.assertReports(check_sizes, m, "--prefix_cache_bytes=1610612736")
 
     def test_more_worker_sequences_than_the_pool_takes(self):
         def fn(docs):

@@ -28,8 +28,9 @@ class InprocKvClient final : public KvClient {
   explicit InprocKvClient(std::shared_ptr<KvStore> store)
       : store_(std::move(store)) {}
 
-  absl::StatusOr<SequenceId> Open(const SequenceGeometry& geometry) override {
-    return store_->Open(geometry);
+  absl::StatusOr<OpenedSequence> OpenSequence(
+      const SequenceGeometry& geometry, const PrefixRequest& prefix) override {
+    return store_->Open(geometry, 0, prefix);
   }
   absl::StatusOr<AppendResult> Append(SequenceId seq,
                                       const AppendBlock& block) override {

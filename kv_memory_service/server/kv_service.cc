@@ -166,8 +166,12 @@ absl::Status KvMemoryService::DoOpen(const kv::OpenSequenceRequest& req,
     return absl::InvalidArgumentError("OpenSequence needs a geometry");
   }
   IG_ASSIGN_OR_RETURN(SequenceGeometry g, FromProto(req.geometry()));
-  IG_ASSIGN_OR_RETURN(SequenceId id, store_->Open(g, req.session_id()));
-  resp->set_sequence_id(id);
+  IG_ASSIGN_OR_RETURN(const PrefixRequest prefix, PrefixFromProto(req));
+  IG_ASSIGN_OR_RETURN(const OpenedSequence opened,
+                      store_->Open(g, req.session_id(), prefix));
+  resp->set_sequence_id(opened.id);
+  resp->set_cached_tokens(opened.cached_tokens);
+  for (const std::string& meta : opened.prefix_meta) resp->add_prefix_meta(meta);
   return absl::OkStatus();
 }
 
@@ -179,6 +183,10 @@ absl::Status KvMemoryService::DoAppend(const kv::AppendRequest& req,
   block.n_tokens = req.n_tokens();
   IG_ASSIGN_OR_RETURN(block.k, RowsView(req.k(), "k"));
   IG_ASSIGN_OR_RETURN(block.v, RowsView(req.v(), "v"));
+  block.prefix_meta_first_block = req.prefix_meta_first_block();
+  const std::vector<std::string> meta(req.prefix_meta().begin(),
+                                      req.prefix_meta().end());
+  block.prefix_meta = meta;
   IG_RETURN_IF_ERROR(store_->CheckOwner(req.sequence_id(), req.session_id()));
   IG_ASSIGN_OR_RETURN(AppendResult result,
                       store_->Append(req.sequence_id(), block));

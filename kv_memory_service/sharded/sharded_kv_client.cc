@@ -132,29 +132,51 @@ class ShardedKvClient final : public KvClient {
 
   ~ShardedKvClient() override = default;
 
-  absl::StatusOr<SequenceId> Open(const SequenceGeometry& geometry) override {
+  // Every node opens its heads' part with the same prefix keys and
+  // attaches what it holds. The parts must agree on the cached prefix:
+  // when they do not, every part is reopened asking for the least of
+  // them (and, should a node have dropped blocks meanwhile, for none).
+  absl::StatusOr<OpenedSequence> OpenSequence(
+      const SequenceGeometry& geometry, const PrefixRequest& prefix) override {
     IG_RETURN_IF_ERROR(ValidateGeometry(geometry));
-    auto shards = std::make_shared<Shards>();
-    shards->geometry = geometry;
-    shards->node_ids.assign(nodes_.size(), 0);
-    SequenceId id = 0;
     const int n = static_cast<int>(nodes_.size());
-    for (int node = 0; node < n; ++node) {
-      const HeadRange r = NodeHeads(node, n, geometry.n_kv_heads);
-      if (r.begin == r.end) continue;
-      SequenceGeometry part = geometry;
-      part.n_kv_heads = r.end - r.begin;
-      auto opened = nodes_[node].client->Open(part);
-      if (!opened.ok()) {
-        CloseOnNodes(*shards);
-        return AtNode(nodes_[node].address, opened.status());
+    PrefixRequest want = prefix;
+    for (int attempt = 0;; ++attempt) {
+      auto shards = std::make_shared<Shards>();
+      shards->geometry = geometry;
+      shards->node_ids.assign(nodes_.size(), 0);
+      SequenceId id = 0;
+      int32_t least = -1, most = -1;
+      std::vector<std::string> meta;
+      for (int node = 0; node < n; ++node) {
+        const HeadRange r = NodeHeads(node, n, geometry.n_kv_heads);
+        if (r.begin == r.end) continue;
+        SequenceGeometry part = geometry;
+        part.n_kv_heads = r.end - r.begin;
+        auto opened = nodes_[node].client->OpenSequence(part, want);
+        if (!opened.ok()) {
+          CloseOnNodes(*shards);
+          return AtNode(nodes_[node].address, opened.status());
+        }
+        shards->node_ids[node] = opened->id;
+        if (id == 0) {
+          id = opened->id;
+          meta = std::move(opened->prefix_meta);
+        }
+        least = least < 0 ? opened->cached_tokens
+                          : std::min(least, opened->cached_tokens);
+        most = std::max(most, opened->cached_tokens);
       }
-      shards->node_ids[node] = *opened;
-      if (id == 0) id = *opened;
+      if (least == most || want.keys.empty()) {
+        absl::MutexLock lock(&mu_);
+        sequences_[id] = std::move(shards);
+        meta.resize(std::max(least, 0) /
+                    std::max(want.block_tokens, int32_t{1}));
+        return OpenedSequence{id, std::max(least, 0), std::move(meta)};
+      }
+      CloseOnNodes(*shards);
+      want.keys.resize(attempt == 0 ? least / want.block_tokens : 0);
     }
-    absl::MutexLock lock(&mu_);
-    sequences_[id] = std::move(shards);
-    return id;
   }
 
   absl::StatusOr<AppendResult> Append(SequenceId seq,

@@ -14,6 +14,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kv_memory_service/kv_store.h"
+#include "kv_memory_service/prefix_keys.h"
 #include "kv_memory_service/testing/fault_injection_client.h"
 #include "kv_memory_service/testing/kv_test_data.h"
 
@@ -40,11 +41,12 @@ struct Tier {
   std::unique_ptr<KvClient> client;
 };
 
-Tier MakeTier(int n_nodes, KvStoreOptions store_options = {}) {
+// Node i's store made with per_node[i].
+Tier MakeTierOf(const std::vector<KvStoreOptions>& per_node) {
   Tier tier;
   std::vector<MemoryNode> nodes;
-  for (int i = 0; i < n_nodes; ++i) {
-    tier.stores.push_back(std::make_shared<KvStore>(store_options));
+  for (size_t i = 0; i < per_node.size(); ++i) {
+    tier.stores.push_back(std::make_shared<KvStore>(per_node[i]));
     KvClientOptions options;
     options.inproc_store = tier.stores.back();
     auto child = ConnectKvClient("inproc:", options);
@@ -57,6 +59,72 @@ Tier MakeTier(int n_nodes, KvStoreOptions store_options = {}) {
   EXPECT_TRUE(client.ok()) << client.status();
   tier.client = std::move(*client);
   return tier;
+}
+
+Tier MakeTier(int n_nodes, KvStoreOptions store_options = {}) {
+  return MakeTierOf(std::vector<KvStoreOptions>(n_nodes, store_options));
+}
+
+// Prefix reuse across the tier: every node attaches its heads' part of the
+// blocks, and the sequence is cached as far as all of them hold.
+TEST(ShardedPrefix, NodesAttachTheirHeadsAndAgreeOnTheCachedLength) {
+  KvStoreOptions with_cache;
+  with_cache.prefix_cache_bytes = 1 << 20;
+  const SequenceGeometry g = MakeGeometry(2, 3, 8, 64);
+  std::vector<int32_t> tokens(20);
+  for (int i = 0; i < 20; ++i) tokens[i] = 5 * i + 2;
+  PrefixRequest prefix;
+  prefix.block_tokens = 8;
+  prefix.keys = PrefixKeys("m", 8, tokens);
+  auto publish = [&](KvClient& client) {
+    auto a = client.OpenSequence(g, prefix);
+    ASSERT_TRUE(a.ok()) << a.status();
+    EXPECT_EQ(a->cached_tokens, 0);
+    testdata::TestBlock rows = MakeTestBlock(3, g, 0, 2, 0, 20);
+    const std::vector<std::string> meta = {"b0", "b1"};
+    rows.block.prefix_meta = meta;
+    ASSERT_TRUE(client.Append(a->id, rows.block).ok());
+    ASSERT_TRUE(client.Close(a->id).ok());
+  };
+  {
+    Tier tier = MakeTier(2, with_cache);
+    publish(*tier.client);
+    auto b = tier.client->OpenSequence(g, prefix);
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_EQ(b->cached_tokens, 16);
+    EXPECT_EQ(b->prefix_meta, (std::vector<std::string>{"b0", "b1"}));
+    const OwnedFetchPlan plan = OwnedFetchPlan::SameForAllHeads(3, {0, 9, 15});
+    auto buffer = tier.client->NewFetchBuffer(FetchElements(plan.view(), 8));
+    ASSERT_TRUE(buffer.ok());
+    ASSERT_TRUE(tier.client->Fetch(b->id, 1, plan.view(), buffer->get()).ok());
+    EXPECT_EQ(std::vector<uint16_t>((*buffer)->data(),
+                                    (*buffer)->data() + (*buffer)->size()),
+              ExpectedRows(3, g, 1, plan.view()));
+    // Each node holds its heads' blocks only.
+    for (const auto& store : tier.stores) {
+      EXPECT_EQ(store->GetStoreStats().prefix_blocks, 2);
+    }
+    buffer->reset();
+  }
+  {
+    // A node that shares nothing: the tier reuses nothing, every part of
+    // the sequence starts at 0 and appends line up.
+    KvStoreOptions none;
+    Tier tier = MakeTierOf({with_cache, none});
+    publish(*tier.client);
+    auto b = tier.client->OpenSequence(g, prefix);
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_EQ(b->cached_tokens, 0);
+    EXPECT_TRUE(b->prefix_meta.empty());
+    testdata::TestBlock rows = MakeTestBlock(4, g, 0, 2, 0, 20);
+    ASSERT_TRUE(tier.client->Append(b->id, rows.block).ok());
+    auto stats = tier.client->GetSequenceStats(b->id);
+    ASSERT_TRUE(stats.ok());
+    EXPECT_EQ(stats->layer_lengths, (std::vector<int32_t>{20, 20}));
+    for (const auto& store : tier.stores) {
+      EXPECT_EQ(store->GetStoreStats().open_sequences, 1);
+    }
+  }
 }
 
 TEST(NodeHeads, EveryHeadOnExactlyOneNodeInOrder) {

@@ -200,15 +200,17 @@ class ShmKvClient final : public KvClientWrapper {
   // A new sequence is where a generation starts: if the server closed the
   // data plane since the last fetch (it restarted), reconnect now, so that
   // the generation's first fetch does not fail on the old connection.
-  absl::StatusOr<SequenceId> Open(const SequenceGeometry& geometry) override {
-    IG_ASSIGN_OR_RETURN(const SequenceId seq, KvClientWrapper::Open(geometry));
+  absl::StatusOr<OpenedSequence> OpenSequence(
+      const SequenceGeometry& geometry, const PrefixRequest& prefix) override {
+    IG_ASSIGN_OR_RETURN(const OpenedSequence opened,
+                        KvClientWrapper::OpenSequence(geometry, prefix));
     ServerGone();
     absl::Status connected = EnsureConnected();
     if (!connected.ok()) {
-      KvClientWrapper::Close(seq).IgnoreError();
+      KvClientWrapper::Close(opened.id).IgnoreError();
       return connected;
     }
-    return seq;
+    return opened;
   }
 
   FetchHandle FetchAsync(SequenceId seq, int32_t layer, const FetchPlan& plan,

@@ -447,9 +447,11 @@ class GrpcKvClient final : public KvClient {
     }
   }
 
-  absl::StatusOr<SequenceId> Open(const SequenceGeometry& geometry) override {
+  absl::StatusOr<OpenedSequence> OpenSequence(
+      const SequenceGeometry& geometry, const PrefixRequest& prefix) override {
     kv::OpenSequenceRequest req;
     ToProto(geometry, req.mutable_geometry());
+    ToProto(prefix, &req);
     IG_ASSIGN_OR_RETURN(SessionId session, CurrentSession());
     absl::Status status;
     for (int attempt = 0; attempt < 2; ++attempt) {
@@ -471,7 +473,12 @@ class GrpcKvClient final : public KvClient {
                                    options_.connect_timeout)));
         status = FromGrpcStatus(stub_->OpenSequence(&retry, req, &resp));
       }
-      if (status.ok()) return resp.sequence_id();
+      if (status.ok()) {
+        OpenedSequence opened{resp.sequence_id(), resp.cached_tokens(), {}};
+        opened.prefix_meta.assign(resp.prefix_meta().begin(),
+                                  resp.prefix_meta().end());
+        return opened;
+      }
       // The only NotFound of OpenSequence: the session expired (or the
       // server restarted). Its sequences are gone; new ones go into a new
       // session.
@@ -491,6 +498,8 @@ class GrpcKvClient final : public KvClient {
     req.set_n_tokens(block.n_tokens);
     req.set_k(reinterpret_cast<const char*>(block.k.data()),
               block.k.size() * sizeof(uint16_t));
+    req.set_prefix_meta_first_block(block.prefix_meta_first_block);
+    for (const std::string& meta : block.prefix_meta) req.add_prefix_meta(meta);
     req.set_v(reinterpret_cast<const char*>(block.v.data()),
               block.v.size() * sizeof(uint16_t));
     kv::AppendResponse resp;
