@@ -3,8 +3,8 @@
 #include <utility>
 
 #include "absl/status/status.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/host_port.h"
 #include "httplib.h"
 #include "prometheus/text_serializer.h"
 
@@ -13,18 +13,10 @@ namespace infinigen {
 absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
     const std::string& listen,
     std::vector<std::shared_ptr<prometheus::Collectable>> collectables) {
-  const size_t colon = listen.rfind(':');
-  int port = -1;
-  if (colon == std::string::npos || colon == 0 ||
-      !absl::SimpleAtoi(listen.substr(colon + 1), &port) || port < 0 ||
-      port > 65535) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("metrics listen address '", listen, "' is not HOST:PORT"));
-  }
-  std::string host = listen.substr(0, colon);
-  if (host.size() > 2 && host.front() == '[' && host.back() == ']') {
-    host = host.substr(1, host.size() - 2);
-  }
+  auto address = ParseHostPort(listen, "metrics listen");
+  if (!address.ok()) return address.status();
+  const std::string& host = address->host;
+  int port = address->port;
   std::unique_ptr<MetricsServer> s(new MetricsServer());
   s->server_ = std::make_unique<httplib::Server>();
   s->server_->new_task_queue = [] { return new httplib::ThreadPool(2); };

@@ -2,19 +2,16 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cstdint>
 #include <optional>
 #include <random>
 #include <utility>
 #include <vector>
 
-#include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "common/api_key.h"
-#include "common/log.h"
+#include "common/host_port.h"
 #include "httplib.h"
 #include "nlohmann/json.hpp"
 
@@ -637,19 +634,11 @@ class Api {
 absl::StatusOr<std::unique_ptr<HttpApiServer>> HttpApiServer::Start(
     GenerationScheduler* scheduler, const model::Tokenizer* tokenizer,
     HttpApiOptions options) {
+  auto address = ParseHostPort(options.listen, "HTTP listen");
+  if (!address.ok()) return address.status();
   const std::string listen = options.listen;
-  const size_t colon = listen.rfind(':');
-  int port = -1;
-  if (colon == std::string::npos || colon == 0 ||
-      !absl::SimpleAtoi(listen.substr(colon + 1), &port) || port < 0 ||
-      port > 65535) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "HTTP listen address '", listen, "' is not HOST:PORT"));
-  }
-  std::string host = listen.substr(0, colon);
-  if (host.size() > 2 && host.front() == '[' && host.back() == ']') {
-    host = host.substr(1, host.size() - 2);
-  }
+  const std::string& host = address->host;
+  int port = address->port;
   std::unique_ptr<HttpApiServer> s(new HttpApiServer());
   s->server_ = std::make_unique<httplib::Server>();
   const int threads = std::max(options.threads, 2);
@@ -660,7 +649,6 @@ absl::StatusOr<std::unique_ptr<HttpApiServer>> HttpApiServer::Start(
   api->Install(*s->server_);
   if (port == 0) {
     port = s->server_->bind_to_any_port(host);
-    if (port < 0) port = -1;
   } else if (!s->server_->bind_to_port(host, port)) {
     port = -1;
   }
