@@ -42,7 +42,7 @@ RUN groupadd --system --gid 10001 infinigen && \
     useradd --system --uid 10001 --gid 10001 --no-create-home \
         --home-dir /nonexistent --shell /usr/sbin/nologin infinigen
 USER 10001:10001
-EXPOSE 7070 7071
+EXPOSE 7070 7071 9091
 STOPSIGNAL SIGTERM
 # Docker-only health check. The binary has no health subcommand and the
 # image carries no gRPC client, so this checks what it can: the server wrote

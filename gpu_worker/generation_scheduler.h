@@ -116,6 +116,15 @@ class GenerationStream {
   std::atomic<bool> cancelled_{false};
 };
 
+// What one sequence did, as it leaves its slot (for metrics).
+struct SequenceRecord {
+  int prompt_tokens = 0;
+  int generated_tokens = 0;
+  double ttft_seconds = -1;  // arrival to the first token; -1: none came
+  double tpot_seconds = -1;  // mean between later tokens; -1: fewer than 2
+  FetchStats fetch;          // what its KV policy fetched over its steps
+};
+
 struct GenerationSchedulerOptions {
   // Requests waiting for a slot; Submit beyond it is ResourceExhausted.
   // At least 1.
@@ -127,6 +136,10 @@ struct GenerationSchedulerOptions {
   // request that has a slot. A small number keeps the streams already
   // decoding from stalling behind a burst of long prompts.
   int max_prefills_per_step = 1;
+  // Called on the scheduler thread as each sequence leaves its slot
+  // (finished, failed or cancelled); must be quick and must not call the
+  // scheduler. Null: nothing.
+  std::function<void(const SequenceRecord&)> on_sequence_done;
   // Tests: called on the scheduler thread before every decode step.
   std::function<void()> before_decode_step;
 };

@@ -7,6 +7,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/api_key.h"
 #include "common/log.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/server_credentials.h"
@@ -81,6 +82,14 @@ absl::Status CheckHostPort(const std::string& listen) {
 grpc::Status GenerationService::Generate(
     grpc::ServerContext* ctx, const worker::GenerateRequest* request,
     grpc::ServerWriter<worker::GenerateResponse>* writer) {
+  if (!api_key_.empty()) {
+    const auto& md = ctx->client_metadata();
+    const auto it = md.find("authorization");
+    absl::string_view presented;
+    if (it != md.end()) presented = {it->second.data(), it->second.size()};
+    const absl::Status auth = CheckApiKey(&presented, api_key_);
+    if (!auth.ok()) return ToGrpcStatus(auth);
+  }
   absl::StatusOr<std::shared_ptr<GenerationStream>> submitted =
       scheduler_->Submit(FromProto(*request));
   if (!submitted.ok()) return ToGrpcStatus(submitted.status());
@@ -134,7 +143,8 @@ absl::StatusOr<std::unique_ptr<GenerationServer>> GenerationServer::Start(
   std::unique_ptr<GenerationServer> server(new GenerationServer);
   server->scheduler_ = std::move(scheduler);
   server->service_ =
-      std::make_unique<GenerationService>(server->scheduler_.get());
+      std::make_unique<GenerationService>(server->scheduler_.get(),
+                                          options.api_key);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;

@@ -45,8 +45,11 @@ namespace infinigen::gpu_worker {
 class GenerationService final : public worker::Worker::Service {
  public:
   // `scheduler` is not owned and outlives the service.
-  explicit GenerationService(GenerationScheduler* scheduler)
-      : scheduler_(scheduler) {}
+  // `api_key` not empty: every call must carry the metadata
+  // "authorization: Bearer <api_key>" (else UNAUTHENTICATED).
+  explicit GenerationService(GenerationScheduler* scheduler,
+                             std::string api_key = "")
+      : scheduler_(scheduler), api_key_(std::move(api_key)) {}
 
   grpc::Status Generate(
       grpc::ServerContext* ctx, const worker::GenerateRequest* request,
@@ -54,6 +57,7 @@ class GenerationService final : public worker::Worker::Service {
 
  private:
   GenerationScheduler* const scheduler_;
+  const std::string api_key_;
 };
 
 struct GenerationServerOptions {
@@ -64,6 +68,8 @@ struct GenerationServerOptions {
   // works: OK, or why not. Called from the server's health thread, so it
   // must be cheap and thread-safe. Null: nothing to check.
   std::function<absl::Status()> dependency_health;
+  // Not empty: the key every Worker call must carry (GenerationService).
+  std::string api_key;
   // How often dependency_health is polled.
   absl::Duration health_poll_interval = absl::Milliseconds(250);
 };

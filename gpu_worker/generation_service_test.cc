@@ -167,6 +167,7 @@ class GenerationServiceTest : public ::testing::Test {
     if (start_scheduler) scheduler->Start();
     GenerationServerOptions server_options;
     server_options.dependency_health = dependency_health_;
+    server_options.api_key = api_key_;
     server_options.health_poll_interval = absl::Milliseconds(20);
     if (unix_socket) {
       socket_path_ = absl::StrCat("/tmp/generation_service_test_", getpid(),
@@ -185,6 +186,8 @@ class GenerationServiceTest : public ::testing::Test {
 
   // Passed to GenerationServerOptions::dependency_health by StartServer.
   std::function<absl::Status()> dependency_health_;
+  // Passed to GenerationServerOptions::api_key by StartServer.
+  std::string api_key_;
 
   void TearDown() override {
     stub_.reset();
@@ -277,6 +280,27 @@ TEST_F(GenerationServiceTest, GreedyStreamsTheKnownContinuation) {
   const Generation g2 = Generate(*stub_, by_ids);
   ASSERT_TRUE(g2.status.ok()) << g2.status.error_message();
   EXPECT_EQ(g2.tokens, g.tokens);
+}
+
+TEST_F(GenerationServiceTest, AnApiKeyIsRequiredInTheMetadata) {
+  api_key_ = "sk-grpc";
+  StartServer(/*batch=*/1);
+  for (const char* presented : {"", "Bearer sk-wrong", "Bearer sk-grpc2",
+                                "sk-grpc"}) {
+    grpc::ClientContext ctx;
+    if (*presented != '\0') ctx.AddMetadata("authorization", presented);
+    auto reader = stub_->Generate(&ctx, Request(kPrompt, 3));
+    const Generation g = ReadAll(ctx, *reader);
+    EXPECT_EQ(g.status.error_code(), grpc::StatusCode::UNAUTHENTICATED)
+        << presented;
+    EXPECT_TRUE(g.tokens.empty());
+  }
+  grpc::ClientContext ctx;
+  ctx.AddMetadata("authorization", "Bearer sk-grpc");
+  auto reader = stub_->Generate(&ctx, Request(kPrompt, 3));
+  const Generation g = ReadAll(ctx, *reader);
+  ASSERT_TRUE(g.status.ok()) << g.status.error_message();
+  EXPECT_EQ(g.tokens.size(), 3u);
 }
 
 TEST_F(GenerationServiceTest, ConcurrentClientsGetWhatALoneRequestGets) {

@@ -32,9 +32,11 @@
 #include "absl/time/time.h"
 #include "common/file.h"
 #include "common/log.h"
+#include "common/metrics.h"
 #include "common/status.h"
 #include "gpu_worker/backend.h"
 #include "gpu_worker/calibrate.h"
+#include "gpu_worker/chat_template.h"
 #include "gpu_worker/kv_policy.h"
 #include "kv_memory_service/kv_client.h"
 #include "gpu_worker/engine.h"
@@ -42,6 +44,8 @@
 #include "kv_memory_service/kv_store.h"
 #include "gpu_worker/generation_scheduler.h"
 #include "gpu_worker/generation_service.h"
+#include "gpu_worker/http_api.h"
+#include "gpu_worker/worker_metrics.h"
 #include "gpu_worker/sampler.h"
 #include "model/loader.h"
 
@@ -158,6 +162,27 @@ ABSL_FLAG(bool, plan_only, false,
 ABSL_FLAG(std::string, listen, "",
           "serve: HOST:PORT to listen on (port 0 picks a free one), or "
           "unix:PATH.");
+ABSL_FLAG(std::string, http_listen, "",
+          "serve: HOST:PORT for the OpenAI-compatible HTTP API "
+          "(/v1/completions, /v1/chat/completions, /v1/models, /health) "
+          "beside --listen; empty: none.");
+ABSL_FLAG(std::string, served_model_name, "",
+          "serve: the model id of the HTTP API; empty: --model's file name "
+          "without its extension.");
+ABSL_FLAG(std::string, api_key_file, "",
+          "serve: file holding the API key every request must carry: HTTP as "
+          "'Authorization: Bearer KEY' (/health excepted), gRPC Worker calls "
+          "as the metadata 'authorization: Bearer KEY' (grpc.health.v1 "
+          "excepted); empty: none.");
+ABSL_FLAG(std::string, chat_template, "",
+          "serve, generate --chat: chatml, llama2 or llama3; empty: the "
+          "model's own (GGUF tokenizer.chat_template).");
+ABSL_FLAG(bool, chat, false,
+          "generate: --prompt is a user message, wrapped in the chat "
+          "template; prints only the reply.");
+ABSL_FLAG(std::string, metrics_listen, "",
+          "serve: HOST:PORT serving Prometheus metrics at /metrics (they are "
+          "also at /metrics of --http_listen); empty: none.");
 ABSL_FLAG(int, max_batch, 8,
           "serve: sequences generating at once (the engine's slots); more "
           "requests wait in the queue.");
@@ -215,10 +240,13 @@ const std::map<std::string, Command>& Commands() {
        {"Writes the prompt and the model's continuation to stdout; with "
         "--json, then a JSON line: prompt_tokens, cached_tokens (reused "
         "from the memory node), prefill_seconds, generated_tokens, "
-        "decode_seconds, kv_recoveries.",
+        "decode_seconds, kv_recoveries. With --chat, --prompt is a user "
+        "message in the model's chat template and only the reply is "
+        "written.",
         WithServingFlags({"model", "tokenizer", "prompt", "max_new_tokens",
                           "temperature", "top_p", "seed", "max_seq_len",
-                          "calibration_tokens", "json"})}},
+                          "calibration_tokens", "json", "chat",
+                          "chat_template"})}},
       {"perplexity",
        {"Scores a text file in windows of --ctx tokens and reports the mean "
         "negative log-likelihood and the perplexity; with --prompt_tokens, "
@@ -238,13 +266,16 @@ const std::map<std::string, Command>& Commands() {
                           "plan_only"})}},
       {"serve",
        {"Serves the Worker gRPC generation API (proto/worker.proto) and "
-        "grpc.health.v1 on --listen: token streams to many clients, "
+        "grpc.health.v1 on --listen, and with --http_listen the "
+        "OpenAI-compatible HTTP API over the same batches: token streams to many clients, "
         "--max_batch sequences decoded together. Health is NOT_SERVING "
         "while a remote --kv_service does not answer its heartbeats (about "
         "once a second; the service infinigen.worker.Liveness stays "
         "SERVING), SERVING again once it does. SIGTERM or SIGINT stops "
         "taking requests, lets streams finish for --drain_timeout, exits 0.",
-        WithServingFlags({"model", "tokenizer", "listen", "max_batch",
+        WithServingFlags({"model", "tokenizer", "listen", "http_listen",
+                          "served_model_name", "api_key_file",
+                          "chat_template", "metrics_listen", "max_batch",
                           "max_queue", "max_prefills_per_step",
                           "drain_timeout", "max_seq_len"})}},
       {"skew",
@@ -440,7 +471,16 @@ int RunGenerate() {
   auto m = LoadFromFlags(/*need_tokenizer=*/true);
   if (!m.ok()) return LoadFailure(m.status());
   const model::Tokenizer& tok = *m->tokenizer;
-  const std::string prompt = absl::GetFlag(FLAGS_prompt);
+  std::string prompt = absl::GetFlag(FLAGS_prompt);
+  const bool chat = absl::GetFlag(FLAGS_chat);
+  if (chat) {
+    auto t = gpu_worker::ChatTemplateForModel(absl::GetFlag(FLAGS_model),
+                                              absl::GetFlag(FLAGS_chat_template));
+    if (!t.ok()) return Fail(kExitUsage, t.status());
+    auto text = gpu_worker::ApplyChatTemplate(*t, {{"user", prompt}});
+    if (!text.ok()) return Fail(kExitUsage, text.status());
+    prompt = *std::move(text);
+  }
   std::vector<int> tokens = tok.Encode(prompt, /*add_bos=*/true);
   if (tokens.empty()) {
     return Fail(kExitUsage, absl::InvalidArgumentError(
@@ -463,7 +503,7 @@ int RunGenerate() {
                     tokens.size(), (*engine)->max_seq_len())));
   }
 
-  std::fputs(prompt.c_str(), stdout);
+  if (!chat) std::fputs(prompt.c_str(), stdout);
   std::fflush(stdout);
   const auto start = std::chrono::steady_clock::now();
   auto logits = (*engine)->Forward(tokens, /*all_logits=*/false);
@@ -893,6 +933,15 @@ extern "C" void OnStopSignal(int signal) {
   [[maybe_unused]] ssize_t n = write(stop_pipe[1], &c, 1);
 }
 
+// "models/SmolLM2-135M-Instruct.Q4_1.gguf" -> "SmolLM2-135M-Instruct.Q4_1".
+std::string ModelIdFromPath(const std::string& path) {
+  std::string name = path.substr(path.rfind('/') + 1);
+  if (const size_t dot = name.rfind('.'); dot != std::string::npos && dot > 0) {
+    name.resize(dot);
+  }
+  return name;
+}
+
 int RunServe() {
   const std::string listen = absl::GetFlag(FLAGS_listen);
   const int max_batch = absl::GetFlag(FLAGS_max_batch);
@@ -929,9 +978,15 @@ int RunServe() {
   scheduler_options.max_queue = absl::GetFlag(FLAGS_max_queue);
   scheduler_options.max_prefills_per_step =
       absl::GetFlag(FLAGS_max_prefills_per_step);
+  auto metrics = std::make_shared<gpu_worker::WorkerMetrics>();
+  scheduler_options.on_sequence_done =
+      [metrics](const gpu_worker::SequenceRecord& r) {
+        metrics->OnSequenceDone(r);
+      };
   auto scheduler = gpu_worker::GenerationScheduler::Create(
       std::move(*engine), *m->tokenizer, scheduler_options);
   if (!scheduler.ok()) return Fail(kExitUsage, scheduler.status());
+  metrics->set_scheduler(scheduler->get());
 
   if (pipe(stop_pipe) != 0) {
     return Fail(kExitFailure, absl::InternalError("pipe() failed"));
@@ -942,9 +997,42 @@ int RunServe() {
   sigaction(SIGTERM, &action, nullptr);
   sigaction(SIGINT, &action, nullptr);
 
+  // The HTTP API's settings, checked before anything starts.
+  const std::string http_listen = absl::GetFlag(FLAGS_http_listen);
+  gpu_worker::HttpApiOptions http_options;
+  http_options.listen = http_listen;
+  http_options.model_id = absl::GetFlag(FLAGS_served_model_name);
+  if (http_options.model_id.empty()) {
+    http_options.model_id = ModelIdFromPath(absl::GetFlag(FLAGS_model));
+  }
+  http_options.chat_template = gpu_worker::ChatTemplateForModel(
+      absl::GetFlag(FLAGS_model), absl::GetFlag(FLAGS_chat_template));
+  if (!http_options.chat_template.ok() &&
+      http_options.chat_template.status().code() ==
+          absl::StatusCode::kInvalidArgument &&
+      !absl::GetFlag(FLAGS_chat_template).empty()) {
+    return Fail(kExitUsage, http_options.chat_template.status());
+  }
+  if (const std::string key_file = absl::GetFlag(FLAGS_api_key_file);
+      !key_file.empty()) {
+    auto key = ReadTokenFile(key_file);
+    if (!key.ok()) {
+      return Fail(kExitUsage,
+                  absl::InvalidArgumentError(absl::StrCat(
+                      "--api_key_file: ", key.status().message())));
+    }
+    http_options.api_key = *std::move(key);
+  }
+  http_options.metrics = [metrics] {
+    return MetricsText(metrics->collectables());
+  };
+  http_options.threads =
+      max_batch + absl::GetFlag(FLAGS_max_queue) + 4;  // + idle keep-alives
+
   (*scheduler)->Start();
   gpu_worker::GenerationServerOptions server_options;
   server_options.listen = listen;
+  server_options.api_key = http_options.api_key;
   if (const kv_memory_service::KvClient* kv = setup->client.get();
       kv != nullptr) {
     // Readiness follows the memory node's heartbeats (KvClient::Health).
@@ -958,6 +1046,45 @@ int RunServe() {
                     : kExitFailure,
                 server.status());
   }
+  std::unique_ptr<gpu_worker::HttpApiServer> http;
+  if (!http_listen.empty()) {
+    gpu_worker::GenerationServer* grpc_server = server->get();
+    http_options.serving = [grpc_server] { return grpc_server->serving(); };
+    if (!http_options.chat_template.ok()) {
+      IG_LOG(INFO) << "infinigen serve: no chat completions: "
+                   << http_options.chat_template.status().message();
+    }
+    auto started = gpu_worker::HttpApiServer::Start(
+        &(*server)->scheduler(), m->tokenizer.get(), std::move(http_options));
+    if (!started.ok()) {
+      (*server)->Shutdown(absl::ZeroDuration());
+      (*server)->Wait();
+      return Fail(started.status().code() == absl::StatusCode::kInvalidArgument
+                      ? kExitUsage
+                      : kExitFailure,
+                  started.status());
+    }
+    http = *std::move(started);
+    IG_LOG(INFO) << "infinigen serve: HTTP API on port " << http->port();
+  }
+  std::unique_ptr<MetricsServer> metrics_server;
+  if (const std::string metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+      !metrics_listen.empty()) {
+    auto started = MetricsServer::Start(metrics_listen, metrics->collectables());
+    if (!started.ok()) {
+      if (http != nullptr) http->Stop();
+      metrics->set_scheduler(nullptr);
+      (*server)->Shutdown(absl::ZeroDuration());
+      (*server)->Wait();
+      return Fail(started.status().code() == absl::StatusCode::kInvalidArgument
+                      ? kExitUsage
+                      : kExitFailure,
+                  started.status());
+    }
+    metrics_server = *std::move(started);
+    IG_LOG(INFO) << "infinigen serve: metrics on port "
+                 << metrics_server->port();
+  }
   char signal = 0;
   while (read(stop_pipe[0], &signal, 1) < 0 && errno == EINTR) {
   }
@@ -965,6 +1092,9 @@ int RunServe() {
                << (signal == SIGTERM ? "SIGTERM" : "SIGINT")
                << ", draining for up to " << absl::FormatDuration(drain);
   (*server)->Shutdown(drain);
+  if (http != nullptr) http->Stop();  // its streams ended with the drain
+  metrics_server.reset();
+  metrics->set_scheduler(nullptr);
   (*server)->Wait();
   const gpu_worker::SchedulerStats stats = (*server)->scheduler().stats();
   IG_LOG(INFO) << "infinigen serve: stopped; " << stats.completed

@@ -34,7 +34,14 @@
 #include "absl/time/time.h"
 #include "common/file.h"
 #include "common/log.h"
+#include "common/metrics.h"
 #include "kv_memory_service/server/kv_server.h"
+#include "kv_memory_service/store_metrics.h"
+
+ABSL_FLAG(std::string, metrics_listen, "",
+          "HOST:PORT serving Prometheus metrics at /metrics (pool bytes and "
+          "capacity, sequences, rows appended, fetched and evicted); empty: "
+          "none.");
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:7070",
           "HOST:PORT to listen on (port 0 picks a free one), or unix:PATH.");
@@ -137,7 +144,7 @@ std::string Usage() {
         "shm_listen", "shm_max_client_bytes", "shm_max_total_bytes",
         "rdma_device", "lease_timeout", "tls_cert", "tls_key",
         "tls_client_ca", "allow_insecure",
-        "ready_file"}) {
+        "ready_file", "metrics_listen"}) {
     absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
     s += absl::StrFormat("  --%s (default: \"%s\")\n      %s\n", name,
                          flag->DefaultValue(), flag->Help());
@@ -284,6 +291,26 @@ int Run() {
                  std::string(server.status().message()).c_str());
     return usage ? kExitUsage : kExitFailure;
   }
+  std::unique_ptr<MetricsServer> metrics_server;
+  if (const std::string metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+      !metrics_listen.empty()) {
+    auto started = MetricsServer::Start(
+        metrics_listen,
+        {std::shared_ptr<prometheus::Collectable>(
+            std::make_shared<StoreMetrics>(&(*server)->store()))});
+    if (!started.ok()) {
+      std::fprintf(stderr, "kv_memory_server: %s\n",
+                   std::string(started.status().message()).c_str());
+      (*server)->Shutdown(absl::ZeroDuration());
+      (*server)->Wait();
+      return started.status().code() == absl::StatusCode::kInvalidArgument
+                 ? kExitUsage
+                 : kExitFailure;
+    }
+    metrics_server = *std::move(started);
+    IG_LOG(INFO) << "kv_memory_server: metrics on port "
+                 << metrics_server->port();
+  }
   const std::string ready_file = absl::GetFlag(FLAGS_ready_file);
   if (!ready_file.empty()) {
     // Written whole, then renamed, so a reader never sees half an address.
@@ -317,6 +344,7 @@ int Run() {
   }).detach();
   (*server)->Shutdown(drain);
   (*server)->Wait();
+  metrics_server.reset();
   const StoreStats stats = (*server)->store().GetStoreStats();
   IG_LOG(INFO) << "kv_memory_server: stopped; served " << stats.fetches
                << " fetches (" << stats.fetched_rows << " rows), "

@@ -19,8 +19,13 @@ PKGS=(
   libibverbs-dev
   libxxhash-dev
   nlohmann-json3-dev
+  libcpp-httplib-dev
+  prometheus-cpp-dev
+  curl
   python3
   python3-yaml
+  python3-prometheus-client
+  python3-pip
   # Sanitizer runtimes (--config=asan / --config=tsan; g++ usually brings
   # them) and clang's libFuzzer for fuzz/run.sh.
   libasan8
@@ -56,4 +61,20 @@ fi
 if ! python3 -c 'import yaml' >/dev/null 2>&1; then
   echo "install_deps: installing PyYAML for $(command -v python3)" >&2
   python3 -m pip install -q pyyaml >/dev/null
+fi
+
+# The HTTP API's tests drive `infinigen serve` with the official OpenAI client
+# (not packaged by Debian 12) and read /metrics with Prometheus's own parser.
+# Debian's python3 is externally managed (PEP 668): pip needs
+# --break-system-packages there, and an older pip elsewhere lacks the flag.
+pip_install() {
+  echo "install_deps: installing $1 for $(command -v python3)" >&2
+  python3 -m pip install -q "$1" >/dev/null 2>&1 ||
+    python3 -m pip install -q --break-system-packages "$1" >/dev/null
+}
+if ! python3 -c 'import openai' >/dev/null 2>&1; then
+  pip_install openai
+fi
+if ! python3 -c 'import prometheus_client' >/dev/null 2>&1; then
+  pip_install prometheus_client
 fi

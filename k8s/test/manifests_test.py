@@ -353,6 +353,17 @@ def listen_port(c, ctx):
         return None
 
 
+def metrics_port(c, ctx):
+    """The --metrics_listen port, or None (not set, not HOST:PORT, or 0)."""
+    listen = c.flag("metrics_listen", ctx.flags[c.binary])
+    if ":" not in listen:
+        return None
+    try:
+        return int(listen.rsplit(":", 1)[1]) or None
+    except ValueError:
+        return None
+
+
 # ------------------------------------------------------------ the checks ---
 # Each returns a list of messages, empty when all is well.
 
@@ -457,6 +468,14 @@ def check_ports_and_probes(m, ctx):
                               "set it (or -1 for none)" % c.where())
             elif fetch and fetch > 0:
                 wanted[fetch] = "--fetch_port"
+        metrics = c.flag("metrics_listen", defaults)
+        if metrics:
+            mport = metrics_port(c, ctx)
+            if not mport:
+                errors.append("%s: --metrics_listen=%s is not a fixed TCP "
+                              "port: nothing to scrape" % (c.where(), metrics))
+            else:
+                wanted[mport] = "--metrics_listen"
         for p, what in wanted.items():
             if p not in declared:
                 errors.append("%s: %s port %d is not a containerPort "
@@ -1118,10 +1137,45 @@ def check_sizes(m, ctx):
     return errors
 
 
+def check_metrics(m, ctx):
+    """Every pod whose main container is a worker or a memory server is
+    scraped: the binary serves --metrics_listen on a fixed port, the pod's
+    prometheus.io annotations name that port and /metrics, and no
+    NetworkPolicy keeps Prometheus from it."""
+    errors = []
+    for w in m.workloads:
+        mains = [c for c in w.containers
+                 if not c.init and c.binary in (WORKER, SERVER)
+                 and c.binary in ctx.flags]
+        for c in mains:
+            port = metrics_port(c, ctx)
+            if port is None:
+                errors.append("%s: no --metrics_listen with a fixed port: "
+                              "Prometheus cannot scrape it" % c.where())
+                continue
+            a = w.annotations
+            if str(a.get("prometheus.io/scrape")) != "true":
+                errors.append("%s/%s: no prometheus.io/scrape: \"true\" "
+                              "annotation on its pods" % (w.kind, w.name))
+            if str(a.get("prometheus.io/port")) != str(port):
+                errors.append("%s/%s: prometheus.io/port is %r, "
+                              "--metrics_listen port is %d"
+                              % (w.kind, w.name, a.get("prometheus.io/port"),
+                                 port))
+            if a.get("prometheus.io/path", "/metrics") != "/metrics":
+                errors.append("%s/%s: prometheus.io/path is %r; the binary "
+                              "serves /metrics" % (w.kind, w.name,
+                                                   a.get("prometheus.io/path")))
+            if not _allows(m, w, None, port):
+                errors.append("%s: NetworkPolicy blocks Prometheus from the "
+                              "metrics port %d" % (c.where(), port))
+    return errors
+
+
 ALL_CHECKS = (check_structure, check_flags, check_resources,
               check_ports_and_probes, check_services, check_kv_service,
               check_single_node, check_auth, check_grace, check_images,
-              check_worker_paths, check_sizes)
+              check_worker_paths, check_sizes, check_metrics)
 
 
 # --------------------------------------------------------------- fixtures ---
@@ -1359,6 +1413,39 @@ class BrokenManifestsTest(unittest.TestCase):
                            "--listen port 7080 is not a containerPort")
         self.assertReports(check_kv_service, m, "not the memory server's "
                            "--listen port")
+
+    def test_metrics_port_not_declared(self):
+        def fn(docs):
+            args = pod_containers(docs, "StatefulSet")[0]["args"]
+            args[args.index("--metrics_listen=0.0.0.0:9091")] = \
+                "--metrics_listen=0.0.0.0:9099"
+        m = mutate(self.DG, fn)
+        self.assertReports(check_ports_and_probes, m,
+                           "--metrics_listen port 9099 is not a containerPort")
+        self.assertReports(check_metrics, m, "prometheus.io/port is '9091', "
+                           "--metrics_listen port is 9099")
+
+    def test_no_metrics_listen(self):
+        def fn(docs):
+            args = pod_containers(docs, "Deployment")[0]["args"]
+            args.remove("--metrics_listen=0.0.0.0:9090")
+        self.assertReports(check_metrics, mutate(self.DG, fn),
+                           "no --metrics_listen with a fixed port")
+
+    def test_pods_not_annotated_for_scraping(self):
+        def fn(docs):
+            del find(docs, "StatefulSet")["spec"]["template"]["metadata"][
+                "annotations"]["prometheus.io/scrape"]
+        self.assertReports(check_metrics, mutate(self.DG, fn),
+                           "no prometheus.io/scrape")
+
+    def test_network_policy_blocks_prometheus(self):
+        def fn(docs):
+            pol = find(docs, "NetworkPolicy", "infinigen-kv-memory")
+            pol["spec"]["ingress"] = pol["spec"]["ingress"][:1]
+        self.assertReports(check_metrics, mutate(self.DG, fn),
+                           "NetworkPolicy blocks Prometheus from the metrics "
+                           "port 9091")
 
     def test_random_fetch_port(self):
         def fn(docs):

@@ -1,0 +1,598 @@
+#!/usr/bin/env python3
+"""`infinigen serve --http_listen` as an OpenAI user meets it: the official
+`openai` client and curl against the real binary, on stories260K (always)
+and SmolLM2-135M-Instruct (when $INFINIGEN_ROOT/models_cache has it).
+
+Usage: http_api_test.py INFINIGEN STORIES260K.bin TOK512.bin KV_MEMORY_SERVER
+"""
+import concurrent.futures
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import unittest
+import urllib.error
+import urllib.request
+
+import openai
+from prometheus_client.parser import text_string_to_metric_families
+
+BIN, MODEL, TOK, KV_SERVER = sys.argv[1:5]
+SMOLLM2 = os.path.join(os.environ.get("INFINIGEN_ROOT", ""), "models_cache",
+                       "smollm2-135m", "SmolLM2-135M-Instruct.Q4_1.gguf")
+# A request that runs to max_tokens=500 (about 0.2 s on one core): this seed
+# at temperature 2 never draws the end token.
+LONG = {"prompt": "Once", "max_tokens": 500, "temperature": 2.0, "seed": 3}
+# stories260K's greedy continuation of "Once upon a time".
+STORY = (", there was a little girl named Lily. She loved to play outside in "
+         "the park. One day, she saw a big, red ball.")
+KEY = "sk-test-0123456789"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """One `infinigen serve` with the HTTP API; stopped by PID."""
+
+    def __init__(self, *flags, model=MODEL, tokenizer=TOK):
+        self.dir = tempfile.mkdtemp(prefix="http_api_test_")
+        self.port = free_port()
+        self.log_path = os.path.join(self.dir, "serve.log")
+        args = [BIN, "serve", f"--model={model}", "--listen=127.0.0.1:0",
+                f"--http_listen=127.0.0.1:{self.port}", "--backend=cpu",
+                "--threads=1", *flags]
+        if tokenizer:
+            args.append(f"--tokenizer={tokenizer}")
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL,
+                                     stderr=self.log)
+        self.base = f"http://127.0.0.1:{self.port}"
+        deadline = time.time() + 60
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError("serve exited:\n" + self.read_log())
+            try:
+                with urllib.request.urlopen(self.base + "/health",
+                                            timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            if time.time() > deadline:
+                raise RuntimeError("serve never became healthy")
+            time.sleep(0.05)
+
+    def client(self, key=KEY):
+        return openai.OpenAI(base_url=self.base + "/v1", api_key=key,
+                             max_retries=0, timeout=120)
+
+    def read_log(self):
+        with open(self.log_path) as f:
+            return f.read()
+
+    def stop(self):
+        """SIGTERM, wait, and return the log."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        log = self.read_log()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        return log
+
+
+def curl(*args):
+    """Returns (HTTP status, body) of a curl run."""
+    r = subprocess.run(["curl", "-sS", "-w", "\n%{http_code}", *args],
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                       text=True, timeout=120)
+    body, _, code = r.stdout.rpartition("\n")
+    return int(code), body
+
+
+def post(url, body, key=KEY):
+    """Raw POST with urllib: (status, parsed JSON body)."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method="POST")
+    req.add_header("Content-Type", "application/json")
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+class Stories260K(unittest.TestCase):
+    """One server with a key and the chatml template for most tests."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.keydir = tempfile.mkdtemp(prefix="http_api_key_")
+        cls.keyfile = os.path.join(cls.keydir, "key")
+        with open(cls.keyfile, "w") as f:
+            f.write(KEY + "\n")
+        cls.server = Server(f"--api_key_file={cls.keyfile}",
+                            "--chat_template=chatml", "--max_batch=2")
+        cls.client = cls.server.client()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.server.stop()
+        shutil.rmtree(cls.keydir, ignore_errors=True)
+
+    def test_completion_greedy_with_usage(self):
+        r = self.client.completions.create(
+            model="stories260K", prompt="Once upon a time", max_tokens=20,
+            temperature=0)
+        self.assertEqual(len(r.choices), 1)
+        self.assertGreater(len(r.choices[0].text), 40)
+        self.assertTrue(STORY.startswith(r.choices[0].text), r.choices[0].text)
+        self.assertEqual(r.choices[0].finish_reason, "length")
+        self.assertEqual(r.usage.completion_tokens, 20)
+        # The same prompt as token ids counts exactly those.
+        ids = self.client.completions.create(
+            model="stories260K", prompt=[1, 403, 407], max_tokens=3,
+            temperature=0)
+        self.assertEqual(ids.usage.prompt_tokens, 3)
+        self.assertEqual(ids.usage.completion_tokens, 3)
+        self.assertEqual(ids.usage.total_tokens, 6)
+        self.assertGreater(r.usage.prompt_tokens, 3)
+        self.assertEqual(r.usage.total_tokens,
+                         r.usage.prompt_tokens + r.usage.completion_tokens)
+
+    def test_completion_ends_at_the_end_token_with_stop(self):
+        r = self.client.completions.create(
+            model="stories260K", prompt="Once upon a time", max_tokens=500,
+            temperature=0)
+        self.assertEqual(r.choices[0].finish_reason, "stop")
+        self.assertLess(r.usage.completion_tokens, 500)
+        self.assertTrue(r.choices[0].text.startswith(STORY), r.choices[0].text)
+
+    def test_streaming_gives_the_same_text_and_usage(self):
+        whole = self.client.completions.create(
+            model="stories260K", prompt="Once upon a time", max_tokens=40,
+            temperature=0)
+        chunks = list(self.client.completions.create(
+            model="stories260K", prompt="Once upon a time", max_tokens=40,
+            temperature=0, stream=True,
+            stream_options={"include_usage": True}))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        self.assertEqual(text, whole.choices[0].text)
+        finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+        self.assertEqual(finishes[-1], "length")
+        self.assertTrue(all(f is None for f in finishes[:-1]))
+        self.assertGreater(len(chunks), 10)  # token by token, not one piece
+        self.assertEqual(chunks[-1].usage.completion_tokens, 40)
+        self.assertEqual(chunks[-1].usage.prompt_tokens,
+                         whole.usage.prompt_tokens)
+
+    def test_stop_sequences_end_the_text_before_them(self):
+        for stream in (False, True):
+            r = self.client.completions.create(
+                model="stories260K", prompt="Once upon a time",
+                max_tokens=100, temperature=0, stop=["Lily", "zzz"],
+                stream=stream)
+            if stream:
+                chunks = list(r)
+                text = "".join(c.choices[0].text for c in chunks)
+                finish = chunks[-1].choices[0].finish_reason
+            else:
+                text, finish = r.choices[0].text, r.choices[0].finish_reason
+            self.assertEqual(text, ", there was a little girl named ", stream)
+            self.assertEqual(finish, "stop")
+        r = self.client.completions.create(
+            model="stories260K", prompt="Once upon a time", max_tokens=100,
+            temperature=0, stop=". ")
+        self.assertEqual(r.choices[0].text,
+                         ", there was a little girl named Lily")
+
+    def test_chat_applies_the_template(self):
+        messages = [{"role": "system", "content": "You tell stories."},
+                    {"role": "user", "content": "Tell me about a cat."}]
+        r = self.client.chat.completions.create(
+            model="stories260K", messages=messages, max_tokens=12,
+            temperature=0)
+        self.assertEqual(r.object, "chat.completion")
+        self.assertEqual(r.choices[0].message.role, "assistant")
+        self.assertEqual(r.usage.completion_tokens, 12)
+        # The chat is the completion of the ChatML text.
+        chatml = ("<|im_start|>system\nYou tell stories.<|im_end|>\n"
+                  "<|im_start|>user\nTell me about a cat.<|im_end|>\n"
+                  "<|im_start|>assistant\n")
+        c = self.client.completions.create(
+            model="stories260K", prompt=chatml, max_tokens=12, temperature=0)
+        self.assertEqual(r.choices[0].message.content, c.choices[0].text)
+        self.assertEqual(r.usage.prompt_tokens, c.usage.prompt_tokens)
+        chunks = list(self.client.chat.completions.create(
+            model="stories260K", messages=messages, max_tokens=12,
+            temperature=0, stream=True))
+        self.assertEqual(chunks[0].choices[0].delta.role, "assistant")
+        self.assertEqual(
+            "".join(c.choices[0].delta.content or "" for c in chunks),
+            r.choices[0].message.content)
+        self.assertEqual(chunks[-1].choices[0].finish_reason, "length")
+
+    def test_sampling_is_repeatable_with_a_seed(self):
+        kw = dict(model="stories260K", prompt="Once upon a time",
+                  max_tokens=30, temperature=1.0, top_p=0.9, seed=7)
+        a = self.client.completions.create(**kw).choices[0].text
+        b = self.client.completions.create(**kw).choices[0].text
+        self.assertEqual(a, b)
+
+    def test_models_and_health(self):
+        models = self.client.models.list()
+        self.assertEqual([m.id for m in models.data], ["stories260K"])
+        code, body = curl(self.server.base + "/health")  # no key needed
+        self.assertEqual(code, 200, body)
+        self.assertEqual(json.loads(body)["status"], "ok")
+
+    def test_curl_streams_server_sent_events(self):
+        code, body = curl(
+            "-N", self.server.base + "/v1/chat/completions",
+            "-H", f"Authorization: Bearer {KEY}",
+            "-H", "Content-Type: application/json",
+            "-d", json.dumps({"model": "stories260K", "stream": True,
+                              "max_tokens": 5,
+                              "messages": [{"role": "user",
+                                            "content": "Hi"}]}))
+        self.assertEqual(code, 200, body)
+        events = [l for l in body.split("\n\n") if l.strip()]
+        self.assertTrue(all(e.startswith("data: ") for e in events), body)
+        self.assertEqual(events[-1], "data: [DONE]")
+        last = json.loads(events[-2][len("data: "):])
+        self.assertEqual(last["object"], "chat.completion.chunk")
+        self.assertEqual(last["choices"][0]["finish_reason"], "length")
+
+    def assert_error(self, code, body, status, words=()):
+        self.assertEqual(code, status, body)
+        self.assertIn("error", body)
+        self.assertIsInstance(body["error"]["message"], str)
+        self.assertIn("type", body["error"])
+        for w in words:
+            self.assertIn(w, body["error"]["message"])
+
+    def test_bad_requests_are_400_with_the_openai_error_shape(self):
+        url = self.server.base + "/v1/completions"
+        code, body = post(url, b"{not json")
+        self.assert_error(code, body, 400, ["JSON"])
+        for bad, param in [
+                ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+                ({"prompt": "x", "max_tokens": 100000}, "max_tokens"),
+                ({"prompt": "x", "max_tokens": "ten"}, "max_tokens"),
+                ({"prompt": "x", "temperature": -1}, "temperature"),
+                ({"prompt": "x", "top_p": 0}, "top_p"),
+                ({"prompt": "x", "n": 2}, "n"),
+                ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+                ({"prompt": "x", "stream": "yes"}, "stream"),
+                ({}, "prompt"),
+                ({"prompt": [1, 99999]}, None)]:
+            code, body = post(url, {"model": "stories260K", **bad})
+            self.assert_error(code, body, 400)
+            if param:
+                self.assertEqual(body["error"]["param"], param, bad)
+        code, body = post(self.server.base + "/v1/chat/completions",
+                          {"messages": [{"role": "wizard", "content": "x"}]})
+        self.assert_error(code, body, 400, ["wizard"])
+        code, body = post(self.server.base + "/v1/chat/completions",
+                          {"messages": []})
+        self.assert_error(code, body, 400, ["messages"])
+        with self.assertRaises(openai.BadRequestError):
+            self.client.completions.create(model="stories260K", prompt="x",
+                                           max_tokens=5, n=3)
+        # The server keeps serving.
+        self.assertEqual(post(url, {"prompt": "Once", "max_tokens": 2})[0],
+                         200)
+
+    def test_unknown_model_and_route_are_404(self):
+        with self.assertRaises(openai.NotFoundError) as e:
+            self.client.completions.create(model="gpt-4", prompt="x",
+                                           max_tokens=2)
+        self.assertIn("gpt-4", str(e.exception))
+        code, body = post(self.server.base + "/v1/chat/completions",
+                          {"model": "nope", "messages": [
+                              {"role": "user", "content": "x"}]})
+        self.assert_error(code, body, 404, ["nope"])
+        self.assertEqual(body["error"]["code"], "model_not_found")
+        code, body = curl(self.server.base + "/v1/nothing",
+                          "-H", f"Authorization: Bearer {KEY}")
+        self.assert_error(code, json.loads(body), 404)
+
+    def test_a_body_too_large_is_413(self):
+        big = json.dumps({"prompt": "a" * (2 << 20)}).encode()
+        code, body = post(self.server.base + "/v1/completions", big)
+        self.assert_error(code, body, 413)
+
+    def test_the_key_is_required(self):
+        for key in ("", "sk-wrong", KEY + "x", KEY[:-1]):
+            code, body = post(self.server.base + "/v1/completions",
+                              {"prompt": "x", "max_tokens": 2}, key=key)
+            self.assert_error(code, body, 401)
+            self.assertEqual(body["error"]["type"], "authentication_error")
+        with self.assertRaises(openai.AuthenticationError):
+            self.server.client(key="sk-wrong").models.list()
+        code, _ = curl(self.server.base + "/v1/models")
+        self.assertEqual(code, 401)
+
+
+class Scheduling(unittest.TestCase):
+    """Servers with one slot: queue full, disconnects, draining."""
+
+    def test_a_full_queue_is_429(self):
+        server = Server("--max_batch=1", "--max_queue=1")
+        try:
+            def one(_):
+                return post(server.base + "/v1/completions", LONG)
+            codes = []
+            for _ in range(5):  # rounds, in case one round was too slow
+                with concurrent.futures.ThreadPoolExecutor(12) as pool:
+                    results = list(pool.map(one, range(12)))
+                codes = [c for c, _ in results]
+                if 429 in codes:
+                    break
+            self.assertIn(429, codes)
+            self.assertIn(200, codes)
+            self.assertEqual(set(codes), {200, 429})
+            for code, body in results:
+                if code == 429:
+                    self.assertEqual(body["error"]["code"], "queue_full")
+            with self.assertRaises(openai.RateLimitError):
+                with concurrent.futures.ThreadPoolExecutor(12) as pool:
+                    list(pool.map(
+                        lambda _: server.client().completions.create(
+                            model="stories260K", **LONG),
+                        range(12)))
+        finally:
+            server.stop()
+
+    def test_a_client_that_disconnects_mid_stream_frees_its_slot(self):
+        server = Server("--max_batch=1", "--max_seq_len=512")
+        try:
+            # Open a stream, read its first event, hang up.
+            with socket.create_connection(("127.0.0.1", server.port)) as s:
+                body = json.dumps({**LONG, "stream": True}).encode()
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\n"
+                          b"Host: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: " + str(len(body)).encode() +
+                          b"\r\n\r\n" + body)
+                got = b""
+                while b"data: " not in got:
+                    more = s.recv(4096)
+                    self.assertTrue(more, got)
+                    got += more
+            # The one slot serves the next request.
+            code, body = post(server.base + "/v1/completions",
+                              {"prompt": "Once upon a time", "max_tokens": 5,
+                               "temperature": 0})
+            self.assertEqual(code, 200, body)
+        finally:
+            log = server.stop()
+        self.assertIn(" 1 cancelled", log)
+
+    def test_draining_is_503(self):
+        server = Server("--max_batch=1", "--max_queue=200")
+        try:
+            # A backlog that takes a while to drain.
+            backlog = []
+            pool = concurrent.futures.ThreadPoolExecutor(20)
+            for _ in range(20):
+                backlog.append(pool.submit(
+                    post, server.base + "/v1/completions", LONG))
+            time.sleep(0.3)
+            server.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.1)
+            code, body = post(server.base + "/v1/completions",
+                              {"prompt": "Once", "max_tokens": 2})
+            self.assertEqual(code, 503, body)
+            self.assertEqual(body["error"]["type"], "server_error")
+            health, _ = curl(server.base + "/health")
+            self.assertEqual(health, 503)
+            # What was accepted before the signal finishes.
+            codes = [f.result()[0] for f in backlog]
+            pool.shutdown()
+            self.assertEqual(set(codes) - {503}, {200})
+        finally:
+            server.stop()
+
+
+def scrape(url):
+    """{(sample name, labels as a sorted tuple): value} of a /metrics page."""
+    with urllib.request.urlopen(url, timeout=30) as r:
+        text = r.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+class Metrics(unittest.TestCase):
+    def test_worker_series_move_after_a_request(self):
+        mport = free_port()
+        server = Server("--policy=full", f"--metrics_listen=127.0.0.1:{mport}")
+        try:
+            urls = [f"http://127.0.0.1:{mport}/metrics",
+                    server.base + "/metrics"]
+            before = [scrape(u) for u in urls]
+            code, body = post(server.base + "/v1/completions",
+                              {"prompt": "Once upon a time",
+                               "max_tokens": 20, "temperature": 0})
+            self.assertEqual(code, 200, body)
+            # The scheduler refuses a token outside the vocabulary.
+            self.assertEqual(post(server.base + "/v1/completions",
+                                  {"prompt": [1, 99999]})[0], 400)
+            for url, b in zip(urls, before):
+                a = scrape(url)
+
+                def delta(name, **labels):
+                    key = (name, tuple(sorted(labels.items())))
+                    self.assertIn(key, a, url)
+                    return a[key] - b.get(key, 0)
+                self.assertEqual(delta("infinigen_worker_requests_total",
+                                       outcome="completed"), 1, url)
+                self.assertEqual(delta("infinigen_worker_generated_tokens_total"),
+                                 20)
+                self.assertEqual(delta("infinigen_worker_prompt_tokens_total"),
+                                 body["usage"]["prompt_tokens"])
+                self.assertEqual(delta(
+                    "infinigen_worker_time_to_first_token_seconds_count"), 1)
+                self.assertGreater(delta(
+                    "infinigen_worker_time_to_first_token_seconds_sum"), 0)
+                self.assertEqual(delta(
+                    "infinigen_worker_time_per_output_token_seconds_count"), 1)
+                self.assertGreater(
+                    delta("infinigen_worker_kv_bytes_fetched_total"), 0)
+                self.assertEqual(
+                    delta("infinigen_worker_kv_fetch_fraction_count"), 1)
+                self.assertEqual(delta(
+                    "infinigen_worker_kv_fetch_wait_seconds_per_step_count"), 1)
+                self.assertEqual(delta("infinigen_worker_requests_total",
+                                       outcome="rejected"), 1)
+                self.assertEqual(a[("infinigen_worker_queue_depth", ())], 0)
+                self.assertEqual(a[("infinigen_worker_running_sequences", ())],
+                                 0)
+                self.assertEqual(a[("infinigen_worker_sequence_slots", ())], 8)
+        finally:
+            server.stop()
+
+
+    def test_memory_node_series_move_after_a_request(self):
+        d = tempfile.mkdtemp(prefix="http_api_kv_")
+        ready = os.path.join(d, "ready")
+        mport = free_port()
+        node = subprocess.Popen(
+            [KV_SERVER, "--listen=127.0.0.1:0", f"--ready_file={ready}",
+             f"--metrics_listen=127.0.0.1:{mport}",
+             "--capacity_bytes=100000000", "--eviction=lru"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        server = None
+        try:
+            deadline = time.time() + 30
+            while not (os.path.exists(ready) and open(ready).read().strip()):
+                self.assertIsNone(node.poll(), "kv_memory_server exited")
+                self.assertLess(time.time(), deadline)
+                time.sleep(0.025)
+            address = open(ready).read().strip()
+            url = f"http://127.0.0.1:{mport}/metrics"
+            before = scrape(url)
+            self.assertEqual(before[("infinigen_kv_pool_capacity_bytes", ())],
+                             100000000)
+            server = Server("--policy=full", f"--kv_service={address}")
+            code, body = post(server.base + "/v1/completions",
+                              {"prompt": "Once upon a time",
+                               "max_tokens": 20, "temperature": 0})
+            self.assertEqual(code, 200, body)
+            after = scrape(url)
+            for name in ("infinigen_kv_appended_rows_total",
+                         "infinigen_kv_fetches_total",
+                         "infinigen_kv_fetched_rows_total"):
+                self.assertGreater(after[(name, ())], before[(name, ())],
+                                   name)
+            self.assertIn(("infinigen_kv_evicted_rows_total",
+                           (("policy", "lru"),)), after)
+            self.assertIn(("infinigen_kv_pool_bytes_used", ()), after)
+            self.assertEqual(after[("infinigen_kv_sessions", ())], 1)
+        finally:
+            if server is not None:
+                server.stop()
+            node.send_signal(signal.SIGTERM)
+            node.wait(timeout=60)
+            shutil.rmtree(d, ignore_errors=True)
+
+
+@unittest.skipUnless(os.path.exists(SMOLLM2), f"no {SMOLLM2}")
+class SmolLM2(unittest.TestCase):
+    """The instruct model with the template from its own GGUF."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.server = Server("--max_batch=2", "--max_seq_len=256",
+                            model=SMOLLM2, tokenizer="")
+        cls.client = cls.server.client(key="unused")
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.server.stop()
+
+    def test_chat_answers_with_its_template(self):
+        model = self.client.models.list().data[0].id
+        self.assertEqual(model, "SmolLM2-135M-Instruct.Q4_1")
+        messages = [{"role": "user",
+                     "content": "What is the capital of France?"}]
+        r = self.client.chat.completions.create(
+            model=model, messages=messages, max_tokens=12, temperature=0)
+        self.assertIn("Paris", r.choices[0].message.content)
+        self.assertGreater(r.usage.prompt_tokens, 8)
+        chunks = list(self.client.chat.completions.create(
+            model=model, messages=messages, max_tokens=12, temperature=0,
+            stream=True))
+        self.assertEqual(
+            "".join(c.choices[0].delta.content or "" for c in chunks),
+            r.choices[0].message.content)
+        self.assertIsNotNone(chunks[-1].choices[0].finish_reason)
+        s = self.client.chat.completions.create(
+            model=model, messages=messages, max_tokens=12, temperature=0,
+            stop=["Paris"])
+        self.assertNotIn("Paris", s.choices[0].message.content)
+        self.assertEqual(s.choices[0].finish_reason, "stop")
+
+    def test_generate_chat_uses_the_same_template(self):
+        r = subprocess.run(
+            [BIN, "generate", f"--model={SMOLLM2}", "--chat",
+             "--prompt=What is the capital of France?", "--max_new_tokens=12",
+             "--temperature=0", "--backend=cpu", "--threads=1"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            timeout=300)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("Paris", r.stdout)
+        self.assertNotIn("im_start", r.stdout)
+
+
+class Cli(unittest.TestCase):
+    def test_flags_in_help_and_bad_values(self):
+        r = subprocess.run([BIN, "serve", "--help"], stdout=subprocess.PIPE,
+                           text=True)
+        for flag in ("--http_listen", "--api_key_file", "--chat_template",
+                     "--served_model_name"):
+            self.assertIn(flag, r.stdout)
+        r = subprocess.run([BIN, "generate", "--help"], stdout=subprocess.PIPE,
+                           text=True)
+        self.assertIn("--chat", r.stdout)
+        # No template in a llama2.c model: generate --chat says what to do.
+        r = subprocess.run([BIN, "generate", f"--model={MODEL}",
+                            f"--tokenizer={TOK}", "--chat", "--prompt=hi",
+                            "--backend=cpu"], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, timeout=60)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("--chat_template", r.stderr)
+        for flags, word in [(["--chat_template=vicuna"], "vicuna"),
+                            (["--api_key_file=/nonexistent/key"],
+                             "--api_key_file"),
+                            ([], "HOST:PORT")]:
+            args = [BIN, "serve", f"--model={MODEL}", f"--tokenizer={TOK}",
+                    "--listen=127.0.0.1:0", "--backend=cpu", *flags]
+            args.append("--http_listen=nohost" if not flags else
+                        f"--http_listen=127.0.0.1:{free_port()}")
+            r = subprocess.run(args, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, timeout=60)
+            self.assertEqual(r.returncode, 2, r.stderr)
+            self.assertIn(word, r.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main(argv=sys.argv[:1], verbosity=2)
