@@ -314,6 +314,12 @@ void GenerationScheduler::Shutdown(absl::Duration grace) {
   if (thread_.joinable()) thread_.join();
 }
 
+void GenerationScheduler::NoteRecoveries() {
+  const long recoveries = static_cast<long>(engine_->kv_recoveries());
+  absl::MutexLock lock(&mu_);
+  stats_.kv_recoveries = recoveries;
+}
+
 SchedulerStats GenerationScheduler::stats() const {
   absl::MutexLock lock(&mu_);
   SchedulerStats s = stats_;
@@ -376,6 +382,7 @@ void GenerationScheduler::Prefill(Sequence& seq) {
   seq.prefill_start = absl::Now();
   absl::StatusOr<absl::Span<const float>> logits =
       engine_->Forward(seq.slot, seq.prompt, /*all_logits=*/false);
+  NoteRecoveries();
   if (!logits.ok()) {
     const absl::Status error = EngineError("prefill", logits.status());
     IG_LOG(WARNING) << "generation " << Where(seq) << ": " << error;
@@ -396,6 +403,7 @@ void GenerationScheduler::DecodeStep() {
   }
   absl::StatusOr<absl::Span<const float>> logits =
       engine_->DecodeBatch(step_slots_, step_tokens_);
+  NoteRecoveries();
   if (!logits.ok()) {
     const absl::Status error = EngineError("decode step", logits.status());
     IG_LOG(WARNING) << active_.size() << " generations: " << error;
@@ -421,6 +429,7 @@ void GenerationScheduler::Advance(Sequence& seq,
   event.kind = GenerationEvent::Kind::kToken;
   event.token = next;
   event.text = seq.text.Add(tokenizer_.DecodeToken(seq.prev, next));
+  event.cached_tokens = seq.cached;
   seq.stream->Push(std::move(event));
   seq.prev = next;
   ++seq.generated;
@@ -488,6 +497,7 @@ void GenerationScheduler::ReleaseDone() {
       SequenceRecord r;
       r.prompt_tokens = static_cast<int>(seq->prompt.size());
       r.generated_tokens = seq->generated;
+      r.cached_tokens = seq->cached;
       if (seq->generated >= 1) {
         r.ttft_seconds = Seconds(seq->arrived, seq->first_token);
       }

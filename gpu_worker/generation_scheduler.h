@@ -91,6 +91,7 @@ struct GenerationEvent {
   Kind kind = Kind::kToken;
   int token = -1;            // kToken
   std::string text;          // kToken: whole UTF-8 characters, maybe empty
+  int cached_tokens = 0;     // kToken: prompt tokens whose KV was reused
   GenerationSummary summary;  // kFinished
   absl::Status status;       // kError
 };
@@ -122,6 +123,7 @@ struct SequenceRecord {
   int generated_tokens = 0;
   double ttft_seconds = -1;  // arrival to the first token; -1: none came
   double tpot_seconds = -1;  // mean between later tokens; -1: fewer than 2
+  int cached_tokens = 0;     // prompt tokens whose KV the node held
   FetchStats fetch;          // what its KV policy fetched over its steps
 };
 
@@ -153,6 +155,7 @@ struct SchedulerStats {
   long failed = 0;     // ended with a kError event
   int queued = 0;      // waiting for a slot now
   int active = 0;      // in a slot now
+  long kv_recoveries = 0;  // engine calls that recomputed a lost KV
 };
 
 // UTF-8 text from a token stream: token pieces may end inside a character
@@ -227,6 +230,8 @@ class GenerationScheduler {
       const GenerationRequest& request);
   void Loop();
   void Prefill(Sequence& seq);
+  // Copies the engine's recovery count into stats_ (after each engine call).
+  void NoteRecoveries();
   // Samples from `logits` and streams the token, or ends the sequence.
   void Advance(Sequence& seq, absl::Span<const float> logits);
   void DecodeStep();

@@ -473,10 +473,11 @@ class Api {
                 {"model", options_.model_id}};
   }
 
-  static json Usage(int prompt, int completion) {
+  static json Usage(int prompt, int completion, int cached) {
     return json{{"prompt_tokens", prompt},
                 {"completion_tokens", completion},
-                {"total_tokens", prompt + completion}};
+                {"total_tokens", prompt + completion},
+                {"prompt_tokens_details", {{"cached_tokens", cached}}}};
   }
 
   // The generation's progress as the handlers see it.
@@ -484,6 +485,7 @@ class Api {
     explicit Progress(const std::vector<std::string>& stop) : matcher(stop) {}
     StopMatcher matcher;
     int completion_tokens = 0;
+    int cached_tokens = 0;  // prompt tokens whose KV was reused
     std::string finish;  // set once the generation ended
     absl::Status error;  // the stream's kError
   };
@@ -497,6 +499,7 @@ class Api {
     switch (ev.kind) {
       case GenerationEvent::Kind::kToken: {
         ++progress->completion_tokens;
+        progress->cached_tokens = ev.cached_tokens;
         std::string out = progress->matcher.Add(ev.text);
         if (progress->matcher.stopped()) {
           stream.Cancel();
@@ -505,6 +508,7 @@ class Api {
         return out;
       }
       case GenerationEvent::Kind::kFinished: {
+        progress->cached_tokens = ev.summary.cached_tokens;
         std::string out = progress->matcher.Add(ev.summary.text);
         if (progress->matcher.stopped()) {
           progress->finish = "stop";
@@ -561,7 +565,8 @@ class Api {
       json out = Envelope(*params, id, created, /*chunk=*/false);
       out["choices"] = json::array(
           {Choice(*params, text, progress.finish, /*delta=*/false, false)});
-      out["usage"] = Usage(prompt_tokens, progress.completion_tokens);
+      out["usage"] = Usage(prompt_tokens, progress.completion_tokens,
+                           progress.cached_tokens);
       res.set_content(out.dump(), "application/json");
       return;
     }
@@ -609,7 +614,8 @@ class Api {
               json usage = Envelope(*params, id, created, /*chunk=*/true);
               usage["choices"] = json::array();
               usage["usage"] =
-                  Usage(prompt_tokens, progress.completion_tokens);
+                  Usage(prompt_tokens, progress.completion_tokens,
+                        progress.cached_tokens);
               send(usage);
             }
           }

@@ -42,7 +42,13 @@ class SchedulerCollector : public prometheus::Collectable {
                   "Sequences the engine decodes at once (--max_batch).",
                   MetricType::Gauge);
     AddSample(&slots, s->slots());
-    return {requests, queue, running, slots};
+    prometheus::MetricFamily recoveries = NewFamily(
+        "infinigen_worker_kv_recoveries_total",
+        "Times the memory node lost sequences' KV (restart, eviction) and "
+        "the worker recomputed it from their tokens (--on_kv_loss=recompute).",
+        MetricType::Counter);
+    AddSample(&recoveries, st.kv_recoveries);
+    return {requests, queue, running, slots, recoveries};
   }
 
  private:
@@ -94,6 +100,10 @@ WorkerMetrics::WorkerMetrics()
       {0.00001, 0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1});
   prompt_tokens_ = NewCounter(*registry_, "infinigen_worker_prompt_tokens_total",
                               "Prompt tokens of the sequences served.");
+  cached_prompt_tokens_ = NewCounter(
+      *registry_, "infinigen_worker_prompt_tokens_cached_total",
+      "Prompt tokens whose KV the memory node already held (prefix reuse): "
+      "not prefilled again.");
   generated_tokens_ =
       NewCounter(*registry_, "infinigen_worker_generated_tokens_total",
                  "Tokens generated.");
@@ -107,6 +117,7 @@ WorkerMetrics::WorkerMetrics()
 
 void WorkerMetrics::OnSequenceDone(const SequenceRecord& r) {
   prompt_tokens_->Increment(r.prompt_tokens);
+  cached_prompt_tokens_->Increment(r.cached_tokens);
   generated_tokens_->Increment(r.generated_tokens);
   if (r.ttft_seconds >= 0) ttft_->Observe(r.ttft_seconds);
   if (r.tpot_seconds >= 0) tpot_->Observe(r.tpot_seconds);

@@ -49,6 +49,7 @@ class WorkerMetrics {
   prometheus::Histogram* fetch_fraction_;
   prometheus::Histogram* fetch_wait_per_step_;
   prometheus::Counter* prompt_tokens_;
+  prometheus::Counter* cached_prompt_tokens_;
   prometheus::Counter* generated_tokens_;
   prometheus::Counter* kv_bytes_fetched_;
   prometheus::Counter* kv_fetch_wait_;

@@ -410,6 +410,11 @@ class Scheduling(unittest.TestCase):
             server.stop()
 
 
+def read(path):
+    with open(path) as f:
+        return f.read()
+
+
 def scrape(url):
     """{(sample name, labels as a sorted tuple): value} of a /metrics page."""
     with urllib.request.urlopen(url, timeout=30) as r:
@@ -512,6 +517,115 @@ class Metrics(unittest.TestCase):
                 server.stop()
             node.send_signal(signal.SIGTERM)
             node.wait(timeout=60)
+            shutil.rmtree(d, ignore_errors=True)
+
+
+LONG_PROMPT = ("Once upon a time, there was a little girl named Lily. She "
+               "loved to play outside in the park. One day, she saw a big, red "
+               "ball. She wanted to play with it, so she ran to her mom and "
+               "asked")
+
+
+class Reuse(unittest.TestCase):
+    """Prefix reuse and recovery as the HTTP API and /metrics report them."""
+
+    def test_a_repeated_prompt_reports_its_cached_tokens(self):
+        mport = free_port()
+        server = Server("--policy=full", "--prefix_block_tokens=4",
+                        f"--metrics_listen=127.0.0.1:{mport}")
+        try:
+            url = f"http://127.0.0.1:{mport}/metrics"
+            body = {"prompt": LONG_PROMPT, "max_tokens": 12, "temperature": 0}
+            code, first = post(server.base + "/v1/completions", body)
+            self.assertEqual(code, 200, first)
+            usage = first["usage"]
+            self.assertEqual(usage["prompt_tokens_details"]["cached_tokens"], 0)
+            before = scrape(url)
+            code, second = post(server.base + "/v1/completions", body)
+            self.assertEqual(code, 200, second)
+            cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+            prompt = second["usage"]["prompt_tokens"]
+            # Whole 4-token blocks, and the last prompt token is computed.
+            self.assertEqual(cached % 4, 0)
+            self.assertLess(cached, prompt)
+            self.assertGreaterEqual(cached, prompt - 4)
+            self.assertEqual(second["choices"][0]["text"],
+                             first["choices"][0]["text"])
+            after = scrape(url)
+            key = ("infinigen_worker_prompt_tokens_cached_total", ())
+            self.assertEqual(after[key] - before.get(key, 0), cached)
+            # The streamed usage chunk carries it too.
+            chunks = list(server.client().completions.create(
+                model="stories260K", prompt=LONG_PROMPT, max_tokens=4,
+                temperature=0, stream=True,
+                stream_options={"include_usage": True}))
+            self.assertEqual(
+                chunks[-1].usage.prompt_tokens_details.cached_tokens, cached)
+        finally:
+            server.stop()
+
+    def test_a_node_restart_mid_stream_is_recomputed_and_counted(self):
+        d = tempfile.mkdtemp(prefix="http_api_restart_")
+        port = free_port()
+        ready = os.path.join(d, "ready")
+        node = None
+
+        def start_node():
+            if os.path.exists(ready):
+                os.remove(ready)
+            p = subprocess.Popen(
+                [KV_SERVER, f"--listen=127.0.0.1:{port}",
+                 f"--ready_file={ready}"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            deadline = time.time() + 30
+            while not (os.path.exists(ready) and read(ready).strip()):
+                self.assertIsNone(p.poll(), "kv_memory_server exited")
+                self.assertLess(time.time(), deadline)
+                time.sleep(0.025)
+            return p
+
+        node = start_node()
+        mport = free_port()
+        server = None
+        try:
+            server = Server("--policy=full", "--prefix_block_tokens=0",
+                            f"--kv_service=tcp://127.0.0.1:{port}",
+                            f"--metrics_listen=127.0.0.1:{mport}")
+            body = {"prompt": LONG_PROMPT, "max_tokens": 200,
+                    "temperature": 0}
+            code, want = post(server.base + "/v1/completions", body)
+            self.assertEqual(code, 200, want)
+            self.assertGreater(want["usage"]["completion_tokens"], 60)
+            restarted = False
+            stream = server.client().completions.create(
+                model="stories260K", stream=True, **body)
+            text = ""
+            for chunk in stream:
+                text += chunk.choices[0].text if chunk.choices else ""
+                if len(text) > 40 and not restarted:
+                    # Freeze the worker, replace the node, go on.
+                    server.proc.send_signal(signal.SIGSTOP)
+                    node.kill()
+                    node.wait(timeout=30)
+                    node = None
+                    node = start_node()
+                    server.proc.send_signal(signal.SIGCONT)
+                    restarted = True
+            self.assertTrue(restarted)
+            self.assertEqual(text, want["choices"][0]["text"])
+            metrics = scrape(f"http://127.0.0.1:{mport}/metrics")
+            self.assertEqual(
+                metrics[("infinigen_worker_kv_recoveries_total", ())], 1)
+            log = server.stop()
+            server = None
+            self.assertEqual(log.count("recomputing"), 1, log)
+        finally:
+            if server is not None:
+                server.proc.send_signal(signal.SIGCONT)
+                server.stop()
+            if node is not None:
+                node.send_signal(signal.SIGTERM)
+                node.wait(timeout=60)
             shutil.rmtree(d, ignore_errors=True)
 
 
