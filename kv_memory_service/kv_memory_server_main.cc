@@ -40,8 +40,9 @@
 
 ABSL_FLAG(std::string, metrics_listen, "",
           "HOST:PORT serving Prometheus metrics at /metrics (pool bytes and "
-          "capacity, sequences, rows appended, fetched and evicted); empty: "
-          "none.");
+          "capacity, sequences, rows appended, fetched and evicted; per data "
+          "plane: fetch and append latency, bytes served, requests refused "
+          "by status); empty: none.");
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:7070",
           "HOST:PORT to listen on (port 0 picks a free one), or unix:PATH.");
@@ -297,7 +298,8 @@ int Run() {
     auto started = MetricsServer::Start(
         metrics_listen,
         {std::shared_ptr<prometheus::Collectable>(
-            std::make_shared<StoreMetrics>(&(*server)->store()))});
+             std::make_shared<StoreMetrics>(&(*server)->store())),
+         (*server)->request_metrics()});
     if (!started.ok()) {
       std::fprintf(stderr, "kv_memory_server: %s\n",
                    std::string(started.status().message()).c_str());

@@ -480,19 +480,22 @@ class Metrics(unittest.TestCase):
         d = tempfile.mkdtemp(prefix="http_api_kv_")
         ready = os.path.join(d, "ready")
         mport = free_port()
+        fport = free_port()
+        shm = os.path.join(d, "node.sock")
         node = subprocess.Popen(
             [KV_SERVER, "--listen=127.0.0.1:0", f"--ready_file={ready}",
-             f"--metrics_listen=127.0.0.1:{mport}",
+             f"--metrics_listen=127.0.0.1:{mport}", f"--fetch_port={fport}",
+             f"--shm_listen=unix:{shm}",
              "--capacity_bytes=100000000", "--eviction=lru"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         server = None
         try:
             deadline = time.time() + 30
-            while not (os.path.exists(ready) and open(ready).read().strip()):
+            while not (os.path.exists(ready) and read(ready).strip()):
                 self.assertIsNone(node.poll(), "kv_memory_server exited")
                 self.assertLess(time.time(), deadline)
                 time.sleep(0.025)
-            address = open(ready).read().strip()
+            address = read(ready).strip()
             url = f"http://127.0.0.1:{mport}/metrics"
             before = scrape(url)
             self.assertEqual(before[("infinigen_kv_pool_capacity_bytes", ())],
@@ -512,6 +515,44 @@ class Metrics(unittest.TestCase):
                            (("policy", "lru"),)), after)
             self.assertIn(("infinigen_kv_pool_bytes_used", ()), after)
             self.assertEqual(after[("infinigen_kv_sessions", ())], 1)
+
+            # Per data plane: the worker's appends came over gRPC, its
+            # fetches over the TCP fetch socket.
+            def plane(name, plane, op):
+                key = (name, (("op", op), ("plane", plane)))
+                return after.get(key, 0) - before.get(key, 0)
+            self.assertGreater(plane("infinigen_kv_request_seconds_count",
+                                     "grpc", "append"), 0)
+            self.assertGreater(plane("infinigen_kv_served_bytes_total",
+                                     "grpc", "append"), 0)
+            tcp_fetches = plane("infinigen_kv_request_seconds_count", "tcp",
+                                "fetch")
+            self.assertGreater(tcp_fetches, 0)
+            self.assertGreater(plane("infinigen_kv_served_bytes_total", "tcp",
+                                     "fetch"), 0)
+            # One generation over shm moves the shm plane's series.
+            r = subprocess.run(
+                [BIN, "generate", f"--model={MODEL}", f"--tokenizer={TOK}",
+                 "--prompt=Once upon a time", "--max_new_tokens=8",
+                 "--temperature=0", "--backend=cpu", "--policy=full",
+                 f"--kv_service=shm:unix:{shm}"],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                timeout=120)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            # Garbage where a fetch socket Hello belongs is refused and
+            # counted by status.
+            with socket.create_connection(("127.0.0.1", fport),
+                                          timeout=10) as sock:
+                sock.sendall(b"\0" * 256)
+                sock.recv(4096)
+            after = scrape(url)
+            self.assertGreater(plane("infinigen_kv_request_seconds_count",
+                                     "shm", "fetch"), 0)
+            self.assertGreater(plane("infinigen_kv_served_bytes_total", "shm",
+                                     "fetch"), 0)
+            self.assertEqual(after[("infinigen_kv_rejected_requests_total",
+                                    (("code", "INVALID_ARGUMENT"),
+                                     ("plane", "tcp")))], 1)
         finally:
             if server is not None:
                 server.stop()

@@ -44,8 +44,11 @@ bool SameToken(absl::string_view a, absl::string_view b) {
 class Connection {
  public:
   Connection(rdma::RdmaDevice* device, std::shared_ptr<KvStore> store,
-             absl::Duration spin)
-      : device_(device), store_(std::move(store)), spin_(spin) {}
+             absl::Duration spin, RequestMetrics* metrics)
+      : device_(device),
+        store_(std::move(store)),
+        spin_(spin),
+        metrics_(metrics) {}
 
   ~Connection() {
     stop_.store(true);
@@ -224,6 +227,7 @@ class Connection {
         const rdma::FetchRequest request,
         rdma::DecodeFetchRequest(absl::MakeConstSpan(packet, wc.byte_len)));
     absl::MutexLock lock(&mu_);
+    const absl::Time start = absl::Now();
     absl::Status status;
     RemoteBuffer b;
     size_t rows_bytes = 0;
@@ -268,6 +272,10 @@ class Connection {
         }
       }
     }
+    if (metrics_ != nullptr) {
+      metrics_->Record(Plane::kRdma, RequestOp::kFetch, absl::Now() - start,
+                       static_cast<int64_t>(rows_bytes), status);
+    }
     const size_t response_bytes = rdma::EncodeFetchResponse(
         request.slot, status, absl::MakeSpan(response_.get(), rdma::kResponseBytes));
     IG_RETURN_IF_ERROR(qp_->PostWriteThenSend(
@@ -283,6 +291,7 @@ class Connection {
   rdma::RdmaDevice* const device_;
   const std::shared_ptr<KvStore> store_;
   const absl::Duration spin_;
+  RequestMetrics* const metrics_;  // not owned; null: none
   uint32_t max_slots_ = 0;
 
   std::unique_ptr<rdma::CompletionQueue> cq_;
@@ -413,7 +422,9 @@ class RdmaServer::Impl final : public kv::KvRdma::Service {
       }
     }
     finished.clear();
-    auto connection = std::make_unique<Connection>(device_.get(), store_, options_.spin);
+    auto connection = std::make_unique<Connection>(device_.get(), store_,
+                                                   options_.spin,
+                                                   options_.metrics);
     IG_RETURN_IF_ERROR(connection->Setup(client, req.max_slots()));
     rdma::ToProto(connection->local(), resp->mutable_server());
     resp->set_max_request_bytes(rdma::kMaxRequestBytes);

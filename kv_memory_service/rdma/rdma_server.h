@@ -23,6 +23,7 @@
 #include "absl/time/time.h"
 #include "grpcpp/impl/service_type.h"
 #include "kv_memory_service/kv_store.h"
+#include "kv_memory_service/request_metrics.h"
 
 namespace infinigen::kv_memory_service {
 
@@ -37,6 +38,9 @@ struct RdmaServerOptions {
   // How long a connection thread polls for the next request before it
   // sleeps on its completion channel.
   absl::Duration spin = absl::Microseconds(200);
+  // Records each fetch served or refused (not owned, outlives the server;
+  // null: none).
+  RequestMetrics* metrics = nullptr;
 };
 
 class RdmaServer {

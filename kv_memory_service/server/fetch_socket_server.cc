@@ -374,6 +374,9 @@ class FetchSocketServer::Loop {
   }
 
   bool HelloReply(Connection* c, const absl::Status& status) {
+    if (server_->options_.metrics != nullptr) {
+      server_->options_.metrics->Rejected(Plane::kTcp, status);
+    }
     fetch_wire::HelloReply reply;
     reply.status_code = static_cast<int32_t>(status.code());
     const absl::string_view message = Truncated(status);
@@ -388,6 +391,9 @@ class FetchSocketServer::Loop {
 
   bool Respond(Connection* c, uint64_t request_id, const absl::Status& status,
                size_t rows_bytes, Connection::State after) {
+    if (server_->options_.metrics != nullptr) {
+      server_->options_.metrics->Rejected(Plane::kTcp, status);
+    }
     fetch_wire::FetchResponseHeader header;
     header.status_code = static_cast<int32_t>(status.code());
     header.request_id = request_id;
@@ -457,9 +463,15 @@ class FetchSocketServer::Loop {
     const FetchPlan plan{
         absl::Span<const int32_t>(c->body.data() + q.n_offsets, q.n_indices),
         absl::Span<const int32_t>(c->body.data(), q.n_offsets)};
+    const absl::Time start = absl::Now();
     const absl::Status status = GatherForResponse(
         *server_->store_, q.sequence_id, q.layer, plan, q.dest_elements,
         server_->options_.max_message_bytes - 1024, &c->rows);
+    if (server_->options_.metrics != nullptr && status.ok()) {
+      server_->options_.metrics->Served(
+          Plane::kTcp, RequestOp::kFetch, absl::Now() - start,
+          static_cast<int64_t>(c->rows.size() * sizeof(uint16_t)));
+    }
     Account(c);
     return Respond(c, q.request_id, status, c->rows.size() * sizeof(uint16_t),
                    Connection::State::kHeader);

@@ -36,6 +36,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "kv_memory_service/kv_store.h"
+#include "kv_memory_service/request_metrics.h"
 
 namespace infinigen::kv_memory_service {
 
@@ -59,6 +60,9 @@ struct FetchSocketServerOptions {
   // closed after idle_timeout without progress either way (zero: never).
   absl::Duration handshake_timeout = absl::Seconds(5);
   absl::Duration idle_timeout = absl::Minutes(10);
+  // Records each fetch served and each Hello or request refused (not owned,
+  // outlives the server; null: none).
+  RequestMetrics* metrics = nullptr;
 };
 
 // What the server holds now, and what it has refused.

@@ -94,6 +94,7 @@ absl::StatusOr<std::unique_ptr<KvServer>> KvServer::Start(
         options.fetch_max_connections_per_peer;
     fetch_options.handshake_timeout = options.fetch_handshake_timeout;
     fetch_options.idle_timeout = options.fetch_idle_timeout;
+    fetch_options.metrics = server->request_metrics_.get();
     absl::StatusOr<std::unique_ptr<FetchSocketServer>> fetch_server =
         FetchSocketServer::Start(server->store_, fetch_options);
     if (!fetch_server.ok()) return fetch_server.status();
@@ -102,12 +103,13 @@ absl::StatusOr<std::unique_ptr<KvServer>> KvServer::Start(
   }
   server->service_ = std::make_unique<KvMemoryService>(
       server->store_, options.auth_token, options.max_message_bytes,
-      server->fetch_port_);
+      server->fetch_port_, server->request_metrics_.get());
 
   if (!options.rdma_device.empty()) {
     RdmaServerOptions rdma_options;
     rdma_options.device = options.rdma_device == "any" ? "" : options.rdma_device;
     rdma_options.auth_token = options.auth_token;
+    rdma_options.metrics = server->request_metrics_.get();
     absl::StatusOr<std::unique_ptr<RdmaServer>> rdma =
         RdmaServer::Start(server->store_, rdma_options);
     if (!rdma.ok()) return rdma.status();
@@ -165,6 +167,7 @@ absl::StatusOr<std::unique_ptr<KvServer>> KvServer::Start(
     shm_options.auth_token = options.auth_token;
     shm_options.max_client_slot_bytes = options.shm_max_client_bytes;
     shm_options.max_total_slot_bytes = options.shm_max_total_bytes;
+    shm_options.metrics = server->request_metrics_.get();
     absl::StatusOr<std::unique_ptr<ShmServer>> shm =
         ShmServer::Start(server->store_, shm_options);
     if (!shm.ok()) return shm.status();

@@ -23,6 +23,7 @@
 #include "grpcpp/channel.h"
 #include "grpcpp/server.h"
 #include "kv_memory_service/kv_store.h"
+#include "kv_memory_service/request_metrics.h"
 
 namespace infinigen::kv_memory_service {
 
@@ -97,6 +98,11 @@ class KvServer {
   // A channel to this server inside this process (tests).
   std::shared_ptr<grpc::Channel> InProcessChannel();
   KvStore& store() { return *store_; }
+  // Every plane's per-request metrics (latency, bytes, refusals), for
+  // /metrics; they live as long as the server.
+  std::shared_ptr<prometheus::Collectable> request_metrics() const {
+    return request_metrics_->registry();
+  }
 
   // Stops accepting calls, marks the health service NOT_SERVING, ends the
   // fetch streams (their clients see UNAVAILABLE), lets unary calls in
@@ -112,6 +118,9 @@ class KvServer {
   void ExpireLeases();
   void StopLeases();
 
+  // First, so that every plane holding a pointer to it is gone before it.
+  const std::unique_ptr<RequestMetrics> request_metrics_ =
+      std::make_unique<RequestMetrics>();
   std::shared_ptr<KvStore> store_;
   std::unique_ptr<KvMemoryService> service_;
   std::unique_ptr<RdmaServer> rdma_server_;  // its service outlives server_

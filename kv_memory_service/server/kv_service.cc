@@ -21,11 +21,17 @@ constexpr int64_t kResponseOverhead = 1024;
 KvMemoryService::KvMemoryService(std::shared_ptr<KvStore> store,
                                  const std::string& auth_token,
                                  int32_t max_message_bytes,
-                                 int32_t fetch_port)
+                                 int32_t fetch_port, RequestMetrics* metrics)
     : store_(std::move(store)),
       expected_auth_(auth_token.empty() ? "" : "Bearer " + auth_token),
       max_message_bytes_(max_message_bytes),
-      fetch_port_(fetch_port) {}
+      fetch_port_(fetch_port),
+      metrics_(metrics) {}
+
+grpc::Status KvMemoryService::Reply(const absl::Status& status) {
+  if (metrics_ != nullptr) metrics_->Rejected(Plane::kGrpc, status);
+  return ToGrpcStatus(status);
+}
 
 void KvMemoryService::CancelStreams() {
   absl::MutexLock lock(&mu_);
@@ -46,7 +52,7 @@ grpc::Status KvMemoryService::OpenSession(grpc::ServerContext* ctx,
           absl::ToInt64Milliseconds(store_->options().lease_timeout));
     }
   }
-  return ToGrpcStatus(status);
+  return Reply(status);
 }
 
 grpc::Status KvMemoryService::Heartbeat(grpc::ServerContext* ctx,
@@ -58,7 +64,7 @@ grpc::Status KvMemoryService::Heartbeat(grpc::ServerContext* ctx,
     resp->set_lease_timeout_ms(
         absl::ToInt64Milliseconds(store_->options().lease_timeout));
   }
-  return ToGrpcStatus(status);
+  return Reply(status);
 }
 
 grpc::Status KvMemoryService::CloseSession(grpc::ServerContext* ctx,
@@ -66,7 +72,7 @@ grpc::Status KvMemoryService::CloseSession(grpc::ServerContext* ctx,
                                            kv::CloseSessionResponse*) {
   absl::Status status = Authorize(*ctx);
   if (status.ok()) status = store_->CloseSession(req->session_id());
-  return ToGrpcStatus(status);
+  return Reply(status);
 }
 
 grpc::Status KvMemoryService::OpenSequence(grpc::ServerContext* ctx,
@@ -74,15 +80,21 @@ grpc::Status KvMemoryService::OpenSequence(grpc::ServerContext* ctx,
                                            kv::OpenSequenceResponse* resp) {
   absl::Status status = Authorize(*ctx);
   if (status.ok()) status = DoOpen(*req, resp);
-  return ToGrpcStatus(status);
+  return Reply(status);
 }
 
 grpc::Status KvMemoryService::Append(grpc::ServerContext* ctx,
                                      const kv::AppendRequest* req,
                                      kv::AppendResponse* resp) {
   absl::Status status = Authorize(*ctx);
-  if (status.ok()) status = DoAppend(*req, resp);
-  return ToGrpcStatus(status);
+  if (!status.ok()) return Reply(status);
+  const absl::Time start = absl::Now();
+  status = DoAppend(*req, resp);
+  if (metrics_ != nullptr && status.ok()) {
+    metrics_->Served(Plane::kGrpc, RequestOp::kAppend, absl::Now() - start,
+                     static_cast<int64_t>(req->k().size() + req->v().size()));
+  }
+  return Reply(status);
 }
 
 grpc::Status KvMemoryService::Fetch(grpc::ServerContext* ctx,
@@ -90,14 +102,14 @@ grpc::Status KvMemoryService::Fetch(grpc::ServerContext* ctx,
                                     kv::FetchResponse* resp) {
   absl::Status status = Authorize(*ctx);
   if (status.ok()) status = FetchInto(*req, resp);
-  return ToGrpcStatus(status);
+  return Reply(status);  // FetchInto recorded what it served
 }
 
 grpc::Status KvMemoryService::FetchStream(
     grpc::ServerContext* ctx,
     grpc::ServerReaderWriter<kv::FetchResponse, kv::FetchRequest>* stream) {
   const absl::Status auth = Authorize(*ctx);
-  if (!auth.ok()) return ToGrpcStatus(auth);
+  if (!auth.ok()) return Reply(auth);
   {
     absl::MutexLock lock(&mu_);
     if (streams_cancelled_) {
@@ -113,6 +125,7 @@ grpc::Status KvMemoryService::FetchStream(
   while (stream->Read(&req)) {
     resp.set_request_id(req.request_id());
     const absl::Status status = FetchInto(req, &resp);
+    if (metrics_ != nullptr) metrics_->Rejected(Plane::kGrpc, status);
     resp.set_status_code(static_cast<int32_t>(status.code()));
     resp.set_status_message(std::string(status.message()));
     if (!stream->Write(resp)) break;
@@ -130,7 +143,7 @@ grpc::Status KvMemoryService::CloseSequence(grpc::ServerContext* ctx,
     status = store_->CheckOwner(req->sequence_id(), req->session_id());
   }
   if (status.ok()) status = store_->Close(req->sequence_id());
-  return ToGrpcStatus(status);
+  return Reply(status);
 }
 
 grpc::Status KvMemoryService::GetStats(grpc::ServerContext* ctx,
@@ -138,7 +151,7 @@ grpc::Status KvMemoryService::GetStats(grpc::ServerContext* ctx,
                                        kv::GetStatsResponse* resp) {
   absl::Status status = Authorize(*ctx);
   if (status.ok()) status = DoGetStats(*req, resp);
-  return ToGrpcStatus(status);
+  return Reply(status);
 }
 
 grpc::Status KvMemoryService::GetServerInfo(grpc::ServerContext* ctx,
@@ -149,7 +162,7 @@ grpc::Status KvMemoryService::GetServerInfo(grpc::ServerContext* ctx,
     resp->set_fetch_port(fetch_port_);
     resp->set_max_message_bytes(static_cast<int32_t>(max_message_bytes_));
   }
-  return ToGrpcStatus(status);
+  return Reply(status);
 }
 
 absl::Status KvMemoryService::Authorize(const grpc::ServerContext& ctx) const {
@@ -197,10 +210,16 @@ absl::Status KvMemoryService::DoAppend(const kv::AppendRequest& req,
 absl::Status KvMemoryService::FetchInto(const kv::FetchRequest& req,
                                         kv::FetchResponse* resp) {
   std::string* rows = resp->mutable_rows();
+  const absl::Time start = absl::Now();
   absl::Status status = GatherForResponse(
       *store_, req.sequence_id(), req.layer(), PlanView(req.plan()),
       req.dest_elements(), max_message_bytes_ - kResponseOverhead, rows);
-  if (!status.ok()) rows->clear();
+  if (!status.ok()) {
+    rows->clear();
+  } else if (metrics_ != nullptr) {
+    metrics_->Served(Plane::kGrpc, RequestOp::kFetch, absl::Now() - start,
+                     static_cast<int64_t>(rows->size()));
+  }
   return status;
 }
 

@@ -18,6 +18,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "kv_memory_service/kv_store.h"
+#include "kv_memory_service/request_metrics.h"
 #include "proto/kv_memory.grpc.pb.h"
 
 namespace infinigen::kv_memory_service {
@@ -28,8 +29,11 @@ class KvMemoryService final : public kv::KvMemory::Service {
   // max_message_bytes (less room for the rest of the response) are
   // RESOURCE_EXHAUSTED.
   // fetch_port: what GetServerInfo advertises (0: no fetch socket).
+  // `metrics` (not owned, outlives the service; null: none) records every
+  // fetch and append served and every call refused.
   KvMemoryService(std::shared_ptr<KvStore> store, const std::string& auth_token,
-                  int32_t max_message_bytes, int32_t fetch_port);
+                  int32_t max_message_bytes, int32_t fetch_port,
+                  RequestMetrics* metrics = nullptr);
 
   // Ends every open fetch stream now and refuses new ones (UNAVAILABLE).
   // Unary calls are unaffected; grpc::Server::Shutdown drains those.
@@ -67,6 +71,8 @@ class KvMemoryService final : public kv::KvMemory::Service {
 
  private:
   absl::Status Authorize(const grpc::ServerContext& ctx) const;
+  // The call's reply; a refusal is counted.
+  grpc::Status Reply(const absl::Status& status);
   absl::Status DoOpen(const kv::OpenSequenceRequest& req,
                       kv::OpenSequenceResponse* resp);
   absl::Status DoAppend(const kv::AppendRequest& req, kv::AppendResponse* resp);
@@ -80,6 +86,7 @@ class KvMemoryService final : public kv::KvMemory::Service {
   const std::string expected_auth_;  // "Bearer TOKEN", or empty: no check
   const int64_t max_message_bytes_;
   const int32_t fetch_port_;
+  RequestMetrics* const metrics_;
 
   absl::Mutex mu_;
   bool streams_cancelled_ ABSL_GUARDED_BY(mu_) = false;

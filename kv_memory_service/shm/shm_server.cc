@@ -225,6 +225,7 @@ class ShmServer::Connection {
                         shm::ReceiveMessage(socket_, &fd));
     absl::Status status = MapRegion(attach, fd);
     if (fd >= 0) close(fd);
+    Count(status);
     shm::SendMessage(socket_, shm::ReplyFor(status)).IgnoreError();
     return status;
   }
@@ -292,6 +293,7 @@ class ShmServer::Connection {
         }
       }
       if (fd >= 0) close(fd);
+      Count(status);
       if (!shm::SendMessage(socket_, shm::ReplyFor(status)).ok()) return false;
     }
   }
@@ -394,6 +396,13 @@ class ShmServer::Connection {
     return served;
   }
 
+  // A refusal (not OK) is counted.
+  void Count(const absl::Status& status) {
+    if (server_->options_.metrics != nullptr) {
+      server_->options_.metrics->Rejected(Plane::kShm, status);
+    }
+  }
+
   void Serve(uint32_t i, SlotControl* control) {
     const MappedSlot& slot = slots_[i];
     // Read every field once: the client shares this memory.
@@ -418,9 +427,21 @@ class ShmServer::Connection {
       plan.indices = absl::MakeConstSpan(scratch_.get(), n_indices);
       plan.head_offsets =
           absl::MakeConstSpan(scratch_.get() + n_indices, n_offsets);
+      const absl::Time start = absl::Now();
       status = server_->store_->Gather(
           sequence, layer, plan, absl::MakeSpan(slot.data, slot.elements));
+      RequestMetrics* metrics = server_->options_.metrics;
+      if (metrics != nullptr && status.ok()) {
+        const absl::Duration elapsed = absl::Now() - start;
+        absl::StatusOr<SequenceGeometry> g = server_->store_->Geometry(sequence);
+        metrics->Served(Plane::kShm, RequestOp::kFetch, elapsed,
+                        g.ok() ? static_cast<int64_t>(
+                                     FetchElements(plan, g->head_dim) *
+                                     sizeof(uint16_t))
+                               : 0);
+      }
     }
+    Count(status);
     control->status_code = static_cast<int32_t>(status.code());
     const size_t len = std::min(status.message().size(), shm::kStatusMessageBytes);
     // An OK status's message may be a null view: memcpy's source must not.

@@ -28,6 +28,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "kv_memory_service/kv_store.h"
+#include "kv_memory_service/request_metrics.h"
 
 namespace infinigen::kv_memory_service {
 
@@ -52,6 +53,9 @@ struct ShmServerOptions {
   // Slots are mapped without pre-populating: only pages written cost memory.
   int64_t max_client_slot_bytes = int64_t{4} << 30;
   int64_t max_total_slot_bytes = int64_t{16} << 30;
+  // Records each fetch served and each Attach, socket request or fetch
+  // refused (not owned, outlives the server; null: none).
+  RequestMetrics* metrics = nullptr;
 };
 
 class ShmServer {
