@@ -82,7 +82,8 @@ ABSL_FLAG(std::string, policy, "ideal",
           "How K and V reach attention when decoding: ideal (all local), full "
           "(fetch every row), infinigen, h2o, int4, oracle (a diagnostic: "
           "each layer's exact top --budget of its own scores, layers 0 and 1 "
-          "whole).");
+          "whole), quest (pages of --page_tokens ranked by their key bounds, "
+          "the top --budget of pages per head).");
 ABSL_FLAG(double, alpha, 5.0,
           "infinigen: fetch tokens whose speculated score is within alpha of "
           "the head's maximum.");
@@ -91,14 +92,16 @@ ABSL_FLAG(double, partial_ratio, 0.3,
           "weight and partial key cache.");
 ABSL_FLAG(double, budget, 0.2,
           "infinigen: cap on tokens fetched per head as a fraction of the "
-          "cached tokens; oracle: the fraction each head takes; h2o: fraction "
-          "kept (half heavy hitters, half recent).");
+          "cached tokens; oracle: the fraction each head takes; quest: the "
+          "fraction of pages each head takes; h2o: fraction kept (half heavy "
+          "hitters, half recent).");
 ABSL_FLAG(int, sink_tokens, 0,
           "infinigen, oracle: the first N positions (attention sinks) are "
           "fetched at every speculated layer besides the selection.");
 ABSL_FLAG(int, recent_tokens, 0,
           "infinigen, oracle: the last N positions before the new token are "
           "fetched at every speculated layer besides the selection.");
+ABSL_FLAG(int, page_tokens, 16, "quest: tokens per page.");
 ABSL_FLAG(bool, same_layer_input, false,
           "infinigen, diagnostic: speculate each layer's selection from its "
           "own attention input instead of the previous layer's (no "
@@ -215,7 +218,7 @@ struct Command {
 std::vector<const char*> WithEngineFlags(std::vector<const char*> own) {
   for (const char* f :
        {"policy", "alpha", "partial_ratio", "partial_rank", "budget",
-        "sink_tokens", "recent_tokens", "skew",
+        "sink_tokens", "recent_tokens", "page_tokens", "skew",
         "kv_service", "kv_auth_token_file", "kv_capacity", "eviction",
         "max_worker_kv_bytes", "backend", "threads"}) {
     own.push_back(f);
@@ -401,6 +404,7 @@ absl::StatusOr<PolicySetup> SetUpPolicy(const model::Weights& weights,
   s.options.policy.same_layer_input = absl::GetFlag(FLAGS_same_layer_input);
   s.options.policy.sink_tokens = absl::GetFlag(FLAGS_sink_tokens);
   s.options.policy.recent_tokens = absl::GetFlag(FLAGS_recent_tokens);
+  s.options.policy.page_tokens = absl::GetFlag(FLAGS_page_tokens);
   s.options.kv_capacity = absl::GetFlag(FLAGS_kv_capacity);
   s.options.max_worker_kv_bytes = absl::GetFlag(FLAGS_max_worker_kv_bytes);
   if (s.options.max_worker_kv_bytes < 0) {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "absl/strings/str_format.h"
@@ -21,8 +22,9 @@ absl::StatusOr<PolicyKind> ParsePolicy(absl::string_view name) {
   if (name == "h2o") return PolicyKind::kH2O;
   if (name == "int4") return PolicyKind::kInt4;
   if (name == "oracle") return PolicyKind::kOracle;
+  if (name == "quest") return PolicyKind::kQuest;
   return absl::InvalidArgumentError(absl::StrFormat(
-      "unknown policy '%s' (ideal, full, infinigen, h2o, int4, oracle)",
+      "unknown policy '%s' (ideal, full, infinigen, h2o, int4, oracle, quest)",
       name));
 }
 
@@ -40,6 +42,8 @@ const char* PolicyName(PolicyKind kind) {
       return "int4";
     case PolicyKind::kOracle:
       return "oracle";
+    case PolicyKind::kQuest:
+      return "quest";
   }
   return "unknown";
 }
@@ -59,6 +63,10 @@ absl::Status PolicyOptions::Validate() const {
   }
   if (kind == PolicyKind::kInfiniGen && skew == nullptr) {
     return absl::InvalidArgumentError("the infinigen policy needs a skew");
+  }
+  if (page_tokens < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("page_tokens must be >= 1, got %d", page_tokens));
   }
   if (sink_tokens < 0 || recent_tokens < 0) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -616,6 +624,190 @@ class InfiniGenPolicy final : public KvPolicy {
   DeviceBuffer<int> position_;       // [1]: the speculated query's position
 };
 
+// Quest (Tang et al., ICML 2024): each layer's cached keys in pages of
+// page_tokens positions, each page summarized by the element-wise minimum
+// and maximum of its keys per KV head. A layer's query (from its own input)
+// bounds every page's best score from above, sum_j max(q_j min_j,
+// q_j max_j) (the max over the KV head's query heads), and the top
+// budget of the pages per KV head are fetched whole. Layers 0
+// and 1 fetch everything, as in the paper. The budget is a fraction of
+// the pages (the newest page may be partly filled). The bounds live on the host:
+// a prefill layer's keys and each decode step's new key are copied there.
+class QuestPolicy final : public KvPolicy {
+ public:
+  QuestPolicy(const Context& c, const PolicyOptions& o)
+      : KvPolicy(c),
+        budget_(o.budget),
+        page_(o.page_tokens),
+        max_pages_((c.max_seq_len + o.page_tokens - 1) / o.page_tokens) {}
+
+  static int64_t StateBytes(const Context& c, const PolicyOptions& o) {
+    const model::ModelConfig& m = c.weights->config;
+    const int64_t pages = (c.max_seq_len + o.page_tokens - 1) / o.page_tokens;
+    return 2 * int64_t{m.n_layers} * m.n_kv_heads * pages * m.head_dim *
+               int64_t{sizeof(float)} +                    // min_, max_
+           2 * int64_t{m.q_dim()} * int64_t{sizeof(float)} +  // q_, q_host_
+           int64_t{m.n_kv_heads} * c.max_seq_len * int64_t{sizeof(float)} +
+           int64_t{m.kv_dim()} * int64_t{sizeof(float)} + int64_t{sizeof(int)};
+  }
+
+  absl::Status Init() override {
+    const model::ModelConfig& m = config();
+    const size_t bounds = static_cast<size_t>(m.n_layers) * m.n_kv_heads *
+                          max_pages_ * m.head_dim;
+    min_.assign(bounds, 0.0f);
+    max_.assign(bounds, 0.0f);
+    Backend* b = ctx_.backend;
+    IG_ASSIGN_OR_RETURN(q_, DeviceBuffer<float>::Make(b, m.q_dim(),
+                                                      "Quest's queries"));
+    IG_ASSIGN_OR_RETURN(position_,
+                        DeviceBuffer<int>::Make(b, 1, "Quest's position"));
+    q_host_.resize(m.q_dim());
+    key_host_.resize(m.kv_dim());
+    page_scores_.reserve(max_pages_);
+    order_.reserve(max_pages_);
+    return absl::OkStatus();
+  }
+
+  // Quest's bounds come from the keys themselves (FinishPrefillLayer sees
+  // a reused prefix's keys too).
+  absl::Status FinishPrefillLayer(int layer, int n_tokens, const float* keys,
+                                  int key_stride) override {
+    const model::ModelConfig& m = config();
+    const size_t d = m.head_dim;
+    prefill_keys_.resize(static_cast<size_t>(n_tokens) * d);
+    for (int g = 0; g < m.n_kv_heads; ++g) {
+      IG_RETURN_IF_ERROR(ctx_.backend->CopyToHost(
+          prefill_keys_.data(), keys + static_cast<size_t>(g) * key_stride * d,
+          prefill_keys_.size() * sizeof(float)));
+      for (int t = 0; t < n_tokens; ++t) {
+        AddKey(layer, g, t, prefill_keys_.data() + static_cast<size_t>(t) * d);
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  void OnDecodeAppend(int layer, int p, const float* key) override {
+    // Errors of the copy surface at the next PlanFetch's copy.
+    if (!ctx_.backend->CopyToHost(key_host_.data(), key,
+                                  key_host_.size() * sizeof(float))
+             .ok()) {
+      return;
+    }
+    const int d = config().head_dim;
+    for (int g = 0; g < config().n_kv_heads; ++g) {
+      AddKey(layer, g, p, key_host_.data() + static_cast<size_t>(g) * d);
+    }
+  }
+
+  absl::Status PlanFetch(int layer, int p, const float* x,
+                         const uint8_t* present,
+                         OwnedFetchPlan& plan) override {
+    if (layer < 2 || x == nullptr) {
+      PlanAllPresent(p, present, plan);
+      return absl::OkStatus();
+    }
+    const model::ModelConfig& m = config();
+    const model::LayerWeights& w = ctx_.weights->layers[layer];
+    const int d = m.head_dim, group = m.n_heads / m.n_kv_heads;
+    Backend& b = *ctx_.backend;
+    b.Linear(x, 1, m.dim, w.wq.data(), w.bq.empty() ? nullptr : w.bq.data(),
+             m.q_dim(), q_.data());
+    if (m.arch == model::Architecture::kLlama) {
+      position_host_ = p;
+      b.CopyFromHost(position_.data(), &position_host_, sizeof(int),
+                     b.MarkIssued());
+      b.Rope(q_.data(), 1, m.n_heads, d, position_.data(), m.rope_theta);
+    }
+    IG_RETURN_IF_ERROR(
+        b.CopyToHost(q_host_.data(), q_.data(), q_host_.size() * sizeof(float)));
+    const int pages = (p + page_ - 1) / page_;
+    // The budget's fraction of the pages, as the oracle's cap counts
+    // tokens: at page_tokens 1 the bound is the exact score and Quest is
+    // the oracle.
+    const int want = std::max(
+        1, static_cast<int>(static_cast<float>(pages) * budget_));
+    plan.indices.clear();
+    plan.head_offsets.resize(m.n_kv_heads + 1);
+    plan.head_offsets[0] = 0;
+    for (int g = 0; g < m.n_kv_heads; ++g) {
+      const uint8_t* pr = present + static_cast<size_t>(g) * ctx_.max_seq_len;
+      page_scores_.assign(pages, -std::numeric_limits<float>::infinity());
+      for (int j = 0; j < pages; ++j) {
+        const float* lo = Min(layer, g, j);
+        const float* hi = Max(layer, g, j);
+        for (int h = g * group; h < (g + 1) * group; ++h) {
+          const float* q = q_host_.data() + static_cast<size_t>(h) * d;
+          float bound = 0.0f;
+          for (int c = 0; c < d; ++c) {
+            bound += std::max(q[c] * lo[c], q[c] * hi[c]);
+          }
+          page_scores_[j] = std::max(page_scores_[j], bound);
+        }
+      }
+      order_.resize(pages);
+      for (int j = 0; j < pages; ++j) order_[j] = j;
+      const int take = std::min(want, pages);
+      std::partial_sort(order_.begin(), order_.begin() + take, order_.end(),
+                        [this](int a, int c) {
+                          return page_scores_[a] > page_scores_[c] ||
+                                 (page_scores_[a] == page_scores_[c] && a < c);
+                        });
+      std::sort(order_.begin(), order_.begin() + take);
+      for (int i = 0; i < take; ++i) {
+        const int first = order_[i] * page_;
+        const int last = std::min(p, first + page_);
+        for (int t = first; t < last; ++t) {
+          if (pr[t]) plan.indices.push_back(t);
+        }
+      }
+      plan.head_offsets[g + 1] = static_cast<int32_t>(plan.indices.size());
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  size_t Page(int layer, int g, int page) const {
+    return ((static_cast<size_t>(layer) * config().n_kv_heads + g) *
+                max_pages_ + page) * config().head_dim;
+  }
+  const float* Min(int layer, int g, int page) const {
+    return min_.data() + Page(layer, g, page);
+  }
+  const float* Max(int layer, int g, int page) const {
+    return max_.data() + Page(layer, g, page);
+  }
+  // Widens position t's page bounds by its key (the page's first key sets
+  // them).
+  void AddKey(int layer, int g, int t, const float* key) {
+    const int d = config().head_dim;
+    float* lo = min_.data() + Page(layer, g, t / page_);
+    float* hi = max_.data() + Page(layer, g, t / page_);
+    if (t % page_ == 0) {
+      std::memcpy(lo, key, d * sizeof(float));
+      std::memcpy(hi, key, d * sizeof(float));
+      return;
+    }
+    for (int c = 0; c < d; ++c) {
+      lo[c] = std::min(lo[c], key[c]);
+      hi[c] = std::max(hi[c], key[c]);
+    }
+  }
+
+  const float budget_;
+  const int page_;
+  const int max_pages_;
+  std::vector<float> min_, max_;     // [layer][kv_head][page][d]
+  std::vector<float> q_host_;        // [n_heads * d]
+  std::vector<float> key_host_;      // [n_kv_heads * d]
+  std::vector<float> prefill_keys_;  // [n_tokens * d]
+  std::vector<float> page_scores_;   // [pages]
+  std::vector<int> order_;           // [pages]
+  int position_host_ = 0;
+  DeviceBuffer<float> q_;      // [n_heads * d]
+  DeviceBuffer<int> position_;  // [1]
+};
+
 }  // namespace
 
 absl::StatusOr<int64_t> KvPolicy::StateBytes(const PolicyOptions& options,
@@ -633,6 +825,8 @@ absl::StatusOr<int64_t> KvPolicy::StateBytes(const PolicyOptions& options,
       return InfiniGenPolicy::SizesFor(context, options).Bytes();
     case PolicyKind::kOracle:
       return InfiniGenPolicy::SizesFor(context, OracleOptions(options)).Bytes();
+    case PolicyKind::kQuest:
+      return QuestPolicy::StateBytes(context, options);
   }
   return absl::InvalidArgumentError("unknown policy");
 }
@@ -673,6 +867,8 @@ absl::StatusOr<std::unique_ptr<KvPolicy>> KvPolicy::CreateUninitialized(
           std::make_unique<const speculator::SkewMatrices>(
               speculator::SkewMatrices::Identity(m.n_layers, m.n_kv_heads,
                                                  m.head_dim))));
+    case PolicyKind::kQuest:
+      return std::unique_ptr<KvPolicy>(new QuestPolicy(context, options));
   }
   return absl::InvalidArgumentError("unknown policy");
 }

@@ -16,6 +16,11 @@
 //              its own attention scores per KV head (max over the head's
 //              queries), chosen from its own input (the fetch cannot leave
 //              early: a diagnostic, not a serving policy)
+//   quest      Quest's page selection: keys in pages of page_tokens, each
+//              page's element-wise key min and max bound its best score;
+//              layer i >= 2 fetches the top budget of pages per KV head by
+//              that bound for its own query (a peer at equal fetch; like
+//              oracle, chosen from the layer's own input)
 // Every policy but ideal stores rows in the memory node through a KvClient
 // and fetches them with FetchPlans, so the rows moved per step are counted
 // the same way for all.
@@ -41,9 +46,12 @@
 
 namespace infinigen::gpu_worker {
 
-enum class PolicyKind { kIdeal, kFull, kInfiniGen, kH2O, kInt4, kOracle };
+enum class PolicyKind {
+  kIdeal, kFull, kInfiniGen, kH2O, kInt4, kOracle, kQuest
+};
 
-// "ideal", "full", "infinigen", "h2o", "int4"; InvalidArgument otherwise.
+// "ideal", "full", "infinigen", "h2o", "int4", "oracle", "quest";
+// InvalidArgument otherwise.
 absl::StatusOr<PolicyKind> ParsePolicy(absl::string_view name);
 const char* PolicyName(PolicyKind kind);
 
@@ -75,11 +83,14 @@ struct PolicyOptions {
   // every speculated layer, besides the speculated selection.
   int sink_tokens = 0;
   int recent_tokens = 0;
+  // quest: tokens per page.
+  int page_tokens = 16;
 
   // Whether a layer's fetch is chosen from that layer's own input
   // (same_layer_input, oracle) rather than the previous layer's.
   bool SpeculatesFromOwnInput() const {
-    return same_layer_input || kind == PolicyKind::kOracle;
+    return same_layer_input || kind == PolicyKind::kOracle ||
+           kind == PolicyKind::kQuest;
   }
 
   // InvalidArgument for values out of range or a missing skew.

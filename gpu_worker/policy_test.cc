@@ -223,6 +223,42 @@ TEST_F(PolicyTest, OracleIsTheExactTopKOfTheLayersOwnScores) {
             TeacherForced(Policy(PolicyKind::kFull), 8).logits);
 }
 
+// Quest with one-token pages bounds each token by its exact score: it is
+// the oracle. With bigger pages it fetches whole pages, at most the budget;
+// with every page, it is full.
+TEST_F(PolicyTest, QuestSelectsPagesByTheirKeyBounds) {
+  PolicyOptions quest = Policy(PolicyKind::kQuest);
+  quest.budget = 0.25f;
+  quest.page_tokens = 1;
+  PolicyOptions oracle = Policy(PolicyKind::kOracle);
+  oracle.budget = 0.25f;
+  Run a = TeacherForced(quest, 8);
+  Run b = TeacherForced(oracle, 8);
+  ASSERT_EQ(a.logits.size(), b.logits.size());
+  for (size_t i = 0; i < a.logits.size(); ++i) {
+    for (size_t j = 0; j < a.logits[i].size(); ++j) {
+      ASSERT_NEAR(a.logits[i][j], b.logits[i][j], 1e-3) << i << " " << j;
+    }
+  }
+  EXPECT_EQ(a.stats.rows_fetched, b.stats.rows_fetched);
+
+  quest.page_tokens = 4;
+  Run paged = TeacherForced(quest, 8);
+  Run full = TeacherForced(Policy(PolicyKind::kFull), 8);
+  // Whole pages, a quarter of them per speculated layer (at least one).
+  EXPECT_GT(paged.stats.rows_fetched, 0);
+  EXPECT_LT(paged.stats.rows_fetched, full.stats.rows_fetched * 0.7);
+  EXPECT_NE(paged.logits, a.logits);
+  EXPECT_LT(Mean(paged.nll) - Mean(full.nll), 0.5);
+
+  quest.budget = 1.0f;
+  EXPECT_EQ(TeacherForced(quest, 8).logits, full.logits);
+
+  EXPECT_EQ(*ParsePolicy("quest"), PolicyKind::kQuest);
+  quest.page_tokens = 0;
+  EXPECT_EQ(quest.Validate().code(), absl::StatusCode::kInvalidArgument);
+}
+
 // Sinks and a recent window come on top of the speculated selection: more
 // rows fetched; when they cover every position, the speculated layers read
 // everything.
