@@ -102,6 +102,11 @@ ABSL_FLAG(int, recent_tokens, 0,
           "infinigen, oracle: the last N positions before the new token are "
           "fetched at every speculated layer besides the selection.");
 ABSL_FLAG(int, page_tokens, 16, "quest: tokens per page.");
+ABSL_FLAG(double, score_mass, 0.0,
+          "infinigen, oracle: in (0, 1], each KV head fetches its top "
+          "speculated tokens until they carry this share of its speculated "
+          "attention (at most --budget of the tokens), so budgets adapt "
+          "across layers and heads; 0: the alpha rule.");
 ABSL_FLAG(bool, same_layer_input, false,
           "infinigen, diagnostic: speculate each layer's selection from its "
           "own attention input instead of the previous layer's (no "
@@ -218,7 +223,7 @@ struct Command {
 std::vector<const char*> WithEngineFlags(std::vector<const char*> own) {
   for (const char* f :
        {"policy", "alpha", "partial_ratio", "partial_rank", "budget",
-        "sink_tokens", "recent_tokens", "page_tokens", "skew",
+        "sink_tokens", "recent_tokens", "score_mass", "page_tokens", "skew",
         "kv_service", "kv_auth_token_file", "kv_capacity", "eviction",
         "max_worker_kv_bytes", "backend", "threads"}) {
     own.push_back(f);
@@ -405,6 +410,8 @@ absl::StatusOr<PolicySetup> SetUpPolicy(const model::Weights& weights,
   s.options.policy.sink_tokens = absl::GetFlag(FLAGS_sink_tokens);
   s.options.policy.recent_tokens = absl::GetFlag(FLAGS_recent_tokens);
   s.options.policy.page_tokens = absl::GetFlag(FLAGS_page_tokens);
+  s.options.policy.score_mass =
+      static_cast<float>(absl::GetFlag(FLAGS_score_mass));
   s.options.kv_capacity = absl::GetFlag(FLAGS_kv_capacity);
   s.options.max_worker_kv_bytes = absl::GetFlag(FLAGS_max_worker_kv_bytes);
   if (s.options.max_worker_kv_bytes < 0) {

@@ -64,6 +64,11 @@ absl::Status PolicyOptions::Validate() const {
   if (kind == PolicyKind::kInfiniGen && skew == nullptr) {
     return absl::InvalidArgumentError("the infinigen policy needs a skew");
   }
+  if (!(score_mass >= 0.0f && score_mass <= 1.0f)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "score_mass must be in [0, 1] (0: the alpha rule), got %g",
+        score_mass));
+  }
   if (page_tokens < 1) {
     return absl::InvalidArgumentError(
         absl::StrFormat("page_tokens must be >= 1, got %d", page_tokens));
@@ -529,12 +534,19 @@ class InfiniGenPolicy final : public KvPolicy {
       std::memcpy(present_.data() + static_cast<size_t>(g) * p,
                   present + static_cast<size_t>(g) * ctx_.max_seq_len, p);
     }
-    speculator::SelectionOptions sel;
-    sel.alpha = options_.alpha;
-    sel.max_fraction = options_.budget;
-    speculator::SelectTokens(scores_host_.data(), m.n_kv_heads, p,
-                             present_.data(),
-                             sel, plan.indices, plan.head_offsets);
+    if (options_.score_mass > 0.0f) {
+      speculator::SelectByMass(scores_host_.data(), m.n_kv_heads, p,
+                               present_.data(), options_.score_mass,
+                               options_.budget, plan.indices,
+                               plan.head_offsets);
+    } else {
+      speculator::SelectionOptions sel;
+      sel.alpha = options_.alpha;
+      sel.max_fraction = options_.budget;
+      speculator::SelectTokens(scores_host_.data(), m.n_kv_heads, p,
+                               present_.data(), sel, plan.indices,
+                               plan.head_offsets);
+    }
     if (options_.sink_tokens > 0 || options_.recent_tokens > 0) {
       AddSinksAndRecent(p, plan);
     }

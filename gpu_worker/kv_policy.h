@@ -83,6 +83,12 @@ struct PolicyOptions {
   // every speculated layer, besides the speculated selection.
   int sink_tokens = 0;
   int recent_tokens = 0;
+  // infinigen and oracle: 0 selects by alpha (the paper's rule, one k per
+  // layer); in (0, 1], each KV head takes its top tokens until they carry
+  // this share of its speculated attention, at most `budget` of the cached
+  // tokens (speculator::SelectByMass: budgets adapt across layers and
+  // heads).
+  float score_mass = 0.0f;
   // quest: tokens per page.
   int page_tokens = 16;
 

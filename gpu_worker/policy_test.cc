@@ -259,6 +259,32 @@ TEST_F(PolicyTest, QuestSelectsPagesByTheirKeyBounds) {
   EXPECT_EQ(quest.Validate().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// Score-mass selection: each head's own count. A mass of 1 at a budget of
+// 1 takes every row (full's logits); a small mass takes fewer rows than
+// the alpha rule's cap, and out-of-range masses are refused.
+TEST_F(PolicyTest, ScoreMassAdaptsEachHeadsCount) {
+  PolicyOptions p = Policy(PolicyKind::kInfiniGen);
+  p.skew = skew_;
+  p.budget = 0.5f;
+  Run capped = TeacherForced(p, 8);
+  p.score_mass = 0.5f;
+  Run half = TeacherForced(p, 8);
+  EXPECT_GT(half.stats.rows_fetched, 0);
+  EXPECT_NE(half.logits, capped.logits);
+  p.score_mass = 0.99f;
+  Run most = TeacherForced(p, 8);
+  EXPECT_GT(most.stats.rows_fetched, half.stats.rows_fetched);
+  PolicyOptions o = Policy(PolicyKind::kOracle);
+  o.budget = 1.0f;
+  o.score_mass = 1.0f;
+  EXPECT_EQ(TeacherForced(o, 8).logits,
+            TeacherForced(Policy(PolicyKind::kFull), 8).logits);
+  for (float bad : {-0.1f, 1.5f}) {
+    p.score_mass = bad;
+    EXPECT_EQ(p.Validate().code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+}
+
 // Sinks and a recent window come on top of the speculated selection: more
 // rows fetched; when they cover every position, the speculated layers read
 // everything.

@@ -553,4 +553,59 @@ int SelectTokens(const float* scores, int n_kv_heads, int n_tokens,
   return k;
 }
 
+int SelectByMass(const float* scores, int n_kv_heads, int n_tokens,
+                 const uint8_t* present, float mass, float max_fraction,
+                 std::vector<int32_t>& indices,
+                 std::vector<int32_t>& head_offsets) {
+  head_offsets.resize(n_kv_heads + 1);
+  head_offsets[0] = 0;
+  indices.clear();
+  const int cap = std::max(
+      1, static_cast<int>(static_cast<float>(n_tokens) * max_fraction));
+  thread_local std::vector<int32_t> order;
+  order.reserve(n_tokens);
+  for (int g = 0; g < n_kv_heads; ++g) {
+    const float* s = scores + static_cast<size_t>(g) * n_tokens;
+    const uint8_t* p =
+        present != nullptr ? present + static_cast<size_t>(g) * n_tokens
+                           : nullptr;
+    order.clear();
+    float top = -std::numeric_limits<float>::infinity();
+    for (int t = 0; t < n_tokens; ++t) {
+      if (p != nullptr && !p[t]) continue;
+      order.push_back(t);
+      top = std::max(top, s[t]);
+    }
+    if (order.empty()) {
+      indices.clear();
+      std::fill(head_offsets.begin(), head_offsets.end(), 0);
+      return 0;
+    }
+    double total = 0;
+    for (int32_t t : order) total += std::exp(static_cast<double>(s[t] - top));
+    const int limit = std::min<int>(cap, static_cast<int>(order.size()));
+    // Descending score, ties to the lower position; only the first
+    // `limit` can be chosen.
+    auto higher = [s](int32_t a, int32_t b) {
+      return s[a] > s[b] || (s[a] == s[b] && a < b);
+    };
+    std::partial_sort(order.begin(), order.begin() + limit, order.end(),
+                      higher);
+    const double want = static_cast<double>(mass) * total;
+    double carried = 0;
+    int k = 0;
+    // A mass of 1 takes every token up to the cap (the tail's rounding
+    // would otherwise end it a few negligible tokens early).
+    while (k < limit && (k == 0 || mass >= 1.0f || carried < want)) {
+      carried += std::exp(static_cast<double>(s[order[k]] - top));
+      ++k;
+    }
+    const size_t first = indices.size();
+    indices.insert(indices.end(), order.begin(), order.begin() + k);
+    std::sort(indices.begin() + first, indices.end());
+    head_offsets[g + 1] = static_cast<int32_t>(indices.size());
+  }
+  return static_cast<int>(indices.size());
+}
+
 }  // namespace infinigen::speculator

@@ -134,6 +134,20 @@ int SelectTokens(const float* scores, int n_kv_heads, int n_tokens,
                  std::vector<int32_t>& indices,
                  std::vector<int32_t>& head_offsets);
 
+// Adaptive selection by score mass (our variant, not the paper's): each
+// KV head takes its present tokens in descending score until they carry
+// `mass` (in (0, 1]) of the head's speculated attention, softmax(score)
+// over its present tokens, at least one and at most
+// max(1, int(n_tokens * max_fraction)). A head whose attention is peaked
+// takes few tokens, a spread one more, so the budget goes where attention
+// is spread. Writes ascending positions per head into `indices` and
+// `head_offsets` (n_kv_heads + 1); returns the total selected (0 when a
+// head has no present token). `present` as in SelectTokens.
+int SelectByMass(const float* scores, int n_kv_heads, int n_tokens,
+                 const uint8_t* present, float mass, float max_fraction,
+                 std::vector<int32_t>& indices,
+                 std::vector<int32_t>& head_offsets);
+
 }  // namespace infinigen::speculator
 
 #endif  // INFINIGEN_SPECULATOR_SPECULATOR_H_

@@ -936,3 +936,51 @@ TEST(SelectTokens, ReusesCapacityAndDoesNotAllocateInSteadyState) {
 
 }  // namespace
 }  // namespace infinigen::speculator
+
+namespace infinigen::speculator {
+namespace {
+
+// SelectByMass: a peaked head takes few tokens, a flat one many; the cap
+// and evicted tokens bound both.
+TEST(SelectByMass, TakesTokensUntilTheyCarryTheMass) {
+  const int n = 10;
+  std::vector<float> scores(2 * n, 0.0f);
+  // Head 0: one token carries e^8 / (e^8 + 9) = 99.7% of the mass.
+  scores[6] = 8.0f;
+  // Head 1: flat, so 0.5 of the mass needs half the tokens.
+  std::vector<int32_t> indices, offsets;
+  EXPECT_EQ(SelectByMass(scores.data(), 2, n, nullptr, 0.5f, 1.0f, indices,
+                         offsets),
+            6);
+  EXPECT_THAT(offsets, ::testing::ElementsAre(0, 1, 6));
+  EXPECT_EQ(indices[0], 6);
+  // Ties go to the lower positions, emitted ascending.
+  EXPECT_THAT(std::vector<int32_t>(indices.begin() + 1, indices.end()),
+              ::testing::ElementsAre(0, 1, 2, 3, 4));
+
+  // A cap of 30% holds the flat head to 3; more mass, still 1 for head 0.
+  EXPECT_EQ(SelectByMass(scores.data(), 2, n, nullptr, 0.99f, 0.3f, indices,
+                         offsets),
+            4);
+  EXPECT_THAT(offsets, ::testing::ElementsAre(0, 1, 4));
+
+  // Evicted tokens are never chosen, and the mass is over those present.
+  std::vector<uint8_t> present(2 * n, 1);
+  present[6] = 0;
+  for (int t = 0; t < 8; ++t) present[n + t] = 0;
+  EXPECT_EQ(SelectByMass(scores.data(), 2, n, present.data(), 0.5f, 1.0f,
+                         indices, offsets),
+            6);
+  EXPECT_THAT(offsets, ::testing::ElementsAre(0, 5, 6));
+  for (int j = 0; j < offsets[1]; ++j) EXPECT_NE(indices[j], 6);
+  EXPECT_EQ(indices[5], 8);
+  // A head with nothing present: nothing at all.
+  std::fill(present.begin(), present.begin() + n, 0);
+  EXPECT_EQ(SelectByMass(scores.data(), 2, n, present.data(), 0.5f, 1.0f,
+                         indices, offsets),
+            0);
+  EXPECT_TRUE(indices.empty());
+}
+
+}  // namespace
+}  // namespace infinigen::speculator
