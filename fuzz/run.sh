@@ -39,12 +39,21 @@ sources_of() {
   case "$1" in
     fetch_socket_fuzzer)
       echo common/log.cc kv_memory_service/kv_store.cc \
-        kv_memory_service/kv_types.cc kv_memory_service/tcp/fetch_wire.cc \
+        kv_memory_service/kv_types.cc kv_memory_service/prefix_cache.cc \
+        kv_memory_service/prefix_keys.cc kv_memory_service/request_metrics.cc \
+        kv_memory_service/tcp/fetch_wire.cc \
         kv_memory_service/server/fetch_socket_server.cc ;;
     shm_protocol_fuzzer) echo kv_memory_service/shm/shm_protocol.cc ;;
     gguf_fuzzer | llama2c_tokenizer_fuzzer | safetensors_fuzzer)
       echo "${model_srcs[@]}" ;;
     *) return 1 ;;
+  esac
+}
+
+# System libraries beyond Abseil, as //third_party wraps them.
+libs_of() {
+  case "$1" in
+    fetch_socket_fuzzer) echo -lxxhash -lprometheus-cpp-core ;;
   esac
 }
 
@@ -68,7 +77,7 @@ build() {  # target
     objs+=("$obj")
   done
   "$CXX" "${flags[@]}" "${objs[@]}" -o "$out/bin/$target" \
-    "${absl_libs[@]}" -lpthread -ldl
+    "${absl_libs[@]}" $(libs_of "$target") -lpthread -ldl
 }
 
 status=0

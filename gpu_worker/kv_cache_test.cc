@@ -20,6 +20,7 @@
 #include "gmock/gmock.h"
 #include "gpu_worker/engine.h"
 #include "gtest/gtest.h"
+#include "absl/synchronization/mutex.h"
 #include "kv_memory_service/kv_store.h"
 
 namespace infinigen::gpu_worker {
@@ -42,7 +43,8 @@ using model::ModelConfig;
 using model::Weights;
 
 // A memory node in a KvStore that records every call, and can fail the
-// n-th append.
+// n-th append. The offloaded cache appends from its writer thread while the
+// test reads, so every record is behind a mutex and read as a copy.
 class FakeKvClient final : public KvClient {
  public:
   struct AppendCall {
@@ -62,28 +64,63 @@ class FakeKvClient final : public KvClient {
   // The memory node loses every sequence opened so far (a restart, an
   // eviction, a replacement).
   void LoseEverything() {
-    for (SequenceId seq : opened_) store_.Close(seq).IgnoreError();
+    std::vector<SequenceId> opened;
+    {
+      absl::MutexLock lock(&mu_);
+      opened = opened_;
+    }
+    for (SequenceId seq : opened) store_.Close(seq).IgnoreError();
+  }
+  // The n-th append from now on (counting from 1) fails as a lost node.
+  void FailAppendAt(int n) {
+    absl::MutexLock lock(&mu_);
+    fail_append_at_ = n;
+    append_count_ = 0;
+  }
+
+  std::vector<AppendCall> appends() const {
+    absl::MutexLock lock(&mu_);
+    return appends_;
+  }
+  void ClearAppends() {
+    absl::MutexLock lock(&mu_);
+    appends_.clear();
+  }
+  std::vector<FetchCall> fetches() const {
+    absl::MutexLock lock(&mu_);
+    return fetches_;
+  }
+  int opens() const {
+    absl::MutexLock lock(&mu_);
+    return opens_;
+  }
+  int closes() const {
+    absl::MutexLock lock(&mu_);
+    return closes_;
   }
 
   absl::StatusOr<kv_memory_service::OpenedSequence> OpenSequence(
       const SequenceGeometry& g,
       const kv_memory_service::PrefixRequest& prefix) override {
-    ++opens;
     auto opened = store_.Open(g, 0, prefix);
+    absl::MutexLock lock(&mu_);
+    ++opens_;
     if (opened.ok()) opened_.push_back(opened->id);
     return opened;
   }
   absl::StatusOr<AppendResult> Append(SequenceId seq,
                                       const AppendBlock& block) override {
-    if (fail_append_at > 0 && ++append_count_ == fail_append_at) {
-      return absl::UnavailableError("fake: the memory node went away");
+    {
+      absl::MutexLock lock(&mu_);
+      if (fail_append_at_ > 0 && ++append_count_ == fail_append_at_) {
+        return absl::UnavailableError("fake: the memory node went away");
+      }
+      appends_.push_back({block.first_layer, block.n_layers, block.n_tokens});
     }
-    appends.push_back({block.first_layer, block.n_layers, block.n_tokens});
     return store_.Append(seq, block);
   }
   absl::StatusOr<std::unique_ptr<FetchBuffer>> NewFetchBuffer(
       size_t elements) override {
-    buffer_values.push_back(elements);
     return std::unique_ptr<FetchBuffer>(new Buffer(this, elements));
   }
   FetchHandle FetchAsync(SequenceId seq, int32_t layer, const FetchPlan& plan,
@@ -91,12 +128,18 @@ class FakeKvClient final : public KvClient {
     auto* buffer = static_cast<Buffer*>(dest);
     absl::Status begun = buffer->Begin();
     if (!begun.ok()) return FetchHandle(begun);
-    fetches.push_back({layer, plan.indices.size()});
+    {
+      absl::MutexLock lock(&mu_);
+      fetches_.push_back({layer, plan.indices.size()});
+    }
     buffer->Complete(store_.Gather(seq, layer, plan, buffer->span()));
     return FetchHandle(buffer);
   }
   absl::Status Close(SequenceId seq) override {
-    ++closes;
+    {
+      absl::MutexLock lock(&mu_);
+      ++closes_;
+    }
     return store_.Close(seq);
   }
   absl::StatusOr<kv_memory_service::SequenceStats> GetSequenceStats(
@@ -107,11 +150,6 @@ class FakeKvClient final : public KvClient {
     return store_.GetStoreStats();
   }
   std::string data_plane() const override { return "fake"; }
-
-  int opens = 0, closes = 0, fail_append_at = 0;
-  std::vector<AppendCall> appends;
-  std::vector<FetchCall> fetches;
-  std::vector<size_t> buffer_values;
 
  private:
   using KvStoreOptions = kv_memory_service::KvStoreOptions;
@@ -134,8 +172,11 @@ class FakeKvClient final : public KvClient {
     return o;
   }
 
-  KvStore store_;
-  int append_count_ = 0;
+  KvStore store_;  // thread-safe itself
+  mutable absl::Mutex mu_;
+  int opens_ = 0, closes_ = 0, fail_append_at_ = 0, append_count_ = 0;
+  std::vector<AppendCall> appends_;
+  std::vector<FetchCall> fetches_;
   std::vector<SequenceId> opened_;
 };
 
@@ -218,23 +259,25 @@ TEST_F(KvCacheTest, PrefillSendsEachLayerBeforeTheNextAndDecodeFetches) {
   // (three chunks of 16 and one of 8 each).
   std::vector<FakeKvClient::AppendCall> want;
   for (int l = 0; l < 12; ++l) want.push_back({l, 1, 40});
-  EXPECT_THAT(node.appends, ElementsAreArray(want));
-  EXPECT_TRUE(node.fetches.empty());  // the prefill reads nothing back
+  EXPECT_THAT(node.appends(), ElementsAreArray(want));
+  EXPECT_TRUE(node.fetches().empty());  // the prefill reads nothing back
   for (int i = 40; i < 45; ++i) {
     ASSERT_TRUE((*engine)->Forward({t[i]}, false).ok());
   }
   // Each decode step: every layer fetched once with every cached row (full),
   // then one append of the new token's rows of every layer.
-  ASSERT_EQ(node.fetches.size(), 5u * 12);
-  for (size_t i = 0; i < node.fetches.size(); ++i) {
-    EXPECT_EQ(node.fetches[i].layer, static_cast<int>(i % 12));
-    EXPECT_EQ(node.fetches[i].rows, 2u * (40 + i / 12)) << i;
+  const std::vector<FakeKvClient::FetchCall> fetches = node.fetches();
+  ASSERT_EQ(fetches.size(), 5u * 12);
+  for (size_t i = 0; i < fetches.size(); ++i) {
+    EXPECT_EQ(fetches[i].layer, static_cast<int>(i % 12));
+    EXPECT_EQ(fetches[i].rows, 2u * (40 + i / 12)) << i;
   }
   ASSERT_TRUE((*engine)->Reset().ok());  // waits for the last append
-  ASSERT_EQ(node.appends.size(), 12u + 5);
-  EXPECT_EQ(node.appends.back(), (FakeKvClient::AppendCall{0, 12, 1}));
-  EXPECT_EQ(node.opens, 1);
-  EXPECT_EQ(node.closes, 1);
+  const std::vector<FakeKvClient::AppendCall> appends = node.appends();
+  ASSERT_EQ(appends.size(), 12u + 5);
+  EXPECT_EQ(appends.back(), (FakeKvClient::AppendCall{0, 12, 1}));
+  EXPECT_EQ(node.opens(), 1);
+  EXPECT_EQ(node.closes(), 1);
 }
 
 TEST_F(KvCacheTest, OffloadedMatchesLocalUpToFp16) {
@@ -288,7 +331,9 @@ TEST_F(KvCacheTest, WorkerHoldsABoundedWorkingSet) {
     // The plan is sized for a device backend (with staging); the CPU
     // backend reads fetched rows where they land and holds less.
     EXPECT_LE(bytes[kind], *planned);
-    if (kind == PolicyKind::kIdeal) EXPECT_EQ(bytes[kind], *planned);
+    if (kind == PolicyKind::kIdeal) {
+      EXPECT_EQ(bytes[kind], *planned);
+    }
   }
   // Ideal: 2 slots x 12 layers x 2 KV heads x 1024 positions x 8 x (K, V)
   // floats. The offloaded caches hold about 2.5 layers' worth on this
@@ -457,7 +502,7 @@ TEST_F(KvCacheTest, WorkerKvLimitRefusesIdealAndServesOffloaded) {
 
 TEST_F(KvCacheTest, OffloadedPrefillIsOneCallAndAFailedOneLeavesTheSlotEmpty) {
   FakeKvClient node;
-  node.fail_append_at = 5;  // layer 4's rows of the first prefill
+  node.FailAppendAt(5);  // layer 4's rows of the first prefill
   EngineOptions o = Options(PolicyKind::kFull, &node);
   o.recompute_on_kv_loss = false;
   auto engine = Engine::Create(weights_, NewCpuBackend(), o);
@@ -466,7 +511,7 @@ TEST_F(KvCacheTest, OffloadedPrefillIsOneCallAndAFailedOneLeavesTheSlotEmpty) {
   auto failed = (*engine)->Forward(absl::MakeConstSpan(t).subspan(0, 10), false);
   EXPECT_EQ(failed.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ((*engine)->position(), 0);
-  EXPECT_EQ(node.closes, 1);  // the half-written sequence is gone
+  EXPECT_EQ(node.closes(), 1);  // the half-written sequence is gone
   // The same prompt again, from scratch, then a decode step.
   ASSERT_TRUE((*engine)->Forward(absl::MakeConstSpan(t).subspan(0, 10), false)
                   .ok());
@@ -517,12 +562,13 @@ TEST_F(KvCacheTest, APrefixReusedFromTheNodeDecodesAsWithoutReuse) {
     // Another worker, another prompt with the same first 70 tokens.
     auto second = Engine::Create(weights_, NewCpuBackend(), o);
     ASSERT_TRUE(second.ok());
-    node.appends.clear();
+    node.ClearAppends();
     const std::vector<int> reused = Greedy(**second, prompt, 12);
     EXPECT_EQ((*second)->cached_tokens(), 64);  // 8 whole blocks of 8
     // Each layer appended only the 8 tokens after the reused ones.
-    ASSERT_FALSE(node.appends.empty());
-    EXPECT_EQ(node.appends[0].n_tokens, 8);
+    const std::vector<FakeKvClient::AppendCall> appended = node.appends();
+    ASSERT_FALSE(appended.empty());
+    EXPECT_EQ(appended[0].n_tokens, 8);
     // The same without reuse.
     EngineOptions plain = o;
     plain.prefix_block_tokens = 0;
@@ -618,11 +664,11 @@ TEST_F(KvCacheTest, ASequenceTheNodeLostIsRecomputed) {
       if (i == 6) node.LoseEverything();
     }));
     EXPECT_EQ((*engine)->kv_recoveries(), 1);
-    EXPECT_EQ(node.opens, 2);
+    EXPECT_EQ(node.opens(), 2);
 
     // A step's rows that never reached the node: recomputed too.
     FakeKvClient flaky;
-    flaky.fail_append_at = 12 + 4;  // the prefill's 12, then step 4's
+    flaky.FailAppendAt(12 + 4);  // the prefill's 12, then step 4's
     auto again = Engine::Create(weights_, NewCpuBackend(), Options(kind, &flaky));
     ASSERT_TRUE(again.ok());
     expect_close(Forced(**again, prompt, next));
