@@ -10,6 +10,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "openssl/ssl.h"
 #include "grpcpp/security/server_credentials.h"
 
 namespace infinigen {
@@ -27,14 +28,22 @@ struct ServerTlsPem {
 
 // Reads the files (empty paths are skipped). InvalidArgument naming the
 // flag (--tls_cert, --tls_key, --tls_client_ca) for a file that cannot be
-// read or is empty, or for half a configuration (CheckServerTls).
+// read or is empty, or as CheckServerTls.
 absl::StatusOr<ServerTlsPem> ReadServerTlsFiles(const std::string& cert_path,
                                                 const std::string& key_path,
                                                 const std::string& client_ca_path);
 
-// InvalidArgument unless the PEMs are all empty, or cert and key with an
-// optional client_ca.
+// OK if the PEMs are all empty. Otherwise InvalidArgument naming the flag
+// unless cert and key are both set, cert holds PEM certificates (the chain,
+// leaf first), key a PEM private key that matches the leaf, and client_ca
+// (optional) PEM certificates.
 absl::Status CheckServerTls(const ServerTlsPem& pem);
+
+// Loads an enabled `pem` into an OpenSSL server context (cpp-httplib's
+// SSLServer): the certificate chain and key, TLS 1.2 at least, and with a
+// client CA, client certificates required and verified against it.
+// InvalidArgument as CheckServerTls.
+absl::Status LoadServerTls(const ServerTlsPem& pem, SSL_CTX* ctx);
 
 // Insecure credentials when !pem.enabled(), else SSL credentials (requiring
 // and verifying a client certificate when pem.mutual()). InvalidArgument as

@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "common/file.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -11,6 +12,17 @@ namespace infinigen {
 namespace {
 
 using ::testing::HasSubstr;
+
+// The test certificates of kv_memory_service/testing/tls.
+std::string Cert(const std::string& name) {
+  return "kv_memory_service/testing/tls/" + name;
+}
+
+std::string Pem(const std::string& name) {
+  absl::StatusOr<std::string> text = ReadFileToString(Cert(name));
+  EXPECT_TRUE(text.ok()) << text.status();
+  return text.value_or("");
+}
 
 std::string Write(const std::string& name, const std::string& text) {
   const char* dir = std::getenv("TEST_TMPDIR");
@@ -22,6 +34,10 @@ std::string Write(const std::string& name, const std::string& text) {
   return path;
 }
 
+std::string Message(const absl::Status& status) {
+  return std::string(status.message());
+}
+
 TEST(ReadServerTlsFiles, NoFilesIsPlaintext) {
   auto pem = ReadServerTlsFiles("", "", "");
   ASSERT_TRUE(pem.ok()) << pem.status();
@@ -30,42 +46,54 @@ TEST(ReadServerTlsFiles, NoFilesIsPlaintext) {
 }
 
 TEST(ReadServerTlsFiles, ReadsEachFile) {
-  auto pem = ReadServerTlsFiles(Write("cert", "CERT"), Write("key", "KEY"),
-                                Write("ca", "CA"));
+  auto pem = ReadServerTlsFiles(Cert("server.pem"), Cert("server.key"),
+                                Cert("ca.pem"));
   ASSERT_TRUE(pem.ok()) << pem.status();
-  EXPECT_EQ(pem->cert, "CERT");
-  EXPECT_EQ(pem->key, "KEY");
-  EXPECT_EQ(pem->client_ca, "CA");
+  EXPECT_EQ(pem->cert, Pem("server.pem"));
+  EXPECT_EQ(pem->key, Pem("server.key"));
+  EXPECT_EQ(pem->client_ca, Pem("ca.pem"));
   EXPECT_TRUE(pem->enabled());
   EXPECT_TRUE(pem->mutual());
 }
 
 TEST(ReadServerTlsFiles, BadFilesNameTheirFlag) {
-  const std::string key = Write("key2", "KEY");
+  const std::string cert = Cert("server.pem"), key = Cert("server.key");
   auto missing = ReadServerTlsFiles("/nonexistent/cert.pem", key, "");
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(std::string(missing.status().message()),
-              HasSubstr("--tls_cert: "));
-  auto empty = ReadServerTlsFiles(Write("cert2", "CERT"), key,
-                                  Write("empty_ca", ""));
+  EXPECT_THAT(Message(missing.status()), HasSubstr("--tls_cert: "));
+  auto empty = ReadServerTlsFiles(cert, key, Write("empty_ca", ""));
   EXPECT_EQ(empty.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(std::string(empty.status().message()),
-              HasSubstr("--tls_client_ca: "));
+  EXPECT_THAT(Message(empty.status()), HasSubstr("--tls_client_ca: "));
+  const std::string garbage = Write("garbage", "not a certificate\n");
+  EXPECT_THAT(Message(ReadServerTlsFiles(garbage, key, "").status()),
+              HasSubstr("--tls_cert: holds no PEM certificate"));
+  EXPECT_THAT(Message(ReadServerTlsFiles(cert, garbage, "").status()),
+              HasSubstr("--tls_key: holds no PEM private key"));
+  EXPECT_THAT(Message(ReadServerTlsFiles(cert, key, garbage).status()),
+              HasSubstr("--tls_client_ca: holds no PEM certificate"));
+  EXPECT_THAT(
+      Message(ReadServerTlsFiles(cert, Cert("client.key"), "").status()),
+      HasSubstr("--tls_key is not the private key of --tls_cert"));
 }
 
 TEST(CheckServerTls, HalfAConfigurationIsInvalid) {
+  const std::string cert = Pem("server.pem"), key = Pem("server.key");
+  const std::string ca = Pem("ca.pem");
   EXPECT_TRUE(CheckServerTls({}).ok());
-  EXPECT_TRUE(CheckServerTls({"C", "K", ""}).ok());
-  EXPECT_TRUE(CheckServerTls({"C", "K", "CA"}).ok());
-  EXPECT_EQ(CheckServerTls({"C", "", ""}).code(),
+  EXPECT_TRUE(CheckServerTls({cert, key, ""}).ok());
+  EXPECT_TRUE(CheckServerTls({cert, key, ca}).ok());
+  EXPECT_EQ(CheckServerTls({cert, "", ""}).code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(CheckServerTls({"", "K", ""}).code(),
+  EXPECT_EQ(CheckServerTls({"", key, ""}).code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(CheckServerTls({"", "", "CA"}).code(),
+  EXPECT_EQ(CheckServerTls({"", "", ca}).code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(GrpcServerCredentials({"", "", "CA"}).status().code(),
+  EXPECT_EQ(GrpcServerCredentials({"", "", ca}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(GrpcServerCredentials({"garbage", key, ""}).status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(GrpcServerCredentials({}).ok());
+  EXPECT_TRUE(GrpcServerCredentials({cert, key, ca}).ok());
 }
 
 }  // namespace

@@ -14,10 +14,7 @@
 #include "common/host_port.h"
 #include "common/status.h"
 #include "httplib.h"
-#include "openssl/err.h"
-#include "openssl/pem.h"
 #include "openssl/ssl.h"
-#include "openssl/x509.h"
 #include "nlohmann/json.hpp"
 
 namespace infinigen::gpu_worker {
@@ -640,61 +637,6 @@ class Api {
   const int64_t created_;
 };
 
-using X509Ptr = std::unique_ptr<X509, decltype(&X509_free)>;
-
-// Every certificate of a PEM text, in order; empty if it holds none or
-// one does not parse.
-std::vector<X509Ptr> ReadCertificates(const std::string& pem) {
-  std::vector<X509Ptr> out;
-  std::unique_ptr<BIO, decltype(&BIO_free)> bio(
-      BIO_new_mem_buf(pem.data(), static_cast<int>(pem.size())), &BIO_free);
-  while (X509* cert = PEM_read_bio_X509(bio.get(), nullptr, nullptr, nullptr)) {
-    out.emplace_back(cert, &X509_free);
-  }
-  // The loop ends on "no start line" at the end of the text; anything else
-  // is a broken certificate.
-  const unsigned long error = ERR_peek_last_error();
-  if (ERR_GET_REASON(error) != PEM_R_NO_START_LINE) out.clear();
-  ERR_clear_error();
-  return out;
-}
-
-// Loads the certificate chain and key of `tls` into `ctx`, and with a
-// client CA, requires and verifies client certificates. TLS 1.2 at least.
-bool LoadTls(const ServerTlsPem& tls, SSL_CTX& ctx) {
-  SSL_CTX_set_min_proto_version(&ctx, TLS1_2_VERSION);
-  std::vector<X509Ptr> chain = ReadCertificates(tls.cert);
-  if (chain.empty() || SSL_CTX_use_certificate(&ctx, chain[0].get()) != 1) {
-    return false;
-  }
-  for (size_t i = 1; i < chain.size(); ++i) {
-    // On success the context owns the certificate.
-    if (SSL_CTX_add_extra_chain_cert(&ctx, chain[i].get()) != 1) return false;
-    chain[i].release();
-  }
-  std::unique_ptr<BIO, decltype(&BIO_free)> bio(
-      BIO_new_mem_buf(tls.key.data(), static_cast<int>(tls.key.size())),
-      &BIO_free);
-  std::unique_ptr<EVP_PKEY, decltype(&EVP_PKEY_free)> key(
-      PEM_read_bio_PrivateKey(bio.get(), nullptr, nullptr, nullptr),
-      &EVP_PKEY_free);
-  if (key == nullptr || SSL_CTX_use_PrivateKey(&ctx, key.get()) != 1 ||
-      SSL_CTX_check_private_key(&ctx) != 1) {
-    return false;
-  }
-  if (tls.mutual()) {
-    std::vector<X509Ptr> cas = ReadCertificates(tls.client_ca);
-    if (cas.empty()) return false;
-    X509_STORE* store = SSL_CTX_get_cert_store(&ctx);
-    for (const X509Ptr& ca : cas) {
-      if (X509_STORE_add_cert(store, ca.get()) != 1) return false;
-    }
-    SSL_CTX_set_verify(&ctx, SSL_VERIFY_PEER | SSL_VERIFY_FAIL_IF_NO_PEER_CERT,
-                       nullptr);
-  }
-  return true;
-}
-
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<HttpApiServer>> HttpApiServer::Start(
@@ -709,13 +651,14 @@ absl::StatusOr<std::unique_ptr<HttpApiServer>> HttpApiServer::Start(
   IG_RETURN_IF_ERROR(CheckServerTls(options.tls));
   if (options.tls.enabled()) {
     const ServerTlsPem& tls = options.tls;
-    auto https = std::make_unique<httplib::SSLServer>(
-        [&tls](SSL_CTX& ctx) { return LoadTls(tls, ctx); });
+    absl::Status loaded;
+    auto https = std::make_unique<httplib::SSLServer>([&](SSL_CTX& ctx) {
+      loaded = LoadServerTls(tls, &ctx);
+      return loaded.ok();
+    });
     if (!https->is_valid()) {
-      return absl::InvalidArgumentError(
-          "HTTPS: OpenSSL does not take --tls_cert, --tls_key or "
-          "--tls_client_ca (not PEM, or a key that does not match the "
-          "certificate)");
+      return loaded.ok() ? absl::InternalError("HTTPS: no SSL context")
+                         : loaded;
     }
     s->server_ = std::move(https);
   } else {

@@ -272,6 +272,21 @@ class TlsTest(unittest.TestCase):
         one_line_failure(self, run(*serve, f"--tls_cert={missing}",
                                    f"--tls_key={SERVER_KEY}"), 2,
                          ["--tls_cert", "missing.pem"])
+        garbage = os.path.join(self.tmp, "garbage.pem")
+        with open(garbage, "w") as f:
+            f.write("not a certificate\n")
+        one_line_failure(self, run(*serve, f"--tls_cert={garbage}",
+                                   f"--tls_key={SERVER_KEY}"), 2,
+                         ["--tls_cert", "no PEM certificate"])
+        one_line_failure(self, run(*serve, f"--tls_cert={SERVER_CERT}",
+                                   f"--tls_key={CLIENT_KEY}"), 2,
+                         ["--tls_key is not the private key of --tls_cert"])
+        r = subprocess.run([SERVER, "--listen=127.0.0.1:0",
+                            f"--tls_cert={garbage}", f"--tls_key={SERVER_KEY}"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, timeout=60)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("--tls_cert: holds no PEM certificate", r.stderr)
 
     def test_serve_over_mutual_tls(self):
         err_path = os.path.join(self.tmp, "serve.err")
