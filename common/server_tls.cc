@@ -136,6 +136,34 @@ absl::Status LoadServerTls(const ServerTlsPem& pem, SSL_CTX* ctx) {
   return absl::OkStatus();
 }
 
+absl::Status CheckPemCertificates(const std::string& pem) {
+  if (ReadCertificates(pem).empty()) {
+    return absl::InvalidArgumentError("holds no PEM certificate");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckPemKeyPair(const std::string& cert, const std::string& key) {
+  std::vector<X509Ptr> chain = ReadCertificates(cert);
+  if (chain.empty()) {
+    return absl::InvalidArgumentError("the certificate holds no PEM certificate");
+  }
+  BioPtr bio = MemoryBio(key);
+  std::unique_ptr<EVP_PKEY, decltype(&EVP_PKEY_free)> pkey(
+      PEM_read_bio_PrivateKey(bio.get(), nullptr, nullptr, nullptr),
+      &EVP_PKEY_free);
+  if (pkey == nullptr) {
+    ERR_clear_error();
+    return absl::InvalidArgumentError("the key holds no PEM private key");
+  }
+  if (X509_check_private_key(chain[0].get(), pkey.get()) != 1) {
+    ERR_clear_error();
+    return absl::InvalidArgumentError(
+        "the key is not the private key of the certificate");
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> GrpcServerCredentials(
     const ServerTlsPem& pem) {
   IG_RETURN_IF_ERROR(CheckServerTls(pem));

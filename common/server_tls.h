@@ -45,6 +45,13 @@ absl::Status CheckServerTls(const ServerTlsPem& pem);
 // InvalidArgument as CheckServerTls.
 absl::Status LoadServerTls(const ServerTlsPem& pem, SSL_CTX* ctx);
 
+// For TLS clients' files (the worker's --kv_tls_*): InvalidArgument("holds
+// no PEM certificate") unless `pem` holds PEM certificates, and
+// InvalidArgument unless `key` is a PEM private key matching the first
+// certificate of `cert`. Callers prefix the flag.
+absl::Status CheckPemCertificates(const std::string& pem);
+absl::Status CheckPemKeyPair(const std::string& cert, const std::string& key);
+
 // Insecure credentials when !pem.enabled(), else SSL credentials (requiring
 // and verifying a client certificate when pem.mutual()). InvalidArgument as
 // CheckServerTls.

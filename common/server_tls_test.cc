@@ -76,6 +76,21 @@ TEST(ReadServerTlsFiles, BadFilesNameTheirFlag) {
       HasSubstr("--tls_key is not the private key of --tls_cert"));
 }
 
+TEST(CheckPem, ClientFiles) {
+  EXPECT_TRUE(CheckPemCertificates(Pem("ca.pem")).ok());
+  EXPECT_EQ(CheckPemCertificates("garbage").code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CheckPemCertificates(Pem("client.key")).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(CheckPemKeyPair(Pem("client.pem"), Pem("client.key")).ok());
+  EXPECT_THAT(Message(CheckPemKeyPair(Pem("client.pem"), Pem("other.key"))),
+              HasSubstr("not the private key"));
+  EXPECT_THAT(Message(CheckPemKeyPair(Pem("client.pem"), "garbage")),
+              HasSubstr("no PEM private key"));
+  EXPECT_THAT(Message(CheckPemKeyPair("garbage", Pem("client.key"))),
+              HasSubstr("no PEM certificate"));
+}
+
 TEST(CheckServerTls, HalfAConfigurationIsInvalid) {
   const std::string cert = Pem("server.pem"), key = Pem("server.key");
   const std::string ca = Pem("ca.pem");

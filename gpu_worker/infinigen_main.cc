@@ -441,6 +441,20 @@ absl::StatusOr<kv_memory_service::KvClientOptions> KvClientOptionsFromFlags() {
         "--kv_tls_cert, --kv_tls_key and --kv_tls_server_name need "
         "--kv_tls_ca (the CA of the memory servers' certificates)");
   }
+  if (!options.tls_ca_pem.empty()) {
+    if (absl::Status ok = CheckPemCertificates(options.tls_ca_pem); !ok.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--kv_tls_ca: ", ok.message()));
+    }
+  }
+  if (!options.tls_cert_pem.empty()) {
+    if (absl::Status ok =
+            CheckPemKeyPair(options.tls_cert_pem, options.tls_key_pem);
+        !ok.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--kv_tls_cert, --kv_tls_key: ", ok.message()));
+    }
+  }
   const std::string kv_service = absl::GetFlag(FLAGS_kv_service);
   if (!options.tls_ca_pem.empty() && kv_service == "inproc:") {
     return absl::InvalidArgumentError(

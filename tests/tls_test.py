@@ -260,6 +260,14 @@ class TlsTest(unittest.TestCase):
                 r = run(command, *base, kv, f"--kv_tls_cert={CLIENT_CERT}",
                         f"--kv_tls_key={CLIENT_KEY}")
                 one_line_failure(self, r, 2, ["--kv_tls_ca"])
+                r = run(command, *base, kv, f"--kv_tls_ca={CLIENT_KEY}")
+                one_line_failure(self, r, 2, ["--kv_tls_ca",
+                                              "no PEM certificate"])
+                r = run(command, *base, kv, f"--kv_tls_ca={CA}",
+                        f"--kv_tls_cert={CLIENT_CERT}",
+                        f"--kv_tls_key={OTHER_KEY}")
+                one_line_failure(self, r, 2, ["--kv_tls_key",
+                                              "not the private key"])
                 r = run(command, *base, "--kv_service=inproc:",
                         f"--kv_tls_ca={CA}")
                 one_line_failure(self, r, 2, ["--kv_tls_ca", "inproc:"])
