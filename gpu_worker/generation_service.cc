@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/api_key.h"
 #include "common/log.h"
+#include "common/status.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
@@ -140,6 +141,8 @@ absl::StatusOr<std::unique_ptr<GenerationServer>> GenerationServer::Start(
     absl::Status ok = CheckHostPort(listen);
     if (!ok.ok()) return ok;
   }
+  IG_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
+                      GrpcServerCredentials(options.tls));
   std::unique_ptr<GenerationServer> server(new GenerationServer);
   server->scheduler_ = std::move(scheduler);
   server->service_ =
@@ -150,7 +153,7 @@ absl::StatusOr<std::unique_ptr<GenerationServer>> GenerationServer::Start(
   grpc::ServerBuilder builder;
   int port = 0;
   if (!listen.empty()) {
-    builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
+    builder.AddListeningPort(listen, credentials, &port);
   }
   builder.RegisterService(server->service_.get());
   // A second server on the same port must fail, not share it.
@@ -182,6 +185,9 @@ absl::StatusOr<std::unique_ptr<GenerationServer>> GenerationServer::Start(
                                  : absl::StrCat(listen.substr(
                                                     0, listen.rfind(':')),
                                                 ":", port))
+               << (!options.tls.enabled()  ? ""
+                   : options.tls.mutual() ? " over TLS (mutual)"
+                                          : " over TLS")
                << ", " << server->scheduler_->slots() << " sequence slots of "
                << server->scheduler_->max_seq_len() << " tokens";
   return server;

@@ -35,6 +35,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/server_tls.h"
 #include "gpu_worker/generation_scheduler.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/server.h"
@@ -70,6 +71,9 @@ struct GenerationServerOptions {
   std::function<absl::Status()> dependency_health;
   // Not empty: the key every Worker call must carry (GenerationService).
   std::string api_key;
+  // TLS on `listen` when tls.enabled() (mutual when tls.mutual()); the
+  // in-process channel stays plaintext.
+  ServerTlsPem tls;
   // How often dependency_health is polled.
   absl::Duration health_poll_interval = absl::Milliseconds(250);
 };
@@ -80,8 +84,8 @@ class GenerationServer {
   static constexpr char kLivenessService[] = "infinigen.worker.Liveness";
 
   // Serves `scheduler` (which it owns; the caller Starts it, before or
-  // after). InvalidArgument for a malformed listen address; Unavailable
-  // when it cannot be bound.
+  // after). InvalidArgument for a malformed listen address or half a TLS
+  // configuration; Unavailable when it cannot be bound.
   static absl::StatusOr<std::unique_ptr<GenerationServer>> Start(
       std::unique_ptr<GenerationScheduler> scheduler,
       const GenerationServerOptions& options);

@@ -12,7 +12,9 @@
 #include "absl/time/time.h"
 #include "common/api_key.h"
 #include "common/host_port.h"
+#include "common/status.h"
 #include "httplib.h"
+#include "openssl/ssl.h"
 #include "nlohmann/json.hpp"
 
 namespace infinigen::gpu_worker {
@@ -646,7 +648,22 @@ absl::StatusOr<std::unique_ptr<HttpApiServer>> HttpApiServer::Start(
   const std::string& host = address->host;
   int port = address->port;
   std::unique_ptr<HttpApiServer> s(new HttpApiServer());
-  s->server_ = std::make_unique<httplib::Server>();
+  IG_RETURN_IF_ERROR(CheckServerTls(options.tls));
+  if (options.tls.enabled()) {
+    const ServerTlsPem& tls = options.tls;
+    absl::Status loaded;
+    auto https = std::make_unique<httplib::SSLServer>([&](SSL_CTX& ctx) {
+      loaded = LoadServerTls(tls, &ctx);
+      return loaded.ok();
+    });
+    if (!https->is_valid()) {
+      return loaded.ok() ? absl::InternalError("HTTPS: no SSL context")
+                         : loaded;
+    }
+    s->server_ = std::move(https);
+  } else {
+    s->server_ = std::make_unique<httplib::Server>();
+  }
   const int threads = std::max(options.threads, 2);
   s->server_->new_task_queue = [threads] {
     return new httplib::ThreadPool(threads);

@@ -37,6 +37,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "common/server_tls.h"
 #include "gpu_worker/chat_template.h"
 #include "gpu_worker/generation_scheduler.h"
 #include "model/tokenizer.h"
@@ -68,14 +69,17 @@ struct HttpApiOptions {
   std::function<std::string()> metrics;
   // Connections served at once (each streaming request holds one).
   int threads = 16;
+  // HTTPS when tls.enabled(); with tls.mutual(), clients must present a
+  // certificate tls.client_ca signed.
+  ServerTlsPem tls;
 };
 
 class HttpApiServer {
  public:
   // Listens on options.listen and serves from a background thread.
   // `scheduler` and `tokenizer` are not owned and must outlive the server.
-  // InvalidArgument for a malformed address; Unavailable when it cannot be
-  // bound.
+  // InvalidArgument for a malformed address or TLS PEMs OpenSSL does not
+  // take; Unavailable when it cannot be bound.
   static absl::StatusOr<std::unique_ptr<HttpApiServer>> Start(
       GenerationScheduler* scheduler, const model::Tokenizer* tokenizer,
       HttpApiOptions options);

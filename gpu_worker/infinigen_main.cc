@@ -21,6 +21,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "grpc/support/log.h"
+
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/reflection.h"
@@ -33,6 +35,7 @@
 #include "common/file.h"
 #include "common/log.h"
 #include "common/metrics.h"
+#include "common/server_tls.h"
 #include "common/status.h"
 #include "gpu_worker/backend.h"
 #include "gpu_worker/calibrate.h"
@@ -135,6 +138,22 @@ ABSL_FLAG(int64_t, max_worker_kv_bytes, 0,
 ABSL_FLAG(std::string, kv_auth_token_file, "",
           "File holding the memory server's auth token (the file its "
           "--auth_token_file reads); sent with every request.");
+ABSL_FLAG(std::string, kv_tls_ca, "",
+          "PEM file: talk to a remote --kv_service over TLS, trusting the "
+          "memory servers whose certificates this CA signed (their "
+          "--tls_cert). Fetches then take the gRPC stream: a TLS server "
+          "offers no plain fetch socket.");
+ABSL_FLAG(std::string, kv_tls_cert, "",
+          "PEM file: this worker's certificate for memory servers that "
+          "require one (their --tls_client_ca); needs --kv_tls_key and "
+          "--kv_tls_ca.");
+ABSL_FLAG(std::string, kv_tls_key, "",
+          "PEM file: the private key of --kv_tls_cert.");
+ABSL_FLAG(std::string, kv_tls_server_name, "",
+          "With --kv_tls_ca: the name the memory servers' certificates must "
+          "carry, instead of the host of each address (needed when an "
+          "address is an IP its certificate does not list). For "
+          "dns+tcp://NAME:PORT it defaults to NAME.");
 ABSL_FLAG(double, kv_capacity, 1.0,
           "Tokens the memory pool keeps per layer and KV head, as a fraction "
           "of the context; below 1 it evicts by --eviction.");
@@ -182,6 +201,15 @@ ABSL_FLAG(std::string, api_key_file, "",
           "'Authorization: Bearer KEY' (/health excepted), gRPC Worker calls "
           "as the metadata 'authorization: Bearer KEY' (grpc.health.v1 "
           "excepted); empty: none.");
+ABSL_FLAG(std::string, tls_cert, "",
+          "serve: PEM file: serve --listen (gRPC) and --http_listen (HTTPS) "
+          "over TLS with this certificate chain; needs --tls_key. "
+          "--metrics_listen stays plaintext.");
+ABSL_FLAG(std::string, tls_key, "",
+          "serve: PEM file: the private key of --tls_cert.");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "serve: PEM file: with --tls_cert, every gRPC and HTTP client must "
+          "present a certificate this CA signed (mutual TLS).");
 ABSL_FLAG(std::string, chat_template, "",
           "serve, generate --chat: chatml, llama2 or llama3; empty: the "
           "model's own (GGUF tokenizer.chat_template).");
@@ -224,7 +252,8 @@ std::vector<const char*> WithEngineFlags(std::vector<const char*> own) {
   for (const char* f :
        {"policy", "alpha", "partial_ratio", "partial_rank", "budget",
         "sink_tokens", "recent_tokens", "score_mass", "page_tokens", "skew",
-        "kv_service", "kv_auth_token_file", "kv_capacity", "eviction",
+        "kv_service", "kv_auth_token_file", "kv_tls_ca", "kv_tls_cert",
+        "kv_tls_key", "kv_tls_server_name", "kv_capacity", "eviction",
         "max_worker_kv_bytes", "backend", "threads"}) {
     own.push_back(f);
   }
@@ -282,6 +311,7 @@ const std::map<std::string, Command>& Commands() {
         "SERVING), SERVING again once it does. SIGTERM or SIGINT stops "
         "taking requests, lets streams finish for --drain_timeout, exits 0.",
         WithServingFlags({"model", "tokenizer", "listen", "http_listen",
+                          "tls_cert", "tls_key", "tls_client_ca",
                           "served_model_name", "api_key_file",
                           "chat_template", "metrics_listen", "max_batch",
                           "max_queue", "max_prefills_per_step",
@@ -372,12 +402,100 @@ struct PolicySetup {
   EngineOptions options;
 };
 
+// The memory node's client options from the flags (--kv_auth_token_file,
+// --kv_tls_*), each file read once, before the model loads: InvalidArgument
+// naming the flag for an unreadable file or half a TLS configuration.
+absl::StatusOr<kv_memory_service::KvClientOptions> KvClientOptionsFromFlags() {
+  kv_memory_service::KvClientOptions options;
+  if (const std::string token_file = absl::GetFlag(FLAGS_kv_auth_token_file);
+      !token_file.empty()) {
+    auto token = ReadTokenFile(token_file);
+    if (!token.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--kv_auth_token_file: ", token.status().message()));
+    }
+    options.auth_token = *std::move(token);
+  }
+  const struct {
+    const char* flag;
+    std::string path;
+    std::string* pem;
+  } tls_files[] = {
+      {"kv_tls_ca", absl::GetFlag(FLAGS_kv_tls_ca), &options.tls_ca_pem},
+      {"kv_tls_cert", absl::GetFlag(FLAGS_kv_tls_cert), &options.tls_cert_pem},
+      {"kv_tls_key", absl::GetFlag(FLAGS_kv_tls_key), &options.tls_key_pem}};
+  for (const auto& file : tls_files) {
+    if (file.path.empty()) continue;
+    absl::StatusOr<std::string> text = ReadFileToString(file.path);
+    if (!text.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", file.flag, ": ", text.status().message()));
+    }
+    if (text->empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", file.flag, ": ", file.path, " is empty"));
+    }
+    *file.pem = *std::move(text);
+  }
+  options.tls_server_name = absl::GetFlag(FLAGS_kv_tls_server_name);
+  if (options.tls_cert_pem.empty() != options.tls_key_pem.empty()) {
+    return absl::InvalidArgumentError(
+        "--kv_tls_cert and --kv_tls_key go together (the worker's "
+        "certificate and its key)");
+  }
+  if (options.tls_ca_pem.empty() &&
+      (!options.tls_cert_pem.empty() || !options.tls_server_name.empty())) {
+    return absl::InvalidArgumentError(
+        "--kv_tls_cert, --kv_tls_key and --kv_tls_server_name need "
+        "--kv_tls_ca (the CA of the memory servers' certificates)");
+  }
+  if (!options.tls_ca_pem.empty()) {
+    if (absl::Status ok = CheckPemCertificates(options.tls_ca_pem); !ok.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--kv_tls_ca: ", ok.message()));
+    }
+  }
+  if (!options.tls_cert_pem.empty()) {
+    if (absl::Status ok =
+            CheckPemKeyPair(options.tls_cert_pem, options.tls_key_pem);
+        !ok.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--kv_tls_cert, --kv_tls_key: ", ok.message()));
+    }
+  }
+  const std::string kv_service = absl::GetFlag(FLAGS_kv_service);
+  if (!options.tls_ca_pem.empty() && kv_service == "inproc:") {
+    return absl::InvalidArgumentError(
+        "--kv_tls_ca needs a remote --kv_service (tcp://, dns+tcp://, a "
+        "list of them, unix:, shm: or rdma://), not inproc:");
+  }
+  return options;
+}
+
+// The exit status of a SetUpPolicy failure: a memory node that cannot be
+// reached or refuses this worker (TLS, token) is a runtime failure (1);
+// bad flags or files are usage errors (2).
+int SetupFailure(const absl::Status& status) {
+  switch (status.code()) {
+    case absl::StatusCode::kUnavailable:
+    case absl::StatusCode::kDeadlineExceeded:
+    case absl::StatusCode::kUnauthenticated:
+    case absl::StatusCode::kPermissionDenied:
+    case absl::StatusCode::kInternal:
+      return Fail(kExitFailure, status);
+    default:
+      return Fail(kExitUsage, status);
+  }
+}
+
 // Failures are usage errors (bad flags or files) unless the memory node
-// fails at run time. `serving`: the commands that take the reuse and
-// recovery flags (generate, serve, bench-decode); scoring runs neither.
-absl::StatusOr<PolicySetup> SetUpPolicy(const model::Weights& weights,
-                                        absl::Span<const int> calibration,
-                                        bool serving = false) {
+// fails (SetupFailure). `kv_options`: KvClientOptionsFromFlags. `serving`:
+// the commands that take the reuse and recovery flags (generate, serve,
+// bench-decode); scoring runs neither.
+absl::StatusOr<PolicySetup> SetUpPolicy(
+    const model::Weights& weights, absl::Span<const int> calibration,
+    const kv_memory_service::KvClientOptions& kv_options,
+    bool serving = false) {
   PolicySetup s;
   const std::string on_loss = absl::GetFlag(FLAGS_on_kv_loss);
   if (on_loss != "recompute" && on_loss != "fail") {
@@ -439,16 +557,7 @@ absl::StatusOr<PolicySetup> SetUpPolicy(const model::Weights& weights,
     }
     s.options.policy.skew = s.skew.get();
   }
-  kv_memory_service::KvClientOptions client_options;
-  if (const std::string token_file = absl::GetFlag(FLAGS_kv_auth_token_file);
-      !token_file.empty()) {
-    auto token = ReadTokenFile(token_file);
-    if (!token.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--kv_auth_token_file: ", token.status().message()));
-    }
-    client_options.auth_token = *std::move(token);
-  }
+  kv_memory_service::KvClientOptions client_options = kv_options;
   IG_ASSIGN_OR_RETURN(
       client_options.inproc_store_options.eviction,
       kv_memory_service::ParseEvictionPolicy(absl::GetFlag(FLAGS_eviction)));
@@ -479,6 +588,8 @@ int RunGenerate() {
     return Fail(kExitUsage,
                 absl::InvalidArgumentError("--max_new_tokens must be >= 0"));
   }
+  auto kv_options = KvClientOptionsFromFlags();
+  if (!kv_options.ok()) return Fail(kExitUsage, kv_options.status());
   auto m = LoadFromFlags(/*need_tokenizer=*/true);
   if (!m.ok()) return LoadFailure(m.status());
   const model::Tokenizer& tok = *m->tokenizer;
@@ -497,8 +608,8 @@ int RunGenerate() {
     return Fail(kExitUsage, absl::InvalidArgumentError(
                                 "the prompt is empty and the model has no BOS"));
   }
-  auto setup = SetUpPolicy(m->weights, tokens, /*serving=*/true);
-  if (!setup.ok()) return Fail(kExitUsage, setup.status());
+  auto setup = SetUpPolicy(m->weights, tokens, *kv_options, /*serving=*/true);
+  if (!setup.ok()) return SetupFailure(setup.status());
   EngineOptions& options = setup->options;
   options.max_seq_len = absl::GetFlag(FLAGS_max_seq_len);
   if (options.max_seq_len == 0) {
@@ -598,6 +709,8 @@ int RunPerplexity() {
     return Fail(kExitUsage, absl::InvalidArgumentError(
                                 "--prompt_tokens must be in [0, ctx)"));
   }
+  auto kv_options = KvClientOptionsFromFlags();
+  if (!kv_options.ok()) return Fail(kExitUsage, kv_options.status());
   auto run = LoadTextRun();
   if (!run.ok()) return LoadFailure(run.status());
   const model::ModelConfig& c = run->model.weights.config;
@@ -625,8 +738,8 @@ int RunPerplexity() {
                     "--policy needs --prompt_tokens (the dense prefix before "
                     "decoding through the policy)"));
   }
-  auto setup = SetUpPolicy(run->model.weights, all);
-  if (!setup.ok()) return Fail(kExitUsage, setup.status());
+  auto setup = SetUpPolicy(run->model.weights, all, *kv_options);
+  if (!setup.ok()) return SetupFailure(setup.status());
   EngineOptions& options = setup->options;
   options.max_seq_len = ctx;
   auto engine = CreateEngine(run->model.weights, options);
@@ -766,6 +879,8 @@ int RunBenchDecode() {
       return Fail(kExitUsage, k.status());
     }
   }
+  auto kv_options = KvClientOptionsFromFlags();
+  if (!kv_options.ok()) return Fail(kExitUsage, kv_options.status());
   auto m = LoadFromFlags(/*need_tokenizer=*/!absl::GetFlag(FLAGS_text).empty());
   if (!m.ok()) return LoadFailure(m.status());
   const model::ModelConfig& c = m->weights.config;
@@ -803,8 +918,8 @@ int RunBenchDecode() {
   std::vector<DecodeBenchResult> results;
   for (const std::string& policy : policies) {
     absl::SetFlag(&FLAGS_policy, policy);
-    auto setup = SetUpPolicy(m->weights, source, /*serving=*/true);
-    if (!setup.ok()) return Fail(kExitUsage, setup.status());
+    auto setup = SetUpPolicy(m->weights, source, *kv_options, /*serving=*/true);
+    if (!setup.ok()) return SetupFailure(setup.status());
     EngineOptions& options = setup->options;
     options.max_seq_len = ctx + steps;
     options.batch = batch;
@@ -976,10 +1091,16 @@ int RunServe() {
                                 "'infinigen skew'): there is no input to "
                                 "calibrate on"));
   }
+  absl::StatusOr<ServerTlsPem> tls = ReadServerTlsFiles(
+      absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key),
+      absl::GetFlag(FLAGS_tls_client_ca));
+  if (!tls.ok()) return Fail(kExitUsage, tls.status());
+  auto kv_options = KvClientOptionsFromFlags();
+  if (!kv_options.ok()) return Fail(kExitUsage, kv_options.status());
   auto m = LoadFromFlags(/*need_tokenizer=*/true);
   if (!m.ok()) return LoadFailure(m.status());
-  auto setup = SetUpPolicy(m->weights, {}, /*serving=*/true);
-  if (!setup.ok()) return Fail(kExitUsage, setup.status());
+  auto setup = SetUpPolicy(m->weights, {}, *kv_options, /*serving=*/true);
+  if (!setup.ok()) return SetupFailure(setup.status());
   EngineOptions& options = setup->options;
   options.max_seq_len = absl::GetFlag(FLAGS_max_seq_len);
   options.batch = max_batch;
@@ -1034,6 +1155,7 @@ int RunServe() {
     }
     http_options.api_key = *std::move(key);
   }
+  http_options.tls = *tls;
   http_options.metrics = [metrics] {
     return MetricsText(metrics->collectables());
   };
@@ -1044,6 +1166,7 @@ int RunServe() {
   gpu_worker::GenerationServerOptions server_options;
   server_options.listen = listen;
   server_options.api_key = http_options.api_key;
+  server_options.tls = *tls;
   if (const kv_memory_service::KvClient* kv = setup->client.get();
       kv != nullptr) {
     // Readiness follows the memory node's heartbeats (KvClient::Health).
@@ -1115,6 +1238,11 @@ int RunServe() {
   return 0;
 }
 
+extern "C" void GrpcLogAsDebug(gpr_log_func_args* args) {
+  IG_LOG(DEBUG) << "grpc " << args->file << ":" << args->line << ": "
+                << args->message;
+}
+
 }  // namespace
 }  // namespace infinigen
 
@@ -1153,6 +1281,11 @@ int main(int argc, char** argv) {
   }
   const int threads = absl::GetFlag(FLAGS_threads);
   if (threads > 0) openblas_set_num_threads(threads);
+  // The one-shot commands report every memory node failure in their own
+  // last line (a failed TLS handshake with gRPC's reason included), so
+  // gRPC's own log lines are debug output there; serve keeps them (a
+  // client's failed handshake is news to its operator).
+  if (command != "serve") gpr_set_log_function(GrpcLogAsDebug);
   if (command == "generate") return RunGenerate();
   if (command == "skew") return RunSkew();
   if (command == "bench-decode") return RunBenchDecode();

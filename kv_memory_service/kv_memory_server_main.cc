@@ -35,6 +35,7 @@
 #include "common/file.h"
 #include "common/log.h"
 #include "common/metrics.h"
+#include "common/server_tls.h"
 #include "kv_memory_service/server/kv_server.h"
 #include "kv_memory_service/store_metrics.h"
 
@@ -250,24 +251,13 @@ int Run() {
     }
     options.auth_token = *std::move(token);
   }
-  const struct {
-    const char* flag;
-    std::string path;
-    std::string* pem;
-  } tls_files[] = {
-      {"tls_cert", absl::GetFlag(FLAGS_tls_cert), &options.tls_cert_pem},
-      {"tls_key", absl::GetFlag(FLAGS_tls_key), &options.tls_key_pem},
-      {"tls_client_ca", absl::GetFlag(FLAGS_tls_client_ca),
-       &options.tls_client_ca_pem}};
-  for (const auto& file : tls_files) {
-    if (file.path.empty()) continue;
-    absl::StatusOr<std::string> text = ReadFileToString(file.path);
-    if (!text.ok()) {
-      return UsageError(
-          absl::StrCat("--", file.flag, ": ", text.status().message()));
-    }
-    *file.pem = *std::move(text);
-  }
+  absl::StatusOr<ServerTlsPem> tls = ReadServerTlsFiles(
+      absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key),
+      absl::GetFlag(FLAGS_tls_client_ca));
+  if (!tls.ok()) return UsageError(std::string(tls.status().message()));
+  options.tls_cert_pem = std::move(tls->cert);
+  options.tls_key_pem = std::move(tls->key);
+  options.tls_client_ca_pem = std::move(tls->client_ca);
   if (options.auth_token.empty() && options.tls_client_ca_pem.empty() &&
       !absl::GetFlag(FLAGS_allow_insecure) && !LoopbackOnly(options.listen)) {
     return UsageError(absl::StrCat(

@@ -6,8 +6,11 @@ not know (the container exits at start), ports and probes that do not match
 what the binaries listen on, Services that select nothing, a worker whose
 --kv_service names no memory server in the manifests, a Secret mounted
 where --auth_token_file does not look, a worker that does not send (from the
-same Secret) the token its memory server requires, a grace period shorter
-than the drain, image names and users that do not match docker/*.Dockerfile.
+same Secret) the token its memory server requires, TLS files not on the
+Secret volumes their flags name or a worker that does not speak the TLS its
+memory server speaks, gRPC probes against a TLS port, Secrets that neither
+the manifests nor k8s/README.md create, a grace period shorter than the
+drain, image names and users that do not match docker/*.Dockerfile.
 
 The binaries' flags come from their own --help. The negative tests at the
 end feed deliberately broken manifests to each check and assert that it
@@ -49,6 +52,7 @@ EXPECTED_PLANE = {
     "overlays/single-node": "shm",
     "overlays/disaggregated": "tcp",
     "overlays/disaggregated-rdma": "rdma",
+    "overlays/disaggregated-tls": "tcp",
 }
 # Where k8s/ mounts the token Secret in the memory server and the worker
 # (k8s/base/kustomization.yaml, KV_AUTH_TOKEN_FILE): auth is on by default.
@@ -62,6 +66,17 @@ WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet", "Job", "ReplicaSet")
 # node is down (`infinigen serve --help`); the server-wide status ("") does
 # not. Liveness and startup must read the first, readiness the second.
 WORKER_LIVENESS_SERVICE = "infinigen.worker.Liveness"
+# The flags naming TLS files (PEM), per binary: the memory server's and
+# serve's own certificate, key and client CA; the worker's view of its
+# memory node. Each must be a key of a Secret mounted at its directory.
+TLS_FILE_FLAGS = {
+    SERVER: ("tls_cert", "tls_key", "tls_client_ca"),
+    WORKER: ("tls_cert", "tls_key", "tls_client_ca", "kv_tls_ca",
+             "kv_tls_cert", "kv_tls_key"),
+}
+# Secrets the user creates (k8s/README.md names each): a Secret volume must
+# name one of them or a Secret in the manifests.
+README = os.path.join(ROOT, "k8s", "README.md")
 # Time a binary gets after its drain to log and exit before SIGKILL.
 EXIT_MARGIN_S = 5
 # The pool must leave the process this much of its memory limit.
@@ -457,7 +472,18 @@ def check_ports_and_probes(m, ctx):
             continue
         declared = c.ports()
         wanted = {port: "--listen"}
-        if c.binary == SERVER:
+        tls = bool(c.flag("tls_cert", defaults))
+        if c.binary == SERVER and tls:
+            try:
+                fetch = int(c.flag("fetch_port", defaults))
+            except ValueError:
+                fetch = None
+            if fetch != -1:
+                errors.append("%s: --tls_cert turns the plain fetch socket "
+                              "off (workers fetch over the TLS gRPC stream); "
+                              "say so with --fetch_port=-1 and declare no "
+                              "fetch port" % c.where())
+        elif c.binary == SERVER:
             try:
                 fetch = int(c.flag("fetch_port", defaults))
             except ValueError:
@@ -493,7 +519,18 @@ def check_ports_and_probes(m, ctx):
             if spec is None:
                 continue
             grpc = spec.get("grpc")
-            if grpc is None:
+            if tls:
+                # The kubelet's gRPC probes do not speak TLS: each would
+                # fail its handshake and restart the pod forever.
+                tcp = spec.get("tcpSocket")
+                if grpc is not None or tcp is None:
+                    errors.append("%s: %s under --tls_cert must be a "
+                                  "tcpSocket probe: the kubelet's gRPC probes "
+                                  "do not speak TLS" % (c.where(), probe))
+                elif tcp.get("port") != port:
+                    errors.append("%s: %s checks port %r, --listen is %d"
+                                  % (c.where(), probe, tcp.get("port"), port))
+            elif grpc is None:
                 errors.append("%s: %s is not a grpc probe; the binary answers "
                               "grpc.health.v1 on its --listen port"
                               % (c.where(), probe))
@@ -655,7 +692,7 @@ def _plane_of(kv):
 
 def _server_ports_used(server, ctx, plane):
     ports = [listen_port(server, ctx)]
-    if plane == "tcp":
+    if plane == "tcp" and not server.flag("tls_cert", ctx.flags[SERVER]):
         try:
             fetch = int(server.flag("fetch_port", ctx.flags[SERVER]))
         except ValueError:
@@ -833,7 +870,9 @@ def check_kv_service(m, ctx, expected_plane=None):
             if ((volume or {}).get("emptyDir") or {}).get("medium") != "Memory":
                 errors.append("%s: the shm socket's volume is not an emptyDir "
                               "of medium Memory" % c.where())
-        if plane == "tcp":
+        # Under TLS the gRPC stream is the only tcp:// fetch path
+        # (check_ports_and_probes wants --fetch_port=-1 there).
+        if plane == "tcp" and not server.flag("tls_cert", ctx.flags[SERVER]):
             try:
                 fetch = int(server.flag("fetch_port", ctx.flags[SERVER]))
             except ValueError:
@@ -977,6 +1016,84 @@ def check_auth(m, ctx):
                               "can differ" % (c.where(), WORKER_TOKEN_FLAG,
                                               w_name, w_key, server.where(),
                                               s_name, s_key))
+    return errors
+
+
+def _documented_secrets():
+    """Secret names k8s/README.md tells the user to create."""
+    with open(README) as f:
+        text = f.read()
+    return set(re.findall(r"kubectl create secret generic ([a-z0-9-]+)", text))
+
+
+def check_secrets(m, ctx):
+    """Every Secret a pod mounts is in the manifests or is one the user is
+    told to create in k8s/README.md (`kubectl create secret generic NAME`):
+    otherwise the pod never starts."""
+    errors = []
+    documented = _documented_secrets()
+    for w in m.workloads:
+        for v in w.volumes.values():
+            name = (v.get("secret") or {}).get("secretName")
+            if name and name not in m.secrets and name not in documented:
+                errors.append("%s/%s: volume %s mounts Secret %s, which is "
+                              "neither in the manifests nor created in "
+                              "k8s/README.md" % (w.kind, w.name,
+                                                 v.get("name"), name))
+    return errors
+
+
+def check_tls(m, ctx):
+    """TLS files (the servers' --tls_cert/--tls_key/--tls_client_ca, the
+    worker's --kv_tls_ca/--kv_tls_cert/--kv_tls_key) are keys of Secret
+    volumes (not optional) mounted at their directory; certificates come
+    with their keys; and each worker speaks what its memory server speaks:
+    TLS (--kv_tls_ca) to a server with --tls_cert, a client certificate
+    (--kv_tls_cert) to one with --tls_client_ca, and plaintext otherwise."""
+    errors = []
+    for c in m.containers(SERVER) + m.containers(WORKER):
+        defaults = ctx.flags[c.binary]
+        for flag in TLS_FILE_FLAGS[c.binary]:
+            if flag not in defaults:
+                if c.flags.get(flag):
+                    errors.append("%s: the binary has no --%s"
+                                  % (c.where(), flag))
+                continue
+            errors += _token_source(c, flag, ctx)[3]
+        for cert, key in (("tls_cert", "tls_key"),
+                          ("kv_tls_cert", "kv_tls_key")):
+            if cert in defaults and \
+                    bool(c.flag(cert, defaults)) != bool(c.flag(key, defaults)):
+                errors.append("%s: --%s and --%s go together (the binary "
+                              "exits 2)" % (c.where(), cert, key))
+        if c.flag("tls_client_ca", defaults) and \
+                not c.flag("tls_cert", defaults):
+            errors.append("%s: --tls_client_ca without --tls_cert (the "
+                          "binary exits 2)" % c.where())
+        if c.binary == WORKER and not c.flag("kv_tls_ca", defaults) and (
+                c.flag("kv_tls_cert", defaults) or
+                c.flag("kv_tls_server_name", defaults)):
+            errors.append("%s: --kv_tls_cert and --kv_tls_server_name need "
+                          "--kv_tls_ca (the binary exits 2)" % c.where())
+    for c in m.containers(WORKER):
+        server = _resolve_server(m, c, ctx)[0]
+        if server is None:
+            continue
+        w = lambda f: c.flag(f, ctx.flags[WORKER])
+        srv = lambda f: server.flag(f, ctx.flags[SERVER])
+        if srv("tls_cert") and not w("kv_tls_ca"):
+            errors.append("%s: the memory server %s serves TLS (--tls_cert) "
+                          "but the worker has no --kv_tls_ca: it cannot "
+                          "connect" % (c.where(), server.where()))
+        if w("kv_tls_ca") and not srv("tls_cert"):
+            errors.append("%s: --kv_tls_ca, but the memory server %s serves "
+                          "plaintext (no --tls_cert): the handshake fails"
+                          % (c.where(), server.where()))
+        if srv("tls_client_ca") and not w("kv_tls_cert"):
+            errors.append("%s: the memory server %s requires a client "
+                          "certificate (--tls_client_ca) but the worker has "
+                          "no --kv_tls_cert: it is refused"
+                          % (c.where(), server.where()))
     return errors
 
 
@@ -1174,7 +1291,8 @@ def check_metrics(m, ctx):
 
 ALL_CHECKS = (check_structure, check_flags, check_resources,
               check_ports_and_probes, check_services, check_kv_service,
-              check_single_node, check_auth, check_grace, check_images,
+              check_single_node, check_auth, check_secrets, check_tls,
+              check_grace, check_images,
               check_worker_paths, check_sizes, check_metrics)
 
 
@@ -1278,6 +1396,38 @@ class RenderedManifestsTest(unittest.TestCase):
     def test_disaggregated_rdma(self):
         self._check("overlays/disaggregated-rdma")
 
+    def test_disaggregated_tls(self):
+        self._check("overlays/disaggregated-tls")
+        m = rendered()["overlays/disaggregated-tls"]
+        (server,) = m.containers(SERVER)
+        (worker,) = m.containers(WORKER)
+        sf, wf = context().flags[SERVER], context().flags[WORKER]
+        # Mutual TLS on the memory tier, no plain fetch socket.
+        self.assertEqual("-1", server.flag("fetch_port", sf))
+        documented = _documented_secrets()
+        for c, flags, secret in (
+                (server, ("tls_cert", "tls_key", "tls_client_ca"),
+                 "infinigen-kv-memory-tls"),
+                (worker, ("kv_tls_ca", "kv_tls_cert", "kv_tls_key"),
+                 "infinigen-worker-tls")):
+            for flag in flags:
+                path = c.flag(flag, sf if c is server else wf)
+                self.assertTrue(path, "%s --%s" % (c.where(), flag))
+                # The path the flag names is a key of the Secret, mounted
+                # read-only at its directory.
+                volume, key = c.mount_for(path)
+                self.assertEqual(os.path.basename(path), key)
+                self.assertEqual(secret, c.workload.volumes[volume]["secret"]
+                                 ["secretName"])
+                mount = [vm for vm in c.spec["volumeMounts"]
+                         if vm["name"] == volume]
+                self.assertTrue(mount[0].get("readOnly"))
+            # User-provided: k8s/README.md tells how to create it.
+            self.assertIn(secret, documented)
+        self.assertEqual("infinigen-kv-memory",
+                         worker.flag("kv_tls_server_name", wf))
+        self.assertNotIn(7071, server.ports())
+
     def test_images_are_the_same_in_every_overlay(self):
         images = {}
         for rel, m in rendered().items():
@@ -1338,6 +1488,7 @@ class BrokenManifestsTest(unittest.TestCase):
     DG = "overlays/disaggregated"
     SN = "overlays/single-node"
     RDMA = "overlays/disaggregated-rdma"
+    TLS = "overlays/disaggregated-tls"
 
     def assertReports(self, check, m, needle, **kw):
         ctx = context()
@@ -1347,7 +1498,7 @@ class BrokenManifestsTest(unittest.TestCase):
                         % (check.__name__, needle, errors))
 
     def test_the_unbroken_copies_pass(self):
-        for rel in (self.DG, self.SN, self.RDMA):
+        for rel in (self.DG, self.SN, self.RDMA, self.TLS):
             m = mutate(rel, lambda docs: None)
             self.assertEqual([], run_checks(m, context(), EXPECTED_PLANE[rel]))
 
@@ -1672,6 +1823,74 @@ class BrokenManifestsTest(unittest.TestCase):
                     v["secret"]["optional"] = True
         self.assertReports(check_auth, mutate(self.DG, fn),
                            "Secret volume kv-auth is optional")
+
+    def test_tls_cert_mounted_elsewhere(self):
+        m = mutate(self.TLS, lambda d: set_config(
+            d, "KV_TLS_CERT", "/etc/infinigen/tls/tls.crt"))
+        self.assertReports(check_tls, m, "no volume is mounted at "
+                           "/etc/infinigen/tls")
+
+    def test_tls_key_not_in_the_secret_projection(self):
+        def fn(docs):
+            for v in find(docs, "StatefulSet")["spec"]["template"]["spec"][
+                    "volumes"]:
+                if v["name"] == "kv-memory-tls":
+                    v["secret"]["items"] = [{"key": "tls.crt",
+                                             "path": "tls.crt"}]
+        self.assertReports(check_tls, mutate(self.TLS, fn),
+                           "does not project tls.key")
+
+    def test_worker_without_tls_to_a_tls_server(self):
+        def fn(docs):
+            c = pod_containers(docs, "Deployment")[0]
+            c["args"] = [a for a in c["args"] if not a.startswith("--kv_tls")]
+        self.assertReports(check_tls, mutate(self.TLS, fn),
+                           "has no --kv_tls_ca")
+
+    def test_worker_without_client_certificate(self):
+        def fn(docs):
+            c = pod_containers(docs, "Deployment")[0]
+            c["args"] = [a for a in c["args"]
+                         if not a.startswith(("--kv_tls_cert", "--kv_tls_key"))]
+        self.assertReports(check_tls, mutate(self.TLS, fn),
+                           "no --kv_tls_cert")
+
+    def test_worker_tls_to_a_plaintext_server(self):
+        def fn(docs):
+            c = pod_containers(docs, "StatefulSet")[0]
+            c["args"] = [a for a in c["args"] if not a.startswith("--tls_")]
+        self.assertReports(check_tls, mutate(self.TLS, fn),
+                           "serves plaintext")
+
+    def test_tls_certificate_without_key(self):
+        def fn(docs):
+            c = pod_containers(docs, "StatefulSet")[0]
+            c["args"] = [a for a in c["args"] if not a.startswith("--tls_key")]
+        self.assertReports(check_tls, mutate(self.TLS, fn), "go together")
+
+    def test_grpc_probe_under_tls(self):
+        def fn(docs):
+            c = pod_containers(docs, "StatefulSet")[0]
+            c["readinessProbe"] = {"grpc": {"port": 7070}}
+        self.assertReports(check_ports_and_probes, mutate(self.TLS, fn),
+                           "gRPC probes do not speak TLS")
+
+    def test_fetch_port_under_tls(self):
+        def fn(docs):
+            c = pod_containers(docs, "StatefulSet")[0]
+            c["args"] = ["--fetch_port=7071" if a == "--fetch_port=-1" else a
+                         for a in c["args"]]
+        self.assertReports(check_ports_and_probes, mutate(self.TLS, fn),
+                           "--fetch_port=-1")
+
+    def test_secret_nobody_creates(self):
+        def fn(docs):
+            for v in find(docs, "Deployment")["spec"]["template"]["spec"][
+                    "volumes"]:
+                if v["name"] == "worker-tls":
+                    v["secret"]["secretName"] = "infinigen-wroker-tls"
+        self.assertReports(check_secrets, mutate(self.TLS, fn),
+                           "infinigen-wroker-tls")
 
     def test_grace_shorter_than_drain(self):
         def fn(docs):

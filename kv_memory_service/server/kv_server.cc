@@ -8,6 +8,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
+#include "common/server_tls.h"
+#include "common/status.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
@@ -49,13 +51,11 @@ absl::StatusOr<std::unique_ptr<KvServer>> KvServer::Start(
     absl::Status ok = CheckHostPort(options.listen);
     if (!ok.ok()) return ok;
   }
-  const bool tls = !options.tls_cert_pem.empty();
-  if (tls != !options.tls_key_pem.empty() ||
-      (!tls && !options.tls_client_ca_pem.empty())) {
-    return absl::InvalidArgumentError(
-        "TLS needs both a certificate and a key (and a client CA only with "
-        "them)");
-  }
+  const ServerTlsPem tls_pem{options.tls_cert_pem, options.tls_key_pem,
+                             options.tls_client_ca_pem};
+  IG_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
+                      GrpcServerCredentials(tls_pem));
+  const bool tls = tls_pem.enabled();
   if (options.max_message_bytes < 4096) {
     return absl::InvalidArgumentError(absl::StrCat(
         "max_message_bytes must be at least 4096, got ",
@@ -119,17 +119,6 @@ absl::StatusOr<std::unique_ptr<KvServer>> KvServer::Start(
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   int port = 0;
-  std::shared_ptr<grpc::ServerCredentials> credentials =
-      grpc::InsecureServerCredentials();
-  if (tls) {
-    grpc::SslServerCredentialsOptions ssl(
-        options.tls_client_ca_pem.empty()
-            ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
-            : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
-    ssl.pem_root_certs = options.tls_client_ca_pem;
-    ssl.pem_key_cert_pairs.push_back({options.tls_key_pem, options.tls_cert_pem});
-    credentials = grpc::SslServerCredentials(ssl);
-  }
   builder.AddListeningPort(options.listen, credentials, &port);
   builder.RegisterService(server->service_.get());
   if (server->rdma_server_ != nullptr) {

@@ -465,9 +465,17 @@ bool IsMemoryTierAddress(const std::string& address) {
   return absl::StrContains(address, ',') || absl::StartsWith(address, "dns+");
 }
 
-absl::StatusOr<std::vector<std::string>> ExpandMemoryTierAddress(
-    const std::string& address) {
-  std::vector<std::string> out;
+namespace {
+
+// One memory node of a tier address, and the host it was named by: NAME
+// for the addresses dns+tcp://NAME:PORT resolved to, empty otherwise.
+struct TierNode {
+  std::string address;
+  std::string dns_name;
+};
+
+absl::StatusOr<std::vector<TierNode>> ExpandTier(const std::string& address) {
+  std::vector<TierNode> out;
   for (absl::string_view part : absl::StrSplit(address, ',')) {
     if (part.empty()) {
       return absl::InvalidArgumentError(
@@ -476,32 +484,58 @@ absl::StatusOr<std::vector<std::string>> ExpandMemoryTierAddress(
     if (absl::StartsWith(part, "dns+")) {
       IG_ASSIGN_OR_RETURN(std::vector<std::string> resolved,
                           ResolveDnsAddress(std::string(part)));
-      out.insert(out.end(), resolved.begin(), resolved.end());
+      absl::string_view name = part.substr(part.find("://") + 3);
+      name = name.substr(0, name.find('?'));
+      name = name.substr(0, name.rfind(':'));
+      for (std::string& a : resolved) {
+        out.push_back(TierNode{std::move(a), std::string(name)});
+      }
     } else {
-      out.emplace_back(part);
+      out.push_back(TierNode{std::string(part), ""});
     }
   }
   std::set<std::string> seen;
-  for (const std::string& a : out) {
-    if (!seen.insert(a).second) {
+  for (const TierNode& n : out) {
+    if (!seen.insert(n.address).second) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "'", address, "': memory node ", a, " is listed twice"));
+          "'", address, "': memory node ", n.address, " is listed twice"));
     }
   }
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<std::string>> ExpandMemoryTierAddress(
+    const std::string& address) {
+  IG_ASSIGN_OR_RETURN(std::vector<TierNode> nodes, ExpandTier(address));
+  std::vector<std::string> out;
+  for (TierNode& n : nodes) out.push_back(std::move(n.address));
   return out;
 }
 
 absl::StatusOr<std::unique_ptr<KvClient>> ConnectMemoryTier(
     const std::string& address, const KvClientOptions& options,
     const ConnectNodeFn& connect_node) {
-  IG_ASSIGN_OR_RETURN(std::vector<std::string> addresses,
-                      ExpandMemoryTierAddress(address));
-  if (addresses.size() == 1) return connect_node(addresses[0], options);
+  IG_ASSIGN_OR_RETURN(std::vector<TierNode> tier, ExpandTier(address));
+  // Under TLS, a node found through DNS is checked against the name it was
+  // found by (its certificate names the Service, not the pod's IP), unless
+  // the caller names one.
+  auto node_options = [&options](const TierNode& n) {
+    KvClientOptions o = options;
+    if (!o.tls_ca_pem.empty() && o.tls_server_name.empty()) {
+      o.tls_server_name = n.dns_name;
+    }
+    return o;
+  };
+  if (tier.size() == 1) {
+    return connect_node(tier[0].address, node_options(tier[0]));
+  }
   std::vector<MemoryNode> nodes;
-  for (const std::string& a : addresses) {
-    auto client = connect_node(a, options);
-    if (!client.ok()) return AtNode(a, client.status());
-    nodes.push_back(MemoryNode{a, std::move(*client)});
+  for (const TierNode& n : tier) {
+    auto client = connect_node(n.address, node_options(n));
+    if (!client.ok()) return AtNode(n.address, client.status());
+    nodes.push_back(MemoryNode{n.address, std::move(*client)});
   }
   return NewShardedKvClient(std::move(nodes));
 }

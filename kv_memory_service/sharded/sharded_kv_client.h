@@ -92,7 +92,10 @@ absl::StatusOr<std::vector<std::string>> ExpandMemoryTierAddress(
 // Connects to every node of `address` with `connect_node` (a single-node
 // ConnectKvClient) and returns a ShardedKvClient over them; a single node
 // is returned unwrapped. A node that does not connect fails the whole call
-// with its address in the message.
+// with its address in the message. Under TLS (options.tls_ca_pem) without
+// options.tls_server_name, the nodes dns+tcp://NAME:PORT resolved to are
+// connected with tls_server_name NAME: their certificates name the DNS
+// name, not each pod's IP.
 using ConnectNodeFn = std::function<absl::StatusOr<std::unique_ptr<KvClient>>(
     const std::string& address, const KvClientOptions& options)>;
 absl::StatusOr<std::unique_ptr<KvClient>> ConnectMemoryTier(

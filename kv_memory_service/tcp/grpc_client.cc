@@ -885,9 +885,20 @@ absl::StatusOr<std::unique_ptr<KvClient>> ConnectGrpcKvClient(
       grpc::CreateCustomChannel(target, credentials, args);
   if (!channel->WaitForConnected(
           absl::ToChronoTime(absl::Now() + options.connect_timeout))) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot connect to the KV memory server at ", address,
-                     " within ", absl::FormatDuration(options.connect_timeout)));
+    // The channel keeps why its last attempt failed (refused, a TLS
+    // handshake one side rejected); a fail-fast call reports it.
+    grpc::ClientContext probe;
+    probe.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
+    kv::GetServerInfoResponse info;
+    const grpc::Status why = kv::KvMemory::NewStub(channel)->GetServerInfo(
+        &probe, kv::GetServerInfoRequest(), &info);
+    return absl::UnavailableError(absl::StrCat(
+        "cannot connect to the KV memory server at ", address, " within ",
+        absl::FormatDuration(options.connect_timeout),
+        options.tls_ca_pem.empty() ? "" : " over TLS",
+        why.ok() || why.error_message().empty()
+            ? ""
+            : absl::StrCat(": ", why.error_message())));
   }
   return std::make_unique<GrpcKvClient>(std::move(channel), options,
                                         std::move(fetch_host));

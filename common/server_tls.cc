@@ -1,0 +1,179 @@
+#include "common/server_tls.h"
+
+#include <memory>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "openssl/err.h"
+#include "openssl/pem.h"
+#include "openssl/x509.h"
+#include "common/file.h"
+#include "common/status.h"
+
+namespace infinigen {
+
+absl::StatusOr<ServerTlsPem> ReadServerTlsFiles(
+    const std::string& cert_path, const std::string& key_path,
+    const std::string& client_ca_path) {
+  ServerTlsPem pem;
+  const struct {
+    const char* flag;
+    const std::string& path;
+    std::string* text;
+  } files[] = {{"tls_cert", cert_path, &pem.cert},
+               {"tls_key", key_path, &pem.key},
+               {"tls_client_ca", client_ca_path, &pem.client_ca}};
+  for (const auto& file : files) {
+    if (file.path.empty()) continue;
+    absl::StatusOr<std::string> text = ReadFileToString(file.path);
+    if (!text.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", file.flag, ": ", text.status().message()));
+    }
+    if (text->empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", file.flag, ": ", file.path, " is empty"));
+    }
+    *file.text = *std::move(text);
+  }
+  IG_RETURN_IF_ERROR(CheckServerTls(pem));
+  return pem;
+}
+
+namespace {
+
+using X509Ptr = std::unique_ptr<X509, decltype(&X509_free)>;
+using BioPtr = std::unique_ptr<BIO, decltype(&BIO_free)>;
+
+BioPtr MemoryBio(const std::string& text) {
+  return BioPtr(BIO_new_mem_buf(text.data(), static_cast<int>(text.size())),
+                &BIO_free);
+}
+
+// Every certificate of a PEM text, in order; empty if it holds none or one
+// does not parse.
+std::vector<X509Ptr> ReadCertificates(const std::string& pem) {
+  std::vector<X509Ptr> out;
+  BioPtr bio = MemoryBio(pem);
+  while (X509* cert = PEM_read_bio_X509(bio.get(), nullptr, nullptr, nullptr)) {
+    out.emplace_back(cert, &X509_free);
+  }
+  // Reading ends with "no start line" at the end of the text; any other
+  // error is a broken certificate.
+  if (ERR_GET_REASON(ERR_peek_last_error()) != PEM_R_NO_START_LINE) {
+    out.clear();
+  }
+  ERR_clear_error();
+  return out;
+}
+
+absl::Status NotPem(const char* flag, const char* what) {
+  return absl::InvalidArgumentError(
+      absl::StrCat("--", flag, ": holds no PEM ", what));
+}
+
+}  // namespace
+
+absl::Status CheckServerTls(const ServerTlsPem& pem) {
+  if (pem.cert.empty() != pem.key.empty()) {
+    return absl::InvalidArgumentError(
+        "--tls_cert and --tls_key go together (the server's certificate "
+        "chain and its private key)");
+  }
+  if (!pem.enabled() && pem.mutual()) {
+    return absl::InvalidArgumentError(
+        "--tls_client_ca needs --tls_cert and --tls_key");
+  }
+  if (!pem.enabled()) return absl::OkStatus();
+  std::unique_ptr<SSL_CTX, decltype(&SSL_CTX_free)> ctx(
+      SSL_CTX_new(TLS_server_method()), &SSL_CTX_free);
+  if (ctx == nullptr) return absl::InternalError("SSL_CTX_new failed");
+  return LoadServerTls(pem, ctx.get());
+}
+
+absl::Status LoadServerTls(const ServerTlsPem& pem, SSL_CTX* ctx) {
+  SSL_CTX_set_min_proto_version(ctx, TLS1_2_VERSION);
+  std::vector<X509Ptr> chain = ReadCertificates(pem.cert);
+  if (chain.empty() || SSL_CTX_use_certificate(ctx, chain[0].get()) != 1) {
+    ERR_clear_error();
+    return NotPem("tls_cert", "certificate");
+  }
+  for (size_t i = 1; i < chain.size(); ++i) {
+    // On success the context owns the certificate.
+    if (SSL_CTX_add_extra_chain_cert(ctx, chain[i].get()) != 1) {
+      ERR_clear_error();
+      return NotPem("tls_cert", "certificate chain");
+    }
+    chain[i].release();
+  }
+  BioPtr bio = MemoryBio(pem.key);
+  std::unique_ptr<EVP_PKEY, decltype(&EVP_PKEY_free)> key(
+      PEM_read_bio_PrivateKey(bio.get(), nullptr, nullptr, nullptr),
+      &EVP_PKEY_free);
+  if (key == nullptr) {
+    ERR_clear_error();
+    return NotPem("tls_key", "private key");
+  }
+  if (SSL_CTX_use_PrivateKey(ctx, key.get()) != 1 ||
+      SSL_CTX_check_private_key(ctx) != 1) {
+    ERR_clear_error();
+    return absl::InvalidArgumentError(
+        "--tls_key is not the private key of --tls_cert");
+  }
+  if (pem.mutual()) {
+    std::vector<X509Ptr> cas = ReadCertificates(pem.client_ca);
+    if (cas.empty()) return NotPem("tls_client_ca", "certificate");
+    X509_STORE* store = SSL_CTX_get_cert_store(ctx);
+    for (const X509Ptr& ca : cas) {
+      if (X509_STORE_add_cert(store, ca.get()) != 1) {
+        ERR_clear_error();
+        return NotPem("tls_client_ca", "certificate");
+      }
+    }
+    SSL_CTX_set_verify(ctx, SSL_VERIFY_PEER | SSL_VERIFY_FAIL_IF_NO_PEER_CERT,
+                       nullptr);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckPemCertificates(const std::string& pem) {
+  if (ReadCertificates(pem).empty()) {
+    return absl::InvalidArgumentError("holds no PEM certificate");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckPemKeyPair(const std::string& cert, const std::string& key) {
+  std::vector<X509Ptr> chain = ReadCertificates(cert);
+  if (chain.empty()) {
+    return absl::InvalidArgumentError("the certificate holds no PEM certificate");
+  }
+  BioPtr bio = MemoryBio(key);
+  std::unique_ptr<EVP_PKEY, decltype(&EVP_PKEY_free)> pkey(
+      PEM_read_bio_PrivateKey(bio.get(), nullptr, nullptr, nullptr),
+      &EVP_PKEY_free);
+  if (pkey == nullptr) {
+    ERR_clear_error();
+    return absl::InvalidArgumentError("the key holds no PEM private key");
+  }
+  if (X509_check_private_key(chain[0].get(), pkey.get()) != 1) {
+    ERR_clear_error();
+    return absl::InvalidArgumentError(
+        "the key is not the private key of the certificate");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> GrpcServerCredentials(
+    const ServerTlsPem& pem) {
+  IG_RETURN_IF_ERROR(CheckServerTls(pem));
+  if (!pem.enabled()) return grpc::InsecureServerCredentials();
+  grpc::SslServerCredentialsOptions ssl(
+      pem.mutual() ? GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY
+                   : GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+  ssl.pem_root_certs = pem.client_ca;
+  ssl.pem_key_cert_pairs.push_back({pem.key, pem.cert});
+  return grpc::SslServerCredentials(ssl);
+}
+
+}  // namespace infinigen
