@@ -467,6 +467,7 @@ void GenerationScheduler::Finish(Sequence& seq, FinishReason reason) {
     absl::MutexLock lock(&mu_);
     ++stats_.completed;
   }
+  Record(seq);
   seq.stream->Push(std::move(event));
 }
 
@@ -490,24 +491,26 @@ void GenerationScheduler::Drop(Sequence& seq) {
   ++stats_.cancelled;
 }
 
+void GenerationScheduler::Record(Sequence& seq) {
+  if (seq.recorded || !options_.on_sequence_done) return;
+  seq.recorded = true;
+  SequenceRecord r;
+  r.prompt_tokens = static_cast<int>(seq.prompt.size());
+  r.generated_tokens = seq.generated;
+  r.cached_tokens = seq.cached;
+  if (seq.generated >= 1) r.ttft_seconds = Seconds(seq.arrived, seq.first_token);
+  if (seq.generated >= 2) {
+    r.tpot_seconds =
+        Seconds(seq.first_token, seq.last_token) / (seq.generated - 1);
+  }
+  r.fetch = engine_->fetch_stats(seq.slot);
+  options_.on_sequence_done(r);
+}
+
 void GenerationScheduler::ReleaseDone() {
   for (const std::unique_ptr<Sequence>& seq : active_) {
     if (!seq->done) continue;
-    if (options_.on_sequence_done) {
-      SequenceRecord r;
-      r.prompt_tokens = static_cast<int>(seq->prompt.size());
-      r.generated_tokens = seq->generated;
-      r.cached_tokens = seq->cached;
-      if (seq->generated >= 1) {
-        r.ttft_seconds = Seconds(seq->arrived, seq->first_token);
-      }
-      if (seq->generated >= 2) {
-        r.tpot_seconds = Seconds(seq->first_token, seq->last_token) /
-                         (seq->generated - 1);
-      }
-      r.fetch = engine_->fetch_stats(seq->slot);
-      options_.on_sequence_done(r);
-    }
+    Record(*seq);
     // Reset forgets the sequence before it closes it on the memory node,
     // so the slot is reusable even when closing fails.
     if (absl::Status s = engine_->Reset(seq->slot); !s.ok()) {

@@ -138,9 +138,10 @@ struct GenerationSchedulerOptions {
   // request that has a slot. A small number keeps the streams already
   // decoding from stalling behind a burst of long prompts.
   int max_prefills_per_step = 1;
-  // Called on the scheduler thread as each sequence leaves its slot
-  // (finished, failed or cancelled); must be quick and must not call the
-  // scheduler. Null: nothing.
+  // Called on the scheduler thread once for each sequence that held a
+  // slot: a finished one before its consumer sees the end (so metrics read
+  // after a response include it), a failed or cancelled one as it leaves
+  // its slot; must be quick and must not call the scheduler. Null: nothing.
   std::function<void(const SequenceRecord&)> on_sequence_done;
   // Tests: called on the scheduler thread before every decode step.
   std::function<void()> before_decode_step;
@@ -216,6 +217,7 @@ class GenerationScheduler {
     int generated = 0;
     int cached = 0;  // prompt tokens the prefill reused
     bool done = false;   // ended; its slot is free
+    bool recorded = false;  // on_sequence_done has seen it
     Utf8Assembler text;
     absl::Time arrived, prefill_start, first_token, last_token;
   };
@@ -241,6 +243,7 @@ class GenerationScheduler {
   void Fail(Sequence& seq, const absl::Status& status);
   void Drop(Sequence& seq);  // cancelled by its consumer
   void ReleaseDone();
+  void Record(Sequence& seq);  // on_sequence_done, once
   static std::string Where(const Sequence& seq);  // for logs
   // Ends every queued and active request with `status` (shutdown).
   void AbortAll(const absl::Status& status);

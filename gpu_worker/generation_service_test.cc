@@ -17,6 +17,7 @@
 
 #include "gmock/gmock.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "grpcpp/client_context.h"
@@ -653,6 +654,41 @@ TEST_F(GenerationServiceTest, FullPolicyOverInprocKvNode) {
   std::vector<worker::GenerateRequest> requests = MixedRequests();
   requests.resize(6);
   ExpectSameAsAlone(Alone(requests), Together(requests));
+}
+
+// Metrics read right after a response must include it: a finished
+// sequence reaches on_sequence_done before its consumer sees the end, and
+// only once.
+TEST_F(GenerationServiceTest, AFinishedSequenceIsRecordedBeforeItsEnd) {
+  absl::Mutex mu;
+  std::vector<SequenceRecord> records;
+  GenerationSchedulerOptions options;
+  options.on_sequence_done = [&](const SequenceRecord& r) {
+    absl::MutexLock lock(&mu);
+    records.push_back(r);
+  };
+  std::unique_ptr<GenerationScheduler> scheduler = NewScheduler(1, options);
+  ASSERT_NE(scheduler, nullptr);
+  scheduler->Start();
+  for (int round = 1; round <= 2; ++round) {
+    auto stream = scheduler->Submit({kPrompt, {}, 5});
+    ASSERT_TRUE(stream.ok()) << stream.status();
+    GenerationEvent event;
+    int tokens = 0;
+    do {
+      ASSERT_TRUE((*stream)->Next(absl::Seconds(60), &event));
+      if (event.kind == GenerationEvent::Kind::kToken) ++tokens;
+    } while (event.kind == GenerationEvent::Kind::kToken);
+    ASSERT_EQ(event.kind, GenerationEvent::Kind::kFinished);
+    absl::MutexLock lock(&mu);
+    ASSERT_EQ(records.size(), static_cast<size_t>(round));
+    EXPECT_EQ(records.back().generated_tokens, tokens);
+    EXPECT_EQ(records.back().prompt_tokens, event.summary.prompt_tokens);
+    EXPECT_GT(records.back().ttft_seconds, 0);
+  }
+  scheduler->Shutdown(absl::Seconds(10));
+  absl::MutexLock lock(&mu);
+  EXPECT_EQ(records.size(), 2u);  // leaving the slot records nothing more
 }
 
 TEST(Utf8Assembler, HoldsBackSplitCharactersAndReplacesBadBytes) {
