@@ -8,13 +8,16 @@ writes OUT.md (a Markdown table), OUT.csv and, when matplotlib is available,
 OUT.png (perplexity against the fraction of KV rows fetched per step).
 
 With --sweep=F1,F2,...: a fetch-fraction sweep instead, one line per
-policy (oracle, infinigen, infinigen with sinks and a recent window, h2o;
-full as the reference): for each target mean fetched fraction F, oracle and
-infinigen take --budget so that layers 0 and 1 (always whole) plus the
-speculated layers at that budget average F (alpha 1e9: the cap decides),
-h2o takes --budget=F. Fractions below what layers 0 and 1 alone fetch are
-skipped for oracle and infinigen. OUT_sweep.{md,csv,png}: perplexity
-against the fraction actually fetched.
+policy (oracle, quest, infinigen, infinigen with sinks and a recent window,
+h2o; full as the reference): for each target mean fetched fraction F,
+oracle, quest and infinigen take --budget so that layers 0 and 1 (always
+whole) plus the selecting layers at that budget average F (alpha 1e9: the
+cap decides; quest counts pages of --page_tokens), h2o takes --budget=F.
+Fractions below what layers 0 and 1 alone fetch are skipped for those.
+OUT_sweep.{md,csv,png}: perplexity against the fraction actually fetched.
+--lines=NAME,... runs only those lines; --reuse keeps the rows of an
+earlier OUT_sweep.csv (same line and target) instead of running them again,
+so a new line joins an existing sweep.
 
 Example (SmolLM2-135M, WikiText-2, ctx 2048):
   bench/accuracy.py --model=$(scripts/fetch_smollm2.sh) \
@@ -67,10 +70,22 @@ def sweep(a, common, skew):
     """Perplexity against the fetched fraction, one line per policy."""
     targets = [float(f) for f in a.sweep.split(",")]
     dense = 2.0 / a.n_layers  # layers 0 and 1 read everything
+    reused = {}
+    if a.reuse and os.path.exists(a.out + "_sweep.csv"):
+        with open(a.out + "_sweep.csv") as fh:
+            for r in csv.DictReader(fh):
+                for k in ("ppl", "nll", "fetch_fraction_mean",
+                          "fetch_fraction_max", "target", "seconds"):
+                    r[k] = float(r[k])
+                r["name"] = f"{r['line']} @{r['target']:g}"
+                reused[(r["line"], r["target"])] = r
+    wanted = set(a.lines.split(",")) if a.lines else None
     rows = []
     started = time.time()
-    full = run(a.binary, common + ["--policy=full"])
-    full.update(name="full", line="full", target=1.0)
+    full = reused.get(("full", 1.0))
+    if full is None:
+        full = run(a.binary, common + ["--policy=full"])
+        full.update(name="full", line="full", target=1.0)
     rows.append(full)
     for f in targets:
         budget = (f - dense) / (1.0 - dense)
@@ -81,14 +96,20 @@ def sweep(a, common, skew):
                    f"--skew={skew}"] + spec
             lines += [
                 ("oracle", ["--policy=oracle"] + spec),
+                (f"quest{a.page_tokens}",
+                 ["--policy=quest", f"--page_tokens={a.page_tokens}"] + spec),
                 ("infinigen", inf),
                 (f"infinigen+sinks{a.sinks}+recent{a.recent}",
                  inf + [f"--sink_tokens={a.sinks}",
                         f"--recent_tokens={a.recent}"]),
             ]
         for line, extra in lines:
-            r = run(a.binary, common + extra)
-            r.update(name=f"{line} @{f:g}", line=line, target=f)
+            r = reused.get((line, f))
+            if r is None:
+                if wanted is not None and line not in wanted:
+                    continue
+                r = run(a.binary, common + extra)
+                r.update(name=f"{line} @{f:g}", line=line, target=f)
             rows.append(r)
             print(f"{line:28s} target {100 * f:5.1f}%  ppl {r['ppl']:9.4f}  "
                   f"fetched {100 * r['fetch_fraction_mean']:6.2f}%  "
@@ -100,7 +121,9 @@ def sweep(a, common, skew):
     with open(out + ".md", "w") as fh:
         fh.write(f"# Perplexity against the fetched fraction\n\nCommand: "
                  f"`{cmdline}`  \nMachine: {machine}; "
-                 f"{time.time() - started:.0f} s  \nModel: `{a.model}`; text: "
+                 f"{time.time() - started:.0f} s for the runs made now "
+                 f"({sum(r['seconds'] for r in rows):.0f} s of runs in "
+                 f"all)  \nModel: `{a.model}`; text: "
                  f"`{a.text}`; ctx {a.ctx}, {a.windows} windows, dense prefix "
                  f"{a.prompt_tokens} tokens, then one token at a time; "
                  f"{full['tokens']} scored tokens per run. full: perplexity "
@@ -168,6 +191,12 @@ def main():
                     help="--sweep: sink tokens of the sinks+recent line")
     ap.add_argument("--recent", type=int, default=32,
                     help="--sweep: recent tokens of the sinks+recent line")
+    ap.add_argument("--page_tokens", type=int, default=16,
+                    help="--sweep: Quest's page size")
+    ap.add_argument("--lines", default="",
+                    help="--sweep: only these lines (comma-separated)")
+    ap.add_argument("--reuse", action="store_true",
+                    help="--sweep: keep the rows of an earlier OUT_sweep.csv")
     ap.add_argument("--plot_only", action="store_true",
                     help="only redraw OUT.png from an earlier OUT.csv")
     a = ap.parse_args()

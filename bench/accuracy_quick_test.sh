@@ -24,5 +24,27 @@ inf = float(rows["infinigen"]["fetch_fraction_mean"])
 assert 0 < inf < 1, inf
 ppl_full, ppl_ideal = float(rows["full"]["ppl"]), float(rows["ideal"]["ppl"])
 assert abs(ppl_full / ppl_ideal - 1) < 0.01, (ppl_full, ppl_ideal)
+print("accuracy table: ok")
+PY
+
+# The sweep (stories260K has 5 layers): two lines, then a third joining them
+# with --reuse, which keeps the first run's rows as they were.
+sweep=(python3 bench/accuracy.py --binary="$bin" --model="$model"
+       --tokenizer="$tok" --text="$text" --ctx=256 --windows=1
+       --prompt_tokens=32 --out="$out" --calibration_tokens=200
+       --n_layers=5 --sweep=0.6)
+"${sweep[@]}" --lines=h2o,oracle > /dev/null 2>&1
+cp "${out}_sweep.csv" "${out}_first.csv"
+"${sweep[@]}" --lines=quest16 --reuse > /dev/null 2>&1
+python3 - "${out}_first.csv" "${out}_sweep.csv" <<'PY'
+import csv, sys
+first = {r["line"]: r for r in csv.DictReader(open(sys.argv[1]))}
+both = {r["line"]: r for r in csv.DictReader(open(sys.argv[2]))}
+assert set(first) == {"full", "h2o", "oracle"}, set(first)
+assert set(both) == {"full", "h2o", "oracle", "quest16"}, set(both)
+for line in first:
+    assert first[line] == both[line], (line, first[line], both[line])
+q = float(both["quest16"]["fetch_fraction_mean"])
+assert 0.4 < q <= 0.6 + 0.05, q  # layers 0 and 1 whole, then pages
 print("accuracy sweep: ok")
 PY
