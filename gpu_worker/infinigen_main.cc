@@ -110,6 +110,12 @@ ABSL_FLAG(double, score_mass, 0.0,
           "speculated tokens until they carry this share of its speculated "
           "attention (at most --budget of the tokens), so budgets adapt "
           "across layers and heads; 0: the alpha rule.");
+ABSL_FLAG(double, target_fetch, 0.0,
+          "infinigen, oracle, quest, h2o: in (0, 1], set --budget (and for "
+          "the first three --alpha=1e9 and --score_mass=0) so that the mean "
+          "fraction of cached KV rows fetched per decode step lands at this "
+          "value, counting layers 0 and 1, which read every row; "
+          "--sink_tokens and --recent_tokens come on top; 0: off.");
 ABSL_FLAG(bool, same_layer_input, false,
           "infinigen, diagnostic: speculate each layer's selection from its "
           "own attention input instead of the previous layer's (no "
@@ -251,7 +257,8 @@ struct Command {
 std::vector<const char*> WithEngineFlags(std::vector<const char*> own) {
   for (const char* f :
        {"policy", "alpha", "partial_ratio", "partial_rank", "budget",
-        "sink_tokens", "recent_tokens", "score_mass", "page_tokens", "skew",
+        "sink_tokens", "recent_tokens", "score_mass", "page_tokens",
+         "target_fetch", "skew",
         "kv_service", "kv_auth_token_file", "kv_tls_ca", "kv_tls_cert",
         "kv_tls_key", "kv_tls_server_name", "kv_capacity", "eviction",
         "max_worker_kv_bytes", "backend", "threads"}) {
@@ -537,6 +544,17 @@ absl::StatusOr<PolicySetup> SetUpPolicy(
         absl::StrFormat("--max_worker_kv_bytes must be >= 0, got %d",
                         s.options.max_worker_kv_bytes));
   }
+  if (const double target = absl::GetFlag(FLAGS_target_fetch); target != 0) {
+    if (absl::Status st = gpu_worker::SetTargetFetch(
+            target, weights.config.n_layers, s.options.policy);
+        !st.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--target_fetch: ", st.message()));
+    }
+    IG_LOG(INFO) << "--target_fetch=" << target << ": --budget="
+                 << s.options.policy.budget << " for "
+                 << gpu_worker::PolicyName(s.options.policy.kind);
+  }
   if (s.options.policy.kind == gpu_worker::PolicyKind::kIdeal) return s;
   const model::ModelConfig& c = weights.config;
   if (s.options.policy.kind == gpu_worker::PolicyKind::kInfiniGen) {
@@ -741,6 +759,7 @@ int RunPerplexity() {
   auto setup = SetUpPolicy(run->model.weights, all, *kv_options);
   if (!setup.ok()) return SetupFailure(setup.status());
   EngineOptions& options = setup->options;
+  const gpu_worker::PolicyOptions used_policy = options.policy;
   options.max_seq_len = ctx;
   auto engine = CreateEngine(run->model.weights, options);
   if (!engine.ok()) return EngineFailure(engine.status());
@@ -824,8 +843,8 @@ int RunPerplexity() {
         "\"fetch_fraction_mean\": %.6f, \"fetch_fraction_max\": %.6f, "
         "\"bytes_fetched_per_step\": %.1f, \"seconds\": %.3f}\n",
         absl::GetFlag(FLAGS_model).c_str(), text_path.c_str(), ctx, windows,
-        prompt_tokens, policy.c_str(), absl::GetFlag(FLAGS_alpha),
-        absl::GetFlag(FLAGS_partial_ratio), absl::GetFlag(FLAGS_budget),
+        prompt_tokens, policy.c_str(), used_policy.alpha,
+        used_policy.partial_ratio, used_policy.budget,
         absl::GetFlag(FLAGS_kv_capacity),
         absl::GetFlag(FLAGS_eviction).c_str(), predicted, nll, std::exp(nll),
         fetch.fraction_mean(), fetch.fraction_max,

@@ -48,6 +48,39 @@ const char* PolicyName(PolicyKind kind) {
   return "unknown";
 }
 
+absl::Status SetTargetFetch(double fraction, int n_layers,
+                            PolicyOptions& options) {
+  if (!(fraction > 0.0 && fraction <= 1.0)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "the target fetch fraction must be in (0, 1], got %g", fraction));
+  }
+  switch (options.kind) {
+    case PolicyKind::kH2O:
+      options.budget = static_cast<float>(fraction);
+      return absl::OkStatus();
+    case PolicyKind::kInfiniGen:
+    case PolicyKind::kOracle:
+    case PolicyKind::kQuest: {
+      const double dense = 2.0 / n_layers;  // layers 0 and 1, whole
+      if (n_layers <= 2 || fraction <= dense) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "a target fetch of %g is not reachable with %s on %d layers: "
+            "layers 0 and 1 alone fetch %g of the rows",
+            fraction, PolicyName(options.kind), n_layers,
+            std::min(1.0, dense)));
+      }
+      options.budget = static_cast<float>((fraction - dense) / (1.0 - dense));
+      options.alpha = 1e9f;
+      options.score_mass = 0.0f;
+      return absl::OkStatus();
+    }
+    default:
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "a target fetch applies to infinigen, oracle, quest and h2o, not "
+          "%s", PolicyName(options.kind)));
+  }
+}
+
 absl::Status PolicyOptions::Validate() const {
   if (!(alpha >= 0.0f)) {
     return absl::InvalidArgumentError(

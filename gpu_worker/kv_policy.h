@@ -103,6 +103,18 @@ struct PolicyOptions {
   absl::Status Validate() const;
 };
 
+// Sets `options` (its kind already chosen) so that the mean fraction of
+// cached rows fetched per decode step lands at `fraction` on a model of
+// `n_layers` layers: infinigen, oracle and quest read layers 0 and 1 whole,
+// so the selecting layers take budget (fraction * n_layers - 2) /
+// (n_layers - 2), with the alpha rule off (alpha 1e9: the cap decides) and
+// no score mass; h2o keeps `fraction`. Sink and recent tokens come on top.
+// InvalidArgument for a fraction outside (0, 1], one below what layers 0
+// and 1 fetch alone, or a policy whose fetch is not chosen (ideal, full,
+// int4).
+absl::Status SetTargetFetch(double fraction, int n_layers,
+                            PolicyOptions& options);
+
 class KvPolicy {
  public:
   struct Context {

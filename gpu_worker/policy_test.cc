@@ -262,6 +262,50 @@ TEST_F(PolicyTest, QuestSelectsPagesByTheirKeyBounds) {
 // Score-mass selection: each head's own count. A mass of 1 at a budget of
 // 1 takes every row (full's logits); a small mass takes fewer rows than
 // the alpha rule's cap, and out-of-range masses are refused.
+// --target_fetch: the budget that makes layers 0 and 1 (whole) and the
+// selecting layers average the target; the mean fetched fraction lands
+// there.
+TEST_F(PolicyTest, TargetFetchLandsTheMeanFetchedFraction) {
+  const int layers = weights_->config.n_layers;  // 5: layers 0, 1 are 40%
+  for (PolicyKind kind : {PolicyKind::kOracle, PolicyKind::kInfiniGen}) {
+    SCOPED_TRACE(PolicyName(kind));
+    PolicyOptions p = Policy(kind);
+    p.skew = skew_;
+    p.score_mass = 0.5f;
+    ASSERT_TRUE(SetTargetFetch(0.7, layers, p).ok());
+    EXPECT_FLOAT_EQ(p.budget, 0.5f);
+    EXPECT_EQ(p.score_mass, 0.0f);
+    EXPECT_GE(p.alpha, 1e9f);
+    Run run = TeacherForced(p, 8);
+    EXPECT_NEAR(run.stats.fraction_mean(), 0.7, 0.05);
+  }
+  PolicyOptions h2o = Policy(PolicyKind::kH2O);
+  ASSERT_TRUE(SetTargetFetch(0.3, layers, h2o).ok());
+  EXPECT_FLOAT_EQ(h2o.budget, 0.3f);
+  // SmolLM2-135M's 30 layers at 10%: 1/28 of each selecting layer.
+  PolicyOptions oracle = Policy(PolicyKind::kOracle);
+  ASSERT_TRUE(SetTargetFetch(0.1, 30, oracle).ok());
+  EXPECT_NEAR(oracle.budget, 1.0 / 28, 1e-6);
+  // Below what layers 0 and 1 fetch alone, out of range, or a policy that
+  // does not choose its rows: InvalidArgument, options untouched.
+  oracle.budget = 0.25f;
+  absl::Status low = SetTargetFetch(0.3, layers, oracle);
+  EXPECT_EQ(low.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(low.message()),
+              HasSubstr("layers 0 and 1 alone fetch 0.4"));
+  EXPECT_FLOAT_EQ(oracle.budget, 0.25f);
+  for (double bad : {0.0, -0.1, 1.5}) {
+    EXPECT_EQ(SetTargetFetch(bad, layers, oracle).code(),
+              absl::StatusCode::kInvalidArgument) << bad;
+  }
+  for (PolicyKind kind : {PolicyKind::kIdeal, PolicyKind::kFull,
+                          PolicyKind::kInt4}) {
+    PolicyOptions other = Policy(kind);
+    EXPECT_EQ(SetTargetFetch(0.5, layers, other).code(),
+              absl::StatusCode::kInvalidArgument) << PolicyName(kind);
+  }
+}
+
 TEST_F(PolicyTest, ScoreMassAdaptsEachHeadsCount) {
   PolicyOptions p = Policy(PolicyKind::kInfiniGen);
   p.skew = skew_;

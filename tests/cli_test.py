@@ -108,6 +108,22 @@ class Cli(unittest.TestCase):
         self.assertAlmostEqual(last["ppl"], 2.718281828 ** last["nll"],
                                delta=1e-3 * last["ppl"])
 
+    def test_target_fetch_sets_the_budget_or_says_why_not(self):
+        base = ["perplexity", f"--model={MODEL}", f"--tokenizer={TOK}",
+                f"--text={TEXT}", "--ctx=128", "--max_windows=1",
+                "--prompt_tokens=16", "--json", "--backend=cpu"]
+        # stories260K has 5 layers: layers 0 and 1 fetch 40%, the other three
+        # half their rows for a mean of 70%.
+        r = run(*base, "--policy=oracle", "--target_fetch=0.7")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        last = json.loads(r.stdout.strip().splitlines()[-1])
+        self.assertAlmostEqual(last["budget"], 0.5, places=5)
+        self.assertAlmostEqual(last["fetch_fraction_mean"], 0.7, delta=0.05)
+        r = run(*base, "--policy=oracle", "--target_fetch=0.3")
+        self.assert_one_line_failure(r, 2, ["--target_fetch", "0.4"])
+        r = run(*base, "--policy=full", "--target_fetch=0.5")
+        self.assert_one_line_failure(r, 2, ["not full"])
+
     def test_bench_decode_rejects_a_context_beyond_the_model(self):
         r = run("bench-decode", f"--model={MODEL}", "--ctx=100000",
                 "--decode_tokens=4", "--policy=ideal")
