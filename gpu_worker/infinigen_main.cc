@@ -284,7 +284,8 @@ const std::map<std::string, Command>& Commands() {
        {"Writes the prompt and the model's continuation to stdout; with "
         "--json, then a JSON line: prompt_tokens, cached_tokens (reused "
         "from the memory node), prefill_seconds, generated_tokens, "
-        "decode_seconds, kv_recoveries. With --chat, --prompt is a user "
+        "decode_seconds, kv_recoveries, policy, fetch_fraction_mean (of "
+        "cached KV rows per decode step), text (the continuation). With --chat, --prompt is a user "
         "message in the model's chat template and only the reply is "
         "written.",
         WithServingFlags({"model", "tokenizer", "prompt", "max_new_tokens",
@@ -651,11 +652,14 @@ int RunGenerate() {
   const auto prefill_done = std::chrono::steady_clock::now();
   int prev = tokens.back();
   int generated = 0;
+  std::string text;  // what was generated, for --json
   const model::ModelConfig& c = m->weights.config;
   while (generated < max_new) {
     const int next = sampler->Sample(*logits);
     if (next == c.eos_id || tok.IsControl(next)) break;
-    std::fputs(tok.DecodeToken(prev, next).c_str(), stdout);
+    const std::string piece = tok.DecodeToken(prev, next);
+    text += piece;
+    std::fputs(piece.c_str(), stdout);
     std::fflush(stdout);
     ++generated;
     prev = next;
@@ -685,7 +689,12 @@ int RunGenerate() {
     j["decode_seconds"] = decode_s;
     j["kv_recoveries"] = e.kv_recoveries();
     j["policy"] = gpu_worker::PolicyName(e.policy());
-    std::printf("%s\n", j.dump().c_str());
+    j["fetch_fraction_mean"] = e.fetch_stats().fraction_mean();
+    // Invalid UTF-8 (a character cut by max_new_tokens) as U+FFFD.
+    j["text"] = text;
+    std::printf("%s\n",
+                j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)
+                    .c_str());
   }
   return 0;
 }

@@ -32,6 +32,22 @@ class Cli(unittest.TestCase):
         self.assertTrue(r.stdout.startswith(STORY), r.stdout)
         self.assertNotIn("INFO", r.stdout)
 
+    def test_generate_json_carries_the_continuation_and_the_fetch(self):
+        r = run("generate", f"--model={MODEL}", f"--tokenizer={TOK}",
+                "--prompt=Once upon a time", "--max_new_tokens=60",
+                "--temperature=0", "--backend=cpu", "--json",
+                "--policy=oracle", "--target_fetch=1.0")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        out = r.stdout.strip().splitlines()
+        j = json.loads(out[-1])
+        # Every row fetched: the text is the ideal run's, in the JSON too.
+        self.assertEqual("Once upon a time" + j["text"],
+                         "\n".join(out[:-1]))
+        self.assertTrue(("Once upon a time" + j["text"]).startswith(STORY))
+        self.assertEqual(j["policy"], "oracle")
+        self.assertEqual(j["fetch_fraction_mean"], 1.0)
+        self.assertEqual(j["generated_tokens"], 60)
+
     def test_help_on_every_command(self):
         for cmd in ["generate", "perplexity", "skew", "bench-decode", "serve"]:
             r = run(cmd, "--help")
