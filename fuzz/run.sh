@@ -11,6 +11,10 @@
 #   gguf_fuzzer                GGUF files, and the BPE tokenizer they carry
 #   llama2c_tokenizer_fuzzer   llama2.c tokenizer.bin files
 #   safetensors_fuzzer         .safetensors files and Hugging Face config.json
+#   rdma_wire_fuzzer           RDMA fetch request/response packets, the
+#                              queue-pair endpoint message, rdma:// addresses
+#   kv_service_fuzzer          the memory node's gRPC handlers and the proto
+#                              conversions under them
 # Seeds live in fuzz/corpus/TARGET (small, in git); what a run discovers goes
 # to fuzz/out/corpus/TARGET, crashes to fuzz/out/crashes/ (copy a fixed
 # crash into fuzz/corpus/TARGET to keep it as a regression input: every run
@@ -22,7 +26,8 @@ cd "$(dirname "$0")/.."
 seconds="${1:-10}"
 shift || true
 all=(fetch_socket_fuzzer shm_protocol_fuzzer gguf_fuzzer
-     llama2c_tokenizer_fuzzer safetensors_fuzzer)
+     llama2c_tokenizer_fuzzer safetensors_fuzzer rdma_wire_fuzzer
+     kv_service_fuzzer)
 targets=("$@")
 [ ${#targets[@]} -eq 0 ] && targets=("${all[@]}")
 
@@ -32,6 +37,8 @@ if ! command -v "$CXX" >/dev/null; then
   exit 2
 fi
 
+store_srcs=(kv_memory_service/kv_store.cc kv_memory_service/kv_types.cc
+            kv_memory_service/prefix_cache.cc kv_memory_service/prefix_keys.cc)
 model_srcs=(common/file.cc common/log.cc model/gguf.cc model/bpe_tokenizer.cc
             model/tokenizer.cc model/config.cc model/weights.cc
             model/llama2c.cc model/safetensors.cc)
@@ -44,6 +51,15 @@ sources_of() {
         kv_memory_service/tcp/fetch_wire.cc \
         kv_memory_service/server/fetch_socket_server.cc ;;
     shm_protocol_fuzzer) echo kv_memory_service/shm/shm_protocol.cc ;;
+    rdma_wire_fuzzer)
+      echo common/log.cc "${store_srcs[@]}" kv_memory_service/rdma/rdma_wire.cc \
+        fuzz/out/gen/proto/kv_rdma.pb.cc ;;
+    kv_service_fuzzer)
+      echo common/log.cc "${store_srcs[@]}" kv_memory_service/proto_convert.cc \
+        kv_memory_service/request_metrics.cc \
+        kv_memory_service/server/kv_service.cc \
+        fuzz/out/gen/proto/kv_memory.pb.cc \
+        fuzz/out/gen/proto/kv_memory.grpc.pb.cc ;;
     gguf_fuzzer | llama2c_tokenizer_fuzzer | safetensors_fuzzer)
       echo "${model_srcs[@]}" ;;
     *) return 1 ;;
@@ -54,20 +70,38 @@ sources_of() {
 libs_of() {
   case "$1" in
     fetch_socket_fuzzer) echo -lxxhash -lprometheus-cpp-core ;;
+    rdma_wire_fuzzer) echo -lxxhash -lprotobuf ;;
+    kv_service_fuzzer)
+      echo -lxxhash -lprometheus-cpp-core -lgrpc++ -lgrpc -lgpr -lprotobuf ;;
   esac
 }
 
 # The system Abseil libraries, as //third_party:absl links them.
 mapfile -t absl_libs < <(grep -o -- '-labsl_[a-z0-9_]*' third_party/BUILD.bazel |
                          sort -u)
-flags=(-std=c++17 -O1 -g -I. -fno-omit-frame-pointer
+flags=(-std=c++17 -O1 -g -I. -Ifuzz/out/gen -fno-omit-frame-pointer
        -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all
        -Wno-deprecated-declarations)
 out=fuzz/out
 mkdir -p "$out/obj" "$out/bin" "$out/crashes"
 
+# The protobuf and gRPC code of the wire messages, as //proto generates it.
+generate_protos() {
+  local p
+  mkdir -p "$out/gen"
+  for p in kv_memory kv_rdma; do
+    if [ ! -e "$out/gen/proto/$p.grpc.pb.cc" ] ||
+       [ "proto/$p.proto" -nt "$out/gen/proto/$p.grpc.pb.cc" ]; then
+      protoc -I. --cpp_out="$out/gen" --grpc_out="$out/gen" \
+        --plugin=protoc-gen-grpc="$(command -v grpc_cpp_plugin)" \
+        "proto/$p.proto" || return 1
+    fi
+  done
+}
+
 build() {  # target
   local target="$1" objs=() src obj
+  generate_protos || return 1
   for src in $(sources_of "$target") "fuzz/$target.cc"; do
     obj="$out/obj/${src//\//_}.o"
     if [ ! -e "$obj" ] || [ "$src" -nt "$obj" ] ||
