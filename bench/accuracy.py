@@ -153,8 +153,9 @@ def sweep(a, common, skew):
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
                     label=line)
         ax.axhline(full["ppl"], color="gray", linestyle="--", label="full")
+        ax.set_yscale("log")  # one policy can be orders of magnitude off
         ax.set_xlabel("KV rows fetched per step (%)")
-        ax.set_ylabel("perplexity")
+        ax.set_ylabel("perplexity (log scale)")
         ax.set_title(f"{os.path.basename(a.model)}, ctx {a.ctx}", fontsize=9)
         ax.legend(fontsize=7)
         fig.tight_layout()
