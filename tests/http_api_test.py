@@ -670,6 +670,59 @@ class Reuse(unittest.TestCase):
             shutil.rmtree(d, ignore_errors=True)
 
 
+    def test_requests_after_an_idle_node_restart_all_succeed(self):
+        """The node restarts between requests (same TCP port and shm
+        socket): the worker reconnects before it answers, so no request
+        fails, over TCP and over shm."""
+        for plane in ("tcp", "shm"):
+            with self.subTest(plane=plane):
+                d = tempfile.mkdtemp(prefix="http_api_idle_restart_")
+                port = free_port()
+                sock = os.path.join(d, "node.sock")
+                ready = os.path.join(d, "ready")
+
+                def start_node():
+                    if os.path.exists(ready):
+                        os.remove(ready)
+                    p = subprocess.Popen(
+                        [KV_SERVER, f"--listen=127.0.0.1:{port}",
+                         f"--shm_listen=unix:{sock}",
+                         f"--ready_file={ready}"],
+                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    deadline = time.time() + 30
+                    while not (os.path.exists(ready) and read(ready).strip()):
+                        self.assertIsNone(p.poll(), "kv_memory_server exited")
+                        self.assertLess(time.time(), deadline)
+                        time.sleep(0.025)
+                    return p
+
+                node = start_node()
+                server = None
+                kv = (f"tcp://127.0.0.1:{port}" if plane == "tcp"
+                      else f"shm:unix:{sock}")
+                try:
+                    server = Server("--policy=full", f"--kv_service={kv}")
+                    body = {"prompt": "Once upon a time", "max_tokens": 30,
+                            "temperature": 0}
+                    code, want = post(server.base + "/v1/completions", body)
+                    self.assertEqual(code, 200, want)
+                    node.kill()
+                    node.wait(timeout=30)
+                    node = start_node()
+                    for i in range(3):
+                        code, got = post(server.base + "/v1/completions",
+                                         body)
+                        self.assertEqual(code, 200, (i, got))
+                        self.assertEqual(got["choices"][0]["text"],
+                                         want["choices"][0]["text"])
+                finally:
+                    if server is not None:
+                        server.stop()
+                    if node is not None:
+                        node.send_signal(signal.SIGTERM)
+                        node.wait(timeout=60)
+                    shutil.rmtree(d, ignore_errors=True)
+
 @unittest.skipUnless(os.path.exists(SMOLLM2), f"no {SMOLLM2}")
 class SmolLM2(unittest.TestCase):
     """The instruct model with the template from its own GGUF."""
