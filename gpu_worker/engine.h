@@ -118,6 +118,8 @@ class Engine {
   // Times a call recovered from a lost KV sequence by recomputing.
   int64_t kv_recoveries() const { return kv_recoveries_; }
   int max_seq_len() const { return max_seq_len_; }
+  // Most tokens one Forward call takes.
+  int max_chunk() const { return max_chunk_; }
   int batch() const { return static_cast<int>(positions_of_.size()); }
   const model::ModelConfig& config() const { return weights_.config; }
   Backend& backend() { return *backend_; }

@@ -1,0 +1,440 @@
+#include "gpu_worker/commands/common.h"
+
+#include <chrono>
+#include <cstdio>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/file.h"
+#include "common/log.h"
+#include "common/server_tls.h"
+#include "common/status.h"
+#include "gpu_worker/backend.h"
+#include "gpu_worker/calibrate.h"
+#include "gpu_worker/kv_policy.h"
+#include "gpu_worker/model_identity.h"
+#include "kv_memory_service/kv_store.h"
+
+ABSL_FLAG(std::string, model, "",
+          "Model file: a llama2.c checkpoint (.bin), a GGUF file, or a Hugging "
+          "Face safetensors directory / file with config.json beside it.");
+ABSL_FLAG(std::string, tokenizer, "",
+          "Tokenizer file for models that carry none (llama2.c tok*.bin, or a "
+          "GGUF file whose vocabulary to use).");
+ABSL_FLAG(std::string, text, "", "perplexity, bench-decode, skew: the text file to read.");
+ABSL_FLAG(int, ctx, 512,
+          "perplexity: window length in tokens; bench-decode: context per "
+          "sequence (BOS, where the model's text "
+          "starts with one, then text tokens).");
+ABSL_FLAG(bool, json, false,
+          "generate, perplexity, bench-decode: also print JSON lines on "
+          "stdout (the last line(s) of the output).");
+ABSL_FLAG(int, max_seq_len, 0,
+          "Longest sequence the KV cache holds; 0: the model's context "
+          "length (or what the command needs).");
+ABSL_FLAG(std::string, backend, "auto",
+          "Where the model runs: cpu, cuda (fails if no CUDA device "
+          "answers) or auto (CUDA when a device answers, else CPU).");
+ABSL_FLAG(int, threads, 0, "CPU threads for the matrix work; 0: all cores.");
+ABSL_FLAG(std::string, policy, "ideal",
+          "How K and V reach attention when decoding: ideal (all local), full "
+          "(fetch every row), infinigen, h2o, int4, oracle (a diagnostic: "
+          "each layer's exact top --budget of its own scores, layers 0 and 1 "
+          "whole), quest (pages of --page_tokens ranked by their key bounds, "
+          "the top --budget of pages per head).");
+ABSL_FLAG(double, alpha, 5.0,
+          "infinigen: fetch tokens whose speculated score is within alpha of "
+          "the head's maximum.");
+ABSL_FLAG(double, partial_ratio, 0.3,
+          "infinigen: fraction of each head's columns in the partial query "
+          "weight and partial key cache.");
+ABSL_FLAG(double, budget, 0.2,
+          "infinigen: cap on tokens fetched per head as a fraction of the "
+          "cached tokens; oracle: the fraction each head takes; quest: the "
+          "fraction of pages each head takes; h2o: fraction kept (half heavy "
+          "hitters, half recent).");
+ABSL_FLAG(int, sink_tokens, 0,
+          "infinigen, oracle: the first N positions (attention sinks) are "
+          "fetched at every speculated layer besides the selection.");
+ABSL_FLAG(int, recent_tokens, 0,
+          "infinigen, oracle: the last N positions before the new token are "
+          "fetched at every speculated layer besides the selection.");
+ABSL_FLAG(int, page_tokens, 16, "quest: tokens per page.");
+ABSL_FLAG(double, score_mass, 0.0,
+          "infinigen, oracle: in (0, 1], each KV head fetches its top "
+          "speculated tokens until they carry this share of its speculated "
+          "attention (at most --budget of the tokens), so budgets adapt "
+          "across layers and heads; 0: the alpha rule.");
+ABSL_FLAG(double, target_fetch, 0.0,
+          "infinigen, oracle, quest, h2o: in (0, 1], set --budget (and for "
+          "the first three --alpha=1e9 and --score_mass=0) so that the mean "
+          "fraction of cached KV rows fetched per decode step lands at this "
+          "value, counting layers 0 and 1, which read every row; "
+          "--sink_tokens and --recent_tokens come on top; 0: off.");
+ABSL_FLAG(bool, same_layer_input, false,
+          "infinigen, diagnostic: speculate each layer's selection from its "
+          "own attention input instead of the previous layer's (no "
+          "prefetch): measures the cost of the subset apart from the "
+          "speculation error.");
+ABSL_FLAG(std::string, partial_rank, "q",
+          "infinigen: rank partial columns by the prompt's summed |q| (q, "
+          "the reference) or by |q| times |k| (qk).");
+ABSL_FLAG(std::string, skew, "",
+          "infinigen: skew file from 'infinigen skew'; empty: calibrate on "
+          "the first tokens of the input.");
+ABSL_FLAG(std::string, kv_service, "inproc:",
+          "The KV memory node for offloaded policies: inproc: (in this "
+          "process), tcp://HOST:PORT, unix:PATH, shm:unix:PATH (same host, "
+          "shared memory), rdma://HOST:PORT; a memory tier: a comma-"
+          "separated list of those (A,B,...) or dns+tcp://NAME:PORT (every "
+          "address NAME resolves to), each sequence's KV heads spread over "
+          "the nodes. A remote node holds this "
+          "process's sequences under a lease renewed by heartbeats; it frees "
+          "them if the process dies.");
+ABSL_FLAG(int64_t, max_worker_kv_bytes, 0,
+          "Most bytes the worker may hold for K/V rows, fetch staging and "
+          "policy state; a configuration (policy, --batch or --max_batch, "
+          "context) that needs more is refused at start with one line. 0: "
+          "no limit.");
+ABSL_FLAG(std::string, kv_auth_token_file, "",
+          "File holding the memory server's auth token (the file its "
+          "--auth_token_file reads); sent with every request.");
+ABSL_FLAG(std::string, kv_tls_ca, "",
+          "PEM file: talk to a remote --kv_service over TLS, trusting the "
+          "memory servers whose certificates this CA signed (their "
+          "--tls_cert). Fetches then take the gRPC stream: a TLS server "
+          "offers no plain fetch socket.");
+ABSL_FLAG(std::string, kv_tls_cert, "",
+          "PEM file: this worker's certificate for memory servers that "
+          "require one (their --tls_client_ca); needs --kv_tls_key and "
+          "--kv_tls_ca.");
+ABSL_FLAG(std::string, kv_tls_key, "",
+          "PEM file: the private key of --kv_tls_cert.");
+ABSL_FLAG(std::string, kv_tls_server_name, "",
+          "With --kv_tls_ca: the name the memory servers' certificates must "
+          "carry, instead of the host of each address (needed when an "
+          "address is an IP its certificate does not list). For "
+          "dns+tcp://NAME:PORT it defaults to NAME.");
+ABSL_FLAG(double, kv_capacity, 1.0,
+          "Tokens the memory pool keeps per layer and KV head, as a fraction "
+          "of the context; below 1 it evicts by --eviction.");
+ABSL_FLAG(int, prefix_block_tokens, 16,
+          "Prefix reuse: a prompt's leading tokens whose KV rows the memory "
+          "node already holds (from any earlier request of any worker with "
+          "the same model, policy and --skew) are fetched instead of "
+          "computed, in blocks of this many tokens; 0 = never reuse. Not "
+          "for h2o (it needs the prompt's attention) or ideal (no node).");
+ABSL_FLAG(int64_t, prefix_cache_bytes, int64_t{1} << 30,
+          "The embedded (inproc:) memory node's room for shared prefix "
+          "blocks; a remote node has its own flag.");
+ABSL_FLAG(std::string, on_kv_loss, "recompute",
+          "When the memory node loses a sequence mid-generation (restart, "
+          "eviction, replacement): recompute (prefill it again from the "
+          "tokens the worker holds and continue; same greedy output) or "
+          "fail (the request fails with the node's error).");
+ABSL_FLAG(std::string, eviction, "lru",
+          "The in-process pool's eviction policy: fifo, lru, counter.");
+ABSL_FLAG(int, calibration_tokens, 1024,
+          "skew (and infinigen without --skew): tokens of calibration text.");
+ABSL_FLAG(std::string, chat_template, "",
+          "serve, generate --chat: chatml, llama2 or llama3; empty: the "
+          "model's own (GGUF tokenizer.chat_template).");
+
+namespace infinigen::commands {
+
+using gpu_worker::Engine;
+using gpu_worker::EngineOptions;
+
+std::vector<const char*> WithEngineFlags(std::vector<const char*> own) {
+  for (const char* f :
+       {"policy", "alpha", "partial_ratio", "partial_rank", "budget",
+        "sink_tokens", "recent_tokens", "score_mass", "page_tokens",
+         "target_fetch", "skew",
+        "kv_service", "kv_auth_token_file", "kv_tls_ca", "kv_tls_cert",
+        "kv_tls_key", "kv_tls_server_name", "kv_capacity", "eviction",
+        "max_worker_kv_bytes", "backend", "threads"}) {
+    own.push_back(f);
+  }
+  return own;
+}
+
+// `own` and the engine's flags, with prefix reuse and recovery: the
+// commands that serve generations.
+std::vector<const char*> WithServingFlags(std::vector<const char*> own) {
+  own = WithEngineFlags(std::move(own));
+  for (const char* f : {"prefix_block_tokens", "prefix_cache_bytes",
+                        "on_kv_loss"}) {
+    own.push_back(f);
+  }
+  return own;
+}
+int Fail(int code, const absl::Status& status) {
+  std::fprintf(stderr, "infinigen: %s\n", std::string(status.message()).c_str());
+  return code;
+}
+
+// An engine that cannot be created: a usage error for bad flags (an unknown
+// --backend, options out of range), a failure otherwise (no CUDA device, an
+// unreachable memory node).
+int UsageOrFailure(const absl::Status& status) {
+  return Fail(absl::IsInvalidArgument(status) ? kExitUsage : kExitFailure,
+              status);
+}
+
+int EngineFailure(const absl::Status& status) { return UsageOrFailure(status); }
+
+// The engine over `weights` on the --backend device.
+absl::StatusOr<std::unique_ptr<Engine>> CreateEngine(
+    const model::Weights& weights, const EngineOptions& options) {
+  IG_ASSIGN_OR_RETURN(auto backend,
+                      gpu_worker::NewBackend(absl::GetFlag(FLAGS_backend)));
+  return Engine::Create(weights, std::move(backend), options);
+}
+
+// Model loading errors caused by the user's paths are usage errors.
+int LoadFailure(const absl::Status& status) {
+  return Fail(status.code() == absl::StatusCode::kInternal ? kExitFailure
+                                                            : kExitUsage,
+              status);
+}
+
+absl::StatusOr<model::LoadedModel> LoadFromFlags(bool need_tokenizer) {
+  const std::string path = absl::GetFlag(FLAGS_model);
+  if (path.empty()) {
+    return absl::InvalidArgumentError("--model is required");
+  }
+  const auto start = std::chrono::steady_clock::now();
+  IG_ASSIGN_OR_RETURN(model::LoadedModel m,
+                      model::LoadModel(path, absl::GetFlag(FLAGS_tokenizer)));
+  if (need_tokenizer && m.tokenizer == nullptr) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s carries no tokenizer: pass --tokenizer", path));
+  }
+  const double secs = std::chrono::duration<double>(
+                          std::chrono::steady_clock::now() - start)
+                          .count();
+  IG_LOG(INFO) << "loaded " << path << " (" << m.weights.config.DebugString()
+               << ") in " << absl::StrFormat("%.2f", secs) << " s";
+  return m;
+}
+
+// The memory node's client options from the flags (--kv_auth_token_file,
+// --kv_tls_*), each file read once, before the model loads: InvalidArgument
+// naming the flag for an unreadable file or half a TLS configuration.
+absl::StatusOr<kv_memory_service::KvClientOptions> KvClientOptionsFromFlags() {
+  kv_memory_service::KvClientOptions options;
+  if (const std::string token_file = absl::GetFlag(FLAGS_kv_auth_token_file);
+      !token_file.empty()) {
+    auto token = ReadTokenFile(token_file);
+    if (!token.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--kv_auth_token_file: ", token.status().message()));
+    }
+    options.auth_token = *std::move(token);
+  }
+  const struct {
+    const char* flag;
+    std::string path;
+    std::string* pem;
+  } tls_files[] = {
+      {"kv_tls_ca", absl::GetFlag(FLAGS_kv_tls_ca), &options.tls_ca_pem},
+      {"kv_tls_cert", absl::GetFlag(FLAGS_kv_tls_cert), &options.tls_cert_pem},
+      {"kv_tls_key", absl::GetFlag(FLAGS_kv_tls_key), &options.tls_key_pem}};
+  for (const auto& file : tls_files) {
+    if (file.path.empty()) continue;
+    absl::StatusOr<std::string> text = ReadFileToString(file.path);
+    if (!text.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", file.flag, ": ", text.status().message()));
+    }
+    if (text->empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", file.flag, ": ", file.path, " is empty"));
+    }
+    *file.pem = *std::move(text);
+  }
+  options.tls_server_name = absl::GetFlag(FLAGS_kv_tls_server_name);
+  if (options.tls_cert_pem.empty() != options.tls_key_pem.empty()) {
+    return absl::InvalidArgumentError(
+        "--kv_tls_cert and --kv_tls_key go together (the worker's "
+        "certificate and its key)");
+  }
+  if (options.tls_ca_pem.empty() &&
+      (!options.tls_cert_pem.empty() || !options.tls_server_name.empty())) {
+    return absl::InvalidArgumentError(
+        "--kv_tls_cert, --kv_tls_key and --kv_tls_server_name need "
+        "--kv_tls_ca (the CA of the memory servers' certificates)");
+  }
+  if (!options.tls_ca_pem.empty()) {
+    if (absl::Status ok = CheckPemCertificates(options.tls_ca_pem); !ok.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--kv_tls_ca: ", ok.message()));
+    }
+  }
+  if (!options.tls_cert_pem.empty()) {
+    if (absl::Status ok =
+            CheckPemKeyPair(options.tls_cert_pem, options.tls_key_pem);
+        !ok.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--kv_tls_cert, --kv_tls_key: ", ok.message()));
+    }
+  }
+  const std::string kv_service = absl::GetFlag(FLAGS_kv_service);
+  if (!options.tls_ca_pem.empty() && kv_service == "inproc:") {
+    return absl::InvalidArgumentError(
+        "--kv_tls_ca needs a remote --kv_service (tcp://, dns+tcp://, a "
+        "list of them, unix:, shm: or rdma://), not inproc:");
+  }
+  return options;
+}
+
+// The exit status of a SetUpPolicy failure: a memory node that cannot be
+// reached or refuses this worker (TLS, token) is a runtime failure (1);
+// bad flags or files are usage errors (2).
+int SetupFailure(const absl::Status& status) {
+  switch (status.code()) {
+    case absl::StatusCode::kUnavailable:
+    case absl::StatusCode::kDeadlineExceeded:
+    case absl::StatusCode::kUnauthenticated:
+    case absl::StatusCode::kPermissionDenied:
+    case absl::StatusCode::kInternal:
+      return Fail(kExitFailure, status);
+    default:
+      return Fail(kExitUsage, status);
+  }
+}
+
+namespace {
+
+// The engine options of `policy` from the policy flags (--alpha, --budget,
+// --target_fetch, ...), the pool and the recovery flags: InvalidArgument
+// naming the flag that is out of range.
+absl::StatusOr<EngineOptions> EngineOptionsFromFlags(const std::string& policy,
+                                                     int n_layers,
+                                                     bool serving) {
+  EngineOptions options;
+  const std::string on_loss = absl::GetFlag(FLAGS_on_kv_loss);
+  if (on_loss != "recompute" && on_loss != "fail") {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--on_kv_loss must be recompute or fail, got '%s'", on_loss));
+  }
+  options.recompute_on_kv_loss = serving && on_loss == "recompute";
+  const int block = absl::GetFlag(FLAGS_prefix_block_tokens);
+  if (block < 0 || block > kv_memory_service::KvStore::kMaxBlockTokens) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--prefix_block_tokens must be in [0, %d], got %d",
+        kv_memory_service::KvStore::kMaxBlockTokens, block));
+  }
+  if (absl::GetFlag(FLAGS_prefix_cache_bytes) < 0) {
+    return absl::InvalidArgumentError("--prefix_cache_bytes must be >= 0");
+  }
+  gpu_worker::PolicyOptions& p = options.policy;
+  IG_ASSIGN_OR_RETURN(p.kind, gpu_worker::ParsePolicy(policy));
+  p.alpha = static_cast<float>(absl::GetFlag(FLAGS_alpha));
+  p.partial_ratio = static_cast<float>(absl::GetFlag(FLAGS_partial_ratio));
+  p.budget = static_cast<float>(absl::GetFlag(FLAGS_budget));
+  const std::string rank = absl::GetFlag(FLAGS_partial_rank);
+  if (rank != "q" && rank != "qk") {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--partial_rank must be q or qk, got '%s'", rank));
+  }
+  p.rank_columns_by_keys = rank == "qk";
+  p.same_layer_input = absl::GetFlag(FLAGS_same_layer_input);
+  p.sink_tokens = absl::GetFlag(FLAGS_sink_tokens);
+  p.recent_tokens = absl::GetFlag(FLAGS_recent_tokens);
+  p.page_tokens = absl::GetFlag(FLAGS_page_tokens);
+  p.score_mass = static_cast<float>(absl::GetFlag(FLAGS_score_mass));
+  options.kv_capacity = absl::GetFlag(FLAGS_kv_capacity);
+  options.max_worker_kv_bytes = absl::GetFlag(FLAGS_max_worker_kv_bytes);
+  if (options.max_worker_kv_bytes < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--max_worker_kv_bytes must be >= 0, got %d",
+                        options.max_worker_kv_bytes));
+  }
+  if (const double target = absl::GetFlag(FLAGS_target_fetch); target != 0) {
+    if (absl::Status st = gpu_worker::SetTargetFetch(target, n_layers, p);
+        !st.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--target_fetch: ", st.message()));
+    }
+    IG_LOG(INFO) << "--target_fetch=" << target << ": --budget=" << p.budget
+                 << " for " << gpu_worker::PolicyName(p.kind);
+  }
+  return options;
+}
+
+// InfiniGen's skew: --skew's file (checked against the model), else
+// calibrated on the first --calibration_tokens of `calibration`.
+absl::StatusOr<std::unique_ptr<speculator::SkewMatrices>> SkewFromFlags(
+    const model::Weights& weights, absl::Span<const int> calibration) {
+  const model::ModelConfig& c = weights.config;
+  const std::string path = absl::GetFlag(FLAGS_skew);
+  if (!path.empty()) {
+    IG_ASSIGN_OR_RETURN(auto skew, speculator::SkewMatrices::Load(path));
+    IG_RETURN_IF_ERROR(skew.CheckShape(c.n_layers, c.n_kv_heads, c.head_dim));
+    return std::make_unique<speculator::SkewMatrices>(std::move(skew));
+  }
+  const int n = std::min<int>(calibration.size(),
+                              absl::GetFlag(FLAGS_calibration_tokens));
+  IG_LOG(INFO) << "no --skew: calibrating on the first " << n
+               << " tokens of the input";
+  IG_ASSIGN_OR_RETURN(auto skew, gpu_worker::CalibrateSkew(
+                                     weights, calibration.subspan(0, n)));
+  return std::make_unique<speculator::SkewMatrices>(std::move(skew));
+}
+
+}  // namespace
+
+absl::StatusOr<PolicySetup> SetUpPolicy(
+    const std::string& policy, const model::Weights& weights,
+    absl::Span<const int> calibration,
+    const kv_memory_service::KvClientOptions& kv_options, bool serving) {
+  PolicySetup s;
+  IG_ASSIGN_OR_RETURN(s.options, EngineOptionsFromFlags(
+                                     policy, weights.config.n_layers, serving));
+  if (s.options.policy.kind == gpu_worker::PolicyKind::kIdeal) return s;
+  if (s.options.policy.kind == gpu_worker::PolicyKind::kInfiniGen) {
+    IG_ASSIGN_OR_RETURN(s.skew, SkewFromFlags(weights, calibration));
+    s.options.policy.skew = s.skew.get();
+  }
+  kv_memory_service::KvClientOptions client_options = kv_options;
+  IG_ASSIGN_OR_RETURN(
+      client_options.inproc_store_options.eviction,
+      kv_memory_service::ParseEvictionPolicy(absl::GetFlag(FLAGS_eviction)));
+  client_options.inproc_store_options.prefix_cache_bytes =
+      absl::GetFlag(FLAGS_prefix_cache_bytes);
+  if (const int block = absl::GetFlag(FLAGS_prefix_block_tokens);
+      serving && block > 0) {
+    s.options.prefix_block_tokens = block;
+    s.options.model_identity = gpu_worker::ModelIdentity(weights, s.skew.get());
+  }
+  const std::string kv_service = absl::GetFlag(FLAGS_kv_service);
+  IG_ASSIGN_OR_RETURN(s.client, kv_memory_service::ConnectKvClient(
+                                    kv_service, client_options));
+  s.options.kv_client = s.client.get();
+  IG_LOG(INFO) << "policy " << gpu_worker::PolicyName(s.options.policy.kind)
+               << " over " << s.client->data_plane() << " (" << kv_service
+               << ")";
+  return s;
+}
+
+absl::StatusOr<TextRun> LoadTextRun() {
+  const std::string text_path = absl::GetFlag(FLAGS_text);
+  if (text_path.empty()) return absl::InvalidArgumentError("--text is required");
+  IG_ASSIGN_OR_RETURN(std::string text, ReadFileToString(text_path));
+  TextRun run;
+  IG_ASSIGN_OR_RETURN(run.model, LoadFromFlags(/*need_tokenizer=*/true));
+  const auto t0 = std::chrono::steady_clock::now();
+  run.tokens = run.model.tokenizer->Encode(text, /*add_bos=*/false);
+  IG_LOG(INFO) << absl::StrFormat(
+      "%s: %d tokens (encoded in %.2f s)", text_path, run.tokens.size(),
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+          .count());
+  return run;
+}
+
+}  // namespace infinigen::commands

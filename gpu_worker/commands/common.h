@@ -1,0 +1,125 @@
+// What the commands of `infinigen` share: the flags more than one command
+// reads (declared here, defined in common.cc with the engine's policy and
+// memory-node flags), the exit codes and how a failure becomes one line on
+// stderr, model loading, and the KV policy and memory node set up from the
+// flags. Each command lives in its own file (generate.cc, perplexity.cc,
+// bench_decode.cc, skew.cc, serve.cc) and returns its exit status.
+#ifndef INFINIGEN_GPU_WORKER_COMMANDS_COMMON_H_
+#define INFINIGEN_GPU_WORKER_COMMANDS_COMMON_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/flags/declare.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "gpu_worker/engine.h"
+#include "kv_memory_service/kv_client.h"
+#include "model/loader.h"
+#include "speculator/speculator.h"
+
+ABSL_DECLARE_FLAG(std::string, model);
+ABSL_DECLARE_FLAG(std::string, tokenizer);
+ABSL_DECLARE_FLAG(std::string, text);
+ABSL_DECLARE_FLAG(int, ctx);
+ABSL_DECLARE_FLAG(bool, json);
+ABSL_DECLARE_FLAG(int, max_seq_len);
+ABSL_DECLARE_FLAG(std::string, backend);
+ABSL_DECLARE_FLAG(int, threads);
+ABSL_DECLARE_FLAG(std::string, policy);
+ABSL_DECLARE_FLAG(std::string, skew);
+ABSL_DECLARE_FLAG(std::string, kv_service);
+ABSL_DECLARE_FLAG(double, kv_capacity);
+ABSL_DECLARE_FLAG(std::string, eviction);
+ABSL_DECLARE_FLAG(int, calibration_tokens);
+ABSL_DECLARE_FLAG(std::string, chat_template);
+
+namespace infinigen::commands {
+
+// Bad flags or inputs; runtime failures.
+constexpr int kExitUsage = 2;
+constexpr int kExitFailure = 1;
+
+// A command: its one-paragraph summary, the flags its --help lists, and
+// what runs it (after the flags are parsed) returning the exit status.
+struct Command {
+  const char* name;
+  const char* summary;
+  std::vector<const char*> flags;
+  int (*run)();
+};
+
+// `own` followed by the flags of every command that builds an engine: the
+// KV policy, the memory node and the device.
+std::vector<const char*> WithEngineFlags(std::vector<const char*> own);
+// `own` and the engine's flags, with prefix reuse and recovery: the
+// commands that serve generations.
+std::vector<const char*> WithServingFlags(std::vector<const char*> own);
+
+// Writes "infinigen: MESSAGE" to stderr and returns `code`.
+int Fail(int code, const absl::Status& status);
+// kExitUsage for InvalidArgument, else kExitFailure.
+int UsageOrFailure(const absl::Status& status);
+// An engine that cannot be created: a usage error for bad flags (an
+// unknown --backend, options out of range), a failure otherwise (no CUDA
+// device, an unreachable memory node).
+int EngineFailure(const absl::Status& status);
+// Model loading errors caused by the user's paths are usage errors.
+int LoadFailure(const absl::Status& status);
+// A SetUpPolicy failure: a memory node that cannot be reached or refuses
+// this worker (TLS, token) is a runtime failure (1); bad flags or files are
+// usage errors (2).
+int SetupFailure(const absl::Status& status);
+
+// The engine over `weights` on the --backend device.
+absl::StatusOr<std::unique_ptr<gpu_worker::Engine>> CreateEngine(
+    const model::Weights& weights, const gpu_worker::EngineOptions& options);
+
+// --model (and --tokenizer); InvalidArgument when need_tokenizer and the
+// model carries none.
+absl::StatusOr<model::LoadedModel> LoadFromFlags(bool need_tokenizer);
+
+// The scored text of a perplexity or skew run: the model, and --text's
+// tokens (encoded as the model's own tokenizer does, without BOS).
+struct TextRun {
+  model::LoadedModel model;
+  std::vector<int> tokens;
+};
+absl::StatusOr<TextRun> LoadTextRun();
+
+// The memory node's client options from the flags (--kv_auth_token_file,
+// --kv_tls_*), each file read once, before the model loads: InvalidArgument
+// naming the flag for an unreadable file or half a TLS configuration.
+absl::StatusOr<kv_memory_service::KvClientOptions> KvClientOptionsFromFlags();
+
+// The KV memory node, the skew and the engine options a policy needs; the
+// engine options point at `client` and `skew`, which must outlive it.
+struct PolicySetup {
+  std::unique_ptr<kv_memory_service::KvClient> client;
+  std::unique_ptr<speculator::SkewMatrices> skew;
+  gpu_worker::EngineOptions options;
+};
+
+// `policy` (a --policy name) with the policy and memory-node flags.
+// Failures are usage errors (bad flags or files) unless the memory node
+// fails (SetupFailure). `calibration`: the input InfiniGen calibrates its
+// skew on when there is no --skew. `kv_options`: KvClientOptionsFromFlags.
+// `serving`: the commands that take the reuse and recovery flags
+// (generate, serve, bench-decode); scoring runs neither.
+absl::StatusOr<PolicySetup> SetUpPolicy(
+    const std::string& policy, const model::Weights& weights,
+    absl::Span<const int> calibration,
+    const kv_memory_service::KvClientOptions& kv_options, bool serving);
+
+// The commands, each defined in its own file.
+const Command& GenerateCommand();
+const Command& PerplexityCommand();
+const Command& BenchDecodeCommand();
+const Command& SkewCommand();
+const Command& ServeCommand();
+
+}  // namespace infinigen::commands
+
+#endif  // INFINIGEN_GPU_WORKER_COMMANDS_COMMON_H_

@@ -1,0 +1,133 @@
+// infinigen perplexity: scores a text file in windows (gpu_worker/perplexity.h).
+#include <cmath>
+#include <cstdio>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/str_format.h"
+#include "gpu_worker/commands/common.h"
+#include "gpu_worker/kv_policy.h"
+#include "gpu_worker/perplexity.h"
+
+ABSL_FLAG(int, max_windows, 0, "perplexity: score at most this many windows "
+                               "(0: the whole text).");
+ABSL_FLAG(int, prompt_tokens, 0,
+          "perplexity: dense prefix per window; later tokens are decoded one "
+          "at a time through --policy and scored. 0: score every position "
+          "densely (no policy).");
+
+namespace infinigen::commands {
+namespace {
+
+void PrintProgress(const gpu_worker::PerplexityProgress& p) {
+  std::fprintf(stderr,
+               "perplexity: window %d/%d  tokens %ld  ppl %.4f  fetched %.1f%%  "
+               "(%.0f tokens/s, %.0f s left)\n",
+               p.window, p.windows, p.predicted,
+               std::exp(p.nll_sum / p.predicted),
+               100.0 * p.fetch_fraction_mean, p.predicted / p.seconds,
+               p.seconds / p.window * (p.windows - p.window));
+}
+
+void PrintResult(const gpu_worker::PerplexityOptions& o,
+                 const gpu_worker::PolicyOptions& policy,
+                 const gpu_worker::PerplexityResult& r) {
+  const std::string text = absl::GetFlag(FLAGS_text);
+  const std::string name = gpu_worker::PolicyName(policy.kind);
+  std::printf("%s: %d windows of %d tokens, %ld predicted tokens, policy %s: "
+              "nll %.6f, perplexity %.4f, fetched %.2f%% of cached rows per "
+              "step (max %.2f%%) (%.1f s)\n",
+              text.c_str(), r.windows, o.ctx, r.predicted, name.c_str(), r.nll,
+              r.perplexity(), 100.0 * r.fetch.fraction_mean(),
+              100.0 * r.fetch.fraction_max, r.seconds);
+  if (!absl::GetFlag(FLAGS_json)) return;
+  nlohmann::json j;
+  j["model"] = absl::GetFlag(FLAGS_model);
+  j["text"] = text;
+  j["ctx"] = o.ctx;
+  j["windows"] = r.windows;
+  j["prompt_tokens"] = o.prompt_tokens;
+  j["policy"] = name;
+  j["alpha"] = policy.alpha;
+  j["partial_ratio"] = policy.partial_ratio;
+  j["budget"] = policy.budget;
+  j["kv_capacity"] = absl::GetFlag(FLAGS_kv_capacity);
+  j["eviction"] = absl::GetFlag(FLAGS_eviction);
+  j["tokens"] = r.predicted;
+  j["nll"] = r.nll;
+  j["ppl"] = r.perplexity();
+  j["fetch_fraction_mean"] = r.fetch.fraction_mean();
+  j["fetch_fraction_max"] = r.fetch.fraction_max;
+  j["bytes_fetched_per_step"] =
+      r.fetch.steps ? static_cast<double>(r.fetch.bytes_fetched) / r.fetch.steps
+                    : 0.0;
+  j["seconds"] = r.seconds;
+  std::printf("%s\n", j.dump(-1, ' ', false,
+                             nlohmann::json::error_handler_t::replace)
+                          .c_str());
+}
+
+int RunPerplexity() {
+  gpu_worker::PerplexityOptions o;
+  o.ctx = absl::GetFlag(FLAGS_ctx);
+  o.max_windows = absl::GetFlag(FLAGS_max_windows);
+  o.prompt_tokens = absl::GetFlag(FLAGS_prompt_tokens);
+  if (auto ok = gpu_worker::PerplexityWindows(0, o); !ok.ok()) {
+    return Fail(kExitUsage, ok.status());
+  }
+  auto kv_options = KvClientOptionsFromFlags();
+  if (!kv_options.ok()) return Fail(kExitUsage, kv_options.status());
+  auto run = LoadTextRun();
+  if (!run.ok()) return LoadFailure(run.status());
+  const model::ModelConfig& c = run->model.weights.config;
+  if (o.ctx > c.max_seq_len) {
+    return Fail(kExitUsage, absl::InvalidArgumentError(absl::StrFormat(
+                                "--ctx %d exceeds the model's context of %d",
+                                o.ctx, c.max_seq_len)));
+  }
+  const model::Tokenizer& tok = *run->model.tokenizer;
+  o.bos = tok.adds_bos() ? tok.bos_id() : -1;
+  if (*gpu_worker::PerplexityWindows(run->tokens.size(), o) == 0) {
+    return Fail(kExitUsage, absl::InvalidArgumentError(absl::StrFormat(
+                                "%s holds too little text to score",
+                                absl::GetFlag(FLAGS_text))));
+  }
+  const std::string policy = absl::GetFlag(FLAGS_policy);
+  if (o.prompt_tokens == 0 && policy != "ideal") {
+    return Fail(kExitUsage,
+                absl::InvalidArgumentError(
+                    "--policy needs --prompt_tokens (the dense prefix before "
+                    "decoding through the policy)"));
+  }
+  auto setup = SetUpPolicy(policy, run->model.weights, run->tokens,
+                           *kv_options, /*serving=*/false);
+  if (!setup.ok()) return SetupFailure(setup.status());
+  setup->options.max_seq_len = o.ctx;
+  auto engine = CreateEngine(run->model.weights, setup->options);
+  if (!engine.ok()) return EngineFailure(engine.status());
+  auto result =
+      gpu_worker::ScorePerplexity(**engine, run->tokens, o, PrintProgress);
+  if (!result.ok()) return Fail(kExitFailure, result.status());
+  PrintResult(o, setup->options.policy, *result);
+  return 0;
+}
+
+}  // namespace
+
+const Command& PerplexityCommand() {
+  static const Command* command = new Command{
+      "perplexity",
+      "Scores a text file in windows of --ctx tokens and reports the mean "
+      "negative log-likelihood and the perplexity; with --prompt_tokens, "
+      "decodes through a KV policy and reports the rows it fetched; with "
+      "--json, then a JSON line with the run's settings and figures.",
+      WithEngineFlags({"model", "tokenizer", "text", "ctx", "max_windows",
+                       "json", "prompt_tokens", "same_layer_input",
+                       "calibration_tokens"}),
+      RunPerplexity};
+  return *command;
+}
+
+}  // namespace infinigen::commands

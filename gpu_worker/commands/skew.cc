@@ -1,0 +1,52 @@
+// infinigen skew: InfiniGen's skew matrices from calibration text.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "gpu_worker/calibrate.h"
+#include "gpu_worker/commands/common.h"
+
+ABSL_FLAG(std::string, out, "", "skew: the skew file to write.");
+
+namespace infinigen::commands {
+namespace {
+
+int RunSkew() {
+  const std::string out = absl::GetFlag(FLAGS_out);
+  if (out.empty()) {
+    return Fail(kExitUsage, absl::InvalidArgumentError("--out is required"));
+  }
+  auto run = LoadTextRun();
+  if (!run.ok()) return LoadFailure(run.status());
+  const int n = std::min<int>({static_cast<int>(run->tokens.size()),
+                               absl::GetFlag(FLAGS_calibration_tokens),
+                               run->model.weights.config.max_seq_len});
+  const auto t0 = std::chrono::steady_clock::now();
+  auto skew = gpu_worker::CalibrateSkew(
+      run->model.weights, absl::MakeConstSpan(run->tokens).subspan(0, n));
+  if (!skew.ok()) return Fail(kExitUsage, skew.status());
+  if (absl::Status s = skew->Save(out); !s.ok()) return Fail(kExitFailure, s);
+  std::printf("wrote %s: %d layers x %d KV heads, head_dim %d, from %d "
+              "calibration tokens (%.1f s)\n",
+              out.c_str(), skew->n_layers, skew->n_kv_heads, skew->head_dim, n,
+              std::chrono::duration<double>(std::chrono::steady_clock::now() -
+                                            t0)
+                  .count());
+  return 0;
+}
+
+}  // namespace
+
+const Command& SkewCommand() {
+  static const Command* command = new Command{
+      "skew",
+      "Computes InfiniGen's skew matrices from calibration text and writes "
+      "them to --out.",
+      {"model", "tokenizer", "text", "calibration_tokens", "out", "threads"},
+      RunSkew};
+  return *command;
+}
+
+}  // namespace infinigen::commands
