@@ -4,7 +4,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "common/host_port.h"
+#include "common/address.h"
 #include "httplib.h"
 #include "prometheus/text_serializer.h"
 

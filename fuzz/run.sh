@@ -52,7 +52,8 @@ sources_of() {
         kv_memory_service/server/fetch_socket_server.cc ;;
     shm_protocol_fuzzer) echo kv_memory_service/shm/shm_protocol.cc ;;
     rdma_wire_fuzzer)
-      echo common/log.cc "${store_srcs[@]}" kv_memory_service/rdma/rdma_wire.cc \
+      echo common/log.cc common/address.cc "${store_srcs[@]}" \
+        kv_memory_service/rdma/rdma_wire.cc \
         fuzz/out/gen/proto/kv_rdma.pb.cc ;;
     kv_service_fuzzer)
       echo common/log.cc "${store_srcs[@]}" kv_memory_service/proto_convert.cc \

@@ -7,6 +7,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/address.h"
 #include "common/api_key.h"
 #include "common/log.h"
 #include "common/status.h"
@@ -65,19 +66,6 @@ void ToProto(const GenerationSummary& s, worker::Finished* out) {
   out->set_decode_seconds(s.decode_seconds);
 }
 
-// "HOST:PORT" with a port in 0..65535 (HOST may be "[v6]").
-absl::Status CheckHostPort(const std::string& listen) {
-  const size_t colon = listen.rfind(':');
-  int port = -1;
-  if (colon == std::string::npos || colon == 0 ||
-      !absl::SimpleAtoi(listen.substr(colon + 1), &port) || port < 0 ||
-      port > 65535) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "listen address '", listen, "' is not HOST:PORT or unix:PATH"));
-  }
-  return absl::OkStatus();
-}
-
 }  // namespace
 
 grpc::Status GenerationService::Generate(
@@ -133,13 +121,10 @@ absl::StatusOr<std::unique_ptr<GenerationServer>> GenerationServer::Start(
     std::unique_ptr<GenerationScheduler> scheduler,
     const GenerationServerOptions& options) {
   const std::string& listen = options.listen;
-  const bool unix_socket = absl::StartsWith(listen, "unix:");
-  if (unix_socket && listen.size() == 5) {
-    return absl::InvalidArgumentError("listen address 'unix:' has no path");
-  }
-  if (!listen.empty() && !unix_socket) {
-    absl::Status ok = CheckHostPort(listen);
-    if (!ok.ok()) return ok;
+  bool unix_socket = false;
+  if (!listen.empty()) {  // empty: in-process channels only
+    IG_ASSIGN_OR_RETURN(const ListenAddress parsed, ParseListenAddress(listen));
+    unix_socket = parsed.is_unix();
   }
   IG_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
                       GrpcServerCredentials(options.tls));

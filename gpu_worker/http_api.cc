@@ -11,7 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "common/api_key.h"
-#include "common/host_port.h"
+#include "common/address.h"
 #include "common/status.h"
 #include "httplib.h"
 #include "openssl/ssl.h"

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "common/address.h"
 
 namespace infinigen::kv_memory_service::rdma {
 namespace {
@@ -225,13 +226,7 @@ absl::StatusOr<RdmaAddress> ParseRdmaAddress(const std::string& address) {
     query = rest.substr(q + 1);
     rest = rest.substr(0, q);
   }
-  const size_t colon = rest.rfind(':');
-  int tcp_port = 0;
-  if (colon == absl::string_view::npos || colon == 0 ||
-      !absl::SimpleAtoi(rest.substr(colon + 1), &tcp_port) || tcp_port <= 0 ||
-      tcp_port > 65535) {
-    return bad("HOST:PORT");
-  }
+  if (!ParseDialHostPort(rest).ok()) return bad("HOST:PORT");
   RdmaAddress parsed;
   parsed.host_port = std::string(rest);
   if (query.empty()) return parsed;

@@ -7,6 +7,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/address.h"
 #include "common/log.h"
 #include "common/server_tls.h"
 #include "common/status.h"
@@ -21,19 +22,6 @@
 namespace infinigen::kv_memory_service {
 namespace {
 
-// Splits "HOST:PORT" (HOST may be "[v6]"); InvalidArgument otherwise.
-absl::Status CheckHostPort(const std::string& listen) {
-  const size_t colon = listen.rfind(':');
-  int port = -1;
-  if (colon == std::string::npos || colon == 0 ||
-      !absl::SimpleAtoi(listen.substr(colon + 1), &port) || port < 0 ||
-      port > 65535) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "listen address '", listen, "' is not HOST:PORT or unix:PATH"));
-  }
-  return absl::OkStatus();
-}
-
 std::chrono::system_clock::time_point Deadline(absl::Duration d) {
   return absl::ToChronoTime(absl::Now() + d);
 }
@@ -42,15 +30,9 @@ std::chrono::system_clock::time_point Deadline(absl::Duration d) {
 
 absl::StatusOr<std::unique_ptr<KvServer>> KvServer::Start(
     const KvServerOptions& options) {
-  const bool unix_socket = absl::StartsWith(options.listen, "unix:");
-  if (unix_socket) {
-    if (options.listen.size() == 5) {
-      return absl::InvalidArgumentError("listen address 'unix:' has no path");
-    }
-  } else {
-    absl::Status ok = CheckHostPort(options.listen);
-    if (!ok.ok()) return ok;
-  }
+  IG_ASSIGN_OR_RETURN(const ListenAddress listen,
+                      ParseListenAddress(options.listen));
+  const bool unix_socket = listen.is_unix();
   const ServerTlsPem tls_pem{options.tls_cert_pem, options.tls_key_pem,
                              options.tls_client_ca_pem};
   IG_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,

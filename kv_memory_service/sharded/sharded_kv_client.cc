@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
+#include "common/address.h"
 #include "common/status.h"
 
 namespace infinigen::kv_memory_service {
@@ -393,15 +394,13 @@ absl::StatusOr<std::vector<std::string>> ResolveDnsAddress(
     query = rest.substr(q);
     rest = rest.substr(0, q);
   }
-  const size_t colon = rest.rfind(':');
-  int port = 0;
-  if (colon == absl::string_view::npos || colon == 0 ||
-      !absl::SimpleAtoi(rest.substr(colon + 1), &port) || port <= 0 ||
-      port > 65535) {
+  absl::StatusOr<HostPort> name_port = ParseDialHostPort(rest);
+  if (!name_port.ok()) {
     return absl::InvalidArgumentError(
         absl::StrCat("'", address, "': want NAME:PORT after ", scheme));
   }
-  const std::string name(rest.substr(0, colon));
+  const std::string& name = name_port->host;
+  const int port = name_port->port;
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;

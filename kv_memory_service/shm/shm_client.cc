@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "common/address.h"
 #include "common/status.h"
 #include "kv_memory_service/shm/cuda_host_register.h"
 #include "kv_memory_service/shm/shm_protocol.h"
@@ -583,7 +584,7 @@ absl::StatusOr<std::unique_ptr<KvClient>> ConnectShmKvClient(
     return absl::InvalidArgumentError(
         absl::StrCat("not a shm address: '", address, "'"));
   }
-  absl::StatusOr<std::string> path = shm::UnixSocketPath(address.substr(4));
+  absl::StatusOr<std::string> path = ParseUnixPath(address.substr(4));
   if (!path.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "bad shm address '", address, "' (want shm:unix:PATH): ",

@@ -210,22 +210,4 @@ void FutexWakeAll(std::atomic<uint32_t>* word) {
           nullptr, nullptr, 0);
 }
 
-absl::StatusOr<std::string> UnixSocketPath(absl::string_view address) {
-  if (!absl::StartsWith(address, "unix:")) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("want unix:PATH, got '", address, "'"));
-  }
-  std::string path(address.substr(5));
-  if (path.empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("empty socket path in '", address, "'"));
-  }
-  if (path.size() >= sizeof(sockaddr_un{}.sun_path)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("unix socket path '", path, "' is longer than ",
-                     sizeof(sockaddr_un{}.sun_path) - 1, " bytes"));
-  }
-  return path;
-}
-
 }  // namespace infinigen::kv_memory_service::shm

@@ -194,10 +194,6 @@ inline void SpinStep(uint32_t& steps) {
   }
 }
 
-// The unix socket path of "unix:PATH"; InvalidArgument otherwise or when the
-// path does not fit sockaddr_un.
-absl::StatusOr<std::string> UnixSocketPath(absl::string_view address);
-
 // A status from errno after a failed call: "<call>: <strerror>".
 absl::Status ErrnoStatus(absl::StatusCode code, absl::string_view call,
                          int err);

@@ -18,6 +18,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/address.h"
 #include "common/log.h"
 #include "common/status.h"
 #include "kv_memory_service/shm/shm_protocol.h"
@@ -473,7 +474,7 @@ absl::StatusOr<std::unique_ptr<ShmServer>> ShmServer::Start(
     std::shared_ptr<KvStore> store, ShmServerOptions options) {
   if (store == nullptr) return absl::InvalidArgumentError("no store");
   absl::StatusOr<std::string> path_or =
-      shm::UnixSocketPath(options.listen_address);
+      ParseUnixPath(options.listen_address);
   if (!path_or.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "shm data plane listen address: ", path_or.status().message()));

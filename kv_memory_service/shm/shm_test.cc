@@ -17,6 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/address.h"
 #include "gtest/gtest.h"
 #include "kv_memory_service/inproc/inproc_client.h"
 #include "kv_memory_service/shm/shm_client.h"
@@ -597,7 +598,7 @@ TEST_F(ShmTest, FetchAbandonedMidGatherProtectsTheBuffer) {
 // The server maps only memfds sealed against shrinking.
 TEST_F(ShmTest, ServerRejectsAnUnsealedRegion) {
   const int s = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-  auto path = shm::UnixSocketPath(server_->client_address().substr(4));
+  auto path = ParseUnixPath(server_->client_address().substr(4));
   ASSERT_TRUE(path.ok());
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;

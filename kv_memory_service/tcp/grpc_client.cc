@@ -21,6 +21,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/address.h"
 #include "common/log.h"
 #include "common/status.h"
 #include "grpcpp/client_context.h"
@@ -841,20 +842,13 @@ absl::StatusOr<std::unique_ptr<KvClient>> ConnectGrpcKvClient(
   std::string target, fetch_host;
   if (absl::StartsWith(address, "tcp://")) {
     target = address.substr(6);
-    const size_t colon = target.rfind(':');
-    int port = 0;
-    if (colon == std::string::npos || colon == 0 ||
-        !absl::SimpleAtoi(target.substr(colon + 1), &port) || port <= 0 ||
-        port > 65535) {
+    absl::StatusOr<HostPort> host_port = ParseDialHostPort(target);
+    if (!host_port.ok()) {
       return absl::InvalidArgumentError(
           absl::StrCat("address '", address, "' is not tcp://HOST:PORT"));
     }
-    fetch_host = target.substr(0, colon);
-    if (fetch_host.size() > 2 && fetch_host.front() == '[' &&
-        fetch_host.back() == ']') {
-      fetch_host = fetch_host.substr(1, fetch_host.size() - 2);
-    }
-  } else if (absl::StartsWith(address, "unix:") && address.size() > 5) {
+    fetch_host = host_port->host;
+  } else if (absl::StartsWith(address, "unix:") && ParseUnixPath(address).ok()) {
     target = address;
   } else {
     return absl::InvalidArgumentError(absl::StrCat(
