@@ -144,6 +144,21 @@ class FetchBuffer {
   // The client that made this buffer; a client rejects others' buffers.
   const void* owner() const { return owner_; }
 
+  // The prologue of every data plane's FetchAsync: `dest` as the Buffer
+  // type `client` made, its fetch begun (BeginFetch). InvalidArgument for
+  // a buffer another client (or nobody) made; FailedPrecondition for one
+  // whose last fetch was not waited on. On error, FetchAsync returns
+  // FetchHandle(status) at once.
+  template <typename Buffer>
+  static absl::StatusOr<Buffer*> Claim(const void* client, FetchBuffer* dest) {
+    if (dest == nullptr || dest->owner() != client) {
+      return absl::InvalidArgumentError(
+          "the fetch buffer was not made by this client");
+    }
+    if (absl::Status begun = dest->BeginFetch(); !begun.ok()) return begun;
+    return static_cast<Buffer*>(dest);
+  }
+
  protected:
   // `data` (size values) must outlive this object; the subclass owns it.
   FetchBuffer(const void* owner, uint16_t* data, size_t size)

@@ -16,7 +16,6 @@ class InprocFetchBuffer final : public FetchBuffer {
       : FetchBuffer(owner, data, size), memory_(data) {}
   ~InprocFetchBuffer() override { std::free(memory_); }
 
-  absl::Status Begin() { return BeginFetch(); }
   void Complete(absl::Status status) { CompleteFetch(std::move(status)); }
 
  private:
@@ -52,15 +51,10 @@ class InprocKvClient final : public KvClient {
   }
   FetchHandle FetchAsync(SequenceId seq, int32_t layer, const FetchPlan& plan,
                          FetchBuffer* dest) override {
-    if (dest == nullptr || dest->owner() != this) {
-      return FetchHandle(absl::InvalidArgumentError(
-          "the fetch buffer was not made by this client"));
-    }
-    auto* buffer = static_cast<InprocFetchBuffer*>(dest);
-    absl::Status begun = buffer->Begin();
-    if (!begun.ok()) return FetchHandle(std::move(begun));
-    buffer->Complete(store_->Gather(seq, layer, plan, buffer->span()));
-    return FetchHandle(buffer);
+    auto buffer = FetchBuffer::Claim<InprocFetchBuffer>(this, dest);
+    if (!buffer.ok()) return FetchHandle(buffer.status());
+    (*buffer)->Complete(store_->Gather(seq, layer, plan, (*buffer)->span()));
+    return FetchHandle(*buffer);
   }
   absl::Status Close(SequenceId seq) override { return store_->Close(seq); }
   absl::StatusOr<SequenceStats> GetSequenceStats(SequenceId seq) override {

@@ -80,6 +80,7 @@ class RdmaFetchBuffer final : public FetchBuffer {
         pinned_(pinned) {}
   ~RdmaFetchBuffer() override;
 
+  // Sends the fetch of a claimed buffer (FetchBuffer::Claim began it).
   FetchHandle Start(SequenceId seq, int32_t layer, const FetchPlan& plan,
                     absl::Time deadline);
 
@@ -136,12 +137,10 @@ class RdmaKvClient final : public KvClientWrapper {
 
   FetchHandle FetchAsync(SequenceId seq, int32_t layer, const FetchPlan& plan,
                          FetchBuffer* dest) override {
-    if (dest == nullptr || dest->owner() != this) {
-      return FetchHandle(absl::InvalidArgumentError(
-          "the fetch buffer was not made by this client"));
-    }
-    return static_cast<RdmaFetchBuffer*>(dest)->Start(
-        seq, layer, plan, absl::Now() + options_.fetch_timeout);
+    auto buffer = FetchBuffer::Claim<RdmaFetchBuffer>(this, dest);
+    if (!buffer.ok()) return FetchHandle(buffer.status());
+    return (*buffer)->Start(seq, layer, plan,
+                            absl::Now() + options_.fetch_timeout);
   }
 
   std::string data_plane() const override { return "rdma"; }
@@ -384,8 +383,6 @@ RdmaFetchBuffer::~RdmaFetchBuffer() {
 
 FetchHandle RdmaFetchBuffer::Start(SequenceId seq, int32_t layer,
                                    const FetchPlan& plan, absl::Time deadline) {
-  absl::Status begun = BeginFetch();
-  if (!begun.ok()) return FetchHandle(std::move(begun));
   absl::Status status = client_->Health();
   const size_t n = plan.indices.size(), m = plan.head_offsets.size();
   if (status.ok() && n + m > memory_.plan_capacity) {

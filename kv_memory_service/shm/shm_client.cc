@@ -146,6 +146,7 @@ class ShmFetchBuffer final : public FetchBuffer {
         pinned_(pinned) {}
   ~ShmFetchBuffer() override;
 
+  // Sends the fetch of a claimed buffer (FetchBuffer::Claim began it).
   FetchHandle Start(SequenceId seq, int32_t layer, const FetchPlan& plan,
                     absl::Time deadline);
 
@@ -216,12 +217,10 @@ class ShmKvClient final : public KvClientWrapper {
 
   FetchHandle FetchAsync(SequenceId seq, int32_t layer, const FetchPlan& plan,
                          FetchBuffer* dest) override {
-    if (dest == nullptr || dest->owner() != this) {
-      return FetchHandle(absl::InvalidArgumentError(
-          "the fetch buffer was not made by this client"));
-    }
-    return static_cast<ShmFetchBuffer*>(dest)->Start(
-        seq, layer, plan, absl::Now() + options_.fetch_timeout);
+    auto buffer = FetchBuffer::Claim<ShmFetchBuffer>(this, dest);
+    if (!buffer.ok()) return FetchHandle(buffer.status());
+    return (*buffer)->Start(seq, layer, plan,
+                            absl::Now() + options_.fetch_timeout);
   }
 
   std::string data_plane() const override { return "shm"; }
@@ -469,8 +468,6 @@ ShmFetchBuffer::~ShmFetchBuffer() {
 
 FetchHandle ShmFetchBuffer::Start(SequenceId seq, int32_t layer,
                                   const FetchPlan& plan, absl::Time deadline) {
-  absl::Status begun = BeginFetch();
-  if (!begun.ok()) return FetchHandle(std::move(begun));
   absl::Status connected = client_->EnsureConnected();
   if (!connected.ok()) {
     CompleteFetch(std::move(connected));

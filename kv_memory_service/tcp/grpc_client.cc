@@ -48,7 +48,6 @@ class GrpcFetchBuffer final : public FetchBuffer {
       : FetchBuffer(client, memory, size), client_(client), memory_(memory) {}
   ~GrpcFetchBuffer() override { std::free(memory_); }
 
-  absl::Status Begin() { return BeginFetch(); }
   void Complete(absl::Status status) { CompleteFetch(std::move(status)); }
   bool Await(absl::Time deadline) { return AwaitCompletion(deadline); }
   absl::Status Take() { return TakeResult(); }
@@ -533,10 +532,6 @@ class GrpcKvClient final : public KvClient {
 
   FetchHandle FetchAsync(SequenceId seq, int32_t layer, const FetchPlan& plan,
                          FetchBuffer* dest) override {
-    if (dest == nullptr || dest->owner() != this) {
-      return FetchHandle(absl::InvalidArgumentError(
-          "the fetch buffer was not made by this client"));
-    }
     const size_t request_bytes =
         (plan.indices.size() + plan.head_offsets.size()) * sizeof(int32_t);
     if (request_bytes + 1024 > static_cast<size_t>(options_.max_message_bytes)) {
@@ -545,9 +540,9 @@ class GrpcKvClient final : public KvClient {
           " indices exceeds the message limit of ", options_.max_message_bytes,
           " bytes")));
     }
-    auto* buffer = static_cast<GrpcFetchBuffer*>(dest);
-    absl::Status begun = buffer->Begin();
-    if (!begun.ok()) return FetchHandle(std::move(begun));
+    auto claimed = FetchBuffer::Claim<GrpcFetchBuffer>(this, dest);
+    if (!claimed.ok()) return FetchHandle(claimed.status());
+    GrpcFetchBuffer* buffer = *claimed;
 
     buffer->deadline = absl::Now() + options_.fetch_timeout;
     kv::FetchRequest& req = buffer->request;
