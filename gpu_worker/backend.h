@@ -232,10 +232,6 @@ class DeviceBuffer {
   size_t count_ = 0;
 };
 
-// The CPU backend: OpenBLAS for matrix work, plain loops elsewhere. It is
-// the reference every other backend is compared with.
-std::unique_ptr<Backend> NewCpuBackend();
-
 // The CUDA backend on `device` (cuBLAS and the kernels of gpu_worker/cuda/).
 // Unavailable when the binary was built without CUDA or no device answers,
 // with the reason.

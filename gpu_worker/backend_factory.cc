@@ -14,6 +14,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/log.h"
 #include "gpu_worker/backend.h"
+#include "gpu_worker/cpu/cpu_backend.h"
 
 namespace infinigen::gpu_worker {
 namespace {

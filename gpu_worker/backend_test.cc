@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "gpu_worker/backend.h"
+#include "gpu_worker/cpu/cpu_backend.h"
 #include "gpu_worker/kv_rows.h"
 #include "gtest/gtest.h"
 

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_format.h"
 #include "common/status.h"
+#include "gpu_worker/cpu/cpu_backend.h"
 #include "gpu_worker/engine.h"
 
 namespace infinigen::gpu_worker {

@@ -9,6 +9,7 @@
 
 #include "gmock/gmock.h"
 #include "gpu_worker/calibrate.h"
+#include "gpu_worker/cpu/cpu_backend.h"
 #include "gpu_worker/engine.h"
 #include "gpu_worker/sampler.h"
 #include "gtest/gtest.h"

@@ -76,10 +76,12 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
-#include "kv_memory_service/kv_store.h"
+#include "kv_memory_service/kv_store_options.h"
 #include "kv_memory_service/kv_types.h"
 
 namespace infinigen::kv_memory_service {
+
+class KvStore;  // kv_store.h
 
 struct KvClientOptions {
   // Sent as "authorization: Bearer <token>" with every request when not

@@ -73,38 +73,12 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "kv_memory_service/kv_store_options.h"
 #include "kv_memory_service/kv_types.h"
 
 namespace infinigen::kv_memory_service {
 
 class PrefixCache;
-
-struct KvStoreOptions {
-  // Most bytes of rows all open sequences may reserve together (the sum of
-  // ReservedBytes of their geometries); 0 = unlimited. Open beyond it is
-  // ResourceExhausted.
-  int64_t capacity_bytes = 0;
-  // Most sequences open at once; Open beyond it is ResourceExhausted.
-  int32_t max_sequences = 1024;
-  // What a full (layer, KV head) drops before taking a new token.
-  EvictionPolicy eviction = EvictionPolicy::kLru;
-  // Most tokens one Append may carry per layer; more is ResourceExhausted.
-  int32_t max_append_tokens = 1 << 20;
-  // Most indices one FetchPlan may hold; more is ResourceExhausted.
-  int64_t max_fetch_indices = 1 << 24;
-  // How long a session lives without a RenewSession before ExpireSessions
-  // closes its sequences. Zero: sessions never expire.
-  absl::Duration lease_timeout = absl::ZeroDuration();
-  // Most sessions at once; OpenSession beyond it is ResourceExhausted.
-  int32_t max_sessions = 4096;
-  // Most bytes of shared prefix blocks (prefix_cache.h) held at once,
-  // counted once however many sequences use them, on top of
-  // capacity_bytes; 0 = no sharing (prefix requests neither attach nor
-  // publish).
-  int64_t prefix_cache_bytes = 0;
-  // The clock leases are measured on; tests pass a fake. Null: absl::Now.
-  std::function<absl::Time()> clock;
-};
 
 // A session whose lease ExpireSessions found run out.
 struct ExpiredSession {

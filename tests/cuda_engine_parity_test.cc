@@ -18,6 +18,7 @@
 
 #include "gpu_worker/backend.h"
 #include "gpu_worker/calibrate.h"
+#include "gpu_worker/cpu/cpu_backend.h"
 #include "gpu_worker/cuda/cuda_backend.h"
 #include "gpu_worker/engine.h"
 #include "gtest/gtest.h"

@@ -15,6 +15,7 @@
 #include "absl/strings/str_join.h"
 #include "gmock/gmock.h"
 #include "gpu_worker/calibrate.h"
+#include "gpu_worker/cpu/cpu_backend.h"
 #include "gpu_worker/engine.h"
 #include "gtest/gtest.h"
 #include "kv_memory_service/kv_client.h"

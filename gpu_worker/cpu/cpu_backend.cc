@@ -8,7 +8,7 @@
 #include <cstring>
 #include <vector>
 
-#include "gpu_worker/backend.h"
+#include "gpu_worker/cpu/cpu_backend.h"
 
 namespace infinigen::gpu_worker {
 namespace {

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "gpu_worker/backend.h"
+#include "gpu_worker/cpu/cpu_backend.h"
 #include "gpu_worker/cuda/parity_testing.h"
 #include "gtest/gtest.h"
 

@@ -18,6 +18,7 @@
 
 #include "common/half.h"
 #include "gpu_worker/backend.h"
+#include "gpu_worker/cpu/cpu_backend.h"
 #include "gpu_worker/cuda/parity_testing.h"
 #include "gpu_worker/kv_policy.h"
 #include "gtest/gtest.h"
