@@ -8,8 +8,11 @@
 // for the next, and so on. Positions never change, even when the pool evicts
 // tokens; an evicted position simply has no row any more.
 //
-// Rows are 16-bit floats (fp16 or bf16 per SequenceGeometry::dtype) stored as
-// uint16_t: the memory node never interprets them, it only moves bits.
+// Rows are head_dim uint16_t values: 16-bit floats (fp16 or bf16 per
+// SequenceGeometry::dtype) for most policies, or any packed format the
+// worker chooses (int4 rows, gpu_worker/kv_rows.h, are scales, minimums and
+// nibbles packed into KvRowWidth values, which the worker passes as
+// head_dim). The memory node never interprets them, it only moves bits.
 //
 // Nothing here owns memory except the result structs; spans point at the
 // caller's buffers. Everything is a plain value: not synchronized.
@@ -64,7 +67,9 @@ absl::string_view EvictionPolicyName(EvictionPolicy policy);
 struct SequenceGeometry {
   int32_t n_layers = 0;    // > 0
   int32_t n_kv_heads = 0;  // > 0
-  int32_t head_dim = 0;    // > 0, values per row
+  // > 0: uint16_t values per stored row; the model's head dimension for
+  // 16-bit rows, the packed width for int4 (KvRowWidth, kv_rows.h).
+  int32_t head_dim = 0;
   // Most tokens kept per (layer, KV head): the pool's capacity for this
   // sequence. When a (layer, head) holds this many, appending one more first
   // evicts one by the store's EvictionPolicy. Open reserves (accounts) room

@@ -38,7 +38,10 @@ struct CudaBackendOptions {
 // The backend on CUDA device `device`. Unavailable, with the CUDA error
 // string, when no device answers (cudaGetDeviceCount fails or reports 0),
 // `device` is out of range, or the device cannot be initialised (no managed
-// memory, no stream, no cuBLAS handle).
+// memory, no stream, no cuBLAS handle). The worker reaches it through
+// NewCudaBackend (backend.h), which loads it from the CUDA plugin
+// (cuda_plugin.cc) so that the binary runs on hosts without CUDA; tests that
+// link it directly call this one, with options.
 absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(
     int device, const CudaBackendOptions& options = {});
 

@@ -8,8 +8,9 @@
 // inconsistent shapes and missing pointers are rejected before anything is
 // launched with cudaErrorInvalidValue (1). The arithmetic follows the CPU
 // reference (gpu_worker/cpu/cpu_backend.cc), speculator::SpeculateScores and
-// Int4Policy (gpu_worker/kv_policy.cc) formula for formula; only the order
-// of float additions differs.
+// the int4 row format (KvRowFormat::kInt4: EncodeKvRows and DecodeKvRows in
+// gpu_worker/kv_rows.h) formula for formula; only the order of float
+// additions differs.
 //
 // Sources: layer_kernels.cu (norms, RoPE, pointwise, conversions),
 // attention.cu, speculation.cu.
