@@ -39,7 +39,8 @@ fi
 
 store_srcs=(kv_memory_service/kv_store.cc kv_memory_service/kv_types.cc
             kv_memory_service/prefix_cache.cc kv_memory_service/prefix_keys.cc)
-model_srcs=(common/file.cc common/log.cc model/gguf.cc model/bpe_tokenizer.cc
+model_srcs=(common/file.cc common/log.cc model/gguf.cc model/ggml_quants.cc
+            model/gguf_llama.cc model/bpe_tokenizer.cc
             model/tokenizer.cc model/config.cc model/weights.cc
             model/llama2c.cc model/safetensors.cc)
 sources_of() {

@@ -10,8 +10,10 @@
 // checkpoint's weights (dequantized, Q/K rows permuted to the half-split
 // rotary layout of weights.h) and its byte-level BPE tokenizer.
 //
-// Layout reference: ggml's docs/gguf.md and ggml-common.h (block layouts);
-// dequantization follows ggml's reference dequantize_row_* bit for bit.
+// Layout reference: ggml's docs/gguf.md. Files: gguf.cc parses,
+// ggml_quants.{h,cc} holds the block layouts and dequantizers (ggml's
+// reference dequantize_row_* bit for bit), gguf_llama.cc maps a Llama
+// checkpoint to Weights and its tokenizer.
 #ifndef INFINIGEN_MODEL_GGUF_H_
 #define INFINIGEN_MODEL_GGUF_H_
 
@@ -25,44 +27,11 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "common/file.h"
+#include "model/ggml_quants.h"
 #include "model/tokenizer.h"
 #include "model/weights.h"
 
 namespace infinigen::model {
-
-// ggml tensor element types (ggml.h's enum ggml_type). Only the ones this
-// project dequantizes are named; any other id is rejected with its number.
-enum class GgmlType : uint32_t {
-  kF32 = 0,
-  kF16 = 1,
-  kQ4_0 = 2,
-  kQ4_1 = 3,
-  kQ5_0 = 6,
-  kQ5_1 = 7,
-  kQ8_0 = 8,
-  kQ8_1 = 9,
-  kQ2_K = 10,
-  kQ3_K = 11,
-  kQ4_K = 12,
-  kQ5_K = 13,
-  kQ6_K = 14,
-  kQ8_K = 15,
-  kBF16 = 30,
-};
-
-// "Q4_1", "F32", ... for any ggml type id, "type<N>" for ids it does not know.
-std::string GgmlTypeName(uint32_t type);
-
-// Elements per block and bytes per block of `type`; false for types this
-// loader cannot dequantize (the block size of Q8_1 is known but it is an
-// activation format, never a weight, and is not supported).
-bool GgmlBlockLayout(uint32_t type, int64_t* block_elems, int64_t* block_bytes);
-
-// Dequantizes `n` values of `type` from `src` (n / block_elems whole blocks)
-// into `dst`. InvalidArgument if the type is unsupported or `n` is not a
-// multiple of the block size.
-absl::Status Dequantize(uint32_t type, const uint8_t* src, int64_t n,
-                        float* dst);
 
 // Metadata value types (gguf_type).
 enum class GgufValueType : uint32_t {
