@@ -141,6 +141,83 @@ class Backend {
   virtual void UnpinHost(void* p) {}
 };
 
+// A Backend that forwards every call to another one it owns, as leveldb's
+// EnvWrapper does for Env: instrumented and fault-injecting backends (in
+// tests) derive from it and override only the calls they watch.
+class BackendWrapper : public Backend {
+ public:
+  explicit BackendWrapper(std::unique_ptr<Backend> target)
+      : target_(std::move(target)) {}
+  Backend* target() const { return target_.get(); }
+
+  std::string name() const override { return target_->name(); }
+  void* AllocateShared(size_t bytes) override {
+    return target_->AllocateShared(bytes);
+  }
+  void FreeShared(void* p) override { target_->FreeShared(p); }
+  void* AllocateDevice(size_t bytes) override {
+    return target_->AllocateDevice(bytes);
+  }
+  void FreeDevice(void* p) override { target_->FreeDevice(p); }
+  bool OperatesOnHostMemory() const override {
+    return target_->OperatesOnHostMemory();
+  }
+  absl::Status RegisterConstant(const float* p, size_t count) override {
+    return target_->RegisterConstant(p, count);
+  }
+  absl::Status Synchronize() override { return target_->Synchronize(); }
+  void Linear(const float* x, int n, int in, const float* w, const float* bias,
+              int out, float* y) override {
+    target_->Linear(x, n, in, w, bias, out, y);
+  }
+  void RmsNorm(const float* x, int n, int dim, const float* gain, float eps,
+               float* y) override {
+    target_->RmsNorm(x, n, dim, gain, eps, y);
+  }
+  void LayerNorm(const float* x, int n, int dim, const float* gain,
+                 const float* bias, float eps, float* y) override {
+    target_->LayerNorm(x, n, dim, gain, bias, eps, y);
+  }
+  void Rope(float* x, int n, int n_heads, int head_dim, const int* positions,
+            float theta) override {
+    target_->Rope(x, n, n_heads, head_dim, positions, theta);
+  }
+  void Attention(const AttentionParams& p) override { target_->Attention(p); }
+  void SwiGlu(float* gate, const float* up, long count) override {
+    target_->SwiGlu(gate, up, count);
+  }
+  void Relu(float* x, long count) override { target_->Relu(x, count); }
+  void Add(float* x, const float* y, long count) override {
+    target_->Add(x, y, count);
+  }
+  void Copy(float* dst, const float* src, long count) override {
+    target_->Copy(dst, src, count);
+  }
+  void DecodeKvRows(const uint16_t* in, int n_rows, int head_dim,
+                    KvRowFormat format, float* rows) override {
+    target_->DecodeKvRows(in, n_rows, head_dim, format, rows);
+  }
+  void SpeculateScores(const SpeculationParams& p) override {
+    target_->SpeculateScores(p);
+  }
+  Mark MarkIssued() override { return target_->MarkIssued(); }
+  void CopyFromHost(void* dst, const void* src, size_t bytes,
+                    Mark after) override {
+    target_->CopyFromHost(dst, src, bytes, after);
+  }
+  absl::Status WaitCopies() override { return target_->WaitCopies(); }
+  absl::Status CopyToHost(void* dst, const void* src, size_t bytes) override {
+    return target_->CopyToHost(dst, src, bytes);
+  }
+  absl::Status PinHost(void* p, size_t bytes) override {
+    return target_->PinHost(p, bytes);
+  }
+  void UnpinHost(void* p) override { target_->UnpinHost(p); }
+
+ private:
+  std::unique_ptr<Backend> target_;
+};
+
 // std::vector storage from a backend's AllocateShared: the engine's buffers.
 template <typename T>
 class SharedAllocator {

@@ -100,5 +100,39 @@ TEST(CpuBackend, CopiesFromHostAtOnce) {
   EXPECT_TRUE(cpu->Synchronize().ok());
 }
 
+// A wrapper forwards every call: its results are the wrapped backend's,
+// and an override changes only what it overrides.
+TEST(BackendWrapper, ForwardsEveryCallButTheOverridden) {
+  class CountingLinear final : public BackendWrapper {
+   public:
+    CountingLinear() : BackendWrapper(NewCpuBackend()) {}
+    void Linear(const float* x, int n, int in, const float* w, const float* b,
+                int out, float* y) override {
+      ++linears;
+      BackendWrapper::Linear(x, n, in, w, b, out, y);
+    }
+    int linears = 0;
+  };
+  CountingLinear wrapped;
+  auto cpu = NewCpuBackend();
+  EXPECT_EQ(wrapped.name(), cpu->name());
+  EXPECT_EQ(wrapped.OperatesOnHostMemory(), cpu->OperatesOnHostMemory());
+  const std::vector<float> x = {1, 2, 3, 4, 5, 6};  // [2, 3]
+  const std::vector<float> w = {1, 0, -1, 2, 2, 2};  // [2, 3]
+  const std::vector<float> bias = {0.5f, -0.5f};
+  std::vector<float> want(4), got(4);
+  cpu->Linear(x.data(), 2, 3, w.data(), bias.data(), 2, want.data());
+  wrapped.Linear(x.data(), 2, 3, w.data(), bias.data(), 2, got.data());
+  EXPECT_EQ(got, want);
+  EXPECT_EQ(wrapped.linears, 1);
+  std::vector<float> y = {1, -2, 3};
+  wrapped.Relu(y.data(), 3);
+  EXPECT_EQ(y, (std::vector<float>{1, 0, 3}));
+  void* p = wrapped.AllocateDevice(64);
+  ASSERT_NE(p, nullptr);
+  wrapped.FreeDevice(p);
+  EXPECT_TRUE(wrapped.Synchronize().ok());
+}
+
 }  // namespace
 }  // namespace infinigen::gpu_worker

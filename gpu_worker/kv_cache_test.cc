@@ -389,14 +389,14 @@ TEST(KvCacheSizing, SmolLm2ShapeAtContext4096Batch4) {
   EXPECT_LE(full_growth, 0.10 * ideal_growth);
 }
 
-// A backend that counts the bytes its allocations hold.
-class CountingBackend final : public Backend {
+// A backend that counts the bytes its allocations hold (shared and device).
+class CountingBackend final : public BackendWrapper {
  public:
-  explicit CountingBackend(int64_t* live) : cpu_(NewCpuBackend()), live_(live) {}
+  explicit CountingBackend(int64_t* live)
+      : BackendWrapper(NewCpuBackend()), live_(live) {}
   std::string name() const override { return "counting-cpu"; }
-  bool OperatesOnHostMemory() const override { return true; }
   void* AllocateShared(size_t bytes) override {
-    void* p = cpu_->AllocateShared(bytes);
+    void* p = BackendWrapper::AllocateShared(bytes);
     sizes_[p] = bytes;
     *live_ += bytes;
     return p;
@@ -405,34 +405,12 @@ class CountingBackend final : public Backend {
     if (p == nullptr) return;
     *live_ -= sizes_[p];
     sizes_.erase(p);
-    cpu_->FreeShared(p);
+    BackendWrapper::FreeShared(p);
   }
-  void Linear(const float* x, int n, int in, const float* w, const float* b,
-              int out, float* y) override {
-    cpu_->Linear(x, n, in, w, b, out, y);
-  }
-  void RmsNorm(const float* x, int n, int dim, const float* g, float eps,
-               float* y) override {
-    cpu_->RmsNorm(x, n, dim, g, eps, y);
-  }
-  void LayerNorm(const float* x, int n, int dim, const float* g,
-                 const float* b, float eps, float* y) override {
-    cpu_->LayerNorm(x, n, dim, g, b, eps, y);
-  }
-  void Rope(float* x, int n, int h, int d, const int* pos,
-            float theta) override {
-    cpu_->Rope(x, n, h, d, pos, theta);
-  }
-  void Attention(const AttentionParams& p) override { cpu_->Attention(p); }
-  void SwiGlu(float* g, const float* u, long n) override {
-    cpu_->SwiGlu(g, u, n);
-  }
-  void Relu(float* x, long n) override { cpu_->Relu(x, n); }
-  void Add(float* x, const float* y, long n) override { cpu_->Add(x, y, n); }
-  void Copy(float* d, const float* s, long n) override { cpu_->Copy(d, s, n); }
+  void* AllocateDevice(size_t bytes) override { return AllocateShared(bytes); }
+  void FreeDevice(void* p) override { FreeShared(p); }
 
  private:
-  std::unique_ptr<Backend> cpu_;
   int64_t* live_;
   std::map<void*, size_t> sizes_;
 };

@@ -463,7 +463,7 @@ TEST_F(PolicyTest, PoolEvictionFetchesOnlyWhatIsPresent) {
 // copy into a staging buffer waits (its `after` mark) for the operations
 // that last read that buffer. On the CPU the operations are synchronous,
 // so only this bookkeeping shows that a device would see the right order.
-class RecordingBackend final : public Backend {
+class RecordingBackend final : public BackendWrapper {
  public:
   struct Log {
     int pins = 0, unpins = 0;
@@ -474,52 +474,51 @@ class RecordingBackend final : public Backend {
     size_t largest_unpinned_copy = 0;
     std::vector<std::string> violations;
   };
-  explicit RecordingBackend(Log* log) : cpu_(NewCpuBackend()), log_(log) {}
+  explicit RecordingBackend(Log* log)
+      : BackendWrapper(NewCpuBackend()), log_(log) {}
 
   std::string name() const override { return "recording-cpu"; }
-  void* AllocateShared(size_t bytes) override {
-    return cpu_->AllocateShared(bytes);
-  }
-  void FreeShared(void* p) override { cpu_->FreeShared(p); }
+  // As a device: fetched rows reach the operations by CopyFromHost.
+  bool OperatesOnHostMemory() const override { return false; }
   void Linear(const float* x, int n, int in, const float* w, const float* b,
               int out, float* y) override {
     ++issued_;
-    cpu_->Linear(x, n, in, w, b, out, y);
+    BackendWrapper::Linear(x, n, in, w, b, out, y);
   }
   void RmsNorm(const float* x, int n, int dim, const float* gain, float eps,
                float* y) override {
     ++issued_;
-    cpu_->RmsNorm(x, n, dim, gain, eps, y);
+    BackendWrapper::RmsNorm(x, n, dim, gain, eps, y);
   }
   void LayerNorm(const float* x, int n, int dim, const float* gain,
                  const float* bias, float eps, float* y) override {
     ++issued_;
-    cpu_->LayerNorm(x, n, dim, gain, bias, eps, y);
+    BackendWrapper::LayerNorm(x, n, dim, gain, bias, eps, y);
   }
   void Rope(float* x, int n, int n_heads, int head_dim, const int* positions,
             float theta) override {
     ++issued_;
-    cpu_->Rope(x, n, n_heads, head_dim, positions, theta);
+    BackendWrapper::Rope(x, n, n_heads, head_dim, positions, theta);
   }
   void Attention(const AttentionParams& p) override {
     ++issued_;
-    cpu_->Attention(p);
+    BackendWrapper::Attention(p);
   }
   void SwiGlu(float* gate, const float* up, long count) override {
     ++issued_;
-    cpu_->SwiGlu(gate, up, count);
+    BackendWrapper::SwiGlu(gate, up, count);
   }
   void Relu(float* x, long count) override {
     ++issued_;
-    cpu_->Relu(x, count);
+    BackendWrapper::Relu(x, count);
   }
   void Add(float* x, const float* y, long count) override {
     ++issued_;
-    cpu_->Add(x, y, count);
+    BackendWrapper::Add(x, y, count);
   }
   void Copy(float* dst, const float* src, long count) override {
     ++issued_;
-    cpu_->Copy(dst, src, count);
+    BackendWrapper::Copy(dst, src, count);
   }
   void DecodeKvRows(const uint16_t* in, int n_rows, int head_dim,
                     KvRowFormat format, float* rows) override {
@@ -530,7 +529,7 @@ class RecordingBackend final : public Backend {
                       begin + static_cast<size_t>(n_rows) *
                                   KvRowWidth(format, head_dim) * 2,
                       issued_});
-    cpu_->DecodeKvRows(in, n_rows, head_dim, format, rows);
+    BackendWrapper::DecodeKvRows(in, n_rows, head_dim, format, rows);
   }
   Mark MarkIssued() override {
     mark_at_.push_back(issued_);
@@ -574,7 +573,6 @@ class RecordingBackend final : public Backend {
     const char* end;
     long op;  // issued_ when it was issued
   };
-  std::unique_ptr<Backend> cpu_;
   Log* log_;
   long issued_ = 0;
   std::vector<long> mark_at_;
