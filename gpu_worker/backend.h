@@ -19,7 +19,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-#include <new>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -217,43 +216,6 @@ class BackendWrapper : public Backend {
  private:
   std::unique_ptr<Backend> target_;
 };
-
-// std::vector storage from a backend's AllocateShared: the engine's buffers.
-template <typename T>
-class SharedAllocator {
- public:
-  using value_type = T;
-  // Buffers move and swap with their backend.
-  using propagate_on_container_copy_assignment = std::true_type;
-  using propagate_on_container_move_assignment = std::true_type;
-  using propagate_on_container_swap = std::true_type;
-  // A default-constructed allocator only holds empty vectors.
-  SharedAllocator() : backend_(nullptr) {}
-  explicit SharedAllocator(Backend* backend) : backend_(backend) {}
-  template <typename U>
-  SharedAllocator(const SharedAllocator<U>& o) : backend_(o.backend()) {}
-  T* allocate(size_t n) {
-    if (backend_ == nullptr) throw std::bad_alloc();
-    void* p = backend_->AllocateShared(n * sizeof(T));
-    if (p == nullptr) throw std::bad_alloc();
-    return static_cast<T*>(p);
-  }
-  void deallocate(T* p, size_t) { backend_->FreeShared(p); }
-  Backend* backend() const { return backend_; }
-  template <typename U>
-  bool operator==(const SharedAllocator<U>& o) const {
-    return backend_ == o.backend();
-  }
-  template <typename U>
-  bool operator!=(const SharedAllocator<U>& o) const {
-    return backend_ != o.backend();
-  }
-
- private:
-  Backend* backend_;
-};
-template <typename T>
-using SharedVector = std::vector<T, SharedAllocator<T>>;
 
 // `count` values of T in a backend's device memory (AllocateDevice),
 // uninitialized; freed with the buffer. Move-only; the backend must outlive

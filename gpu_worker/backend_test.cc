@@ -9,6 +9,7 @@
 #include "gpu_worker/backend.h"
 #include "gpu_worker/cpu/cpu_backend.h"
 #include "gpu_worker/kv_rows.h"
+#include "gpu_worker/shared_vector.h"
 #include "gtest/gtest.h"
 
 namespace infinigen::gpu_worker {

@@ -18,6 +18,7 @@
 #include "gpu_worker/backend.h"
 #include "gpu_worker/cpu/cpu_backend.h"
 #include "gpu_worker/cuda/parity_testing.h"
+#include "gpu_worker/shared_vector.h"
 #include "gtest/gtest.h"
 
 namespace infinigen::gpu_worker::cuda {
