@@ -299,83 +299,102 @@ class Api {
     if (auto e = GetInt(body, "n", &n)) return e;
     if (n != 1) return BadParam("n", "only n=1 is supported");
 
-    std::string prompt;
-    if (chat) {
-      if (!options_.chat_template.ok()) {
-        return ApiError{400,
-                        absl::StrCat("chat is not available: ",
-                                     options_.chat_template.status().message())};
-      }
-      auto it = body.find("messages");
-      if (it == body.end() || !it->is_array() || it->empty()) {
-        return BadParam("messages",
-                        "'messages' must be a non-empty array of messages");
-      }
-      std::vector<ChatMessage> messages;
-      for (size_t i = 0; i < it->size(); ++i) {
-        const json& m = (*it)[i];
-        const std::string where = absl::StrCat("messages[", i, "]");
-        if (!m.is_object() || !m.contains("role") || !m["role"].is_string()) {
-          return BadParam(where, absl::StrCat("'", where,
-                                              "' must be an object with a "
-                                              "string 'role'"));
-        }
-        ChatMessage message{m["role"].get<std::string>(), ""};
-        const json content = m.value("content", json(nullptr));
-        if (content.is_string()) {
-          message.content = content.get<std::string>();
-        } else if (content.is_array()) {
-          // [{"type": "text", "text": ...}, ...]: the text parts.
-          for (const json& part : content) {
-            if (!part.is_object() || part.value("type", "") != "text" ||
-                !part.contains("text") || !part["text"].is_string()) {
-              return BadParam(where, absl::StrCat("'", where,
-                                                  ".content' may hold only "
-                                                  "text parts"));
-            }
-            message.content += part["text"].get<std::string>();
-          }
-        } else if (!content.is_null()) {
-          return BadParam(where, absl::StrCat("'", where,
-                                              ".content' must be a string"));
-        }
-        messages.push_back(std::move(message));
-      }
-      auto text = ApplyChatTemplate(*options_.chat_template, messages);
-      if (!text.ok()) {
-        return BadParam("messages", std::string(text.status().message()));
-      }
-      prompt = *std::move(text);
-      p->prompt_tokens = tokenizer_->Encode(prompt, /*add_bos=*/true);
-    } else {
-      auto it = body.find("prompt");
-      if (it == body.end() || it->is_null()) {
-        return BadParam("prompt", "'prompt' is required");
-      }
-      const json* one = &*it;
-      if (it->is_array() && it->size() == 1 && (*it)[0].is_string()) {
-        one = &(*it)[0];  // ["text"]
-      }
-      if (one->is_string()) {
-        p->prompt_tokens =
-            tokenizer_->Encode(one->get<std::string>(), /*add_bos=*/true);
-      } else if (one->is_array() && !one->empty() &&
-                 std::all_of(one->begin(), one->end(),
-                             [](const json& t) {
-                               return t.is_number_integer();
-                             })) {
-        for (const json& t : *one) p->prompt_tokens.push_back(t.get<int>());
-      } else {
-        return BadParam("prompt",
-                        "'prompt' must be a string or an array of token ids "
-                        "(one prompt: n and batches of prompts are not "
-                        "supported)");
-      }
-      if (p->prompt_tokens.empty()) {
-        return BadParam("prompt", "the prompt is empty");
-      }
+    if (auto e = chat ? ParseChatPrompt(body, p)
+                      : ParseCompletionPrompt(body, p)) {
+      return e;
     }
+    if (auto e = ParseMaxTokens(body, chat, p)) return e;
+    if (auto e = ParseSampling(body, p)) return e;
+    return ParseStopAndStream(body, p);
+  }
 
+  // A chat request's messages in the model's chat template, tokenized.
+  std::optional<ApiError> ParseChatPrompt(const json& body,
+                                          CompletionParams* p) const {
+    if (!options_.chat_template.ok()) {
+      return ApiError{400,
+                      absl::StrCat("chat is not available: ",
+                                   options_.chat_template.status().message())};
+    }
+    auto it = body.find("messages");
+    if (it == body.end() || !it->is_array() || it->empty()) {
+      return BadParam("messages",
+                      "'messages' must be a non-empty array of messages");
+    }
+    std::vector<ChatMessage> messages;
+    for (size_t i = 0; i < it->size(); ++i) {
+      const json& m = (*it)[i];
+      const std::string where = absl::StrCat("messages[", i, "]");
+      if (!m.is_object() || !m.contains("role") || !m["role"].is_string()) {
+        return BadParam(where, absl::StrCat("'", where,
+                                            "' must be an object with a "
+                                            "string 'role'"));
+      }
+      ChatMessage message{m["role"].get<std::string>(), ""};
+      const json content = m.value("content", json(nullptr));
+      if (content.is_string()) {
+        message.content = content.get<std::string>();
+      } else if (content.is_array()) {
+        // [{"type": "text", "text": ...}, ...]: the text parts.
+        for (const json& part : content) {
+          if (!part.is_object() || part.value("type", "") != "text" ||
+              !part.contains("text") || !part["text"].is_string()) {
+            return BadParam(where, absl::StrCat("'", where,
+                                                ".content' may hold only "
+                                                "text parts"));
+          }
+          message.content += part["text"].get<std::string>();
+        }
+      } else if (!content.is_null()) {
+        return BadParam(where, absl::StrCat("'", where,
+                                            ".content' must be a string"));
+      }
+      messages.push_back(std::move(message));
+    }
+    auto text = ApplyChatTemplate(*options_.chat_template, messages);
+    if (!text.ok()) {
+      return BadParam("messages", std::string(text.status().message()));
+    }
+    p->prompt_tokens = tokenizer_->Encode(*text, /*add_bos=*/true);
+    return std::nullopt;
+  }
+
+  // A completion request's prompt: one string or one array of token ids.
+  std::optional<ApiError> ParseCompletionPrompt(const json& body,
+                                                CompletionParams* p) const {
+    auto it = body.find("prompt");
+    if (it == body.end() || it->is_null()) {
+      return BadParam("prompt", "'prompt' is required");
+    }
+    const json* one = &*it;
+    if (it->is_array() && it->size() == 1 && (*it)[0].is_string()) {
+      one = &(*it)[0];  // ["text"]
+    }
+    if (one->is_string()) {
+      p->prompt_tokens =
+          tokenizer_->Encode(one->get<std::string>(), /*add_bos=*/true);
+    } else if (one->is_array() && !one->empty() &&
+               std::all_of(one->begin(), one->end(),
+                           [](const json& t) {
+                             return t.is_number_integer();
+                           })) {
+      for (const json& t : *one) p->prompt_tokens.push_back(t.get<int>());
+    } else {
+      return BadParam("prompt",
+                      "'prompt' must be a string or an array of token ids "
+                      "(one prompt: n and batches of prompts are not "
+                      "supported)");
+    }
+    if (p->prompt_tokens.empty()) {
+      return BadParam("prompt", "the prompt is empty");
+    }
+    return std::nullopt;
+  }
+
+  // max_tokens (or chat's max_completion_tokens) within the server's limit,
+  // with OpenAI's defaults.
+  std::optional<ApiError> ParseMaxTokens(const json& body, bool chat,
+                                         CompletionParams* p) const {
     int64_t max_tokens = 0;
     const char* max_name = "max_tokens";
     if (auto e = GetInt(body, "max_tokens", &max_tokens)) return e;
@@ -395,7 +414,12 @@ class Api {
     // context.
     p->max_tokens = max_given ? static_cast<int>(max_tokens)
                               : (chat ? limit : std::min(16, limit));
+    return std::nullopt;
+  }
 
+  // temperature, top_p and seed.
+  static std::optional<ApiError> ParseSampling(const json& body,
+                                               CompletionParams* p) {
     double temperature = 1.0, top_p = 1.0;
     if (auto e = GetNumber(body, "temperature", &temperature)) return e;
     if (temperature < 0 || temperature > 2) {
@@ -414,7 +438,12 @@ class Api {
     } else {
       p->seed = std::random_device{}();
     }
+    return std::nullopt;
+  }
 
+  // stop sequences, stream and stream_options.
+  static std::optional<ApiError> ParseStopAndStream(const json& body,
+                                                    CompletionParams* p) {
     if (auto it = body.find("stop"); it != body.end() && !it->is_null()) {
       if (it->is_string()) {
         p->stop.push_back(it->get<std::string>());
@@ -552,83 +581,102 @@ class Api {
       SetError(res, FromStatus(stream.status()));
       return;
     }
-    const std::string id = RandomId(chat ? "chatcmpl-" : "cmpl-");
-    const int64_t created = UnixNow();
-    const int prompt_tokens = static_cast<int>(params->prompt_tokens.size());
-
+    Answer answer{params, RandomId(chat ? "chatcmpl-" : "cmpl-"), UnixNow()};
     if (!params->stream) {
-      Progress progress(params->stop);
-      std::string text;
-      while (progress.finish.empty()) text += Step(**stream, &progress);
-      if (!progress.error.ok()) {
-        SetError(res, FromStatus(progress.error));
-        return;
-      }
-      json out = Envelope(*params, id, created, /*chunk=*/false);
-      out["choices"] = json::array(
-          {Choice(*params, text, progress.finish, /*delta=*/false, false)});
-      out["usage"] = Usage(prompt_tokens, progress.completion_tokens,
-                           progress.cached_tokens);
-      res.set_content(out.dump(), "application/json");
+      AnswerWhole(**stream, answer, res);
       return;
     }
-
     std::shared_ptr<GenerationStream> s = *stream;
     res.set_header("Cache-Control", "no-cache");
     res.set_chunked_content_provider(
         "text/event-stream",
-        [this, s, params, id, created, prompt_tokens](size_t,
-                                                      httplib::DataSink& sink) {
-          auto send = [&sink](const json& j) {
-            const std::string event = absl::StrCat("data: ", j.dump(), "\n\n");
-            return sink.write(event.data(), event.size());
-          };
-          Progress progress(params->stop);
-          bool first = true;
-          while (progress.finish.empty()) {
-            const std::string text = Step(*s, &progress);
-            if (!progress.error.ok()) break;
-            if (text.empty() && !first) {
-              if (!sink.is_writable()) {  // the client went away
-                s->Cancel();
-                return false;
-              }
-              continue;
-            }
-            json chunk = Envelope(*params, id, created, /*chunk=*/true);
-            chunk["choices"] = json::array(
-                {Choice(*params, text, "", /*delta=*/true, first)});
-            first = false;
-            if (!send(chunk)) {
-              s->Cancel();
-              return false;
-            }
-          }
-          if (!progress.error.ok()) {
-            ApiError e = FromStatus(progress.error);
-            send(ErrorBody(e));
-          } else {
-            json chunk = Envelope(*params, id, created, /*chunk=*/true);
-            chunk["choices"] = json::array(
-                {Choice(*params, "", progress.finish, /*delta=*/true, false)});
-            send(chunk);
-            if (params->include_usage) {
-              json usage = Envelope(*params, id, created, /*chunk=*/true);
-              usage["choices"] = json::array();
-              usage["usage"] =
-                  Usage(prompt_tokens, progress.completion_tokens,
-                        progress.cached_tokens);
-              send(usage);
-            }
-          }
-          constexpr absl::string_view kDone = "data: [DONE]\n\n";
-          sink.write(kDone.data(), kDone.size());
-          sink.done();
-          return true;
+        [this, s, answer](size_t, httplib::DataSink& sink) {
+          return WriteEvents(*s, answer, sink);
         },
         [s](bool success) {
           if (!success) s->Cancel();
         });
+  }
+
+  // What every part of one answer carries.
+  struct Answer {
+    std::shared_ptr<const CompletionParams> params;
+    std::string id;
+    int64_t created = 0;
+    int prompt_tokens() const {
+      return static_cast<int>(params->prompt_tokens.size());
+    }
+  };
+
+  // A non-streaming answer: the whole completion in one JSON body.
+  void AnswerWhole(GenerationStream& stream, const Answer& a,
+                   httplib::Response& res) {
+    const CompletionParams& p = *a.params;
+    Progress progress(p.stop);
+    std::string text;
+    while (progress.finish.empty()) text += Step(stream, &progress);
+    if (!progress.error.ok()) {
+      SetError(res, FromStatus(progress.error));
+      return;
+    }
+    json out = Envelope(p, a.id, a.created, /*chunk=*/false);
+    out["choices"] = json::array(
+        {Choice(p, text, progress.finish, /*delta=*/false, false)});
+    out["usage"] = Usage(a.prompt_tokens(), progress.completion_tokens,
+                         progress.cached_tokens);
+    res.set_content(out.dump(), "application/json");
+  }
+
+  // A streaming answer as server-sent events: a chunk per piece of text,
+  // the finish reason, usage when asked, then [DONE]. False (the stream
+  // cancelled) when the client goes away.
+  bool WriteEvents(GenerationStream& s, const Answer& a,
+                   httplib::DataSink& sink) {
+    const CompletionParams& p = *a.params;
+    auto send = [&sink](const json& j) {
+      const std::string event = absl::StrCat("data: ", j.dump(), "\n\n");
+      return sink.write(event.data(), event.size());
+    };
+    Progress progress(p.stop);
+    bool first = true;
+    while (progress.finish.empty()) {
+      const std::string text = Step(s, &progress);
+      if (!progress.error.ok()) break;
+      if (text.empty() && !first) {
+        if (!sink.is_writable()) {  // the client went away
+          s.Cancel();
+          return false;
+        }
+        continue;
+      }
+      json chunk = Envelope(p, a.id, a.created, /*chunk=*/true);
+      chunk["choices"] =
+          json::array({Choice(p, text, "", /*delta=*/true, first)});
+      first = false;
+      if (!send(chunk)) {
+        s.Cancel();
+        return false;
+      }
+    }
+    if (!progress.error.ok()) {
+      send(ErrorBody(FromStatus(progress.error)));
+    } else {
+      json chunk = Envelope(p, a.id, a.created, /*chunk=*/true);
+      chunk["choices"] = json::array(
+          {Choice(p, "", progress.finish, /*delta=*/true, false)});
+      send(chunk);
+      if (p.include_usage) {
+        json usage = Envelope(p, a.id, a.created, /*chunk=*/true);
+        usage["choices"] = json::array();
+        usage["usage"] = Usage(a.prompt_tokens(), progress.completion_tokens,
+                               progress.cached_tokens);
+        send(usage);
+      }
+    }
+    constexpr absl::string_view kDone = "data: [DONE]\n\n";
+    sink.write(kDone.data(), kDone.size());
+    sink.done();
+    return true;
   }
 
   GenerationScheduler* const scheduler_;
