@@ -227,9 +227,22 @@ class OffloadedKvCache final : public KvCache {
   }
   // Attention of the sequence's new token (row `row`) at `layer` over its
   // fetched rows, decoded by the backend, plus its own.
+  // Init's parts: one sequence slot's policy, fetch buffers and step rows;
+  // the buffers every slot shares; the identity its prefix blocks carry.
+  absl::Status InitSequence(Sequence& s, const KvPolicy::Context& ctx,
+                            bool& pin_warned);
+  absl::Status InitSharedBuffers();
+  void InitPrefixIdentity();
   absl::Status FetchedAttention(Sequence& s, int layer, int row,
                                 const float* q, const float* k,
                                 const float* v, float* out);
+  // FetchedAttention's parts: each KV head's fetched rows decoded where
+  // attention reads them, with the new token's exact row after them; each
+  // head's probability row zeroed for the accumulation (H2O).
+  void DecodeFetched(Sequence& s, int layer, const float* k_new,
+                     const float* v_new);
+  absl::Status ZeroProbabilityRows(
+      const kv_memory_service::OwnedFetchPlan& plan);
   // After the step's last layer's attention is queued: encodes the new
   // token's rows of every layer (copied to the host) and tells the policy
   // about them.
@@ -298,36 +311,56 @@ absl::Status OffloadedKvCache::Init() {
       std::max(1, static_cast<int>(options_.kv_capacity * max_seq_));
   bool pin_warned = false;
   for (Sequence& s : sequences_) {
-    IG_ASSIGN_OR_RETURN(s.policy, KvPolicy::Create(options_.policy, ctx));
-    for (int i = 0; i < 2; ++i) {
-      IG_ASSIGN_OR_RETURN(s.buffers[i], options_.kv_client->NewFetchBuffer(
-                                            layout_.fetch_values));
-      const absl::Status pinned = backend_.PinHost(
-          s.buffers[i]->data(), s.buffers[i]->size() * sizeof(uint16_t));
-      if (!pinned.ok() && !pin_warned) {
-        IG_LOG(WARNING) << "engine: fetch buffers stay pageable (copies run "
-                           "slower): "
-                        << pinned.message();
-        pin_warned = true;
-      }
-      if (layout_.staged) {
-        IG_ASSIGN_OR_RETURN(s.staged[i], DeviceBuffer<uint16_t>::Make(
-                                             &backend_, layout_.fetch_values,
-                                             "fetch staging"));
-      }
-    }
-    s.present.assign(static_cast<size_t>(c_.n_layers) * c_.n_kv_heads *
-                         max_seq_,
-                     0);
-    s.present_count.assign(c_.n_layers, 0);
-    const size_t step_values = static_cast<size_t>(c_.n_layers) * c_.kv_dim();
-    IG_ASSIGN_OR_RETURN(s.new_rows, DeviceBuffer<float>::Make(
-                                        &backend_, 2 * step_values,
-                                        "step rows"));
-    s.k_step.resize(static_cast<size_t>(c_.n_layers) * c_.n_kv_heads *
-                    layout_.row_width);
-    s.v_step.resize(s.k_step.size());
+    IG_RETURN_IF_ERROR(InitSequence(s, ctx, pin_warned));
   }
+  IG_RETURN_IF_ERROR(InitSharedBuffers());
+  step_slots_.reserve(sequences_.size());
+  InitPrefixIdentity();
+  bytes_ = options_.batch * layout_.PerSequence(c_, max_seq_) +
+           layout_.Shared(c_, max_seq_, options_.max_chunk);
+  {
+    absl::MutexLock lock(&append_mu_);
+    append_slots_.reserve(sequences_.size());
+  }
+  appender_ = std::thread([this] { AppenderLoop(); });
+  return absl::OkStatus();
+}
+
+absl::Status OffloadedKvCache::InitSequence(Sequence& s,
+                                            const KvPolicy::Context& ctx,
+                                            bool& pin_warned) {
+  IG_ASSIGN_OR_RETURN(s.policy, KvPolicy::Create(options_.policy, ctx));
+  for (int i = 0; i < 2; ++i) {
+    IG_ASSIGN_OR_RETURN(s.buffers[i], options_.kv_client->NewFetchBuffer(
+                                          layout_.fetch_values));
+    const absl::Status pinned = backend_.PinHost(
+        s.buffers[i]->data(), s.buffers[i]->size() * sizeof(uint16_t));
+    if (!pinned.ok() && !pin_warned) {
+      IG_LOG(WARNING) << "engine: fetch buffers stay pageable (copies run "
+                         "slower): "
+                      << pinned.message();
+      pin_warned = true;
+    }
+    if (layout_.staged) {
+      IG_ASSIGN_OR_RETURN(s.staged[i], DeviceBuffer<uint16_t>::Make(
+                                           &backend_, layout_.fetch_values,
+                                           "fetch staging"));
+    }
+  }
+  s.present.assign(
+      static_cast<size_t>(c_.n_layers) * c_.n_kv_heads * max_seq_, 0);
+  s.present_count.assign(c_.n_layers, 0);
+  const size_t step_values = static_cast<size_t>(c_.n_layers) * c_.kv_dim();
+  IG_ASSIGN_OR_RETURN(s.new_rows, DeviceBuffer<float>::Make(
+                                      &backend_, 2 * step_values,
+                                      "step rows"));
+  s.k_step.resize(static_cast<size_t>(c_.n_layers) * c_.n_kv_heads *
+                  layout_.row_width);
+  s.v_step.resize(s.k_step.size());
+  return absl::OkStatus();
+}
+
+absl::Status OffloadedKvCache::InitSharedBuffers() {
   const size_t decoded = static_cast<size_t>(c_.n_kv_heads) * stride_ *
                          c_.head_dim;
   IG_ASSIGN_OR_RETURN(k_rows_, DeviceBuffer<float>::Make(&backend_, decoded,
@@ -356,30 +389,26 @@ absl::Status OffloadedKvCache::Init() {
       static_cast<size_t>(max_seq_) * c_.n_kv_heads * layout_.row_width;
   k_stage_.resize(stage);
   v_stage_.resize(stage);
-  step_slots_.reserve(sequences_.size());
-  const KvPolicy& policy = *sequences_[0].policy;
-  if (options_.prefix_block_tokens > 0 && !options_.model_identity.empty() &&
-      policy.ReusesPrefix()) {
-    // Rows are reusable between workers that store the same bits and read
-    // the same summaries: same model, policy, row format and shape.
-    identity_ = absl::StrFormat(
-        "%s|policy=%s|rank_by_keys=%d|format=%d|layers=%d|kv_heads=%d|"
-        "width=%d|dtype=%d",
-        options_.model_identity, PolicyName(options_.policy.kind),
-        options_.policy.rank_columns_by_keys ? 1 : 0,
-        static_cast<int>(policy.row_format()), geometry_.n_layers,
-        geometry_.n_kv_heads, geometry_.head_dim,
-        static_cast<int>(geometry_.dtype));
-    state_floats_ = policy.PrefixStateFloats();
-  }
-  bytes_ = options_.batch * layout_.PerSequence(c_, max_seq_) +
-           layout_.Shared(c_, max_seq_, options_.max_chunk);
-  {
-    absl::MutexLock lock(&append_mu_);
-    append_slots_.reserve(sequences_.size());
-  }
-  appender_ = std::thread([this] { AppenderLoop(); });
   return absl::OkStatus();
+}
+
+void OffloadedKvCache::InitPrefixIdentity() {
+  const KvPolicy& policy = *sequences_[0].policy;
+  if (options_.prefix_block_tokens <= 0 || options_.model_identity.empty() ||
+      !policy.ReusesPrefix()) {
+    return;
+  }
+  // Rows are reusable between workers that store the same bits and read
+  // the same summaries: same model, policy, row format and shape.
+  identity_ = absl::StrFormat(
+      "%s|policy=%s|rank_by_keys=%d|format=%d|layers=%d|kv_heads=%d|"
+      "width=%d|dtype=%d",
+      options_.model_identity, PolicyName(options_.policy.kind),
+      options_.policy.rank_columns_by_keys ? 1 : 0,
+      static_cast<int>(policy.row_format()), geometry_.n_layers,
+      geometry_.n_kv_heads, geometry_.head_dim,
+      static_cast<int>(geometry_.dtype));
+  state_floats_ = policy.PrefixStateFloats();
 }
 
 absl::StatusOr<int> OffloadedKvCache::OpenSequence(
@@ -821,49 +850,15 @@ absl::Status OffloadedKvCache::FetchedAttention(Sequence& s, int layer,
   const int i = layer % 2;
   IG_RETURN_IF_ERROR(UploadFetched(s, layer));
   const kv_memory_service::OwnedFetchPlan& plan = s.plans[i];
-  const int total = static_cast<int>(plan.indices.size());
   const bool want_probs = s.policy->WantsAttentionProbs();
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  const KvRowFormat format = s.policy->row_format();
-  const int width = layout_.row_width;
   const float* q = q_all + static_cast<size_t>(row) * c_.q_dim();
   const float* k_new = k_all + static_cast<size_t>(row) * c_.kv_dim();
   const float* v_new = v_all + static_cast<size_t>(row) * c_.kv_dim();
   float* att = out + static_cast<size_t>(row) * c_.q_dim();
-  const uint16_t* k_rows = FetchedRows(s, layer);
-  const uint16_t* v_rows = k_rows + static_cast<size_t>(total) * width;
-  // Each KV head's rows, decoded where attention reads them, then the new
-  // token's exact (unstored) row.
-  for (int g = 0; g < c_.n_kv_heads; ++g) {
-    const int begin = plan.head_offsets[g];
-    const int count = plan.head_offsets[g + 1] - begin;
-    float* kg = k_rows_.data() + static_cast<size_t>(g) * stride_ * hd;
-    float* vg = v_rows_.data() + static_cast<size_t>(g) * stride_ * hd;
-    if (count > 0) {
-      backend_.DecodeKvRows(k_rows + static_cast<size_t>(begin) * width,
-                            count, hd, format, kg);
-      backend_.DecodeKvRows(v_rows + static_cast<size_t>(begin) * width,
-                            count, hd, format, vg);
-    }
-    backend_.Copy(kg + static_cast<size_t>(count) * hd, k_new + g * hd, hd);
-    backend_.Copy(vg + static_cast<size_t>(count) * hd, v_new + g * hd, hd);
-  }
+  DecodeFetched(s, layer, k_new, v_new);
   s.staged_free[i] = backend_.MarkIssued();
-  if (want_probs) {
-    // Each head's probability row zeroed from the host copy (a previous
-    // CopyToHost waited for earlier copies out of it).
-    IG_RETURN_IF_ERROR(backend_.WaitCopies());
-    for (int h = 0; h < c_.n_heads; ++h) {
-      const int count = plan.head_offsets[h / group + 1] -
-                        plan.head_offsets[h / group];
-      const size_t at = static_cast<size_t>(h) * stride_;
-      std::fill(probs_host_.begin() + at, probs_host_.begin() + at + count + 1,
-                0.0f);
-      backend_.CopyFromHost(probs_.data() + at, probs_host_.data() + at,
-                            (count + 1) * sizeof(float),
-                            backend_.MarkIssued());
-    }
-  }
+  if (want_probs) IG_RETURN_IF_ERROR(ZeroProbabilityRows(plan));
   for (int g = 0; g < c_.n_kv_heads; ++g) {
     const int begin = plan.head_offsets[g];
     const int count = plan.head_offsets[g + 1] - begin;
@@ -899,6 +894,52 @@ absl::Status OffloadedKvCache::FetchedAttention(Sequence& s, int layer,
         probs_host_.data(), probs_.data(), values * sizeof(float)));
     s.policy->ObserveAttention(layer, plan.view(), probs_host_.data(),
                                stride_);
+  }
+  return absl::OkStatus();
+}
+
+void OffloadedKvCache::DecodeFetched(Sequence& s, int layer,
+                                     const float* k_new, const float* v_new) {
+  const int hd = c_.head_dim;
+  const kv_memory_service::OwnedFetchPlan& plan = s.plans[layer % 2];
+  const int total = static_cast<int>(plan.indices.size());
+  const KvRowFormat format = s.policy->row_format();
+  const int width = layout_.row_width;
+  const uint16_t* k_rows = FetchedRows(s, layer);
+  const uint16_t* v_rows = k_rows + static_cast<size_t>(total) * width;
+  // Each KV head's rows, decoded where attention reads them, then the new
+  // token's exact (unstored) row.
+  for (int g = 0; g < c_.n_kv_heads; ++g) {
+    const int begin = plan.head_offsets[g];
+    const int count = plan.head_offsets[g + 1] - begin;
+    float* kg = k_rows_.data() + static_cast<size_t>(g) * stride_ * hd;
+    float* vg = v_rows_.data() + static_cast<size_t>(g) * stride_ * hd;
+    if (count > 0) {
+      backend_.DecodeKvRows(k_rows + static_cast<size_t>(begin) * width,
+                            count, hd, format, kg);
+      backend_.DecodeKvRows(v_rows + static_cast<size_t>(begin) * width,
+                            count, hd, format, vg);
+    }
+    backend_.Copy(kg + static_cast<size_t>(count) * hd, k_new + g * hd, hd);
+    backend_.Copy(vg + static_cast<size_t>(count) * hd, v_new + g * hd, hd);
+  }
+}
+
+absl::Status OffloadedKvCache::ZeroProbabilityRows(
+    const kv_memory_service::OwnedFetchPlan& plan) {
+  const int group = c_.n_heads / c_.n_kv_heads;
+  // Each head's probability row zeroed from the host copy (a previous
+  // CopyToHost waited for earlier copies out of it).
+  IG_RETURN_IF_ERROR(backend_.WaitCopies());
+  for (int h = 0; h < c_.n_heads; ++h) {
+    const int count = plan.head_offsets[h / group + 1] -
+                      plan.head_offsets[h / group];
+    const size_t at = static_cast<size_t>(h) * stride_;
+    std::fill(probs_host_.begin() + at, probs_host_.begin() + at + count + 1,
+              0.0f);
+    backend_.CopyFromHost(probs_.data() + at, probs_host_.data() + at,
+                          (count + 1) * sizeof(float),
+                          backend_.MarkIssued());
   }
   return absl::OkStatus();
 }
