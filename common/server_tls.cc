@@ -16,28 +16,27 @@ absl::StatusOr<ServerTlsPem> ReadServerTlsFiles(
     const std::string& cert_path, const std::string& key_path,
     const std::string& client_ca_path) {
   ServerTlsPem pem;
-  const struct {
-    const char* flag;
-    const std::string& path;
-    std::string* text;
-  } files[] = {{"tls_cert", cert_path, &pem.cert},
-               {"tls_key", key_path, &pem.key},
-               {"tls_client_ca", client_ca_path, &pem.client_ca}};
-  for (const auto& file : files) {
-    if (file.path.empty()) continue;
-    absl::StatusOr<std::string> text = ReadFileToString(file.path);
-    if (!text.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--", file.flag, ": ", text.status().message()));
-    }
-    if (text->empty()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--", file.flag, ": ", file.path, " is empty"));
-    }
-    *file.text = *std::move(text);
-  }
+  IG_ASSIGN_OR_RETURN(pem.cert, ReadPemFlagFile("tls_cert", cert_path));
+  IG_ASSIGN_OR_RETURN(pem.key, ReadPemFlagFile("tls_key", key_path));
+  IG_ASSIGN_OR_RETURN(pem.client_ca,
+                      ReadPemFlagFile("tls_client_ca", client_ca_path));
   IG_RETURN_IF_ERROR(CheckServerTls(pem));
   return pem;
+}
+
+absl::StatusOr<std::string> ReadPemFlagFile(const char* flag,
+                                            const std::string& path) {
+  if (path.empty()) return std::string();
+  absl::StatusOr<std::string> text = ReadFileToString(path);
+  if (!text.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", flag, ": ", text.status().message()));
+  }
+  if (text->empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", flag, ": ", path, " is empty"));
+  }
+  return text;
 }
 
 namespace {

@@ -26,6 +26,11 @@ struct ServerTlsPem {
   bool mutual() const { return !client_ca.empty(); }
 };
 
+// The PEM file a flag names: "" for an empty path; InvalidArgument naming
+// the flag ("--FLAG: ...") for a file that cannot be read or is empty.
+absl::StatusOr<std::string> ReadPemFlagFile(const char* flag,
+                                            const std::string& path);
+
 // Reads the files (empty paths are skipped). InvalidArgument naming the
 // flag (--tls_cert, --tls_key, --tls_client_ca) for a file that cannot be
 // read or is empty, or as CheckServerTls.

@@ -236,27 +236,14 @@ absl::StatusOr<kv_memory_service::KvClientOptions> KvClientOptionsFromFlags() {
     }
     options.auth_token = *std::move(token);
   }
-  const struct {
-    const char* flag;
-    std::string path;
-    std::string* pem;
-  } tls_files[] = {
-      {"kv_tls_ca", absl::GetFlag(FLAGS_kv_tls_ca), &options.tls_ca_pem},
-      {"kv_tls_cert", absl::GetFlag(FLAGS_kv_tls_cert), &options.tls_cert_pem},
-      {"kv_tls_key", absl::GetFlag(FLAGS_kv_tls_key), &options.tls_key_pem}};
-  for (const auto& file : tls_files) {
-    if (file.path.empty()) continue;
-    absl::StatusOr<std::string> text = ReadFileToString(file.path);
-    if (!text.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--", file.flag, ": ", text.status().message()));
-    }
-    if (text->empty()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--", file.flag, ": ", file.path, " is empty"));
-    }
-    *file.pem = *std::move(text);
-  }
+  IG_ASSIGN_OR_RETURN(options.tls_ca_pem,
+                      ReadPemFlagFile("kv_tls_ca", absl::GetFlag(FLAGS_kv_tls_ca)));
+  IG_ASSIGN_OR_RETURN(
+      options.tls_cert_pem,
+      ReadPemFlagFile("kv_tls_cert", absl::GetFlag(FLAGS_kv_tls_cert)));
+  IG_ASSIGN_OR_RETURN(
+      options.tls_key_pem,
+      ReadPemFlagFile("kv_tls_key", absl::GetFlag(FLAGS_kv_tls_key)));
   options.tls_server_name = absl::GetFlag(FLAGS_kv_tls_server_name);
   if (options.tls_cert_pem.empty() != options.tls_key_pem.empty()) {
     return absl::InvalidArgumentError(
