@@ -18,12 +18,12 @@ void* Backend::AllocateShared(size_t bytes) {
 
 void Backend::FreeShared(void* p) { std::free(p); }
 
-void Backend::DecodeKvRows(const uint16_t* in, int n_rows, int head_dim,
-                           KvRowFormat format, float* rows) {
+void PolicyOps::DecodeKvRows(const uint16_t* in, int n_rows, int head_dim,
+                             KvRowFormat format, float* rows) {
   gpu_worker::DecodeKvRows(format, in, n_rows, head_dim, rows);
 }
 
-void Backend::SpeculateScores(const SpeculationParams& p) {
+void PolicyOps::SpeculateScores(const SpeculationParams& p) {
   speculator::SpeculateScores(p.q_skewed, p.n_heads, p.n_kv_heads, p.d,
                               p.partial_k, p.k_stride, p.n_tokens, p.cols,
                               p.n_cols, p.scores);

@@ -49,9 +49,27 @@ struct AttentionParams {
   float* prob_sums = nullptr;
 };
 
-class Backend {
+// The operations only the KV policies use, on the backend's memory: a new
+// policy's kernel widens this small interface, not the layer arithmetic
+// below. Each has a host default (right for the CPU); a device backend
+// overrides them with its kernels.
+class PolicyOps {
  public:
-  virtual ~Backend() = default;
+  virtual ~PolicyOps() = default;
+  // rows [n_rows, head_dim] = the stored KV rows `in` (`format`, see
+  // kv_rows.h) decoded. Default: DecodeKvRows on the host.
+  virtual void DecodeKvRows(const uint16_t* in, int n_rows, int head_dim,
+                            KvRowFormat format, float* rows);
+  // InfiniGen's speculated scores (speculation_params.h). Default:
+  // speculator::SpeculateScores on the host.
+  virtual void SpeculateScores(const SpeculationParams& p);
+};
+
+// The layer arithmetic and the memory it runs on, with the policies'
+// operations (PolicyOps).
+class Backend : public PolicyOps {
+ public:
+  ~Backend() override = default;
   virtual std::string name() const = 0;
 
   // Memory both the backend's operations and host code can use (host code
@@ -100,14 +118,6 @@ class Backend {
   virtual void Add(float* x, const float* y, long count) = 0;
   // dst[i] = src[i] (the ranges do not overlap).
   virtual void Copy(float* dst, const float* src, long count) = 0;
-  // rows [n_rows, head_dim] = the stored KV rows `in` (`format`, see
-  // kv_rows.h) decoded. Default: DecodeKvRows on the host.
-  virtual void DecodeKvRows(const uint16_t* in, int n_rows, int head_dim,
-                            KvRowFormat format, float* rows);
-
-  // Default: speculator::SpeculateScores.
-  virtual void SpeculateScores(const SpeculationParams& p);
-
   // --- Host memory to the backend, beside the operations.
   // A point in the order of the operations issued so far (0: none).
   using Mark = uint64_t;

@@ -144,7 +144,7 @@ class KvPolicy {
   // uint16_t values per stored K or V row.
   int RowWidth() const;
   // rows [n_rows, head_dim] fp32 -> out [n_rows, RowWidth()], on the host
-  // (the backend decodes them: Backend::DecodeKvRows).
+  // (the backend decodes them: PolicyOps::DecodeKvRows).
   void EncodeRows(const float* rows, int n_rows, uint16_t* out) const;
   // Most rows of one (layer, KV head) a plan of this policy names when
   // positions [0, p) are cached: what the fetch staging must hold.

@@ -1,7 +1,7 @@
 // How a K or V row of one head is stored on the memory node and moved by a
 // fetch: the row formats of the KV policies, encoded and decoded on the
 // host. Backends decode fetched rows where attention reads them
-// (Backend::DecodeKvRows); the CUDA kernels follow these loops formula for
+// (PolicyOps::DecodeKvRows); the CUDA kernels follow these loops formula for
 // formula. Plain C++: nvcc includes it through gpu_worker/cuda/kernels.h.
 #ifndef INFINIGEN_GPU_WORKER_KV_ROWS_H_
 #define INFINIGEN_GPU_WORKER_KV_ROWS_H_
