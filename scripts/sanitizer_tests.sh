@@ -27,6 +27,8 @@ case "$config" in
       //gpu_worker:kv_cache_test
       //gpu_worker:policy_test
       //gpu_worker:backend_test
+      //gpu_worker:perplexity_test
+      //common:address_test
     )
     ;;
   tsan)
