@@ -50,9 +50,11 @@ void PrintResult(const gpu_worker::PerplexityOptions& o,
   j["windows"] = r.windows;
   j["prompt_tokens"] = o.prompt_tokens;
   j["policy"] = name;
-  j["alpha"] = policy.alpha;
-  j["partial_ratio"] = policy.partial_ratio;
-  j["budget"] = policy.budget;
+  // The policy's float settings as the decimals they were given as.
+  auto decimal = [](float x) { return std::stod(absl::StrFormat("%g", x)); };
+  j["alpha"] = decimal(policy.alpha);
+  j["partial_ratio"] = decimal(policy.partial_ratio);
+  j["budget"] = decimal(policy.budget);
   j["kv_capacity"] = absl::GetFlag(FLAGS_kv_capacity);
   j["eviction"] = absl::GetFlag(FLAGS_eviction);
   j["tokens"] = r.predicted;
