@@ -92,6 +92,7 @@ struct FetchSocketServer::Connection {
   std::string out;              // reply header and message
   std::vector<uint16_t> rows;   // reply rows
   size_t out_rows_bytes = 0;
+  size_t rows_in_out = 0;  // TLS: the first rows' bytes, copied into `out`
   size_t sent = 0;
   bool want_write = false;  // registered for EPOLLOUT
   absl::Time deadline = absl::InfiniteFuture();
@@ -370,6 +371,9 @@ class FetchSocketServer::Loop {
       SSL_set_bio(c->ssl.get(), bio, bio);
       SSL_set_mode(c->ssl.get(), SSL_MODE_ENABLE_PARTIAL_WRITE |
                                      SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER);
+      // Several records per recv. What the session holds is read before the
+      // loop waits on the socket again (Read, ReadReady, after a send).
+      SSL_set_read_ahead(c->ssl.get(), 1);
       SSL_set_accept_state(c->ssl.get());
     }
     ERR_clear_error();
@@ -625,14 +629,23 @@ class FetchSocketServer::Loop {
   bool StartSend(Connection* c) {
     c->state = Connection::State::kSending;
     c->sent = 0;
+    c->rows_in_out = 0;
+    if (c->ssl != nullptr && c->out_rows_bytes > 0 &&
+        c->out.size() < SSL3_RT_MAX_PLAIN_LENGTH) {
+      // One TLS record for the header, the message and the first rows.
+      c->rows_in_out = std::min(c->out_rows_bytes,
+                                SSL3_RT_MAX_PLAIN_LENGTH - c->out.size());
+      c->out.append(reinterpret_cast<const char*>(c->rows.data()),
+                    c->rows_in_out);
+    }
     return Send(c);
   }
 
   // Writes what the socket takes. False when `c` is closed or the reply is
   // not all written (the loop then waits for EPOLLOUT).
   bool Send(Connection* c) {
+    if (c->ssl != nullptr) return SendTls(c);
     const size_t total = c->out.size() + c->out_rows_bytes;
-    if (c->ssl != nullptr) return SendTls(c, total);
     while (c->sent < total) {
       struct iovec iov[2];
       int iovcnt = 0;
@@ -671,9 +684,11 @@ class FetchSocketServer::Loop {
     return true;
   }
 
-  // Send through the TLS session: the header and message, then the rows
-  // (with partial writes, a record at a time).
-  bool SendTls(Connection* c, size_t total) {
+  // Send through the TLS session: `out` (the header, the message and the
+  // first rows), then the other rows (with partial writes, a record at a
+  // time).
+  bool SendTls(Connection* c) {
+    const size_t total = c->out.size() + c->out_rows_bytes - c->rows_in_out;
     while (c->sent < total) {
       const char* data;
       size_t left;
@@ -681,7 +696,7 @@ class FetchSocketServer::Loop {
         data = c->out.data() + c->sent;
         left = c->out.size() - c->sent;
       } else {
-        const size_t off = c->sent - c->out.size();
+        const size_t off = c->rows_in_out + (c->sent - c->out.size());
         data = reinterpret_cast<const char*>(c->rows.data()) + off;
         left = c->out_rows_bytes - off;
       }

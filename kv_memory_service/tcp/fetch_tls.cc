@@ -198,6 +198,9 @@ absl::StatusOr<std::unique_ptr<TlsClientStream>> TlsClientStream::Connect(
   }
   SSL_set_mode(ssl.get(), SSL_MODE_ENABLE_PARTIAL_WRITE |
                               SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER);
+  // Several records per recv; Recv waits on the socket only once OpenSSL
+  // wants more than it holds.
+  SSL_set_read_ahead(ssl.get(), 1);
   const absl::Time deadline = absl::Now() + timeout;
   while (true) {
     ERR_clear_error();
