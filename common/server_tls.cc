@@ -1,14 +1,15 @@
 #include "common/server_tls.h"
 
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/file.h"
+#include "common/status.h"
 #include "openssl/err.h"
 #include "openssl/pem.h"
 #include "openssl/x509.h"
-#include "common/file.h"
-#include "common/status.h"
 
 namespace infinigen {
 
@@ -66,9 +67,67 @@ std::vector<X509Ptr> ReadCertificates(const std::string& pem) {
   return out;
 }
 
-absl::Status NotPem(const char* flag, const char* what) {
+// `name`: the flag or option that holds the PEM text.
+absl::Status NotPem(const char* name, const char* what) {
   return absl::InvalidArgumentError(
-      absl::StrCat("--", flag, ": holds no PEM ", what));
+      absl::StrCat(name, ": holds no PEM ", what));
+}
+
+// Loads a certificate chain (leaf first) and its private key into `ctx`;
+// errors name the flags or options that hold them.
+absl::Status UseCertificateAndKey(const std::string& cert,
+                                  const std::string& key, const char* cert_name,
+                                  const char* key_name, SSL_CTX* ctx) {
+  std::vector<X509Ptr> chain = ReadCertificates(cert);
+  if (chain.empty() || SSL_CTX_use_certificate(ctx, chain[0].get()) != 1) {
+    ERR_clear_error();
+    return NotPem(cert_name, "certificate");
+  }
+  for (size_t i = 1; i < chain.size(); ++i) {
+    // On success the context owns the certificate.
+    if (SSL_CTX_add_extra_chain_cert(ctx, chain[i].get()) != 1) {
+      ERR_clear_error();
+      return NotPem(cert_name, "certificate chain");
+    }
+    chain[i].release();
+  }
+  BioPtr bio = MemoryBio(key);
+  std::unique_ptr<EVP_PKEY, decltype(&EVP_PKEY_free)> pkey(
+      PEM_read_bio_PrivateKey(bio.get(), nullptr, nullptr, nullptr),
+      &EVP_PKEY_free);
+  if (pkey == nullptr) {
+    ERR_clear_error();
+    return NotPem(key_name, "private key");
+  }
+  if (SSL_CTX_use_PrivateKey(ctx, pkey.get()) != 1 ||
+      SSL_CTX_check_private_key(ctx) != 1) {
+    ERR_clear_error();
+    return absl::InvalidArgumentError(
+        absl::StrCat(key_name, " is not the private key of ", cert_name));
+  }
+  return absl::OkStatus();
+}
+
+// Adds the certificates of `pem` to the certificates `ctx` verifies its
+// peers against.
+absl::Status TrustCertificates(const std::string& pem, const char* name,
+                               SSL_CTX* ctx) {
+  std::vector<X509Ptr> cas = ReadCertificates(pem);
+  if (cas.empty()) return NotPem(name, "certificate");
+  X509_STORE* store = SSL_CTX_get_cert_store(ctx);
+  for (const X509Ptr& ca : cas) {
+    if (X509_STORE_add_cert(store, ca.get()) != 1) {
+      ERR_clear_error();
+      return NotPem(name, "certificate");
+    }
+  }
+  return absl::OkStatus();
+}
+
+using SslCtxPtr = std::unique_ptr<SSL_CTX, decltype(&SSL_CTX_free)>;
+
+std::shared_ptr<SSL_CTX> Shared(SslCtxPtr ctx) {
+  return std::shared_ptr<SSL_CTX>(ctx.release(), &SSL_CTX_free);
 }
 
 }  // namespace
@@ -92,47 +151,47 @@ absl::Status CheckServerTls(const ServerTlsPem& pem) {
 
 absl::Status LoadServerTls(const ServerTlsPem& pem, SSL_CTX* ctx) {
   SSL_CTX_set_min_proto_version(ctx, TLS1_2_VERSION);
-  std::vector<X509Ptr> chain = ReadCertificates(pem.cert);
-  if (chain.empty() || SSL_CTX_use_certificate(ctx, chain[0].get()) != 1) {
-    ERR_clear_error();
-    return NotPem("tls_cert", "certificate");
-  }
-  for (size_t i = 1; i < chain.size(); ++i) {
-    // On success the context owns the certificate.
-    if (SSL_CTX_add_extra_chain_cert(ctx, chain[i].get()) != 1) {
-      ERR_clear_error();
-      return NotPem("tls_cert", "certificate chain");
-    }
-    chain[i].release();
-  }
-  BioPtr bio = MemoryBio(pem.key);
-  std::unique_ptr<EVP_PKEY, decltype(&EVP_PKEY_free)> key(
-      PEM_read_bio_PrivateKey(bio.get(), nullptr, nullptr, nullptr),
-      &EVP_PKEY_free);
-  if (key == nullptr) {
-    ERR_clear_error();
-    return NotPem("tls_key", "private key");
-  }
-  if (SSL_CTX_use_PrivateKey(ctx, key.get()) != 1 ||
-      SSL_CTX_check_private_key(ctx) != 1) {
-    ERR_clear_error();
-    return absl::InvalidArgumentError(
-        "--tls_key is not the private key of --tls_cert");
-  }
+  IG_RETURN_IF_ERROR(
+      UseCertificateAndKey(pem.cert, pem.key, "--tls_cert", "--tls_key", ctx));
   if (pem.mutual()) {
-    std::vector<X509Ptr> cas = ReadCertificates(pem.client_ca);
-    if (cas.empty()) return NotPem("tls_client_ca", "certificate");
-    X509_STORE* store = SSL_CTX_get_cert_store(ctx);
-    for (const X509Ptr& ca : cas) {
-      if (X509_STORE_add_cert(store, ca.get()) != 1) {
-        ERR_clear_error();
-        return NotPem("tls_client_ca", "certificate");
-      }
-    }
+    IG_RETURN_IF_ERROR(
+        TrustCertificates(pem.client_ca, "--tls_client_ca", ctx));
     SSL_CTX_set_verify(ctx, SSL_VERIFY_PEER | SSL_VERIFY_FAIL_IF_NO_PEER_CERT,
                        nullptr);
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<SSL_CTX>> NewServerTlsContext(
+    const ServerTlsPem& pem) {
+  if (!pem.enabled()) {
+    return absl::InvalidArgumentError("a TLS server needs --tls_cert");
+  }
+  SslCtxPtr ctx(SSL_CTX_new(TLS_server_method()), &SSL_CTX_free);
+  if (ctx == nullptr) return absl::InternalError("SSL_CTX_new failed");
+  IG_RETURN_IF_ERROR(LoadServerTls(pem, ctx.get()));
+  SSL_CTX_set_session_cache_mode(ctx.get(), SSL_SESS_CACHE_OFF);
+  SSL_CTX_set_options(ctx.get(), SSL_OP_NO_TICKET);
+  SSL_CTX_set_num_tickets(ctx.get(), 0);
+  return Shared(std::move(ctx));
+}
+
+absl::StatusOr<std::shared_ptr<SSL_CTX>> NewClientTlsContext(
+    const std::string& ca, const std::string& cert, const std::string& key) {
+  if (cert.empty() != key.empty()) {
+    return absl::InvalidArgumentError(
+        "a TLS client certificate needs its key, and the key its certificate");
+  }
+  SslCtxPtr ctx(SSL_CTX_new(TLS_client_method()), &SSL_CTX_free);
+  if (ctx == nullptr) return absl::InternalError("SSL_CTX_new failed");
+  SSL_CTX_set_min_proto_version(ctx.get(), TLS1_2_VERSION);
+  IG_RETURN_IF_ERROR(TrustCertificates(ca, "tls_ca_pem", ctx.get()));
+  if (!cert.empty()) {
+    IG_RETURN_IF_ERROR(UseCertificateAndKey(cert, key, "tls_cert_pem",
+                                            "tls_key_pem", ctx.get()));
+  }
+  SSL_CTX_set_verify(ctx.get(), SSL_VERIFY_PEER, nullptr);
+  return Shared(std::move(ctx));
 }
 
 absl::Status CheckPemCertificates(const std::string& pem) {

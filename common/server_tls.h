@@ -2,7 +2,8 @@
 // PEM files their --tls_cert, --tls_key and --tls_client_ca flags name,
 // read once, and the grpc::ServerCredentials they make. One place, so that
 // both servers accept the same configurations and say the same thing about
-// a bad one.
+// a bad one. Also the OpenSSL contexts of the TLS that does not go through
+// gRPC (the HTTPS API, the memory node's fetch socket and its client).
 #ifndef INFINIGEN_COMMON_SERVER_TLS_H_
 #define INFINIGEN_COMMON_SERVER_TLS_H_
 
@@ -49,6 +50,22 @@ absl::Status CheckServerTls(const ServerTlsPem& pem);
 // client CA, client certificates required and verified against it.
 // InvalidArgument as CheckServerTls.
 absl::Status LoadServerTls(const ServerTlsPem& pem, SSL_CTX* ctx);
+
+// A new server context loaded with an enabled `pem` (LoadServerTls), for a
+// server that runs its own TLS (the memory node's fetch socket); no session
+// cache or tickets, since its clients hold one long connection each.
+// InvalidArgument as CheckServerTls.
+absl::StatusOr<std::shared_ptr<SSL_CTX>> NewServerTlsContext(
+    const ServerTlsPem& pem);
+
+// A new client context: TLS 1.2 at least, the server's certificate verified
+// against `ca` (PEM certificates; the name is the caller's to set on each
+// connection), and when `cert` is set, that certificate chain (leaf first)
+// and its `key` presented to the server. InvalidArgument for PEM that does
+// not parse, a key that is not the certificate's, or a certificate without
+// its key (or the reverse).
+absl::StatusOr<std::shared_ptr<SSL_CTX>> NewClientTlsContext(
+    const std::string& ca, const std::string& cert, const std::string& key);
 
 // For TLS clients' files (the worker's --kv_tls_*): InvalidArgument("holds
 // no PEM certificate") unless `pem` holds PEM certificates, and

@@ -111,5 +111,30 @@ TEST(CheckServerTls, HalfAConfigurationIsInvalid) {
   EXPECT_TRUE(GrpcServerCredentials({cert, key, ca}).ok());
 }
 
+// The OpenSSL contexts of the memory node's fetch socket and its client.
+TEST(TlsContexts, LoadWhatTheFlagsAccept) {
+  const std::string cert = Pem("server.pem"), key = Pem("server.key");
+  const std::string ca = Pem("ca.pem");
+  EXPECT_TRUE(NewServerTlsContext({cert, key, ""}).ok());
+  EXPECT_TRUE(NewServerTlsContext({cert, key, ca}).ok());
+  EXPECT_EQ(NewServerTlsContext({}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(Message(NewServerTlsContext({cert, Pem("client.key"), ""})
+                          .status()),
+              HasSubstr("--tls_key is not the private key of --tls_cert"));
+
+  EXPECT_TRUE(NewClientTlsContext(ca, "", "").ok());
+  EXPECT_TRUE(
+      NewClientTlsContext(ca, Pem("client.pem"), Pem("client.key")).ok());
+  EXPECT_THAT(Message(NewClientTlsContext("garbage", "", "").status()),
+              HasSubstr("tls_ca_pem: holds no PEM certificate"));
+  EXPECT_EQ(NewClientTlsContext(ca, Pem("client.pem"), "").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(
+      Message(NewClientTlsContext(ca, Pem("client.pem"), Pem("other.key"))
+                  .status()),
+      HasSubstr("tls_key_pem is not the private key of tls_cert_pem"));
+}
+
 }  // namespace
 }  // namespace infinigen

@@ -49,7 +49,7 @@ sources_of() {
       echo common/log.cc kv_memory_service/kv_store.cc \
         kv_memory_service/kv_types.cc kv_memory_service/prefix_cache.cc \
         kv_memory_service/prefix_keys.cc kv_memory_service/request_metrics.cc \
-        kv_memory_service/tcp/fetch_wire.cc \
+        kv_memory_service/tcp/fetch_wire.cc kv_memory_service/tcp/fetch_tls.cc \
         kv_memory_service/server/fetch_socket_server.cc ;;
     shm_protocol_fuzzer) echo kv_memory_service/shm/shm_protocol.cc ;;
     rdma_wire_fuzzer)
@@ -71,7 +71,7 @@ sources_of() {
 # System libraries beyond Abseil, as //third_party wraps them.
 libs_of() {
   case "$1" in
-    fetch_socket_fuzzer) echo -lxxhash -lprometheus-cpp-core ;;
+    fetch_socket_fuzzer) echo -lxxhash -lprometheus-cpp-core -lssl -lcrypto ;;
     rdma_wire_fuzzer) echo -lxxhash -lprotobuf ;;
     kv_service_fuzzer)
       echo -lxxhash -lprometheus-cpp-core -lgrpc++ -lgrpc -lgpr -lprotobuf ;;

@@ -97,15 +97,15 @@ struct KvClientOptions {
   absl::Duration connect_timeout = absl::Seconds(5);
   // Largest gRPC message sent or received; match the server's limit.
   int32_t max_message_bytes = 64 << 20;
-  // tcp://: fetch over the server's plain fetch socket when it offers one
-  // (a socket round trip instead of a gRPC stream message: several times
+  // tcp://: fetch over the server's fetch socket when it offers one (a
+  // socket round trip instead of a gRPC stream message: several times
   // faster); false = always the gRPC FetchStream.
   bool tcp_fetch_socket = true;
-  // tcp://: gRPC over TLS when tls_ca_pem is set: the CA (PEM) the server's
-  // certificate must chain to. tls_cert_pem and tls_key_pem: this client's
-  // certificate and key, for a server that requires them (mutual TLS).
-  // tls_server_name: the name to check the certificate against, when not
-  // the host of the address.
+  // tcp://: gRPC, and the fetch socket, over TLS when tls_ca_pem is set:
+  // the CA (PEM) the server's certificate must chain to. tls_cert_pem and
+  // tls_key_pem: this client's certificate and key, for a server that
+  // requires them (mutual TLS). tls_server_name: the name to check the
+  // certificate against, when not the host of the address.
   std::string tls_ca_pem;
   std::string tls_cert_pem;
   std::string tls_key_pem;

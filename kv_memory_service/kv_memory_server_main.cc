@@ -65,19 +65,21 @@ ABSL_FLAG(int32_t, max_message_bytes, 64 << 20,
           "Largest gRPC message either way (appends, fetch responses).");
 ABSL_FLAG(int32_t, max_sequences, 1024, "Most sequences open at once.");
 ABSL_FLAG(int32_t, fetch_port, 0,
-          "With a TCP --listen: the port of the plain-socket fetch endpoint "
-          "on the same host, which tcp:// clients use for fetches (faster "
-          "than the gRPC stream). 0 = any free port, -1 = none.");
+          "With a TCP --listen: the port of the socket fetch endpoint on "
+          "the same host, which tcp:// clients use for fetches (faster than "
+          "the gRPC stream); under --tls_cert it speaks TLS. 0 = any free "
+          "port, -1 = none.");
 ABSL_FLAG(int32_t, fetch_threads, 2,
-          "Event-loop threads serving every plain-socket fetch connection.");
+          "Event-loop threads serving every fetch socket connection.");
 ABSL_FLAG(int32_t, fetch_max_connections, 1024,
-          "Most plain-socket fetch connections past their Hello; more are "
+          "Most fetch socket connections past their Hello; more are "
           "refused (RESOURCE_EXHAUSTED).");
 ABSL_FLAG(int32_t, fetch_max_connections_per_peer, 256,
-          "Most plain-socket fetch connections from one peer address.");
+          "Most fetch socket connections from one peer address.");
 ABSL_FLAG(absl::Duration, fetch_handshake_timeout, absl::Seconds(5),
-          "A fetch connection that has not completed its Hello by then is "
-          "closed (at most 64 wait at once, the oldest dropped first).");
+          "A fetch connection that has not completed its Hello (and, under "
+          "--tls_cert, its TLS handshake) by then is closed (at most 64 "
+          "wait at once, the oldest dropped first).");
 ABSL_FLAG(absl::Duration, fetch_idle_timeout, absl::Minutes(10),
           "A fetch connection silent either way this long is closed (the "
           "client reconnects); 0 = never.");
@@ -108,8 +110,8 @@ ABSL_FLAG(absl::Duration, lease_timeout, absl::Seconds(10),
           "fetch timeout (5s). 0 = never expire.");
 ABSL_FLAG(std::string, tls_cert, "",
           "PEM file: serve gRPC over TLS with this certificate chain (needs "
-          "--tls_key). The plain fetch socket is then off; tcp:// clients "
-          "fetch over the gRPC stream.");
+          "--tls_key). The fetch socket (--fetch_port) then speaks TLS "
+          "with the same certificate, and client CA.");
 ABSL_FLAG(std::string, tls_key, "", "PEM file: the private key of --tls_cert.");
 ABSL_FLAG(std::string, tls_client_ca, "",
           "PEM file: with --tls_cert, require every client to present a "

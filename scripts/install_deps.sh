@@ -20,6 +20,8 @@ PKGS=(
   libxxhash-dev
   nlohmann-json3-dev
   libcpp-httplib-dev
+  # OpenSSL: the HTTPS API and the memory node's TLS fetch socket.
+  libssl-dev
   prometheus-cpp-dev
   curl
   python3

@@ -21,6 +21,7 @@ case "$config" in
       //kv_memory_service:kv_store_test
       //kv_memory_service:prefix_test
       //kv_memory_service:kv_client_test
+      //kv_memory_service:tls_test
       //kv_memory_service/server:fetch_socket_server_test
       //kv_memory_service/shm:shm_test
       //kv_memory_service/sharded:sharded_kv_client_test

@@ -7,7 +7,8 @@ HTTPS on --http_listen.
   * generate over TLS gives the text it gives over plaintext: one node, a
     comma-separated tier, dns+tcp:// (whose name the certificate is checked
     against), and --kv_tls_server_name for an IP the certificate does not
-    list;
+    list; the fetches go over the node's fetch socket, which speaks TLS
+    too (its /metrics: fetches served on the "tcp" plane, none on "grpc");
   * a worker with the wrong CA, no client certificate, a certificate from
     another CA, or no TLS at all fails with one line and exit status 1;
   * unreadable files and half a configuration: one line, exit status 2, on
@@ -135,6 +136,12 @@ def generate_args(kv, *extra, tokens=40):
             "--threads=1", f"--kv_service={kv}", *extra]
 
 
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def localhost_is_only_ipv4():
     try:
         found = {a[4][0] for a in socket.getaddrinfo("localhost", None,
@@ -151,9 +158,11 @@ class TlsTest(unittest.TestCase):
         cls.nodes = []
         try:
             cls.plain = cls.node("plain")
+            cls.metrics_port = free_port()
             cls.tls = cls.node("tls", f"--tls_cert={SERVER_CERT}",
                                f"--tls_key={SERVER_KEY}",
-                               f"--tls_client_ca={CA}")
+                               f"--tls_client_ca={CA}",
+                               f"--metrics_listen=127.0.0.1:{cls.metrics_port}")
             cls.lh_ca, lh_cert, lh_key = make_localhost_only_certificate(
                 cls.tmp)
             cls.lh = cls.node("lh", f"--tls_cert={lh_cert}",
@@ -179,14 +188,34 @@ class TlsTest(unittest.TestCase):
         self.assertEqual(r.returncode, 0, r.stderr)
         return r.stdout
 
+    def fetches_served(self):
+        """The TLS node's fetches served so far, by plane."""
+        with urllib.request.urlopen(
+                f"http://127.0.0.1:{self.metrics_port}/metrics",
+                timeout=30) as resp:
+            text = resp.read().decode()
+        counts = {}
+        for plane in ("tcp", "grpc"):
+            m = re.search(r'^infinigen_kv_request_seconds_count\{op="fetch",'
+                          r'plane="%s"\} (\d+)' % plane, text, re.M)
+            self.assertIsNotNone(m, text)
+            counts[plane] = int(m.group(1))
+        return counts
+
     def test_generate_over_tls_gives_the_plaintext_text(self):
         plain = self.generate(self.plain.address)
         self.assertTrue(plain.startswith(STORY), plain)
+        before = self.fetches_served()
         self.assertEqual(self.generate(self.tls.address, *CLIENT_FLAGS), plain)
+        # Over the TLS fetch socket, not the gRPC stream.
+        after = self.fetches_served()
+        self.assertGreater(after["tcp"], before["tcp"])
+        self.assertEqual(after["grpc"], 0)
         # A tier of two nodes (the same server under two names: two
         # sessions, each holding half of every sequence's KV heads).
         tier = f"{self.tls.address},tcp://localhost:{self.tls.port}"
         self.assertEqual(self.generate(tier, *CLIENT_FLAGS), plain)
+        self.assertEqual(self.fetches_served()["grpc"], 0)
         # A certificate that names only localhost: the IP address fails the
         # name check unless --kv_tls_server_name says what to check.
         lh_flags = [f"--kv_tls_ca={self.lh_ca}", f"--kv_tls_cert={CLIENT_CERT}",

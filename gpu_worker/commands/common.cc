@@ -106,8 +106,8 @@ ABSL_FLAG(std::string, kv_auth_token_file, "",
 ABSL_FLAG(std::string, kv_tls_ca, "",
           "PEM file: talk to a remote --kv_service over TLS, trusting the "
           "memory servers whose certificates this CA signed (their "
-          "--tls_cert). Fetches then take the gRPC stream: a TLS server "
-          "offers no plain fetch socket.");
+          "--tls_cert). tcp:// fetches go over the server's fetch socket, "
+          "which speaks TLS too.");
 ABSL_FLAG(std::string, kv_tls_cert, "",
           "PEM file: this worker's certificate for memory servers that "
           "require one (their --tls_client_ca); needs --kv_tls_key and "

@@ -10,15 +10,19 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <climits>
 #include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
 #include "kv_memory_service/server/serve_fetch.h"
+#include "kv_memory_service/tcp/fetch_tls.h"
 #include "kv_memory_service/tcp/fetch_wire.h"
+#include "openssl/err.h"
 
 namespace infinigen::kv_memory_service {
 namespace {
@@ -54,6 +58,7 @@ absl::string_view Truncated(const absl::Status& status) {
 // by that loop's thread; the flags are the server's (mu_).
 struct FetchSocketServer::Connection {
   enum class State {
+    kTls,      // the TLS handshake (TLS servers only)
     kHello,    // reading the Hello
     kToken,    // reading its token
     kHeader,   // reading a request header
@@ -64,6 +69,10 @@ struct FetchSocketServer::Connection {
 
   int fd = -1;
   std::string peer;
+  // TLS servers: the session, once the peer's first byte began a TLS
+  // handshake; until then, and for a plaintext peer, null.
+  fetch_tls::SslPtr ssl;
+  bool plaintext_on_tls = false;  // refused at its Hello
   // Server flags (mu_).
   bool handshake = true;  // counted in handshakes_ and its peer
   bool counted = false;   // counted as a connection
@@ -83,6 +92,7 @@ struct FetchSocketServer::Connection {
   std::string out;              // reply header and message
   std::vector<uint16_t> rows;   // reply rows
   size_t out_rows_bytes = 0;
+  size_t rows_in_out = 0;  // TLS: the first rows' bytes, copied into `out`
   size_t sent = 0;
   bool want_write = false;  // registered for EPOLLOUT
   absl::Time deadline = absl::InfiniteFuture();
@@ -149,7 +159,9 @@ class FetchSocketServer::Loop {
     struct epoll_event events[64];
     while (true) {
       int timeout_ms = -1;
-      if (next_check_ != absl::InfiniteFuture()) {
+      if (!ready_.empty()) {
+        timeout_ms = 0;
+      } else if (next_check_ != absl::InfiniteFuture()) {
         const absl::Duration left = next_check_ - absl::Now();
         timeout_ms = left <= absl::ZeroDuration()
                          ? 0
@@ -172,6 +184,7 @@ class FetchSocketServer::Loop {
         }
         Handle(c, events[i].events);
       }
+      ReadReady();
       if (absl::Now() >= next_check_) ExpireDeadlines();
     }
   }
@@ -191,6 +204,7 @@ class FetchSocketServer::Loop {
     const absl::Time now = absl::Now();
     for (auto& owned : incoming) {
       Connection* c = owned.get();
+      if (server_->options_.tls != nullptr) c->state = Connection::State::kTls;
       conns_[c] = std::move(owned);
       c->deadline = now + server_->options_.handshake_timeout;
       next_check_ = std::min(next_check_, c->deadline);
@@ -211,6 +225,18 @@ class FetchSocketServer::Loop {
     while (!conns_.empty()) Close(conns_.begin()->first);
   }
 
+  // TLS connections whose session holds bytes it has already taken off the
+  // socket, which epoll cannot report: Read stopped at its step limit.
+  void ReadReady() {
+    if (ready_.empty()) return;
+    std::vector<Connection*> ready(ready_.begin(), ready_.end());
+    ready_.clear();
+    // Read closes only the connection it reads.
+    for (Connection* c : ready) {
+      if (c->state != Connection::State::kSending) Read(c);
+    }
+  }
+
   void ExpireDeadlines() {
     const absl::Time now = absl::Now();
     next_check_ = absl::InfiniteFuture();
@@ -228,7 +254,8 @@ class FetchSocketServer::Loop {
   // Progress on `c`: an authenticated connection's idle clock restarts (a
   // handshake keeps its first deadline).
   void Touch(Connection* c) {
-    if (c->state == Connection::State::kHello ||
+    if (c->state == Connection::State::kTls ||
+        c->state == Connection::State::kHello ||
         c->state == Connection::State::kToken) {
       return;
     }
@@ -239,6 +266,13 @@ class FetchSocketServer::Loop {
   }
 
   void Close(Connection* c, bool timed_out = false) {
+    if (c->ssl != nullptr && SSL_is_init_finished(c->ssl.get())) {
+      // close_notify, best effort: the peer reads a clean end, not a cut.
+      ERR_clear_error();
+      SSL_shutdown(c->ssl.get());
+      ERR_clear_error();
+    }
+    ready_.erase(c);
     epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, c->fd, nullptr);
     server_->buffer_bytes_.fetch_sub(c->buffer_counted);
     server_->Release(c, timed_out);
@@ -255,10 +289,119 @@ class FetchSocketServer::Loop {
 
   void Handle(Connection* c, uint32_t events) {
     if (c->state == Connection::State::kSending) {
-      if (events & (EPOLLOUT | EPOLLERR | EPOLLHUP)) Send(c);
+      // Done sending: the session may hold the next request already.
+      if (Send(c)) Read(c);
       return;
     }
+    // A TLS read that wanted the socket writable has its chance now.
+    if (c->want_write) Watch(c, EPOLLIN | EPOLLRDHUP);
     Read(c);
+  }
+
+  // Waits for `c`'s socket to be readable (TLS: or writable, when OpenSSL
+  // wants to write first).
+  void WaitFor(Connection* c, bool write) {
+    if (write != c->want_write) {
+      Watch(c, write ? EPOLLOUT : EPOLLIN | EPOLLRDHUP);
+    }
+  }
+
+  // Reads up to `want` bytes, through the TLS session when there is one.
+  // >0: bytes read; 0: `c` is closed (the peer went, or the connection
+  // failed); -1: nothing yet (the loop waits for the socket).
+  ssize_t Receive(Connection* c, char* dst, size_t want) {
+    if (c->ssl == nullptr) {
+      while (true) {
+        const ssize_t n = recv(c->fd, dst, want, 0);
+        if (n > 0) return n;
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return -1;
+        Close(c);
+        return 0;
+      }
+    }
+    ERR_clear_error();
+    const int n = SSL_read(c->ssl.get(), dst,
+                           static_cast<int>(std::min<size_t>(want, INT_MAX)));
+    if (n > 0) return n;
+    switch (SSL_get_error(c->ssl.get(), n)) {
+      case SSL_ERROR_WANT_READ:
+        WaitFor(c, /*write=*/false);
+        return -1;
+      case SSL_ERROR_WANT_WRITE:
+        WaitFor(c, /*write=*/true);
+        return -1;
+      default:
+        ERR_clear_error();
+        Close(c);
+        return 0;
+    }
+  }
+
+  // The TLS handshake of `c`, on a TLS server. True once it is done (`c`
+  // is then at its Hello), or when the peer turned out to speak plaintext;
+  // false while it waits for the socket or when `c` is closed.
+  bool Handshake(Connection* c) {
+    if (c->ssl == nullptr) {
+      unsigned char first;
+      ssize_t n;
+      do {
+        n = recv(c->fd, &first, 1, MSG_PEEK);
+      } while (n < 0 && errno == EINTR);
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return false;
+      if (n <= 0) {
+        Close(c);
+        return false;
+      }
+      if (first != fetch_tls::kHandshakeRecord) {
+        // Read as a plaintext Hello, to be told what this socket speaks.
+        c->plaintext_on_tls = true;
+        c->state = Connection::State::kHello;
+        return true;
+      }
+      ERR_clear_error();
+      c->ssl.reset(SSL_new(server_->options_.tls.get()));
+      BIO* bio = c->ssl == nullptr ? nullptr : fetch_tls::NewSocketBio(c->fd);
+      if (bio == nullptr) {
+        IG_LOG(ERROR) << "fetch socket: cannot make a TLS session: "
+                      << fetch_tls::TakeError();
+        Close(c);
+        return false;
+      }
+      SSL_set_bio(c->ssl.get(), bio, bio);
+      SSL_set_mode(c->ssl.get(), SSL_MODE_ENABLE_PARTIAL_WRITE |
+                                     SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER);
+      // Several records per recv. What the session holds is read before the
+      // loop waits on the socket again (Read, ReadReady, after a send).
+      SSL_set_read_ahead(c->ssl.get(), 1);
+      SSL_set_accept_state(c->ssl.get());
+    }
+    ERR_clear_error();
+    const int r = SSL_do_handshake(c->ssl.get());
+    if (r == 1) {
+      c->state = Connection::State::kHello;
+      return true;
+    }
+    const int err = SSL_get_error(c->ssl.get(), r);
+    if (err == SSL_ERROR_WANT_READ || err == SSL_ERROR_WANT_WRITE) {
+      WaitFor(c, err == SSL_ERROR_WANT_WRITE);
+      return false;
+    }
+    if (err == SSL_ERROR_SSL && ERR_GET_REASON(ERR_peek_error()) !=
+                                    SSL_R_UNEXPECTED_EOF_WHILE_READING) {
+      // Refused: no or a stranger's certificate, not TLS after all, no
+      // common version or cipher. A peer that merely went (or a handshake
+      // dropped for a newer one) is not counted.
+      const absl::Status refused = absl::UnauthenticatedError(
+          absl::StrCat("TLS handshake failed: ", fetch_tls::TakeError()));
+      server_->CountRefused();
+      if (server_->options_.metrics != nullptr) {
+        server_->options_.metrics->Rejected(Plane::kTcp, refused);
+      }
+    }
+    ERR_clear_error();
+    Close(c);
+    return false;
   }
 
   // Reads what has arrived, a bounded number of parts so that one busy
@@ -269,6 +412,9 @@ class FetchSocketServer::Loop {
       char* dst = nullptr;
       size_t want = 0;
       switch (c->state) {
+        case Connection::State::kTls:
+          if (!Handshake(c)) return;
+          continue;
         case Connection::State::kHello:
           dst = reinterpret_cast<char*>(&c->hello) + c->got;
           want = sizeof(c->hello) - c->got;
@@ -301,16 +447,8 @@ class FetchSocketServer::Loop {
         case Connection::State::kSending:
           return;
       }
-      const ssize_t n = recv(c->fd, dst, want, 0);
-      if (n == 0) {
-        Close(c);
-        return;
-      }
-      if (n < 0) {
-        if (errno == EINTR) continue;
-        if (errno != EAGAIN && errno != EWOULDBLOCK) Close(c);
-        return;
-      }
+      const ssize_t n = Receive(c, dst, want);
+      if (n <= 0) return;  // closed, or waiting for the socket
       Touch(c);
       if (c->state == Connection::State::kDiscard) {
         c->discard_left -= static_cast<size_t>(n);
@@ -329,6 +467,9 @@ class FetchSocketServer::Loop {
       }
       if (!Advance(c)) return;  // closed, or waiting to send
     }
+    // Out of steps: what the session has decrypted already stays unseen by
+    // epoll; come back to it after the other connections.
+    if (c->ssl != nullptr) ready_.insert(c);
   }
 
   // The current part is complete. False when `c` is closed or is waiting
@@ -344,6 +485,13 @@ class FetchSocketServer::Loop {
           server_->CountRefused();
           return HelloReply(
               c, absl::InvalidArgumentError("not a fetch socket Hello"));
+        }
+        if (c->plaintext_on_tls) {
+          server_->CountRefused();
+          return HelloReply(
+              c, absl::FailedPreconditionError(
+                     "this fetch socket speaks TLS: the client needs the "
+                     "node's CA (tls_ca_pem, --kv_tls_ca)"));
         }
         c->token.resize(h.token_bytes);
         c->state = Connection::State::kToken;
@@ -366,6 +514,7 @@ class FetchSocketServer::Loop {
         return Judge(c);
       case Connection::State::kBody:
         return Serve(c);
+      case Connection::State::kTls:
       case Connection::State::kDiscard:
       case Connection::State::kSending:
         break;
@@ -480,12 +629,22 @@ class FetchSocketServer::Loop {
   bool StartSend(Connection* c) {
     c->state = Connection::State::kSending;
     c->sent = 0;
+    c->rows_in_out = 0;
+    if (c->ssl != nullptr && c->out_rows_bytes > 0 &&
+        c->out.size() < SSL3_RT_MAX_PLAIN_LENGTH) {
+      // One TLS record for the header, the message and the first rows.
+      c->rows_in_out = std::min(c->out_rows_bytes,
+                                SSL3_RT_MAX_PLAIN_LENGTH - c->out.size());
+      c->out.append(reinterpret_cast<const char*>(c->rows.data()),
+                    c->rows_in_out);
+    }
     return Send(c);
   }
 
   // Writes what the socket takes. False when `c` is closed or the reply is
   // not all written (the loop then waits for EPOLLOUT).
   bool Send(Connection* c) {
+    if (c->ssl != nullptr) return SendTls(c);
     const size_t total = c->out.size() + c->out_rows_bytes;
     while (c->sent < total) {
       struct iovec iov[2];
@@ -525,6 +684,48 @@ class FetchSocketServer::Loop {
     return true;
   }
 
+  // Send through the TLS session: `out` (the header, the message and the
+  // first rows), then the other rows (with partial writes, a record at a
+  // time).
+  bool SendTls(Connection* c) {
+    const size_t total = c->out.size() + c->out_rows_bytes - c->rows_in_out;
+    while (c->sent < total) {
+      const char* data;
+      size_t left;
+      if (c->sent < c->out.size()) {
+        data = c->out.data() + c->sent;
+        left = c->out.size() - c->sent;
+      } else {
+        const size_t off = c->rows_in_out + (c->sent - c->out.size());
+        data = reinterpret_cast<const char*>(c->rows.data()) + off;
+        left = c->out_rows_bytes - off;
+      }
+      ERR_clear_error();
+      const int n =
+          SSL_write(c->ssl.get(), data,
+                    static_cast<int>(std::min<size_t>(left, INT_MAX)));
+      if (n <= 0) {
+        const int err = SSL_get_error(c->ssl.get(), n);
+        if (err == SSL_ERROR_WANT_READ || err == SSL_ERROR_WANT_WRITE) {
+          WaitFor(c, err == SSL_ERROR_WANT_WRITE);
+          return false;
+        }
+        ERR_clear_error();
+        Close(c);
+        return false;
+      }
+      c->sent += static_cast<size_t>(n);
+      Touch(c);
+    }
+    if (c->close_after_send) {
+      Close(c);
+      return false;
+    }
+    c->state = c->after;
+    WaitFor(c, /*write=*/false);
+    return true;
+  }
+
   void Watch(Connection* c, uint32_t events) {
     struct epoll_event ev = {};
     ev.events = events;
@@ -544,6 +745,7 @@ class FetchSocketServer::Loop {
 
   // The loop thread's own.
   absl::flat_hash_map<Connection*, std::unique_ptr<Connection>> conns_;
+  absl::flat_hash_set<Connection*> ready_;          // see ReadReady
   absl::Time next_check_ = absl::InfiniteFuture();  // earliest deadline
 };
 

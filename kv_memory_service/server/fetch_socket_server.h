@@ -17,9 +17,19 @@
 // Authenticated connections are limited in total and per peer address and
 // closed after idle_timeout without a byte either way.
 //
+// With a TLS context (KvServer's, under --tls_cert) every connection is a
+// TLS session first (fetch_tls.h): the TLS handshake is part of the
+// handshake above, under the same pool and timeout, and the context's
+// client CA, if any, must have signed the peer's certificate. A peer that
+// fails the TLS handshake is dropped at once; one that sends a plaintext
+// Hello is answered, in plaintext, FailedPrecondition ("speaks TLS") and
+// closed. The loops run OpenSSL on their non-blocking sockets, waiting for
+// whichever direction it wants.
+//
 // KvServer owns one when it listens on TCP and advertises its port through
-// GetServerInfo. Thread-safe; Stop() closes every connection (clients see
-// Unavailable) and waits for the threads.
+// GetServerInfo (fetch_port, or fetch_tls_port under TLS). Thread-safe;
+// Stop() closes every connection (clients see Unavailable) and waits for
+// the threads.
 #ifndef INFINIGEN_KV_MEMORY_SERVICE_SERVER_FETCH_SOCKET_SERVER_H_
 #define INFINIGEN_KV_MEMORY_SERVICE_SERVER_FETCH_SOCKET_SERVER_H_
 
@@ -37,6 +47,7 @@
 #include "absl/time/time.h"
 #include "kv_memory_service/kv_store.h"
 #include "kv_memory_service/request_metrics.h"
+#include "openssl/ssl.h"
 
 namespace infinigen::kv_memory_service {
 
@@ -63,6 +74,9 @@ struct FetchSocketServerOptions {
   // Records each fetch served and each Hello or request refused (not owned,
   // outlives the server; null: none).
   RequestMetrics* metrics = nullptr;
+  // A server context (NewServerTlsContext, common/server_tls.h): every
+  // connection speaks TLS. Null: plaintext.
+  std::shared_ptr<SSL_CTX> tls;
 };
 
 // What the server holds now, and what it has refused.
@@ -72,7 +86,8 @@ struct FetchSocketStats {
   int64_t buffer_bytes = 0;    // request and reply buffers, all connections
   int64_t body_bytes_received = 0;   // request bodies, over the server's life
   int64_t dropped_handshakes = 0;    // oldest handshakes dropped for newer
-  int64_t refused = 0;               // refused at the limits, or bad Hello
+  int64_t refused = 0;  // refused at the limits, a bad Hello, a failed TLS
+                        // handshake, plaintext on a TLS socket
   int64_t timed_out = 0;             // handshake or idle timeout
 };
 

@@ -1,6 +1,8 @@
 // The fetch socket at the protocol level: what a client that is not our
 // KvClient (or a hostile one) gets for each kind of bad frame, and that the
-// server keeps serving everyone else.
+// server keeps serving everyone else; the same over TLS, where peers
+// without the right certificate, plaintext peers and stalled handshakes
+// are dropped (certificates: kv_memory_service/testing/tls).
 #include "kv_memory_service/server/fetch_socket_server.h"
 
 #include <arpa/inet.h>
@@ -8,12 +10,18 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "absl/time/clock.h"
+#include "common/file.h"
+#include "common/server_tls.h"
 #include "gtest/gtest.h"
-#include "kv_memory_service/testing/kv_test_data.h"
+#include "kv_memory_service/tcp/fetch_tls.h"
 #include "kv_memory_service/tcp/fetch_wire.h"
+#include "kv_memory_service/testing/kv_test_data.h"
 
 namespace infinigen::kv_memory_service {
 namespace {
@@ -32,13 +40,20 @@ class FetchSocketServerTest : public ::testing::Test {
     FetchSocketServerOptions options;
     options.auth_token = "tok";
     options.max_message_bytes = 1 << 16;
+    Configure(&options);
     auto server = FetchSocketServer::Start(store_, options);
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = *std::move(server);
   }
 
-  int Dial() {
+  virtual void Configure(FetchSocketServerOptions* options) {}
+
+  int Dial(int receive_buffer = 0) {
     const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    if (receive_buffer > 0) {
+      setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &receive_buffer,
+                 sizeof(receive_buffer));
+    }
     sockaddr_in addr = {};
     addr.sin_family = AF_INET;
     addr.sin_port = htons(server_->port());
@@ -363,6 +378,399 @@ TEST_F(FetchSocketServerTest, StopClosesConnections) {
   EXPECT_TRUE(Closed(fd));
   close(fd);
   server_->Stop();  // idempotent
+}
+
+std::string Pem(const std::string& name) {
+  absl::StatusOr<std::string> text =
+      ReadFileToString("kv_memory_service/testing/tls/" + name);
+  EXPECT_TRUE(text.ok()) << text.status();
+  return text.value_or("");
+}
+
+using fetch_tls::TlsClientStream;
+
+// A TLS client's end: a session, or why the handshake failed.
+struct TlsPeer {
+  int fd = -1;
+  std::unique_ptr<TlsClientStream> stream;
+  absl::Status error;
+  ~TlsPeer() {
+    stream.reset();
+    if (fd >= 0) close(fd);
+  }
+};
+
+// The fetch socket under mutual TLS: the node's certificate, clients'
+// certificates from the test CA.
+class TlsFetchSocketServerTest : public FetchSocketServerTest {
+ protected:
+  void Configure(FetchSocketServerOptions* options) override {
+    auto ctx = NewServerTlsContext(
+        ServerTlsPem{Pem("server.pem"), Pem("server.key"), Pem("ca.pem")});
+    ASSERT_TRUE(ctx.ok()) << ctx.status();
+    options->tls = *std::move(ctx);
+  }
+
+  // A TLS session as a client that trusts `ca` and presents `cert` (none
+  // when empty), checking the server's certificate against 127.0.0.1;
+  // `receive_buffer` bytes of SO_RCVBUF (0: the system's).
+  std::unique_ptr<TlsPeer> TlsDial(const std::string& ca = "ca.pem",
+                                   const std::string& cert = "client",
+                                   int receive_buffer = 0) {
+    auto peer = std::make_unique<TlsPeer>();
+    peer->fd = Dial(receive_buffer);
+    auto ctx =
+        NewClientTlsContext(Pem(ca), cert.empty() ? "" : Pem(cert + ".pem"),
+                            cert.empty() ? "" : Pem(cert + ".key"));
+    EXPECT_TRUE(ctx.ok()) << ctx.status();
+    if (!ctx.ok()) return peer;
+    auto stream = TlsClientStream::Connect(peer->fd, ctx->get(), "127.0.0.1",
+                                           absl::Seconds(10));
+    if (stream.ok()) {
+      peer->stream = *std::move(stream);
+    } else {
+      peer->error = stream.status();
+    }
+    return peer;
+  }
+
+  // A Hello through the session: the reply's code and message, or the
+  // error that ended the connection.
+  static absl::Status TlsHello(TlsClientStream* s, const std::string& token) {
+    fetch_wire::Hello hello;
+    hello.token_bytes = static_cast<uint32_t>(token.size());
+    iovec iov[2] = {{&hello, sizeof(hello)},
+                    {const_cast<char*>(token.data()), token.size()}};
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    absl::Status status = s->Send(iov, 2, absl::Seconds(10));
+    fetch_wire::HelloReply reply;
+    if (status.ok()) status = s->Recv(&reply, sizeof(reply), deadline);
+    if (!status.ok()) return status;
+    std::string message(reply.message_bytes, '\0');
+    status = s->Recv(message.data(), message.size(), deadline);
+    if (!status.ok()) return status;
+    return absl::Status(static_cast<absl::StatusCode>(reply.status_code),
+                        message);
+  }
+
+  // Sends the requests of `plan`, ids first_id.., all in one Send.
+  static void TlsSendRequests(TlsClientStream* s, uint64_t first_id, int count,
+                              SequenceId seq, int layer,
+                              const OwnedFetchPlan& plan) {
+    std::string frames;
+    for (int i = 0; i < count; ++i) {
+      fetch_wire::FetchRequestHeader q;
+      q.n_offsets = static_cast<uint32_t>(plan.head_offsets.size());
+      q.n_indices = static_cast<uint32_t>(plan.indices.size());
+      q.layer = layer;
+      q.request_id = first_id + i;
+      q.sequence_id = seq;
+      frames.append(reinterpret_cast<const char*>(&q), sizeof(q));
+      frames.append(reinterpret_cast<const char*>(plan.head_offsets.data()),
+                    q.n_offsets * 4);
+      frames.append(reinterpret_cast<const char*>(plan.indices.data()),
+                    q.n_indices * 4);
+    }
+    iovec iov = {frames.data(), frames.size()};
+    EXPECT_TRUE(s->Send(&iov, 1, absl::Seconds(10)).ok());
+  }
+
+  static fetch_wire::FetchResponseHeader TlsResponse(
+      TlsClientStream* s, std::vector<uint16_t>* rows) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    fetch_wire::FetchResponseHeader r;
+    r.magic = 0;
+    if (!s->Recv(&r, sizeof(r), deadline).ok()) return r;
+    std::string message(r.message_bytes, '\0');
+    EXPECT_TRUE(s->Recv(message.data(), message.size(), deadline).ok());
+    rows->resize(r.rows_bytes / 2);
+    EXPECT_TRUE(s->Recv(rows->data(), r.rows_bytes, deadline).ok());
+    return r;
+  }
+
+  // A client with the right certificate says Hello and gets bit-exact rows.
+  void ExpectServed() {
+    std::unique_ptr<TlsPeer> peer = TlsDial();
+    ASSERT_NE(peer->stream, nullptr) << peer->error;
+    ASSERT_TRUE(TlsHello(peer->stream.get(), "Bearer tok").ok());
+    const OwnedFetchPlan plan = OwnedFetchPlan::PerHead({{7, 0}, {3}});
+    TlsSendRequests(peer->stream.get(), 1, 1, seq_, 1, plan);
+    std::vector<uint16_t> rows;
+    auto r = TlsResponse(peer->stream.get(), &rows);
+    EXPECT_EQ(r.status_code, 0);
+    EXPECT_EQ(r.request_id, 1u);
+    EXPECT_EQ(rows, ExpectedRows(3, g_, 1, plan.view()));
+  }
+};
+
+TEST_F(TlsFetchSocketServerTest, ServesBitExactRowsOverTls) {
+  ExpectServed();
+  // Pipelined requests whose 64000-byte responses span several TLS records,
+  // sent on one thread and read on another: every response, in order, bit
+  // for bit.
+  std::vector<int32_t> positions(1000);
+  for (int i = 0; i < 1000; ++i) positions[i] = (i * 3) % 8;
+  const OwnedFetchPlan big = OwnedFetchPlan::SameForAllHeads(2, positions);
+  const std::vector<uint16_t> want = ExpectedRows(3, g_, 0, big.view());
+  constexpr int kRequests = 40;
+  std::unique_ptr<TlsPeer> peer = TlsDial();
+  ASSERT_NE(peer->stream, nullptr) << peer->error;
+  ASSERT_TRUE(TlsHello(peer->stream.get(), "Bearer tok").ok());
+  std::thread sender([&] {
+    TlsSendRequests(peer->stream.get(), 1, kRequests, seq_, 0, big);
+  });
+  std::vector<uint16_t> rows;
+  for (int i = 0; i < kRequests; ++i) {
+    auto r = TlsResponse(peer->stream.get(), &rows);
+    ASSERT_EQ(r.status_code, 0) << i;
+    ASSERT_EQ(r.request_id, static_cast<uint64_t>(i + 1));
+    ASSERT_EQ(rows, want) << i;
+  }
+  sender.join();
+  // A failed fetch keeps the session up.
+  TlsSendRequests(peer->stream.get(), 99, 1, seq_ + 1, 0, big);
+  auto r = TlsResponse(peer->stream.get(), &rows);
+  EXPECT_EQ(r.request_id, 99u);
+  EXPECT_EQ(r.status_code, static_cast<int>(absl::StatusCode::kNotFound));
+}
+
+// Small requests for large replies, from a client with a small receive
+// buffer that starts reading late: the server's session has taken every
+// request off the socket when its replies stall (6 MB, over what its send
+// buffer grows to), so epoll has nothing more to say about them; they are
+// served once the stalled reply goes out.
+TEST_F(TlsFetchSocketServerTest, RequestsTheSessionHoldsAreServedAfterAStall) {
+  // One index brings 1 KiB of rows: 60 of them, 60 KiB for 288 bytes.
+  const SequenceGeometry wide = MakeGeometry(1, 1, 256, 64);
+  const SequenceId seq = *store_->Open(wide);
+  ASSERT_TRUE(store_->Append(seq, MakeTestBlock(5, wide, 0, 1, 0, 64).block)
+                  .ok());
+  std::vector<int32_t> positions(60);
+  for (int i = 0; i < 60; ++i) positions[i] = (i * 7) % 64;
+  const OwnedFetchPlan plan = OwnedFetchPlan::SameForAllHeads(1, positions);
+  const std::vector<uint16_t> want = ExpectedRows(5, wide, 0, plan.view());
+  constexpr int kRequests = 100;
+  std::unique_ptr<TlsPeer> peer =
+      TlsDial("ca.pem", "client", /*receive_buffer=*/4096);
+  ASSERT_NE(peer->stream, nullptr) << peer->error;
+  ASSERT_TRUE(TlsHello(peer->stream.get(), "Bearer tok").ok());
+  TlsSendRequests(peer->stream.get(), 1, kRequests, seq, 0, plan);
+  absl::SleepFor(absl::Milliseconds(300));
+  std::vector<uint16_t> rows;
+  for (int i = 0; i < kRequests; ++i) {
+    auto r = TlsResponse(peer->stream.get(), &rows);
+    ASSERT_EQ(r.status_code, 0) << i;
+    ASSERT_EQ(r.request_id, static_cast<uint64_t>(i + 1));
+    ASSERT_EQ(rows, want) << i;
+  }
+}
+
+// 250 small requests in one TLS record: the server's session decrypts them
+// all at once, more than one turn of its loop serves, and the socket has
+// nothing more to say; every one is answered.
+TEST_F(TlsFetchSocketServerTest, ARecordOfManyRequestsIsServedWhole) {
+  std::unique_ptr<TlsPeer> peer = TlsDial();
+  ASSERT_NE(peer->stream, nullptr) << peer->error;
+  ASSERT_TRUE(TlsHello(peer->stream.get(), "Bearer tok").ok());
+  const OwnedFetchPlan plan = OwnedFetchPlan::PerHead({{1}, {2}});
+  const std::vector<uint16_t> want = ExpectedRows(3, g_, 1, plan.view());
+  constexpr int kRequests = 250;  // 60 bytes each: 15000 bytes, one record
+  TlsSendRequests(peer->stream.get(), 1, kRequests, seq_, 1, plan);
+  std::vector<uint16_t> rows;
+  for (int i = 0; i < kRequests; ++i) {
+    auto r = TlsResponse(peer->stream.get(), &rows);
+    ASSERT_EQ(r.status_code, 0) << i;
+    ASSERT_EQ(r.request_id, static_cast<uint64_t>(i + 1));
+    ASSERT_EQ(rows, want) << i;
+  }
+}
+
+TEST_F(TlsFetchSocketServerTest, AWrongTokenIsStillRefusedAtTheHello) {
+  std::unique_ptr<TlsPeer> peer = TlsDial();
+  ASSERT_NE(peer->stream, nullptr) << peer->error;
+  EXPECT_EQ(TlsHello(peer->stream.get(), "Bearer nope").code(),
+            absl::StatusCode::kUnauthenticated);
+  ExpectServed();
+}
+
+TEST_F(TlsFetchSocketServerTest, PeersWithoutTheRightCertificateAreRefused) {
+  // Held open across the refusals: an authenticated client is not harmed.
+  std::unique_ptr<TlsPeer> held = TlsDial();
+  ASSERT_NE(held->stream, nullptr) << held->error;
+  ASSERT_TRUE(TlsHello(held->stream.get(), "Bearer tok").ok());
+  const OwnedFetchPlan plan = OwnedFetchPlan::SameForAllHeads(2, {5, 1});
+  auto held_fetch = [&] {
+    std::vector<uint16_t> rows;
+    TlsSendRequests(held->stream.get(), 7, 1, seq_, 0, plan);
+    auto r = TlsResponse(held->stream.get(), &rows);
+    EXPECT_EQ(r.status_code, 0);
+    EXPECT_EQ(rows, ExpectedRows(3, g_, 0, plan.view()));
+  };
+  int64_t refused = server_->GetStats().refused;
+
+  // Plaintext: a Hello is answered, in plaintext, that the socket speaks TLS.
+  {
+    const int fd = Dial();
+    fetch_wire::Hello hello;
+    iovec iov = {&hello, sizeof(hello)};
+    ASSERT_TRUE(fetch_wire::SendAll(fd, &iov, 1).ok());
+    fetch_wire::HelloReply reply;
+    ASSERT_TRUE(fetch_wire::RecvAll(fd, &reply, sizeof(reply)).ok());
+    std::string message(reply.message_bytes, '\0');
+    ASSERT_TRUE(fetch_wire::RecvAll(fd, message.data(), message.size()).ok());
+    EXPECT_EQ(reply.status_code,
+              static_cast<int>(absl::StatusCode::kFailedPrecondition));
+    EXPECT_NE(message.find("speaks TLS"), std::string::npos) << message;
+    EXPECT_TRUE(Closed(fd));
+    close(fd);
+    EXPECT_EQ(server_->GetStats().refused, ++refused);
+  }
+  held_fetch();
+  ExpectServed();
+
+  // Garbage that is neither TLS nor a Hello.
+  {
+    const int fd = Dial();
+    const char junk[] = "GET / HTTP/1.1\r\nHost: x\r\n\r\n";
+    iovec iov = {const_cast<char*>(junk), sizeof(junk) - 1};
+    ASSERT_TRUE(fetch_wire::SendAll(fd, &iov, 1).ok());
+    fetch_wire::HelloReply reply;
+    ASSERT_TRUE(fetch_wire::RecvAll(fd, &reply, sizeof(reply)).ok());
+    ASSERT_TRUE(fetch_wire::Discard(fd, reply.message_bytes).ok());
+    EXPECT_EQ(reply.status_code,
+              static_cast<int>(absl::StatusCode::kInvalidArgument));
+    EXPECT_TRUE(Closed(fd));
+    close(fd);
+    EXPECT_EQ(server_->GetStats().refused, ++refused);
+  }
+  held_fetch();
+  ExpectServed();
+
+  // No client certificate; a certificate from another CA. Under TLS 1.3
+  // the client's handshake ends before the server has judged its
+  // certificate: the refusal arrives as an alert in place of the reply.
+  for (const std::string cert : {"", "other"}) {
+    std::unique_ptr<TlsPeer> peer = TlsDial("ca.pem", cert);
+    absl::Status status = peer->error;
+    if (peer->stream != nullptr) {
+      status = TlsHello(peer->stream.get(), "Bearer tok");
+    }
+    EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable)
+        << "cert '" << cert << "': " << status;
+    // Counted once the server's loop has seen it.
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while (server_->GetStats().refused == refused && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+    EXPECT_EQ(server_->GetStats().refused, ++refused) << cert;
+    held_fetch();
+    ExpectServed();
+  }
+
+  // A client that does not trust the server's CA gives up itself.
+  {
+    std::unique_ptr<TlsPeer> peer = TlsDial("other.pem", "client");
+    EXPECT_EQ(peer->stream, nullptr);
+    EXPECT_EQ(peer->error.code(), absl::StatusCode::kUnavailable);
+    EXPECT_NE(peer->error.message().find("certificate verify failed"),
+              std::string::npos)
+        << peer->error;
+  }
+  held_fetch();
+  ExpectServed();
+  // Every refused peer leaves the handshake pool (each once its loop has
+  // closed it).
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (server_->GetStats().handshakes > 0 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  EXPECT_EQ(server_->GetStats().handshakes, 0);
+}
+
+// The client checks the server's certificate against the name it dials
+// (or the one it is told to check): the test certificate names localhost
+// and 127.0.0.1.
+TEST_F(TlsFetchSocketServerTest, TheClientChecksTheServersName) {
+  auto ctx =
+      NewClientTlsContext(Pem("ca.pem"), Pem("client.pem"), Pem("client.key"));
+  ASSERT_TRUE(ctx.ok()) << ctx.status();
+  for (const std::string name : {"localhost", "127.0.0.1"}) {
+    const int fd = Dial();
+    auto stream =
+        TlsClientStream::Connect(fd, ctx->get(), name, absl::Seconds(10));
+    EXPECT_TRUE(stream.ok()) << name << ": " << stream.status();
+    if (stream.ok()) {
+      EXPECT_TRUE(TlsHello(stream->get(), "Bearer tok").ok()) << name;
+    }
+    stream = absl::UnavailableError("");
+    close(fd);
+  }
+  for (const std::string name : {"example.com", "127.0.0.2"}) {
+    const int fd = Dial();
+    auto stream =
+        TlsClientStream::Connect(fd, ctx->get(), name, absl::Seconds(10));
+    EXPECT_EQ(stream.status().code(), absl::StatusCode::kUnavailable) << name;
+    EXPECT_NE(stream.status().message().find("mismatch"), std::string::npos)
+        << stream.status();
+    close(fd);
+  }
+  ExpectServed();
+}
+
+// A peer that opens a connection and never finishes the TLS handshake
+// (silent, or stalled after the first bytes of a ClientHello), or finishes
+// it and never says Hello, is closed after the handshake timeout.
+TEST(TlsFetchSocketLimitsTest, UnfinishedHandshakesAreDropped) {
+  auto store = std::make_shared<KvStore>(KvStoreOptions{});
+  FetchSocketServerOptions options;
+  auto ctx = NewServerTlsContext(
+      ServerTlsPem{Pem("server.pem"), Pem("server.key"), Pem("ca.pem")});
+  ASSERT_TRUE(ctx.ok()) << ctx.status();
+  options.tls = *ctx;
+  options.handshake_timeout = absl::Milliseconds(300);
+  auto server = FetchSocketServer::Start(store, options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto dial = [&] {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr = {};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons((*server)->port());
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    EXPECT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    return fd;
+  };
+  const absl::Time start = absl::Now();
+  const int silent = dial();
+  const int stalled = dial();
+  const unsigned char partial[] = {0x16, 0x03, 0x01, 0x02, 0x00, 0x01};
+  ASSERT_EQ(send(stalled, partial, sizeof(partial), 0),
+            static_cast<ssize_t>(sizeof(partial)));
+  const int no_hello = dial();
+  auto client_ctx =
+      NewClientTlsContext(Pem("ca.pem"), Pem("client.pem"), Pem("client.key"));
+  ASSERT_TRUE(client_ctx.ok()) << client_ctx.status();
+  auto session = TlsClientStream::Connect(no_hello, client_ctx->get(),
+                                          "127.0.0.1", absl::Seconds(10));
+  ASSERT_TRUE(session.ok()) << session.status();
+  char c;
+  EXPECT_EQ(recv(silent, &c, 1, 0), 0);  // blocks until the server closes
+  EXPECT_LE(recv(stalled, &c, 1, 0), 0);
+  EXPECT_EQ((*session)->Recv(&c, 1, absl::Now() + absl::Seconds(10)).code(),
+            absl::StatusCode::kUnavailable);
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(290));
+  // The session's close_notify leaves before the server uncounts it.
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while ((*server)->GetStats().timed_out < 3 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  const FetchSocketStats stats = (*server)->GetStats();
+  EXPECT_EQ(stats.handshakes, 0);
+  EXPECT_EQ(stats.connections, 0);
+  EXPECT_EQ(stats.timed_out, 3);
+  session->reset();
+  close(silent);
+  close(stalled);
+  close(no_hello);
 }
 
 }  // namespace

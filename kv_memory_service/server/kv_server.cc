@@ -60,7 +60,7 @@ absl::StatusOr<std::unique_ptr<KvServer>> KvServer::Start(
 
   std::unique_ptr<KvServer> server(new KvServer);
   server->store_ = std::make_shared<KvStore>(options.store);
-  if (!unix_socket && options.fetch_port >= 0 && !tls) {
+  if (!unix_socket && options.fetch_port >= 0) {
     FetchSocketServerOptions fetch_options;
     fetch_options.host = options.listen.substr(0, options.listen.rfind(':'));
     if (fetch_options.host.size() > 2 && fetch_options.host.front() == '[') {
@@ -77,6 +77,9 @@ absl::StatusOr<std::unique_ptr<KvServer>> KvServer::Start(
     fetch_options.handshake_timeout = options.fetch_handshake_timeout;
     fetch_options.idle_timeout = options.fetch_idle_timeout;
     fetch_options.metrics = server->request_metrics_.get();
+    if (tls) {
+      IG_ASSIGN_OR_RETURN(fetch_options.tls, NewServerTlsContext(tls_pem));
+    }
     absl::StatusOr<std::unique_ptr<FetchSocketServer>> fetch_server =
         FetchSocketServer::Start(server->store_, fetch_options);
     if (!fetch_server.ok()) return fetch_server.status();
@@ -85,7 +88,7 @@ absl::StatusOr<std::unique_ptr<KvServer>> KvServer::Start(
   }
   server->service_ = std::make_unique<KvMemoryService>(
       server->store_, options.auth_token, options.max_message_bytes,
-      server->fetch_port_, server->request_metrics_.get());
+      server->fetch_port_, tls, server->request_metrics_.get());
 
   if (!options.rdma_device.empty()) {
     RdmaServerOptions rdma_options;
@@ -157,18 +160,24 @@ absl::StatusOr<std::unique_ptr<KvServer>> KvServer::Start(
                        : absl::StrCat(options.store.capacity_bytes, " bytes"))
                << ", auth " << (options.auth_token.empty() ? "off" : "on")
                << ", TLS "
-               << (!tls ? "off"
-                        : options.tls_client_ca_pem.empty() ? "on"
-                                                            : "on (mutual)")
+               << (!tls                                ? "off"
+                   : options.tls_client_ca_pem.empty() ? "on"
+                                                       : "on (mutual)")
                << ", fetch socket "
-               << (server->fetch_port_ > 0 ? absl::StrCat("port ", server->fetch_port_)
-                   : tls                   ? std::string("off (TLS)")
-                                           : std::string("off"))
+               << (server->fetch_port_ == 0
+                       ? std::string("off")
+                       : absl::StrCat("port ", server->fetch_port_,
+                                      tls ? " (TLS)" : ""))
                << ", lease "
                << (options.store.lease_timeout > absl::ZeroDuration()
                        ? absl::FormatDuration(options.store.lease_timeout)
                        : std::string("off"));
   return server;
+}
+
+FetchSocketStats KvServer::fetch_socket_stats() const {
+  return fetch_server_ == nullptr ? FetchSocketStats{}
+                                  : fetch_server_->GetStats();
 }
 
 KvServer::~KvServer() {

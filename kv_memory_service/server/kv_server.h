@@ -24,11 +24,11 @@
 #include "grpcpp/server.h"
 #include "kv_memory_service/kv_store.h"
 #include "kv_memory_service/request_metrics.h"
+#include "kv_memory_service/server/fetch_socket_server.h"
 
 namespace infinigen::kv_memory_service {
 
-class KvMemoryService;    // kv_service.h
-class FetchSocketServer;  // fetch_socket_server.h
+class KvMemoryService;  // kv_service.h
 
 class ShmServer;   // kv_memory_service/shm/shm_server.h
 class RdmaServer;  // kv_memory_service/rdma/rdma_server.h
@@ -54,9 +54,9 @@ struct KvServerOptions {
   // (FetchSocketServerOptions).
   // gRPC over TLS when tls_cert_pem is set: the server's certificate chain
   // and private key (PEM). With tls_client_ca_pem too, clients must present
-  // a certificate that CA signed (mutual TLS). The plain fetch socket is
-  // not offered under TLS (it would carry rows in the clear); tcp:// clients
-  // then fetch over the gRPC stream.
+  // a certificate that CA signed (mutual TLS). The fetch socket then speaks
+  // TLS with the same certificate and client CA, and GetServerInfo
+  // advertises it as fetch_tls_port.
   std::string tls_cert_pem;
   std::string tls_key_pem;
   std::string tls_client_ca_pem;
@@ -89,8 +89,10 @@ class KvServer {
 
   // The bound TCP port (0 for a unix socket).
   int port() const { return port_; }
-  // The fetch socket's port (0 when there is none).
+  // The fetch socket's port (0 when there is none; under TLS it speaks TLS).
   int fetch_port() const { return fetch_port_; }
+  // What the fetch socket holds and has refused (zeros when there is none).
+  FetchSocketStats fetch_socket_stats() const;
   // What a client passes to ConnectKvClient: tcp://HOST:PORT or unix:PATH.
   const std::string& client_address() const { return client_address_; }
   // shm:unix:PATH when serving the shm data plane, else empty.

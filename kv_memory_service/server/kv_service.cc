@@ -20,12 +20,13 @@ constexpr int64_t kResponseOverhead = 1024;
 
 KvMemoryService::KvMemoryService(std::shared_ptr<KvStore> store,
                                  const std::string& auth_token,
-                                 int32_t max_message_bytes,
-                                 int32_t fetch_port, RequestMetrics* metrics)
+                                 int32_t max_message_bytes, int32_t fetch_port,
+                                 bool fetch_tls, RequestMetrics* metrics)
     : store_(std::move(store)),
       expected_auth_(auth_token.empty() ? "" : "Bearer " + auth_token),
       max_message_bytes_(max_message_bytes),
       fetch_port_(fetch_port),
+      fetch_tls_(fetch_tls),
       metrics_(metrics) {}
 
 grpc::Status KvMemoryService::Reply(const absl::Status& status) {
@@ -159,7 +160,11 @@ grpc::Status KvMemoryService::GetServerInfo(grpc::ServerContext* ctx,
                                             kv::GetServerInfoResponse* resp) {
   const absl::Status status = Authorize(*ctx);
   if (status.ok()) {
-    resp->set_fetch_port(fetch_port_);
+    if (fetch_tls_) {
+      resp->set_fetch_tls_port(fetch_port_);
+    } else {
+      resp->set_fetch_port(fetch_port_);
+    }
     resp->set_max_message_bytes(static_cast<int32_t>(max_message_bytes_));
   }
   return Reply(status);

@@ -28,11 +28,12 @@ class KvMemoryService final : public kv::KvMemory::Service {
   // `auth_token` empty: no check. Fetches whose rows exceed
   // max_message_bytes (less room for the rest of the response) are
   // RESOURCE_EXHAUSTED.
-  // fetch_port: what GetServerInfo advertises (0: no fetch socket).
-  // `metrics` (not owned, outlives the service; null: none) records every
-  // fetch and append served and every call refused.
+  // fetch_port: what GetServerInfo advertises (0: no fetch socket), as
+  // fetch_tls_port when `fetch_tls`. `metrics` (not owned, outlives the
+  // service; null: none) records every fetch and append served and every
+  // call refused.
   KvMemoryService(std::shared_ptr<KvStore> store, const std::string& auth_token,
-                  int32_t max_message_bytes, int32_t fetch_port,
+                  int32_t max_message_bytes, int32_t fetch_port, bool fetch_tls,
                   RequestMetrics* metrics = nullptr);
 
   // Ends every open fetch stream now and refuses new ones (UNAVAILABLE).
@@ -86,6 +87,7 @@ class KvMemoryService final : public kv::KvMemory::Service {
   const std::string expected_auth_;  // "Bearer TOKEN", or empty: no check
   const int64_t max_message_bytes_;
   const int32_t fetch_port_;
+  const bool fetch_tls_;
   RequestMetrics* const metrics_;
 
   absl::Mutex mu_;

@@ -23,12 +23,14 @@
 #include "absl/synchronization/mutex.h"
 #include "common/address.h"
 #include "common/log.h"
+#include "common/server_tls.h"
 #include "common/status.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/channel_arguments.h"
 #include "kv_memory_service/proto_convert.h"
+#include "kv_memory_service/tcp/fetch_tls.h"
 #include "kv_memory_service/tcp/fetch_wire.h"
 #include "proto/kv_memory.grpc.pb.h"
 
@@ -219,26 +221,25 @@ class StreamConnection final : public FetchConnection {
   std::thread reader_;  // last: starts after everything above exists
 };
 
-// Fetches over the server's plain fetch socket: the request goes out with
-// one sendmsg from the caller's thread; the reader receives the rows
-// straight into the buffer.
+// Fetches over the server's fetch socket, plaintext or TLS: the request
+// goes out from the caller's thread (plaintext: one sendmsg; TLS: one
+// record); the reader receives the rows straight into the buffer.
 class SocketConnection final : public FetchConnection {
  public:
-  // Takes an fd that has passed the Hello exchange.
-  explicit SocketConnection(int fd) : fd_(fd) {
-    reader_ = std::thread([this] { ReadLoop(); });
-  }
   ~SocketConnection() override {
     Cut();
-    reader_.join();
+    if (reader_.joinable()) reader_.join();
     close(fd_);
   }
 
-  // Connects to host:port within `timeout` and says Hello. Unavailable,
-  // DeadlineExceeded, or the server's refusal (Unauthenticated).
-  static absl::StatusOr<int> Connect(const std::string& host, int port,
-                                     const std::string& token,
-                                     absl::Duration timeout) {
+  // Connects to host:port (each address it resolves to, in turn) within
+  // `timeout`, through TLS when `tls` is set (the server's certificate
+  // checked against `server_name`), and says Hello. Unavailable,
+  // DeadlineExceeded, or the server's refusal (Unauthenticated;
+  // FailedPrecondition from a TLS socket to a plaintext client).
+  static absl::StatusOr<std::shared_ptr<SocketConnection>> Connect(
+      const std::string& host, int port, const std::string& token, SSL_CTX* tls,
+      const std::string& server_name, absl::Duration timeout) {
     struct addrinfo hints = {};
     hints.ai_family = AF_UNSPEC;
     hints.ai_socktype = SOCK_STREAM;
@@ -250,22 +251,45 @@ class SocketConnection final : public FetchConnection {
       return absl::UnavailableError(
           absl::StrCat("cannot resolve fetch host '", host, "'"));
     }
-    const int fd = socket(found->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) {
-      freeaddrinfo(found);
-      return absl::UnavailableError("cannot create a socket");
-    }
-    absl::Status status = ConnectWithin(fd, found, timeout);
-    freeaddrinfo(found);
-    if (status.ok()) status = SayHello(fd, token, timeout);
-    if (!status.ok()) {
+    int fd = -1;
+    absl::Status status;
+    for (const struct addrinfo* a = found; a != nullptr; a = a->ai_next) {
+      fd = socket(a->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      if (fd < 0) {
+        status = absl::UnavailableError("cannot create a socket");
+        continue;
+      }
+      status = ConnectWithin(fd, a, timeout);
+      if (status.ok()) break;
       close(fd);
-      return status;
+      fd = -1;
     }
-    return fd;
+    freeaddrinfo(found);
+    if (fd < 0) return status;
+    std::unique_ptr<fetch_tls::TlsClientStream> stream;
+    if (tls != nullptr) {
+      absl::StatusOr<std::unique_ptr<fetch_tls::TlsClientStream>> made =
+          fetch_tls::TlsClientStream::Connect(fd, tls, server_name, timeout);
+      if (!made.ok()) {
+        close(fd);
+        return made.status();
+      }
+      stream = *std::move(made);
+    }
+    std::shared_ptr<SocketConnection> connection(
+        new SocketConnection(fd, std::move(stream), timeout));
+    IG_RETURN_IF_ERROR(connection->SayHello(token, timeout));
+    connection->reader_ =
+        std::thread([c = connection.get()] { c->ReadLoop(); });
+    return connection;
   }
 
  private:
+  // Takes `fd`, connected, and its TLS session (null: plaintext).
+  SocketConnection(int fd, std::unique_ptr<fetch_tls::TlsClientStream> tls,
+                   absl::Duration send_timeout)
+      : fd_(fd), tls_(std::move(tls)), send_timeout_(send_timeout) {}
+
   static absl::Status ConnectWithin(int fd, const struct addrinfo* addr,
                                     absl::Duration timeout) {
     // Non-blocking connect, bounded by poll, then back to blocking.
@@ -295,27 +319,44 @@ class SocketConnection final : public FetchConnection {
     return absl::OkStatus();
   }
 
-  static absl::Status SayHello(int fd, const std::string& token,
-                               absl::Duration timeout) {
+  // Whole sends and receives, through the TLS session when there is one.
+  // A plaintext socket times sends out by SO_SNDTIMEO, and receives by
+  // SO_RCVTIMEO where set, not by `deadline`.
+  absl::Status SendAll(struct iovec* iov, int iovcnt) {
+    return tls_ != nullptr ? tls_->Send(iov, iovcnt, send_timeout_)
+                           : fetch_wire::SendAll(fd_, iov, iovcnt);
+  }
+  absl::Status RecvAll(void* data, size_t bytes,
+                       absl::Time deadline = absl::InfiniteFuture()) {
+    return tls_ != nullptr ? tls_->Recv(data, bytes, deadline)
+                           : fetch_wire::RecvAll(fd_, data, bytes);
+  }
+  absl::Status Discard(size_t bytes) {
+    return tls_ != nullptr ? tls_->Discard(bytes)
+                           : fetch_wire::Discard(fd_, bytes);
+  }
+
+  absl::Status SayHello(const std::string& token, absl::Duration timeout) {
     fetch_wire::Hello hello;
     hello.token_bytes = static_cast<uint32_t>(token.size());
     struct iovec iov[2] = {{&hello, sizeof(hello)},
                            {const_cast<char*>(token.data()), token.size()}};
-    IG_RETURN_IF_ERROR(fetch_wire::SendAll(fd, iov, 2));
+    IG_RETURN_IF_ERROR(SendAll(iov, 2));
     // The reply, within the timeout.
+    const absl::Time deadline = absl::Now() + timeout;
     struct timeval tv = {static_cast<time_t>(absl::ToInt64Seconds(timeout)), 0};
     if (tv.tv_sec == 0) tv.tv_sec = 1;
-    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
     fetch_wire::HelloReply reply;
-    IG_RETURN_IF_ERROR(fetch_wire::RecvAll(fd, &reply, sizeof(reply)));
+    IG_RETURN_IF_ERROR(RecvAll(&reply, sizeof(reply), deadline));
     if (reply.magic != fetch_wire::kHelloMagic ||
         reply.message_bytes > fetch_wire::kMaxMessageBytes) {
       return absl::UnavailableError("the fetch socket spoke an unknown protocol");
     }
     std::string message(reply.message_bytes, '\0');
-    IG_RETURN_IF_ERROR(fetch_wire::RecvAll(fd, message.data(), message.size()));
+    IG_RETURN_IF_ERROR(RecvAll(message.data(), message.size(), deadline));
     struct timeval none = {0, 0};  // replies to fetches: the waiter's timeout
-    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &none, sizeof(none));
+    setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &none, sizeof(none));
     return absl::Status(static_cast<absl::StatusCode>(reply.status_code),
                         message);
   }
@@ -338,7 +379,7 @@ class SocketConnection final : public FetchConnection {
     absl::Status sent;
     {
       absl::MutexLock lock(&write_mu_);
-      sent = fetch_wire::SendAll(fd_, iov, 3);
+      sent = SendAll(iov, 3);
     }
     if (!sent.ok()) Cut();
   }
@@ -350,7 +391,7 @@ class SocketConnection final : public FetchConnection {
     absl::Status error;
     while (true) {
       fetch_wire::FetchResponseHeader header;
-      error = fetch_wire::RecvAll(fd_, &header, sizeof(header));
+      error = RecvAll(&header, sizeof(header));
       if (!error.ok()) break;
       if (header.magic != fetch_wire::kResponseMagic ||
           header.message_bytes > fetch_wire::kMaxMessageBytes) {
@@ -358,7 +399,7 @@ class SocketConnection final : public FetchConnection {
         break;
       }
       message.resize(header.message_bytes);
-      error = fetch_wire::RecvAll(fd_, message.data(), message.size());
+      error = RecvAll(message.data(), message.size());
       if (!error.ok()) break;
       const absl::Status status(
           static_cast<absl::StatusCode>(header.status_code), message);
@@ -369,7 +410,7 @@ class SocketConnection final : public FetchConnection {
       }
       GrpcFetchBuffer* buffer = Take(header.request_id);
       if (buffer == nullptr) {  // abandoned after a timeout
-        error = fetch_wire::Discard(fd_, header.rows_bytes);
+        error = Discard(header.rows_bytes);
         if (!error.ok()) break;
         continue;
       }
@@ -380,7 +421,7 @@ class SocketConnection final : public FetchConnection {
         error = absl::InternalError("oversized response on the fetch socket");
         break;
       }
-      error = fetch_wire::RecvAll(fd_, buffer->data(), header.rows_bytes);
+      error = RecvAll(buffer->data(), header.rows_bytes);
       if (!error.ok()) {
         buffer->Complete(error);
         break;
@@ -395,22 +436,27 @@ class SocketConnection final : public FetchConnection {
   }
 
   const int fd_;
+  const std::unique_ptr<fetch_tls::TlsClientStream> tls_;  // null: plaintext
+  const absl::Duration send_timeout_;
   absl::Mutex write_mu_;  // one request on the wire at a time
-  std::thread reader_;    // last: starts after everything above exists
+  std::thread reader_;    // started once the Hello has passed
 };
 
 class GrpcKvClient final : public KvClient {
  public:
   // `fetch_host`: the host to reach the server's fetch socket at (the one
-  // the channel uses); empty = always the gRPC FetchStream.
+  // the channel uses); empty = always the gRPC FetchStream. `fetch_tls`:
+  // the client context for a TLS fetch socket (null: the client speaks
+  // plaintext, and takes only a plaintext one).
   GrpcKvClient(std::shared_ptr<grpc::Channel> channel,
-               const KvClientOptions& options, std::string fetch_host)
+               const KvClientOptions& options, std::string fetch_host,
+               std::shared_ptr<SSL_CTX> fetch_tls)
       : channel_(std::move(channel)),
         stub_(kv::KvMemory::NewStub(channel_)),
         options_(options),
-        auth_(options.auth_token.empty() ? ""
-                                         : "Bearer " + options.auth_token),
-        fetch_host_(options.tcp_fetch_socket ? std::move(fetch_host) : "") {
+        auth_(options.auth_token.empty() ? "" : "Bearer " + options.auth_token),
+        fetch_host_(options.tcp_fetch_socket ? std::move(fetch_host) : ""),
+        fetch_tls_(std::move(fetch_tls)) {
     // The first beat opens the session, so Health() means something from
     // the start; a failure here is retried by the thread.
     Beat();
@@ -743,13 +789,29 @@ class GrpcKvClient final : public KvClient {
       grpc::ClientContext ctx;
       Prepare(&ctx);
       IG_RETURN_IF_ERROR(FromGrpcStatus(stub_->GetServerInfo(&ctx, req, &resp)));
-      fetch_port = resp.fetch_port();
+      if (resp.fetch_tls_port() > 0) {
+        if (fetch_tls_ == nullptr) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "the KV memory server's fetch socket (port ",
+              resp.fetch_tls_port(),
+              ") speaks TLS: connect with the server's CA (tls_ca_pem, "
+              "--kv_tls_ca)"));
+        }
+        fetch_port = resp.fetch_tls_port();
+      } else if (fetch_tls_ == nullptr) {
+        // A TLS client never sends rows' indices to a plaintext socket: it
+        // takes the (TLS) stream instead.
+        fetch_port = resp.fetch_port();
+      }
     }
     if (fetch_port > 0) {
       IG_ASSIGN_OR_RETURN(
-          int fd, SocketConnection::Connect(fetch_host_, fetch_port, auth_,
-                                            options_.connect_timeout));
-      connection_ = std::make_shared<SocketConnection>(fd);
+          connection_,
+          SocketConnection::Connect(
+              fetch_host_, fetch_port, auth_, fetch_tls_.get(),
+              options_.tls_server_name.empty() ? fetch_host_
+                                               : options_.tls_server_name,
+              options_.connect_timeout));
     } else {
       connection_ = std::make_shared<StreamConnection>(stub_.get(), auth_);
     }
@@ -784,6 +846,7 @@ class GrpcKvClient final : public KvClient {
   const KvClientOptions options_;
   const std::string auth_;  // "Bearer TOKEN", or empty
   const std::string fetch_host_;
+  const std::shared_ptr<SSL_CTX> fetch_tls_;
   std::atomic<uint64_t> next_request_id_{0};
 
   absl::Mutex mu_;
@@ -829,7 +892,8 @@ grpc::ChannelArguments ChannelArgs(const KvClientOptions& options) {
 
 std::unique_ptr<KvClient> NewGrpcKvClient(
     std::shared_ptr<grpc::Channel> channel, const KvClientOptions& options) {
-  return std::make_unique<GrpcKvClient>(std::move(channel), options, "");
+  return std::make_unique<GrpcKvClient>(std::move(channel), options, "",
+                                        nullptr);
 }
 
 absl::StatusOr<std::unique_ptr<KvClient>> ConnectGrpcKvClient(
@@ -852,11 +916,17 @@ absl::StatusOr<std::unique_ptr<KvClient>> ConnectGrpcKvClient(
   std::shared_ptr<grpc::ChannelCredentials> credentials =
       grpc::InsecureChannelCredentials();
   grpc::ChannelArguments args = ChannelArgs(options);
+  std::shared_ptr<SSL_CTX> fetch_tls;
   if (!options.tls_ca_pem.empty()) {
     if (options.tls_cert_pem.empty() != options.tls_key_pem.empty()) {
       return absl::InvalidArgumentError(
           "a TLS client certificate needs its key, and the key its "
           "certificate");
+    }
+    if (!fetch_host.empty()) {
+      IG_ASSIGN_OR_RETURN(fetch_tls, NewClientTlsContext(options.tls_ca_pem,
+                                                         options.tls_cert_pem,
+                                                         options.tls_key_pem));
     }
     grpc::SslCredentialsOptions ssl;
     ssl.pem_root_certs = options.tls_ca_pem;
@@ -889,8 +959,8 @@ absl::StatusOr<std::unique_ptr<KvClient>> ConnectGrpcKvClient(
             ? ""
             : absl::StrCat(": ", why.error_message())));
   }
-  return std::make_unique<GrpcKvClient>(std::move(channel), options,
-                                        std::move(fetch_host));
+  return std::make_unique<GrpcKvClient>(
+      std::move(channel), options, std::move(fetch_host), std::move(fetch_tls));
 }
 
 }  // namespace infinigen::kv_memory_service

@@ -1,13 +1,20 @@
 // The TCP data plane: a KvClient for a kv_memory_server at tcp://HOST:PORT
 // or unix:PATH. Control calls (Open, Append, Close, statistics) are unary
 // RPCs with a deadline of options.rpc_timeout. Fetches share one long-lived
-// connection per client: for tcp://, the server's plain fetch socket
+// connection per client: for tcp://, the server's fetch socket
 // (fetch_wire.h; port from GetServerInfo, same host), where the request
 // leaves with one sendmsg and a reader thread receives the rows straight
 // into the FetchBuffer; for unix: (or options.tcp_fetch_socket = false, or
 // a server without one) the gRPC FetchStream, rows copied out of the
 // response. FetchAsync sends and returns; Wait gives up at
 // options.fetch_timeout, after which nothing writes into the buffer.
+//
+// TLS (options.tls_ca_pem): the channel, and the fetch socket, which a node
+// under TLS advertises as fetch_tls_port (fetch_tls.h): the client checks
+// its certificate against the CA and the address's host (or
+// tls_server_name) and presents tls_cert_pem. A TLS client never uses a
+// plaintext fetch socket (it takes the stream instead); a plaintext client
+// that finds a TLS one fails its fetches with FailedPrecondition.
 //
 // A server that dies fails every fetch in flight with Unavailable as soon
 // as the connection drops; a hung one with DeadlineExceeded at the timeout
