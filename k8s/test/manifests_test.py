@@ -473,17 +473,8 @@ def check_ports_and_probes(m, ctx):
         declared = c.ports()
         wanted = {port: "--listen"}
         tls = bool(c.flag("tls_cert", defaults))
-        if c.binary == SERVER and tls:
-            try:
-                fetch = int(c.flag("fetch_port", defaults))
-            except ValueError:
-                fetch = None
-            if fetch != -1:
-                errors.append("%s: --tls_cert turns the plain fetch socket "
-                              "off (workers fetch over the TLS gRPC stream); "
-                              "say so with --fetch_port=-1 and declare no "
-                              "fetch port" % c.where())
-        elif c.binary == SERVER:
+        if c.binary == SERVER:
+            # Under --tls_cert the fetch socket speaks TLS: the same port.
             try:
                 fetch = int(c.flag("fetch_port", defaults))
             except ValueError:
@@ -870,9 +861,8 @@ def check_kv_service(m, ctx, expected_plane=None):
             if ((volume or {}).get("emptyDir") or {}).get("medium") != "Memory":
                 errors.append("%s: the shm socket's volume is not an emptyDir "
                               "of medium Memory" % c.where())
-        # Under TLS the gRPC stream is the only tcp:// fetch path
-        # (check_ports_and_probes wants --fetch_port=-1 there).
-        if plane == "tcp" and not server.flag("tls_cert", ctx.flags[SERVER]):
+        # tcp:// fetches want the fetch socket (a TLS one under --tls_cert).
+        if plane == "tcp":
             try:
                 fetch = int(server.flag("fetch_port", ctx.flags[SERVER]))
             except ValueError:
@@ -1402,8 +1392,8 @@ class RenderedManifestsTest(unittest.TestCase):
         (server,) = m.containers(SERVER)
         (worker,) = m.containers(WORKER)
         sf, wf = context().flags[SERVER], context().flags[WORKER]
-        # Mutual TLS on the memory tier, no plain fetch socket.
-        self.assertEqual("-1", server.flag("fetch_port", sf))
+        # Mutual TLS on the memory tier; its fetch socket (TLS too) open.
+        self.assertEqual("7071", server.flag("fetch_port", sf))
         documented = _documented_secrets()
         for c, flags, secret in (
                 (server, ("tls_cert", "tls_key", "tls_client_ca"),
@@ -1426,7 +1416,7 @@ class RenderedManifestsTest(unittest.TestCase):
             self.assertIn(secret, documented)
         self.assertEqual("infinigen-kv-memory",
                          worker.flag("kv_tls_server_name", wf))
-        self.assertNotIn(7071, server.ports())
+        self.assertIn(7071, server.ports())  # the TLS fetch socket
 
     def test_images_are_the_same_in_every_overlay(self):
         images = {}
@@ -1876,12 +1866,12 @@ class BrokenManifestsTest(unittest.TestCase):
                            "gRPC probes do not speak TLS")
 
     def test_fetch_port_under_tls(self):
+        # The TLS fetch socket's port must be declared like the plain one.
         def fn(docs):
             c = pod_containers(docs, "StatefulSet")[0]
-            c["args"] = ["--fetch_port=7071" if a == "--fetch_port=-1" else a
-                         for a in c["args"]]
+            c["ports"] = [p for p in c["ports"] if p["containerPort"] != 7071]
         self.assertReports(check_ports_and_probes, mutate(self.TLS, fn),
-                           "--fetch_port=-1")
+                           "--fetch_port port 7071 is not a containerPort")
 
     def test_secret_nobody_creates(self):
         def fn(docs):
