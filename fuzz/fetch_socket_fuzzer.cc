@@ -27,7 +27,7 @@
 
 #include "absl/time/time.h"
 #include "kv_memory_service/kv_store.h"
-#include "kv_memory_service/server/fetch_socket_server.h"
+#include "kv_memory_service/tcp/fetch_socket_server.h"
 #include "kv_memory_service/tcp/fetch_wire.h"
 
 namespace kv = infinigen::kv_memory_service;

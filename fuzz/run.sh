@@ -50,7 +50,7 @@ sources_of() {
         kv_memory_service/kv_types.cc kv_memory_service/prefix_cache.cc \
         kv_memory_service/prefix_keys.cc kv_memory_service/request_metrics.cc \
         kv_memory_service/tcp/fetch_wire.cc kv_memory_service/tcp/fetch_tls.cc \
-        kv_memory_service/server/fetch_socket_server.cc ;;
+        kv_memory_service/tcp/fetch_socket_server.cc ;;
     shm_protocol_fuzzer) echo kv_memory_service/shm/shm_protocol.cc ;;
     rdma_wire_fuzzer)
       echo common/log.cc common/address.cc "${store_srcs[@]}" \

@@ -22,7 +22,7 @@ case "$config" in
       //kv_memory_service:prefix_test
       //kv_memory_service:kv_client_test
       //kv_memory_service:tls_test
-      //kv_memory_service/server:fetch_socket_server_test
+      //kv_memory_service/tcp:fetch_socket_server_test
       //kv_memory_service/shm:shm_test
       //kv_memory_service/sharded:sharded_kv_client_test
       //gpu_worker:kv_cache_test
@@ -36,7 +36,7 @@ case "$config" in
     targets=(
       //kv_memory_service:kv_store_test
       //kv_memory_service:prefix_test
-      //kv_memory_service/server:fetch_socket_server_test
+      //kv_memory_service/tcp:fetch_socket_server_test
       //kv_memory_service/shm:shm_test
       //gpu_worker:kv_cache_test
       //gpu_worker:backend_test

@@ -14,7 +14,7 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
-#include "kv_memory_service/server/fetch_socket_server.h"
+#include "kv_memory_service/tcp/fetch_socket_server.h"
 #include "kv_memory_service/server/kv_service.h"
 #include "kv_memory_service/rdma/rdma_server.h"
 #include "kv_memory_service/shm/shm_server.h"

@@ -24,7 +24,7 @@
 #include "grpcpp/server.h"
 #include "kv_memory_service/kv_store.h"
 #include "kv_memory_service/request_metrics.h"
-#include "kv_memory_service/server/fetch_socket_server.h"
+#include "kv_memory_service/tcp/fetch_socket_server.h"
 
 namespace infinigen::kv_memory_service {
 

@@ -3,7 +3,7 @@
 // server keeps serving everyone else; the same over TLS, where peers
 // without the right certificate, plaintext peers and stalled handshakes
 // are dropped (certificates: kv_memory_service/testing/tls).
-#include "kv_memory_service/server/fetch_socket_server.h"
+#include "kv_memory_service/tcp/fetch_socket_server.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>

@@ -1,4 +1,4 @@
-#include "kv_memory_service/server/fetch_socket_server.h"
+#include "kv_memory_service/tcp/fetch_socket_server.h"
 
 #include <arpa/inet.h>
 #include <netdb.h>

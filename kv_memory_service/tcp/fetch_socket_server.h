@@ -30,8 +30,8 @@
 // GetServerInfo (fetch_port, or fetch_tls_port under TLS). Thread-safe;
 // Stop() closes every connection (clients see Unavailable) and waits for
 // the threads.
-#ifndef INFINIGEN_KV_MEMORY_SERVICE_SERVER_FETCH_SOCKET_SERVER_H_
-#define INFINIGEN_KV_MEMORY_SERVICE_SERVER_FETCH_SOCKET_SERVER_H_
+#ifndef INFINIGEN_KV_MEMORY_SERVICE_TCP_FETCH_SOCKET_SERVER_H_
+#define INFINIGEN_KV_MEMORY_SERVICE_TCP_FETCH_SOCKET_SERVER_H_
 
 #include <atomic>
 #include <cstdint>
@@ -154,4 +154,4 @@ class FetchSocketServer {
 
 }  // namespace infinigen::kv_memory_service
 
-#endif  // INFINIGEN_KV_MEMORY_SERVICE_SERVER_FETCH_SOCKET_SERVER_H_
+#endif  // INFINIGEN_KV_MEMORY_SERVICE_TCP_FETCH_SOCKET_SERVER_H_
