@@ -98,27 +98,16 @@ __device__ void AddProbabilities(const AttentionKernelParams& p,
   }
 }
 
-// blockIdx.x = (i * kv_splits + split) * n_heads + h: the query heads of a
-// KV group are neighbours, so their reads of the same rows meet in L2.
+// One warp's online softmax over its keys of [begin, end) (every kWarps-th
+// group of kKeysPerStep): m the max score seen, l the sum of
+// exp(score - m), acc this lane's dims of the sum of exp(score - m) * v.
 template <int R>
-__global__ void __launch_bounds__(kThreads)
-    AttentionKernel(AttentionKernelParams p) {
-  const int lane = threadIdx.x % 32;
-  const int warp = threadIdx.x / 32;
-  const int h = blockIdx.x % p.n_heads;
-  const int split = (blockIdx.x / p.n_heads) % p.kv_splits;
-  const int i = blockIdx.x / p.n_heads / p.kv_splits;
-  const QueryHead qh = Locate(p, static_cast<long>(i) * p.n_heads + h);
-  const int chunk = (qh.len + p.kv_splits - 1) / p.kv_splits;
-  const int begin = min(qh.len, split * chunk);
-  const int end = min(qh.len, begin + chunk);
-
-  float q[R];
-  LoadLaneDims(p.q + qh.row * p.head_dim, p.head_dim, q);
-
-  float m = -CUDART_INF_F;  // max score so far
-  float l = 0.0f;           // sum of exp(score - m)
-  float acc[R];             // sum of exp(score - m) * v, this lane's dims
+__device__ void WarpOnlineSoftmax(const AttentionKernelParams& p,
+                                  const QueryHead& qh, const float (&q)[R],
+                                  int begin, int end, int warp, float& m,
+                                  float& l, float (&acc)[R]) {
+  m = -CUDART_INF_F;
+  l = 0.0f;
 #pragma unroll
   for (int r = 0; r < R; ++r) acc[r] = 0.0f;
   for (int t0 = begin + warp * kKeysPerStep; t0 < end;
@@ -151,6 +140,30 @@ __global__ void __launch_bounds__(kThreads)
     }
     m = m_new;
   }
+}
+
+// blockIdx.x = (i * kv_splits + split) * n_heads + h: the query heads of a
+// KV group are neighbours, so their reads of the same rows meet in L2.
+template <int R>
+__global__ void __launch_bounds__(kThreads)
+    AttentionKernel(AttentionKernelParams p) {
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int h = blockIdx.x % p.n_heads;
+  const int split = (blockIdx.x / p.n_heads) % p.kv_splits;
+  const int i = blockIdx.x / p.n_heads / p.kv_splits;
+  const QueryHead qh = Locate(p, static_cast<long>(i) * p.n_heads + h);
+  const int chunk = (qh.len + p.kv_splits - 1) / p.kv_splits;
+  const int begin = min(qh.len, split * chunk);
+  const int end = min(qh.len, begin + chunk);
+
+  float q[R];
+  LoadLaneDims(p.q + qh.row * p.head_dim, p.head_dim, q);
+
+  float m = -CUDART_INF_F;  // max score so far
+  float l = 0.0f;           // sum of exp(score - m)
+  float acc[R];             // sum of exp(score - m) * v, this lane's dims
+  WarpOnlineSoftmax(p, qh, q, begin, end, warp, m, l, acc);
 
   // Merge the warps: warp w's terms are scaled by exp(m_w - max).
   __shared__ float warp_m[kWarps];
