@@ -97,7 +97,9 @@ int RunPerplexity() {
                                 absl::GetFlag(FLAGS_text))));
   }
   const std::string policy = absl::GetFlag(FLAGS_policy);
-  if (o.prompt_tokens == 0 && policy != "ideal") {
+  auto kind = gpu_worker::ParsePolicy(policy);
+  if (!kind.ok()) return Fail(kExitUsage, kind.status());
+  if (o.prompt_tokens == 0 && *kind != gpu_worker::PolicyKind::kIdeal) {
     return Fail(kExitUsage,
                 absl::InvalidArgumentError(
                     "--policy needs --prompt_tokens (the dense prefix before "

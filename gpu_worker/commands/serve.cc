@@ -20,6 +20,7 @@
 #include "gpu_worker/generation_scheduler.h"
 #include "gpu_worker/generation_service.h"
 #include "gpu_worker/http_api.h"
+#include "gpu_worker/kv_policy.h"
 #include "gpu_worker/worker_metrics.h"
 
 ABSL_FLAG(std::string, listen, "",
@@ -115,7 +116,9 @@ absl::Status CheckServeFlags() {
   if (absl::GetFlag(FLAGS_drain_timeout) < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--drain_timeout must not be negative");
   }
-  if (absl::GetFlag(FLAGS_policy) == "infinigen" &&
+  IG_ASSIGN_OR_RETURN(const gpu_worker::PolicyKind kind,
+                      gpu_worker::ParsePolicy(absl::GetFlag(FLAGS_policy)));
+  if (kind == gpu_worker::PolicyKind::kInfiniGen &&
       absl::GetFlag(FLAGS_skew).empty()) {
     return absl::InvalidArgumentError(
         "serve --policy=infinigen needs --skew (from 'infinigen skew'): there "
