@@ -2,9 +2,23 @@
 // every data plane shares. ConnectKvClient is in connect.cc.
 #include "kv_memory_service/kv_client.h"
 
+#include <cstdlib>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
+
 namespace infinigen::kv_memory_service {
+
+absl::StatusOr<uint16_t*> AllocateFetchMemory(size_t elements) {
+  constexpr size_t kPage = 4096;
+  const size_t bytes = (elements * sizeof(uint16_t) + kPage - 1) / kPage * kPage;
+  auto* memory = static_cast<uint16_t*>(std::aligned_alloc(kPage, bytes));
+  if (memory == nullptr) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot allocate a fetch buffer of ", bytes, " bytes"));
+  }
+  return memory;
+}
 
 absl::Status FetchBuffer::BeginFetch() {
   absl::MutexLock lock(&mu_);

@@ -123,6 +123,12 @@ struct KvClientOptions {
 
 class FetchHandle;
 
+// Page-aligned host memory for a fetch buffer of `elements` uint16_t values
+// (rounded up to whole pages, so it can be pinned), freed with std::free;
+// ResourceExhausted when it cannot be had. For the data planes whose
+// buffers are plain host memory (inproc, gRPC).
+absl::StatusOr<uint16_t*> AllocateFetchMemory(size_t elements);
+
 // A destination for fetches, made by KvClient::NewFetchBuffer, holding
 // size() uint16_t values. The rows of a completed fetch are at data() in
 // FetchPlan's layout. The memory stays valid, at the same address, for the

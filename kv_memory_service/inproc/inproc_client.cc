@@ -3,12 +3,10 @@
 #include <cstdlib>
 #include <utility>
 
-#include "absl/strings/str_cat.h"
+#include "common/status.h"
 
 namespace infinigen::kv_memory_service {
 namespace {
-
-constexpr size_t kAlignment = 4096;
 
 class InprocFetchBuffer final : public FetchBuffer {
  public:
@@ -40,13 +38,7 @@ class InprocKvClient final : public KvClient {
     if (elements == 0) {
       return absl::InvalidArgumentError("a fetch buffer needs at least 1 value");
     }
-    const size_t bytes = (elements * sizeof(uint16_t) + kAlignment - 1) /
-                         kAlignment * kAlignment;
-    auto* data = static_cast<uint16_t*>(std::aligned_alloc(kAlignment, bytes));
-    if (data == nullptr) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("cannot allocate a fetch buffer of ", bytes, " bytes"));
-    }
+    IG_ASSIGN_OR_RETURN(uint16_t* data, AllocateFetchMemory(elements));
     return std::make_unique<InprocFetchBuffer>(this, data, elements);
   }
   FetchHandle FetchAsync(SequenceId seq, int32_t layer, const FetchPlan& plan,

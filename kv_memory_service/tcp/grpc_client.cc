@@ -37,8 +37,6 @@
 namespace infinigen::kv_memory_service {
 namespace {
 
-constexpr size_t kAlignment = 4096;
-
 class GrpcKvClient;
 class FetchConnection;
 
@@ -566,13 +564,7 @@ class GrpcKvClient final : public KvClient {
           "a fetch buffer of ", elements * sizeof(uint16_t),
           " bytes exceeds the message limit of ", options_.max_message_bytes));
     }
-    const size_t bytes = (elements * sizeof(uint16_t) + kAlignment - 1) /
-                         kAlignment * kAlignment;
-    auto* memory = static_cast<uint16_t*>(std::aligned_alloc(kAlignment, bytes));
-    if (memory == nullptr) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("cannot allocate a fetch buffer of ", bytes, " bytes"));
-    }
+    IG_ASSIGN_OR_RETURN(uint16_t* memory, AllocateFetchMemory(elements));
     return std::make_unique<GrpcFetchBuffer>(this, memory, elements);
   }
 
