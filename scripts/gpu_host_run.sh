@@ -70,7 +70,7 @@ BATCHES="1 4 16"
 if [ ! -f "${MODEL}" ]; then
   MODEL="models/stories260K/stories260K.bin"
   EXTRA=(--tokenizer=models/stories260K/tok512.bin)
-  CONTEXTS="200 500"   # stories260K's context is 512
+  CONTEXTS="200 480"   # stories260K's context is 512 (ctx + 32 steps)
 fi
 if [ "${QUICK}" = 1 ]; then
   CONTEXTS="${CONTEXTS%% *}"

@@ -7,8 +7,12 @@
 // two backends differ only in summation order, so logits agree to 2e-3
 // absolute (logits are O(10)); with fp16 weights and activations they agree
 // to 5% of the logit range, and the greedy token agrees on at least 90% of
-// the steps. InfiniGen's selection is discrete, so a near-tie can flip one
-// token's selection between backends: it gets the argmax check.
+// the steps. The offloaded policies (full, h2o) fetch rows the memory node
+// stores as fp16: a summation-order difference in a K or V value can flip
+// its fp16 rounding (a relative 5e-4), so their logits agree to 1e-2 (seen
+// on an H200: at most 4.4e-3). InfiniGen's selection is discrete, so a
+// near-tie can flip one token's selection between backends: it gets the
+// argmax check.
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
@@ -142,6 +146,8 @@ TEST_F(CudaEngineParity, Stories260KEveryPolicy) {
         Decode(m->weights, tokens, std::move(*cuda), kind, &*skew, 12, 24);
     if (kind == PolicyKind::kInfiniGen) {
       ExpectClose(cpu, gpu, vocab, 0, 0, 0.9);
+    } else if (kind == PolicyKind::kFull || kind == PolicyKind::kH2O) {
+      ExpectClose(cpu, gpu, vocab, 1e-2, 0, 1.0);
     } else {
       ExpectClose(cpu, gpu, vocab, 2e-3, 0, 1.0);
     }
