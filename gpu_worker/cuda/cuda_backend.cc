@@ -96,6 +96,7 @@ class CudaBackend final : public Backend {
       : device_(device),
         name_(std::string("cuda:") + prop.name),
         sm_count_(prop.multiProcessorCount),
+        device_bytes_(prop.totalGlobalMem),
         options_(options),
         stream_(stream),
         copy_stream_(copy_stream),
@@ -124,6 +125,9 @@ class CudaBackend final : public Backend {
   void* AllocateShared(size_t bytes) override {
     cudaSetDevice(device_);
     const size_t size = std::max<size_t>(bytes, 1);
+    // More managed memory than the card has is refused here, not asked for:
+    // on some drivers such a request can hang the GPU rather than fail.
+    if (size > device_bytes_) return nullptr;
     void* p = nullptr;
     if (cudaMallocManaged(&p, size) != cudaSuccess) {
       cudaGetLastError();  // not sticky: later launches must not see it
@@ -722,6 +726,7 @@ class CudaBackend final : public Backend {
   const int device_;
   const std::string name_;
   const int sm_count_;
+  const size_t device_bytes_;  // the card's memory
   const CudaBackendOptions options_;
   cudaStream_t stream_;       // every operation
   cudaStream_t copy_stream_;  // CopyFromHost
