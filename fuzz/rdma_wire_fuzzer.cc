@@ -70,12 +70,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       (void)node.store.Gather(seq, request->layer, plan, absl::MakeSpan(rows));
       std::vector<char> again(rdma::kMaxRequestBytes);
       const size_t n = rdma::EncodeFetchRequest(
-          request->slot, request->sequence, request->layer, plan,
+          request->slot, request->sequence, request->session, request->layer,
+          plan,
           absl::MakeSpan(again));
       if (n != packet.size()) std::abort();
       auto decoded = rdma::DecodeFetchRequest(absl::MakeConstSpan(again.data(), n));
       if (!decoded.ok() || decoded->slot != request->slot ||
           decoded->sequence != request->sequence ||
+          decoded->session != request->session ||
           decoded->layer != request->layer ||
           decoded->n_indices != request->n_indices ||
           decoded->n_head_offsets != request->n_head_offsets ||

@@ -287,6 +287,12 @@ class KvClient {
   // once one fails, OK again once one succeeds. Never calls the node:
   // cheap enough to poll. In-process (the default here): always OK.
   virtual absl::Status Health() const { return absl::OkStatus(); }
+
+  // The session on the memory node that this client's sequences belong to
+  // (kv_store.h, "Ids and ownership"); 0: none (in-process, or before the
+  // first sequence). A data plane beside a control client names it in each
+  // fetch: the node serves a sequence's rows only to its owner.
+  virtual SessionId session() const { return 0; }
 };
 
 // Forwards every call to another client. Data planes that reuse another
@@ -322,6 +328,7 @@ class KvClientWrapper : public KvClient {
   }
   std::string data_plane() const override { return target_->data_plane(); }
   absl::Status Health() const override { return target_->Health(); }
+  SessionId session() const override { return target_->session(); }
 
   KvClient* target() const { return target_.get(); }
 

@@ -28,10 +28,11 @@
 //
 // Ids and ownership. Sequence and session ids are random 64-bit values:
 // none can be derived from another. A sequence opened in a session answers
-// control calls only from that session (CheckOwner; the gRPC service
-// applies it to Append, Close and statistics): another session gets
-// NotFound, as for an id never handed out. Fetches on the data planes
-// name only the sequence id; its 64 random bits are what guard them.
+// calls only from that session (CheckOwner): the gRPC service applies it to
+// Append, Close, statistics and Fetch, and every data plane (the TCP fetch
+// socket, shared memory, RDMA) to each fetch, whose request names the
+// caller's session beside the sequence id. Another session gets NotFound,
+// as for an id never handed out, so a leaked id alone reads nothing.
 //
 // Error contract, the same for every transport in front of the store:
 //  - NotFound: unknown (or closed) sequence id.

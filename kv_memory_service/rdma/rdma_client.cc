@@ -392,7 +392,8 @@ FetchHandle RdmaFetchBuffer::Start(SequenceId seq, int32_t layer,
   }
   if (status.ok()) {
     absl::Span<char> packet = client_->RequestArea(slot_);
-    const size_t bytes = rdma::EncodeFetchRequest(slot_, seq, layer, plan, packet);
+    const size_t bytes = rdma::EncodeFetchRequest(slot_, seq, client_->session(),
+                                                 layer, plan, packet);
     if (bytes < rdma::InlineRequestBytes(n, m)) {
       // Too large to send inline: the server reads it from the plan area.
       auto* area = reinterpret_cast<int32_t*>(memory_.plan.get());

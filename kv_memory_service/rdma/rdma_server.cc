@@ -234,6 +234,10 @@ class Connection {
     if (request.slot >= buffers_.size() || !buffers_[request.slot].valid) {
       status = absl::FailedPreconditionError(absl::StrCat(
           "RDMA fetch into unregistered buffer slot ", request.slot));
+    } else if (absl::Status owner =
+                   store_->CheckOwner(request.sequence, request.session);
+               !owner.ok()) {
+      status = std::move(owner);  // another session's (or no) sequence
     } else {
       b = buffers_[request.slot];
       const size_t count =

@@ -155,12 +155,14 @@ TEST(PacketTest, SmallPlansTravelInline) {
   const OwnedFetchPlan plan = OwnedFetchPlan::PerHead({{1, 5, 9}, {}, {2}});
   alignas(8) char packet[kMaxRequestBytes];
   const size_t bytes =
-      EncodeFetchRequest(7, 0xdead00000001ULL, 3, plan.view(), absl::MakeSpan(packet));
+      EncodeFetchRequest(7, 0xdead00000001ULL, 0xbeef00000002ULL, 3, plan.view(),
+                         absl::MakeSpan(packet));
   EXPECT_EQ(bytes, InlineRequestBytes(4, 4));
   absl::StatusOr<FetchRequest> r = DecodeFetchRequest(absl::MakeConstSpan(packet, bytes));
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->slot, 7u);
   EXPECT_EQ(r->sequence, 0xdead00000001ULL);
+  EXPECT_EQ(r->session, 0xbeef00000002ULL);
   EXPECT_EQ(r->layer, 3);
   EXPECT_TRUE(r->plan_inline);
   EXPECT_EQ(std::vector<int32_t>(r->inline_plan.begin(), r->inline_plan.end()),
@@ -173,7 +175,7 @@ TEST(PacketTest, LargePlansAreReadByTheServer) {
   const OwnedFetchPlan plan = OwnedFetchPlan::SameForAllHeads(3, positions);
   alignas(8) char packet[kMaxRequestBytes];
   const size_t bytes =
-      EncodeFetchRequest(1, 2, 0, plan.view(), absl::MakeSpan(packet));
+      EncodeFetchRequest(1, 2, 5, 0, plan.view(), absl::MakeSpan(packet));
   absl::StatusOr<FetchRequest> r = DecodeFetchRequest(absl::MakeConstSpan(packet, bytes));
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_FALSE(r->plan_inline);
@@ -185,7 +187,8 @@ TEST(PacketTest, LargePlansAreReadByTheServer) {
 TEST(PacketTest, MalformedRequestsAreRejected) {
   const OwnedFetchPlan plan = OwnedFetchPlan::SameForAllHeads(2, {4, 5});
   alignas(8) char packet[kMaxRequestBytes];
-  const size_t bytes = EncodeFetchRequest(0, 1, 0, plan.view(), absl::MakeSpan(packet));
+  const size_t bytes =
+      EncodeFetchRequest(0, 1, 0, 0, plan.view(), absl::MakeSpan(packet));
   EXPECT_CODE(DecodeFetchRequest(absl::MakeConstSpan(packet, 10)).status(),
               kInvalidArgument);
   EXPECT_CODE(DecodeFetchRequest(absl::MakeConstSpan(packet, bytes - 4)).status(),

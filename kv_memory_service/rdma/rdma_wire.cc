@@ -21,12 +21,13 @@ struct RequestHeader {
   uint32_t magic;
   uint32_t slot;
   uint64_t sequence;
+  uint64_t session;
   int32_t layer;
   uint32_t n_indices;
   uint32_t n_head_offsets;
   uint32_t plan_inline;
 };
-static_assert(sizeof(RequestHeader) == 32);
+static_assert(sizeof(RequestHeader) == 40);
 
 struct ResponseHeader {
   uint32_t magic;
@@ -108,7 +109,8 @@ size_t InlineRequestBytes(size_t n_indices, size_t n_head_offsets) {
   return sizeof(RequestHeader) + (n_indices + n_head_offsets) * sizeof(int32_t);
 }
 
-size_t EncodeFetchRequest(uint32_t slot, SequenceId sequence, int32_t layer,
+size_t EncodeFetchRequest(uint32_t slot, SequenceId sequence,
+                          SessionId session, int32_t layer,
                           const FetchPlan& plan, absl::Span<char> out) {
   const size_t n = plan.indices.size();
   const size_t m = plan.head_offsets.size();
@@ -116,6 +118,7 @@ size_t EncodeFetchRequest(uint32_t slot, SequenceId sequence, int32_t layer,
   header.magic = kRequestMagic;
   header.slot = slot;
   header.sequence = sequence;
+  header.session = session;
   header.layer = layer;
   header.n_indices = static_cast<uint32_t>(n);
   header.n_head_offsets = static_cast<uint32_t>(m);
@@ -146,6 +149,7 @@ absl::StatusOr<FetchRequest> DecodeFetchRequest(absl::Span<const char> packet) {
   FetchRequest request;
   request.slot = header.slot;
   request.sequence = header.sequence;
+  request.session = header.session;
   request.layer = header.layer;
   request.n_indices = header.n_indices;
   request.n_head_offsets = header.n_head_offsets;

@@ -64,6 +64,7 @@ std::string GidToString(const std::array<uint8_t, 16>& gid);
 struct FetchRequest {
   uint32_t slot = 0;
   SequenceId sequence = 0;
+  SessionId session = 0;  // the caller's: the node serves only the owner
   int32_t layer = 0;
   uint32_t n_indices = 0;
   uint32_t n_head_offsets = 0;
@@ -77,7 +78,8 @@ size_t InlineRequestBytes(size_t n_indices, size_t n_head_offsets);
 // Writes the request packet for `plan` into `out` (at least
 // kMaxRequestBytes), inline when it fits; returns the bytes to send. The
 // caller writes a non-inline plan into the plan area itself.
-size_t EncodeFetchRequest(uint32_t slot, SequenceId sequence, int32_t layer,
+size_t EncodeFetchRequest(uint32_t slot, SequenceId sequence,
+                          SessionId session, int32_t layer,
                           const FetchPlan& plan, absl::Span<char> out);
 // InvalidArgument for a packet that is short, has a bad magic, or whose
 // lengths do not match. `packet` must be 4-byte aligned and outlive the

@@ -217,7 +217,8 @@ absl::Status KvMemoryService::FetchInto(const kv::FetchRequest& req,
   std::string* rows = resp->mutable_rows();
   const absl::Time start = absl::Now();
   absl::Status status = GatherForResponse(
-      *store_, req.sequence_id(), req.layer(), PlanView(req.plan()),
+      *store_, req.sequence_id(), req.session_id(), req.layer(),
+      PlanView(req.plan()),
       req.dest_elements(), max_message_bytes_ - kResponseOverhead, rows);
   if (!status.ok()) {
     rows->clear();

@@ -15,12 +15,6 @@
 
 namespace infinigen::kv_memory_service {
 
-// Sizes `rows` (a std::string or std::vector<uint16_t>, resized in place:
-// no allocation once it has grown) to the plan's rows and gathers them.
-// NotFound for an unknown sequence; InvalidArgument when the client's
-// destination (dest_elements, 0 = unknown) is smaller than the plan needs;
-// ResourceExhausted when the rows exceed max_rows_bytes; then KvStore::Gather's
-// errors. On error `rows` holds garbage.
 // OK when `expected` ("Bearer TOKEN") is empty or `presented` equals it,
 // compared in time independent of where they differ; Unauthenticated
 // otherwise. `presented` null: the client sent none.
@@ -38,10 +32,19 @@ inline absl::Status CheckAuthorization(const absl::string_view* presented,
   return absl::OkStatus();
 }
 
+// Sizes `rows` (a std::string or std::vector<uint16_t>, resized in place:
+// no allocation once it has grown) to the plan's rows and gathers them.
+// NotFound for an unknown sequence and for one `session` does not own
+// (KvStore::CheckOwner); InvalidArgument when the client's destination
+// (dest_elements, 0 = unknown) is smaller than the plan needs;
+// ResourceExhausted when the rows exceed max_rows_bytes; then
+// KvStore::Gather's errors. On error `rows` holds garbage.
 template <typename Rows>
-absl::Status GatherForResponse(KvStore& store, SequenceId seq, int32_t layer,
+absl::Status GatherForResponse(KvStore& store, SequenceId seq,
+                               SessionId session, int32_t layer,
                                const FetchPlan& plan, uint64_t dest_elements,
                                int64_t max_rows_bytes, Rows* rows) {
+  IG_RETURN_IF_ERROR(store.CheckOwner(seq, session));
   IG_ASSIGN_OR_RETURN(SequenceGeometry g, store.Geometry(seq));
   const size_t elements = FetchElements(plan, g.head_dim);
   if (dest_elements != 0 && elements > dest_elements) {

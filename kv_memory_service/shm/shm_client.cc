@@ -488,6 +488,7 @@ FetchHandle ShmFetchBuffer::Start(SequenceId seq, int32_t layer,
   }
   control_->layer = layer;
   control_->sequence = seq;
+  control_->session = client_->session();
   control_->n_indices = static_cast<uint32_t>(n);
   control_->n_head_offsets = static_cast<uint32_t>(m);
   generation_ = client_->generation();

@@ -49,7 +49,8 @@
 namespace infinigen::kv_memory_service::shm {
 
 constexpr uint64_t kRegionMagic = 0x3176'4b6d'6853'4749ULL;  // "IGShmKv1"
-constexpr uint32_t kProtocolVersion = 1;
+// 2: each fetch names the caller's session (SlotControl::session).
+constexpr uint32_t kProtocolVersion = 2;
 constexpr size_t kPageBytes = 4096;
 constexpr size_t kHeaderBytes = 4096;
 // Most FetchBuffers one connection may hold at once.
@@ -96,6 +97,7 @@ struct SlotControl {
   uint32_t n_head_offsets;  // then n_head_offsets head offsets
   uint32_t reserved;
   uint64_t sequence;
+  uint64_t session;  // the caller's; the node serves only the owner's rows
   // Written by the server before state = kDone.
   alignas(64) int32_t status_code;  // absl::StatusCode
   uint32_t message_bytes;

@@ -411,6 +411,7 @@ class ShmServer::Connection {
     const uint32_t n_offsets = control->n_head_offsets;
     const int32_t layer = control->layer;
     const SequenceId sequence = control->sequence;
+    const SessionId session = control->session;
     absl::Status status;
     if (slot.data == nullptr) {
       status = absl::FailedPreconditionError(
@@ -429,8 +430,11 @@ class ShmServer::Connection {
       plan.head_offsets =
           absl::MakeConstSpan(scratch_.get() + n_indices, n_offsets);
       const absl::Time start = absl::Now();
-      status = server_->store_->Gather(
-          sequence, layer, plan, absl::MakeSpan(slot.data, slot.elements));
+      status = server_->store_->CheckOwner(sequence, session);
+      if (status.ok()) {
+        status = server_->store_->Gather(
+            sequence, layer, plan, absl::MakeSpan(slot.data, slot.elements));
+      }
       RequestMetrics* metrics = server_->options_.metrics;
       if (metrics != nullptr && status.ok()) {
         const absl::Duration elapsed = absl::Now() - start;

@@ -480,11 +480,18 @@ class FetchSocketServer::Loop {
       case Connection::State::kHello: {
         const fetch_wire::Hello& h = c->hello;
         if (h.magic != fetch_wire::kHelloMagic ||
-            h.version != fetch_wire::kVersion ||
             h.token_bytes > fetch_wire::kMaxTokenBytes) {
           server_->CountRefused();
           return HelloReply(
               c, absl::InvalidArgumentError("not a fetch socket Hello"));
+        }
+        if (h.version != fetch_wire::kVersion) {
+          server_->CountRefused();
+          return HelloReply(
+              c, absl::FailedPreconditionError(absl::StrCat(
+                     "fetch protocol version ", h.version,
+                     "; this node speaks ", fetch_wire::kVersion,
+                     " (run the same infinigen release on both sides)")));
         }
         if (c->plaintext_on_tls) {
           server_->CountRefused();
@@ -576,8 +583,11 @@ class FetchSocketServer::Loop {
                          " bytes exceeds the limit of ", max_message)),
                      0, Connection::State::kHeader);
     }
-    absl::Status status;
-    absl::StatusOr<SequenceGeometry> g = server_->store_->Geometry(q.sequence_id);
+    absl::Status status =
+        server_->store_->CheckOwner(q.sequence_id, q.session_id);
+    absl::StatusOr<SequenceGeometry> g =
+        status.ok() ? server_->store_->Geometry(q.sequence_id)
+                    : absl::StatusOr<SequenceGeometry>(status);
     if (!g.ok()) {
       status = g.status();
     } else if (q.n_offsets != static_cast<uint32_t>(g->n_kv_heads) + 1) {
@@ -614,7 +624,8 @@ class FetchSocketServer::Loop {
         absl::Span<const int32_t>(c->body.data(), q.n_offsets)};
     const absl::Time start = absl::Now();
     const absl::Status status = GatherForResponse(
-        *server_->store_, q.sequence_id, q.layer, plan, q.dest_elements,
+        *server_->store_, q.sequence_id, q.session_id, q.layer, plan,
+        q.dest_elements,
         server_->options_.max_message_bytes - 1024, &c->rows);
     if (server_->options_.metrics != nullptr && status.ok()) {
       server_->options_.metrics->Served(

@@ -83,8 +83,10 @@ class FetchSocketServerTest : public ::testing::Test {
   fetch_wire::FetchResponseHeader Request(int fd, uint64_t id, SequenceId seq,
                                           int layer,
                                           const OwnedFetchPlan& plan,
-                                          std::vector<uint16_t>* rows) {
+                                          std::vector<uint16_t>* rows,
+                                          SessionId session = 0) {
     fetch_wire::FetchRequestHeader q;
+    q.session_id = session;
     q.n_offsets = static_cast<uint32_t>(plan.head_offsets.size());
     q.n_indices = static_cast<uint32_t>(plan.indices.size());
     q.layer = layer;
@@ -134,6 +136,52 @@ TEST_F(FetchSocketServerTest, ServesAndKeepsServingAfterAFailedFetch) {
   EXPECT_EQ(r.request_id, 3u);
   EXPECT_EQ(r.status_code, 0);
   EXPECT_EQ(rows, ExpectedRows(3, g_, 1, plan.view()));
+  close(fd);
+}
+
+// Issue 20: a sequence opened in a session serves its rows to that session
+// alone; another session (or none) holding its id gets NotFound, as for an
+// id never handed out, and the connection goes on serving.
+TEST_F(FetchSocketServerTest, OnlyTheOwningSessionReadsASequence) {
+  const SessionId owner = *store_->OpenSession();
+  const SessionId other = *store_->OpenSession();
+  const SequenceId seq = *store_->Open(g_, owner);
+  ASSERT_TRUE(store_->Append(seq, MakeTestBlock(4, g_, 0, 2, 0, 8).block).ok());
+  const int fd = Dial();
+  ASSERT_EQ(Hello(fd, "Bearer tok"), absl::StatusCode::kOk);
+  const OwnedFetchPlan plan = OwnedFetchPlan::PerHead({{1, 6}, {2}});
+  std::vector<uint16_t> rows;
+  for (SessionId intruder : {other, SessionId{0}, owner + 1}) {
+    auto r = Request(fd, 1, seq, 0, plan, &rows, intruder);
+    EXPECT_EQ(r.status_code, static_cast<int>(absl::StatusCode::kNotFound))
+        << intruder;
+    EXPECT_EQ(r.rows_bytes, 0u);
+  }
+  auto r = Request(fd, 2, seq, 0, plan, &rows, owner);
+  EXPECT_EQ(r.status_code, 0);
+  EXPECT_EQ(rows, ExpectedRows(4, g_, 0, plan.view()));
+  close(fd);
+}
+
+// A client of another protocol version (one whose requests name no
+// session) is told so at the Hello, not misread.
+TEST_F(FetchSocketServerTest, AnOlderProtocolVersionIsRefusedByName) {
+  const int fd = Dial();
+  fetch_wire::Hello hello;
+  hello.version = fetch_wire::kVersion - 1;
+  const std::string token = "Bearer tok";
+  hello.token_bytes = static_cast<uint32_t>(token.size());
+  iovec iov[2] = {{&hello, sizeof(hello)},
+                  {const_cast<char*>(token.data()), token.size()}};
+  ASSERT_TRUE(fetch_wire::SendAll(fd, iov, 2).ok());
+  fetch_wire::HelloReply reply;
+  ASSERT_TRUE(fetch_wire::RecvAll(fd, &reply, sizeof(reply)).ok());
+  std::string message(reply.message_bytes, '\0');
+  ASSERT_TRUE(fetch_wire::RecvAll(fd, message.data(), message.size()).ok());
+  EXPECT_EQ(reply.status_code,
+            static_cast<int>(absl::StatusCode::kFailedPrecondition));
+  EXPECT_NE(message.find("protocol version 1"), std::string::npos) << message;
+  EXPECT_TRUE(Closed(fd));
   close(fd);
 }
 

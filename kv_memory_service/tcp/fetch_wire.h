@@ -41,7 +41,9 @@ namespace infinigen::kv_memory_service::fetch_wire {
 inline constexpr uint32_t kHelloMagic = 0x4b464749;     // "IGFK"
 inline constexpr uint32_t kRequestMagic = 0x51464749;   // "IGFQ"
 inline constexpr uint32_t kResponseMagic = 0x52464749;  // "IGFR"
-inline constexpr uint32_t kVersion = 1;
+// 2: requests name the caller's session (the node serves a sequence's rows
+// only to the session that owns it).
+inline constexpr uint32_t kVersion = 2;
 inline constexpr uint32_t kMaxTokenBytes = 4096;
 inline constexpr uint32_t kMaxMessageBytes = 4096;
 
@@ -67,6 +69,7 @@ struct FetchRequestHeader {
   uint64_t request_id = 0;
   uint64_t sequence_id = 0;
   uint64_t dest_elements = 0;  // the client's buffer, in uint16 values
+  uint64_t session_id = 0;     // as in kv_memory.proto's AppendRequest
 };
 
 struct FetchResponseHeader {
@@ -79,7 +82,7 @@ struct FetchResponseHeader {
 };
 
 static_assert(sizeof(Hello) == 16 && sizeof(HelloReply) == 16 &&
-              sizeof(FetchRequestHeader) == 40 &&
+              sizeof(FetchRequestHeader) == 48 &&
               sizeof(FetchResponseHeader) == 32);
 
 // Writes every byte of the iovecs. Unavailable (with errno's text) when the

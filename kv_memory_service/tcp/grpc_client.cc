@@ -367,6 +367,7 @@ class SocketConnection final : public FetchConnection {
     header.layer = req.layer();
     header.request_id = req.request_id();
     header.sequence_id = req.sequence_id();
+    header.session_id = req.session_id();
     header.dest_elements = req.dest_elements();
     struct iovec iov[3] = {
         {&header, sizeof(header)},
@@ -536,7 +537,7 @@ class GrpcKvClient final : public KvClient {
                                       const AppendBlock& block) override {
     kv::AppendRequest req;
     req.set_sequence_id(seq);
-    req.set_session_id(SessionOfCalls());
+    req.set_session_id(session());
     req.set_first_layer(block.first_layer);
     req.set_n_layers(block.n_layers);
     req.set_n_tokens(block.n_tokens);
@@ -585,6 +586,7 @@ class GrpcKvClient final : public KvClient {
     buffer->deadline = absl::Now() + options_.fetch_timeout;
     kv::FetchRequest& req = buffer->request;
     req.set_sequence_id(seq);
+    req.set_session_id(session());
     req.set_layer(layer);
     ToProto(plan, req.mutable_plan());
     req.set_dest_elements(buffer->size());
@@ -605,7 +607,7 @@ class GrpcKvClient final : public KvClient {
   absl::Status Close(SequenceId seq) override {
     kv::CloseSequenceRequest req;
     req.set_sequence_id(seq);
-    req.set_session_id(SessionOfCalls());
+    req.set_session_id(session());
     kv::CloseSequenceResponse resp;
     grpc::ClientContext ctx;
     Prepare(&ctx);
@@ -615,7 +617,7 @@ class GrpcKvClient final : public KvClient {
   absl::StatusOr<SequenceStats> GetSequenceStats(SequenceId seq) override {
     kv::GetStatsRequest req;
     req.set_sequence_id(seq);
-    req.set_session_id(SessionOfCalls());
+    req.set_session_id(session());
     kv::GetStatsResponse resp;
     grpc::ClientContext ctx;
     Prepare(&ctx);
@@ -639,6 +641,13 @@ class GrpcKvClient final : public KvClient {
     return health_;
   }
 
+  // The session named in calls on a sequence, fetches included (0 before
+  // the first).
+  SessionId session() const override {
+    absl::MutexLock lock(&session_mu_);
+    return session_;
+  }
+
   // FetchBuffer::WaitForFetch of this client's buffers.
   absl::Status WaitFor(GrpcFetchBuffer* buffer) {
     if (!buffer->Await(buffer->deadline)) {
@@ -660,12 +669,6 @@ class GrpcKvClient final : public KvClient {
   void Prepare(grpc::ClientContext* ctx) const {
     ctx->set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
     if (!auth_.empty()) ctx->AddMetadata("authorization", auth_);
-  }
-
-  // The session to name in calls on a sequence (0 before the first).
-  SessionId SessionOfCalls() const {
-    absl::MutexLock lock(&session_mu_);
-    return session_;
   }
 
   // The session sequences are opened in, opened if there is none.

@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -127,6 +128,61 @@ TEST(IsolationTest, AnotherSessionCannotAppendCloseOrReadStats) {
   ASSERT_TRUE(stats.ok()) << stats.status();
   EXPECT_EQ(stats->layer_lengths[0], 4);
   EXPECT_TRUE(a->Close(*id).ok());
+}
+
+// Behaviour 1 on the data planes: with A's id leaked, a fetch from another
+// session (B, which has one, or C, which has none) used to return A's rows
+// on the TCP fetch socket, the gRPC FetchStream and shared memory, where
+// fetches named only the sequence id. Each now names the caller's session
+// and gets NOT_FOUND; A still reads its rows.
+TEST(IsolationTest, AnotherSessionCannotFetchALeakedIdOnAnyPlane) {
+  const std::string shm = ServerProcess::SocketPath("iso_fetch");
+  auto server = ServerProcess::Start(
+      {"--listen=127.0.0.1:0", "--shm_listen=unix:" + shm});
+  ASSERT_TRUE(server.ok()) << server.status();
+  struct Plane {
+    std::string name, address;
+    bool fetch_socket;
+  };
+  const Plane planes[] = {
+      {"tcp fetch socket", (*server)->address(), true},
+      {"gRPC FetchStream", (*server)->address(), false},
+      {"shm", "shm:unix:" + shm, true},
+  };
+  const SequenceGeometry g = MakeGeometry(2, 2, 8, 16);
+  const OwnedFetchPlan plan = OwnedFetchPlan::PerHead({{0, 3}, {2}});
+  for (const Plane& p : planes) {
+    SCOPED_TRACE(p.name);
+    KvClientOptions options = Options();
+    options.tcp_fetch_socket = p.fetch_socket;
+    auto connect = [&]() -> std::unique_ptr<KvClient> {
+      auto c = ConnectKvClient(p.address, options);
+      EXPECT_TRUE(c.ok()) << c.status();
+      return c.ok() ? *std::move(c) : nullptr;
+    };
+    auto a = connect(), b = connect(), c = connect();
+    ASSERT_TRUE(a != nullptr && b != nullptr && c != nullptr);
+    auto id = a->Open(g);
+    ASSERT_TRUE(id.ok()) << id.status();
+    ASSERT_TRUE(a->Append(*id, MakeTestBlock(9, g, 0, 2, 0, 8).block).ok());
+    ASSERT_TRUE(b->Open(g).ok());  // B has a session of its own; C has none
+    for (KvClient* intruder : {b.get(), c.get()}) {
+      auto buffer = intruder->NewFetchBuffer(256);
+      ASSERT_TRUE(buffer.ok()) << buffer.status();
+      std::fill((*buffer)->data(), (*buffer)->data() + 256, uint16_t{0});
+      EXPECT_EQ(intruder->Fetch(*id, 1, plan.view(), buffer->get()).code(),
+                absl::StatusCode::kNotFound);
+      EXPECT_TRUE(std::all_of((*buffer)->data(), (*buffer)->data() + 256,
+                              [](uint16_t v) { return v == 0; }))
+          << "rows of A's sequence reached another session";
+    }
+    auto mine = a->NewFetchBuffer(256);
+    ASSERT_TRUE(mine.ok());
+    ASSERT_TRUE(a->Fetch(*id, 1, plan.view(), mine->get()).ok());
+    const std::vector<uint16_t> want = ExpectedRows(9, g, 1, plan.view());
+    EXPECT_TRUE(std::equal(want.begin(), want.end(), (*mine)->data()));
+    EXPECT_TRUE(a->Close(*id).ok());
+  }
 }
 
 // Behaviour 2: a bind to every interface without auth started silently.

@@ -144,6 +144,8 @@ TEST(ShmServerProcessTest, ConcurrentClientsGetBitExactRows) {
 
 // The same bad requests through shm and through the gRPC plane of the same
 // server get the same codes; the server keeps serving and nothing changes.
+// Each client asks about a sequence of its own session, filled alike (a
+// sequence of another session is NotFound on every plane).
 TEST(ShmServerProcessTest, BadInputGetsTheSameCodesAsGrpc) {
   ShmServer server = StartServer({"--eviction=fifo"});
   ASSERT_NE(server.process, nullptr);
@@ -153,37 +155,46 @@ TEST(ShmServerProcessTest, BadInputGetsTheSameCodesAsGrpc) {
   ASSERT_TRUE(grpc.ok()) << grpc.status();
   const SequenceGeometry g = MakeGeometry(2, 2, 8, 4);
   auto id = (*shm)->Open(g);
-  ASSERT_TRUE(id.ok());
+  auto grpc_id = (*grpc)->Open(g);
+  ASSERT_TRUE(id.ok() && grpc_id.ok());
   testdata::TestBlock b = MakeTestBlock(5, g, 0, 2, 0, 6);  // 0, 1 evicted
   ASSERT_TRUE((*shm)->Append(*id, b.block).ok());
+  ASSERT_TRUE((*grpc)->Append(*grpc_id, b.block).ok());
   auto shm_buffer = (*shm)->NewFetchBuffer(64);
   auto grpc_buffer = (*grpc)->NewFetchBuffer(64);
   ASSERT_TRUE(shm_buffer.ok() && grpc_buffer.ok());
   struct Case {
-    SequenceId seq;
+    uint64_t id_offset;  // 1: an id next to the client's own
     int layer;
     OwnedFetchPlan plan;
     absl::StatusCode want;
   };
   const std::vector<Case> cases = {
-      {*id + 1, 0, OwnedFetchPlan::SameForAllHeads(2, {2}), absl::StatusCode::kNotFound},
-      {*id, 2, OwnedFetchPlan::SameForAllHeads(2, {2}), absl::StatusCode::kInvalidArgument},
-      {*id, 0, OwnedFetchPlan::SameForAllHeads(3, {2}), absl::StatusCode::kInvalidArgument},
-      {*id, 0, OwnedFetchPlan{{2}, {0, 2, 1}}, absl::StatusCode::kInvalidArgument},
-      {*id, 0, OwnedFetchPlan::SameForAllHeads(2, {6}), absl::StatusCode::kOutOfRange},
-      {*id, 0, OwnedFetchPlan::SameForAllHeads(2, {-3}), absl::StatusCode::kInvalidArgument},
-      {*id, 0, OwnedFetchPlan::SameForAllHeads(2, {1}), absl::StatusCode::kFailedPrecondition},
-      {*id, 0, OwnedFetchPlan::SameForAllHeads(2, {2, 3, 4}), absl::StatusCode::kInvalidArgument},
+      {1, 0, OwnedFetchPlan::SameForAllHeads(2, {2}), absl::StatusCode::kNotFound},
+      {0, 2, OwnedFetchPlan::SameForAllHeads(2, {2}), absl::StatusCode::kInvalidArgument},
+      {0, 0, OwnedFetchPlan::SameForAllHeads(3, {2}), absl::StatusCode::kInvalidArgument},
+      {0, 0, OwnedFetchPlan{{2}, {0, 2, 1}}, absl::StatusCode::kInvalidArgument},
+      {0, 0, OwnedFetchPlan::SameForAllHeads(2, {6}), absl::StatusCode::kOutOfRange},
+      {0, 0, OwnedFetchPlan::SameForAllHeads(2, {-3}), absl::StatusCode::kInvalidArgument},
+      {0, 0, OwnedFetchPlan::SameForAllHeads(2, {1}), absl::StatusCode::kFailedPrecondition},
+      {0, 0, OwnedFetchPlan::SameForAllHeads(2, {2, 3, 4}), absl::StatusCode::kInvalidArgument},
   };
   for (size_t i = 0; i < cases.size(); ++i) {
     const Case& c = cases[i];
-    const absl::Status via_shm =
-        (*shm)->Fetch(c.seq, c.layer, c.plan.view(), shm_buffer->get());
-    const absl::Status via_grpc =
-        (*grpc)->Fetch(c.seq, c.layer, c.plan.view(), grpc_buffer->get());
+    const absl::Status via_shm = (*shm)->Fetch(*id + c.id_offset, c.layer,
+                                               c.plan.view(), shm_buffer->get());
+    const absl::Status via_grpc = (*grpc)->Fetch(
+        *grpc_id + c.id_offset, c.layer, c.plan.view(), grpc_buffer->get());
     EXPECT_EQ(via_shm.code(), c.want) << "case " << i << ": " << via_shm;
     EXPECT_EQ(via_shm.code(), via_grpc.code()) << "case " << i << ": " << via_grpc;
   }
+  // Each plane refuses the other session's sequence alike.
+  EXPECT_EQ((*shm)->Fetch(*grpc_id, 1, cases[0].plan.view(), shm_buffer->get())
+                .code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ((*grpc)->Fetch(*id, 1, cases[0].plan.view(), grpc_buffer->get())
+                .code(),
+            absl::StatusCode::kNotFound);
   EXPECT_EQ((*shm)->NewFetchBuffer(0).status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ((*shm)->Fetch(*id, 0, cases[0].plan.view(), grpc_buffer->get()).code(),
