@@ -140,6 +140,16 @@ class KvStore::Sequence {
           g_.head_dim, " dims needs ", want));
     }
     absl::MutexLock lock(&mu_);
+    // Judged once the sequence is ours: an append queued behind others on
+    // the same sequence whose caller has gone writes nothing.
+    if (b.cancelled && b.cancelled()) {
+      return absl::CancelledError(
+          "the append's caller cancelled it before it ran; nothing appended");
+    }
+    if (absl::Now() >= b.deadline) {
+      return absl::DeadlineExceededError(
+          "the append's deadline passed before it ran; nothing appended");
+    }
     for (int32_t l = b.first_layer; l < b.first_layer + b.n_layers; ++l) {
       if (layer_length_[l] >
           std::numeric_limits<int32_t>::max() - b.n_tokens) {

@@ -45,6 +45,8 @@
 //  - FailedPrecondition: a position that was evicted (it never comes back).
 //  - ResourceExhausted: Open beyond max_sequences or capacity_bytes; an
 //    append or fetch beyond the per-call limits in KvStoreOptions.
+//  - Cancelled / DeadlineExceeded: an append whose caller gave up, or whose
+//    deadline came, while it waited for its sequence (AppendBlock).
 // A call that fails changes nothing: no row, length or counter.
 //
 // Leases. A sequence may belong to a session (OpenSession), which its
@@ -137,7 +139,8 @@ class KvStore {
   // the evicted tokens. All-or-nothing: validated completely before any row
   // is written. NotFound, InvalidArgument (layer range, n_tokens <= 0, k/v
   // sizes), ResourceExhausted (n_tokens > max_append_tokens), OutOfRange (a
-  // position would pass INT32_MAX).
+  // position would pass INT32_MAX), Cancelled / DeadlineExceeded (the
+  // block's caller gave up, or its deadline came, before it ran).
   absl::StatusOr<AppendResult> Append(SequenceId seq, const AppendBlock& block);
 
   // Copies the K and V rows `plan` selects from `layer` into dest, in the

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -309,6 +310,53 @@ TEST_F(BadInputTest, AppendWithWrongRowSizeIsInvalid) {
 TEST_F(BadInputTest, OversizedAppendIsResourceExhausted) {
   Block b = MakeBlock(9, g_, 0, 1, 6, 101);
   EXPECT_CODE(store_.Append(id_, b.block).status(), kResourceExhausted);
+}
+
+// Issue 20, behaviour 5: an append whose caller's deadline has come, or
+// that its caller cancelled, writes nothing (TearDown checks every row).
+TEST_F(BadInputTest, AppendPastItsDeadlineOrCancelledWritesNothing) {
+  Block b = MakeBlock(9, g_, 0, 3, 6, 2);
+  AppendBlock late = b.block;
+  late.deadline = absl::Now() - absl::Milliseconds(1);
+  EXPECT_CODE(store_.Append(id_, late).status(), kDeadlineExceeded);
+  AppendBlock cancelled = b.block;
+  cancelled.cancelled = [] { return true; };
+  EXPECT_CODE(store_.Append(id_, cancelled).status(), kCancelled);
+}
+
+// An append queued behind a slow one on the same sequence is judged when
+// its turn comes: its deadline passed while it waited, so it writes
+// nothing, and the sequence takes the next append as usual.
+TEST(KvStoreTest, AnAppendWhoseDeadlinePassesWhileQueuedWritesNothing) {
+  KvStore store{KvStoreOptions{}};
+  const SequenceGeometry g = Geo(1, 1, 4, 64);
+  const SequenceId id = *store.Open(g);
+  absl::Notification holding, release;
+  Block first = MakeBlock(3, g, 0, 1, 0, 4);
+  // The cancellation check runs with the sequence held: it stands for a
+  // long append.
+  first.block.cancelled = [&] {
+    holding.Notify();
+    release.WaitForNotification();
+    return false;
+  };
+  std::thread slow([&] { EXPECT_TRUE(store.Append(id, first.block).ok()); });
+  holding.WaitForNotification();
+  Block queued = MakeBlock(3, g, 0, 1, 4, 4);
+  queued.block.deadline = absl::Now() + absl::Milliseconds(50);
+  absl::Status status;
+  std::thread waiter([&] { status = store.Append(id, queued.block).status(); });
+  absl::SleepFor(absl::Milliseconds(300));
+  release.Notify();
+  slow.join();
+  waiter.join();
+  EXPECT_CODE(status, kDeadlineExceeded);
+  auto stats = store.GetSequenceStats(id);
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->layer_lengths[0], 4);  // the first append's tokens only
+  queued.block.deadline = absl::InfiniteFuture();
+  EXPECT_TRUE(store.Append(id, queued.block).ok());
+  ExpectAllRows(store, id, 3, g, 8);
 }
 
 TEST_F(BadInputTest, GatherFromUnknownSequenceIsNotFound) {

@@ -21,6 +21,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -28,6 +29,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "absl/types/span.h"
 
 namespace infinigen::kv_memory_service {
@@ -147,6 +149,11 @@ struct AppendBlock {
   // kMaxPrefixMetaBytes each.
   int32_t prefix_meta_first_block = 0;
   absl::Span<const std::string> prefix_meta;
+  // The caller's deadline and cancellation (a server passes its request's):
+  // an append still waiting for its sequence when either has come is
+  // refused with nothing written. Default: none.
+  absl::Time deadline = absl::InfiniteFuture();
+  std::function<bool()> cancelled;
 };
 inline constexpr size_t kMaxPrefixMetaBytes = 1 << 20;
 

@@ -1,5 +1,6 @@
 #include "kv_memory_service/server/kv_service.h"
 
+#include <chrono>
 #include <string>
 #include <utility>
 #include <vector>
@@ -90,7 +91,7 @@ grpc::Status KvMemoryService::Append(grpc::ServerContext* ctx,
   absl::Status status = Authorize(*ctx);
   if (!status.ok()) return Reply(status);
   const absl::Time start = absl::Now();
-  status = DoAppend(*req, resp);
+  status = DoAppend(*ctx, *req, resp);
   if (metrics_ != nullptr && status.ok()) {
     metrics_->Served(Plane::kGrpc, RequestOp::kAppend, absl::Now() - start,
                      static_cast<int64_t>(req->k().size() + req->v().size()));
@@ -193,9 +194,15 @@ absl::Status KvMemoryService::DoOpen(const kv::OpenSequenceRequest& req,
   return absl::OkStatus();
 }
 
-absl::Status KvMemoryService::DoAppend(const kv::AppendRequest& req,
+absl::Status KvMemoryService::DoAppend(const grpc::ServerContext& ctx,
+                                       const kv::AppendRequest& req,
                                        kv::AppendResponse* resp) {
   AppendBlock block;
+  // gRPC's "no deadline" is the clock's largest time: beyond absl's range.
+  if (ctx.deadline() < std::chrono::system_clock::now() + std::chrono::hours(24 * 365)) {
+    block.deadline = absl::FromChrono(ctx.deadline());
+  }
+  block.cancelled = [&ctx] { return ctx.IsCancelled(); };
   block.first_layer = req.first_layer();
   block.n_layers = req.n_layers();
   block.n_tokens = req.n_tokens();

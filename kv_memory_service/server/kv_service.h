@@ -76,7 +76,9 @@ class KvMemoryService final : public kv::KvMemory::Service {
   grpc::Status Reply(const absl::Status& status);
   absl::Status DoOpen(const kv::OpenSequenceRequest& req,
                       kv::OpenSequenceResponse* resp);
-  absl::Status DoAppend(const kv::AppendRequest& req, kv::AppendResponse* resp);
+  // `ctx`'s deadline and cancellation travel with the block (AppendBlock).
+  absl::Status DoAppend(const grpc::ServerContext& ctx,
+                        const kv::AppendRequest& req, kv::AppendResponse* resp);
   // Gathers straight into the response's rows, resized in place; on error
   // the rows are empty.
   absl::Status FetchInto(const kv::FetchRequest& req, kv::FetchResponse* resp);
