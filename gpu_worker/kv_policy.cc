@@ -139,6 +139,23 @@ void KvPolicy::PlanAllPresent(int p, const uint8_t* present,
 
 namespace {
 
+// One token's query of layer `w` from x (that layer's input, or the previous
+// layer's as InfiniGen speculates): x Wq (+ bq), rotated at position p on
+// Llama. *position_host is the source of an asynchronous copy: the caller
+// must not change it again before a call that waits for copies (CopyToHost).
+void ProjectQuery(Backend& b, const model::ModelConfig& m,
+                  const model::LayerWeights& w, const float* x, int p,
+                  int* position_host, int* position_device, float* q) {
+  b.Linear(x, 1, m.dim, w.wq.data(), w.bq.empty() ? nullptr : w.bq.data(),
+           m.q_dim(), q);
+  if (m.arch == model::Architecture::kLlama) {
+    *position_host = p;
+    b.CopyFromHost(position_device, position_host, sizeof(int),
+                   b.MarkIssued());
+    b.Rope(q, 1, m.n_heads, m.head_dim, position_device, m.rope_theta);
+  }
+}
+
 // FlexGen: every row, fp16.
 class FullPolicy final : public KvPolicy {
  public:
@@ -528,17 +545,10 @@ class InfiniGenPolicy final : public KvPolicy {
     const int d = m.head_dim, group = m.n_heads / m.n_kv_heads;
     Backend& b = *ctx_.backend;
     // The approximate query of `layer` from the previous layer's input,
-    // rotated, then skewed per group.
-    b.Linear(xb_prev, 1, m.dim, w.wq.data(),
-             w.bq.empty() ? nullptr : w.bq.data(), m.q_dim(), q_.data());
-    if (m.arch == model::Architecture::kLlama) {
-      // The last copy from position_host_ finished: the previous PlanFetch
-      // ended with CopyToHost, which waits for copies.
-      position_host_ = p;
-      b.CopyFromHost(position_.data(), &position_host_, sizeof(int),
-                     b.MarkIssued());
-      b.Rope(q_.data(), 1, m.n_heads, d, position_.data(), m.rope_theta);
-    }
+    // rotated, then skewed per group. The last copy from position_host_
+    // finished: the previous PlanFetch ended with CopyToHost, which waits.
+    ProjectQuery(b, m, w, xb_prev, p, &position_host_, position_.data(),
+                 q_.data());
     for (int g = 0; g < m.n_kv_heads; ++g) {
       const size_t at = static_cast<size_t>(g) * group * d;
       b.Linear(q_.data() + at, group, d, SkewT(layer, g), nullptr, d,
@@ -756,14 +766,8 @@ class QuestPolicy final : public KvPolicy {
     const model::LayerWeights& w = ctx_.weights->layers[layer];
     const int d = m.head_dim, group = m.n_heads / m.n_kv_heads;
     Backend& b = *ctx_.backend;
-    b.Linear(x, 1, m.dim, w.wq.data(), w.bq.empty() ? nullptr : w.bq.data(),
-             m.q_dim(), q_.data());
-    if (m.arch == model::Architecture::kLlama) {
-      position_host_ = p;
-      b.CopyFromHost(position_.data(), &position_host_, sizeof(int),
-                     b.MarkIssued());
-      b.Rope(q_.data(), 1, m.n_heads, d, position_.data(), m.rope_theta);
-    }
+    // position_host_'s last copy finished: CopyToHost below waits for it.
+    ProjectQuery(b, m, w, x, p, &position_host_, position_.data(), q_.data());
     IG_RETURN_IF_ERROR(
         b.CopyToHost(q_host_.data(), q_.data(), q_host_.size() * sizeof(float)));
     const int pages = (p + page_ - 1) / page_;
