@@ -693,6 +693,8 @@ class QuestPolicy final : public KvPolicy {
   QuestPolicy(const Context& c, const PolicyOptions& o)
       : KvPolicy(c),
         budget_(o.budget),
+        sink_tokens_(o.sink_tokens),
+        recent_tokens_(o.recent_tokens),
         page_(o.page_tokens),
         max_pages_((c.max_seq_len + o.page_tokens - 1) / o.page_tokens) {}
 
@@ -721,6 +723,7 @@ class QuestPolicy final : public KvPolicy {
     key_host_.resize(m.kv_dim());
     page_scores_.reserve(max_pages_);
     order_.reserve(max_pages_);
+    taken_.reserve(max_pages_);
     return absl::OkStatus();
   }
 
@@ -776,6 +779,12 @@ class QuestPolicy final : public KvPolicy {
     // the oracle.
     const int want = std::max(
         1, static_cast<int>(static_cast<float>(pages) * budget_));
+    // The pages holding the sink and recent positions, taken besides the
+    // ranked ones (on top of the budget, as for infinigen).
+    const int sink_pages = (std::min(sink_tokens_, p) + page_ - 1) / page_;
+    const int recent_from = recent_tokens_ > 0
+                                ? std::max(0, p - recent_tokens_) / page_
+                                : pages;
     plan.indices.clear();
     plan.head_offsets.resize(m.n_kv_heads + 1);
     plan.head_offsets[0] = 0;
@@ -802,9 +811,13 @@ class QuestPolicy final : public KvPolicy {
                           return page_scores_[a] > page_scores_[c] ||
                                  (page_scores_[a] == page_scores_[c] && a < c);
                         });
-      std::sort(order_.begin(), order_.begin() + take);
-      for (int i = 0; i < take; ++i) {
-        const int first = order_[i] * page_;
+      taken_.assign(pages, 0);
+      for (int i = 0; i < take; ++i) taken_[order_[i]] = 1;
+      for (int j = 0; j < sink_pages; ++j) taken_[j] = 1;
+      for (int j = recent_from; j < pages; ++j) taken_[j] = 1;
+      for (int j = 0; j < pages; ++j) {
+        if (!taken_[j]) continue;
+        const int first = j * page_;
         const int last = std::min(p, first + page_);
         for (int t = first; t < last; ++t) {
           if (pr[t]) plan.indices.push_back(t);
@@ -844,6 +857,8 @@ class QuestPolicy final : public KvPolicy {
   }
 
   const float budget_;
+  const int sink_tokens_;
+  const int recent_tokens_;
   const int page_;
   const int max_pages_;
   std::vector<float> min_, max_;     // [layer][kv_head][page][d]
@@ -852,6 +867,7 @@ class QuestPolicy final : public KvPolicy {
   std::vector<float> prefill_keys_;  // [n_tokens * d]
   std::vector<float> page_scores_;   // [pages]
   std::vector<int> order_;           // [pages]
+  std::vector<char> taken_;          // [pages]: fetched this step
   int position_host_ = 0;
   DeviceBuffer<float> q_;      // [n_heads * d]
   DeviceBuffer<int> position_;  // [1]

@@ -78,9 +78,10 @@ struct PolicyOptions {
   // infinigen: the skew matrices (not owned; must outlive the engine).
   // Required for infinigen.
   const speculator::SkewMatrices* skew = nullptr;
-  // infinigen and oracle: the first sink_tokens positions (attention
+  // infinigen, oracle and quest: the first sink_tokens positions (attention
   // sinks) and the last recent_tokens before the new token are fetched at
-  // every speculated layer, besides the speculated selection.
+  // every speculated layer, besides the speculated selection (quest: the
+  // pages that hold them).
   int sink_tokens = 0;
   int recent_tokens = 0;
   // infinigen and oracle: 0 selects by alpha (the paper's rule, one k per

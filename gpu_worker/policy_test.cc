@@ -224,6 +224,38 @@ TEST_F(PolicyTest, OracleIsTheExactTopKOfTheLayersOwnScores) {
             TeacherForced(Policy(PolicyKind::kFull), 8).logits);
 }
 
+// Sinks and the recent window come on top of Quest's ranked pages as for
+// the oracle: with one-token pages the two fetch the same rows; with
+// bigger pages the pages holding them are added.
+TEST_F(PolicyTest, QuestAddsTheSinkAndRecentPages) {
+  PolicyOptions quest = Policy(PolicyKind::kQuest);
+  quest.budget = 0.1f;
+  quest.page_tokens = 1;
+  quest.sink_tokens = 2;
+  quest.recent_tokens = 3;
+  PolicyOptions oracle = Policy(PolicyKind::kOracle);
+  oracle.budget = 0.1f;
+  oracle.sink_tokens = 2;
+  oracle.recent_tokens = 3;
+  Run a = TeacherForced(quest, 8);
+  Run b = TeacherForced(oracle, 8);
+  EXPECT_EQ(a.stats.rows_fetched, b.stats.rows_fetched);
+  ASSERT_EQ(a.logits.size(), b.logits.size());
+  for (size_t i = 0; i < a.logits.size(); ++i) {
+    for (size_t j = 0; j < a.logits[i].size(); ++j) {
+      ASSERT_NEAR(a.logits[i][j], b.logits[i][j], 1e-3) << i << " " << j;
+    }
+  }
+  quest.page_tokens = 4;
+  PolicyOptions plain = quest;
+  plain.sink_tokens = 0;
+  plain.recent_tokens = 0;
+  Run with = TeacherForced(quest, 8);
+  Run without = TeacherForced(plain, 8);
+  EXPECT_GT(with.stats.rows_fetched, without.stats.rows_fetched);
+  EXPECT_LE(Mean(with.nll), Mean(without.nll) + 0.05);
+}
+
 // Quest with one-token pages bounds each token by its exact score: it is
 // the oracle. With bigger pages it fetches whole pages, at most the budget;
 // with every page, it is full.

@@ -58,11 +58,13 @@ ABSL_FLAG(double, budget, 0.2,
           "fraction of pages each head takes; h2o: fraction kept (half heavy "
           "hitters, half recent).");
 ABSL_FLAG(int, sink_tokens, 0,
-          "infinigen, oracle: the first N positions (attention sinks) are "
-          "fetched at every speculated layer besides the selection.");
+          "infinigen, oracle, quest (the pages holding them): the first N "
+          "positions (attention sinks) are fetched at every speculated layer "
+          "besides the selection.");
 ABSL_FLAG(int, recent_tokens, 0,
-          "infinigen, oracle: the last N positions before the new token are "
-          "fetched at every speculated layer besides the selection.");
+          "infinigen, oracle, quest (the pages holding them): the last N "
+          "positions before the new token are fetched at every speculated "
+          "layer besides the selection.");
 ABSL_FLAG(int, page_tokens, 16, "quest: tokens per page.");
 ABSL_FLAG(double, score_mass, 0.0,
           "infinigen, oracle: in (0, 1], each KV head fetches its top "
