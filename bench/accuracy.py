@@ -8,9 +8,9 @@ writes OUT.md (a Markdown table), OUT.csv and, when matplotlib is available,
 OUT.png (perplexity against the fraction of KV rows fetched per step).
 
 With --sweep=F1,F2,...: a fetch-fraction sweep instead, one line per
-policy (oracle, quest, infinigen, infinigen with sinks and a recent window,
-h2o; full as the reference): for each target mean fetched fraction F,
-oracle, quest and infinigen take --budget so that layers 0 and 1 (always
+policy (oracle, quest, infinigen, infinigen and quest with sinks and a
+recent window, h2o; full as the reference): for each target mean fetched
+fraction F, oracle, quest and infinigen take --budget so that layers 0 and 1 (always
 whole) plus the selecting layers at that budget average F (alpha 1e9: the
 cap decides; quest counts pages of --page_tokens), h2o takes --budget=F.
 Fractions below what layers 0 and 1 alone fetch are skipped for those.
@@ -102,6 +102,10 @@ def sweep(a, common, skew):
                 (f"infinigen+sinks{a.sinks}+recent{a.recent}",
                  inf + [f"--sink_tokens={a.sinks}",
                         f"--recent_tokens={a.recent}"]),
+                (f"quest{a.page_tokens}+sinks{a.sinks}+recent{a.recent}",
+                 ["--policy=quest", f"--page_tokens={a.page_tokens}",
+                  f"--sink_tokens={a.sinks}", f"--recent_tokens={a.recent}"]
+                 + spec),
             ]
         for line, extra in lines:
             r = reused.get((line, f))
