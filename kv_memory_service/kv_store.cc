@@ -858,7 +858,8 @@ absl::Status KvStore::Gather(SequenceId seq, int32_t layer,
   return s->Gather(layer, plan, dest, *totals_);
 }
 
-absl::Status KvStore::CheckOwner(SequenceId seq, SessionId session) const {
+absl::StatusOr<std::shared_ptr<KvStore::Sequence>> KvStore::FindOwned(
+    SequenceId seq, SessionId session) const {
   absl::ReaderMutexLock lock(&mu_);
   auto it = sequences_.find(seq);
   auto owner = owner_.find(seq);
@@ -866,7 +867,11 @@ absl::Status KvStore::CheckOwner(SequenceId seq, SessionId session) const {
       (owner != owner_.end() && owner->second != session)) {
     return absl::NotFoundError(absl::StrCat("no open sequence ", seq));
   }
-  return absl::OkStatus();
+  return it->second;
+}
+
+absl::Status KvStore::CheckOwner(SequenceId seq, SessionId session) const {
+  return FindOwned(seq, session).status();
 }
 
 absl::Status KvStore::Close(SequenceId seq) {
@@ -885,6 +890,12 @@ absl::Status KvStore::Close(SequenceId seq) {
 
 absl::StatusOr<SequenceGeometry> KvStore::Geometry(SequenceId seq) const {
   IG_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(seq));
+  return s->geometry();
+}
+
+absl::StatusOr<SequenceGeometry> KvStore::Geometry(SequenceId seq,
+                                                   SessionId session) const {
+  IG_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, FindOwned(seq, session));
   return s->geometry();
 }
 

@@ -164,6 +164,10 @@ class KvStore {
 
   // NotFound if unknown.
   absl::StatusOr<SequenceGeometry> Geometry(SequenceId seq) const;
+  // The same for a sequence `session` may use (CheckOwner), in one lookup:
+  // what a fetch checks before it reads a plan against the geometry.
+  absl::StatusOr<SequenceGeometry> Geometry(SequenceId seq,
+                                            SessionId session) const;
   absl::StatusOr<SequenceStats> GetSequenceStats(SequenceId seq) const;
   StoreStats GetStoreStats() const;
   // The present tokens of (layer, kv_head), by increasing position, with
@@ -184,6 +188,9 @@ class KvStore {
   };
 
   absl::StatusOr<std::shared_ptr<Sequence>> Find(SequenceId seq) const;
+  // Find, NotFound also when `session` may not use the sequence.
+  absl::StatusOr<std::shared_ptr<Sequence>> FindOwned(SequenceId seq,
+                                                      SessionId session) const;
   absl::Time Now() const;
   bool Expired(const Session& session, absl::Time now) const;
   // Ends the session: its sequences leave the store (their rows move to

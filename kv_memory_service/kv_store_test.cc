@@ -477,8 +477,16 @@ TEST(KvStoreTest, ASessionsSequenceAnswersOnlyToItsSession) {
   EXPECT_OK_STATUS(store.CheckOwner(shared, theirs));
   EXPECT_OK_STATUS(store.CheckOwner(shared, 0));
   EXPECT_CODE(store.CheckOwner(owned + 1, mine), kNotFound);
+  // What a fetch reads first: the geometry, for the owner only.
+  auto g = store.Geometry(owned, mine);
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(g->head_dim, 4);
+  EXPECT_CODE(store.Geometry(owned, theirs).status(), kNotFound);
+  EXPECT_CODE(store.Geometry(owned, 0).status(), kNotFound);
+  EXPECT_TRUE(store.Geometry(shared, theirs).ok());
   ASSERT_OK(store.Close(owned));
   EXPECT_CODE(store.CheckOwner(owned, mine), kNotFound);
+  EXPECT_CODE(store.Geometry(owned, mine).status(), kNotFound);
 }
 
 // Issue 20, behaviour 5: picking an LRU victim scanned the whole head, so an

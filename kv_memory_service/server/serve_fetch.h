@@ -44,8 +44,7 @@ absl::Status GatherForResponse(KvStore& store, SequenceId seq,
                                SessionId session, int32_t layer,
                                const FetchPlan& plan, uint64_t dest_elements,
                                int64_t max_rows_bytes, Rows* rows) {
-  IG_RETURN_IF_ERROR(store.CheckOwner(seq, session));
-  IG_ASSIGN_OR_RETURN(SequenceGeometry g, store.Geometry(seq));
+  IG_ASSIGN_OR_RETURN(SequenceGeometry g, store.Geometry(seq, session));
   const size_t elements = FetchElements(plan, g.head_dim);
   if (dest_elements != 0 && elements > dest_elements) {
     return absl::InvalidArgumentError(absl::StrCat(

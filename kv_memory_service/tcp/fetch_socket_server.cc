@@ -583,11 +583,9 @@ class FetchSocketServer::Loop {
                          " bytes exceeds the limit of ", max_message)),
                      0, Connection::State::kHeader);
     }
-    absl::Status status =
-        server_->store_->CheckOwner(q.sequence_id, q.session_id);
+    absl::Status status;
     absl::StatusOr<SequenceGeometry> g =
-        status.ok() ? server_->store_->Geometry(q.sequence_id)
-                    : absl::StatusOr<SequenceGeometry>(status);
+        server_->store_->Geometry(q.sequence_id, q.session_id);
     if (!g.ok()) {
       status = g.status();
     } else if (q.n_offsets != static_cast<uint32_t>(g->n_kv_heads) + 1) {

@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/time/clock.h"
 #include "common/file.h"
 #include "common/server_tls.h"
@@ -62,21 +63,30 @@ class FetchSocketServerTest : public ::testing::Test {
     return fd;
   }
 
+  // Sends `hello` (its token_bytes set here) with `token` and returns the
+  // reply: its code and message; Unknown when none came.
+  static absl::Status SendHello(int fd, const std::string& token,
+                                fetch_wire::Hello hello = {}) {
+    hello.token_bytes = static_cast<uint32_t>(token.size());
+    iovec iov[2] = {{&hello, sizeof(hello)},
+                    {const_cast<char*>(token.data()), token.size()}};
+    EXPECT_TRUE(fetch_wire::SendAll(fd, iov, token.empty() ? 1 : 2).ok());
+    fetch_wire::HelloReply reply;
+    if (!fetch_wire::RecvAll(fd, &reply, sizeof(reply)).ok()) {
+      return absl::UnknownError("no Hello reply");
+    }
+    std::string message(reply.message_bytes, '\0');
+    EXPECT_TRUE(fetch_wire::RecvAll(fd, message.data(), message.size()).ok());
+    return absl::Status(static_cast<absl::StatusCode>(reply.status_code),
+                        message);
+  }
+
   // Sends a Hello with `token` and returns the reply's code.
   absl::StatusCode Hello(int fd, const std::string& token,
                          uint32_t magic = fetch_wire::kHelloMagic) {
     fetch_wire::Hello hello;
     hello.magic = magic;
-    hello.token_bytes = static_cast<uint32_t>(token.size());
-    iovec iov[2] = {{&hello, sizeof(hello)},
-                    {const_cast<char*>(token.data()), token.size()}};
-    EXPECT_TRUE(fetch_wire::SendAll(fd, iov, 2).ok());
-    fetch_wire::HelloReply reply;
-    if (!fetch_wire::RecvAll(fd, &reply, sizeof(reply)).ok()) {
-      return absl::StatusCode::kUnknown;
-    }
-    EXPECT_TRUE(fetch_wire::Discard(fd, reply.message_bytes).ok());
-    return static_cast<absl::StatusCode>(reply.status_code);
+    return SendHello(fd, token, hello).code();
   }
 
   // Sends a request; returns the response header (rows into `rows`).
@@ -169,18 +179,10 @@ TEST_F(FetchSocketServerTest, AnOlderProtocolVersionIsRefusedByName) {
   const int fd = Dial();
   fetch_wire::Hello hello;
   hello.version = fetch_wire::kVersion - 1;
-  const std::string token = "Bearer tok";
-  hello.token_bytes = static_cast<uint32_t>(token.size());
-  iovec iov[2] = {{&hello, sizeof(hello)},
-                  {const_cast<char*>(token.data()), token.size()}};
-  ASSERT_TRUE(fetch_wire::SendAll(fd, iov, 2).ok());
-  fetch_wire::HelloReply reply;
-  ASSERT_TRUE(fetch_wire::RecvAll(fd, &reply, sizeof(reply)).ok());
-  std::string message(reply.message_bytes, '\0');
-  ASSERT_TRUE(fetch_wire::RecvAll(fd, message.data(), message.size()).ok());
-  EXPECT_EQ(reply.status_code,
-            static_cast<int>(absl::StatusCode::kFailedPrecondition));
-  EXPECT_NE(message.find("protocol version 1"), std::string::npos) << message;
+  const absl::Status reply = SendHello(fd, "Bearer tok", hello);
+  EXPECT_EQ(reply.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(absl::StrContains(reply.message(), "protocol version 1"))
+      << reply;
   EXPECT_TRUE(Closed(fd));
   close(fd);
 }
@@ -662,16 +664,9 @@ TEST_F(TlsFetchSocketServerTest, PeersWithoutTheRightCertificateAreRefused) {
   // Plaintext: a Hello is answered, in plaintext, that the socket speaks TLS.
   {
     const int fd = Dial();
-    fetch_wire::Hello hello;
-    iovec iov = {&hello, sizeof(hello)};
-    ASSERT_TRUE(fetch_wire::SendAll(fd, &iov, 1).ok());
-    fetch_wire::HelloReply reply;
-    ASSERT_TRUE(fetch_wire::RecvAll(fd, &reply, sizeof(reply)).ok());
-    std::string message(reply.message_bytes, '\0');
-    ASSERT_TRUE(fetch_wire::RecvAll(fd, message.data(), message.size()).ok());
-    EXPECT_EQ(reply.status_code,
-              static_cast<int>(absl::StatusCode::kFailedPrecondition));
-    EXPECT_NE(message.find("speaks TLS"), std::string::npos) << message;
+    const absl::Status reply = SendHello(fd, "");
+    EXPECT_EQ(reply.code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_TRUE(absl::StrContains(reply.message(), "speaks TLS")) << reply;
     EXPECT_TRUE(Closed(fd));
     close(fd);
     EXPECT_EQ(server_->GetStats().refused, ++refused);
