@@ -1,6 +1,8 @@
 #include "gpu_worker/calibrate.h"
 
+#include <algorithm>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "absl/strings/str_format.h"
@@ -10,8 +12,103 @@
 
 namespace infinigen::gpu_worker {
 
+namespace {
+
+// InfiniGen's speculation of layer l over every calibration token at once,
+// for the profile: the query from layer l - 1's input (its attention norm,
+// then layer l's query projection and rotation), skewed, with the columns
+// outside layer l's partial columns zeroed, and the skewed keys, so that
+// q() . k() is the speculated score. Partial columns as the policy chooses
+// them: the largest summed |q A| of layer l's own queries.
+class SpeculatedRanking {
+ public:
+  SpeculatedRanking(const model::Weights& weights,
+                    const speculator::SkewMatrices& skew, int n,
+                    double partial_ratio)
+      : weights_(weights),
+        skew_(skew),
+        n_(n),
+        n_cols_(speculator::PartialColumnCount(weights.config.head_dim,
+                                               partial_ratio)),
+        cpu_(NewCpuBackend()),
+        positions_(n),
+        xb_(static_cast<size_t>(n) * weights.config.dim),
+        q_(static_cast<size_t>(n) * weights.config.q_dim()),
+        q_own_(q_.size()),
+        k_(static_cast<size_t>(n) * weights.config.kv_dim()),
+        cols_(static_cast<size_t>(weights.config.n_kv_heads) * n_cols_) {
+    for (int t = 0; t < n; ++t) positions_[t] = t;
+  }
+
+  // x_prev [n, dim]: layer l - 1's input; q [n, q_dim], k [n, kv_dim]:
+  // layer l's post-RoPE queries and keys.
+  void Compute(int l, const float* x_prev, const float* q, const float* k) {
+    const model::ModelConfig& c = weights_.config;
+    const model::LayerWeights& pw = weights_.layers[l - 1];
+    const model::LayerWeights& w = weights_.layers[l];
+    const int d = c.head_dim, group = c.n_heads / c.n_kv_heads;
+    const bool opt = c.arch == model::Architecture::kOpt;
+    if (opt) {
+      cpu_->LayerNorm(x_prev, n_, c.dim, pw.attn_norm.data(),
+                      pw.attn_norm_bias.data(), c.norm_eps, xb_.data());
+    } else {
+      cpu_->RmsNorm(x_prev, n_, c.dim, pw.attn_norm.data(), c.norm_eps,
+                    xb_.data());
+    }
+    cpu_->Linear(xb_.data(), n_, c.dim, w.wq.data(),
+                 opt ? w.bq.data() : nullptr, c.q_dim(), q_.data());
+    if (!opt) {
+      cpu_->Rope(q_.data(), n_, c.n_heads, d, positions_.data(),
+                 c.rope_theta);
+    }
+    std::vector<float> row(d);
+    const size_t q_rows = static_cast<size_t>(n_) * c.n_heads;
+    for (size_t r = 0; r < q_rows; ++r) {
+      const int g = static_cast<int>(r % c.n_heads) / group;
+      speculator::ApplySkew(q_.data() + r * d, 1, skew_.at(l, g), d,
+                            row.data());
+      std::copy(row.begin(), row.end(), q_.begin() + r * d);
+      speculator::ApplySkew(q + r * d, 1, skew_.at(l, g), d,
+                            q_own_.data() + r * d);
+    }
+    speculator::SelectPartialColumns(q_own_.data(), n_, c.n_heads,
+                                     c.n_kv_heads, d, n_cols_, cols_.data());
+    std::vector<uint8_t> keep(static_cast<size_t>(c.n_kv_heads) * d, 0);
+    for (int g = 0; g < c.n_kv_heads; ++g) {
+      for (int j = 0; j < n_cols_; ++j) keep[g * d + cols_[g * n_cols_ + j]] = 1;
+    }
+    for (size_t r = 0; r < q_rows; ++r) {
+      const uint8_t* kg = keep.data() + (r % c.n_heads) / group * d;
+      for (int j = 0; j < d; ++j) {
+        if (!kg[j]) q_[r * d + j] = 0.0f;
+      }
+    }
+    const size_t k_rows = static_cast<size_t>(n_) * c.n_kv_heads;
+    for (size_t r = 0; r < k_rows; ++r) {
+      speculator::ApplySkew(k + r * d, 1,
+                            skew_.at(l, static_cast<int>(r % c.n_kv_heads)),
+                            d, k_.data() + r * d);
+    }
+  }
+  const float* q() const { return q_.data(); }
+  const float* k() const { return k_.data(); }
+
+ private:
+  const model::Weights& weights_;
+  const speculator::SkewMatrices& skew_;
+  const int n_;
+  const int n_cols_;
+  std::unique_ptr<Backend> cpu_;
+  std::vector<int> positions_;
+  std::vector<float> xb_, q_, q_own_, k_;
+  std::vector<int32_t> cols_;
+};
+
+}  // namespace
+
 absl::StatusOr<speculator::SkewMatrices> CalibrateSkew(
-    const model::Weights& weights, absl::Span<const int> tokens) {
+    const model::Weights& weights, absl::Span<const int> tokens,
+    double partial_ratio) {
   const model::ModelConfig& c = weights.config;
   const int n = static_cast<int>(tokens.size());
   const int d = c.head_dim, group = c.n_heads / c.n_kv_heads;
@@ -27,9 +124,18 @@ absl::StatusOr<speculator::SkewMatrices> CalibrateSkew(
     q[i].reserve(static_cast<size_t>(n) * group * d);
     k[i].reserve(static_cast<size_t>(n) * d);
   }
+  // Per layer, as the engine gives them, for the head profile: queries
+  // [n, q_dim], keys and values [n, kv_dim].
+  std::vector<std::vector<float>> lq(c.n_layers), lk(c.n_layers),
+      lv(c.n_layers), lx(c.n_layers);
   EngineOptions options;
   options.max_seq_len = n;
-  options.observer = [&](int layer, const float* qs, const float* ks, int m) {
+  options.observer = [&](int layer, const float* qs, const float* ks,
+                         const float* vs, const float* xs, int m) {
+    lx[layer].insert(lx[layer].end(), xs, xs + static_cast<size_t>(m) * c.dim);
+    lq[layer].insert(lq[layer].end(), qs, qs + static_cast<size_t>(m) * c.q_dim());
+    lk[layer].insert(lk[layer].end(), ks, ks + static_cast<size_t>(m) * c.kv_dim());
+    lv[layer].insert(lv[layer].end(), vs, vs + static_cast<size_t>(m) * c.kv_dim());
     for (int t = 0; t < m; ++t) {
       for (int h = 0; h < c.n_heads; ++h) {
         const float* row = qs + (static_cast<size_t>(t) * c.n_heads + h) * d;
@@ -60,6 +166,41 @@ absl::StatusOr<speculator::SkewMatrices> CalibrateSkew(
           speculator::ComputeSkew(q[i].data(), n * group, k[i].data(), n, d));
       std::memcpy(skew.at(l, g), a.data(), a.size() * sizeof(float));
     }
+  }
+  // The head profile: queries from the second half of the text, 64 of
+  // them, attending causally over everything before them, ranked exactly
+  // and as InfiniGen speculates.
+  speculator::HeadProfile& profile = skew.profile;
+  profile.n_layers = c.n_layers;
+  profile.n_kv_heads = c.n_kv_heads;
+  profile.partial_ratio = static_cast<float>(partial_ratio);
+  profile.fractions = speculator::HeadProfile::DefaultFractions();
+  profile.error.assign(heads * profile.fractions.size(), 0.0f);
+  profile.speculated_error.assign(profile.error.size(), 0.0f);
+  const int first_query = n / 2;
+  const int stride = std::max(1, (n - first_query) / 64);
+  SpeculatedRanking ranking(weights, skew, n, partial_ratio);
+  for (int l = 0; l < c.n_layers; ++l) {
+    const model::LayerWeights& w = weights.layers[l];
+    speculator::ProfileLayer(lq[l].data(), lk[l].data(), lv[l].data(),
+                             lx[l].data(), nullptr, nullptr, n, c.n_heads,
+                             c.n_kv_heads, d, w.wo.data(), c.dim,
+                             profile.fractions, first_query, stride,
+                             profile.at(l, 0));
+    if (l < 2) {
+      // Layers 0 and 1 read everything; their speculated error is the
+      // exact one (never used).
+      std::copy(profile.at(l, 0),
+                profile.at(l, 0) + c.n_kv_heads * profile.fractions.size(),
+                profile.speculated_at(l, 0));
+      continue;
+    }
+    ranking.Compute(l, lx[l - 1].data(), lq[l].data(), lk[l].data());
+    speculator::ProfileLayer(lq[l].data(), lk[l].data(), lv[l].data(),
+                             lx[l].data(), ranking.q(), ranking.k(), n,
+                             c.n_heads, c.n_kv_heads, d, w.wo.data(), c.dim,
+                             profile.fractions, first_query, stride,
+                             profile.speculated_at(l, 0));
   }
   return skew;
 }

@@ -411,7 +411,7 @@ absl::StatusOr<absl::Span<const float>> Engine::Logits(int first, int rows) {
   return absl::Span<const float>(logits_host_.data(), values);
 }
 
-absl::Status Engine::ObservePrefill(int l, int n) {
+absl::Status Engine::ObservePrefill(int l, int n, const float* x) {
   const ModelConfig& c = weights_.config;
   if (options_.attention_skew == nullptr && !options_.observer) {
     return absl::OkStatus();
@@ -448,7 +448,16 @@ absl::Status Engine::ObservePrefill(int l, int n) {
     b.CopyFromHost(k_.data(), k_host_.data(), k_values * sizeof(float),
                    b.MarkIssued());
   }
-  if (options_.observer) options_.observer(l, q_host_.data(), k_host_.data(), n);
+  if (options_.observer) {
+    v_host_.resize(k_values);
+    IG_RETURN_IF_ERROR(backend_->CopyToHost(v_host_.data(), v_.data(),
+                                            k_values * sizeof(float)));
+    x_host_.resize(static_cast<size_t>(n) * c.dim);
+    IG_RETURN_IF_ERROR(backend_->CopyToHost(
+        x_host_.data(), x, x_host_.size() * sizeof(float)));
+    options_.observer(l, q_host_.data(), k_host_.data(), v_host_.data(),
+                      x_host_.data(), n);
+  }
   return absl::OkStatus();
 }
 
@@ -465,7 +474,7 @@ absl::Status Engine::RunLayer(int l, int first, int n, bool decode, int pos) {
     IG_RETURN_IF_ERROR(cache_->DecodeAttention(l, q_.data(), k_.data(),
                                                v_.data(), att_.data()));
   } else {
-    IG_RETURN_IF_ERROR(ObservePrefill(l, n));
+    IG_RETURN_IF_ERROR(ObservePrefill(l, n, x));
     IG_RETURN_IF_ERROR(cache_->PrefillAttention(
         l, pos, n, q_.data(), k_.data(), v_.data(), att_.data()));
   }

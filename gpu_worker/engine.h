@@ -67,8 +67,10 @@ struct EngineOptions {
   // matrices before attention. The logits must not change (A A^T = I).
   const speculator::SkewMatrices* attention_skew = nullptr;
   // Calibration: called with each layer's post-RoPE queries
-  // [n, n_heads, head_dim] and keys [n, n_kv_heads, head_dim] (prefill).
-  std::function<void(int layer, const float* q, const float* k, int n)>
+  // [n, n_heads, head_dim], keys and values [n, n_kv_heads, head_dim], and
+  // the residual stream entering the layer x [n, dim] (prefill).
+  std::function<void(int layer, const float* q, const float* k,
+                     const float* v, const float* x, int n)>
       observer;
 };
 
@@ -162,7 +164,8 @@ class Engine {
   absl::Status RunLayer(int layer, int first, int n, bool decode, int pos);
   // Prefill diagnostics and calibration: the skew and the observer, on the
   // host.
-  absl::Status ObservePrefill(int layer, int n);
+  // x: the layer's input rows [n, dim] (backend memory).
+  absl::Status ObservePrefill(int layer, int n, const float* x);
   // positions_ [0, n) = positions_host_ [0, n); x_ rows [0, n) = the
   // tokens' embeddings at those positions.
   void Embed(const int* tokens, int n);
@@ -204,7 +207,8 @@ class Engine {
   // Host side:
   std::vector<int> positions_host_;  // [max(max_seq, batch)]
   std::vector<float> logits_host_;   // what Forward and DecodeBatch return
-  std::vector<float> q_host_, k_host_;  // diagnostics: [rows, q_dim|kv_dim]
+  // Diagnostics: [rows, q_dim | kv_dim | kv_dim | dim].
+  std::vector<float> q_host_, k_host_, v_host_, x_host_;
   std::vector<float> skew_row_;      // [head_dim]
   std::vector<int> step_positions_;  // [batch]
 

@@ -102,6 +102,22 @@ absl::Status PolicyOptions::Validate() const {
         "score_mass must be in [0, 1] (0: the alpha rule), got %g",
         score_mass));
   }
+  if (adaptive_budgets) {
+    if (kind != PolicyKind::kInfiniGen && kind != PolicyKind::kOracle) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "adaptive budgets apply to infinigen and oracle, not %s",
+          PolicyName(kind)));
+    }
+    if (profile == nullptr || profile->empty()) {
+      return absl::InvalidArgumentError(
+          "adaptive budgets need a head profile (written by 'infinigen "
+          "skew' since the profile was added)");
+    }
+    if (!(budget_floor >= 0.0f && budget_floor <= 1.0f)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "budget_floor must be in [0, 1], got %g", budget_floor));
+    }
+  }
   if (page_tokens < 1) {
     return absl::InvalidArgumentError(
         absl::StrFormat("page_tokens must be >= 1, got %d", page_tokens));
@@ -419,6 +435,22 @@ class InfiniGenPolicy final : public KvPolicy {
     IG_ASSIGN_OR_RETURN(position_,
                         DeviceBuffer<int>::Make(b, 1, "speculated position"));
     present_.reserve(z.n_kv * z.max_seq);
+    if (options_.adaptive_budgets) {
+      const speculator::HeadProfile& pr = *options_.profile;
+      if (pr.n_layers != m.n_layers || pr.n_kv_heads != m.n_kv_heads) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "the head profile is for %d layers x %d KV heads, the model has "
+            "%d x %d", pr.n_layers, pr.n_kv_heads, m.n_layers,
+            m.n_kv_heads));
+      }
+      // InfiniGen's selection is judged by the errors of its own ranking;
+      // the oracle's (and a same-layer diagnostic's) by the exact one.
+      const bool exact = options_.kind == PolicyKind::kOracle ||
+                         options_.same_layer_input;
+      head_budgets_ = speculator::AllocateBudgets(
+          pr, exact ? pr.error : pr.speculated_error, options_.budget, 2,
+          options_.budget_floor * options_.budget);
+    }
     row_.resize(d);
     k_sums_.resize(d);
     return absl::OkStatus();
@@ -577,7 +609,17 @@ class InfiniGenPolicy final : public KvPolicy {
       std::memcpy(present_.data() + static_cast<size_t>(g) * p,
                   present + static_cast<size_t>(g) * ctx_.max_seq_len, p);
     }
-    if (options_.score_mass > 0.0f) {
+    if (!head_budgets_.empty()) {
+      head_k_.resize(m.n_kv_heads);
+      for (int g = 0; g < m.n_kv_heads; ++g) {
+        head_k_[g] = std::max(
+            1, static_cast<int>(static_cast<float>(p) *
+                                head_budgets_[Head(layer, g)]));
+      }
+      speculator::SelectTopKPerHead(scores_host_.data(), m.n_kv_heads, p,
+                                    present_.data(), head_k_.data(),
+                                    plan.indices, plan.head_offsets);
+    } else if (options_.score_mass > 0.0f) {
       speculator::SelectByMass(scores_host_.data(), m.n_kv_heads, p,
                                present_.data(), options_.score_mass,
                                options_.budget, plan.indices,
@@ -664,6 +706,10 @@ class InfiniGenPolicy final : public KvPolicy {
   speculator::PartialColumns cols_;      // [layer][kv_head][n_cols]
   std::vector<uint8_t> present_;         // [kv_head][p]
   std::vector<uint8_t> chosen_;          // [p]: AddSinksAndRecent's marks
+  // adaptive_budgets: [layer][kv_head] fractions (AllocateBudgets), and
+  // each head's k of the current step.
+  std::vector<float> head_budgets_;
+  std::vector<int> head_k_;
   std::vector<float> row_;               // [d]
   std::vector<float> k_sums_;            // [d]
   std::vector<float> partial_w_host_;    // partial_w_, built here

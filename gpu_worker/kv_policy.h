@@ -90,6 +90,17 @@ struct PolicyOptions {
   // tokens (speculator::SelectByMass: budgets adapt across layers and
   // heads).
   float score_mass = 0.0f;
+  // infinigen and oracle: each (layer, KV head) of the selecting layers
+  // takes its own share of the cached tokens, allocated from `profile`
+  // (speculator::AllocateBudgets) so that their mean is `budget` and the
+  // summed calibration error is least (infinigen: the error of its
+  // speculated ranking; oracle: of the exact one); each takes at least
+  // budget_floor times `budget`. Replaces the alpha rule and score_mass.
+  bool adaptive_budgets = false;
+  float budget_floor = 0.75f;
+  // The calibration's head profile (not owned; must outlive the engine).
+  // Required with adaptive_budgets.
+  const speculator::HeadProfile* profile = nullptr;
   // quest: tokens per page.
   int page_tokens = 16;
 

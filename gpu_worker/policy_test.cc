@@ -256,6 +256,84 @@ TEST_F(PolicyTest, QuestAddsTheSinkAndRecentPages) {
   EXPECT_LE(Mean(with.nll), Mean(without.nll) + 0.05);
 }
 
+// The calibration measures both rankings' errors, and they fall to zero
+// when a head reads everything.
+TEST_F(PolicyTest, CalibrationMeasuresTheHeadProfile) {
+  const speculator::HeadProfile& p = skew_->profile;
+  const model::ModelConfig& c = weights_->config;
+  ASSERT_FALSE(p.empty());
+  EXPECT_EQ(p.n_layers, c.n_layers);
+  EXPECT_EQ(p.n_kv_heads, c.n_kv_heads);
+  EXPECT_FLOAT_EQ(p.partial_ratio, 0.3f);
+  const size_t n_f = p.fractions.size();
+  ASSERT_EQ(p.error.size(), c.n_layers * c.n_kv_heads * n_f);
+  ASSERT_EQ(p.speculated_error.size(), p.error.size());
+  double smallest_share = 0, speculated = 0, exact = 0;
+  for (int l = 2; l < c.n_layers; ++l) {
+    for (int g = 0; g < c.n_kv_heads; ++g) {
+      const size_t at = p.Offset(l, g);
+      EXPECT_LT(p.error[at + n_f - 1], 1e-12f);
+      EXPECT_LT(p.speculated_error[at + n_f - 1], 1e-12f);
+      smallest_share += p.error[at];
+      exact += p.error[at + 1];
+      speculated += p.speculated_error[at + 1];
+    }
+  }
+  // Reading the fewest tokens loses something; speculating loses more than
+  // ranking exactly.
+  EXPECT_GT(smallest_share, 0.0);
+  EXPECT_GT(speculated, exact);
+}
+
+// Adaptive head budgets: every head reads everything at a budget of 1; at
+// a small budget the fetch stays about the uniform one's, and without a
+// profile, or for a policy that cannot use one, the options are refused.
+TEST_F(PolicyTest, AdaptiveBudgetsKeepTheMeanFetch) {
+  PolicyOptions full_share = Policy(PolicyKind::kInfiniGen);
+  full_share.skew = skew_;
+  full_share.alpha = 1e9f;
+  full_share.budget = 1.0f;
+  full_share.adaptive_budgets = true;
+  full_share.profile = &skew_->profile;
+  Run full = TeacherForced(Policy(PolicyKind::kFull), 8);
+  Run all = TeacherForced(full_share, 8);
+  ASSERT_EQ(all.logits.size(), full.logits.size());
+  for (size_t i = 0; i < all.logits.size(); ++i) {
+    for (size_t j = 0; j < all.logits[i].size(); ++j) {
+      ASSERT_NEAR(all.logits[i][j], full.logits[i][j], 1e-3) << i << " " << j;
+    }
+  }
+
+  for (PolicyKind kind : {PolicyKind::kInfiniGen, PolicyKind::kOracle}) {
+    PolicyOptions uniform = Policy(kind);
+    uniform.skew = skew_;
+    uniform.alpha = 1e9f;
+    uniform.budget = 0.3f;
+    PolicyOptions adaptive = uniform;
+    adaptive.adaptive_budgets = true;
+    adaptive.profile = &skew_->profile;
+    adaptive.budget_floor = 0.0f;
+    Run u = TeacherForced(uniform, 8);
+    Run a = TeacherForced(adaptive, 8);
+    EXPECT_NE(a.logits, u.logits) << PolicyName(kind);
+    EXPECT_NEAR(static_cast<double>(a.stats.rows_fetched),
+                static_cast<double>(u.stats.rows_fetched),
+                0.1 * u.stats.rows_fetched)
+        << PolicyName(kind);
+  }
+
+  PolicyOptions bad = full_share;
+  bad.profile = nullptr;
+  EXPECT_THAT(std::string(bad.Validate().message()),
+              HasSubstr("head profile"));
+  bad.profile = &skew_->profile;
+  bad.kind = PolicyKind::kQuest;
+  EXPECT_EQ(bad.Validate().code(), absl::StatusCode::kInvalidArgument);
+  bad.kind = PolicyKind::kInfiniGen;
+  bad.budget_floor = 1.5f;
+  EXPECT_EQ(bad.Validate().code(), absl::StatusCode::kInvalidArgument);
+}
+
 // Quest with one-token pages bounds each token by its exact score: it is
 // the oracle. With bigger pages it fetches whole pages, at most the budget;
 // with every page, it is full.

@@ -33,6 +33,12 @@ namespace {
 
 constexpr char kSkewMagic[8] = {'I', 'G', 'S', 'K', 'E', 'W', '0', '1'};
 constexpr size_t kSkewHeaderBytes = sizeof(kSkewMagic) + 3 * sizeof(int32_t);
+// The optional profile section after the matrices: magic, int32 n_layers,
+// n_kv_heads, n_fractions, float partial_ratio, then the fractions, the
+// errors and the speculated errors (floats).
+constexpr char kProfileMagic[8] = {'I', 'G', 'P', 'R', 'O', 'F', '0', '1'};
+constexpr size_t kProfileHeaderBytes =
+    sizeof(kProfileMagic) + 3 * sizeof(int32_t) + sizeof(float);
 
 size_t SkewFloatCount(int n_layers, int n_kv_heads, int head_dim) {
   return static_cast<size_t>(n_layers) * n_kv_heads * head_dim * head_dim;
@@ -274,6 +280,17 @@ absl::Status SkewMatrices::Save(const std::string& path) const {
         "skew matrices [%d, %d, %d, %d] hold %d floats, not saving %s",
         n_layers, n_kv_heads, head_dim, head_dim, a.size(), path));
   }
+  if (!profile.empty() &&
+      (profile.n_layers != n_layers || profile.n_kv_heads != n_kv_heads ||
+       profile.error.size() != static_cast<size_t>(n_layers) * n_kv_heads *
+                                   profile.fractions.size() ||
+       profile.speculated_error.size() != profile.error.size())) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "the head profile [%d, %d] x %d fractions holds %d errors and does "
+        "not match the skew's %d layers x %d KV heads, not saving %s",
+        profile.n_layers, profile.n_kv_heads, profile.fractions.size(),
+        profile.error.size(), n_layers, n_kv_heads, path));
+  }
   // Write a sibling file and rename it over `path`, so a reader never maps a
   // half-written file and a failed save leaves the old one intact.
   const std::string tmp = path + ".tmp";
@@ -287,6 +304,21 @@ absl::Status SkewMatrices::Save(const std::string& path) const {
             std::fwrite(dims, sizeof(dims), 1, f) == 1 &&
             (a.empty() ||
              std::fwrite(a.data(), sizeof(float), a.size(), f) == a.size());
+  if (ok && !profile.empty()) {
+    const int32_t pdims[3] = {profile.n_layers, profile.n_kv_heads,
+                              static_cast<int32_t>(profile.fractions.size())};
+    ok = std::fwrite(kProfileMagic, sizeof(kProfileMagic), 1, f) == 1 &&
+         std::fwrite(pdims, sizeof(pdims), 1, f) == 1 &&
+         std::fwrite(&profile.partial_ratio, sizeof(float), 1, f) == 1 &&
+         std::fwrite(profile.fractions.data(), sizeof(float),
+                     profile.fractions.size(),
+                     f) == profile.fractions.size() &&
+         std::fwrite(profile.error.data(), sizeof(float),
+                     profile.error.size(), f) == profile.error.size() &&
+         std::fwrite(profile.speculated_error.data(), sizeof(float),
+                     profile.speculated_error.size(),
+                     f) == profile.speculated_error.size();
+  }
   ok = (std::fclose(f) == 0) && ok;
   if (!ok || std::rename(tmp.c_str(), path.c_str()) != 0) {
     const int err = errno;
@@ -318,7 +350,17 @@ absl::StatusOr<SkewMatrices> SkewMatrices::Load(const std::string& path) {
   const unsigned __int128 floats =
       static_cast<unsigned __int128>(dims[0]) * dims[1] * dims[2] * dims[2];
   const unsigned __int128 payload = size - kSkewHeaderBytes;
-  if (payload != floats * sizeof(float)) {
+  const size_t rest = payload > floats * sizeof(float)
+                          ? static_cast<size_t>(payload - floats * sizeof(float))
+                          : 0;
+  const uint8_t* section =
+      rest > 0 ? p + kSkewHeaderBytes +
+                     static_cast<size_t>(floats * sizeof(float))
+               : nullptr;
+  const bool has_profile =
+      rest >= sizeof(kProfileMagic) &&
+      std::memcmp(section, kProfileMagic, sizeof(kProfileMagic)) == 0;
+  if (payload != floats * sizeof(float) && !has_profile) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "%s: [%d, %d, %d, %d] skew matrices need %d bytes of floats, the file "
         "has %d (%s)",
@@ -335,6 +377,55 @@ absl::StatusOr<SkewMatrices> SkewMatrices::Load(const std::string& path) {
   m.a.resize(static_cast<size_t>(floats));
   if (!m.a.empty()) {
     std::memcpy(m.a.data(), p + kSkewHeaderBytes, m.a.size() * sizeof(float));
+  }
+  if (!has_profile) return m;
+  int32_t pdims[3] = {0, 0, 0};
+  if (rest >= kProfileHeaderBytes) {
+    std::memcpy(pdims, section + sizeof(kProfileMagic), sizeof(pdims));
+  }
+  if (rest < kProfileHeaderBytes || pdims[0] != m.n_layers ||
+      pdims[1] != m.n_kv_heads || pdims[2] < 1 || pdims[2] > 4096) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: the head profile section is for [%d, %d] x %d fractions, the "
+        "skew is %d layers x %d KV heads", path, pdims[0], pdims[1], pdims[2],
+        m.n_layers, m.n_kv_heads));
+  }
+  const size_t n_f = static_cast<size_t>(pdims[2]);
+  const size_t n_err = static_cast<size_t>(m.n_layers) * m.n_kv_heads * n_f;
+  if (rest != kProfileHeaderBytes + (n_f + 2 * n_err) * sizeof(float)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: the head profile section has %d bytes, [%d, %d] x %d fractions "
+        "need %d", path, rest, pdims[0], pdims[1], pdims[2],
+        kProfileHeaderBytes + (n_f + 2 * n_err) * sizeof(float)));
+  }
+  m.profile.n_layers = m.n_layers;
+  m.profile.n_kv_heads = m.n_kv_heads;
+  std::memcpy(&m.profile.partial_ratio,
+              section + sizeof(kProfileMagic) + sizeof(pdims), sizeof(float));
+  m.profile.fractions.resize(n_f);
+  m.profile.error.resize(n_err);
+  m.profile.speculated_error.resize(n_err);
+  const uint8_t* floats_at = section + kProfileHeaderBytes;
+  std::memcpy(m.profile.fractions.data(), floats_at, n_f * sizeof(float));
+  std::memcpy(m.profile.error.data(), floats_at + n_f * sizeof(float),
+              n_err * sizeof(float));
+  std::memcpy(m.profile.speculated_error.data(),
+              floats_at + (n_f + n_err) * sizeof(float),
+              n_err * sizeof(float));
+  for (size_t i = 0; i < n_err; ++i) {
+    if (!(m.profile.error[i] >= 0.0f) ||
+        !(m.profile.speculated_error[i] >= 0.0f)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s: the head profile holds a negative or NaN error", path));
+    }
+  }
+  for (size_t i = 0; i < n_f; ++i) {
+    const float fr = m.profile.fractions[i];
+    if (!(fr > 0.0f && fr <= 1.0f) ||
+        (i > 0 && !(fr > m.profile.fractions[i - 1]))) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s: the head profile's fractions must ascend in (0, 1]", path));
+    }
   }
   return m;
 }
@@ -551,6 +642,255 @@ int SelectTokens(const float* scores, int n_kv_heads, int n_tokens,
     }
   }
   return k;
+}
+
+int SelectTopKPerHead(const float* scores, int n_kv_heads, int n_tokens,
+                      const uint8_t* present, const int* k,
+                      std::vector<int32_t>& indices,
+                      std::vector<int32_t>& head_offsets) {
+  head_offsets.assign(std::max(0, n_kv_heads) + 1, 0);
+  indices.clear();
+  if (n_kv_heads <= 0 || n_tokens <= 0) return 0;
+  thread_local std::vector<float> values;
+  thread_local std::vector<int32_t> positions;
+  if (values.size() <= static_cast<size_t>(n_tokens)) {
+    values.resize(n_tokens + 1);
+    positions.resize(n_tokens + 1);
+  }
+  const float none = -std::numeric_limits<float>::infinity();
+  for (int g = 0; g < n_kv_heads; ++g) {
+    const float* s = scores + static_cast<size_t>(g) * n_tokens;
+    const uint8_t* p =
+        present != nullptr ? present + static_cast<size_t>(g) * n_tokens
+                           : nullptr;
+    int n_present = n_tokens;
+    if (p != nullptr) {
+      n_present = 0;
+      for (int t = 0; t < n_tokens; ++t) n_present += p[t] != 0;
+    }
+    const int kg = std::clamp(k[g], 0, n_present);
+    const size_t first = indices.size();
+    indices.resize(first + kg);
+    if (kg > 0) {
+      if (p != nullptr) {
+        EmitTopK<true>(s, p, n_tokens, kg, none, values.data(),
+                       positions.data(), indices.data() + first);
+      } else {
+        EmitTopK<false>(s, p, n_tokens, kg, none, values.data(),
+                        positions.data(), indices.data() + first);
+      }
+    }
+    head_offsets[g + 1] = static_cast<int32_t>(indices.size());
+  }
+  return static_cast<int>(indices.size());
+}
+
+std::vector<float> HeadProfile::DefaultFractions() {
+  return {0.005f, 0.01f, 0.015f, 0.02f, 0.03f, 0.04f, 0.05f, 0.06f,
+          0.08f,  0.1f,  0.125f, 0.15f, 0.2f,  0.25f, 0.3f,  0.4f,
+          0.5f,   0.6f,  0.8f,   1.0f};
+}
+
+void ProfileLayer(const float* q, const float* k, const float* v,
+                  const float* x, const float* rank_q, const float* rank_k,
+                  int n, int n_heads, int n_kv_heads, int d,
+                  const float* wo, int dim,
+                  const std::vector<float>& fractions, int first_query,
+                  int query_stride, float* error) {
+  const int group = n_heads / n_kv_heads;
+  const size_t n_f = fractions.size();
+  const int q_dim = n_heads * d;
+  std::fill(error, error + static_cast<size_t>(n_kv_heads) * n_f, 0.0f);
+  // G_h = W_o,h^T W_o,h [d][d]: |W_o,h e|^2 = e^T G_h e.
+  std::vector<double> gram(static_cast<size_t>(n_heads) * d * d, 0.0);
+  for (int h = 0; h < n_heads; ++h) {
+    double* gh = gram.data() + static_cast<size_t>(h) * d * d;
+    for (int r = 0; r < dim; ++r) {
+      const float* row = wo + static_cast<size_t>(r) * q_dim + h * d;
+      for (int i = 0; i < d; ++i) {
+        for (int j = 0; j < d; ++j) gh[i * d + j] += double{row[i]} * row[j];
+      }
+    }
+  }
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  std::vector<double> logits(static_cast<size_t>(group) * n);
+  std::vector<float> rank(n);
+  std::vector<int32_t> order(n);
+  std::vector<double> acc(d), out(d), e(d);
+  int queries = 0;
+  for (int t = std::max(0, first_query); t < n; t += std::max(1, query_stride)) {
+    ++queries;
+    const int m = t + 1;  // causal: tokens [0, t]
+    double x_sq = 1.0;
+    if (x != nullptr) {
+      x_sq = 0.0;
+      const float* xt = x + static_cast<size_t>(t) * dim;
+      for (int c = 0; c < dim; ++c) x_sq += double{xt[c]} * xt[c];
+      if (!(x_sq > 0.0)) x_sq = 1.0;
+    }
+    for (int g = 0; g < n_kv_heads; ++g) {
+      // Exact logits of the group's heads; the rank is their max.
+      for (int j = 0; j < group; ++j) {
+        const float* qh = q + (static_cast<size_t>(t) * n_heads + g * group + j) * d;
+        double* lj = logits.data() + static_cast<size_t>(j) * n;
+        for (int s = 0; s < m; ++s) {
+          const float* ks = k + (static_cast<size_t>(s) * n_kv_heads + g) * d;
+          float dot = 0.0f;
+          for (int c = 0; c < d; ++c) dot += qh[c] * ks[c];
+          lj[s] = double{dot} * scale;
+        }
+      }
+      if (rank_q != nullptr && rank_k != nullptr) {
+        for (int s = 0; s < m; ++s) {
+          const float* ks = rank_k + (static_cast<size_t>(s) * n_kv_heads + g) * d;
+          float best = -std::numeric_limits<float>::infinity();
+          for (int j = 0; j < group; ++j) {
+            const float* qh =
+                rank_q + (static_cast<size_t>(t) * n_heads + g * group + j) * d;
+            float dot = 0.0f;
+            for (int c = 0; c < d; ++c) dot += qh[c] * ks[c];
+            best = std::max(best, dot);
+          }
+          rank[s] = best;
+        }
+      } else {
+        for (int s = 0; s < m; ++s) {
+          double best = logits[s];
+          for (int j = 1; j < group; ++j) {
+            best = std::max(best, logits[static_cast<size_t>(j) * n + s]);
+          }
+          rank[s] = static_cast<float>(best);
+        }
+      }
+      std::iota(order.begin(), order.begin() + m, 0);
+      std::sort(order.begin(), order.begin() + m, [&](int32_t a, int32_t b) {
+        return rank[a] > rank[b] || (rank[a] == rank[b] && a < b);
+      });
+      float* err = error + static_cast<size_t>(g) * n_f;
+      for (int j = 0; j < group; ++j) {
+        const int h = g * group + j;
+        const double* lj = logits.data() + static_cast<size_t>(j) * n;
+        double top = lj[0];
+        for (int s = 1; s < m; ++s) top = std::max(top, lj[s]);
+        // The full output o, then the prefixes of `order` at each fraction.
+        double total = 0;
+        std::fill(out.begin(), out.end(), 0.0);
+        for (int s = 0; s < m; ++s) {
+          const double w = std::exp(lj[s] - top);
+          total += w;
+          const float* vs = v + (static_cast<size_t>(s) * n_kv_heads + g) * d;
+          for (int c = 0; c < d; ++c) out[c] += w * vs[c];
+        }
+        for (int c = 0; c < d; ++c) out[c] /= total;
+        std::fill(acc.begin(), acc.end(), 0.0);
+        double mass = 0;
+        int taken = 0;
+        const double* gh = gram.data() + static_cast<size_t>(h) * d * d;
+        for (size_t fi = 0; fi < n_f; ++fi) {
+          const int want = std::clamp(
+              static_cast<int>(static_cast<float>(m) * fractions[fi]), 1, m);
+          for (; taken < want; ++taken) {
+            const int s = order[taken];
+            const double w = std::exp(lj[s] - top);
+            mass += w;
+            const float* vs = v + (static_cast<size_t>(s) * n_kv_heads + g) * d;
+            for (int c = 0; c < d; ++c) acc[c] += w * vs[c];
+          }
+          for (int c = 0; c < d; ++c) e[c] = acc[c] / mass - out[c];
+          double sq = 0;
+          for (int a = 0; a < d; ++a) {
+            double row = 0;
+            for (int b = 0; b < d; ++b) row += gh[a * d + b] * e[b];
+            sq += e[a] * row;
+          }
+          err[fi] += static_cast<float>(sq / x_sq);
+        }
+      }
+    }
+  }
+  if (queries > 0) {
+    for (size_t i = 0; i < static_cast<size_t>(n_kv_heads) * n_f; ++i) {
+      error[i] /= static_cast<float>(queries);
+    }
+  }
+}
+
+std::vector<float> AllocateBudgets(const HeadProfile& profile,
+                                   const std::vector<float>& error,
+                                   float mean_budget, int first_layer,
+                                   float floor) {
+  const int n_l = profile.n_layers, n_kv = profile.n_kv_heads;
+  std::vector<float> b(static_cast<size_t>(n_l) * n_kv, 1.0f);
+  first_layer = std::clamp(first_layer, 0, n_l);
+  const int heads = (n_l - first_layer) * n_kv;
+  if (heads == 0) return b;
+  mean_budget = std::clamp(mean_budget, 0.0f, 1.0f);
+  const float lo = std::min(mean_budget, floor);
+  // Each curve as points (fraction, error) from lo on: its value at lo
+  // (interpolated), then the grid points above; its lower convex hull's
+  // segments, with their slopes, compete for the budget above lo.
+  struct Segment {
+    double slope;  // error change per unit of fraction (<= 0 is a gain)
+    double width;
+    int head;
+  };
+  std::vector<Segment> segments;
+  const std::vector<float>& f = profile.fractions;
+  for (int i = 0; i < heads; ++i) {
+    const int l = first_layer + i / n_kv, g = i % n_kv;
+    const float* err = error.data() + profile.Offset(l, g);
+    std::vector<std::pair<double, double>> pts;
+    // The curve at lo: linear between grid points, flat below the first.
+    double at_lo = err[0];
+    for (size_t j = 0; j + 1 < f.size(); ++j) {
+      if (lo >= f[j] && lo <= f[j + 1]) {
+        const double u = (lo - f[j]) / std::max(1e-12f, f[j + 1] - f[j]);
+        at_lo = err[j] + u * (err[j + 1] - err[j]);
+      }
+    }
+    if (lo >= f.back()) at_lo = err[f.size() - 1];
+    pts.emplace_back(lo, at_lo);
+    for (size_t j = 0; j < f.size(); ++j) {
+      if (f[j] > lo) pts.emplace_back(f[j], err[j]);
+    }
+    if (pts.back().first < 1.0) pts.emplace_back(1.0, pts.back().second);
+    // Lower convex hull (monotone chain).
+    std::vector<std::pair<double, double>> hull;
+    for (const auto& pt : pts) {
+      while (hull.size() >= 2) {
+        const auto& a = hull[hull.size() - 2];
+        const auto& c = hull.back();
+        const double cross = (c.first - a.first) * (pt.second - a.second) -
+                             (c.second - a.second) * (pt.first - a.first);
+        if (cross > 0) break;  // c is below the chord a-pt: keep it
+        hull.pop_back();
+      }
+      hull.push_back(pt);
+    }
+    for (size_t j = 0; j + 1 < hull.size(); ++j) {
+      const double w = hull[j + 1].first - hull[j].first;
+      if (w <= 0) continue;
+      segments.push_back({(hull[j + 1].second - hull[j].second) / w, w, i});
+    }
+  }
+  // Steepest descent first; ties to the earlier head (deterministic).
+  std::stable_sort(segments.begin(), segments.end(),
+                   [](const Segment& a, const Segment& c) {
+                     return a.slope < c.slope;
+                   });
+  std::vector<double> alloc(heads, lo);
+  double left = (static_cast<double>(mean_budget) - lo) * heads;
+  for (const Segment& s : segments) {
+    if (left <= 0) break;
+    const double take = std::min(left, s.width);
+    alloc[s.head] += take;
+    left -= take;
+  }
+  for (int i = 0; i < heads; ++i) {
+    b[static_cast<size_t>(first_layer) * n_kv + i] =
+        static_cast<float>(std::min(1.0, alloc[i]));
+  }
+  return b;
 }
 
 int SelectByMass(const float* scores, int n_kv_heads, int n_tokens,

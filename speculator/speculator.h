@@ -26,12 +26,84 @@
 
 namespace infinigen::speculator {
 
+// How much each (layer, KV head) loses when its attention reads only part
+// of the cached tokens, measured on calibration text (ProfileLayer): for
+// every fraction f of a grid, error is the mean over sampled queries of
+// sum over the group's query heads h of |W_o,h (o_h - o_h(f))|^2 / |x|^2
+// (x the residual stream entering the layer at the query), where o_h
+// is head h's attention output over every token, o_h(f) the same over the
+// top f of the tokens as selection ranks them (the max over the group's
+// heads of the exact score), renormalized, and W_o,h head h's slice of the
+// output projection: what the residual stream loses, relative to its size.
+// Value type.
+// The same with InfiniGen's ranking (speculated from the previous layer's
+// input through partial_ratio of the skewed columns) is speculated_error.
+struct HeadProfile {
+  int n_layers = 0;
+  int n_kv_heads = 0;
+  float partial_ratio = 0.0f;    // of speculated_error
+  std::vector<float> fractions;  // ascending, in (0, 1]
+  // [n_layers][n_kv_heads][fractions.size()] each:
+  std::vector<float> error;             // the exact ranking (oracle)
+  std::vector<float> speculated_error;  // InfiniGen's ranking
+
+  bool empty() const { return fractions.empty(); }
+  size_t Offset(int layer, int kv_head) const {
+    return (static_cast<size_t>(layer) * n_kv_heads + kv_head) *
+           fractions.size();
+  }
+  const float* at(int layer, int kv_head) const {
+    return error.data() + Offset(layer, kv_head);
+  }
+  float* at(int layer, int kv_head) {
+    return error.data() + Offset(layer, kv_head);
+  }
+  float* speculated_at(int layer, int kv_head) {
+    return speculated_error.data() + Offset(layer, kv_head);
+  }
+  // The grid calibration measures: fine where budgets are small.
+  static std::vector<float> DefaultFractions();
+};
+
+// Measures one layer for HeadProfile: q [n, n_heads, d], k and v
+// [n, n_kv_heads, d] are the layer's post-RoPE queries, keys and values of
+// n calibration tokens, wo [dim, n_heads * d] its output projection, x
+// [n, dim] the residual stream entering the layer (each query's error is
+// divided by its |x|^2, so that errors compare across layers whose
+// residual norms differ; null: absolute). The queries at positions
+// first_query, first_query + query_stride, ... < n attend causally; writes
+// error [n_kv_heads][fractions.size()].
+// rank_q [n, n_heads, d] and rank_k [n, n_kv_heads, d], when not null,
+// rank the tokens instead of q and k (InfiniGen's speculated queries and
+// skewed partial keys: the error of the selection it would make).
+void ProfileLayer(const float* q, const float* k, const float* v,
+                  const float* x, const float* rank_q, const float* rank_k,
+                  int n, int n_heads, int n_kv_heads, int d,
+                  const float* wo, int dim,
+                  const std::vector<float>& fractions, int first_query,
+                  int query_stride, float* error);
+
+// Per-head budgets from a profile's errors (`error` [n_layers][n_kv_heads]
+// [fractions.size()], one of its two): fractions b[l][g] of the cached
+// tokens, 1 for layers below first_layer (they read everything), the others
+// chosen to minimize the summed error (each curve interpolated linearly
+// and replaced by its lower convex hull, so that greedy by slope is
+// optimal) subject to their mean being mean_budget and each being at least
+// min(mean_budget, floor). Returns [n_layers][n_kv_heads].
+std::vector<float> AllocateBudgets(const HeadProfile& profile,
+                                   const std::vector<float>& error,
+                                   float mean_budget, int first_layer,
+                                   float floor);
+
 // One skew matrix per (layer, KV head). Value type; thread-compatible.
 struct SkewMatrices {
   int n_layers = 0;
   int n_kv_heads = 0;
   int head_dim = 0;
   std::vector<float> a;  // [n_layers][n_kv_heads][head_dim][head_dim]
+  // Measured with the skew on the same calibration text; empty in files
+  // written before it existed.
+  HeadProfile profile;
 
   const float* at(int layer, int kv_head) const {
     return a.data() +
@@ -133,6 +205,15 @@ int SelectTokens(const float* scores, int n_kv_heads, int n_tokens,
                  const uint8_t* present, const SelectionOptions& options,
                  std::vector<int32_t>& indices,
                  std::vector<int32_t>& head_offsets);
+
+// Per-head top-k: KV head g takes its k[g] highest-scoring present tokens
+// (at most its present count; ties: lower position). Writes ascending
+// positions per head into `indices` and `head_offsets` (n_kv_heads + 1);
+// returns the total selected. `present` as in SelectTokens.
+int SelectTopKPerHead(const float* scores, int n_kv_heads, int n_tokens,
+                      const uint8_t* present, const int* k,
+                      std::vector<int32_t>& indices,
+                      std::vector<int32_t>& head_offsets);
 
 // Adaptive selection by score mass (our variant, not the paper's): each
 // KV head takes its present tokens in descending score until they carry

@@ -338,6 +338,49 @@ TEST(SkewMatrices, LoadMissingFileIsNotFound) {
   EXPECT_EQ(m.status().code(), absl::StatusCode::kNotFound);
 }
 
+// A profile for Identity-shaped skews: n_layers x n_kv_heads, a 3-point
+// grid, errors counting up.
+HeadProfile SmallProfile(int n_layers, int n_kv_heads) {
+  HeadProfile p;
+  p.n_layers = n_layers;
+  p.n_kv_heads = n_kv_heads;
+  p.fractions = {0.1f, 0.5f, 1.0f};
+  p.partial_ratio = 0.25f;
+  for (int i = 0; i < n_layers * n_kv_heads * 3; ++i) {
+    p.error.push_back(static_cast<float>(i));
+    p.speculated_error.push_back(static_cast<float>(2 * i));
+  }
+  return p;
+}
+
+TEST(SkewMatrices, TheHeadProfileRoundTripsAndOldFilesHaveNone) {
+  const std::string path = TempPath("skew_profile.bin");
+  SkewMatrices m = SkewMatrices::Identity(2, 3, 4);
+  m.profile = SmallProfile(2, 3);
+  ASSERT_TRUE(m.Save(path).ok());
+  absl::StatusOr<SkewMatrices> loaded = SkewMatrices::Load(path);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(loaded->a, m.a);
+  EXPECT_EQ(loaded->profile.n_layers, 2);
+  EXPECT_EQ(loaded->profile.n_kv_heads, 3);
+  EXPECT_EQ(loaded->profile.fractions, m.profile.fractions);
+  EXPECT_EQ(loaded->profile.error, m.profile.error);
+  EXPECT_EQ(loaded->profile.speculated_error, m.profile.speculated_error);
+  EXPECT_EQ(loaded->profile.partial_ratio, 0.25f);
+  EXPECT_EQ(loaded->profile.at(1, 2)[0], 15.0f);
+
+  // Without a profile the file is the old format, and loads with none.
+  ASSERT_TRUE(SkewMatrices::Identity(2, 3, 4).Save(path).ok());
+  loaded = SkewMatrices::Load(path);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_TRUE(loaded->profile.empty());
+  std::remove(path.c_str());
+
+  // A profile of another shape is not saved.
+  m.profile = SmallProfile(1, 3);
+  EXPECT_EQ(m.Save(path).code(), absl::StatusCode::kInvalidArgument);
+}
+
 class SkewLoadCorruption : public ::testing::Test {
  protected:
   // Writes a valid file for Identity(2, 1, 3), then returns its bytes.
@@ -387,6 +430,142 @@ TEST_F(SkewLoadCorruption, NegativeOrHugeDimensions) {
   int32_t huge[3] = {1 << 30, 1 << 30, 1 << 30};
   std::memcpy(&bytes[8], huge, 12);
   ExpectInvalid("skew_huge.bin", bytes);
+}
+
+TEST_F(SkewLoadCorruption, BadProfileSections) {
+  const std::string path = TempPath("skew_profile_valid.bin");
+  SkewMatrices m = SkewMatrices::Identity(2, 1, 3);
+  m.profile = SmallProfile(2, 1);
+  ASSERT_TRUE(m.Save(path).ok());
+  std::ifstream in(path, std::ios::binary);
+  const std::string valid((std::istreambuf_iterator<char>(in)),
+                          std::istreambuf_iterator<char>());
+  std::remove(path.c_str());
+  const size_t section = 8 + 12 + 2 * 9 * 4;
+  ASSERT_EQ(valid.substr(section, 8), "IGPROF01");
+  ExpectInvalid("skew_profile_truncated.bin",
+                valid.substr(0, valid.size() - 4));
+  ExpectInvalid("skew_profile_trailing.bin", valid + "x");
+  ExpectInvalid("skew_profile_header.bin", valid.substr(0, section + 10));
+  std::string bytes = valid;
+  int32_t layers = 3;  // not the skew's 2
+  std::memcpy(&bytes[section + 8], &layers, 4);
+  ExpectInvalid("skew_profile_layers.bin", bytes);
+  bytes = valid;
+  const float descending = 0.7f;  // fractions 0.7, 0.7, 1: not ascending
+  std::memcpy(&bytes[section + 24], &descending, 4);
+  std::memcpy(&bytes[section + 28], &descending, 4);
+  ExpectInvalid("skew_profile_order.bin", bytes);
+}
+
+// ---------------------------------------------------------------------------
+// Head profiles and budgets
+
+TEST(ProfileLayer, ErrorFallsToZeroAndSpreadHeadsLoseMore) {
+  // Two KV heads, one query head each, d = 2, 40 tokens. Head 0's query
+  // points at token 3's key only (the others are orthogonal to it); head
+  // 1's query is orthogonal to every key, so it attends uniformly over
+  // values that differ: reading part of them moves its output.
+  const int n = 40, d = 2, dim = 2;
+  std::vector<float> q(n * 2 * d, 0.0f), k(n * 2 * d, 0.0f),
+      v(n * 2 * d, 0.0f);
+  for (int t = 0; t < n; ++t) {
+    q[(t * 2 + 0) * d + 0] = 40.0f;
+    k[(t * 2 + 0) * d + 1] = 1.0f;
+    if (t == 3) k[(t * 2 + 0) * d + 0] = 1.0f;
+    v[(t * 2 + 0) * d + 0] = static_cast<float>(t % 5);
+    k[(t * 2 + 1) * d + 0] = 1.0f;
+    q[(t * 2 + 1) * d + 1] = 1.0f;
+    v[(t * 2 + 1) * d + 0] = static_cast<float>(t % 7);
+    v[(t * 2 + 1) * d + 1] = static_cast<float>(t % 3);
+  }
+  // W_o = identity for both heads: [dim][2 * d].
+  std::vector<float> wo(dim * 2 * d, 0.0f);
+  wo[0 * 4 + 0] = wo[1 * 4 + 1] = 1.0f;
+  wo[0 * 4 + 2] = wo[1 * 4 + 3] = 1.0f;
+  const std::vector<float> fractions = {0.05f, 0.25f, 0.5f, 1.0f};
+  std::vector<float> error(2 * fractions.size(), -1.0f);
+  ProfileLayer(q.data(), k.data(), v.data(), nullptr, nullptr, nullptr, n, 2,
+               2, d, wo.data(), dim, fractions, 20, 4, error.data());
+  // Head 0 reads the key that matters at every fraction: no error.
+  for (int i = 0; i < 4; ++i) EXPECT_NEAR(error[i], 0.0f, 1e-6f) << i;
+  // Head 1 loses less as it reads more, and nothing at 1.
+  EXPECT_GT(error[4], 0.1f);
+  EXPECT_NEAR(error[7], 0.0f, 1e-9f);
+  EXPECT_GE(error[4], error[5]);
+  EXPECT_GE(error[5], error[6]);
+  EXPECT_GT(error[4], error[0] + 0.1f);
+}
+
+HeadProfile Curves(std::vector<std::vector<float>> curves, int n_kv_heads,
+                   std::vector<float> fractions) {
+  HeadProfile p;
+  p.n_kv_heads = n_kv_heads;
+  p.n_layers = static_cast<int>(curves.size()) / n_kv_heads;
+  p.fractions = std::move(fractions);
+  for (const auto& c : curves) p.error.insert(p.error.end(), c.begin(), c.end());
+  return p;
+}
+
+TEST(AllocateBudgets, KeepsTheMeanAndGivesTheBudgetWhereErrorFalls) {
+  // Layer 0 reads everything; in layer 1 head 0 loses nothing at any
+  // fraction, head 1 loses a lot until it reads half its tokens.
+  const HeadProfile p = Curves({{5, 5, 0}, {5, 5, 0},
+                                {0, 0, 0}, {8, 4, 0}},
+                               2, {0.1f, 0.5f, 1.0f});
+  std::vector<float> b = AllocateBudgets(p, p.error, 0.2f, 1, 0.0f);
+  ASSERT_EQ(b.size(), 4u);
+  EXPECT_EQ(b[0], 1.0f);
+  EXPECT_EQ(b[1], 1.0f);
+  // Head 0 keeps nothing above the floor (0 here); head 1 takes the rest.
+  EXPECT_NEAR(b[2], 0.0f, 1e-6f);
+  EXPECT_NEAR(b[3], 0.4f, 1e-6f);
+  // A floor of 0.5 of the mean keeps 0.1 for head 0.
+  b = AllocateBudgets(p, p.error, 0.2f, 1, 0.1f);
+  EXPECT_NEAR(b[2], 0.1f, 1e-6f);
+  EXPECT_NEAR(b[3], 0.3f, 1e-6f);
+  // Equal curves share equally; a mean of 1 reads everything.
+  const HeadProfile same = Curves({{4, 2, 0}, {4, 2, 0}}, 2,
+                                  {0.1f, 0.5f, 1.0f});
+  b = AllocateBudgets(same, same.error, 0.3f, 0, 0.0f);
+  EXPECT_NEAR(b[0] + b[1], 0.6f, 1e-6f);
+  b = AllocateBudgets(same, same.error, 1.0f, 0, 0.0f);
+  EXPECT_NEAR(b[0], 1.0f, 1e-6f);
+  EXPECT_NEAR(b[1], 1.0f, 1e-6f);
+}
+
+TEST(AllocateBudgets, ANonConvexCurveIsJudgedByItsHull) {
+  // Head 0 gains nothing until 0.5, then all of its 10: by its hull it is
+  // worth 20 per unit of fraction from the start, more than head 1's 4, so
+  // it takes the budget although its first step alone gains nothing.
+  const HeadProfile p = Curves({{10, 10, 0, 0}, {3, 2, 1, 0}}, 2,
+                               {0.1f, 0.3f, 0.5f, 1.0f});
+  const std::vector<float> b = AllocateBudgets(p, p.error, 0.3f, 0, 0.0f);
+  EXPECT_NEAR(b[0], 0.5f, 1e-6f);
+  EXPECT_NEAR(b[1], 0.1f, 1e-6f);
+}
+
+TEST(SelectTopKPerHead, EachHeadTakesItsOwnK) {
+  const int n = 6;
+  const std::vector<float> scores = {1, 6, 2, 5, 3, 4,   // head 0
+                                     9, 1, 1, 1, 1, 8};  // head 1
+  std::vector<int32_t> indices, offsets;
+  const int k[2] = {3, 1};
+  EXPECT_EQ(SelectTopKPerHead(scores.data(), 2, n, nullptr, k, indices,
+                              offsets),
+            4);
+  EXPECT_THAT(offsets, ElementsAre(0, 3, 4));
+  EXPECT_THAT(indices, ElementsAre(1, 3, 5, 0));
+  // Evicted tokens are skipped; k is clamped to what is present.
+  std::vector<uint8_t> present(2 * n, 1);
+  present[1] = 0;
+  for (int t = 1; t < n; ++t) present[n + t] = 0;
+  const int big[2] = {2, 4};
+  EXPECT_EQ(SelectTopKPerHead(scores.data(), 2, n, present.data(), big,
+                              indices, offsets),
+            3);
+  EXPECT_THAT(offsets, ElementsAre(0, 2, 3));
+  EXPECT_THAT(indices, ElementsAre(3, 5, 0));
 }
 
 // ---------------------------------------------------------------------------

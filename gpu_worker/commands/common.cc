@@ -71,6 +71,17 @@ ABSL_FLAG(double, score_mass, 0.0,
           "speculated tokens until they carry this share of its speculated "
           "attention (at most --budget of the tokens), so budgets adapt "
           "across layers and heads; 0: the alpha rule.");
+ABSL_FLAG(std::string, head_budgets, "auto",
+          "infinigen, oracle: uniform (every KV head of a selecting layer "
+          "takes --budget of the tokens) or adaptive (each takes its own "
+          "share, allocated from the calibration's head profile, in the "
+          "--skew file or measured with the calibration, so that the mean "
+          "is --budget and the calibrated attention-output error is least; "
+          "replaces the alpha rule and --score_mass); auto: adaptive for "
+          "infinigen with --target_fetch, else uniform.");
+ABSL_FLAG(double, budget_floor, 0.75,
+          "adaptive head budgets: the least share of a head, as a fraction "
+          "of --budget.");
 ABSL_FLAG(double, target_fetch, 0.0,
           "infinigen, oracle, quest, h2o: in (0, 1], set --budget (and for "
           "the first three --alpha=1e9 and --score_mass=0) so that the mean "
@@ -154,7 +165,8 @@ using gpu_worker::EngineOptions;
 std::vector<const char*> WithEngineFlags(std::vector<const char*> own) {
   for (const char* f :
        {"policy", "alpha", "partial_ratio", "partial_rank", "budget",
-        "sink_tokens", "recent_tokens", "score_mass", "page_tokens",
+        "sink_tokens", "recent_tokens", "score_mass", "head_budgets",
+        "budget_floor", "page_tokens",
          "target_fetch", "skew",
         "kv_service", "kv_auth_token_file", "kv_tls_ca", "kv_tls_cert",
         "kv_tls_key", "kv_tls_server_name", "kv_capacity", "eviction",
@@ -337,6 +349,7 @@ absl::StatusOr<EngineOptions> EngineOptionsFromFlags(const std::string& policy,
   p.recent_tokens = absl::GetFlag(FLAGS_recent_tokens);
   p.page_tokens = absl::GetFlag(FLAGS_page_tokens);
   p.score_mass = static_cast<float>(absl::GetFlag(FLAGS_score_mass));
+  p.budget_floor = static_cast<float>(absl::GetFlag(FLAGS_budget_floor));
   options.kv_capacity = absl::GetFlag(FLAGS_kv_capacity);
   options.max_worker_kv_bytes = absl::GetFlag(FLAGS_max_worker_kv_bytes);
   if (options.max_worker_kv_bytes < 0) {
@@ -353,6 +366,16 @@ absl::StatusOr<EngineOptions> EngineOptionsFromFlags(const std::string& policy,
     IG_LOG(INFO) << "--target_fetch=" << target << ": --budget=" << p.budget
                  << " for " << gpu_worker::PolicyName(p.kind);
   }
+  const std::string budgets = absl::GetFlag(FLAGS_head_budgets);
+  if (budgets != "auto" && budgets != "uniform" && budgets != "adaptive") {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--head_budgets must be auto, uniform or adaptive, got '%s'",
+        budgets));
+  }
+  p.adaptive_budgets =
+      budgets == "adaptive" ||
+      (budgets == "auto" && p.kind == gpu_worker::PolicyKind::kInfiniGen &&
+       absl::GetFlag(FLAGS_target_fetch) != 0);
   return options;
 }
 
@@ -371,8 +394,10 @@ absl::StatusOr<std::unique_ptr<speculator::SkewMatrices>> SkewFromFlags(
                               absl::GetFlag(FLAGS_calibration_tokens));
   IG_LOG(INFO) << "no --skew: calibrating on the first " << n
                << " tokens of the input";
-  IG_ASSIGN_OR_RETURN(auto skew, gpu_worker::CalibrateSkew(
-                                     weights, calibration.subspan(0, n)));
+  IG_ASSIGN_OR_RETURN(auto skew,
+                      gpu_worker::CalibrateSkew(
+                          weights, calibration.subspan(0, n),
+                          absl::GetFlag(FLAGS_partial_ratio)));
   return std::make_unique<speculator::SkewMatrices>(std::move(skew));
 }
 
@@ -386,10 +411,26 @@ absl::StatusOr<PolicySetup> SetUpPolicy(
   IG_ASSIGN_OR_RETURN(s.options, EngineOptionsFromFlags(
                                      policy, weights.config.n_layers, serving));
   if (s.options.policy.kind == gpu_worker::PolicyKind::kIdeal) return s;
-  if (s.options.policy.kind == gpu_worker::PolicyKind::kInfiniGen) {
+  gpu_worker::PolicyOptions& p = s.options.policy;
+  if (p.kind == gpu_worker::PolicyKind::kInfiniGen || p.adaptive_budgets) {
     IG_ASSIGN_OR_RETURN(s.skew, SkewFromFlags(weights, calibration));
-    s.options.policy.skew = s.skew.get();
+    if (p.kind == gpu_worker::PolicyKind::kInfiniGen) p.skew = s.skew.get();
   }
+  if (p.adaptive_budgets && s.skew->profile.empty()) {
+    if (absl::GetFlag(FLAGS_head_budgets) == "adaptive") {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "--head_budgets=adaptive needs the calibration's head profile, and "
+          "--skew=%s has none (written before it existed): rerun 'infinigen "
+          "skew' to make a new file",
+          absl::GetFlag(FLAGS_skew)));
+    }
+    IG_LOG(WARNING) << "--skew=" << absl::GetFlag(FLAGS_skew)
+                    << " has no head profile (written before it existed): "
+                       "uniform head budgets; rerun 'infinigen skew' for "
+                       "adaptive ones";
+    p.adaptive_budgets = false;
+  }
+  if (p.adaptive_budgets) p.profile = &s.skew->profile;
   kv_memory_service::KvClientOptions client_options = kv_options;
   IG_ASSIGN_OR_RETURN(
       client_options.inproc_store_options.eviction,

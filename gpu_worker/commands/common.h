@@ -34,6 +34,7 @@ ABSL_DECLARE_FLAG(std::string, kv_service);
 ABSL_DECLARE_FLAG(double, kv_capacity);
 ABSL_DECLARE_FLAG(std::string, eviction);
 ABSL_DECLARE_FLAG(int, calibration_tokens);
+ABSL_DECLARE_FLAG(double, partial_ratio);
 ABSL_DECLARE_FLAG(std::string, chat_template);
 
 namespace infinigen::commands {

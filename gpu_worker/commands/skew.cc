@@ -5,6 +5,7 @@
 #include <string>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/str_format.h"
 #include "gpu_worker/calibrate.h"
 #include "gpu_worker/commands/common.h"
 
@@ -24,8 +25,15 @@ int RunSkew() {
                                absl::GetFlag(FLAGS_calibration_tokens),
                                run->model.weights.config.max_seq_len});
   const auto t0 = std::chrono::steady_clock::now();
+  const double ratio = absl::GetFlag(FLAGS_partial_ratio);
+  if (!(ratio > 0.0 && ratio <= 1.0)) {
+    return Fail(kExitUsage,
+                absl::InvalidArgumentError(absl::StrFormat(
+                    "--partial_ratio must be in (0, 1], got %g", ratio)));
+  }
   auto skew = gpu_worker::CalibrateSkew(
-      run->model.weights, absl::MakeConstSpan(run->tokens).subspan(0, n));
+      run->model.weights, absl::MakeConstSpan(run->tokens).subspan(0, n),
+      ratio);
   if (!skew.ok()) return Fail(kExitUsage, skew.status());
   if (absl::Status s = skew->Save(out); !s.ok()) return Fail(kExitFailure, s);
   std::printf("wrote %s: %d layers x %d KV heads, head_dim %d, from %d "
@@ -42,9 +50,11 @@ int RunSkew() {
 const Command& SkewCommand() {
   static const Command* command = new Command{
       "skew",
-      "Computes InfiniGen's skew matrices from calibration text and writes "
-      "them to --out.",
-      {"model", "tokenizer", "text", "calibration_tokens", "out", "threads"},
+      "Computes InfiniGen's skew matrices and its head profile (for "
+      "--adaptive_budgets, measured at --partial_ratio) from calibration "
+      "text and writes them to --out.",
+      {"model", "tokenizer", "text", "calibration_tokens", "partial_ratio",
+       "out", "threads"},
       RunSkew};
   return *command;
 }
