@@ -91,11 +91,18 @@ def sweep(a, common, skew):
         budget = (f - dense) / (1.0 - dense)
         lines = [("h2o", ["--policy=h2o", f"--budget={f}"])]
         if budget > 0:
-            spec = [f"--budget={budget:.5f}", "--alpha=1e9"]
+            # --target_fetch sets --budget to `budget` with the alpha rule
+            # off; infinigen then takes adaptive head budgets (the default,
+            # --head_budgets=auto), the others uniform ones.
+            spec = [f"--target_fetch={f}"]
             inf = ["--policy=infinigen", f"--partial_ratio={a.partial_ratio}",
                    f"--skew={skew}"] + spec
             lines += [
                 ("oracle", ["--policy=oracle"] + spec),
+                ("oracle-adaptive",
+                 ["--policy=oracle", f"--skew={skew}",
+                  "--head_budgets=adaptive"] + spec),
+                ("infinigen-uniform", inf + ["--head_budgets=uniform"]),
                 (f"quest{a.page_tokens}",
                  ["--policy=quest", f"--page_tokens={a.page_tokens}"] + spec),
                 ("infinigen", inf),

@@ -51,6 +51,8 @@ def policies(a):
             (f"quest{a.page_tokens} @{f:g}",
              ["--policy=quest", f"--page_tokens={a.page_tokens}"] + t),
             (f"infinigen @{f:g}", inf + t),
+            (f"infinigen-uniform @{f:g}",
+             inf + t + ["--head_budgets=uniform"]),
             (f"infinigen+sinks{a.sinks}+recent{a.recent} @{f:g}",
              inf + t + [f"--sink_tokens={a.sinks}",
                         f"--recent_tokens={a.recent}"]),
@@ -63,7 +65,7 @@ def policies(a):
 def generate(a, prompt, flags, max_new):
     cmd = [a.binary, "generate", f"--model={a.model}", "--temperature=0",
            f"--max_new_tokens={max_new}", "--json", "--threads=1",
-           f"--prompt={prompt}"] + flags
+           f"--backend={a.backend}", f"--prompt={prompt}"] + flags
     if a.tokenizer:
         cmd.append(f"--tokenizer={a.tokenizer}")
     out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -120,12 +122,15 @@ def main():
     ap.add_argument("--recent", type=int, default=32)
     ap.add_argument("--lines", default="",
                     help="only these policies (full, h2o, oracle, questN, "
-                    "infinigen, infinigen+sinksN+recentN), comma-separated")
+                    "infinigen, infinigen-uniform, infinigen+sinksN+recentN), "
+                    "comma-separated")
     ap.add_argument("--max_new_tokens", type=int, default=8)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--sample_chars", type=int, default=4000,
                     help="characters of the haystack that measure its "
                     "characters per token (fewer than the model's context)")
+    ap.add_argument("--backend", default="cpu",
+                    help="the engine's backend (cpu, cuda, auto)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                     help="generate processes at once (one thread each)")
     ap.add_argument("--out", required=True, help="output path without suffix")

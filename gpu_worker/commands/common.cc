@@ -166,8 +166,7 @@ std::vector<const char*> WithEngineFlags(std::vector<const char*> own) {
   for (const char* f :
        {"policy", "alpha", "partial_ratio", "partial_rank", "budget",
         "sink_tokens", "recent_tokens", "score_mass", "head_budgets",
-        "budget_floor", "page_tokens",
-         "target_fetch", "skew",
+        "budget_floor", "page_tokens", "target_fetch", "skew",
         "kv_service", "kv_auth_token_file", "kv_tls_ca", "kv_tls_cert",
         "kv_tls_key", "kv_tls_server_name", "kv_capacity", "eviction",
         "max_worker_kv_bytes", "backend", "threads"}) {
