@@ -7,6 +7,7 @@ Usage: cli_test.py INFINIGEN STORIES260K.bin TOK512.bin TEXT KV_MEMORY_SERVER
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -139,6 +140,50 @@ class Cli(unittest.TestCase):
         self.assert_one_line_failure(r, 2, ["--target_fetch", "0.4"])
         r = run(*base, "--policy=full", "--target_fetch=0.5")
         self.assert_one_line_failure(r, 2, ["not full"])
+
+    def test_head_budgets_come_from_the_skew_files_profile(self):
+        base = ["perplexity", f"--model={MODEL}", f"--tokenizer={TOK}",
+                f"--text={TEXT}", "--ctx=128", "--max_windows=1",
+                "--prompt_tokens=16", "--json", "--backend=cpu",
+                "--target_fetch=0.7"]
+        r = run(*base, "--policy=oracle", "--head_budgets=some")
+        self.assert_one_line_failure(r, 2, ["--head_budgets", "some"])
+        with tempfile.TemporaryDirectory() as d:
+            skew = os.path.join(d, "s.skew")
+            r = run("skew", f"--model={MODEL}", f"--tokenizer={TOK}",
+                    f"--text={TEXT}", "--calibration_tokens=128",
+                    f"--out={skew}")
+            self.assertEqual(r.returncode, 0, r.stderr)
+            # The profile (for adaptive budgets) comes with the matrices.
+            data = open(skew, "rb").read()
+            layers, kv, d_head = struct.unpack("<3i", data[8:20])
+            matrices = 20 + 4 * layers * kv * d_head * d_head
+            self.assertEqual(data[matrices:matrices + 8], b"IGPROF01")
+            # By default infinigen under --target_fetch allocates from it;
+            # uniform budgets give another result at the same fetch.
+            ppl = {}
+            for budgets in ["auto", "uniform"]:
+                r = run(*base, "--policy=infinigen", f"--skew={skew}",
+                        f"--head_budgets={budgets}")
+                self.assertEqual(r.returncode, 0, r.stderr)
+                last = json.loads(r.stdout.strip().splitlines()[-1])
+                self.assertAlmostEqual(last["fetch_fraction_mean"], 0.7,
+                                       delta=0.05)
+                ppl[budgets] = last["ppl"]
+            self.assertNotEqual(ppl["auto"], ppl["uniform"])
+            # A file written before the profile existed: auto falls back to
+            # uniform budgets and says so; adaptive is refused.
+            old = os.path.join(d, "old.skew")
+            with open(old, "wb") as f:
+                f.write(data[:matrices])
+            r = run(*base, "--policy=infinigen", f"--skew={old}")
+            self.assertEqual(r.returncode, 0, r.stderr)
+            self.assertIn("no head profile", r.stderr)
+            last = json.loads(r.stdout.strip().splitlines()[-1])
+            self.assertEqual(last["ppl"], ppl["uniform"])
+            r = run(*base, "--policy=infinigen", f"--skew={old}",
+                    "--head_budgets=adaptive")
+            self.assert_one_line_failure(r, 2, ["head profile", old])
 
     def test_bench_decode_rejects_a_context_beyond_the_model(self):
         r = run("bench-decode", f"--model={MODEL}", "--ctx=100000",
