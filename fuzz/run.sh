@@ -15,6 +15,8 @@
 #                              queue-pair endpoint message, rdma:// addresses
 #   kv_service_fuzzer          the memory node's gRPC handlers and the proto
 #                              conversions under them
+#   skew_file_fuzzer           skew files with their head profile, and the
+#                              head budgets allocated from it
 # Seeds live in fuzz/corpus/TARGET (small, in git); what a run discovers goes
 # to fuzz/out/corpus/TARGET, crashes to fuzz/out/crashes/ (copy a fixed
 # crash into fuzz/corpus/TARGET to keep it as a regression input: every run
@@ -27,7 +29,7 @@ seconds="${1:-10}"
 shift || true
 all=(fetch_socket_fuzzer shm_protocol_fuzzer gguf_fuzzer
      llama2c_tokenizer_fuzzer safetensors_fuzzer rdma_wire_fuzzer
-     kv_service_fuzzer)
+     kv_service_fuzzer skew_file_fuzzer)
 targets=("$@")
 [ ${#targets[@]} -eq 0 ] && targets=("${all[@]}")
 
@@ -64,6 +66,7 @@ sources_of() {
         fuzz/out/gen/proto/kv_memory.grpc.pb.cc ;;
     gguf_fuzzer | llama2c_tokenizer_fuzzer | safetensors_fuzzer)
       echo "${model_srcs[@]}" ;;
+    skew_file_fuzzer) echo common/file.cc common/log.cc speculator/speculator.cc ;;
     *) return 1 ;;
   esac
 }
@@ -73,6 +76,8 @@ libs_of() {
   case "$1" in
     fetch_socket_fuzzer) echo -lxxhash -lprometheus-cpp-core -lssl -lcrypto ;;
     rdma_wire_fuzzer) echo -lxxhash -lprotobuf ;;
+    skew_file_fuzzer)
+      echo -llapacke -L/usr/lib/x86_64-linux-gnu/openblas-pthread -lopenblas ;;
     kv_service_fuzzer)
       echo -lxxhash -lprometheus-cpp-core -lgrpc++ -lgrpc -lgpr -lprotobuf ;;
   esac

@@ -414,9 +414,12 @@ absl::StatusOr<SkewMatrices> SkewMatrices::Load(const std::string& path) {
               n_err * sizeof(float));
   for (size_t i = 0; i < n_err; ++i) {
     if (!(m.profile.error[i] >= 0.0f) ||
-        !(m.profile.speculated_error[i] >= 0.0f)) {
+        !(m.profile.speculated_error[i] >= 0.0f) ||
+        !std::isfinite(m.profile.error[i]) ||
+        !std::isfinite(m.profile.speculated_error[i])) {
       return absl::InvalidArgumentError(absl::StrFormat(
-          "%s: the head profile holds a negative or NaN error", path));
+          "%s: the head profile holds a negative or non-finite error",
+          path));
     }
   }
   for (size_t i = 0; i < n_f; ++i) {
