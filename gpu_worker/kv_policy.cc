@@ -363,7 +363,7 @@ class InfiniGenPolicy final : public KvPolicy {
 
   // Every buffer below, in bytes, for StateBytes and Init alike.
   struct Sizes {
-    size_t heads, d, n_cols, max_seq, q_dim, n_kv;
+    size_t heads, d, n_cols, max_seq, q_dim, n_kv, n_heads;
     int64_t Bytes() const {
       return static_cast<int64_t>(
           2 * heads * d * sizeof(float) +             // col_sums_, k_col_sums_
@@ -372,7 +372,8 @@ class InfiniGenPolicy final : public KvPolicy {
           2 * heads * n_cols * d * sizeof(float) +    // partial_w_, its host
           heads * max_seq * n_cols * sizeof(float) +  // partial_k_
           2 * q_dim * sizeof(float) +                 // q_, q_skewed_
-          n_kv * max_seq * (2 * sizeof(float) + 1) +  // scores_ (+host), present_
+          2 * n_heads * max_seq * sizeof(float) +     // scores_ (+host)
+          n_kv * max_seq * (sizeof(float) + 1) +      // scores_host_, present_
           2 * d * sizeof(float) + sizeof(int));       // row_, k_sums_, position_
     }
   };
@@ -385,6 +386,7 @@ class InfiniGenPolicy final : public KvPolicy {
     z.max_seq = c.max_seq_len;
     z.q_dim = m.q_dim();
     z.n_kv = m.n_kv_heads;
+    z.n_heads = m.n_heads;
     return z;
   }
 
@@ -429,8 +431,9 @@ class InfiniGenPolicy final : public KvPolicy {
     IG_ASSIGN_OR_RETURN(q_skewed_, DeviceBuffer<float>::Make(
                                        b, z.q_dim, "speculated queries"));
     IG_ASSIGN_OR_RETURN(scores_, DeviceBuffer<float>::Make(
-                                     b, z.n_kv * z.max_seq,
+                                     b, z.n_heads * z.max_seq,
                                      "speculated scores"));
+    head_scores_host_.assign(z.n_heads * z.max_seq, 0.0f);
     scores_host_.assign(z.n_kv * z.max_seq, 0.0f);
     IG_ASSIGN_OR_RETURN(position_,
                         DeviceBuffer<int>::Make(b, 1, "speculated position"));
@@ -586,29 +589,36 @@ class InfiniGenPolicy final : public KvPolicy {
       b.Linear(q_.data() + at, group, d, SkewT(layer, g), nullptr, d,
                q_skewed_.data() + at);
     }
-    SpeculationParams sp;
-    sp.q_skewed = q_skewed_.data();
-    sp.partial_k = PartialK(layer, 0);
-    sp.cols = cols_dev_.data() +
-              static_cast<size_t>(layer) * m.n_kv_heads * n_cols_;
-    sp.scores = scores_.data();
-    sp.n_heads = m.n_heads;
-    sp.n_kv_heads = m.n_kv_heads;
-    sp.d = d;
-    sp.k_stride = ctx_.max_seq_len;
-    sp.n_tokens = p;
-    sp.n_cols = n_cols_;
-    b.SpeculateScores(sp);
+    // Each query head's speculated logits over its KV head's partial keys
+    // [n_heads][p], one launch per head, then per KV head the largest of
+    // its heads' log-softmax (speculator::CombineHeadScores).
+    for (int h = 0; h < m.n_heads; ++h) {
+      const int g = h / group;
+      SpeculationParams sp;
+      sp.q_skewed = q_skewed_.data() + static_cast<size_t>(h) * d;
+      sp.partial_k = PartialK(layer, g);
+      sp.cols = cols_dev_.data() + Head(layer, g) * n_cols_;
+      sp.scores = scores_.data() + static_cast<size_t>(h) * p;
+      sp.n_heads = 1;
+      sp.n_kv_heads = 1;
+      sp.d = d;
+      sp.k_stride = ctx_.max_seq_len;
+      sp.n_tokens = p;
+      sp.n_cols = n_cols_;
+      b.SpeculateScores(sp);
+    }
     IG_RETURN_IF_ERROR(b.CopyToHost(
-        scores_host_.data(), scores_.data(),
-        static_cast<size_t>(m.n_kv_heads) * p * sizeof(float)));
-    // The scores are [n_kv_heads][p]; present is strided by max_seq_len, so
-    // compact it for SelectTokens.
+        head_scores_host_.data(), scores_.data(),
+        static_cast<size_t>(m.n_heads) * p * sizeof(float)));
+    // present is strided by max_seq_len; compact it to [n_kv_heads][p].
     present_.resize(static_cast<size_t>(m.n_kv_heads) * p);
     for (int g = 0; g < m.n_kv_heads; ++g) {
       std::memcpy(present_.data() + static_cast<size_t>(g) * p,
                   present + static_cast<size_t>(g) * ctx_.max_seq_len, p);
     }
+    speculator::CombineHeadScores(head_scores_host_.data(), m.n_heads,
+                                  m.n_kv_heads, p, present_.data(),
+                                  scores_host_.data());
     if (!head_budgets_.empty()) {
       head_k_.resize(m.n_kv_heads);
       for (int g = 0; g < m.n_kv_heads; ++g) {
@@ -713,7 +723,8 @@ class InfiniGenPolicy final : public KvPolicy {
   std::vector<float> row_;               // [d]
   std::vector<float> k_sums_;            // [d]
   std::vector<float> partial_w_host_;    // partial_w_, built here
-  std::vector<float> scores_host_;       // scores_, read here
+  std::vector<float> head_scores_host_;  // scores_, read here
+  std::vector<float> scores_host_;       // [kv_head][p]: combined
   int position_host_ = 0;                // position_, written here
   // The backend's device memory:
   DeviceBuffer<int32_t> cols_dev_;   // cols_ for SpeculateScores
@@ -721,7 +732,7 @@ class InfiniGenPolicy final : public KvPolicy {
   DeviceBuffer<float> partial_w_;    // [layer][kv_head][n_cols][d]
   DeviceBuffer<float> partial_k_;    // [layer][kv_head][max_seq][n_cols]
   DeviceBuffer<float> q_, q_skewed_;  // [n_heads * d]
-  DeviceBuffer<float> scores_;       // [kv_head][p]
+  DeviceBuffer<float> scores_;       // [head][p]: speculated logits
   DeviceBuffer<int> position_;       // [1]: the speculated query's position
 };
 
@@ -836,19 +847,27 @@ class QuestPolicy final : public KvPolicy {
     plan.head_offsets[0] = 0;
     for (int g = 0; g < m.n_kv_heads; ++g) {
       const uint8_t* pr = present + static_cast<size_t>(g) * ctx_.max_seq_len;
-      page_scores_.assign(pages, -std::numeric_limits<float>::infinity());
+      // Each head's bounds, scaled as attention scales its logits, then
+      // per page the largest of the heads' log-softmax over the pages, as
+      // the oracle and infinigen rank tokens (CombineHeadScores).
+      head_bounds_.resize(static_cast<size_t>(group) * pages);
+      const float scale = 1.0f / std::sqrt(static_cast<float>(d));
       for (int j = 0; j < pages; ++j) {
         const float* lo = Min(layer, g, j);
         const float* hi = Max(layer, g, j);
-        for (int h = g * group; h < (g + 1) * group; ++h) {
-          const float* q = q_host_.data() + static_cast<size_t>(h) * d;
+        for (int i = 0; i < group; ++i) {
+          const float* q =
+              q_host_.data() + static_cast<size_t>(g * group + i) * d;
           float bound = 0.0f;
           for (int c = 0; c < d; ++c) {
             bound += std::max(q[c] * lo[c], q[c] * hi[c]);
           }
-          page_scores_[j] = std::max(page_scores_[j], bound);
+          head_bounds_[static_cast<size_t>(i) * pages + j] = bound * scale;
         }
       }
+      page_scores_.resize(pages);
+      speculator::CombineHeadScores(head_bounds_.data(), group, 1, pages,
+                                    nullptr, page_scores_.data());
       order_.resize(pages);
       for (int j = 0; j < pages; ++j) order_[j] = j;
       const int take = std::min(want, pages);
@@ -912,6 +931,7 @@ class QuestPolicy final : public KvPolicy {
   std::vector<float> key_host_;      // [n_kv_heads * d]
   std::vector<float> prefill_keys_;  // [n_tokens * d]
   std::vector<float> page_scores_;   // [pages]
+  std::vector<float> head_bounds_;   // [group][pages]
   std::vector<int> order_;           // [pages]
   std::vector<char> taken_;          // [pages]: fetched this step
   int position_host_ = 0;

@@ -571,6 +571,37 @@ void SpeculateScores(const float* q_skewed, int n_heads, int n_kv_heads, int d,
   }
 }
 
+void CombineHeadScores(const float* head_scores, int n_heads, int n_kv_heads,
+                       int n_tokens, const uint8_t* present, float* scores) {
+  if (n_tokens <= 0 || n_kv_heads <= 0) return;
+  const int group = n_heads / n_kv_heads;
+  const float none = -std::numeric_limits<float>::infinity();
+  for (int g = 0; g < n_kv_heads; ++g) {
+    const uint8_t* pr =
+        present != nullptr ? present + static_cast<size_t>(g) * n_tokens
+                           : nullptr;
+    float* out = scores + static_cast<size_t>(g) * n_tokens;
+    std::fill(out, out + n_tokens, none);
+    for (int j = 0; j < group; ++j) {
+      const float* s =
+          head_scores + static_cast<size_t>(g * group + j) * n_tokens;
+      float top = none;
+      for (int t = 0; t < n_tokens; ++t) {
+        if (pr == nullptr || pr[t]) top = std::max(top, s[t]);
+      }
+      if (top == none) continue;
+      float sum = 0.0f;
+      for (int t = 0; t < n_tokens; ++t) {
+        if (pr == nullptr || pr[t]) sum += std::exp(s[t] - top);
+      }
+      const float lse = top + std::log(sum);
+      for (int t = 0; t < n_tokens; ++t) {
+        if (pr == nullptr || pr[t]) out[t] = std::max(out[t], s[t] - lse);
+      }
+    }
+  }
+}
+
 int SelectTokens(const float* scores, int n_kv_heads, int n_tokens,
                  const uint8_t* present, const SelectionOptions& options,
                  std::vector<int32_t>& indices,
@@ -717,7 +748,7 @@ void ProfileLayer(const float* q, const float* k, const float* v,
   }
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   std::vector<double> logits(static_cast<size_t>(group) * n);
-  std::vector<float> rank(n);
+  std::vector<float> rank(n), head_rank(n);
   std::vector<int32_t> order(n);
   std::vector<double> acc(d), out(d), e(d);
   int queries = 0;
@@ -743,26 +774,33 @@ void ProfileLayer(const float* q, const float* k, const float* v,
           lj[s] = double{dot} * scale;
         }
       }
-      if (rank_q != nullptr && rank_k != nullptr) {
+      // The rank: the largest over the group's heads of the head's
+      // log-softmax (CombineHeadScores), of the exact logits or of the
+      // speculated ones (rank_q . rank_k / sqrt(d)).
+      std::fill(rank.begin(), rank.begin() + m,
+                -std::numeric_limits<float>::infinity());
+      for (int j = 0; j < group; ++j) {
+        const double* lj = logits.data() + static_cast<size_t>(j) * n;
         for (int s = 0; s < m; ++s) {
-          const float* ks = rank_k + (static_cast<size_t>(s) * n_kv_heads + g) * d;
-          float best = -std::numeric_limits<float>::infinity();
-          for (int j = 0; j < group; ++j) {
+          if (rank_q != nullptr && rank_k != nullptr) {
             const float* qh =
                 rank_q + (static_cast<size_t>(t) * n_heads + g * group + j) * d;
+            const float* ks =
+                rank_k + (static_cast<size_t>(s) * n_kv_heads + g) * d;
             float dot = 0.0f;
             for (int c = 0; c < d; ++c) dot += qh[c] * ks[c];
-            best = std::max(best, dot);
+            head_rank[s] = dot * scale;
+          } else {
+            head_rank[s] = static_cast<float>(lj[s]);
           }
-          rank[s] = best;
         }
-      } else {
+        float top = head_rank[0];
+        for (int s = 1; s < m; ++s) top = std::max(top, head_rank[s]);
+        double sum = 0;
+        for (int s = 0; s < m; ++s) sum += std::exp(double{head_rank[s]} - top);
+        const float lse = top + static_cast<float>(std::log(sum));
         for (int s = 0; s < m; ++s) {
-          double best = logits[s];
-          for (int j = 1; j < group; ++j) {
-            best = std::max(best, logits[static_cast<size_t>(j) * n + s]);
-          }
-          rank[s] = static_cast<float>(best);
+          rank[s] = std::max(rank[s], head_rank[s] - lse);
         }
       }
       std::iota(order.begin(), order.begin() + m, 0);

@@ -32,9 +32,10 @@ namespace infinigen::speculator {
 // sum over the group's query heads h of |W_o,h (o_h - o_h(f))|^2 / |x|^2
 // (x the residual stream entering the layer at the query), where o_h
 // is head h's attention output over every token, o_h(f) the same over the
-// top f of the tokens as selection ranks them (the max over the group's
-// heads of the exact score), renormalized, and W_o,h head h's slice of the
-// output projection: what the residual stream loses, relative to its size.
+// top f of the tokens as selection ranks them (the largest over the group's
+// heads of the head's log-softmax, as CombineHeadScores), renormalized,
+// and W_o,h head h's slice of the output projection: what the residual
+// stream loses, relative to its size.
 // Value type.
 // The same with InfiniGen's ranking (speculated from the previous layer's
 // input through partial_ratio of the skewed columns) is speculated_error.
@@ -172,7 +173,9 @@ int PartialColumnCount(int d, double ratio);
 void SelectPartialColumns(const float* q_skewed, int n_tokens, int n_heads,
                           int n_kv_heads, int d, int n_cols, int32_t* cols);
 
-// Speculated attention scores of one layer for one query:
+// Speculated attention scores of one layer for one query (the policies
+// call it per query head, n_heads = n_kv_heads = 1, and combine the heads
+// with CombineHeadScores):
 //   score[g][t] = max over query heads h of group g of
 //                 sum_c q_skewed[h][cols_g[c]] * partial_k[g][t][c] / sqrt(d)
 // `q_skewed` [n_heads, d]; `partial_k` [n_kv_heads][k_stride][n_cols] (the
@@ -181,6 +184,17 @@ void SelectPartialColumns(const float* q_skewed, int n_tokens, int n_heads,
 void SpeculateScores(const float* q_skewed, int n_heads, int n_kv_heads,
                      int d, const float* partial_k, int k_stride, int n_tokens,
                      const int32_t* cols, int n_cols, float* scores);
+
+// Per KV head g and token t, the largest over g's query heads h of h's
+// speculated log-probability: head_scores [n_heads][n_tokens] (logits, as
+// SpeculateScores computes them for one head) minus h's log-sum-exp over
+// the present tokens. A token one head attends to strongly ranks high
+// even where another head's logits are larger throughout (the max of raw
+// logits would let that head decide). `present` [n_kv_heads][n_tokens] (0:
+// evicted, never ranked) or null; writes scores [n_kv_heads][n_tokens],
+// -inf where nothing is present.
+void CombineHeadScores(const float* head_scores, int n_heads, int n_kv_heads,
+                       int n_tokens, const uint8_t* present, float* scores);
 
 struct SelectionOptions {
   // A token is a candidate when its score >= the head's max score - alpha
