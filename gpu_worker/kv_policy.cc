@@ -740,8 +740,9 @@ class InfiniGenPolicy final : public KvPolicy {
 // page_tokens positions, each page summarized by the element-wise minimum
 // and maximum of its keys per KV head. A layer's query (from its own input)
 // bounds every page's best score from above, sum_j max(q_j min_j,
-// q_j max_j) (the max over the KV head's query heads), and the top
-// budget of the pages per KV head are fetched whole. Layers 0
+// q_j max_j); a page ranks by the largest of the KV head's query heads'
+// log-softmax of those bounds over the pages, and the top budget of the
+// pages per KV head are fetched whole. Layers 0
 // and 1 fetch everything, as in the paper. The budget is a fraction of
 // the pages (the newest page may be partly filled). The bounds live on the host:
 // a prefill layer's keys and each decode step's new key are copied there.

@@ -13,9 +13,10 @@
 //              scheme); every row fetched
 //   oracle     the upper bound of top-k selection: layers 0 and 1 fetch
 //              everything; layer i >= 2 fetches the exact top `budget` of
-//              its own attention scores per KV head (max over the head's
-//              queries), chosen from its own input (the fetch cannot leave
-//              early: a diagnostic, not a serving policy)
+//              its own attention per KV head (ranked by the largest of the
+//              group's query heads' log-softmax, as infinigen ranks its
+//              speculated scores), chosen from its own input (the fetch
+//              cannot leave early: a diagnostic, not a serving policy)
 //   quest      Quest's page selection: keys in pages of page_tokens, each
 //              page's element-wise key min and max bound its best score;
 //              layer i >= 2 fetches the top budget of pages per KV head by
