@@ -14,7 +14,8 @@ python3 - "$out.csv" "$out.md" <<'PY'
 import csv, sys
 rows = list(csv.DictReader(open(sys.argv[1])))
 lines = {"full", "h2o @0.7", "oracle @0.7", "quest16 @0.7",
-         "infinigen @0.7", "infinigen+sinks4+recent32 @0.7"}
+         "infinigen @0.7", "infinigen-uniform @0.7",
+         "infinigen+sinks4+recent32 @0.7"}
 assert {r["line"] for r in rows} == lines, {r["line"] for r in rows}
 assert len(rows) == len(lines) * 2 * 2, len(rows)
 # The same trials for every policy.
@@ -29,7 +30,8 @@ for r in rows:
     f = float(r["fetch_fraction_mean"])
     if r["line"] == "full":
         assert f == 1.0, r
-    elif r["line"] in ("oracle @0.7", "infinigen @0.7", "h2o @0.7"):
+    elif r["line"] in ("oracle @0.7", "infinigen @0.7",
+                       "infinigen-uniform @0.7", "h2o @0.7"):
         assert abs(f - 0.7) < 0.05, r
 md = open(sys.argv[2]).read()
 for line in lines:

@@ -94,6 +94,12 @@ model::Weights* PolicyTest::weights_ = nullptr;
 std::vector<int>* PolicyTest::tokens_ = nullptr;
 speculator::SkewMatrices* PolicyTest::skew_ = nullptr;
 
+// Logits of two runs that attend to the same rows, through different
+// arithmetic (Quest's host bounds and the oracle's scores differ in their
+// last bits, and so, after the log-softmax, in what rounds): a different
+// selection moves them by far more.
+constexpr float kSameSelection = 5e-3f;
+
 PolicyOptions Policy(PolicyKind kind) {
   PolicyOptions p;
   p.kind = kind;
@@ -214,7 +220,8 @@ TEST_F(PolicyTest, OracleIsTheExactTopKOfTheLayersOwnScores) {
   for (size_t i = 0; i < a.logits.size(); ++i) {
     for (size_t j = 0; j < a.logits[i].size(); ++j) {
       // The skew rotates the scores (same ranking up to rounding).
-      ASSERT_NEAR(a.logits[i][j], b.logits[i][j], 1e-3) << i << " " << j;
+      ASSERT_NEAR(a.logits[i][j], b.logits[i][j], kSameSelection)
+          << i << " " << j;
     }
   }
   EXPECT_EQ(a.stats.rows_fetched, b.stats.rows_fetched);
@@ -243,7 +250,8 @@ TEST_F(PolicyTest, QuestAddsTheSinkAndRecentPages) {
   ASSERT_EQ(a.logits.size(), b.logits.size());
   for (size_t i = 0; i < a.logits.size(); ++i) {
     for (size_t j = 0; j < a.logits[i].size(); ++j) {
-      ASSERT_NEAR(a.logits[i][j], b.logits[i][j], 1e-3) << i << " " << j;
+      ASSERT_NEAR(a.logits[i][j], b.logits[i][j], kSameSelection)
+          << i << " " << j;
     }
   }
   quest.page_tokens = 4;
@@ -348,7 +356,8 @@ TEST_F(PolicyTest, QuestSelectsPagesByTheirKeyBounds) {
   ASSERT_EQ(a.logits.size(), b.logits.size());
   for (size_t i = 0; i < a.logits.size(); ++i) {
     for (size_t j = 0; j < a.logits[i].size(); ++j) {
-      ASSERT_NEAR(a.logits[i][j], b.logits[i][j], 1e-3) << i << " " << j;
+      ASSERT_NEAR(a.logits[i][j], b.logits[i][j], kSameSelection)
+          << i << " " << j;
     }
   }
   EXPECT_EQ(a.stats.rows_fetched, b.stats.rows_fetched);
