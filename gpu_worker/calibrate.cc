@@ -116,38 +116,22 @@ absl::StatusOr<speculator::SkewMatrices> CalibrateSkew(
     return absl::InvalidArgumentError(absl::StrFormat(
         "calibration needs at least head_dim = %d tokens, got %d", d, n));
   }
-  // Per layer and KV head: the group's query rows [n * group, d] and the
-  // head's key rows [n, d], filled as the prefill runs.
-  const size_t heads = static_cast<size_t>(c.n_layers) * c.n_kv_heads;
-  std::vector<std::vector<float>> q(heads), k(heads);
-  for (size_t i = 0; i < heads; ++i) {
-    q[i].reserve(static_cast<size_t>(n) * group * d);
-    k[i].reserve(static_cast<size_t>(n) * d);
-  }
-  // Per layer, as the engine gives them, for the head profile: queries
-  // [n, q_dim], keys and values [n, kv_dim].
+  // Per layer, as the engine gives them (prefill chunks appended): queries
+  // [n, q_dim], keys and values [n, kv_dim], the residual entering the
+  // layer [n, dim].
   std::vector<std::vector<float>> lq(c.n_layers), lk(c.n_layers),
       lv(c.n_layers), lx(c.n_layers);
   EngineOptions options;
   options.max_seq_len = n;
   options.observer = [&](int layer, const float* qs, const float* ks,
                          const float* vs, const float* xs, int m) {
-    lx[layer].insert(lx[layer].end(), xs, xs + static_cast<size_t>(m) * c.dim);
-    lq[layer].insert(lq[layer].end(), qs, qs + static_cast<size_t>(m) * c.q_dim());
-    lk[layer].insert(lk[layer].end(), ks, ks + static_cast<size_t>(m) * c.kv_dim());
-    lv[layer].insert(lv[layer].end(), vs, vs + static_cast<size_t>(m) * c.kv_dim());
-    for (int t = 0; t < m; ++t) {
-      for (int h = 0; h < c.n_heads; ++h) {
-        const float* row = qs + (static_cast<size_t>(t) * c.n_heads + h) * d;
-        auto& dst = q[static_cast<size_t>(layer) * c.n_kv_heads + h / group];
-        dst.insert(dst.end(), row, row + d);
-      }
-      for (int g = 0; g < c.n_kv_heads; ++g) {
-        const float* row = ks + (static_cast<size_t>(t) * c.n_kv_heads + g) * d;
-        auto& dst = k[static_cast<size_t>(layer) * c.n_kv_heads + g];
-        dst.insert(dst.end(), row, row + d);
-      }
-    }
+    auto append = [m](std::vector<float>& to, const float* rows, int width) {
+      to.insert(to.end(), rows, rows + static_cast<size_t>(m) * width);
+    };
+    append(lq[layer], qs, c.q_dim());
+    append(lk[layer], ks, c.kv_dim());
+    append(lv[layer], vs, c.kv_dim());
+    append(lx[layer], xs, c.dim);
   };
   IG_ASSIGN_OR_RETURN(auto engine,
                       Engine::Create(weights, NewCpuBackend(), options));
@@ -157,13 +141,27 @@ absl::StatusOr<speculator::SkewMatrices> CalibrateSkew(
   skew.n_layers = c.n_layers;
   skew.n_kv_heads = c.n_kv_heads;
   skew.head_dim = d;
+  const size_t heads = static_cast<size_t>(c.n_layers) * c.n_kv_heads;
   skew.a.resize(heads * d * d);
+  // Each KV head's skew from its group's query rows [n * group, d] (every
+  // token's group heads, which lie together in the engine's rows) and its
+  // key rows [n, d], gathered from the layer's arrays.
+  std::vector<float> group_q(static_cast<size_t>(n) * group * d),
+      head_k(static_cast<size_t>(n) * d);
   for (int l = 0; l < c.n_layers; ++l) {
     for (int g = 0; g < c.n_kv_heads; ++g) {
-      const size_t i = static_cast<size_t>(l) * c.n_kv_heads + g;
-      IG_ASSIGN_OR_RETURN(
-          std::vector<float> a,
-          speculator::ComputeSkew(q[i].data(), n * group, k[i].data(), n, d));
+      for (int t = 0; t < n; ++t) {
+        const float* qs =
+            lq[l].data() + (static_cast<size_t>(t) * c.n_heads + g * group) * d;
+        std::copy(qs, qs + group * d,
+                  group_q.begin() + static_cast<size_t>(t) * group * d);
+        const float* ks =
+            lk[l].data() + (static_cast<size_t>(t) * c.n_kv_heads + g) * d;
+        std::copy(ks, ks + d, head_k.begin() + static_cast<size_t>(t) * d);
+      }
+      IG_ASSIGN_OR_RETURN(std::vector<float> a,
+                          speculator::ComputeSkew(group_q.data(), n * group,
+                                                  head_k.data(), n, d));
       std::memcpy(skew.at(l, g), a.data(), a.size() * sizeof(float));
     }
   }
@@ -180,27 +178,25 @@ absl::StatusOr<speculator::SkewMatrices> CalibrateSkew(
   const int first_query = n / 2;
   const int stride = std::max(1, (n - first_query) / 64);
   SpeculatedRanking ranking(weights, skew, n, partial_ratio);
+  const size_t n_f = profile.fractions.size();
   for (int l = 0; l < c.n_layers; ++l) {
-    const model::LayerWeights& w = weights.layers[l];
-    speculator::ProfileLayer(lq[l].data(), lk[l].data(), lv[l].data(),
-                             lx[l].data(), nullptr, nullptr, n, c.n_heads,
-                             c.n_kv_heads, d, w.wo.data(), c.dim,
-                             profile.fractions, first_query, stride,
-                             profile.at(l, 0));
-    if (l < 2) {
-      // Layers 0 and 1 read everything; their speculated error is the
-      // exact one (never used).
-      std::copy(profile.at(l, 0),
-                profile.at(l, 0) + c.n_kv_heads * profile.fractions.size(),
-                profile.speculated_at(l, 0));
-      continue;
+    // Layers 0 and 1 read everything: their speculated error is the exact
+    // one (never used).
+    const bool speculates = l >= 2;
+    if (speculates) {
+      ranking.Compute(l, lx[l - 1].data(), lq[l].data(), lk[l].data());
     }
-    ranking.Compute(l, lx[l - 1].data(), lq[l].data(), lk[l].data());
-    speculator::ProfileLayer(lq[l].data(), lk[l].data(), lv[l].data(),
-                             lx[l].data(), ranking.q(), ranking.k(), n,
-                             c.n_heads, c.n_kv_heads, d, w.wo.data(), c.dim,
-                             profile.fractions, first_query, stride,
-                             profile.speculated_at(l, 0));
+    speculator::ProfileLayer(
+        lq[l].data(), lk[l].data(), lv[l].data(), lx[l].data(),
+        speculates ? ranking.q() : nullptr,
+        speculates ? ranking.k() : nullptr, n, c.n_heads, c.n_kv_heads, d,
+        weights.layers[l].wo.data(), c.dim, profile.fractions, first_query,
+        stride, profile.at(l, 0),
+        speculates ? profile.speculated_at(l, 0) : nullptr);
+    if (!speculates) {
+      std::copy(profile.at(l, 0), profile.at(l, 0) + c.n_kv_heads * n_f,
+                profile.speculated_at(l, 0));
+    }
   }
   return skew;
 }

@@ -592,19 +592,19 @@ class InfiniGenPolicy final : public KvPolicy {
     // Each query head's speculated logits over its KV head's partial keys
     // [n_heads][p], one launch per head, then per KV head the largest of
     // its heads' log-softmax (speculator::CombineHeadScores).
+    SpeculationParams sp;
+    sp.n_heads = 1;
+    sp.n_kv_heads = 1;
+    sp.d = d;
+    sp.k_stride = ctx_.max_seq_len;
+    sp.n_tokens = p;
+    sp.n_cols = n_cols_;
     for (int h = 0; h < m.n_heads; ++h) {
       const int g = h / group;
-      SpeculationParams sp;
       sp.q_skewed = q_skewed_.data() + static_cast<size_t>(h) * d;
       sp.partial_k = PartialK(layer, g);
       sp.cols = cols_dev_.data() + Head(layer, g) * n_cols_;
       sp.scores = scores_.data() + static_cast<size_t>(h) * p;
-      sp.n_heads = 1;
-      sp.n_kv_heads = 1;
-      sp.d = d;
-      sp.k_stride = ctx_.max_seq_len;
-      sp.n_tokens = p;
-      sp.n_cols = n_cols_;
       b.SpeculateScores(sp);
     }
     IG_RETURN_IF_ERROR(b.CopyToHost(

@@ -730,11 +730,17 @@ void ProfileLayer(const float* q, const float* k, const float* v,
                   int n, int n_heads, int n_kv_heads, int d,
                   const float* wo, int dim,
                   const std::vector<float>& fractions, int first_query,
-                  int query_stride, float* error) {
+                  int query_stride, float* error, float* speculated_error) {
   const int group = n_heads / n_kv_heads;
   const size_t n_f = fractions.size();
   const int q_dim = n_heads * d;
+  const bool speculated =
+      rank_q != nullptr && rank_k != nullptr && speculated_error != nullptr;
   std::fill(error, error + static_cast<size_t>(n_kv_heads) * n_f, 0.0f);
+  if (speculated) {
+    std::fill(speculated_error,
+              speculated_error + static_cast<size_t>(n_kv_heads) * n_f, 0.0f);
+  }
   // G_h = W_o,h^T W_o,h [d][d]: |W_o,h e|^2 = e^T G_h e.
   std::vector<double> gram(static_cast<size_t>(n_heads) * d * d, 0.0);
   for (int h = 0; h < n_heads; ++h) {
@@ -747,10 +753,14 @@ void ProfileLayer(const float* q, const float* k, const float* v,
     }
   }
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  std::vector<double> logits(static_cast<size_t>(group) * n);
+  // Per query of the group's heads: exact logits, softmax weights
+  // exp(logit - top) and their total, and the full output o.
+  std::vector<double> logits(static_cast<size_t>(group) * n),
+      weights(logits.size()), totals(group),
+      outs(static_cast<size_t>(group) * d);
   std::vector<float> rank(n), head_rank(n);
   std::vector<int32_t> order(n);
-  std::vector<double> acc(d), out(d), e(d);
+  std::vector<double> acc(d), e(d);
   int queries = 0;
   for (int t = std::max(0, first_query); t < n; t += std::max(1, query_stride)) {
     ++queries;
@@ -763,9 +773,9 @@ void ProfileLayer(const float* q, const float* k, const float* v,
       if (!(x_sq > 0.0)) x_sq = 1.0;
     }
     for (int g = 0; g < n_kv_heads; ++g) {
-      // Exact logits of the group's heads; the rank is their max.
       for (int j = 0; j < group; ++j) {
-        const float* qh = q + (static_cast<size_t>(t) * n_heads + g * group + j) * d;
+        const float* qh =
+            q + (static_cast<size_t>(t) * n_heads + g * group + j) * d;
         double* lj = logits.data() + static_cast<size_t>(j) * n;
         for (int s = 0; s < m; ++s) {
           const float* ks = k + (static_cast<size_t>(s) * n_kv_heads + g) * d;
@@ -773,85 +783,104 @@ void ProfileLayer(const float* q, const float* k, const float* v,
           for (int c = 0; c < d; ++c) dot += qh[c] * ks[c];
           lj[s] = double{dot} * scale;
         }
-      }
-      // The rank: the largest over the group's heads of the head's
-      // log-softmax (CombineHeadScores), of the exact logits or of the
-      // speculated ones (rank_q . rank_k / sqrt(d)).
-      std::fill(rank.begin(), rank.begin() + m,
-                -std::numeric_limits<float>::infinity());
-      for (int j = 0; j < group; ++j) {
-        const double* lj = logits.data() + static_cast<size_t>(j) * n;
-        for (int s = 0; s < m; ++s) {
-          if (rank_q != nullptr && rank_k != nullptr) {
-            const float* qh =
-                rank_q + (static_cast<size_t>(t) * n_heads + g * group + j) * d;
-            const float* ks =
-                rank_k + (static_cast<size_t>(s) * n_kv_heads + g) * d;
-            float dot = 0.0f;
-            for (int c = 0; c < d; ++c) dot += qh[c] * ks[c];
-            head_rank[s] = dot * scale;
-          } else {
-            head_rank[s] = static_cast<float>(lj[s]);
-          }
-        }
-        float top = head_rank[0];
-        for (int s = 1; s < m; ++s) top = std::max(top, head_rank[s]);
-        double sum = 0;
-        for (int s = 0; s < m; ++s) sum += std::exp(double{head_rank[s]} - top);
-        const float lse = top + static_cast<float>(std::log(sum));
-        for (int s = 0; s < m; ++s) {
-          rank[s] = std::max(rank[s], head_rank[s] - lse);
-        }
-      }
-      std::iota(order.begin(), order.begin() + m, 0);
-      std::sort(order.begin(), order.begin() + m, [&](int32_t a, int32_t b) {
-        return rank[a] > rank[b] || (rank[a] == rank[b] && a < b);
-      });
-      float* err = error + static_cast<size_t>(g) * n_f;
-      for (int j = 0; j < group; ++j) {
-        const int h = g * group + j;
-        const double* lj = logits.data() + static_cast<size_t>(j) * n;
         double top = lj[0];
         for (int s = 1; s < m; ++s) top = std::max(top, lj[s]);
-        // The full output o, then the prefixes of `order` at each fraction.
-        double total = 0;
-        std::fill(out.begin(), out.end(), 0.0);
+        double* wj = weights.data() + static_cast<size_t>(j) * n;
+        double* out = outs.data() + static_cast<size_t>(j) * d;
+        std::fill(out, out + d, 0.0);
+        totals[j] = 0;
         for (int s = 0; s < m; ++s) {
-          const double w = std::exp(lj[s] - top);
-          total += w;
+          wj[s] = std::exp(lj[s] - top);
+          totals[j] += wj[s];
           const float* vs = v + (static_cast<size_t>(s) * n_kv_heads + g) * d;
-          for (int c = 0; c < d; ++c) out[c] += w * vs[c];
+          for (int c = 0; c < d; ++c) out[c] += wj[s] * vs[c];
         }
-        for (int c = 0; c < d; ++c) out[c] /= total;
-        std::fill(acc.begin(), acc.end(), 0.0);
-        double mass = 0;
-        int taken = 0;
-        const double* gh = gram.data() + static_cast<size_t>(h) * d * d;
-        for (size_t fi = 0; fi < n_f; ++fi) {
-          const int want = std::clamp(
-              static_cast<int>(static_cast<float>(m) * fractions[fi]), 1, m);
-          for (; taken < want; ++taken) {
-            const int s = order[taken];
-            const double w = std::exp(lj[s] - top);
-            mass += w;
-            const float* vs = v + (static_cast<size_t>(s) * n_kv_heads + g) * d;
-            for (int c = 0; c < d; ++c) acc[c] += w * vs[c];
+        for (int c = 0; c < d; ++c) out[c] /= totals[j];
+      }
+      // `order`: the tokens by the largest over the group's heads of the
+      // head's log-softmax (CombineHeadScores), of the exact logits or of
+      // the speculated ones (rank_q . rank_k / sqrt(d)).
+      auto rank_tokens = [&](bool by_speculation) {
+        std::fill(rank.begin(), rank.begin() + m,
+                  -std::numeric_limits<float>::infinity());
+        for (int j = 0; j < group; ++j) {
+          const double* lj = logits.data() + static_cast<size_t>(j) * n;
+          const float* qh =
+              by_speculation
+                  ? rank_q +
+                        (static_cast<size_t>(t) * n_heads + g * group + j) * d
+                  : nullptr;
+          for (int s = 0; s < m; ++s) {
+            if (by_speculation) {
+              const float* ks =
+                  rank_k + (static_cast<size_t>(s) * n_kv_heads + g) * d;
+              float dot = 0.0f;
+              for (int c = 0; c < d; ++c) dot += qh[c] * ks[c];
+              head_rank[s] = dot * scale;
+            } else {
+              head_rank[s] = static_cast<float>(lj[s]);
+            }
           }
-          for (int c = 0; c < d; ++c) e[c] = acc[c] / mass - out[c];
-          double sq = 0;
-          for (int a = 0; a < d; ++a) {
-            double row = 0;
-            for (int b = 0; b < d; ++b) row += gh[a * d + b] * e[b];
-            sq += e[a] * row;
+          float top = head_rank[0];
+          for (int s = 1; s < m; ++s) top = std::max(top, head_rank[s]);
+          double sum = 0;
+          for (int s = 0; s < m; ++s) {
+            sum += std::exp(double{head_rank[s]} - top);
           }
-          err[fi] += static_cast<float>(sq / x_sq);
+          const float lse = top + static_cast<float>(std::log(sum));
+          for (int s = 0; s < m; ++s) {
+            rank[s] = std::max(rank[s], head_rank[s] - lse);
+          }
         }
+        std::iota(order.begin(), order.begin() + m, 0);
+        std::sort(order.begin(), order.begin() + m, [&](int32_t a, int32_t b) {
+          return rank[a] > rank[b] || (rank[a] == rank[b] && a < b);
+        });
+      };
+      // Adds each fraction's error of reading the prefixes of `order` to
+      // err [n_f].
+      auto add_errors = [&](float* err) {
+        for (int j = 0; j < group; ++j) {
+          const double* wj = weights.data() + static_cast<size_t>(j) * n;
+          const double* out = outs.data() + static_cast<size_t>(j) * d;
+          const double* gh =
+              gram.data() + static_cast<size_t>(g * group + j) * d * d;
+          std::fill(acc.begin(), acc.end(), 0.0);
+          double mass = 0;
+          int taken = 0;
+          for (size_t fi = 0; fi < n_f; ++fi) {
+            const int want = std::clamp(
+                static_cast<int>(static_cast<float>(m) * fractions[fi]), 1, m);
+            for (; taken < want; ++taken) {
+              const int s = order[taken];
+              mass += wj[s];
+              const float* vs =
+                  v + (static_cast<size_t>(s) * n_kv_heads + g) * d;
+              for (int c = 0; c < d; ++c) acc[c] += wj[s] * vs[c];
+            }
+            for (int c = 0; c < d; ++c) e[c] = acc[c] / mass - out[c];
+            double sq = 0;
+            for (int a = 0; a < d; ++a) {
+              double row = 0;
+              for (int b = 0; b < d; ++b) row += gh[a * d + b] * e[b];
+              sq += e[a] * row;
+            }
+            err[fi] += static_cast<float>(sq / x_sq);
+          }
+        }
+      };
+      rank_tokens(false);
+      add_errors(error + static_cast<size_t>(g) * n_f);
+      if (speculated) {
+        rank_tokens(true);
+        add_errors(speculated_error + static_cast<size_t>(g) * n_f);
       }
     }
   }
   if (queries > 0) {
     for (size_t i = 0; i < static_cast<size_t>(n_kv_heads) * n_f; ++i) {
       error[i] /= static_cast<float>(queries);
+      if (speculated) speculated_error[i] /= static_cast<float>(queries);
     }
   }
 }

@@ -73,16 +73,18 @@ struct HeadProfile {
 // divided by its |x|^2, so that errors compare across layers whose
 // residual norms differ; null: absolute). The queries at positions
 // first_query, first_query + query_stride, ... < n attend causally; writes
-// error [n_kv_heads][fractions.size()].
-// rank_q [n, n_heads, d] and rank_k [n, n_kv_heads, d], when not null,
-// rank the tokens instead of q and k (InfiniGen's speculated queries and
-// skewed partial keys: the error of the selection it would make).
+// error [n_kv_heads][fractions.size()] for the exact ranking and, when
+// rank_q [n, n_heads, d], rank_k [n, n_kv_heads, d] and speculated_error
+// are not null, speculated_error (same shape) for the ranking by
+// rank_q . rank_k (InfiniGen's speculated queries and skewed partial keys:
+// the error of the selection it would make). The attention itself is
+// computed once for both.
 void ProfileLayer(const float* q, const float* k, const float* v,
                   const float* x, const float* rank_q, const float* rank_k,
                   int n, int n_heads, int n_kv_heads, int d,
                   const float* wo, int dim,
                   const std::vector<float>& fractions, int first_query,
-                  int query_stride, float* error);
+                  int query_stride, float* error, float* speculated_error);
 
 // Per-head budgets from a profile's errors (`error` [n_layers][n_kv_heads]
 // [fractions.size()], one of its two): fractions b[l][g] of the cached

@@ -486,7 +486,8 @@ TEST(ProfileLayer, ErrorFallsToZeroAndSpreadHeadsLoseMore) {
   const std::vector<float> fractions = {0.05f, 0.25f, 0.5f, 1.0f};
   std::vector<float> error(2 * fractions.size(), -1.0f);
   ProfileLayer(q.data(), k.data(), v.data(), nullptr, nullptr, nullptr, n, 2,
-               2, d, wo.data(), dim, fractions, 20, 4, error.data());
+               2, d, wo.data(), dim, fractions, 20, 4, error.data(),
+               nullptr);
   // Head 0 reads the key that matters at every fraction: no error.
   for (int i = 0; i < 4; ++i) EXPECT_NEAR(error[i], 0.0f, 1e-6f) << i;
   // Head 1 loses less as it reads more, and nothing at 1.
