@@ -26,6 +26,7 @@ Example (SmolLM2-135M, WikiText-2, ctx 2048):
     --out=bench/results/accuracy_smollm2
 """
 import argparse
+import concurrent.futures
 import csv
 import json
 import os
@@ -87,6 +88,7 @@ def sweep(a, common, skew):
         full = run(a.binary, common + ["--policy=full"])
         full.update(name="full", line="full", target=1.0)
     rows.append(full)
+    plan = []  # (line, target, flags, reused row or None)
     for f in targets:
         budget = (f - dense) / (1.0 - dense)
         lines = [("h2o", ["--policy=h2o", f"--budget={f}"])]
@@ -116,10 +118,18 @@ def sweep(a, common, skew):
             ]
         for line, extra in lines:
             r = reused.get((line, f))
+            if r is None and wanted is not None and line not in wanted:
+                continue
+            plan.append((line, f, extra, r))
+    # The runs not reused, --jobs at a time (one thread each when several).
+    threads = ["--threads=1"] if a.jobs > 1 else []
+    with concurrent.futures.ThreadPoolExecutor(max(1, a.jobs)) as pool:
+        pending = [None if r is not None else
+                   pool.submit(run, a.binary, common + extra + threads)
+                   for line, f, extra, r in plan]
+        for (line, f, extra, r), job in zip(plan, pending):
             if r is None:
-                if wanted is not None and line not in wanted:
-                    continue
-                r = run(a.binary, common + extra)
+                r = job.result()
                 r.update(name=f"{line} @{f:g}", line=line, target=f)
             rows.append(r)
             print(f"{line:28s} target {100 * f:5.1f}%  ppl {r['ppl']:9.4f}  "
@@ -186,7 +196,8 @@ def main():
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--prompt_tokens", type=int, default=256)
     ap.add_argument("--alpha", type=float, default=5.0)
-    ap.add_argument("--partial_ratio", type=float, default=0.3)
+    ap.add_argument("--partial_ratio", default="auto",
+                    help="infinigen --partial_ratio (auto: the binary's)")
     ap.add_argument("--budget", type=float, default=0.2)
     ap.add_argument("--skew_text", default="",
                     help="calibration text for the skew (default: --text)")
@@ -207,6 +218,8 @@ def main():
                     help="--sweep: Quest's page size")
     ap.add_argument("--lines", default="",
                     help="--sweep: only these lines (comma-separated)")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="--sweep: runs at once (each --threads=1 when > 1)")
     ap.add_argument("--reuse", action="store_true",
                     help="--sweep: keep the rows of an earlier OUT_sweep.csv")
     ap.add_argument("--plot_only", action="store_true",

@@ -116,7 +116,8 @@ def main():
     ap.add_argument("--skew", default="",
                     help="infinigen's skew file (default: calibrate on each "
                     "prompt)")
-    ap.add_argument("--partial_ratio", type=float, default=0.3)
+    ap.add_argument("--partial_ratio", default="auto",
+                    help="infinigen --partial_ratio (auto: the binary's)")
     ap.add_argument("--page_tokens", type=int, default=16)
     ap.add_argument("--sinks", type=int, default=4)
     ap.add_argument("--recent", type=int, default=32)

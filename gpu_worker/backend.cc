@@ -26,7 +26,12 @@ void PolicyOps::DecodeKvRows(const uint16_t* in, int n_rows, int head_dim,
 void PolicyOps::SpeculateScores(const SpeculationParams& p) {
   speculator::SpeculateScores(p.q_skewed, p.n_heads, p.n_kv_heads, p.d,
                               p.partial_k, p.k_stride, p.n_tokens, p.cols,
-                              p.n_cols, p.scores);
+                              p.n_cols, p.scores, p.format);
+}
+
+void PolicyOps::QuantizePartialKeys(const float* keys, int n_rows,
+                                    int n_cols, uint8_t* rows) {
+  speculator::QuantizePartialKeys(keys, n_rows, n_cols, rows);
 }
 
 void Backend::CopyFromHost(void* dst, const void* src, size_t bytes,

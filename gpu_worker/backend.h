@@ -63,6 +63,11 @@ class PolicyOps {
   // InfiniGen's speculated scores (speculation_params.h). Default:
   // speculator::SpeculateScores on the host.
   virtual void SpeculateScores(const SpeculationParams& p);
+  // InfiniGen's partial key rows: keys [n_rows, n_cols] -> rows, n_rows of
+  // speculator::PartialKeyRowBytes(n_cols) bytes (speculator/
+  // partial_keys.h). Default: speculator::QuantizePartialKeys on the host.
+  virtual void QuantizePartialKeys(const float* keys, int n_rows, int n_cols,
+                                   uint8_t* rows);
 };
 
 // The layer arithmetic and the memory it runs on, with the policies'

@@ -9,27 +9,32 @@
 #include "common/status.h"
 #include "gpu_worker/cpu/cpu_backend.h"
 #include "gpu_worker/engine.h"
+#include "speculator/partial_keys.h"
 
 namespace infinigen::gpu_worker {
 
 namespace {
 
 // InfiniGen's speculation of layer l over every calibration token at once,
-// for the profile: the query from layer l - 1's input (its attention norm,
-// then layer l's query projection and rotation), skewed, with the columns
-// outside layer l's partial columns zeroed, and the skewed keys, so that
+// for the profile: the query from layer l - 1's input (its attention norm;
+// post_attention: layer l's attention norm of the residual after layer
+// l - 1's attention), then layer l's query projection and rotation, skewed, with the columns
+// outside layer l's partial columns zeroed, and the skewed keys with their
+// partial columns as the 4-bit partial key cache reads them back (unless
+// exact_keys), so that
 // q() . k() is the speculated score. Partial columns as the policy chooses
 // them: the largest summed |q A| of layer l's own queries.
 class SpeculatedRanking {
  public:
   SpeculatedRanking(const model::Weights& weights,
                     const speculator::SkewMatrices& skew, int n,
-                    double partial_ratio)
+                    double partial_ratio, bool exact_keys)
       : weights_(weights),
         skew_(skew),
         n_(n),
         n_cols_(speculator::PartialColumnCount(weights.config.head_dim,
                                                partial_ratio)),
+        exact_keys_(exact_keys),
         cpu_(NewCpuBackend()),
         positions_(n),
         xb_(static_cast<size_t>(n) * weights.config.dim),
@@ -40,11 +45,14 @@ class SpeculatedRanking {
     for (int t = 0; t < n; ++t) positions_[t] = t;
   }
 
-  // x_prev [n, dim]: layer l - 1's input; q [n, q_dim], k [n, kv_dim]:
-  // layer l's post-RoPE queries and keys.
-  void Compute(int l, const float* x_prev, const float* q, const float* k) {
+  // x_prev [n, dim]: layer l - 1's input, or with post_attention the
+  // residual after its attention; q [n, q_dim], k [n, kv_dim]: layer l's
+  // post-RoPE queries and keys.
+  void Compute(int l, const float* x_prev, bool post_attention,
+               const float* q, const float* k) {
     const model::ModelConfig& c = weights_.config;
-    const model::LayerWeights& pw = weights_.layers[l - 1];
+    const model::LayerWeights& pw =
+        weights_.layers[post_attention ? l : l - 1];
     const model::LayerWeights& w = weights_.layers[l];
     const int d = c.head_dim, group = c.n_heads / c.n_kv_heads;
     const bool opt = c.arch == model::Architecture::kOpt;
@@ -83,11 +91,23 @@ class SpeculatedRanking {
         if (!kg[j]) q_[r * d + j] = 0.0f;
       }
     }
+    // The skewed keys, their partial columns as the partial key cache
+    // reads them back (4-bit rows).
     const size_t k_rows = static_cast<size_t>(n_) * c.n_kv_heads;
+    std::vector<float> partial(n_cols_);
+    std::vector<uint8_t> quantized(speculator::PartialKeyRowBytes(n_cols_));
     for (size_t r = 0; r < k_rows; ++r) {
-      speculator::ApplySkew(k + r * d, 1,
-                            skew_.at(l, static_cast<int>(r % c.n_kv_heads)),
-                            d, k_.data() + r * d);
+      const int g = static_cast<int>(r % c.n_kv_heads);
+      float* kr = k_.data() + r * d;
+      speculator::ApplySkew(k + r * d, 1, skew_.at(l, g), d, kr);
+      if (exact_keys_) continue;
+      const int32_t* cols = cols_.data() + static_cast<size_t>(g) * n_cols_;
+      for (int j = 0; j < n_cols_; ++j) partial[j] = kr[cols[j]];
+      speculator::QuantizePartialKeys(partial.data(), 1, n_cols_,
+                                      quantized.data());
+      speculator::DequantizePartialKeys(quantized.data(), 1, n_cols_,
+                                        partial.data());
+      for (int j = 0; j < n_cols_; ++j) kr[cols[j]] = partial[j];
     }
   }
   const float* q() const { return q_.data(); }
@@ -98,6 +118,7 @@ class SpeculatedRanking {
   const speculator::SkewMatrices& skew_;
   const int n_;
   const int n_cols_;
+  const bool exact_keys_;
   std::unique_ptr<Backend> cpu_;
   std::vector<int> positions_;
   std::vector<float> xb_, q_, q_own_, k_;
@@ -108,7 +129,9 @@ class SpeculatedRanking {
 
 absl::StatusOr<speculator::SkewMatrices> CalibrateSkew(
     const model::Weights& weights, absl::Span<const int> tokens,
-    double partial_ratio) {
+    const SpeculationOptions& speculation) {
+  const double partial_ratio = speculation.partial_ratio;
+  const bool post_attention = speculation.post_attention;
   const model::ModelConfig& c = weights.config;
   const int n = static_cast<int>(tokens.size());
   const int d = c.head_dim, group = c.n_heads / c.n_kv_heads;
@@ -120,7 +143,7 @@ absl::StatusOr<speculator::SkewMatrices> CalibrateSkew(
   // [n, q_dim], keys and values [n, kv_dim], the residual entering the
   // layer [n, dim].
   std::vector<std::vector<float>> lq(c.n_layers), lk(c.n_layers),
-      lv(c.n_layers), lx(c.n_layers);
+      lv(c.n_layers), lx(c.n_layers), lx_attended(c.n_layers);
   EngineOptions options;
   options.max_seq_len = n;
   options.observer = [&](int layer, const float* qs, const float* ks,
@@ -133,6 +156,13 @@ absl::StatusOr<speculator::SkewMatrices> CalibrateSkew(
     append(lv[layer], vs, c.kv_dim());
     append(lx[layer], xs, c.dim);
   };
+  if (post_attention) {
+    options.post_attention_observer = [&](int layer, const float* xs, int m) {
+      if (layer + 1 >= c.n_layers) return;  // no layer to speculate
+      lx_attended[layer].insert(lx_attended[layer].end(), xs,
+                                xs + static_cast<size_t>(m) * c.dim);
+    };
+  }
   IG_ASSIGN_OR_RETURN(auto engine,
                       Engine::Create(weights, NewCpuBackend(), options));
   IG_RETURN_IF_ERROR(engine->Forward(tokens, false).status());
@@ -177,14 +207,17 @@ absl::StatusOr<speculator::SkewMatrices> CalibrateSkew(
   profile.speculated_error.assign(profile.error.size(), 0.0f);
   const int first_query = n / 2;
   const int stride = std::max(1, (n - first_query) / 64);
-  SpeculatedRanking ranking(weights, skew, n, partial_ratio);
+  SpeculatedRanking ranking(weights, skew, n, partial_ratio,
+                            speculation.exact_keys);
   const size_t n_f = profile.fractions.size();
   for (int l = 0; l < c.n_layers; ++l) {
     // Layers 0 and 1 read everything: their speculated error is the exact
     // one (never used).
     const bool speculates = l >= 2;
     if (speculates) {
-      ranking.Compute(l, lx[l - 1].data(), lq[l].data(), lk[l].data());
+      ranking.Compute(
+          l, (post_attention ? lx_attended[l - 1] : lx[l - 1]).data(),
+          post_attention, lq[l].data(), lk[l].data());
     }
     speculator::ProfileLayer(
         lq[l].data(), lk[l].data(), lv[l].data(), lx[l].data(),

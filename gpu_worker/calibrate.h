@@ -14,12 +14,21 @@ namespace infinigen::gpu_worker {
 // queries, keys and values, computes one skew per (layer, KV head) from the
 // group's stacked queries and the head's keys (speculator::ComputeSkew),
 // and measures the head profile (speculator::HeadProfile) with the exact
-// ranking and with InfiniGen's, speculated one layer ahead through
-// partial_ratio of the columns. InvalidArgument when there are fewer tokens
-// than head_dim or more than the model's context.
+// ranking and with InfiniGen's, speculated one layer ahead as `speculation`
+// says. InvalidArgument when there are fewer tokens than head_dim or more
+// than the model's context.
+struct SpeculationOptions {
+  double partial_ratio = 0.3;  // of each head's columns
+  // From the residual after the previous layer's attention
+  // (PolicyOptions::SpeculationInput::kPostAttention), else from the
+  // previous layer's input.
+  bool post_attention = false;
+  // fp32 partial keys (PolicyOptions::exact_partial_keys), else 4-bit rows.
+  bool exact_keys = false;
+};
 absl::StatusOr<speculator::SkewMatrices> CalibrateSkew(
     const model::Weights& weights, absl::Span<const int> tokens,
-    double partial_ratio = 0.3);
+    const SpeculationOptions& speculation = {});
 
 }  // namespace infinigen::gpu_worker
 

@@ -481,6 +481,18 @@ absl::Status Engine::RunLayer(int l, int first, int n, bool decode, int pos) {
   b.Linear(att_.data(), n, c.q_dim(), w.wo.data(), opt ? w.bo.data() : nullptr,
            c.dim, proj_.data());
   b.Add(x, proj_.data(), static_cast<long>(n) * c.dim);
+  if (decode && l + 1 < c.n_layers && cache_->WantsPostAttentionInput()) {
+    // xb_ is free until the MLP's norm: the next layer's norm of the
+    // residual so far, from which the cache speculates that layer's fetch.
+    AttentionNorm(weights_.layers[l + 1], x, n);
+    IG_RETURN_IF_ERROR(cache_->PostAttentionInput(l, xb_.data()));
+  }
+  if (!decode && options_.post_attention_observer) {
+    x_host_.resize(static_cast<size_t>(n) * c.dim);
+    IG_RETURN_IF_ERROR(backend_->CopyToHost(x_host_.data(), x,
+                                            x_host_.size() * sizeof(float)));
+    options_.post_attention_observer(l, x_host_.data(), n);
+  }
   Mlp(w, x, n);
   if (decode) IG_RETURN_IF_ERROR(cache_->LayerDone(l));
   return absl::OkStatus();

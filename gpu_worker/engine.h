@@ -72,6 +72,10 @@ struct EngineOptions {
   std::function<void(int layer, const float* q, const float* k,
                      const float* v, const float* x, int n)>
       observer;
+  // Calibration: called with the residual stream after each layer's
+  // attention (its residual add, before the MLP) x [n, dim] (prefill).
+  std::function<void(int layer, const float* x, int n)>
+      post_attention_observer;
 };
 
 class Engine {

@@ -35,7 +35,9 @@
 // statistics come with the blocks, so decoding behaves as without reuse.
 // Decode step of several slots (one token each, row i = slots[i]):
 //   BeginStep; for each layer: LayerInput (after the attention norm),
-//   DecodeAttention (after Q, K, V), LayerDone (after the MLP); EndStep.
+//   DecodeAttention (after Q, K, V), PostAttentionInput (after the
+//   attention's residual add, where the cache wants it), LayerDone (after
+//   the MLP); EndStep.
 #ifndef INFINIGEN_GPU_WORKER_KV_CACHE_H_
 #define INFINIGEN_GPU_WORKER_KV_CACHE_H_
 
@@ -129,6 +131,17 @@ class KvCache {
                                  absl::Span<const int> positions) = 0;
   // `layer`'s attention input xb [rows, dim] is queued.
   virtual absl::Status LayerInput(int layer, const float* xb) = 0;
+  // Whether the cache speculates layer l + 1's fetch from the residual
+  // stream after layer l's attention (PostAttentionInput) rather than from
+  // layer l's input.
+  virtual bool WantsPostAttentionInput() const { return false; }
+  // With WantsPostAttentionInput, for layer + 1 < n_layers: `layer`'s
+  // attention and its residual add are queued, and xb_next [rows, dim] is
+  // layer + 1's attention norm of the residual stream at this point (before
+  // layer's MLP).
+  virtual absl::Status PostAttentionInput(int layer, const float* xb_next) {
+    return absl::OkStatus();
+  }
   // q, k, v, out as in PrefillAttention, one row per slot of the step: the
   // new tokens' attention over their cached rows and themselves.
   virtual absl::Status DecodeAttention(int layer, const float* q,

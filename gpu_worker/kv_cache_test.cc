@@ -755,6 +755,14 @@ class GuardedDeviceBackend final : public Backend {
     Open open(this);
     cpu_->SpeculateScores(p);
   }
+  void QuantizePartialKeys(const float* keys, int n_rows, int n_cols,
+                           uint8_t* rows) override {
+    Open open(this);
+    if (!InDevice(keys) || !InDevice(rows)) {
+      violations_->push_back("partial keys quantized outside device memory");
+    }
+    cpu_->QuantizePartialKeys(keys, n_rows, n_cols, rows);
+  }
   void CopyFromHost(void* dst, const void* src, size_t bytes,
                     Mark after) override {
     Open open(this);

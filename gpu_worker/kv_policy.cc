@@ -9,6 +9,7 @@
 #include "absl/strings/str_format.h"
 #include "common/half.h"
 #include "common/status.h"
+#include "speculator/partial_keys.h"
 
 namespace infinigen::gpu_worker {
 
@@ -359,18 +360,34 @@ class InfiniGenPolicy final : public KvPolicy {
         options_(o),
         skew_(owned_skew_ != nullptr ? *owned_skew_ : *o.skew),
         n_cols_(speculator::PartialColumnCount(c.weights->config.head_dim,
-                                               o.partial_ratio)) {}
+                                               o.partial_ratio)),
+        format_(KeyFormat(o)) {}
+
+  // The exact diagnostics (the oracle, same_layer_input,
+  // exact_partial_keys) rank by fp32 partial keys; infinigen keeps 4-bit
+  // rows (speculator/partial_keys.h).
+  static speculator::PartialKeyFormat KeyFormat(const PolicyOptions& o) {
+    return o.SpeculatesFromOwnInput() || o.exact_partial_keys
+               ? speculator::PartialKeyFormat::kFloat
+               : speculator::PartialKeyFormat::kInt4;
+  }
 
   // Every buffer below, in bytes, for StateBytes and Init alike.
   struct Sizes {
     size_t heads, d, n_cols, max_seq, q_dim, n_kv, n_heads;
+    speculator::PartialKeyFormat format;
     int64_t Bytes() const {
       return static_cast<int64_t>(
           2 * heads * d * sizeof(float) +             // col_sums_, k_col_sums_
           2 * heads * n_cols * sizeof(int32_t) +      // cols_, cols_dev_
           heads * d * d * sizeof(float) +             // skew_t_
           2 * heads * n_cols * d * sizeof(float) +    // partial_w_, its host
-          heads * max_seq * n_cols * sizeof(float) +  // partial_k_
+          heads * max_seq * speculator::PartialKeyRowBytes(n_cols, format) +
+                                                      // partial_k_
+          (format == speculator::PartialKeyFormat::kFloat
+               ? 0
+               : max_seq * n_cols * sizeof(float)) +
+                                                      // new_partial_k_
           2 * q_dim * sizeof(float) +                 // q_, q_skewed_
           2 * n_heads * max_seq * sizeof(float) +     // scores_ (+host)
           n_kv * max_seq * (sizeof(float) + 1) +      // scores_host_, present_
@@ -387,6 +404,7 @@ class InfiniGenPolicy final : public KvPolicy {
     z.q_dim = m.q_dim();
     z.n_kv = m.n_kv_heads;
     z.n_heads = m.n_heads;
+    z.format = KeyFormat(o);
     return z;
   }
 
@@ -423,9 +441,18 @@ class InfiniGenPolicy final : public KvPolicy {
     IG_ASSIGN_OR_RETURN(partial_w_, DeviceBuffer<float>::Make(
                                         b, heads * n_cols_ * d,
                                         "partial key weights"));
-    IG_ASSIGN_OR_RETURN(partial_k_, DeviceBuffer<float>::Make(
-                                        b, heads * z.max_seq * n_cols_,
-                                        "the partial key cache"));
+    IG_ASSIGN_OR_RETURN(
+        partial_k_,
+        DeviceBuffer<uint8_t>::Make(
+            b,
+            heads * z.max_seq * speculator::PartialKeyRowBytes(n_cols_,
+                                                               format_),
+            "the partial key cache"));
+    if (format_ == speculator::PartialKeyFormat::kInt4) {
+      IG_ASSIGN_OR_RETURN(new_partial_k_,
+                          DeviceBuffer<float>::Make(b, z.max_seq * n_cols_,
+                                                    "new partial keys"));
+    }
     IG_ASSIGN_OR_RETURN(q_, DeviceBuffer<float>::Make(b, z.q_dim,
                                                       "speculated queries"));
     IG_ASSIGN_OR_RETURN(q_skewed_, DeviceBuffer<float>::Make(
@@ -559,11 +586,11 @@ class InfiniGenPolicy final : public KvPolicy {
     b.CopyFromHost(partial_w_.data() + first * n_cols_ * d,
                    partial_w_host_.data() + first * n_cols_ * d,
                    heads * n_cols_ * d * sizeof(float), b.MarkIssued());
-    // The prompt's partial keys, one product per KV head.
+    // The prompt's partial keys, one product per KV head, then their
+    // 4-bit rows.
     for (int g = 0; g < m.n_kv_heads; ++g) {
-      ctx_.backend->Linear(keys + static_cast<size_t>(g) * key_stride * d,
-                           n_tokens, d, PartialW(l, g), nullptr, n_cols_,
-                           PartialK(l, g));
+      AppendPartialKeys(keys + static_cast<size_t>(g) * key_stride * d,
+                        n_tokens, l, g, 0);
     }
     return absl::OkStatus();
   }
@@ -599,6 +626,7 @@ class InfiniGenPolicy final : public KvPolicy {
     sp.k_stride = ctx_.max_seq_len;
     sp.n_tokens = p;
     sp.n_cols = n_cols_;
+    sp.format = format_;
     for (int h = 0; h < m.n_heads; ++h) {
       const int g = h / group;
       sp.q_skewed = q_skewed_.data() + static_cast<size_t>(h) * d;
@@ -682,10 +710,29 @@ class InfiniGenPolicy final : public KvPolicy {
   void OnDecodeAppend(int layer, int p, const float* key) override {
     const int d = config().head_dim;
     for (int g = 0; g < config().n_kv_heads; ++g) {
-      ctx_.backend->Linear(key + static_cast<size_t>(g) * d, 1, d,
-                           PartialW(layer, g), nullptr, n_cols_,
-                           PartialK(layer, g) + static_cast<size_t>(p) * n_cols_);
+      AppendPartialKeys(key + static_cast<size_t>(g) * d, 1, layer, g, p);
     }
+  }
+
+  // The partial key rows of n keys [n, head_dim] (KV head g of `layer`) at
+  // positions [first, first + n): their partial columns, then (4-bit) their
+  // rows.
+  void AppendPartialKeys(const float* keys, int n, int layer, int g,
+                         int first) {
+    Backend& b = *ctx_.backend;
+    const int d = config().head_dim;
+    uint8_t* rows =
+        PartialK(layer, g) + static_cast<size_t>(first) *
+                                 speculator::PartialKeyRowBytes(n_cols_,
+                                                                format_);
+    if (format_ == speculator::PartialKeyFormat::kFloat) {
+      b.Linear(keys, n, d, PartialW(layer, g), nullptr, n_cols_,
+               reinterpret_cast<float*>(rows));
+      return;
+    }
+    b.Linear(keys, n, d, PartialW(layer, g), nullptr, n_cols_,
+             new_partial_k_.data());
+    b.QuantizePartialKeys(new_partial_k_.data(), n, n_cols_, rows);
   }
 
  private:
@@ -702,14 +749,17 @@ class InfiniGenPolicy final : public KvPolicy {
   float* PartialW(int layer, int g) {
     return partial_w_.data() + Head(layer, g) * n_cols_ * config().head_dim;
   }
-  float* PartialK(int layer, int g) {
-    return partial_k_.data() + Head(layer, g) * ctx_.max_seq_len * n_cols_;
+  uint8_t* PartialK(int layer, int g) {
+    return partial_k_.data() +
+           Head(layer, g) * ctx_.max_seq_len *
+               speculator::PartialKeyRowBytes(n_cols_, format_);
   }
 
   const std::unique_ptr<const speculator::SkewMatrices> owned_skew_;
   const PolicyOptions options_;
   const speculator::SkewMatrices& skew_;
   const int n_cols_;
+  const speculator::PartialKeyFormat format_;
   // Host:
   std::vector<float> col_sums_;          // [layer][kv_head][d]
   std::vector<float> k_col_sums_;        // [layer][kv_head][d]: sum |k A|
@@ -730,7 +780,9 @@ class InfiniGenPolicy final : public KvPolicy {
   DeviceBuffer<int32_t> cols_dev_;   // cols_ for SpeculateScores
   DeviceBuffer<float> skew_t_;       // [layer][kv_head][d][d]: A^T
   DeviceBuffer<float> partial_w_;    // [layer][kv_head][n_cols][d]
-  DeviceBuffer<float> partial_k_;    // [layer][kv_head][max_seq][n_cols]
+  // [layer][kv_head][max_seq] 4-bit rows (speculator/partial_keys.h)
+  DeviceBuffer<uint8_t> partial_k_;
+  DeviceBuffer<float> new_partial_k_;  // [max_seq][n_cols]: before rows
   DeviceBuffer<float> q_, q_skewed_;  // [n_heads * d]
   DeviceBuffer<float> scores_;       // [head][p]: speculated logits
   DeviceBuffer<int> position_;       // [1]: the speculated query's position

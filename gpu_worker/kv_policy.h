@@ -62,7 +62,7 @@ struct PolicyOptions {
   // alpha of the head's maximum.
   float alpha = 5.0f;
   // infinigen: fraction of each head's columns kept in the partial query
-  // weight and partial key cache.
+  // weight and partial key cache (4-bit rows, speculator/partial_keys.h).
   float partial_ratio = 0.3f;
   // infinigen: cap on the tokens fetched per head, as a fraction of the
   // cached tokens. h2o: the kept fraction (half heavy hitters, half recent).
@@ -76,6 +76,18 @@ struct PolicyOptions {
   // fetch cannot leave early. Separates the loss of attending to a subset
   // from the error of speculating one layer ahead.
   bool same_layer_input = false;
+  // infinigen: where layer l + 1's query is speculated from. kLayerInput
+  // (the paper): layer l's attention input (its norm of the residual
+  // stream), so the fetch overlaps layer l's attention and MLP.
+  // kPostAttention: layer l + 1's attention norm of the residual stream
+  // after layer l's attention, the input layer l + 1 would see if layer l's
+  // MLP added nothing; the fetch overlaps layer l's MLP only.
+  enum class SpeculationInput { kLayerInput, kPostAttention };
+  SpeculationInput speculation_input = SpeculationInput::kLayerInput;
+  // infinigen, diagnostic: fp32 partial key rows instead of 4-bit ones
+  // (speculator/partial_keys.h), to measure what the 4 bits cost. The
+  // oracle and same_layer_input always rank by fp32 keys.
+  bool exact_partial_keys = false;
   // infinigen: the skew matrices (not owned; must outlive the engine).
   // Required for infinigen.
   const speculator::SkewMatrices* skew = nullptr;
@@ -110,6 +122,11 @@ struct PolicyOptions {
   bool SpeculatesFromOwnInput() const {
     return same_layer_input || kind == PolicyKind::kOracle ||
            kind == PolicyKind::kQuest;
+  }
+  // Whether layer l + 1's fetch is speculated after layer l's attention.
+  bool SpeculatesAfterAttention() const {
+    return kind == PolicyKind::kInfiniGen && !SpeculatesFromOwnInput() &&
+           speculation_input == SpeculationInput::kPostAttention;
   }
 
   // InvalidArgument for values out of range or a missing skew.

@@ -139,6 +139,10 @@ class OffloadedKvCache final : public KvCache {
   absl::Status BeginStep(absl::Span<const int> slots,
                          absl::Span<const int> positions) override;
   absl::Status LayerInput(int layer, const float* xb) override;
+  bool WantsPostAttentionInput() const override {
+    return options_.policy.SpeculatesAfterAttention();
+  }
+  absl::Status PostAttentionInput(int layer, const float* xb_next) override;
   absl::Status DecodeAttention(int layer, const float* q, const float* k,
                                const float* v, float* out) override;
   absl::Status LayerDone(int layer) override;
@@ -734,13 +738,30 @@ absl::Status OffloadedKvCache::BeginStep(absl::Span<const int> slots,
 absl::Status OffloadedKvCache::LayerInput(int layer, const float* xb) {
   // Layer l + 1's fetch leaves before layer l's attention and MLP run
   // (with the same_layer_input diagnostic, layer l's leaves now, from its
-  // own input; layer 0's left at the start of the step).
+  // own input; speculating after the attention, in PostAttentionInput;
+  // layer 0's left at the start of the step).
+  if (options_.policy.SpeculatesAfterAttention()) return absl::OkStatus();
   const int fetch_layer =
       options_.policy.SpeculatesFromOwnInput() ? layer : layer + 1;
   if (fetch_layer <= 0 || fetch_layer >= c_.n_layers) return absl::OkStatus();
   for (size_t i = 0; i < step_slots_.size(); ++i) {
     IG_RETURN_IF_ERROR(IssueFetch(sequences_[step_slots_[i]], fetch_layer,
                                   xb + i * c_.dim));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status OffloadedKvCache::PostAttentionInput(int layer,
+                                                  const float* xb_next) {
+  // Layer l + 1's fetch leaves after layer l's attention, while its MLP
+  // runs.
+  if (!options_.policy.SpeculatesAfterAttention() || layer + 1 <= 0 ||
+      layer + 1 >= c_.n_layers) {
+    return absl::OkStatus();
+  }
+  for (size_t i = 0; i < step_slots_.size(); ++i) {
+    IG_RETURN_IF_ERROR(IssueFetch(sequences_[step_slots_[i]], layer + 1,
+                                  xb_next + i * c_.dim));
   }
   return absl::OkStatus();
 }

@@ -1,6 +1,7 @@
 // The KV policies end to end on the real stories260K model through the
 // in-process memory node: what each fetches, and what that does to the
 // logits.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -53,7 +54,8 @@ class PolicyTest : public ::testing::Test {
   Run TeacherForced(PolicyOptions policy, int prefix,
                     double kv_capacity = 1.0,
                     kv_memory_service::EvictionPolicy eviction =
-                        kv_memory_service::EvictionPolicy::kLru) {
+                        kv_memory_service::EvictionPolicy::kLru,
+                    const model::Weights* weights = nullptr) {
     kv_memory_service::KvClientOptions copts;
     copts.inproc_store_options.eviction = eviction;
     auto client = kv_memory_service::ConnectKvClient("inproc:", copts);
@@ -63,7 +65,8 @@ class PolicyTest : public ::testing::Test {
     options.policy = policy;
     options.kv_client = client->get();
     options.kv_capacity = kv_capacity;
-    auto engine = Engine::Create(*weights_, NewCpuBackend(), options);
+    auto engine = Engine::Create(weights != nullptr ? *weights : *weights_,
+                                 NewCpuBackend(), options);
     EXPECT_TRUE(engine.ok()) << engine.status();
     Run run;
     const std::vector<int>& t = *tokens_;
@@ -201,6 +204,67 @@ TEST_F(PolicyTest, SameLayerInputSpeculatesFromTheLayersOwnInput) {
   Run by_ahead = TeacherForced(ahead, 8);
   EXPECT_NE(by_own.logits, by_ahead.logits);
   EXPECT_LT(by_own.stats.fraction_max, 0.4 + 0.6 * 0.2 + 0.6 / 8 + 1e-9);
+}
+
+// Speculating after the attention: layer l + 1's norm of the residual
+// stream after layer l's attention is layer l + 1's own input when layer
+// l's MLP adds nothing, so with every MLP's output projection zeroed and
+// full columns of fp32 partial keys infinigen fetches what the oracle
+// fetches; from layer l's input (the paper's) it does not.
+TEST_F(PolicyTest, PostAttentionSpeculationIsExactWhenTheMlpAddsNothing) {
+  model::Weights no_mlp = *weights_;
+  for (model::LayerWeights& w : no_mlp.layers) {
+    std::fill(w.w2.begin(), w.w2.end(), 0.0f);
+  }
+  auto skew = CalibrateSkew(no_mlp, *tokens_, {1.0, true, true});
+  ASSERT_TRUE(skew.ok()) << skew.status();
+  // The calibration's profile speculates the same way: its speculated
+  // ranking is the exact one, so are its errors (not so from the layer's
+  // input).
+  auto from_input = CalibrateSkew(no_mlp, *tokens_, {1.0, false, true});
+  ASSERT_TRUE(from_input.ok()) << from_input.status();
+  const speculator::HeadProfile& pr = skew->profile;
+  double input_gap = 0.0;
+  for (size_t i = pr.Offset(2, 0); i < pr.error.size(); ++i) {
+    EXPECT_NEAR(pr.speculated_error[i], pr.error[i],
+                1e-4 * (1.0 + pr.error[i])) << i;
+    input_gap = std::max(
+        input_gap, std::fabs(static_cast<double>(
+                       from_input->profile.speculated_error[i] -
+                       from_input->profile.error[i])));
+  }
+  EXPECT_GT(input_gap, 1e-3);
+  PolicyOptions oracle = Policy(PolicyKind::kOracle);
+  oracle.budget = 0.2f;
+  PolicyOptions post = Policy(PolicyKind::kInfiniGen);
+  post.skew = &*skew;
+  post.budget = 0.2f;
+  post.alpha = 1e30f;
+  post.partial_ratio = 1.0f;
+  post.speculation_input = PolicyOptions::SpeculationInput::kPostAttention;
+  post.exact_partial_keys = true;
+  const auto kLru = kv_memory_service::EvictionPolicy::kLru;
+  Run a = TeacherForced(oracle, 8, 1.0, kLru, &no_mlp);
+  Run b = TeacherForced(post, 8, 1.0, kLru, &no_mlp);
+  ASSERT_EQ(a.logits.size(), b.logits.size());
+  for (size_t i = 0; i < a.logits.size(); ++i) {
+    for (size_t j = 0; j < a.logits[i].size(); ++j) {
+      ASSERT_NEAR(a.logits[i][j], b.logits[i][j], kSameSelection)
+          << i << " " << j;
+    }
+  }
+  EXPECT_EQ(a.stats.rows_fetched, b.stats.rows_fetched);
+  PolicyOptions ahead = post;
+  ahead.speculation_input = PolicyOptions::SpeculationInput::kLayerInput;
+  Run c = TeacherForced(ahead, 8, 1.0, kLru, &no_mlp);
+  EXPECT_EQ(c.stats.rows_fetched, a.stats.rows_fetched);
+  float largest = 0.0f;
+  for (size_t i = 0; i < a.logits.size(); ++i) {
+    for (size_t j = 0; j < a.logits[i].size(); ++j) {
+      largest = std::max(largest, std::fabs(a.logits[i][j] - c.logits[i][j]));
+    }
+  }
+  EXPECT_GT(largest, 10 * kSameSelection);
 }
 
 // The oracle is the same-layer diagnostic at full columns with no alpha

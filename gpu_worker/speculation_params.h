@@ -6,24 +6,29 @@
 
 #include <cstdint>
 
+#include "speculator/partial_keys.h"
+
 namespace infinigen::gpu_worker {
 
 // InfiniGen's speculated attention scores over the partial key cache
 // (speculator::SpeculateScores):
 //   scores[g][t] = max over query heads h of group g of
-//                  sum_c (q_skewed[h][cols[g][c]] / sqrt(d)) *
-//                  partial_k[g][t][c]
+//                  sum_c (q_skewed[h][cols[g][c]] / sqrt(d)) * k_g,t[c]
+// where k_g,t is the partial key row [g][t] read back, 4-bit or fp32 by
+// `format` (speculator/partial_keys.h).
 struct SpeculationParams {
-  const float* q_skewed;   // [n_heads, d]
-  const float* partial_k;  // [n_kv_heads, k_stride, n_cols]
+  const float* q_skewed;     // [n_heads, d]
+  const uint8_t* partial_k;  // [n_kv_heads, k_stride] rows of
+                             // PartialKeyRowBytes(n_cols) bytes
   const int32_t* cols;     // [n_kv_heads, n_cols], each in [0, d)
   float* scores;           // [n_kv_heads, n_tokens]
   int n_heads = 0;
   int n_kv_heads = 0;  // divides n_heads
   int d = 0;           // head dimension
-  int k_stride = 0;    // >= n_tokens
+  int k_stride = 0;    // rows, >= n_tokens
   int n_tokens = 0;
   int n_cols = 0;  // 1..d
+  speculator::PartialKeyFormat format = speculator::PartialKeyFormat::kInt4;
 };
 
 }  // namespace infinigen::gpu_worker

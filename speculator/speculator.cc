@@ -16,6 +16,7 @@
 #include "absl/strings/str_format.h"
 #include "common/file.h"
 #include "common/status.h"
+#include "speculator/partial_keys.h"
 
 // The hand-vectorized scoring kernel needs AVX2 and FMA (the project builds
 // for x86-64-v3); INFINIGEN_SPECULATOR_PORTABLE forces the portable loop so
@@ -529,10 +530,13 @@ void SelectPartialColumns(const float* q_skewed, int n_tokens, int n_heads,
   }
 }
 
-void SpeculateScores(const float* q_skewed, int n_heads, int n_kv_heads, int d,
-                     const float* partial_k, int k_stride, int n_tokens,
-                     const int32_t* cols, int n_cols, float* scores) {
-  if (n_tokens <= 0) return;
+namespace {
+
+// SpeculateScores over fp32 rows [n_kv_heads][k_stride][n_cols].
+void SpeculateFloatScores(const float* q_skewed, int n_heads, int n_kv_heads,
+                          int d, const float* partial_k, int k_stride,
+                          int n_tokens, const int32_t* cols, int n_cols,
+                          float* scores) {
   const int group = n_heads / n_kv_heads;
   const int q_stride = PaddedColumns(n_cols);
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
@@ -567,6 +571,129 @@ void SpeculateScores(const float* q_skewed, int n_heads, int n_kv_heads, int d,
             Dot(row, qg.data() + static_cast<size_t>(j) * q_stride, n_cols));
       }
       out[t] = best;
+    }
+  }
+}
+
+}  // namespace
+
+void QuantizePartialKeys(const float* keys, int n_rows, int n_cols,
+                         uint8_t* rows) {
+  const int bytes = PartialKeyRowBytes(n_cols);
+  for (int r = 0; r < n_rows; ++r) {
+    const float* v = keys + static_cast<size_t>(r) * n_cols;
+    uint8_t* row = rows + static_cast<size_t>(r) * bytes;
+    float lo = v[0], hi = v[0];
+    for (int c = 1; c < n_cols; ++c) {
+      lo = std::min(lo, v[c]);
+      hi = std::max(hi, v[c]);
+    }
+    const float scale = (hi - lo) / 15.0f;
+    std::memcpy(row, &lo, sizeof(float));
+    std::memcpy(row + sizeof(float), &scale, sizeof(float));
+    uint8_t* codes = row + 2 * sizeof(float);
+    std::memset(codes, 0, bytes - 2 * sizeof(float));
+    if (!(scale > 0.0f)) continue;
+    for (int c = 0; c < n_cols; ++c) {
+      const int code = std::clamp(
+          static_cast<int>(std::nearbyint((v[c] - lo) / scale)), 0, 15);
+      codes[c / 2] |= static_cast<uint8_t>(code << (4 * (c & 1)));
+    }
+  }
+}
+
+namespace {
+
+// Row r's range and its codes as floats.
+inline void ReadPartialKeyRow(const uint8_t* row, int n_cols, float* lo,
+                              float* scale, float* codes) {
+  std::memcpy(lo, row, sizeof(float));
+  std::memcpy(scale, row + sizeof(float), sizeof(float));
+  const uint8_t* packed = row + 2 * sizeof(float);
+  for (int c = 0; c < n_cols; ++c) {
+    codes[c] = static_cast<float>((packed[c / 2] >> (4 * (c & 1))) & 0xF);
+  }
+}
+
+}  // namespace
+
+void DequantizePartialKeys(const uint8_t* rows, int n_rows, int n_cols,
+                           float* keys) {
+  const int bytes = PartialKeyRowBytes(n_cols);
+  for (int r = 0; r < n_rows; ++r) {
+    float lo, scale;
+    float* v = keys + static_cast<size_t>(r) * n_cols;
+    ReadPartialKeyRow(rows + static_cast<size_t>(r) * bytes, n_cols, &lo,
+                      &scale, v);
+    for (int c = 0; c < n_cols; ++c) v[c] = lo + scale * v[c];
+  }
+}
+
+void SpeculateScores(const float* q_skewed, int n_heads, int n_kv_heads, int d,
+                     const uint8_t* partial_k, int k_stride, int n_tokens,
+                     const int32_t* cols, int n_cols, float* scores,
+                     PartialKeyFormat format) {
+  if (n_tokens <= 0) return;
+  if (format == PartialKeyFormat::kFloat) {
+    SpeculateFloatScores(q_skewed, n_heads, n_kv_heads, d,
+                         reinterpret_cast<const float*>(partial_k), k_stride,
+                         n_tokens, cols, n_cols, scores);
+    return;
+  }
+  const int group = n_heads / n_kv_heads;
+  const int q_stride = PaddedColumns(n_cols);
+  const int row_bytes = PartialKeyRowBytes(n_cols);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  // The group's queries gathered to the partial columns, pre-scaled, and
+  // zero-padded to whole vectors: [group][q_stride], with each one's sum
+  // (what a row's min multiplies). Gathered once per KV head; then each
+  // block of kLanes cached rows is decoded once for all of them: a row's
+  // score is min * sum(q) + scale * (q . codes).
+  thread_local std::vector<float> qg, q_sums, codes;
+  qg.assign(static_cast<size_t>(group) * q_stride, 0.0f);
+  q_sums.assign(group, 0.0f);
+  codes.resize(static_cast<size_t>(kLanes) * n_cols);
+  for (int g = 0; g < n_kv_heads; ++g) {
+    const int32_t* cg = cols + static_cast<size_t>(g) * n_cols;
+    for (int j = 0; j < group; ++j) {
+      const float* qh = q_skewed + static_cast<size_t>(g * group + j) * d;
+      float* qj = qg.data() + static_cast<size_t>(j) * q_stride;
+      for (int c = 0; c < n_cols; ++c) qj[c] = qh[cg[c]] * scale;
+      float sum = 0.0f;
+      for (int c = 0; c < n_cols; ++c) sum += qj[c];
+      q_sums[j] = sum;
+    }
+    const uint8_t* kg =
+        partial_k + static_cast<size_t>(g) * k_stride * row_bytes;
+    float* out = scores + static_cast<size_t>(g) * n_tokens;
+    for (int t0 = 0; t0 < n_tokens; t0 += kLanes) {
+      const int m = std::min(kLanes, n_tokens - t0);
+      float lo[kLanes], row_scale[kLanes], dots[kLanes];
+      float best[kLanes];
+      for (int i = 0; i < m; ++i) {
+        ReadPartialKeyRow(kg + static_cast<size_t>(t0 + i) * row_bytes,
+                          n_cols, &lo[i], &row_scale[i],
+                          codes.data() + static_cast<size_t>(i) * n_cols);
+        best[i] = -std::numeric_limits<float>::infinity();
+      }
+      for (int j = 0; j < group; ++j) {
+        const float* qj = qg.data() + static_cast<size_t>(j) * q_stride;
+#if INFINIGEN_SPECULATOR_AVX2
+        if (m == kLanes) {
+          ScoreBlockAvx2(codes.data(), n_cols, qj, q_stride, 1, dots);
+        } else
+#endif
+        {
+          for (int i = 0; i < m; ++i) {
+            dots[i] = Dot(codes.data() + static_cast<size_t>(i) * n_cols, qj,
+                          n_cols);
+          }
+        }
+        for (int i = 0; i < m; ++i) {
+          best[i] = std::max(best[i], lo[i] * q_sums[j] + row_scale[i] * dots[i]);
+        }
+      }
+      std::copy(best, best + m, out + t0);
     }
   }
 }

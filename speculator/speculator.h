@@ -23,6 +23,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "speculator/partial_keys.h"
 
 namespace infinigen::speculator {
 
@@ -175,17 +176,28 @@ int PartialColumnCount(int d, double ratio);
 void SelectPartialColumns(const float* q_skewed, int n_tokens, int n_heads,
                           int n_kv_heads, int d, int n_cols, int32_t* cols);
 
+// The partial key cache's rows (partial_keys.h): keys [n_rows, n_cols] ->
+// rows, n_rows of PartialKeyRowBytes(n_cols) bytes each, and back.
+void QuantizePartialKeys(const float* keys, int n_rows, int n_cols,
+                         uint8_t* rows);
+void DequantizePartialKeys(const uint8_t* rows, int n_rows, int n_cols,
+                           float* keys);
+
 // Speculated attention scores of one layer for one query (the policies
 // call it per query head, n_heads = n_kv_heads = 1, and combine the heads
 // with CombineHeadScores):
 //   score[g][t] = max over query heads h of group g of
-//                 sum_c q_skewed[h][cols_g[c]] * partial_k[g][t][c] / sqrt(d)
-// `q_skewed` [n_heads, d]; `partial_k` [n_kv_heads][k_stride][n_cols] (the
-// partial columns of the skewed cached keys, token-major per head);
-// `cols` [n_kv_heads][n_cols]; `scores` [n_kv_heads][n_tokens].
+//                 sum_c q_skewed[h][cols_g[c]] * k_g,t[c] / sqrt(d)
+// where k_g,t is partial key row [g][t] as read back (partial_keys.h).
+// `q_skewed` [n_heads, d]; `partial_k` [n_kv_heads][k_stride] rows of
+// PartialKeyRowBytes(n_cols, format) bytes (the partial columns of the
+// skewed cached keys, token-major per head); `cols` [n_kv_heads][n_cols];
+// `scores` [n_kv_heads][n_tokens].
 void SpeculateScores(const float* q_skewed, int n_heads, int n_kv_heads,
-                     int d, const float* partial_k, int k_stride, int n_tokens,
-                     const int32_t* cols, int n_cols, float* scores);
+                     int d, const uint8_t* partial_k, int k_stride,
+                     int n_tokens, const int32_t* cols, int n_cols,
+                     float* scores,
+                     PartialKeyFormat format = PartialKeyFormat::kInt4);
 
 // Per KV head g and token t, the largest over g's query heads h of h's
 // speculated log-probability: head_scores [n_heads][n_tokens] (logits, as

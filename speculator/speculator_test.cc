@@ -17,6 +17,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "speculator/partial_keys.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -655,7 +657,63 @@ TEST(SelectPartialColumns, AllColumnsWhenNColsIsD) {
 }
 
 // ---------------------------------------------------------------------------
-// SpeculateScores
+// Partial key rows and SpeculateScores
+
+std::vector<uint8_t> Quantized(const std::vector<float>& keys, int n_cols) {
+  const int n_rows = static_cast<int>(keys.size()) / n_cols;
+  std::vector<uint8_t> rows(static_cast<size_t>(n_rows) *
+                            PartialKeyRowBytes(n_cols));
+  QuantizePartialKeys(keys.data(), n_rows, n_cols, rows.data());
+  return rows;
+}
+
+std::vector<float> ReadBack(const std::vector<uint8_t>& rows, int n_cols) {
+  const int n_rows =
+      static_cast<int>(rows.size()) / PartialKeyRowBytes(n_cols);
+  std::vector<float> keys(static_cast<size_t>(n_rows) * n_cols);
+  DequantizePartialKeys(rows.data(), n_rows, n_cols, keys.data());
+  return keys;
+}
+
+TEST(PartialKeys, RowLayoutIsRangeThenPackedNibbles) {
+  // One row of 5 columns: min -1, max 2, scale 0.2.
+  const std::vector<float> v = {-1.0f, 2.0f, 0.0f, 0.8f, -0.6f};
+  ASSERT_EQ(PartialKeyRowBytes(5), 12);  // 8 + 3 code bytes, padded to 4
+  ASSERT_EQ(PartialKeyRowBytes(64), 40);
+  ASSERT_EQ(PartialKeyRowBytes(19), 20);
+  std::vector<uint8_t> row = Quantized(v, 5);
+  ASSERT_EQ(row.size(), 12u);
+  float lo, scale;
+  std::memcpy(&lo, row.data(), 4);
+  std::memcpy(&scale, row.data() + 4, 4);
+  EXPECT_EQ(lo, -1.0f);
+  EXPECT_FLOAT_EQ(scale, 3.0f / 15.0f);
+  // Codes 0, 15, 5, 9, 2.
+  EXPECT_EQ(row[8], 0x0 | (15 << 4));
+  EXPECT_EQ(row[9], 5 | (9 << 4));
+  EXPECT_EQ(row[10], 2);
+  EXPECT_EQ(row[11], 0);
+}
+
+TEST(PartialKeys, ReadBackIsWithinHalfAStepAndConstantRowsAreExact) {
+  std::mt19937 rng(21);
+  for (int n_cols : {1, 2, 7, 19, 64}) {
+    std::vector<float> keys = RandomMatrix(9, n_cols, rng);
+    std::vector<float> back = ReadBack(Quantized(keys, n_cols), n_cols);
+    for (int r = 0; r < 9; ++r) {
+      const float* k = keys.data() + r * n_cols;
+      const float lo = *std::min_element(k, k + n_cols);
+      const float hi = *std::max_element(k, k + n_cols);
+      for (int c = 0; c < n_cols; ++c) {
+        EXPECT_NEAR(back[r * n_cols + c], k[c],
+                    (hi - lo) / 30.0f * 1.0001f + 1e-6f)
+            << n_cols << " " << r << " " << c;
+      }
+    }
+  }
+  const std::vector<float> flat(6, 0.75f);
+  EXPECT_EQ(ReadBack(Quantized(flat, 6), 6), flat);
+}
 
 std::vector<float> NaiveScores(const std::vector<float>& q, int n_heads,
                                int n_kv_heads, int d,
@@ -681,20 +739,30 @@ std::vector<float> NaiveScores(const std::vector<float>& q, int n_heads,
   return out;
 }
 
+// Scores of two computations of the same sums (different rounding).
+void ExpectSameScores(const std::vector<float>& got,
+                      const std::vector<float>& want, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_NEAR(got[i], want[i], 1e-5f * (1.0f + std::fabs(want[i])))
+        << what << " i=" << i;
+  }
+}
+
 TEST(SpeculateScores, MatchesNaiveWithGqaStrideAndColumnSubsets) {
   const int n_heads = 6, n_kv_heads = 2, d = 16, n_cols = 5;
   const int k_stride = 13, n_tokens = 9;
   std::mt19937 rng(11);
   std::vector<float> q = RandomMatrix(n_heads, d, rng);
-  std::vector<float> partial_k =
-      RandomMatrix(n_kv_heads * k_stride, n_cols, rng);
-  // Rows past n_tokens are unused capacity: poison them.
+  std::vector<uint8_t> partial_k =
+      Quantized(RandomMatrix(n_kv_heads * k_stride, n_cols, rng), n_cols);
+  const std::vector<float> read_back = ReadBack(partial_k, n_cols);
+  // Rows past n_tokens are unused capacity: poison them (NaN ranges).
+  const int row_bytes = PartialKeyRowBytes(n_cols);
   for (int g = 0; g < n_kv_heads; ++g) {
     for (int t = n_tokens; t < k_stride; ++t) {
-      for (int c = 0; c < n_cols; ++c) {
-        partial_k[(g * k_stride + t) * n_cols + c] =
-            std::numeric_limits<float>::quiet_NaN();
-      }
+      std::fill_n(partial_k.begin() + (g * k_stride + t) * row_bytes,
+                  row_bytes, 0xFF);
     }
   }
   // Different columns per KV head, not contiguous.
@@ -702,11 +770,10 @@ TEST(SpeculateScores, MatchesNaiveWithGqaStrideAndColumnSubsets) {
   std::vector<float> scores(n_kv_heads * n_tokens, 123.0f);
   SpeculateScores(q.data(), n_heads, n_kv_heads, d, partial_k.data(), k_stride,
                   n_tokens, cols.data(), n_cols, scores.data());
-  std::vector<float> expected = NaiveScores(
-      q, n_heads, n_kv_heads, d, partial_k, k_stride, n_tokens, cols, n_cols);
-  for (int i = 0; i < n_kv_heads * n_tokens; ++i) {
-    EXPECT_NEAR(scores[i], expected[i], 1e-5f) << i;
-  }
+  ExpectSameScores(scores,
+                   NaiveScores(q, n_heads, n_kv_heads, d, read_back, k_stride,
+                               n_tokens, cols, n_cols),
+                   "gqa");
 }
 
 TEST(SpeculateScores, MatchesNaiveAcrossShapes) {
@@ -728,8 +795,9 @@ TEST(SpeculateScores, MatchesNaiveAcrossShapes) {
     std::vector<float> q = RandomMatrix(c.n_heads, c.d, rng);
     // Exactly n_kv_heads * k_stride rows, so a read past the last row would
     // leave the buffer (visible under a sanitizer).
-    std::vector<float> partial_k =
-        RandomMatrix(c.n_kv_heads * c.k_stride, c.n_cols, rng);
+    std::vector<uint8_t> partial_k =
+        Quantized(RandomMatrix(c.n_kv_heads * c.k_stride, c.n_cols, rng),
+                  c.n_cols);
     std::vector<int32_t> cols;
     for (int g = 0; g < c.n_kv_heads; ++g) {
       std::vector<int32_t> all(c.d);
@@ -743,17 +811,19 @@ TEST(SpeculateScores, MatchesNaiveAcrossShapes) {
     SpeculateScores(q.data(), c.n_heads, c.n_kv_heads, c.d, partial_k.data(),
                     c.k_stride, c.n_tokens, cols.data(), c.n_cols,
                     scores.data());
-    std::vector<float> expected =
-        NaiveScores(q, c.n_heads, c.n_kv_heads, c.d, partial_k, c.k_stride,
-                    c.n_tokens, cols, c.n_cols);
-    for (size_t i = 0; i < scores.size(); ++i) {
-      ASSERT_NEAR(scores[i], expected[i], 1e-5f)
-          << "n_heads=" << c.n_heads << " n_kv_heads=" << c.n_kv_heads
-          << " n_cols=" << c.n_cols << " n_tokens=" << c.n_tokens << " i=" << i;
-    }
+    ExpectSameScores(
+        scores,
+        NaiveScores(q, c.n_heads, c.n_kv_heads, c.d,
+                    ReadBack(partial_k, c.n_cols), c.k_stride, c.n_tokens,
+                    cols, c.n_cols),
+        absl::StrFormat("n_heads=%d n_kv_heads=%d n_cols=%d n_tokens=%d",
+                        c.n_heads, c.n_kv_heads, c.n_cols, c.n_tokens));
   }
 }
 
+// With every column the scores are the scaled exact ones, maxed over the
+// group, up to the keys' 4-bit steps: within half a step of each column
+// times |q| / sqrt(d).
 TEST(SpeculateScores, AllColumnsGiveExactScaledScoresMaxedOverTheGroup) {
   const int n_heads = 6, n_kv_heads = 2, d = 8, n_tokens = 7;
   std::mt19937 rng(13);
@@ -764,19 +834,25 @@ TEST(SpeculateScores, AllColumnsGiveExactScaledScoresMaxedOverTheGroup) {
     for (int c = 0; c < d; ++c) cols.push_back(c);
   }
   std::vector<float> scores(n_kv_heads * n_tokens);
-  // With every column the partial cache is the full key cache.
-  SpeculateScores(q.data(), n_heads, n_kv_heads, d, k.data(), n_tokens,
-                  n_tokens, cols.data(), d, scores.data());
+  SpeculateScores(q.data(), n_heads, n_kv_heads, d, Quantized(k, d).data(),
+                  n_tokens, n_tokens, cols.data(), d, scores.data());
   for (int g = 0; g < n_kv_heads; ++g) {
     for (int t = 0; t < n_tokens; ++t) {
+      const float* kt = k.data() + (g * n_tokens + t) * d;
+      const float step = (*std::max_element(kt, kt + d) -
+                          *std::min_element(kt, kt + d)) / 15.0f;
       float best = -std::numeric_limits<float>::infinity();
+      float bound = 0.0f;
       for (int h = 3 * g; h < 3 * g + 3; ++h) {
-        float dot = 0;
-        for (int c = 0; c < d; ++c)
-          dot += q[h * d + c] * k[(g * n_tokens + t) * d + c];
+        float dot = 0, abs_q = 0;
+        for (int c = 0; c < d; ++c) {
+          dot += q[h * d + c] * kt[c];
+          abs_q += std::fabs(q[h * d + c]);
+        }
         best = std::max(best, dot / std::sqrt(8.0f));
+        bound = std::max(bound, step / 2 * abs_q / std::sqrt(8.0f));
       }
-      EXPECT_NEAR(scores[g * n_tokens + t], best, 1e-5f);
+      EXPECT_NEAR(scores[g * n_tokens + t], best, bound * 1.001f + 1e-5f);
     }
   }
 }
@@ -784,7 +860,8 @@ TEST(SpeculateScores, AllColumnsGiveExactScaledScoresMaxedOverTheGroup) {
 TEST(SpeculateScores, NoTokensWritesNothingAndSteadyStateDoesNotAllocate) {
   const int n_heads = 4, n_kv_heads = 2, d = 8, n_cols = 2;
   std::vector<float> q(n_heads * d, 1.0f);
-  std::vector<float> partial_k(n_kv_heads * 4 * n_cols, 1.0f);
+  std::vector<uint8_t> partial_k =
+      Quantized(std::vector<float>(n_kv_heads * 4 * n_cols, 1.0f), n_cols);
   std::vector<int32_t> cols = {0, 1, 2, 3};
   std::vector<float> scores(n_kv_heads * 4, 7.0f);
   SpeculateScores(q.data(), n_heads, n_kv_heads, d, partial_k.data(), 4, 0,

@@ -185,6 +185,35 @@ class Cli(unittest.TestCase):
                     "--head_budgets=adaptive")
             self.assert_one_line_failure(r, 2, ["head profile", old])
 
+    def test_speculation_flags_resolve_auto_and_reject_bad_values(self):
+        base = ["perplexity", f"--model={MODEL}", f"--tokenizer={TOK}",
+                f"--text={TEXT}", "--ctx=128", "--max_windows=1",
+                "--prompt_tokens=16", "--json", "--backend=cpu",
+                "--policy=infinigen"]
+        for flag, value in [("--partial_ratio", "1.5"),
+                            ("--partial_ratio", "most"),
+                            ("--speculate_from", "nowhere"),
+                            ("--partial_key_bits", "8")]:
+            r = run(*base, f"{flag}={value}")
+            self.assert_one_line_failure(r, 2, [flag, value])
+            r = run("skew", f"--model={MODEL}", f"--tokenizer={TOK}",
+                    f"--text={TEXT}", "--out=/dev/null", f"{flag}={value}")
+            self.assert_one_line_failure(r, 2, [flag, value])
+        # auto: the paper's speculation, or under --target_fetch all
+        # columns from after the attention; 4-bit partial keys either way.
+        want = {(): (0.3, "layer_input", 4),
+                ("--target_fetch=0.7",): (1.0, "post_attention", 4),
+                ("--target_fetch=0.7", "--partial_ratio=0.5",
+                 "--speculate_from=layer_input", "--partial_key_bits=32"):
+                    (0.5, "layer_input", 32)}
+        for extra, (ratio, source, bits) in want.items():
+            r = run(*base, *extra)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            last = json.loads(r.stdout.strip().splitlines()[-1])
+            self.assertEqual((last["partial_ratio"], last["speculate_from"],
+                              last["partial_key_bits"]),
+                             (ratio, source, bits), extra)
+
     def test_bench_decode_rejects_a_context_beyond_the_model(self):
         r = run("bench-decode", f"--model={MODEL}", "--ctx=100000",
                 "--decode_tokens=4", "--policy=ideal")

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/file.h"
@@ -49,9 +50,23 @@ ABSL_FLAG(std::string, policy, "ideal",
 ABSL_FLAG(double, alpha, 5.0,
           "infinigen: fetch tokens whose speculated score is within alpha of "
           "the head's maximum.");
-ABSL_FLAG(double, partial_ratio, 0.3,
-          "infinigen: fraction of each head's columns in the partial query "
-          "weight and partial key cache.");
+ABSL_FLAG(std::string, partial_ratio, "auto",
+          "infinigen: fraction of each head's columns, in (0, 1], in the "
+          "partial query weight and partial key cache (8-bit); auto: 1 for "
+          "infinigen with --target_fetch (and for the profile 'skew' "
+          "writes), else 0.3 (the paper's).");
+ABSL_FLAG(int, partial_key_bits, 4,
+          "infinigen: bits per value in the partial key cache: 4 (rows "
+          "quantized against their own range) or 32 (fp32, a diagnostic of "
+          "what the 4 bits cost).");
+ABSL_FLAG(std::string, speculate_from, "auto",
+          "infinigen: where layer l + 1's fetch is speculated from: "
+          "layer_input (the paper: layer l's attention input; the fetch "
+          "overlaps layer l's attention and MLP) or post_attention (layer "
+          "l + 1's norm of the residual stream after layer l's attention; "
+          "the fetch overlaps layer l's MLP); auto: post_attention for "
+          "infinigen with --target_fetch (and for the profile 'skew' "
+          "writes), else layer_input.");
 ABSL_FLAG(double, budget, 0.2,
           "infinigen: cap on tokens fetched per head as a fraction of the "
           "cached tokens; oracle: the fraction each head takes; quest: the "
@@ -162,9 +177,41 @@ namespace infinigen::commands {
 using gpu_worker::Engine;
 using gpu_worker::EngineOptions;
 
+absl::StatusOr<double> PartialRatioFromFlags(bool tuned) {
+  const std::string flag = absl::GetFlag(FLAGS_partial_ratio);
+  if (flag == "auto") return tuned ? 1.0 : 0.3;
+  double ratio = 0;
+  if (!absl::SimpleAtod(flag, &ratio) || !(ratio > 0.0 && ratio <= 1.0)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--partial_ratio must be auto or in (0, 1], got '%s'", flag));
+  }
+  return ratio;
+}
+
+absl::StatusOr<bool> ExactPartialKeysFromFlags() {
+  const int bits = absl::GetFlag(FLAGS_partial_key_bits);
+  if (bits != 4 && bits != 32) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--partial_key_bits must be 4 or 32, got %d", bits));
+  }
+  return bits == 32;
+}
+
+absl::StatusOr<bool> SpeculatesPostAttentionFromFlags(bool tuned) {
+  const std::string flag = absl::GetFlag(FLAGS_speculate_from);
+  if (flag == "auto") return tuned;
+  if (flag == "layer_input") return false;
+  if (flag == "post_attention") return true;
+  return absl::InvalidArgumentError(absl::StrFormat(
+      "--speculate_from must be auto, layer_input or post_attention, got "
+      "'%s'", flag));
+}
+
 std::vector<const char*> WithEngineFlags(std::vector<const char*> own) {
   for (const char* f :
-       {"policy", "alpha", "partial_ratio", "partial_rank", "budget",
+       {"policy", "alpha", "partial_ratio", "partial_key_bits",
+        "speculate_from", "partial_rank",
+        "budget",
         "sink_tokens", "recent_tokens", "score_mass", "head_budgets",
         "budget_floor", "page_tokens", "target_fetch", "skew",
         "kv_service", "kv_auth_token_file", "kv_tls_ca", "kv_tls_cert",
@@ -335,7 +382,18 @@ absl::StatusOr<EngineOptions> EngineOptionsFromFlags(const std::string& policy,
   gpu_worker::PolicyOptions& p = options.policy;
   IG_ASSIGN_OR_RETURN(p.kind, gpu_worker::ParsePolicy(policy));
   p.alpha = static_cast<float>(absl::GetFlag(FLAGS_alpha));
-  p.partial_ratio = static_cast<float>(absl::GetFlag(FLAGS_partial_ratio));
+  // The --target_fetch defaults of infinigen (auto flags).
+  const bool tuned = p.kind == gpu_worker::PolicyKind::kInfiniGen &&
+                     absl::GetFlag(FLAGS_target_fetch) != 0;
+  IG_ASSIGN_OR_RETURN(const double ratio, PartialRatioFromFlags(tuned));
+  p.partial_ratio = static_cast<float>(ratio);
+  IG_ASSIGN_OR_RETURN(const bool post_attention,
+                      SpeculatesPostAttentionFromFlags(tuned));
+  p.speculation_input =
+      post_attention
+          ? gpu_worker::PolicyOptions::SpeculationInput::kPostAttention
+          : gpu_worker::PolicyOptions::SpeculationInput::kLayerInput;
+  IG_ASSIGN_OR_RETURN(p.exact_partial_keys, ExactPartialKeysFromFlags());
   p.budget = static_cast<float>(absl::GetFlag(FLAGS_budget));
   const std::string rank = absl::GetFlag(FLAGS_partial_rank);
   if (rank != "q" && rank != "qk") {
@@ -381,7 +439,8 @@ absl::StatusOr<EngineOptions> EngineOptionsFromFlags(const std::string& policy,
 // InfiniGen's skew: --skew's file (checked against the model), else
 // calibrated on the first --calibration_tokens of `calibration`.
 absl::StatusOr<std::unique_ptr<speculator::SkewMatrices>> SkewFromFlags(
-    const model::Weights& weights, absl::Span<const int> calibration) {
+    const model::Weights& weights, absl::Span<const int> calibration,
+    const gpu_worker::PolicyOptions& options) {
   const model::ModelConfig& c = weights.config;
   const std::string path = absl::GetFlag(FLAGS_skew);
   if (!path.empty()) {
@@ -396,7 +455,9 @@ absl::StatusOr<std::unique_ptr<speculator::SkewMatrices>> SkewFromFlags(
   IG_ASSIGN_OR_RETURN(auto skew,
                       gpu_worker::CalibrateSkew(
                           weights, calibration.subspan(0, n),
-                          absl::GetFlag(FLAGS_partial_ratio)));
+                          {options.partial_ratio,
+                           options.SpeculatesAfterAttention(),
+                           options.exact_partial_keys}));
   return std::make_unique<speculator::SkewMatrices>(std::move(skew));
 }
 
@@ -412,7 +473,7 @@ absl::StatusOr<PolicySetup> SetUpPolicy(
   if (s.options.policy.kind == gpu_worker::PolicyKind::kIdeal) return s;
   gpu_worker::PolicyOptions& p = s.options.policy;
   if (p.kind == gpu_worker::PolicyKind::kInfiniGen || p.adaptive_budgets) {
-    IG_ASSIGN_OR_RETURN(s.skew, SkewFromFlags(weights, calibration));
+    IG_ASSIGN_OR_RETURN(s.skew, SkewFromFlags(weights, calibration, p));
     if (p.kind == gpu_worker::PolicyKind::kInfiniGen) p.skew = s.skew.get();
   }
   if (p.adaptive_budgets && s.skew->profile.empty()) {

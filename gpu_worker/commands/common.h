@@ -34,7 +34,9 @@ ABSL_DECLARE_FLAG(std::string, kv_service);
 ABSL_DECLARE_FLAG(double, kv_capacity);
 ABSL_DECLARE_FLAG(std::string, eviction);
 ABSL_DECLARE_FLAG(int, calibration_tokens);
-ABSL_DECLARE_FLAG(double, partial_ratio);
+ABSL_DECLARE_FLAG(std::string, partial_ratio);
+ABSL_DECLARE_FLAG(std::string, speculate_from);
+ABSL_DECLARE_FLAG(int, partial_key_bits);
 ABSL_DECLARE_FLAG(std::string, chat_template);
 
 namespace infinigen::commands {
@@ -58,6 +60,14 @@ std::vector<const char*> WithEngineFlags(std::vector<const char*> own);
 // `own` and the engine's flags, with prefix reuse and recovery: the
 // commands that serve generations.
 std::vector<const char*> WithServingFlags(std::vector<const char*> own);
+
+// --partial_ratio and --speculate_from, their auto resolved for `tuned`
+// (infinigen under --target_fetch, and the profile 'skew' writes) or not:
+// InvalidArgument naming the flag for a bad value.
+absl::StatusOr<double> PartialRatioFromFlags(bool tuned);
+absl::StatusOr<bool> SpeculatesPostAttentionFromFlags(bool tuned);
+// --partial_key_bits: whether the partial keys are fp32 (32) or 4-bit (4).
+absl::StatusOr<bool> ExactPartialKeysFromFlags();
 
 // Writes "infinigen: MESSAGE" to stderr and returns `code`.
 int Fail(int code, const absl::Status& status);

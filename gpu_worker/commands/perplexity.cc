@@ -54,6 +54,9 @@ void PrintResult(const gpu_worker::PerplexityOptions& o,
   auto decimal = [](float x) { return std::stod(absl::StrFormat("%g", x)); };
   j["alpha"] = decimal(policy.alpha);
   j["partial_ratio"] = decimal(policy.partial_ratio);
+  j["partial_key_bits"] = policy.exact_partial_keys ? 32 : 4;
+  j["speculate_from"] = policy.SpeculatesAfterAttention() ? "post_attention"
+                                                          : "layer_input";
   j["budget"] = decimal(policy.budget);
   j["kv_capacity"] = absl::GetFlag(FLAGS_kv_capacity);
   j["eviction"] = absl::GetFlag(FLAGS_eviction);

@@ -25,15 +25,18 @@ int RunSkew() {
                                absl::GetFlag(FLAGS_calibration_tokens),
                                run->model.weights.config.max_seq_len});
   const auto t0 = std::chrono::steady_clock::now();
-  const double ratio = absl::GetFlag(FLAGS_partial_ratio);
-  if (!(ratio > 0.0 && ratio <= 1.0)) {
-    return Fail(kExitUsage,
-                absl::InvalidArgumentError(absl::StrFormat(
-                    "--partial_ratio must be in (0, 1], got %g", ratio)));
-  }
+  // The profile is for adaptive head budgets, which infinigen uses under
+  // --target_fetch: measured with that mode's speculation by default.
+  const absl::StatusOr<double> ratio = PartialRatioFromFlags(true);
+  if (!ratio.ok()) return Fail(kExitUsage, ratio.status());
+  const absl::StatusOr<bool> post_attention =
+      SpeculatesPostAttentionFromFlags(true);
+  if (!post_attention.ok()) return Fail(kExitUsage, post_attention.status());
+  const absl::StatusOr<bool> exact_keys = ExactPartialKeysFromFlags();
+  if (!exact_keys.ok()) return Fail(kExitUsage, exact_keys.status());
   auto skew = gpu_worker::CalibrateSkew(
       run->model.weights, absl::MakeConstSpan(run->tokens).subspan(0, n),
-      ratio);
+      {*ratio, *post_attention, *exact_keys});
   if (!skew.ok()) return Fail(kExitUsage, skew.status());
   if (absl::Status s = skew->Save(out); !s.ok()) return Fail(kExitFailure, s);
   std::printf("wrote %s: %d layers x %d KV heads, head_dim %d, from %d "
@@ -51,10 +54,11 @@ const Command& SkewCommand() {
   static const Command* command = new Command{
       "skew",
       "Computes InfiniGen's skew matrices and its head profile (for "
-      "--adaptive_budgets, measured at --partial_ratio) from calibration "
-      "text and writes them to --out.",
+      "--head_budgets=adaptive, measured with --partial_ratio, "
+      "--speculate_from and --partial_key_bits, by default as infinigen speculates under "
+      "--target_fetch) from calibration text and writes them to --out.",
       {"model", "tokenizer", "text", "calibration_tokens", "partial_ratio",
-       "out", "threads"},
+       "speculate_from", "partial_key_bits", "out", "threads"},
       RunSkew};
   return *command;
 }

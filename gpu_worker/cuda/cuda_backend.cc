@@ -14,6 +14,7 @@
 #include "absl/strings/str_format.h"
 #include "common/log.h"
 #include "gpu_worker/cuda/kernels.h"
+#include "speculator/partial_keys.h"
 
 namespace infinigen::gpu_worker::cuda {
 namespace {
@@ -571,7 +572,7 @@ class CudaBackend final : public Backend {
     p.partial_k =
         In(a.partial_k,
            (static_cast<long>(a.n_kv_heads - 1) * a.k_stride + a.n_tokens) *
-               a.n_cols,
+               speculator::PartialKeyRowBytes(a.n_cols, a.format),
            kOp, "partial_k");
     p.cols = In(a.cols, static_cast<long>(a.n_kv_heads) * a.n_cols, kOp,
                 "cols");
@@ -579,6 +580,26 @@ class CudaBackend final : public Backend {
                    kOp, "scores");
     if (!ok()) return;
     Launched(LaunchSpeculateScores(p, stream_), kOp);
+  }
+
+  void QuantizePartialKeys(const float* keys, int n_rows, int n_cols,
+                           uint8_t* rows) override {
+    constexpr const char* kOp = "QuantizePartialKeys";
+    if (!Begin() || n_rows == 0) return;
+    if (n_rows < 0 || n_cols <= 0) {
+      return FailShape(kOp,
+                       absl::StrFormat("n_rows=%d n_cols=%d", n_rows, n_cols));
+    }
+    QuantizePartialKeysParams p;
+    p.keys = In(keys, static_cast<long>(n_rows) * n_cols, kOp, "keys");
+    p.rows = Out(rows,
+                 static_cast<long>(n_rows) *
+                     speculator::PartialKeyRowBytes(n_cols),
+                 kOp, "rows");
+    p.n_rows = n_rows;
+    p.n_cols = n_cols;
+    if (!ok()) return;
+    Launched(LaunchQuantizePartialKeys(p, stream_), kOp);
   }
 
   void Copy(float* dst, const float* src, long count) override {

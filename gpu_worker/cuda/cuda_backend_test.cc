@@ -20,6 +20,7 @@
 #include "gpu_worker/cuda/parity_testing.h"
 #include "gpu_worker/shared_vector.h"
 #include "gtest/gtest.h"
+#include "speculator/partial_keys.h"
 
 namespace infinigen::gpu_worker::cuda {
 namespace {
@@ -398,15 +399,31 @@ TEST_F(CudaBackendTest, NameAndFailedAllocation) {
   EXPECT_EQ(x[3], 0.0f);
 }
 
-// The backend's SpeculateScores (the InfiniGen policy's scoring) against
-// the CPU backend's (speculator::SpeculateScores); within 1e-4 relative.
+// The backend's QuantizePartialKeys and SpeculateScores (the InfiniGen
+// policy's partial key rows and scoring) against the CPU backend's
+// (speculator::QuantizePartialKeys, SpeculateScores): the same row bytes,
+// scores within 1e-4 relative.
 TEST_F(CudaBackendTest, SpeculateScoresMatchesCpu) {
-  const int n_heads = 9, n_kv_heads = 3, d = 64, n_cols = 19;
+  const int n_heads = 9, n_kv_heads = 3, d = 64;
+  for (const int n_cols : {19, 64})
   for (const int n_tokens : {1, 300, 5000}) {
     const int k_stride = n_tokens + 3;
     std::vector<float> q = Normal(static_cast<size_t>(n_heads) * d, rng_);
-    std::vector<float> partial_k =
+    const std::vector<float> keys =
         Normal(static_cast<size_t>(n_kv_heads) * k_stride * n_cols, rng_);
+    std::vector<uint8_t> partial_k(static_cast<size_t>(n_kv_heads) *
+                                   k_stride *
+                                   speculator::PartialKeyRowBytes(n_cols));
+    cpu_->QuantizePartialKeys(keys.data(), n_kv_heads * k_stride, n_cols,
+                              partial_k.data());
+    SharedVector<float> gkeys = Shared(gpu_.get(), keys);
+    SharedVector<uint8_t> gk(partial_k.size(), 0,
+                             SharedAllocator<uint8_t>(gpu_.get()));
+    gpu_->QuantizePartialKeys(gkeys.data(), n_kv_heads * k_stride, n_cols,
+                              gk.data());
+    ASSERT_TRUE(gpu_->Synchronize().ok()) << gpu_->Synchronize();
+    ASSERT_TRUE(std::equal(partial_k.begin(), partial_k.end(), gk.begin()))
+        << "n_cols=" << n_cols;
     std::vector<int32_t> cols(static_cast<size_t>(n_kv_heads) * n_cols);
     for (size_t i = 0; i < cols.size(); ++i) cols[i] = (i * 7) % d;
     SpeculationParams p;
@@ -423,7 +440,6 @@ TEST_F(CudaBackendTest, SpeculateScoresMatchesCpu) {
     p.scores = want.data();
     cpu_->SpeculateScores(p);
     SharedVector<float> gq = Shared(gpu_.get(), q),
-                        gk = Shared(gpu_.get(), partial_k),
                         gscores(want.size(), 0.0f,
                                 SharedAllocator<float>(gpu_.get()));
     SharedVector<int32_t> gcols = Shared(gpu_.get(), cols);

@@ -179,6 +179,18 @@ int LaunchAttention(const AttentionKernelParams& p, void* stream);
 // gpu_worker/speculation_params.h, says what it computes).
 int LaunchSpeculateScores(const SpeculationParams& p, void* stream);
 
+struct QuantizePartialKeysParams {
+  const float* keys;  // [n_rows, n_cols]
+  uint8_t* rows;      // [n_rows] of speculator::PartialKeyRowBytes(n_cols)
+  int n_rows = 0;
+  int n_cols = 0;
+};
+
+// speculator::QuantizePartialKeys on the device (the same bytes: the
+// division and the rounding are IEEE's on both).
+int LaunchQuantizePartialKeys(const QuantizePartialKeysParams& p,
+                              void* stream);
+
 struct SelectTopKParams {
   const float* scores;  // [n_kv_heads, n_tokens], no NaN
   int32_t* indices;     // [n_kv_heads, k]: each head's k chosen positions

@@ -23,6 +23,7 @@
 #include "gpu_worker/kv_policy.h"
 #include "gtest/gtest.h"
 #include "model/weights.h"
+#include "speculator/partial_keys.h"
 #include "speculator/speculator.h"
 
 namespace infinigen::gpu_worker::cuda {
@@ -372,14 +373,25 @@ TEST_F(CudaKernels, SpeculationMatchesSpeculator) {
     const int n_cols = speculator::PartialColumnCount(c.d, 0.3);
     const int k_stride = c.n_tokens + 7;
     std::vector<float> q = Normal(static_cast<size_t>(n_heads) * c.d, rng_);
-    std::vector<float> partial_k =
+    const std::vector<float> keys =
         Normal(static_cast<size_t>(n_kv_heads) * k_stride * n_cols, rng_);
+    // The 4-bit rows, made on the device and on the CPU: the same bytes.
+    std::vector<uint8_t> partial_k(static_cast<size_t>(n_kv_heads) *
+                                   k_stride *
+                                   speculator::PartialKeyRowBytes(n_cols));
+    speculator::QuantizePartialKeys(keys.data(), n_kv_heads * k_stride,
+                                    n_cols, partial_k.data());
+    DeviceArray<float> dkeys(keys);
+    DeviceArray<uint8_t> dk(partial_k.size());
+    ExpectRan(LaunchQuantizePartialKeys(
+        {dkeys.get(), dk.get(), n_kv_heads * k_stride, n_cols}, nullptr));
+    ASSERT_EQ(dk.ToHost(), partial_k) << "d=" << c.d;
     std::vector<int32_t> cols = RandomColumns(n_kv_heads, c.d, n_cols, rng_);
     std::vector<float> want(static_cast<size_t>(n_kv_heads) * c.n_tokens);
     speculator::SpeculateScores(q.data(), n_heads, n_kv_heads, c.d,
                                 partial_k.data(), k_stride, c.n_tokens,
                                 cols.data(), n_cols, want.data());
-    DeviceArray<float> dq(q), dk(partial_k), dscores(want.size());
+    DeviceArray<float> dq(q), dscores(want.size());
     DeviceArray<int32_t> dcols(cols);
     ExpectRan(LaunchSpeculateScores(
         {dq.get(), dk.get(), dcols.get(), dscores.get(), n_heads, n_kv_heads,
@@ -496,7 +508,8 @@ TEST(CudaKernelArguments, RejectedBeforeLaunch) {
   b.out = nullptr;
   EXPECT_EQ(LaunchAttention(b, nullptr), bad);
 
-  SpeculationParams s{f, f, i32, f, 9, 3, 64, 100, 100, 19};
+  uint8_t* u8 = reinterpret_cast<uint8_t*>(0x1000);
+  SpeculationParams s{f, u8, i32, f, 9, 3, 64, 100, 100, 19};
   SpeculationParams t = s;
   t.n_cols = 65;  // more than d
   EXPECT_EQ(LaunchSpeculateScores(t, nullptr), bad);
@@ -509,6 +522,10 @@ TEST(CudaKernelArguments, RejectedBeforeLaunch) {
   t = s;
   t.n_tokens = 0;
   EXPECT_EQ(LaunchSpeculateScores(t, nullptr), bad);
+
+  EXPECT_EQ(LaunchQuantizePartialKeys({f, u8, 0, 19}, nullptr), bad);
+  EXPECT_EQ(LaunchQuantizePartialKeys({f, u8, 5, 0}, nullptr), bad);
+  EXPECT_EQ(LaunchQuantizePartialKeys({nullptr, u8, 5, 19}, nullptr), bad);
 
   EXPECT_EQ(LaunchSelectTopK({f, i32, 3, 100, 0}, nullptr), bad);
   EXPECT_EQ(LaunchSelectTopK({f, i32, 3, 100, 101}, nullptr), bad);

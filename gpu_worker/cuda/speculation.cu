@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "gpu_worker/cuda/kernels.h"
+#include "speculator/partial_keys.h"
 
 namespace infinigen::gpu_worker::cuda {
 namespace {
@@ -16,12 +17,17 @@ constexpr int kTopKThreads = 512;
 // The group's gathered queries live in shared memory: [group][n_cols].
 constexpr int kMaxGatheredQuery = 12 * 1024;
 
-// grid (token blocks, KV heads); one thread per cached token.
+// grid (token blocks, KV heads); one thread per cached token, whose 4-bit
+// row (speculator/partial_keys.h) scores min * sum(q) + scale * (q . codes)
+// for each query head, as the CPU does (an fp32 row: q . k).
 __global__ void SpeculateScoresKernel(SpeculationParams p, float scale) {
-  extern __shared__ float qg[];  // [group][n_cols], pre-scaled as the CPU does
+  // [group][n_cols]: the gathered queries, pre-scaled as the CPU does; then
+  // [group]: each one's sum, in the CPU's order.
+  extern __shared__ float qg[];
   const int g = blockIdx.y;
   const int group = p.n_heads / p.n_kv_heads;
   const int32_t* cols = p.cols + static_cast<long>(g) * p.n_cols;
+  float* q_sums = qg + group * p.n_cols;
   for (int idx = threadIdx.x; idx < group * p.n_cols; idx += blockDim.x) {
     const int j = idx / p.n_cols;
     const int c = idx % p.n_cols;
@@ -29,18 +35,75 @@ __global__ void SpeculateScoresKernel(SpeculationParams p, float scale) {
         p.q_skewed[static_cast<long>(g * group + j) * p.d + cols[c]] * scale;
   }
   __syncthreads();
+  if (threadIdx.x < group) {
+    float sum = 0.0f;
+    const float* q = qg + threadIdx.x * p.n_cols;
+    for (int c = 0; c < p.n_cols; ++c) sum = __fadd_rn(sum, q[c]);
+    q_sums[threadIdx.x] = sum;
+  }
+  __syncthreads();
   const int t = blockIdx.x * blockDim.x + threadIdx.x;
   if (t >= p.n_tokens) return;
-  const float* row =
-      p.partial_k + (static_cast<long>(g) * p.k_stride + t) * p.n_cols;
+  const uint8_t* row =
+      p.partial_k + (static_cast<long>(g) * p.k_stride + t) *
+                        speculator::PartialKeyRowBytes(p.n_cols, p.format);
+  if (p.format == speculator::PartialKeyFormat::kFloat) {
+    const float* k = reinterpret_cast<const float*>(row);
+    float best = -CUDART_INF_F;
+    for (int j = 0; j < group; ++j) {
+      const float* q = qg + j * p.n_cols;
+      float dot = 0.0f;
+      for (int c = 0; c < p.n_cols; ++c) dot = fmaf(k[c], q[c], dot);
+      best = fmaxf(best, dot);
+    }
+    p.scores[static_cast<long>(g) * p.n_tokens + t] = best;
+    return;
+  }
+  const float lo = reinterpret_cast<const float*>(row)[0];
+  const float row_scale = reinterpret_cast<const float*>(row)[1];
+  const uint8_t* codes = row + 2 * sizeof(float);
   float best = -CUDART_INF_F;
   for (int j = 0; j < group; ++j) {
     const float* q = qg + j * p.n_cols;
     float dot = 0.0f;
-    for (int c = 0; c < p.n_cols; ++c) dot = fmaf(row[c], q[c], dot);
-    best = fmaxf(best, dot);
+    for (int c = 0; c < p.n_cols; ++c) {
+      const float code =
+          static_cast<float>((codes[c >> 1] >> (4 * (c & 1))) & 0xF);
+      dot = fmaf(code, q[c], dot);
+    }
+    best = fmaxf(best, __fadd_rn(__fmul_rn(lo, q_sums[j]),
+                                 __fmul_rn(row_scale, dot)));
   }
   p.scores[static_cast<long>(g) * p.n_tokens + t] = best;
+}
+
+// One thread per row: its range, then its codes, byte by byte.
+__global__ void QuantizePartialKeysKernel(QuantizePartialKeysParams p) {
+  const int r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r >= p.n_rows) return;
+  const float* v = p.keys + static_cast<long>(r) * p.n_cols;
+  const int row_bytes = speculator::PartialKeyRowBytes(p.n_cols);
+  uint8_t* row = p.rows + static_cast<long>(r) * row_bytes;
+  float lo = v[0], hi = v[0];
+  for (int c = 1; c < p.n_cols; ++c) {
+    lo = fminf(lo, v[c]);
+    hi = fmaxf(hi, v[c]);
+  }
+  const float scale = __fdiv_rn(__fsub_rn(hi, lo), 15.0f);
+  reinterpret_cast<float*>(row)[0] = lo;
+  reinterpret_cast<float*>(row)[1] = scale;
+  uint8_t* codes = row + 2 * sizeof(float);
+  for (int b = 0; b < row_bytes - 2 * static_cast<int>(sizeof(float)); ++b) {
+    unsigned byte = 0;
+    for (int h = 0; h < 2 && scale > 0.0f; ++h) {
+      const int c = 2 * b + h;
+      if (c >= p.n_cols) break;
+      int code = static_cast<int>(rintf(__fdiv_rn(__fsub_rn(v[c], lo), scale)));
+      code = min(max(code, 0), 15);
+      byte |= static_cast<unsigned>(code) << (4 * h);
+    }
+    codes[b] = static_cast<uint8_t>(byte);
+  }
 }
 
 // Unsigned keys in the order of the floats (no NaN); -0 and +0 share one.
@@ -150,14 +213,28 @@ int LaunchSpeculateScores(const SpeculationParams& p, void* stream) {
     return invalid;
   }
   const int group = p.n_heads / p.n_kv_heads;
-  if (static_cast<long>(group) * p.n_cols > kMaxGatheredQuery) return invalid;
+  if (static_cast<long>(group) * (p.n_cols + 1) > kMaxGatheredQuery ||
+      group > kScoreThreads) {
+    return invalid;
+  }
   // The CPU's scale, rounded the same way.
   const float scale = 1.0f / std::sqrt(static_cast<float>(p.d));
   const dim3 grid((p.n_tokens + kScoreThreads - 1) / kScoreThreads,
                   p.n_kv_heads);
-  const size_t shared = sizeof(float) * group * p.n_cols;
+  const size_t shared = sizeof(float) * group * (p.n_cols + 1);
   SpeculateScoresKernel<<<grid, kScoreThreads, shared,
                           static_cast<cudaStream_t>(stream)>>>(p, scale);
+  return static_cast<int>(cudaGetLastError());
+}
+
+int LaunchQuantizePartialKeys(const QuantizePartialKeysParams& p,
+                              void* stream) {
+  if (!p.keys || !p.rows || p.n_rows <= 0 || p.n_cols <= 0) {
+    return static_cast<int>(cudaErrorInvalidValue);
+  }
+  constexpr int kThreads = 128;
+  QuantizePartialKeysKernel<<<(p.n_rows + kThreads - 1) / kThreads, kThreads,
+                              0, static_cast<cudaStream_t>(stream)>>>(p);
   return static_cast<int>(cudaGetLastError());
 }
 
