@@ -617,24 +617,21 @@ class InfiniGenPolicy final : public KvPolicy {
                q_skewed_.data() + at);
     }
     // Each query head's speculated logits over its KV head's partial keys
-    // [n_heads][p], one launch per head, then per KV head the largest of
-    // its heads' log-softmax (speculator::CombineHeadScores).
+    // [n_heads][p] (each row read once for its group), then per KV head the
+    // largest of its heads' log-softmax (speculator::CombineHeadScores).
     SpeculationParams sp;
-    sp.n_heads = 1;
-    sp.n_kv_heads = 1;
+    sp.q_skewed = q_skewed_.data();
+    sp.partial_k = PartialK(layer, 0);
+    sp.cols = cols_dev_.data() + Head(layer, 0) * n_cols_;
+    sp.scores = scores_.data();
+    sp.n_heads = m.n_heads;
+    sp.n_kv_heads = m.n_kv_heads;
     sp.d = d;
     sp.k_stride = ctx_.max_seq_len;
     sp.n_tokens = p;
     sp.n_cols = n_cols_;
     sp.format = format_;
-    for (int h = 0; h < m.n_heads; ++h) {
-      const int g = h / group;
-      sp.q_skewed = q_skewed_.data() + static_cast<size_t>(h) * d;
-      sp.partial_k = PartialK(layer, g);
-      sp.cols = cols_dev_.data() + Head(layer, g) * n_cols_;
-      sp.scores = scores_.data() + static_cast<size_t>(h) * p;
-      b.SpeculateScores(sp);
-    }
+    b.SpeculateScores(sp);
     IG_RETURN_IF_ERROR(b.CopyToHost(
         head_scores_host_.data(), scores_.data(),
         static_cast<size_t>(m.n_heads) * p * sizeof(float)));

@@ -10,10 +10,9 @@
 
 namespace infinigen::gpu_worker {
 
-// InfiniGen's speculated attention scores over the partial key cache
-// (speculator::SpeculateScores):
-//   scores[g][t] = max over query heads h of group g of
-//                  sum_c (q_skewed[h][cols[g][c]] / sqrt(d)) * k_g,t[c]
+// InfiniGen's speculated attention logits over the partial key cache, per
+// query head (speculator::SpeculateScores): for h in KV head g's group,
+//   scores[h][t] = sum_c (q_skewed[h][cols[g][c]] / sqrt(d)) * k_g,t[c]
 // where k_g,t is the partial key row [g][t] read back, 4-bit or fp32 by
 // `format` (speculator/partial_keys.h).
 struct SpeculationParams {
@@ -21,7 +20,7 @@ struct SpeculationParams {
   const uint8_t* partial_k;  // [n_kv_heads, k_stride] rows of
                              // PartialKeyRowBytes(n_cols) bytes
   const int32_t* cols;     // [n_kv_heads, n_cols], each in [0, d)
-  float* scores;           // [n_kv_heads, n_tokens]
+  float* scores;           // [n_heads, n_tokens]
   int n_heads = 0;
   int n_kv_heads = 0;  // divides n_heads
   int d = 0;           // head dimension

@@ -542,7 +542,8 @@ void SpeculateFloatScores(const float* q_skewed, int n_heads, int n_kv_heads,
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   // The group's queries gathered to the partial columns, pre-scaled, and
   // zero-padded to whole vectors: [group][q_stride]. Gathered once per KV
-  // head, then every cached row is read from memory once for all of them.
+  // head; each block of kLanes cached rows is then scored for all of them
+  // while it is in cache.
   thread_local std::vector<float> qg;
   qg.assign(static_cast<size_t>(group) * q_stride, 0.0f);
   for (int g = 0; g < n_kv_heads; ++g) {
@@ -554,23 +555,23 @@ void SpeculateFloatScores(const float* q_skewed, int n_heads, int n_kv_heads,
       }
     }
     const float* kg = partial_k + static_cast<size_t>(g) * k_stride * n_cols;
-    float* out = scores + static_cast<size_t>(g) * n_tokens;
+    float* out = scores + static_cast<size_t>(g) * group * n_tokens;
     int t = 0;
 #if INFINIGEN_SPECULATOR_AVX2
     for (; t + kLanes <= n_tokens; t += kLanes) {
-      ScoreBlockAvx2(kg + static_cast<size_t>(t) * n_cols, n_cols, qg.data(),
-                     q_stride, group, out + t);
+      for (int j = 0; j < group; ++j) {
+        ScoreBlockAvx2(kg + static_cast<size_t>(t) * n_cols, n_cols,
+                       qg.data() + static_cast<size_t>(j) * q_stride,
+                       q_stride, 1, out + static_cast<size_t>(j) * n_tokens + t);
+      }
     }
 #endif
     for (; t < n_tokens; ++t) {
       const float* row = kg + static_cast<size_t>(t) * n_cols;
-      float best = -std::numeric_limits<float>::infinity();
       for (int j = 0; j < group; ++j) {
-        best = std::max(
-            best,
-            Dot(row, qg.data() + static_cast<size_t>(j) * q_stride, n_cols));
+        out[static_cast<size_t>(j) * n_tokens + t] =
+            Dot(row, qg.data() + static_cast<size_t>(j) * q_stride, n_cols);
       }
-      out[t] = best;
     }
   }
 }
@@ -648,7 +649,7 @@ void SpeculateScores(const float* q_skewed, int n_heads, int n_kv_heads, int d,
   // zero-padded to whole vectors: [group][q_stride], with each one's sum
   // (what a row's min multiplies). Gathered once per KV head; then each
   // block of kLanes cached rows is decoded once for all of them: a row's
-  // score is min * sum(q) + scale * (q . codes).
+  // score for head j is min * sum(q_j) + scale * (q_j . codes).
   thread_local std::vector<float> qg, q_sums, codes;
   qg.assign(static_cast<size_t>(group) * q_stride, 0.0f);
   q_sums.assign(group, 0.0f);
@@ -665,16 +666,14 @@ void SpeculateScores(const float* q_skewed, int n_heads, int n_kv_heads, int d,
     }
     const uint8_t* kg =
         partial_k + static_cast<size_t>(g) * k_stride * row_bytes;
-    float* out = scores + static_cast<size_t>(g) * n_tokens;
+    float* out = scores + static_cast<size_t>(g) * group * n_tokens;
     for (int t0 = 0; t0 < n_tokens; t0 += kLanes) {
       const int m = std::min(kLanes, n_tokens - t0);
       float lo[kLanes], row_scale[kLanes], dots[kLanes];
-      float best[kLanes];
       for (int i = 0; i < m; ++i) {
         ReadPartialKeyRow(kg + static_cast<size_t>(t0 + i) * row_bytes,
                           n_cols, &lo[i], &row_scale[i],
                           codes.data() + static_cast<size_t>(i) * n_cols);
-        best[i] = -std::numeric_limits<float>::infinity();
       }
       for (int j = 0; j < group; ++j) {
         const float* qj = qg.data() + static_cast<size_t>(j) * q_stride;
@@ -689,11 +688,11 @@ void SpeculateScores(const float* q_skewed, int n_heads, int n_kv_heads, int d,
                           n_cols);
           }
         }
+        float* out_j = out + static_cast<size_t>(j) * n_tokens + t0;
         for (int i = 0; i < m; ++i) {
-          best[i] = std::max(best[i], lo[i] * q_sums[j] + row_scale[i] * dots[i]);
+          out_j[i] = lo[i] * q_sums[j] + row_scale[i] * dots[i];
         }
       }
-      std::copy(best, best + m, out + t0);
     }
   }
 }

@@ -183,16 +183,15 @@ void QuantizePartialKeys(const float* keys, int n_rows, int n_cols,
 void DequantizePartialKeys(const uint8_t* rows, int n_rows, int n_cols,
                            float* keys);
 
-// Speculated attention scores of one layer for one query (the policies
-// call it per query head, n_heads = n_kv_heads = 1, and combine the heads
-// with CombineHeadScores):
-//   score[g][t] = max over query heads h of group g of
-//                 sum_c q_skewed[h][cols_g[c]] * k_g,t[c] / sqrt(d)
-// where k_g,t is partial key row [g][t] as read back (partial_keys.h).
+// Speculated attention logits of one layer for one query, per query head
+// (the policies combine the heads of a group with CombineHeadScores):
+//   score[h][t] = sum_c q_skewed[h][cols_g[c]] * k_g,t[c] / sqrt(d)
+// for h in KV head g's group, where k_g,t is partial key row [g][t] as
+// read back (partial_keys.h); each row is decoded once for its group.
 // `q_skewed` [n_heads, d]; `partial_k` [n_kv_heads][k_stride] rows of
 // PartialKeyRowBytes(n_cols, format) bytes (the partial columns of the
 // skewed cached keys, token-major per head); `cols` [n_kv_heads][n_cols];
-// `scores` [n_kv_heads][n_tokens].
+// `scores` [n_heads][n_tokens].
 void SpeculateScores(const float* q_skewed, int n_heads, int n_kv_heads,
                      int d, const uint8_t* partial_k, int k_stride,
                      int n_tokens, const int32_t* cols, int n_cols,
@@ -201,7 +200,7 @@ void SpeculateScores(const float* q_skewed, int n_heads, int n_kv_heads,
 
 // Per KV head g and token t, the largest over g's query heads h of h's
 // speculated log-probability: head_scores [n_heads][n_tokens] (logits, as
-// SpeculateScores computes them for one head) minus h's log-sum-exp over
+// SpeculateScores computes them) minus h's log-sum-exp over
 // the present tokens. A token one head attends to strongly ranks high
 // even where another head's logits are larger throughout (the max of raw
 // logits would let that head decide). `present` [n_kv_heads][n_tokens] (0:

@@ -721,19 +721,17 @@ std::vector<float> NaiveScores(const std::vector<float>& q, int n_heads,
                                int k_stride, int n_tokens,
                                const std::vector<int32_t>& cols, int n_cols) {
   const int group = n_heads / n_kv_heads;
-  std::vector<float> out(n_kv_heads * n_tokens);
-  for (int g = 0; g < n_kv_heads; ++g) {
+  std::vector<float> out(n_heads * n_tokens);
+  for (int h = 0; h < n_heads; ++h) {
+    const int g = h / group;
     for (int t = 0; t < n_tokens; ++t) {
-      double best = -1e300;
-      for (int h = g * group; h < (g + 1) * group; ++h) {
-        double acc = 0;
-        for (int c = 0; c < n_cols; ++c) {
-          acc += double{q[h * d + cols[g * n_cols + c]]} *
-                 partial_k[(g * k_stride + t) * n_cols + c];
-        }
-        best = std::max(best, acc / std::sqrt(static_cast<double>(d)));
+      double acc = 0;
+      for (int c = 0; c < n_cols; ++c) {
+        acc += double{q[h * d + cols[g * n_cols + c]]} *
+               partial_k[(g * k_stride + t) * n_cols + c];
       }
-      out[g * n_tokens + t] = static_cast<float>(best);
+      out[h * n_tokens + t] =
+          static_cast<float>(acc / std::sqrt(static_cast<double>(d)));
     }
   }
   return out;
@@ -767,7 +765,7 @@ TEST(SpeculateScores, MatchesNaiveWithGqaStrideAndColumnSubsets) {
   }
   // Different columns per KV head, not contiguous.
   std::vector<int32_t> cols = {0, 3, 4, 9, 15, 1, 2, 7, 8, 12};
-  std::vector<float> scores(n_kv_heads * n_tokens, 123.0f);
+  std::vector<float> scores(n_heads * n_tokens, 123.0f);
   SpeculateScores(q.data(), n_heads, n_kv_heads, d, partial_k.data(), k_stride,
                   n_tokens, cols.data(), n_cols, scores.data());
   ExpectSameScores(scores,
@@ -795,9 +793,9 @@ TEST(SpeculateScores, MatchesNaiveAcrossShapes) {
     std::vector<float> q = RandomMatrix(c.n_heads, c.d, rng);
     // Exactly n_kv_heads * k_stride rows, so a read past the last row would
     // leave the buffer (visible under a sanitizer).
-    std::vector<uint8_t> partial_k =
-        Quantized(RandomMatrix(c.n_kv_heads * c.k_stride, c.n_cols, rng),
-                  c.n_cols);
+    const std::vector<float> keys =
+        RandomMatrix(c.n_kv_heads * c.k_stride, c.n_cols, rng);
+    std::vector<uint8_t> partial_k = Quantized(keys, c.n_cols);
     std::vector<int32_t> cols;
     for (int g = 0; g < c.n_kv_heads; ++g) {
       std::vector<int32_t> all(c.d);
@@ -807,7 +805,7 @@ TEST(SpeculateScores, MatchesNaiveAcrossShapes) {
       std::sort(all.begin(), all.end());
       cols.insert(cols.end(), all.begin(), all.end());
     }
-    std::vector<float> scores(c.n_kv_heads * c.n_tokens);
+    std::vector<float> scores(c.n_heads * c.n_tokens);
     SpeculateScores(q.data(), c.n_heads, c.n_kv_heads, c.d, partial_k.data(),
                     c.k_stride, c.n_tokens, cols.data(), c.n_cols,
                     scores.data());
@@ -818,13 +816,24 @@ TEST(SpeculateScores, MatchesNaiveAcrossShapes) {
                     cols, c.n_cols),
         absl::StrFormat("n_heads=%d n_kv_heads=%d n_cols=%d n_tokens=%d",
                         c.n_heads, c.n_kv_heads, c.n_cols, c.n_tokens));
+    // fp32 rows (the exact diagnostics).
+    SpeculateScores(q.data(), c.n_heads, c.n_kv_heads, c.d,
+                    reinterpret_cast<const uint8_t*>(keys.data()), c.k_stride,
+                    c.n_tokens, cols.data(), c.n_cols, scores.data(),
+                    PartialKeyFormat::kFloat);
+    ExpectSameScores(
+        scores,
+        NaiveScores(q, c.n_heads, c.n_kv_heads, c.d, keys, c.k_stride,
+                    c.n_tokens, cols, c.n_cols),
+        absl::StrFormat("fp32 n_heads=%d n_kv_heads=%d n_cols=%d n_tokens=%d",
+                        c.n_heads, c.n_kv_heads, c.n_cols, c.n_tokens));
   }
 }
 
-// With every column the scores are the scaled exact ones, maxed over the
-// group, up to the keys' 4-bit steps: within half a step of each column
-// times |q| / sqrt(d).
-TEST(SpeculateScores, AllColumnsGiveExactScaledScoresMaxedOverTheGroup) {
+// With every column each head's scores are its scaled exact logits, up to
+// the keys' 4-bit steps: within half a step of each column times |q| /
+// sqrt(d); fp32 rows give them exactly.
+TEST(SpeculateScores, AllColumnsGiveEachHeadsScaledLogits) {
   const int n_heads = 6, n_kv_heads = 2, d = 8, n_tokens = 7;
   std::mt19937 rng(13);
   std::vector<float> q = RandomMatrix(n_heads, d, rng);
@@ -833,26 +842,28 @@ TEST(SpeculateScores, AllColumnsGiveExactScaledScoresMaxedOverTheGroup) {
   for (int g = 0; g < n_kv_heads; ++g) {
     for (int c = 0; c < d; ++c) cols.push_back(c);
   }
-  std::vector<float> scores(n_kv_heads * n_tokens);
+  std::vector<float> scores(n_heads * n_tokens), exact(n_heads * n_tokens);
   SpeculateScores(q.data(), n_heads, n_kv_heads, d, Quantized(k, d).data(),
                   n_tokens, n_tokens, cols.data(), d, scores.data());
-  for (int g = 0; g < n_kv_heads; ++g) {
+  SpeculateScores(q.data(), n_heads, n_kv_heads, d,
+                  reinterpret_cast<const uint8_t*>(k.data()), n_tokens,
+                  n_tokens, cols.data(), d, exact.data(),
+                  PartialKeyFormat::kFloat);
+  for (int h = 0; h < n_heads; ++h) {
+    const int g = h / 3;
     for (int t = 0; t < n_tokens; ++t) {
       const float* kt = k.data() + (g * n_tokens + t) * d;
       const float step = (*std::max_element(kt, kt + d) -
                           *std::min_element(kt, kt + d)) / 15.0f;
-      float best = -std::numeric_limits<float>::infinity();
-      float bound = 0.0f;
-      for (int h = 3 * g; h < 3 * g + 3; ++h) {
-        float dot = 0, abs_q = 0;
-        for (int c = 0; c < d; ++c) {
-          dot += q[h * d + c] * kt[c];
-          abs_q += std::fabs(q[h * d + c]);
-        }
-        best = std::max(best, dot / std::sqrt(8.0f));
-        bound = std::max(bound, step / 2 * abs_q / std::sqrt(8.0f));
+      float dot = 0, abs_q = 0;
+      for (int c = 0; c < d; ++c) {
+        dot += q[h * d + c] * kt[c];
+        abs_q += std::fabs(q[h * d + c]);
       }
-      EXPECT_NEAR(scores[g * n_tokens + t], best, bound * 1.001f + 1e-5f);
+      const float want = dot / std::sqrt(8.0f);
+      EXPECT_NEAR(exact[h * n_tokens + t], want, 1e-5f);
+      EXPECT_NEAR(scores[h * n_tokens + t], want,
+                  step / 2 * abs_q / std::sqrt(8.0f) * 1.001f + 1e-5f);
     }
   }
 }
@@ -863,7 +874,7 @@ TEST(SpeculateScores, NoTokensWritesNothingAndSteadyStateDoesNotAllocate) {
   std::vector<uint8_t> partial_k =
       Quantized(std::vector<float>(n_kv_heads * 4 * n_cols, 1.0f), n_cols);
   std::vector<int32_t> cols = {0, 1, 2, 3};
-  std::vector<float> scores(n_kv_heads * 4, 7.0f);
+  std::vector<float> scores(n_heads * 4, 7.0f);
   SpeculateScores(q.data(), n_heads, n_kv_heads, d, partial_k.data(), 4, 0,
                   cols.data(), n_cols, scores.data());
   EXPECT_THAT(scores, ::testing::Each(7.0f));

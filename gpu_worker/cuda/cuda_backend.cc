@@ -576,8 +576,8 @@ class CudaBackend final : public Backend {
            kOp, "partial_k");
     p.cols = In(a.cols, static_cast<long>(a.n_kv_heads) * a.n_cols, kOp,
                 "cols");
-    p.scores = Out(a.scores, static_cast<long>(a.n_kv_heads) * a.n_tokens,
-                   kOp, "scores");
+    p.scores = Out(a.scores, static_cast<long>(a.n_heads) * a.n_tokens, kOp,
+                   "scores");
     if (!ok()) return;
     Launched(LaunchSpeculateScores(p, stream_), kOp);
   }

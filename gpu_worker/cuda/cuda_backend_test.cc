@@ -433,7 +433,7 @@ TEST_F(CudaBackendTest, SpeculateScoresMatchesCpu) {
     p.k_stride = k_stride;
     p.n_tokens = n_tokens;
     p.n_cols = n_cols;
-    std::vector<float> want(static_cast<size_t>(n_kv_heads) * n_tokens);
+    std::vector<float> want(static_cast<size_t>(n_heads) * n_tokens);
     p.q_skewed = q.data();
     p.partial_k = partial_k.data();
     p.cols = cols.data();

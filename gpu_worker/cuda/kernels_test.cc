@@ -387,7 +387,7 @@ TEST_F(CudaKernels, SpeculationMatchesSpeculator) {
         {dkeys.get(), dk.get(), n_kv_heads * k_stride, n_cols}, nullptr));
     ASSERT_EQ(dk.ToHost(), partial_k) << "d=" << c.d;
     std::vector<int32_t> cols = RandomColumns(n_kv_heads, c.d, n_cols, rng_);
-    std::vector<float> want(static_cast<size_t>(n_kv_heads) * c.n_tokens);
+    std::vector<float> want(static_cast<size_t>(n_heads) * c.n_tokens);
     speculator::SpeculateScores(q.data(), n_heads, n_kv_heads, c.d,
                                 partial_k.data(), k_stride, c.n_tokens,
                                 cols.data(), n_cols, want.data());
@@ -403,19 +403,20 @@ TEST_F(CudaKernels, SpeculationMatchesSpeculator) {
           << "d=" << c.d << " n_tokens=" << c.n_tokens << " i=" << i;
     }
 
+    // Each query head's row of scores as a head to select from.
     for (float fraction : {0.0f, 0.2f, 0.5f, 1.0f}) {
       const int k = std::max(1, static_cast<int>(c.n_tokens * fraction));
-      DeviceArray<int32_t> dindices(static_cast<size_t>(n_kv_heads) * k);
+      DeviceArray<int32_t> dindices(static_cast<size_t>(n_heads) * k);
       ExpectRan(LaunchSelectTopK(
-          {dscores.get(), dindices.get(), n_kv_heads, c.n_tokens, k}, nullptr));
+          {dscores.get(), dindices.get(), n_heads, c.n_tokens, k}, nullptr));
       const std::vector<int32_t> got = dindices.ToHost();
-      EXPECT_EQ(got, CpuTopK(scores, n_kv_heads, c.n_tokens, k))
+      EXPECT_EQ(got, CpuTopK(scores, n_heads, c.n_tokens, k))
           << "n_tokens=" << c.n_tokens << " k=" << k;
       speculator::SelectionOptions options;
       options.alpha = 1e30f;
       options.max_fraction = fraction;
       std::vector<int32_t> indices, offsets;
-      ASSERT_EQ(speculator::SelectTokens(scores.data(), n_kv_heads, c.n_tokens,
+      ASSERT_EQ(speculator::SelectTokens(scores.data(), n_heads, c.n_tokens,
                                          nullptr, options, indices, offsets),
                 k);
       EXPECT_EQ(got, indices) << "n_tokens=" << c.n_tokens << " k=" << k;

@@ -19,7 +19,7 @@ constexpr int kMaxGatheredQuery = 12 * 1024;
 
 // grid (token blocks, KV heads); one thread per cached token, whose 4-bit
 // row (speculator/partial_keys.h) scores min * sum(q) + scale * (q . codes)
-// for each query head, as the CPU does (an fp32 row: q . k).
+// for each query head of the group, as the CPU does (an fp32 row: q . k).
 __global__ void SpeculateScoresKernel(SpeculationParams p, float scale) {
   // [group][n_cols]: the gathered queries, pre-scaled as the CPU does; then
   // [group]: each one's sum, in the CPU's order.
@@ -47,22 +47,20 @@ __global__ void SpeculateScoresKernel(SpeculationParams p, float scale) {
   const uint8_t* row =
       p.partial_k + (static_cast<long>(g) * p.k_stride + t) *
                         speculator::PartialKeyRowBytes(p.n_cols, p.format);
+  float* out = p.scores + static_cast<long>(g) * group * p.n_tokens + t;
   if (p.format == speculator::PartialKeyFormat::kFloat) {
     const float* k = reinterpret_cast<const float*>(row);
-    float best = -CUDART_INF_F;
     for (int j = 0; j < group; ++j) {
       const float* q = qg + j * p.n_cols;
       float dot = 0.0f;
       for (int c = 0; c < p.n_cols; ++c) dot = fmaf(k[c], q[c], dot);
-      best = fmaxf(best, dot);
+      out[static_cast<long>(j) * p.n_tokens] = dot;
     }
-    p.scores[static_cast<long>(g) * p.n_tokens + t] = best;
     return;
   }
   const float lo = reinterpret_cast<const float*>(row)[0];
   const float row_scale = reinterpret_cast<const float*>(row)[1];
   const uint8_t* codes = row + 2 * sizeof(float);
-  float best = -CUDART_INF_F;
   for (int j = 0; j < group; ++j) {
     const float* q = qg + j * p.n_cols;
     float dot = 0.0f;
@@ -71,10 +69,9 @@ __global__ void SpeculateScoresKernel(SpeculationParams p, float scale) {
           static_cast<float>((codes[c >> 1] >> (4 * (c & 1))) & 0xF);
       dot = fmaf(code, q[c], dot);
     }
-    best = fmaxf(best, __fadd_rn(__fmul_rn(lo, q_sums[j]),
-                                 __fmul_rn(row_scale, dot)));
+    out[static_cast<long>(j) * p.n_tokens] =
+        __fadd_rn(__fmul_rn(lo, q_sums[j]), __fmul_rn(row_scale, dot));
   }
-  p.scores[static_cast<long>(g) * p.n_tokens + t] = best;
 }
 
 // One thread per row: its range, then its codes, byte by byte.
