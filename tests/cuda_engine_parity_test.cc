@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -55,9 +56,12 @@ class CudaEngineParity : public ::testing::Test {
 
   // Prefill of `prompt` tokens in two slots, then `steps` batched decode
   // steps, teacher-forced.
+  // `tweak`, when set, adjusts the policy options after kind and skew.
   DecodeRun Decode(const model::Weights& w, const std::vector<int>& tokens,
              std::unique_ptr<Backend> backend, PolicyKind kind,
-             const speculator::SkewMatrices* skew, int prompt, int steps) {
+             const speculator::SkewMatrices* skew, int prompt, int steps,
+             const std::function<void(gpu_worker::PolicyOptions&)>& tweak =
+                 nullptr) {
     DecodeRun run;
     auto client = kv_memory_service::ConnectKvClient("inproc:");
     EXPECT_TRUE(client.ok()) << client.status();
@@ -66,6 +70,7 @@ class CudaEngineParity : public ::testing::Test {
     o.batch = 2;
     o.policy.kind = kind;
     o.policy.skew = skew;
+    if (tweak) tweak(o.policy);
     o.kv_client = client->get();
     auto engine = Engine::Create(w, std::move(backend), o);
     EXPECT_TRUE(engine.ok()) << engine.status();
@@ -151,6 +156,35 @@ TEST_F(CudaEngineParity, Stories260KEveryPolicy) {
     } else {
       ExpectClose(cpu, gpu, vocab, 2e-3, 0, 1.0);
     }
+  }
+  // infinigen as --target_fetch runs it (every column in 4-bit rows,
+  // speculated after the attention, adaptive head budgets) and the oracle
+  // (fp32 rows), each at a 60% target fetch.
+  auto tuned = gpu_worker::CalibrateSkew(m->weights, tokens, {1.0, true});
+  ASSERT_TRUE(tuned.ok()) << tuned.status();
+  for (PolicyKind kind : {PolicyKind::kInfiniGen, PolicyKind::kOracle}) {
+    SCOPED_TRACE(std::string("target fetch ") + gpu_worker::PolicyName(kind));
+    auto tweak = [&](gpu_worker::PolicyOptions& p) {
+      ASSERT_TRUE(gpu_worker::SetTargetFetch(
+                      0.6, m->weights.config.n_layers, p).ok());
+      if (kind != PolicyKind::kInfiniGen) return;
+      p.skew = &*tuned;
+      p.partial_ratio = 1.0f;
+      p.speculation_input =
+          gpu_worker::PolicyOptions::SpeculationInput::kPostAttention;
+      p.adaptive_budgets = true;
+      p.profile = &tuned->profile;
+    };
+    const DecodeRun cpu = Decode(m->weights, tokens,
+                                 gpu_worker::NewCpuBackend(), kind, nullptr,
+                                 12, 24, tweak);
+    gpu_worker::cuda::CudaBackendOptions fp32;
+    fp32.half_weights = false;
+    auto cuda = gpu_worker::cuda::CreateCudaBackend(0, fp32);
+    ASSERT_TRUE(cuda.ok()) << cuda.status();
+    const DecodeRun gpu = Decode(m->weights, tokens, std::move(*cuda), kind,
+                                 nullptr, 12, 24, tweak);
+    ExpectClose(cpu, gpu, vocab, 0, 0, 0.9);
   }
   // fp16 weights (the default): looser.
   const DecodeRun cpu = Decode(m->weights, tokens, gpu_worker::NewCpuBackend(),

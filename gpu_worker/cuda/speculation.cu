@@ -82,9 +82,9 @@ __global__ void QuantizePartialKeysKernel(QuantizePartialKeysParams p) {
   const int row_bytes = speculator::PartialKeyRowBytes(p.n_cols);
   uint8_t* row = p.rows + static_cast<long>(r) * row_bytes;
   float lo = v[0], hi = v[0];
-  for (int c = 1; c < p.n_cols; ++c) {
-    lo = fminf(lo, v[c]);
-    hi = fmaxf(hi, v[c]);
+  for (int c = 1; c < p.n_cols; ++c) {  // std::min and std::max, exactly
+    lo = v[c] < lo ? v[c] : lo;
+    hi = hi < v[c] ? v[c] : hi;
   }
   const float scale = __fdiv_rn(__fsub_rn(hi, lo), 15.0f);
   reinterpret_cast<float*>(row)[0] = lo;
