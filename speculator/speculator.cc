@@ -630,6 +630,47 @@ void DequantizePartialKeys(const uint8_t* rows, int n_rows, int n_cols,
   }
 }
 
+namespace {
+
+// A 4-bit row's codes as floats in chunk order: each chunk of 8 code bytes
+// (16 columns; the last chunk may have 4) gives the 8 low nibbles (columns
+// 16k, 16k + 2, ...) then the 8 high nibbles (16k + 1, 16k + 3, ...), zeros
+// past the row's bytes. The queries are gathered in the same order, so a
+// dot product needs no shuffles. out: ChunkedColumns(code_bytes) floats.
+int ChunkedColumns(int code_bytes) { return (code_bytes + 7) / 8 * 16; }
+
+// The column a chunk-order position holds.
+int ChunkedColumn(int position) {
+  const int k = position / 16, w = position % 16;
+  return 16 * k + (w < 8 ? 2 * w : 2 * (w - 8) + 1);
+}
+
+inline void DecodeCodesChunked(const uint8_t* codes, int code_bytes,
+                               float* out) {
+  for (int at = 0; at < code_bytes; at += 8) {
+    // code_bytes is a multiple of 4: a chunk has 8 bytes or the last 4.
+    uint8_t chunk[8] = {};
+    std::memcpy(chunk, codes + at, std::min(8, code_bytes - at));
+#if INFINIGEN_SPECULATOR_AVX2
+    uint64_t word;
+    std::memcpy(&word, chunk, 8);
+    const __m256i v =
+        _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(word)));
+    _mm256_storeu_ps(out + 2 * at, _mm256_cvtepi32_ps(_mm256_and_si256(
+                                       v, _mm256_set1_epi32(0xF))));
+    _mm256_storeu_ps(out + 2 * at + 8,
+                     _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)));
+#else
+    for (int i = 0; i < 8; ++i) {
+      out[2 * at + i] = static_cast<float>(chunk[i] & 0xF);
+      out[2 * at + 8 + i] = static_cast<float>(chunk[i] >> 4);
+    }
+#endif
+  }
+}
+
+}  // namespace
+
 void SpeculateScores(const float* q_skewed, int n_heads, int n_kv_heads, int d,
                      const uint8_t* partial_k, int k_stride, int n_tokens,
                      const int32_t* cols, int n_cols, float* scores,
@@ -642,26 +683,31 @@ void SpeculateScores(const float* q_skewed, int n_heads, int n_kv_heads, int d,
     return;
   }
   const int group = n_heads / n_kv_heads;
-  const int q_stride = PaddedColumns(n_cols);
   const int row_bytes = PartialKeyRowBytes(n_cols);
+  const int code_bytes = row_bytes - 2 * static_cast<int>(sizeof(float));
+  const int width = ChunkedColumns(code_bytes);  // a multiple of kLanes
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  // The group's queries gathered to the partial columns, pre-scaled, and
-  // zero-padded to whole vectors: [group][q_stride], with each one's sum
-  // (what a row's min multiplies). Gathered once per KV head; then each
-  // block of kLanes cached rows is decoded once for all of them: a row's
-  // score for head j is min * sum(q_j) + scale * (q_j . codes).
+  // The group's queries gathered to the partial columns in chunk order
+  // (DecodeCodesChunked), pre-scaled, zero past n_cols: [group][width],
+  // with each one's sum over the columns in column order (what a row's min
+  // multiplies). Gathered once per KV head; then each block of kLanes
+  // cached rows is decoded once for all of them: a row's score for head j
+  // is min * sum(q_j) + scale * (q_j . codes).
   thread_local std::vector<float> qg, q_sums, codes;
-  qg.assign(static_cast<size_t>(group) * q_stride, 0.0f);
+  qg.assign(static_cast<size_t>(group) * width, 0.0f);
   q_sums.assign(group, 0.0f);
-  codes.resize(static_cast<size_t>(kLanes) * n_cols);
+  codes.resize(static_cast<size_t>(kLanes) * width);
   for (int g = 0; g < n_kv_heads; ++g) {
     const int32_t* cg = cols + static_cast<size_t>(g) * n_cols;
     for (int j = 0; j < group; ++j) {
       const float* qh = q_skewed + static_cast<size_t>(g * group + j) * d;
-      float* qj = qg.data() + static_cast<size_t>(j) * q_stride;
-      for (int c = 0; c < n_cols; ++c) qj[c] = qh[cg[c]] * scale;
+      float* qj = qg.data() + static_cast<size_t>(j) * width;
+      for (int at = 0; at < width; ++at) {
+        const int c = ChunkedColumn(at);
+        qj[at] = c < n_cols ? qh[cg[c]] * scale : 0.0f;
+      }
       float sum = 0.0f;
-      for (int c = 0; c < n_cols; ++c) sum += qj[c];
+      for (int c = 0; c < n_cols; ++c) sum += qh[cg[c]] * scale;
       q_sums[j] = sum;
     }
     const uint8_t* kg =
@@ -671,21 +717,23 @@ void SpeculateScores(const float* q_skewed, int n_heads, int n_kv_heads, int d,
       const int m = std::min(kLanes, n_tokens - t0);
       float lo[kLanes], row_scale[kLanes], dots[kLanes];
       for (int i = 0; i < m; ++i) {
-        ReadPartialKeyRow(kg + static_cast<size_t>(t0 + i) * row_bytes,
-                          n_cols, &lo[i], &row_scale[i],
-                          codes.data() + static_cast<size_t>(i) * n_cols);
+        const uint8_t* row = kg + static_cast<size_t>(t0 + i) * row_bytes;
+        std::memcpy(&lo[i], row, sizeof(float));
+        std::memcpy(&row_scale[i], row + sizeof(float), sizeof(float));
+        DecodeCodesChunked(row + 2 * sizeof(float), code_bytes,
+                           codes.data() + static_cast<size_t>(i) * width);
       }
       for (int j = 0; j < group; ++j) {
-        const float* qj = qg.data() + static_cast<size_t>(j) * q_stride;
+        const float* qj = qg.data() + static_cast<size_t>(j) * width;
 #if INFINIGEN_SPECULATOR_AVX2
         if (m == kLanes) {
-          ScoreBlockAvx2(codes.data(), n_cols, qj, q_stride, 1, dots);
+          ScoreBlockAvx2(codes.data(), width, qj, width, 1, dots);
         } else
 #endif
         {
           for (int i = 0; i < m; ++i) {
-            dots[i] = Dot(codes.data() + static_cast<size_t>(i) * n_cols, qj,
-                          n_cols);
+            dots[i] = Dot(codes.data() + static_cast<size_t>(i) * width, qj,
+                          width);
           }
         }
         float* out_j = out + static_cast<size_t>(j) * n_tokens + t0;
