@@ -361,7 +361,8 @@ class InfiniGenPolicy final : public KvPolicy {
         skew_(owned_skew_ != nullptr ? *owned_skew_ : *o.skew),
         n_cols_(speculator::PartialColumnCount(c.weights->config.head_dim,
                                                o.partial_ratio)),
-        format_(KeyFormat(o)) {}
+        format_(KeyFormat(o)),
+        row_bytes_(speculator::PartialKeyRowBytes(n_cols_, format_)) {}
 
   // The exact diagnostics (the oracle, same_layer_input,
   // exact_partial_keys) rank by fp32 partial keys; infinigen keeps 4-bit
@@ -444,10 +445,7 @@ class InfiniGenPolicy final : public KvPolicy {
     IG_ASSIGN_OR_RETURN(
         partial_k_,
         DeviceBuffer<uint8_t>::Make(
-            b,
-            heads * z.max_seq * speculator::PartialKeyRowBytes(n_cols_,
-                                                               format_),
-            "the partial key cache"));
+            b, heads * z.max_seq * row_bytes_, "the partial key cache"));
     if (format_ == speculator::PartialKeyFormat::kInt4) {
       IG_ASSIGN_OR_RETURN(new_partial_k_,
                           DeviceBuffer<float>::Make(b, z.max_seq * n_cols_,
@@ -719,9 +717,7 @@ class InfiniGenPolicy final : public KvPolicy {
     Backend& b = *ctx_.backend;
     const int d = config().head_dim;
     uint8_t* rows =
-        PartialK(layer, g) + static_cast<size_t>(first) *
-                                 speculator::PartialKeyRowBytes(n_cols_,
-                                                                format_);
+        PartialK(layer, g) + static_cast<size_t>(first) * row_bytes_;
     if (format_ == speculator::PartialKeyFormat::kFloat) {
       b.Linear(keys, n, d, PartialW(layer, g), nullptr, n_cols_,
                reinterpret_cast<float*>(rows));
@@ -747,9 +743,7 @@ class InfiniGenPolicy final : public KvPolicy {
     return partial_w_.data() + Head(layer, g) * n_cols_ * config().head_dim;
   }
   uint8_t* PartialK(int layer, int g) {
-    return partial_k_.data() +
-           Head(layer, g) * ctx_.max_seq_len *
-               speculator::PartialKeyRowBytes(n_cols_, format_);
+    return partial_k_.data() + Head(layer, g) * ctx_.max_seq_len * row_bytes_;
   }
 
   const std::unique_ptr<const speculator::SkewMatrices> owned_skew_;
@@ -757,6 +751,7 @@ class InfiniGenPolicy final : public KvPolicy {
   const speculator::SkewMatrices& skew_;
   const int n_cols_;
   const speculator::PartialKeyFormat format_;
+  const int row_bytes_;  // of a partial key row
   // Host:
   std::vector<float> col_sums_;          // [layer][kv_head][d]
   std::vector<float> k_col_sums_;        // [layer][kv_head][d]: sum |k A|

@@ -755,7 +755,7 @@ absl::Status OffloadedKvCache::PostAttentionInput(int layer,
                                                   const float* xb_next) {
   // Layer l + 1's fetch leaves after layer l's attention, while its MLP
   // runs.
-  if (!options_.policy.SpeculatesAfterAttention() || layer + 1 <= 0 ||
+  if (!options_.policy.SpeculatesAfterAttention() ||
       layer + 1 >= c_.n_layers) {
     return absl::OkStatus();
   }

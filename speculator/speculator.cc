@@ -561,8 +561,8 @@ void SpeculateFloatScores(const float* q_skewed, int n_heads, int n_kv_heads,
     for (; t + kLanes <= n_tokens; t += kLanes) {
       for (int j = 0; j < group; ++j) {
         ScoreBlockAvx2(kg + static_cast<size_t>(t) * n_cols, n_cols,
-                       qg.data() + static_cast<size_t>(j) * q_stride,
-                       q_stride, 1, out + static_cast<size_t>(j) * n_tokens + t);
+                       qg.data() + static_cast<size_t>(j) * q_stride, q_stride,
+                       1, out + static_cast<size_t>(j) * n_tokens + t);
       }
     }
 #endif
@@ -932,11 +932,12 @@ void ProfileLayer(const float* q, const float* k, const float* v,
   std::vector<double> logits(static_cast<size_t>(group) * n),
       weights(logits.size()), totals(group),
       outs(static_cast<size_t>(group) * d);
-  std::vector<float> rank(n), head_rank(n);
+  std::vector<float> rank(n), head_ranks(static_cast<size_t>(group) * n);
   std::vector<int32_t> order(n);
   std::vector<double> acc(d), e(d);
   int queries = 0;
-  for (int t = std::max(0, first_query); t < n; t += std::max(1, query_stride)) {
+  for (int t = std::max(0, first_query); t < n;
+       t += std::max(1, query_stride)) {
     ++queries;
     const int m = t + 1;  // causal: tokens [0, t]
     double x_sq = 1.0;
@@ -975,37 +976,26 @@ void ProfileLayer(const float* q, const float* k, const float* v,
       // head's log-softmax (CombineHeadScores), of the exact logits or of
       // the speculated ones (rank_q . rank_k / sqrt(d)).
       auto rank_tokens = [&](bool by_speculation) {
-        std::fill(rank.begin(), rank.begin() + m,
-                  -std::numeric_limits<float>::infinity());
+        // head_ranks [group][m]: each head's logits over the m tokens.
         for (int j = 0; j < group; ++j) {
-          const double* lj = logits.data() + static_cast<size_t>(j) * n;
+          float* hr = head_ranks.data() + static_cast<size_t>(j) * m;
+          if (!by_speculation) {
+            const double* lj = logits.data() + static_cast<size_t>(j) * n;
+            for (int s = 0; s < m; ++s) hr[s] = static_cast<float>(lj[s]);
+            continue;
+          }
           const float* qh =
-              by_speculation
-                  ? rank_q +
-                        (static_cast<size_t>(t) * n_heads + g * group + j) * d
-                  : nullptr;
+              rank_q + (static_cast<size_t>(t) * n_heads + g * group + j) * d;
           for (int s = 0; s < m; ++s) {
-            if (by_speculation) {
-              const float* ks =
-                  rank_k + (static_cast<size_t>(s) * n_kv_heads + g) * d;
-              float dot = 0.0f;
-              for (int c = 0; c < d; ++c) dot += qh[c] * ks[c];
-              head_rank[s] = dot * scale;
-            } else {
-              head_rank[s] = static_cast<float>(lj[s]);
-            }
-          }
-          float top = head_rank[0];
-          for (int s = 1; s < m; ++s) top = std::max(top, head_rank[s]);
-          double sum = 0;
-          for (int s = 0; s < m; ++s) {
-            sum += std::exp(double{head_rank[s]} - top);
-          }
-          const float lse = top + static_cast<float>(std::log(sum));
-          for (int s = 0; s < m; ++s) {
-            rank[s] = std::max(rank[s], head_rank[s] - lse);
+            const float* ks =
+                rank_k + (static_cast<size_t>(s) * n_kv_heads + g) * d;
+            float dot = 0.0f;
+            for (int c = 0; c < d; ++c) dot += qh[c] * ks[c];
+            hr[s] = dot * scale;
           }
         }
+        CombineHeadScores(head_ranks.data(), group, 1, m, nullptr,
+                          rank.data());
         std::iota(order.begin(), order.begin() + m, 0);
         std::sort(order.begin(), order.begin() + m, [&](int32_t a, int32_t b) {
           return rank[a] > rank[b] || (rank[a] == rank[b] && a < b);

@@ -52,7 +52,7 @@ ABSL_FLAG(double, alpha, 5.0,
           "the head's maximum.");
 ABSL_FLAG(std::string, partial_ratio, "auto",
           "infinigen: fraction of each head's columns, in (0, 1], in the "
-          "partial query weight and partial key cache (8-bit); auto: 1 for "
+          "partial query weight and partial key cache; auto: 1 for "
           "infinigen with --target_fetch (and for the profile 'skew' "
           "writes), else 0.3 (the paper's).");
 ABSL_FLAG(int, partial_key_bits, 4,
@@ -177,34 +177,31 @@ namespace infinigen::commands {
 using gpu_worker::Engine;
 using gpu_worker::EngineOptions;
 
-absl::StatusOr<double> PartialRatioFromFlags(bool tuned) {
-  const std::string flag = absl::GetFlag(FLAGS_partial_ratio);
-  if (flag == "auto") return tuned ? 1.0 : 0.3;
-  double ratio = 0;
-  if (!absl::SimpleAtod(flag, &ratio) || !(ratio > 0.0 && ratio <= 1.0)) {
+absl::StatusOr<gpu_worker::SpeculationOptions> SpeculationFromFlags(
+    bool tuned) {
+  gpu_worker::SpeculationOptions o;
+  const std::string ratio = absl::GetFlag(FLAGS_partial_ratio);
+  if (ratio == "auto") {
+    o.partial_ratio = tuned ? 1.0 : 0.3;
+  } else if (!absl::SimpleAtod(ratio, &o.partial_ratio) ||
+             !(o.partial_ratio > 0.0 && o.partial_ratio <= 1.0)) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "--partial_ratio must be auto or in (0, 1], got '%s'", flag));
+        "--partial_ratio must be auto or in (0, 1], got '%s'", ratio));
   }
-  return ratio;
-}
-
-absl::StatusOr<bool> ExactPartialKeysFromFlags() {
+  const std::string from = absl::GetFlag(FLAGS_speculate_from);
+  if (from != "auto" && from != "layer_input" && from != "post_attention") {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--speculate_from must be auto, layer_input or post_attention, got "
+        "'%s'", from));
+  }
+  o.post_attention = from == "post_attention" || (from == "auto" && tuned);
   const int bits = absl::GetFlag(FLAGS_partial_key_bits);
   if (bits != 4 && bits != 32) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "--partial_key_bits must be 4 or 32, got %d", bits));
   }
-  return bits == 32;
-}
-
-absl::StatusOr<bool> SpeculatesPostAttentionFromFlags(bool tuned) {
-  const std::string flag = absl::GetFlag(FLAGS_speculate_from);
-  if (flag == "auto") return tuned;
-  if (flag == "layer_input") return false;
-  if (flag == "post_attention") return true;
-  return absl::InvalidArgumentError(absl::StrFormat(
-      "--speculate_from must be auto, layer_input or post_attention, got "
-      "'%s'", flag));
+  o.exact_keys = bits == 32;
+  return o;
 }
 
 std::vector<const char*> WithEngineFlags(std::vector<const char*> own) {
@@ -385,15 +382,14 @@ absl::StatusOr<EngineOptions> EngineOptionsFromFlags(const std::string& policy,
   // The --target_fetch defaults of infinigen (auto flags).
   const bool tuned = p.kind == gpu_worker::PolicyKind::kInfiniGen &&
                      absl::GetFlag(FLAGS_target_fetch) != 0;
-  IG_ASSIGN_OR_RETURN(const double ratio, PartialRatioFromFlags(tuned));
-  p.partial_ratio = static_cast<float>(ratio);
-  IG_ASSIGN_OR_RETURN(const bool post_attention,
-                      SpeculatesPostAttentionFromFlags(tuned));
+  IG_ASSIGN_OR_RETURN(const gpu_worker::SpeculationOptions speculation,
+                      SpeculationFromFlags(tuned));
+  p.partial_ratio = static_cast<float>(speculation.partial_ratio);
   p.speculation_input =
-      post_attention
+      speculation.post_attention
           ? gpu_worker::PolicyOptions::SpeculationInput::kPostAttention
           : gpu_worker::PolicyOptions::SpeculationInput::kLayerInput;
-  IG_ASSIGN_OR_RETURN(p.exact_partial_keys, ExactPartialKeysFromFlags());
+  p.exact_partial_keys = speculation.exact_keys;
   p.budget = static_cast<float>(absl::GetFlag(FLAGS_budget));
   const std::string rank = absl::GetFlag(FLAGS_partial_rank);
   if (rank != "q" && rank != "qk") {

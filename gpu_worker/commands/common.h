@@ -15,6 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "gpu_worker/calibrate.h"
 #include "gpu_worker/engine.h"
 #include "kv_memory_service/kv_client.h"
 #include "model/loader.h"
@@ -61,13 +62,12 @@ std::vector<const char*> WithEngineFlags(std::vector<const char*> own);
 // commands that serve generations.
 std::vector<const char*> WithServingFlags(std::vector<const char*> own);
 
-// --partial_ratio and --speculate_from, their auto resolved for `tuned`
-// (infinigen under --target_fetch, and the profile 'skew' writes) or not:
-// InvalidArgument naming the flag for a bad value.
-absl::StatusOr<double> PartialRatioFromFlags(bool tuned);
-absl::StatusOr<bool> SpeculatesPostAttentionFromFlags(bool tuned);
-// --partial_key_bits: whether the partial keys are fp32 (32) or 4-bit (4).
-absl::StatusOr<bool> ExactPartialKeysFromFlags();
+// InfiniGen's speculation from --partial_ratio, --speculate_from and
+// --partial_key_bits, their auto resolved for `tuned` (infinigen under
+// --target_fetch, and the profile 'skew' writes) or not: InvalidArgument
+// naming the flag for a bad value.
+absl::StatusOr<gpu_worker::SpeculationOptions> SpeculationFromFlags(
+    bool tuned);
 
 // Writes "infinigen: MESSAGE" to stderr and returns `code`.
 int Fail(int code, const absl::Status& status);

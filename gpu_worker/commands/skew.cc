@@ -27,16 +27,11 @@ int RunSkew() {
   const auto t0 = std::chrono::steady_clock::now();
   // The profile is for adaptive head budgets, which infinigen uses under
   // --target_fetch: measured with that mode's speculation by default.
-  const absl::StatusOr<double> ratio = PartialRatioFromFlags(true);
-  if (!ratio.ok()) return Fail(kExitUsage, ratio.status());
-  const absl::StatusOr<bool> post_attention =
-      SpeculatesPostAttentionFromFlags(true);
-  if (!post_attention.ok()) return Fail(kExitUsage, post_attention.status());
-  const absl::StatusOr<bool> exact_keys = ExactPartialKeysFromFlags();
-  if (!exact_keys.ok()) return Fail(kExitUsage, exact_keys.status());
+  const auto speculation = SpeculationFromFlags(true);
+  if (!speculation.ok()) return Fail(kExitUsage, speculation.status());
   auto skew = gpu_worker::CalibrateSkew(
       run->model.weights, absl::MakeConstSpan(run->tokens).subspan(0, n),
-      {*ratio, *post_attention, *exact_keys});
+      *speculation);
   if (!skew.ok()) return Fail(kExitUsage, skew.status());
   if (absl::Status s = skew->Save(out); !s.ok()) return Fail(kExitFailure, s);
   std::printf("wrote %s: %d layers x %d KV heads, head_dim %d, from %d "
@@ -55,8 +50,9 @@ const Command& SkewCommand() {
       "skew",
       "Computes InfiniGen's skew matrices and its head profile (for "
       "--head_budgets=adaptive, measured with --partial_ratio, "
-      "--speculate_from and --partial_key_bits, by default as infinigen speculates under "
-      "--target_fetch) from calibration text and writes them to --out.",
+      "--speculate_from and --partial_key_bits, by default as infinigen "
+      "speculates under --target_fetch) from calibration text and writes "
+      "them to --out.",
       {"model", "tokenizer", "text", "calibration_tokens", "partial_ratio",
        "speculate_from", "partial_key_bits", "out", "threads"},
       RunSkew};
