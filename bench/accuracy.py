@@ -10,10 +10,12 @@ OUT.png (perplexity against the fraction of KV rows fetched per step).
 With --sweep=F1,F2,...: a fetch-fraction sweep instead, one line per
 policy (oracle, quest, infinigen, infinigen and quest with sinks and a
 recent window, h2o; full as the reference): for each target mean fetched
-fraction F, oracle, quest and infinigen take --budget so that layers 0 and 1 (always
-whole) plus the selecting layers at that budget average F (alpha 1e9: the
-cap decides; quest counts pages of --page_tokens), h2o takes --budget=F.
-Fractions below what layers 0 and 1 alone fetch are skipped for those.
+fraction F, oracle, quest and infinigen take --budget so that their dense
+layers (whole: 0 and 1 for oracle and quest and the *-dense2 lines, none
+for infinigen's default) plus the selecting layers at that budget average
+F (alpha 1e9: the cap decides; quest counts pages of --page_tokens), h2o
+takes --budget=F. Fractions below what a line's dense layers alone fetch
+are skipped for it.
 OUT_sweep.{md,csv,png}: perplexity against the fraction actually fetched.
 --lines=NAME,... runs only those lines; --reuse keeps the rows of an
 earlier OUT_sweep.csv (same line and target) instead of running them again,
@@ -70,7 +72,6 @@ def plot(rows, model, ctx, out):
 def sweep(a, common, skew):
     """Perplexity against the fetched fraction, one line per policy."""
     targets = [float(f) for f in a.sweep.split(",")]
-    dense = 2.0 / a.n_layers  # layers 0 and 1 read everything
     reused = {}
     if a.reuse and os.path.exists(a.out + "_sweep.csv"):
         with open(a.out + "_sweep.csv") as fh:
@@ -90,27 +91,29 @@ def sweep(a, common, skew):
     rows.append(full)
     plan = []  # (line, target, flags, reused row or None)
     for f in targets:
-        budget = (f - dense) / (1.0 - dense)
         lines = [("h2o", ["--policy=h2o", f"--budget={f}"])]
-        if budget > 0:
-            # --target_fetch sets --budget to `budget` with the alpha rule
-            # off; infinigen then takes adaptive head budgets (the default,
-            # --head_budgets=auto), the others uniform ones.
-            spec = [f"--target_fetch={f}"]
-            inf = ["--policy=infinigen", f"--partial_ratio={a.partial_ratio}",
-                   f"--skew={skew}"] + spec
+        # --target_fetch sets --budget with the alpha rule off; infinigen
+        # then takes adaptive head budgets (the default,
+        # --head_budgets=auto), the others uniform ones.
+        spec = [f"--target_fetch={f}"]
+        inf = ["--policy=infinigen", f"--partial_ratio={a.partial_ratio}",
+               f"--skew={skew}"] + spec
+        lines += [("infinigen", inf),
+                  (f"infinigen+sinks{a.sinks}+recent{a.recent}",
+                   inf + [f"--sink_tokens={a.sinks}",
+                          f"--recent_tokens={a.recent}"]),
+                  ("infinigen-uniform", inf + ["--head_budgets=uniform"]),
+                  ("oracle-dense0",
+                   ["--policy=oracle", "--dense_layers=0"] + spec)]
+        if f > 2.0 / a.n_layers:  # what layers 0 and 1 fetch whole
             lines += [
+                ("infinigen-dense2", inf + ["--dense_layers=2"]),
                 ("oracle", ["--policy=oracle"] + spec),
                 ("oracle-adaptive",
                  ["--policy=oracle", f"--skew={skew}",
                   "--head_budgets=adaptive"] + spec),
-                ("infinigen-uniform", inf + ["--head_budgets=uniform"]),
                 (f"quest{a.page_tokens}",
                  ["--policy=quest", f"--page_tokens={a.page_tokens}"] + spec),
-                ("infinigen", inf),
-                (f"infinigen+sinks{a.sinks}+recent{a.recent}",
-                 inf + [f"--sink_tokens={a.sinks}",
-                        f"--recent_tokens={a.recent}"]),
                 (f"quest{a.page_tokens}+sinks{a.sinks}+recent{a.recent}",
                  ["--policy=quest", f"--page_tokens={a.page_tokens}",
                   f"--sink_tokens={a.sinks}", f"--recent_tokens={a.recent}"]

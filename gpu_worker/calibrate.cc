@@ -17,8 +17,9 @@ namespace {
 
 // InfiniGen's speculation of layer l over every calibration token at once,
 // for the profile: the query from layer l - 1's input (its attention norm;
-// post_attention: layer l's attention norm of the residual after layer
-// l - 1's attention), then layer l's query projection and rotation, skewed,
+// own_norm: layer l's attention norm, of the residual after layer l - 1's
+// attention, or of layer 0's own input), then layer l's query projection
+// and rotation, skewed,
 // with the columns outside layer l's partial columns zeroed, and the skewed
 // keys with their partial columns as the 4-bit partial key cache reads them
 // back (unless exact_keys), so that q() . k() is the speculated score.
@@ -45,14 +46,13 @@ class SpeculatedRanking {
     for (int t = 0; t < n; ++t) positions_[t] = t;
   }
 
-  // x_prev [n, dim]: layer l - 1's input, or with post_attention the
-  // residual after its attention; q [n, q_dim], k [n, kv_dim]: layer l's
-  // post-RoPE queries and keys.
-  void Compute(int l, const float* x_prev, bool post_attention,
-               const float* q, const float* k) {
+  // x_prev [n, dim]: layer l - 1's input, or with own_norm the residual
+  // after its attention (layer 0: its own input); q [n, q_dim], k [n,
+  // kv_dim]: layer l's post-RoPE queries and keys.
+  void Compute(int l, const float* x_prev, bool own_norm, const float* q,
+               const float* k) {
     const model::ModelConfig& c = weights_.config;
-    const model::LayerWeights& pw =
-        weights_.layers[post_attention ? l : l - 1];
+    const model::LayerWeights& pw = weights_.layers[own_norm ? l : l - 1];
     const model::LayerWeights& w = weights_.layers[l];
     const int d = c.head_dim, group = c.n_heads / c.n_kv_heads;
     const bool opt = c.arch == model::Architecture::kOpt;
@@ -211,13 +211,15 @@ absl::StatusOr<speculator::SkewMatrices> CalibrateSkew(
                             speculation.exact_keys);
   const size_t n_f = profile.fractions.size();
   for (int l = 0; l < c.n_layers; ++l) {
-    // Layers 0 and 1 read everything: their speculated error is the exact
-    // one (never used).
-    const bool speculates = l >= 2;
+    // The dense layers read everything: their speculated error is the
+    // exact one (never used). Layer 0 speculates from its own input.
+    const bool speculates = l >= speculation.dense_layers;
     if (speculates) {
-      ranking.Compute(
-          l, (post_attention ? lx_attended[l - 1] : lx[l - 1]).data(),
-          post_attention, lq[l].data(), lk[l].data());
+      const float* from = l == 0           ? lx[0].data()
+                          : post_attention ? lx_attended[l - 1].data()
+                                           : lx[l - 1].data();
+      ranking.Compute(l, from, l == 0 || post_attention, lq[l].data(),
+                      lk[l].data());
     }
     speculator::ProfileLayer(
         lq[l].data(), lk[l].data(), lv[l].data(), lx[l].data(),

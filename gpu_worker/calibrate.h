@@ -25,6 +25,10 @@ struct SpeculationOptions {
   bool post_attention = false;
   // fp32 partial keys (PolicyOptions::exact_partial_keys), else 4-bit rows.
   bool exact_keys = false;
+  // The layers that read every row (PolicyOptions::dense_layers): their
+  // speculated profile is the exact one; a speculated layer 0 ranks by its
+  // own input.
+  int dense_layers = 2;
 };
 absl::StatusOr<speculator::SkewMatrices> CalibrateSkew(
     const model::Weights& weights, absl::Span<const int> tokens,

@@ -62,12 +62,13 @@ absl::Status SetTargetFetch(double fraction, int n_layers,
     case PolicyKind::kInfiniGen:
     case PolicyKind::kOracle:
     case PolicyKind::kQuest: {
-      const double dense = 2.0 / n_layers;  // layers 0 and 1, whole
-      if (n_layers <= 2 || fraction <= dense) {
+      const int dense_layers = options.dense_layers;  // read whole
+      const double dense = static_cast<double>(dense_layers) / n_layers;
+      if (dense_layers >= n_layers || fraction <= dense) {
         return absl::InvalidArgumentError(absl::StrFormat(
             "a target fetch of %g is not reachable with %s on %d layers: "
-            "layers 0 and 1 alone fetch %g of the rows",
-            fraction, PolicyName(options.kind), n_layers,
+            "its %d dense layers alone fetch %g of the rows",
+            fraction, PolicyName(options.kind), n_layers, dense_layers,
             std::min(1.0, dense)));
       }
       options.budget = static_cast<float>((fraction - dense) / (1.0 - dense));
@@ -122,6 +123,10 @@ absl::Status PolicyOptions::Validate() const {
   if (page_tokens < 1) {
     return absl::InvalidArgumentError(
         absl::StrFormat("page_tokens must be >= 1, got %d", page_tokens));
+  }
+  if (dense_layers < 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "dense_layers must be >= 0, got %d", dense_layers));
   }
   if (sink_tokens < 0 || recent_tokens < 0) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -327,9 +332,11 @@ class H2OPolicy final : public KvPolicy {
   std::vector<float> pending_new_;  // [layer][head]: the new token's prob
 };
 
-// InfiniGen (ALGORITHM.md): layers 0 and 1 read everything; for layer
-// l >= 2 the plan comes from speculation with layer l - 1's attention input,
-// layer l's query weight, its skew and its partial key cache.
+// InfiniGen (ALGORITHM.md): layers 0 and 1 read everything (dense_layers);
+// for layer l >= 2 the plan comes from speculation with layer l - 1's
+// attention input (or the residual after its attention, for layer l's
+// norm), layer l's query weight, its skew and its partial key cache; a
+// selecting layer 0 speculates from its own attention input.
 //
 // The speculation's arithmetic runs on the engine's backend, next to the
 // activations: the partial key cache [layer][kv_head][max_seq][n_cols] (its
@@ -476,7 +483,8 @@ class InfiniGenPolicy final : public KvPolicy {
       const bool exact = options_.kind == PolicyKind::kOracle ||
                          options_.same_layer_input;
       head_budgets_ = speculator::AllocateBudgets(
-          pr, exact ? pr.error : pr.speculated_error, options_.budget, 2,
+          pr, exact ? pr.error : pr.speculated_error, options_.budget,
+          options_.dense_layers,
           options_.budget_floor * options_.budget);
     }
     row_.resize(d);
@@ -596,7 +604,7 @@ class InfiniGenPolicy final : public KvPolicy {
   absl::Status PlanFetch(int layer, int p, const float* xb_prev,
                          const uint8_t* present,
                          OwnedFetchPlan& plan) override {
-    if (layer < 2 || xb_prev == nullptr) {
+    if (layer < options_.dense_layers || xb_prev == nullptr) {
       PlanAllPresent(p, present, plan);
       return absl::OkStatus();
     }
@@ -786,8 +794,8 @@ class InfiniGenPolicy final : public KvPolicy {
 // bounds every page's best score from above, sum_j max(q_j min_j,
 // q_j max_j); a page ranks by the largest of the KV head's query heads'
 // log-softmax of those bounds over the pages, and the top budget of the
-// pages per KV head are fetched whole. Layers 0
-// and 1 fetch everything, as in the paper. The budget is a fraction of
+// pages per KV head are fetched whole. The first dense_layers fetch
+// everything (2, as in the paper). The budget is a fraction of
 // the pages (the newest page may be partly filled). The bounds live on the host:
 // a prefill layer's keys and each decode step's new key are copied there.
 class QuestPolicy final : public KvPolicy {
@@ -798,6 +806,7 @@ class QuestPolicy final : public KvPolicy {
         sink_tokens_(o.sink_tokens),
         recent_tokens_(o.recent_tokens),
         page_(o.page_tokens),
+        dense_layers_(o.dense_layers),
         max_pages_((c.max_seq_len + o.page_tokens - 1) / o.page_tokens) {}
 
   static int64_t StateBytes(const Context& c, const PolicyOptions& o) {
@@ -863,7 +872,7 @@ class QuestPolicy final : public KvPolicy {
   absl::Status PlanFetch(int layer, int p, const float* x,
                          const uint8_t* present,
                          OwnedFetchPlan& plan) override {
-    if (layer < 2 || x == nullptr) {
+    if (layer < dense_layers_ || x == nullptr) {
       PlanAllPresent(p, present, plan);
       return absl::OkStatus();
     }
@@ -970,6 +979,7 @@ class QuestPolicy final : public KvPolicy {
   const int sink_tokens_;
   const int recent_tokens_;
   const int page_;
+  const int dense_layers_;
   const int max_pages_;
   std::vector<float> min_, max_;     // [layer][kv_head][page][d]
   std::vector<float> q_host_;        // [n_heads * d]

@@ -5,21 +5,25 @@
 //   ideal      the whole cache local; nothing is fetched
 //   full       offload; every cached row of every layer is fetched each step
 //              (FlexGen)
-//   infinigen  layers 0 and 1 fetch everything; layer i >= 1 speculates
-//              which tokens layer i + 1 needs and only those are fetched
+//   infinigen  the first dense_layers layers (2, the paper's; 0 when it
+//              speculates after the attention) fetch everything; layer
+//              i >= 1 speculates which tokens layer i + 1 needs and only
+//              those are fetched (layer 0, when not dense, ranks by its own
+//              input, the first thing a step knows)
 //   h2o        heavy hitters (accumulated attention) plus a recent window,
 //              budget a fraction of the sequence, evicted for good
 //   int4       rows stored group-wise 4-bit (asymmetric, group 64, FlexGen's
 //              scheme); every row fetched
-//   oracle     the upper bound of top-k selection: layers 0 and 1 fetch
-//              everything; layer i >= 2 fetches the exact top `budget` of
+//   oracle     the upper bound of top-k selection: the first dense_layers
+//              (2) fetch everything; the others fetch the exact top `budget` of
 //              its own attention per KV head (ranked by the largest of the
 //              group's query heads' log-softmax, as infinigen ranks its
 //              speculated scores), chosen from its own input (the fetch
 //              cannot leave early: a diagnostic, not a serving policy)
 //   quest      Quest's page selection: keys in pages of page_tokens, each
 //              page's element-wise key min and max bound its best score;
-//              layer i >= 2 fetches the top budget of pages per KV head by
+//              the layers after the first dense_layers (2, as in the
+//              paper) fetch the top budget of pages per KV head by
 //              that bound for its own query (a peer at equal fetch; like
 //              oracle, chosen from the layer's own input)
 // Every policy but ideal stores rows in the memory node through a KvClient
@@ -116,6 +120,12 @@ struct PolicyOptions {
   const speculator::HeadProfile* profile = nullptr;
   // quest: tokens per page.
   int page_tokens = 16;
+  // infinigen, oracle and quest: the first dense_layers layers read every
+  // row (the paper's InfiniGen and Quest: 2). With 0, layer 0 ranks its
+  // rows by its own attention input (exact for its query; its fetch leaves
+  // at the start of the layer, where the whole layer's left at the start
+  // of the step) and every layer shares the budget.
+  int dense_layers = 2;
 
   // Whether a layer's fetch is chosen from that layer's own input
   // (same_layer_input, oracle) rather than the previous layer's.
@@ -129,19 +139,27 @@ struct PolicyOptions {
            speculation_input == SpeculationInput::kPostAttention;
   }
 
+  // Whether layer 0's rows are chosen (from its own attention input, at
+  // the start of the layer) rather than all fetched at the step's start.
+  bool SelectsLayerZero() const {
+    return dense_layers == 0 &&
+           (kind == PolicyKind::kInfiniGen || kind == PolicyKind::kOracle ||
+            kind == PolicyKind::kQuest);
+  }
+
   // InvalidArgument for values out of range or a missing skew.
   absl::Status Validate() const;
 };
 
 // Sets `options` (its kind already chosen) so that the mean fraction of
 // cached rows fetched per decode step lands at `fraction` on a model of
-// `n_layers` layers: infinigen, oracle and quest read layers 0 and 1 whole,
-// so the selecting layers take budget (fraction * n_layers - 2) /
-// (n_layers - 2), with the alpha rule off (alpha 1e9: the cap decides) and
-// no score mass; h2o keeps `fraction`. Sink and recent tokens come on top.
-// InvalidArgument for a fraction outside (0, 1], one below what layers 0
-// and 1 fetch alone, or a policy whose fetch is not chosen (ideal, full,
-// int4).
+// `n_layers` layers: infinigen, oracle and quest read their first
+// D = options.dense_layers layers whole, so the selecting layers take
+// budget (fraction * n_layers - D) / (n_layers - D), with the alpha rule
+// off (alpha 1e9: the cap decides) and no score mass; h2o keeps
+// `fraction`. Sink and recent tokens come on top. InvalidArgument for a
+// fraction outside (0, 1], one at or below what the dense layers fetch
+// alone, or a policy whose fetch is not chosen (ideal, full, int4).
 absl::Status SetTargetFetch(double fraction, int n_layers,
                             PolicyOptions& options);
 

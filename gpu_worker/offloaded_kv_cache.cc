@@ -730,7 +730,10 @@ absl::Status OffloadedKvCache::BeginStep(absl::Span<const int> slots,
     Sequence& s = sequences_[slots[i]];
     s.position = positions[i];
     s.step_rows = 0;
-    IG_RETURN_IF_ERROR(IssueFetch(s, 0, nullptr));
+    // Layer 0's whole, now; a selected layer 0 waits for its input.
+    if (!options_.policy.SelectsLayerZero()) {
+      IG_RETURN_IF_ERROR(IssueFetch(s, 0, nullptr));
+    }
   }
   return absl::OkStatus();
 }
@@ -738,15 +741,21 @@ absl::Status OffloadedKvCache::BeginStep(absl::Span<const int> slots,
 absl::Status OffloadedKvCache::LayerInput(int layer, const float* xb) {
   // Layer l + 1's fetch leaves before layer l's attention and MLP run
   // (with the same_layer_input diagnostic, layer l's leaves now, from its
-  // own input; speculating after the attention, in PostAttentionInput;
-  // layer 0's left at the start of the step).
-  if (options_.policy.SpeculatesAfterAttention()) return absl::OkStatus();
-  const int fetch_layer =
-      options_.policy.SpeculatesFromOwnInput() ? layer : layer + 1;
-  if (fetch_layer <= 0 || fetch_layer >= c_.n_layers) return absl::OkStatus();
-  for (size_t i = 0; i < step_slots_.size(); ++i) {
-    IG_RETURN_IF_ERROR(IssueFetch(sequences_[step_slots_[i]], fetch_layer,
-                                  xb + i * c_.dim));
+  // own input; speculating after the attention, in PostAttentionInput).
+  // Layer 0's left at the start of the step, unless it is selected: then
+  // it leaves now, from its own input.
+  const PolicyOptions& o = options_.policy;
+  const bool own = o.SpeculatesFromOwnInput() ||
+                   (layer == 0 && o.SelectsLayerZero());
+  const bool next = !o.SpeculatesFromOwnInput() &&
+                    !o.SpeculatesAfterAttention();
+  for (const int fetch_layer : {own ? layer : -1, next ? layer + 1 : -1}) {
+    if (fetch_layer < 0 || fetch_layer >= c_.n_layers) continue;
+    if (fetch_layer == 0 && !o.SelectsLayerZero()) continue;  // BeginStep's
+    for (size_t i = 0; i < step_slots_.size(); ++i) {
+      IG_RETURN_IF_ERROR(IssueFetch(sequences_[step_slots_[i]], fetch_layer,
+                                    xb + i * c_.dim));
+    }
   }
   return absl::OkStatus();
 }

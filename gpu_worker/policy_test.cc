@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gpu_worker/calibrate.h"
 #include "gpu_worker/cpu/cpu_backend.h"
@@ -227,21 +228,26 @@ TEST_F(PolicyTest, SameLayerInputSpeculatesFromTheLayersOwnInput) {
 // l's MLP adds nothing, so with every MLP's output projection zeroed and
 // full columns of fp32 partial keys infinigen fetches what the oracle
 // fetches; from layer l's input (the paper's) it does not.
+// The same with no dense layers: layer 0 ranks by its own input, layer 1
+// speculates from layer 0's attention output.
 TEST_F(PolicyTest, PostAttentionSpeculationIsExactWhenTheMlpAddsNothing) {
   model::Weights no_mlp = *weights_;
   for (model::LayerWeights& w : no_mlp.layers) {
     std::fill(w.w2.begin(), w.w2.end(), 0.0f);
   }
-  auto skew = CalibrateSkew(no_mlp, *tokens_, {1.0, true, true});
+  for (const int dense : {2, 0}) {
+  SCOPED_TRACE(absl::StrCat("dense_layers ", dense));
+  auto skew = CalibrateSkew(no_mlp, *tokens_, {1.0, true, true, dense});
   ASSERT_TRUE(skew.ok()) << skew.status();
   // The calibration's profile speculates the same way: its speculated
   // ranking is the exact one, so are its errors (not so from the layer's
   // input).
-  auto from_input = CalibrateSkew(no_mlp, *tokens_, {1.0, false, true});
+  auto from_input =
+      CalibrateSkew(no_mlp, *tokens_, {1.0, false, true, dense});
   ASSERT_TRUE(from_input.ok()) << from_input.status();
   const speculator::HeadProfile& pr = skew->profile;
   double input_gap = 0.0;
-  for (size_t i = pr.Offset(2, 0); i < pr.error.size(); ++i) {
+  for (size_t i = pr.Offset(dense, 0); i < pr.error.size(); ++i) {
     EXPECT_NEAR(pr.speculated_error[i], pr.error[i],
                 1e-4 * (1.0 + pr.error[i])) << i;
     input_gap = std::max(
@@ -252,6 +258,7 @@ TEST_F(PolicyTest, PostAttentionSpeculationIsExactWhenTheMlpAddsNothing) {
   EXPECT_GT(input_gap, 1e-3);
   PolicyOptions oracle = Policy(PolicyKind::kOracle);
   oracle.budget = 0.2f;
+  oracle.dense_layers = dense;
   PolicyOptions post = Policy(PolicyKind::kInfiniGen);
   post.skew = &*skew;
   post.budget = 0.2f;
@@ -259,6 +266,7 @@ TEST_F(PolicyTest, PostAttentionSpeculationIsExactWhenTheMlpAddsNothing) {
   post.partial_ratio = 1.0f;
   post.speculation_input = PolicyOptions::SpeculationInput::kPostAttention;
   post.exact_partial_keys = true;
+  post.dense_layers = dense;
   const auto kLru = kv_memory_service::EvictionPolicy::kLru;
   Run a = TeacherForced(oracle, 8, 1.0, kLru, &no_mlp);
   Run b = TeacherForced(post, 8, 1.0, kLru, &no_mlp);
@@ -269,6 +277,45 @@ TEST_F(PolicyTest, PostAttentionSpeculationIsExactWhenTheMlpAddsNothing) {
   Run c = TeacherForced(ahead, 8, 1.0, kLru, &no_mlp);
   EXPECT_EQ(c.stats.rows_fetched, a.stats.rows_fetched);
   EXPECT_GT(LargestLogitGap(a, c), 10 * kSameSelection);
+  }
+}
+
+// With no dense layers every layer shares the budget: layer 0 ranks its
+// rows by its own input (at budget 1, all of them: exactly full), so a
+// target below what two whole layers fetch is reachable and lands, with
+// no step reading more than the budget of any layer.
+TEST_F(PolicyTest, WithNoDenseLayersEveryLayerSharesTheBudget) {
+  const int layers = weights_->config.n_layers;  // 5: 2 dense are 40%
+  const Run full = TeacherForced(Policy(PolicyKind::kFull), 8);
+  PolicyOptions post = Policy(PolicyKind::kInfiniGen);
+  post.speculation_input = PolicyOptions::SpeculationInput::kPostAttention;
+  for (PolicyOptions p : {Policy(PolicyKind::kOracle), Policy(PolicyKind::kQuest),
+                          Policy(PolicyKind::kInfiniGen), post}) {
+    SCOPED_TRACE(absl::StrCat(PolicyName(p.kind), " after attention ",
+                              p.SpeculatesAfterAttention()));
+    p.skew = skew_;
+    p.dense_layers = 0;
+    p.page_tokens = 1;
+    EXPECT_TRUE(p.SelectsLayerZero());
+    PolicyOptions every = p;
+    every.budget = 1.0f;
+    every.alpha = 1e30f;
+    EXPECT_EQ(TeacherForced(every, 8).logits, full.logits);
+    ASSERT_TRUE(SetTargetFetch(0.3, layers, p).ok());
+    EXPECT_FLOAT_EQ(p.budget, 0.3f);
+    const Run run = TeacherForced(p, 8);
+    EXPECT_NEAR(run.stats.fraction_mean(), 0.3, 0.03);
+    EXPECT_LE(run.stats.fraction_max, 0.3 + 1e-9);
+    EXPECT_GT(Mean(run.nll), Mean(full.nll));
+  }
+  // Two dense layers: layer 0 whole, a target of 0.3 out of reach.
+  PolicyOptions dense = Policy(PolicyKind::kInfiniGen);
+  EXPECT_FALSE(dense.SelectsLayerZero());
+  EXPECT_EQ(SetTargetFetch(0.3, layers, dense).code(),
+            absl::StatusCode::kInvalidArgument);
+  dense.dense_layers = -1;
+  dense.skew = skew_;
+  EXPECT_EQ(dense.Validate().code(), absl::StatusCode::kInvalidArgument);
 }
 
 // The oracle is the same-layer diagnostic at full columns with no alpha
@@ -432,8 +479,8 @@ TEST_F(PolicyTest, QuestSelectsPagesByTheirKeyBounds) {
 // Score-mass selection: each head's own count. A mass of 1 at a budget of
 // 1 takes every row (full's logits); a small mass takes fewer rows than
 // the alpha rule's cap, and out-of-range masses are refused.
-// --target_fetch: the budget that makes layers 0 and 1 (whole) and the
-// selecting layers average the target; the mean fetched fraction lands
+// --target_fetch: the budget that makes the dense layers 0 and 1 (whole)
+// and the selecting layers average the target; the mean fetched fraction lands
 // there.
 TEST_F(PolicyTest, TargetFetchLandsTheMeanFetchedFraction) {
   const int layers = weights_->config.n_layers;  // 5: layers 0, 1 are 40%
@@ -462,7 +509,7 @@ TEST_F(PolicyTest, TargetFetchLandsTheMeanFetchedFraction) {
   absl::Status low = SetTargetFetch(0.3, layers, oracle);
   EXPECT_EQ(low.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(low.message()),
-              HasSubstr("layers 0 and 1 alone fetch 0.4"));
+              HasSubstr("its 2 dense layers alone fetch 0.4"));
   EXPECT_FLOAT_EQ(oracle.budget, 0.25f);
   for (double bad : {0.0, -0.1, 1.5}) {
     EXPECT_EQ(SetTargetFetch(bad, layers, oracle).code(),

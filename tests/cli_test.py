@@ -193,26 +193,40 @@ class Cli(unittest.TestCase):
         for flag, value in [("--partial_ratio", "1.5"),
                             ("--partial_ratio", "most"),
                             ("--speculate_from", "nowhere"),
-                            ("--partial_key_bits", "8")]:
+                            ("--partial_key_bits", "8"),
+                            ("--dense_layers", "-1"),
+                            ("--dense_layers", "some")]:
             r = run(*base, f"{flag}={value}")
             self.assert_one_line_failure(r, 2, [flag, value])
             r = run("skew", f"--model={MODEL}", f"--tokenizer={TOK}",
                     f"--text={TEXT}", "--out=/dev/null", f"{flag}={value}")
             self.assert_one_line_failure(r, 2, [flag, value])
-        # auto: the paper's speculation, or under --target_fetch all
-        # columns from after the attention; 4-bit partial keys either way.
-        want = {(): (0.3, "layer_input", 4),
-                ("--target_fetch=0.7",): (1.0, "post_attention", 4),
+        # auto: the paper's speculation with layers 0 and 1 whole, or
+        # under --target_fetch all columns from after the attention and no
+        # dense layer; 4-bit partial keys either way.
+        want = {(): (0.3, "layer_input", 4, 2),
+                ("--target_fetch=0.7",): (1.0, "post_attention", 4, 0),
                 ("--target_fetch=0.7", "--partial_ratio=0.5",
                  "--speculate_from=layer_input", "--partial_key_bits=32"):
-                    (0.5, "layer_input", 32)}
-        for extra, (ratio, source, bits) in want.items():
+                    (0.5, "layer_input", 32, 2),
+                ("--target_fetch=0.7", "--dense_layers=1"):
+                    (1.0, "post_attention", 4, 1)}
+        for extra, (ratio, source, bits, dense) in want.items():
             r = run(*base, *extra)
             self.assertEqual(r.returncode, 0, r.stderr)
             last = json.loads(r.stdout.strip().splitlines()[-1])
             self.assertEqual((last["partial_ratio"], last["speculate_from"],
-                              last["partial_key_bits"]),
-                             (ratio, source, bits), extra)
+                              last["partial_key_bits"], last["dense_layers"]),
+                             (ratio, source, bits, dense), extra)
+        # With no dense layer a target below what layers 0 and 1 fetch
+        # alone (40% of stories260K's 5) lands; more dense layers than the
+        # model has are refused.
+        r = run(*base, "--target_fetch=0.3")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        last = json.loads(r.stdout.strip().splitlines()[-1])
+        self.assertAlmostEqual(last["fetch_fraction_mean"], 0.3, delta=0.05)
+        r = run(*base, "--dense_layers=6")
+        self.assert_one_line_failure(r, 2, ["--dense_layers", "6", "5 layers"])
 
     def test_bench_decode_rejects_a_context_beyond_the_model(self):
         r = run("bench-decode", f"--model={MODEL}", "--ctx=100000",

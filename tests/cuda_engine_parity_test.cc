@@ -183,13 +183,16 @@ TEST_F(CudaEngineParity, Stories260KEveryPolicy) {
     }
   }
   // infinigen as --target_fetch runs it (every column in 4-bit rows,
-  // speculated after the attention, adaptive head budgets) and the oracle
-  // (fp32 rows), each at a 60% target fetch.
-  auto tuned = gpu_worker::CalibrateSkew(m->weights, tokens, {1.0, true});
+  // speculated after the attention, no dense layer: layer 0 from its own
+  // input, adaptive head budgets) and the oracle (fp32 rows, layers 0 and
+  // 1 whole), each at a 60% target fetch.
+  auto tuned =
+      gpu_worker::CalibrateSkew(m->weights, tokens, {1.0, true, false, 0});
   ASSERT_TRUE(tuned.ok()) << tuned.status();
   for (PolicyKind kind : {PolicyKind::kInfiniGen, PolicyKind::kOracle}) {
     SCOPED_TRACE(std::string("target fetch ") + gpu_worker::PolicyName(kind));
     auto tweak = [&](gpu_worker::PolicyOptions& p) {
+      if (kind == PolicyKind::kInfiniGen) p.dense_layers = 0;
       ASSERT_TRUE(gpu_worker::SetTargetFetch(
                       0.6, m->weights.config.n_layers, p).ok());
       if (kind != PolicyKind::kInfiniGen) return;

@@ -67,6 +67,12 @@ ABSL_FLAG(std::string, speculate_from, "auto",
           "the fetch overlaps layer l's MLP); auto: post_attention for "
           "infinigen with --target_fetch (and for the profile 'skew' "
           "writes), else layer_input.");
+ABSL_FLAG(std::string, dense_layers, "auto",
+          "infinigen, oracle, quest: how many first layers read every row; "
+          "with 0, layer 0 ranks its rows by its own attention input and "
+          "every layer shares the budget; auto: 0 where infinigen "
+          "speculates after the attention (--speculate_from), else 2 (the "
+          "paper's InfiniGen and Quest).");
 ABSL_FLAG(double, budget, 0.2,
           "infinigen: cap on tokens fetched per head as a fraction of the "
           "cached tokens; oracle: the fraction each head takes; quest: the "
@@ -177,6 +183,20 @@ namespace infinigen::commands {
 using gpu_worker::Engine;
 using gpu_worker::EngineOptions;
 
+// --dense_layers: its number, or auto: 0 where infinigen speculates after
+// the attention, else 2.
+absl::StatusOr<int> DenseLayersFromFlags(bool speculates_after_attention) {
+  const std::string flag = absl::GetFlag(FLAGS_dense_layers);
+  if (flag == "auto") return speculates_after_attention ? 0 : 2;
+  int n = 0;
+  if (!absl::SimpleAtoi(flag, &n) || n < 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--dense_layers must be auto or a number of layers >= 0, got '%s'",
+        flag));
+  }
+  return n;
+}
+
 absl::StatusOr<gpu_worker::SpeculationOptions> SpeculationFromFlags(
     bool tuned) {
   gpu_worker::SpeculationOptions o;
@@ -201,13 +221,14 @@ absl::StatusOr<gpu_worker::SpeculationOptions> SpeculationFromFlags(
         "--partial_key_bits must be 4 or 32, got %d", bits));
   }
   o.exact_keys = bits == 32;
+  IG_ASSIGN_OR_RETURN(o.dense_layers, DenseLayersFromFlags(o.post_attention));
   return o;
 }
 
 std::vector<const char*> WithEngineFlags(std::vector<const char*> own) {
   for (const char* f :
        {"policy", "alpha", "partial_ratio", "partial_key_bits",
-        "speculate_from", "partial_rank",
+        "speculate_from", "dense_layers", "partial_rank",
         "budget",
         "sink_tokens", "recent_tokens", "score_mass", "head_budgets",
         "budget_floor", "page_tokens", "target_fetch", "skew",
@@ -390,6 +411,15 @@ absl::StatusOr<EngineOptions> EngineOptionsFromFlags(const std::string& policy,
           ? gpu_worker::PolicyOptions::SpeculationInput::kPostAttention
           : gpu_worker::PolicyOptions::SpeculationInput::kLayerInput;
   p.exact_partial_keys = speculation.exact_keys;
+  IG_ASSIGN_OR_RETURN(
+      p.dense_layers,
+      DenseLayersFromFlags(p.kind == gpu_worker::PolicyKind::kInfiniGen &&
+                           speculation.post_attention));
+  if (p.dense_layers > n_layers) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--dense_layers is %d, the model has %d layers", p.dense_layers,
+        n_layers));
+  }
   p.budget = static_cast<float>(absl::GetFlag(FLAGS_budget));
   const std::string rank = absl::GetFlag(FLAGS_partial_rank);
   if (rank != "q" && rank != "qk") {
@@ -453,7 +483,8 @@ absl::StatusOr<std::unique_ptr<speculator::SkewMatrices>> SkewFromFlags(
                           weights, calibration.subspan(0, n),
                           {options.partial_ratio,
                            options.SpeculatesAfterAttention(),
-                           options.exact_partial_keys}));
+                           options.exact_partial_keys,
+                           options.dense_layers}));
   return std::make_unique<speculator::SkewMatrices>(std::move(skew));
 }
 

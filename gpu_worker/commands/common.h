@@ -62,10 +62,10 @@ std::vector<const char*> WithEngineFlags(std::vector<const char*> own);
 // commands that serve generations.
 std::vector<const char*> WithServingFlags(std::vector<const char*> own);
 
-// InfiniGen's speculation from --partial_ratio, --speculate_from and
-// --partial_key_bits, their auto resolved for `tuned` (infinigen under
-// --target_fetch, and the profile 'skew' writes) or not: InvalidArgument
-// naming the flag for a bad value.
+// InfiniGen's speculation from --partial_ratio, --speculate_from,
+// --partial_key_bits and --dense_layers, their auto resolved for `tuned`
+// (infinigen under --target_fetch, and the profile 'skew' writes) or not:
+// InvalidArgument naming the flag for a bad value.
 absl::StatusOr<gpu_worker::SpeculationOptions> SpeculationFromFlags(
     bool tuned);
 

@@ -57,6 +57,7 @@ void PrintResult(const gpu_worker::PerplexityOptions& o,
   j["partial_key_bits"] = policy.exact_partial_keys ? 32 : 4;
   j["speculate_from"] = policy.SpeculatesAfterAttention() ? "post_attention"
                                                           : "layer_input";
+  j["dense_layers"] = policy.dense_layers;
   j["budget"] = decimal(policy.budget);
   j["kv_capacity"] = absl::GetFlag(FLAGS_kv_capacity);
   j["eviction"] = absl::GetFlag(FLAGS_eviction);
