@@ -125,8 +125,8 @@ absl::Status PolicyOptions::Validate() const {
         absl::StrFormat("page_tokens must be >= 1, got %d", page_tokens));
   }
   if (dense_layers < 0) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "dense_layers must be >= 0, got %d", dense_layers));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("dense_layers must be >= 0, got %d", dense_layers));
   }
   if (sink_tokens < 0 || recent_tokens < 0) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -484,8 +484,7 @@ class InfiniGenPolicy final : public KvPolicy {
                          options_.same_layer_input;
       head_budgets_ = speculator::AllocateBudgets(
           pr, exact ? pr.error : pr.speculated_error, options_.budget,
-          options_.dense_layers,
-          options_.budget_floor * options_.budget);
+          options_.dense_layers, options_.budget_floor * options_.budget);
     }
     row_.resize(d);
     k_sums_.resize(d);
@@ -796,8 +795,8 @@ class InfiniGenPolicy final : public KvPolicy {
 // log-softmax of those bounds over the pages, and the top budget of the
 // pages per KV head are fetched whole. The first dense_layers fetch
 // everything (2, as in the paper). The budget is a fraction of
-// the pages (the newest page may be partly filled). The bounds live on the host:
-// a prefill layer's keys and each decode step's new key are copied there.
+// the pages (the newest page may be partly filled). The bounds live on the
+// host: a prefill layer's keys and each decode step's new key are copied there.
 class QuestPolicy final : public KvPolicy {
  public:
   QuestPolicy(const Context& c, const PolicyOptions& o)

@@ -236,47 +236,48 @@ TEST_F(PolicyTest, PostAttentionSpeculationIsExactWhenTheMlpAddsNothing) {
     std::fill(w.w2.begin(), w.w2.end(), 0.0f);
   }
   for (const int dense : {2, 0}) {
-  SCOPED_TRACE(absl::StrCat("dense_layers ", dense));
-  auto skew = CalibrateSkew(no_mlp, *tokens_, {1.0, true, true, dense});
-  ASSERT_TRUE(skew.ok()) << skew.status();
-  // The calibration's profile speculates the same way: its speculated
-  // ranking is the exact one, so are its errors (not so from the layer's
-  // input).
-  auto from_input =
-      CalibrateSkew(no_mlp, *tokens_, {1.0, false, true, dense});
-  ASSERT_TRUE(from_input.ok()) << from_input.status();
-  const speculator::HeadProfile& pr = skew->profile;
-  double input_gap = 0.0;
-  for (size_t i = pr.Offset(dense, 0); i < pr.error.size(); ++i) {
-    EXPECT_NEAR(pr.speculated_error[i], pr.error[i],
-                1e-4 * (1.0 + pr.error[i])) << i;
-    input_gap = std::max(
-        input_gap, std::fabs(static_cast<double>(
-                       from_input->profile.speculated_error[i] -
-                       from_input->profile.error[i])));
-  }
-  EXPECT_GT(input_gap, 1e-3);
-  PolicyOptions oracle = Policy(PolicyKind::kOracle);
-  oracle.budget = 0.2f;
-  oracle.dense_layers = dense;
-  PolicyOptions post = Policy(PolicyKind::kInfiniGen);
-  post.skew = &*skew;
-  post.budget = 0.2f;
-  post.alpha = 1e30f;
-  post.partial_ratio = 1.0f;
-  post.speculation_input = PolicyOptions::SpeculationInput::kPostAttention;
-  post.exact_partial_keys = true;
-  post.dense_layers = dense;
-  const auto kLru = kv_memory_service::EvictionPolicy::kLru;
-  Run a = TeacherForced(oracle, 8, 1.0, kLru, &no_mlp);
-  Run b = TeacherForced(post, 8, 1.0, kLru, &no_mlp);
-  EXPECT_LE(LargestLogitGap(a, b), kSameSelection);
-  EXPECT_EQ(a.stats.rows_fetched, b.stats.rows_fetched);
-  PolicyOptions ahead = post;
-  ahead.speculation_input = PolicyOptions::SpeculationInput::kLayerInput;
-  Run c = TeacherForced(ahead, 8, 1.0, kLru, &no_mlp);
-  EXPECT_EQ(c.stats.rows_fetched, a.stats.rows_fetched);
-  EXPECT_GT(LargestLogitGap(a, c), 10 * kSameSelection);
+    SCOPED_TRACE(absl::StrCat("dense_layers ", dense));
+    auto skew = CalibrateSkew(no_mlp, *tokens_, {1.0, true, true, dense});
+    ASSERT_TRUE(skew.ok()) << skew.status();
+    // The calibration's profile speculates the same way: its speculated
+    // ranking is the exact one, so are its errors (not so from the layer's
+    // input).
+    auto from_input =
+        CalibrateSkew(no_mlp, *tokens_, {1.0, false, true, dense});
+    ASSERT_TRUE(from_input.ok()) << from_input.status();
+    const speculator::HeadProfile& pr = skew->profile;
+    double input_gap = 0.0;
+    for (size_t i = pr.Offset(dense, 0); i < pr.error.size(); ++i) {
+      EXPECT_NEAR(pr.speculated_error[i], pr.error[i],
+                  1e-4 * (1.0 + pr.error[i]))
+          << i;
+      input_gap =
+          std::max(input_gap, std::fabs(static_cast<double>(
+                                  from_input->profile.speculated_error[i] -
+                                  from_input->profile.error[i])));
+    }
+    EXPECT_GT(input_gap, 1e-3);
+    PolicyOptions oracle = Policy(PolicyKind::kOracle);
+    oracle.budget = 0.2f;
+    oracle.dense_layers = dense;
+    PolicyOptions post = Policy(PolicyKind::kInfiniGen);
+    post.skew = &*skew;
+    post.budget = 0.2f;
+    post.alpha = 1e30f;
+    post.partial_ratio = 1.0f;
+    post.speculation_input = PolicyOptions::SpeculationInput::kPostAttention;
+    post.exact_partial_keys = true;
+    post.dense_layers = dense;
+    const auto kLru = kv_memory_service::EvictionPolicy::kLru;
+    Run a = TeacherForced(oracle, 8, 1.0, kLru, &no_mlp);
+    Run b = TeacherForced(post, 8, 1.0, kLru, &no_mlp);
+    EXPECT_LE(LargestLogitGap(a, b), kSameSelection);
+    EXPECT_EQ(a.stats.rows_fetched, b.stats.rows_fetched);
+    PolicyOptions ahead = post;
+    ahead.speculation_input = PolicyOptions::SpeculationInput::kLayerInput;
+    Run c = TeacherForced(ahead, 8, 1.0, kLru, &no_mlp);
+    EXPECT_EQ(c.stats.rows_fetched, a.stats.rows_fetched);
+    EXPECT_GT(LargestLogitGap(a, c), 10 * kSameSelection);
   }
 }
 
@@ -289,8 +290,9 @@ TEST_F(PolicyTest, WithNoDenseLayersEveryLayerSharesTheBudget) {
   const Run full = TeacherForced(Policy(PolicyKind::kFull), 8);
   PolicyOptions post = Policy(PolicyKind::kInfiniGen);
   post.speculation_input = PolicyOptions::SpeculationInput::kPostAttention;
-  for (PolicyOptions p : {Policy(PolicyKind::kOracle), Policy(PolicyKind::kQuest),
-                          Policy(PolicyKind::kInfiniGen), post}) {
+  for (PolicyOptions p :
+       {Policy(PolicyKind::kOracle), Policy(PolicyKind::kQuest),
+        Policy(PolicyKind::kInfiniGen), post}) {
     SCOPED_TRACE(absl::StrCat(PolicyName(p.kind), " after attention ",
                               p.SpeculatesAfterAttention()));
     p.skew = skew_;

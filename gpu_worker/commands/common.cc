@@ -228,8 +228,7 @@ absl::StatusOr<gpu_worker::SpeculationOptions> SpeculationFromFlags(
 std::vector<const char*> WithEngineFlags(std::vector<const char*> own) {
   for (const char* f :
        {"policy", "alpha", "partial_ratio", "partial_key_bits",
-        "speculate_from", "dense_layers", "partial_rank",
-        "budget",
+        "speculate_from", "dense_layers", "partial_rank", "budget",
         "sink_tokens", "recent_tokens", "score_mass", "head_budgets",
         "budget_floor", "page_tokens", "target_fetch", "skew",
         "kv_service", "kv_auth_token_file", "kv_tls_ca", "kv_tls_cert",
@@ -416,9 +415,9 @@ absl::StatusOr<EngineOptions> EngineOptionsFromFlags(const std::string& policy,
       DenseLayersFromFlags(p.kind == gpu_worker::PolicyKind::kInfiniGen &&
                            speculation.post_attention));
   if (p.dense_layers > n_layers) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "--dense_layers is %d, the model has %d layers", p.dense_layers,
-        n_layers));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--dense_layers is %d, the model has %d layers",
+                        p.dense_layers, n_layers));
   }
   p.budget = static_cast<float>(absl::GetFlag(FLAGS_budget));
   const std::string rank = absl::GetFlag(FLAGS_partial_rank);
@@ -478,13 +477,11 @@ absl::StatusOr<std::unique_ptr<speculator::SkewMatrices>> SkewFromFlags(
                               absl::GetFlag(FLAGS_calibration_tokens));
   IG_LOG(INFO) << "no --skew: calibrating on the first " << n
                << " tokens of the input";
-  IG_ASSIGN_OR_RETURN(auto skew,
-                      gpu_worker::CalibrateSkew(
-                          weights, calibration.subspan(0, n),
-                          {options.partial_ratio,
-                           options.SpeculatesAfterAttention(),
-                           options.exact_partial_keys,
-                           options.dense_layers}));
+  IG_ASSIGN_OR_RETURN(
+      auto skew, gpu_worker::CalibrateSkew(
+                     weights, calibration.subspan(0, n),
+                     {options.partial_ratio, options.SpeculatesAfterAttention(),
+                      options.exact_partial_keys, options.dense_layers}));
   return std::make_unique<speculator::SkewMatrices>(std::move(skew));
 }
 

@@ -50,12 +50,11 @@ const Command& SkewCommand() {
       "skew",
       "Computes InfiniGen's skew matrices and its head profile (for "
       "--head_budgets=adaptive, measured with --partial_ratio, "
-      "--speculate_from, --partial_key_bits and --dense_layers, by default as infinigen "
-      "speculates under --target_fetch) from calibration text and writes "
-      "them to --out.",
+      "--speculate_from, --partial_key_bits and --dense_layers, by default as "
+      "infinigen speculates under --target_fetch) from calibration text and "
+      "writes them to --out.",
       {"model", "tokenizer", "text", "calibration_tokens", "partial_ratio",
-       "speculate_from", "partial_key_bits", "dense_layers", "out",
-       "threads"},
+       "speculate_from", "partial_key_bits", "dense_layers", "out", "threads"},
       RunSkew};
   return *command;
 }
