@@ -19,10 +19,10 @@ namespace {
 // for the profile: the query from layer l - 1's input (its attention norm;
 // own_norm: layer l's attention norm, of the residual after layer l - 1's
 // attention, or of layer 0's own input), then layer l's query projection
-// and rotation, skewed,
-// with the columns outside layer l's partial columns zeroed, and the skewed
-// keys with their partial columns as the 4-bit partial key cache reads them
-// back (unless exact_keys), so that q() . k() is the speculated score.
+// and rotation, skewed, with the columns outside layer l's partial columns
+// zeroed, and the skewed keys with their partial columns as the 4-bit
+// partial key cache reads them back (unless exact_keys), so that q() . k()
+// is the speculated score.
 // Partial columns as the policy chooses them: the largest summed |q A| of
 // layer l's own queries.
 class SpeculatedRanking {

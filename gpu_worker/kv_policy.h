@@ -15,11 +15,12 @@
 //   int4       rows stored group-wise 4-bit (asymmetric, group 64, FlexGen's
 //              scheme); every row fetched
 //   oracle     the upper bound of top-k selection: the first dense_layers
-//              (2) fetch everything; the others fetch the exact top `budget` of
-//              its own attention per KV head (ranked by the largest of the
-//              group's query heads' log-softmax, as infinigen ranks its
-//              speculated scores), chosen from its own input (the fetch
-//              cannot leave early: a diagnostic, not a serving policy)
+//              (2) fetch everything; each other layer fetches the exact top
+//              `budget` of its own attention per KV head (ranked by the
+//              largest of the group's query heads' log-softmax, as
+//              infinigen ranks its speculated scores), chosen from its own
+//              input (the fetch cannot leave early: a diagnostic, not a
+//              serving policy)
 //   quest      Quest's page selection: keys in pages of page_tokens, each
 //              page's element-wise key min and max bound its best score;
 //              the layers after the first dense_layers (2, as in the
