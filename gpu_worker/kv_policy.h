@@ -115,7 +115,7 @@ struct PolicyOptions {
   // speculated ranking; oracle: of the exact one); each takes at least
   // budget_floor times `budget`. Replaces the alpha rule and score_mass.
   bool adaptive_budgets = false;
-  float budget_floor = 0.75f;
+  float budget_floor = 0.25f;
   // The calibration's head profile (not owned; must outlive the engine).
   // Required with adaptive_budgets.
   const speculator::HeadProfile* profile = nullptr;

@@ -100,7 +100,7 @@ ABSL_FLAG(std::string, head_budgets, "auto",
           "is --budget and the calibrated attention-output error is least; "
           "replaces the alpha rule and --score_mass); auto: adaptive for "
           "infinigen with --target_fetch, else uniform.");
-ABSL_FLAG(double, budget_floor, 0.75,
+ABSL_FLAG(double, budget_floor, 0.25,
           "adaptive head budgets: the least share of a head, as a fraction "
           "of --budget.");
 ABSL_FLAG(double, target_fetch, 0.0,
