@@ -22,9 +22,8 @@ namespace {
 // and rotation, skewed, with the columns outside layer l's partial columns
 // zeroed, and the skewed keys with their partial columns as the 4-bit
 // partial key cache reads them back (unless exact_keys), so that q() . k()
-// is the speculated score.
-// Partial columns as the policy chooses them: the largest summed |q A| of
-// layer l's own queries.
+// is the speculated score. Partial columns as the policy chooses them: the
+// largest summed |q A| of layer l's own queries.
 class SpeculatedRanking {
  public:
   SpeculatedRanking(const model::Weights& weights,

@@ -746,12 +746,11 @@ absl::Status OffloadedKvCache::LayerInput(int layer, const float* xb) {
   // it leaves now, from its own input.
   const PolicyOptions& o = options_.policy;
   const bool own =
-      o.SpeculatesFromOwnInput() || (layer == 0 && o.SelectsLayerZero());
+      layer == 0 ? o.SelectsLayerZero() : o.SpeculatesFromOwnInput();
   const bool next =
       !o.SpeculatesFromOwnInput() && !o.SpeculatesAfterAttention();
   for (const int fetch_layer : {own ? layer : -1, next ? layer + 1 : -1}) {
     if (fetch_layer < 0 || fetch_layer >= c_.n_layers) continue;
-    if (fetch_layer == 0 && !o.SelectsLayerZero()) continue;  // BeginStep's
     for (size_t i = 0; i < step_slots_.size(); ++i) {
       IG_RETURN_IF_ERROR(
           IssueFetch(sequences_[step_slots_[i]], fetch_layer, xb + i * c_.dim));

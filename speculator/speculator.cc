@@ -605,11 +605,16 @@ void QuantizePartialKeys(const float* keys, int n_rows, int n_cols,
 
 namespace {
 
+// A 4-bit row's range: its min and scale.
+inline void ReadPartialKeyRange(const uint8_t* row, float* lo, float* scale) {
+  std::memcpy(lo, row, sizeof(float));
+  std::memcpy(scale, row + sizeof(float), sizeof(float));
+}
+
 // Row r's range and its codes as floats.
 inline void ReadPartialKeyRow(const uint8_t* row, int n_cols, float* lo,
                               float* scale, float* codes) {
-  std::memcpy(lo, row, sizeof(float));
-  std::memcpy(scale, row + sizeof(float), sizeof(float));
+  ReadPartialKeyRange(row, lo, scale);
   const uint8_t* packed = row + 2 * sizeof(float);
   for (int c = 0; c < n_cols; ++c) {
     codes[c] = static_cast<float>((packed[c / 2] >> (4 * (c & 1))) & 0xF);
@@ -718,8 +723,7 @@ void SpeculateScores(const float* q_skewed, int n_heads, int n_kv_heads, int d,
       float lo[kLanes], row_scale[kLanes], dots[kLanes];
       for (int i = 0; i < m; ++i) {
         const uint8_t* row = kg + static_cast<size_t>(t0 + i) * row_bytes;
-        std::memcpy(&lo[i], row, sizeof(float));
-        std::memcpy(&row_scale[i], row + sizeof(float), sizeof(float));
+        ReadPartialKeyRange(row, &lo[i], &row_scale[i]);
         DecodeCodesChunked(row + 2 * sizeof(float), code_bytes,
                            codes.data() + static_cast<size_t>(i) * width);
       }
