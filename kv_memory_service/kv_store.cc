@@ -4,6 +4,7 @@
 #include <sys/random.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstddef>
 #include <cstdlib>
@@ -14,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
+#include "kv_memory_service/gather_pool.h"
 #include "kv_memory_service/prefix_cache.h"
 
 namespace infinigen::kv_memory_service {
@@ -72,18 +74,33 @@ struct KvStore::Totals {
 };
 
 // One sequence: rows [layer][kv_head][slot][head_dim] for K and V, and for
-// each (layer, kv_head) the map between token positions and slots. While a
-// (layer, head) is below capacity its tokens take slots 0, 1, 2, ...; once
-// full, each new token takes the slot of the token evicted for it, so slots
-// [0, present) are always the occupied ones.
+// each (layer, kv_head) the map between token positions and slots.
+//
+// Addressing is arithmetic wherever it can be. Until a (layer, head) first
+// evicts, its tokens take slots 0, 1, 2, ... in position order, so a
+// position's slot is the position itself. Under FIFO a full head gives each
+// new token the slot of the token max_tokens before it, so position p lives
+// in slot p % max_tokens and the present positions are the last max_tokens
+// appended. Under LRU and counter a full head keeps a ring of max_tokens
+// slot numbers for the last max_tokens positions (-1: evicted) and a hash
+// map for the older positions still present (never more than max_tokens):
+// the one case with a lookup, and only for rows older than the window.
+// Consecutive positions stored side by side are copied as one block.
 //
 // Memory follows what is stored, not what was reserved or ever appended: the
 // rows are an mmap the kernel commits page by page as rows are written, and
-// the bookkeeping of a (layer, head) is one entry per occupied slot (a
-// position -> slot hash map, never an array indexed by position). Eviction
-// costs O(log present) per evicted row: present tokens are kept on a list in
-// position order (FIFO takes its head), and the LRU and counter policies
-// keep their candidates (the older half) in a min-heap with lazy deletion.
+// the bookkeeping of a (layer, head) is one Slot per present token, plus the
+// ring and map once it evicts under LRU or counter. Eviction costs O(log
+// present) per evicted row: present tokens are kept on a list in position
+// order (FIFO takes its head), and the LRU and counter policies keep their
+// candidates (the older half) in a min-heap with lazy deletion, built when
+// the head first evicts.
+//
+// Fetches do no bookkeeping on their path: a gather copies rows under a
+// reader lock (several gathers of a sequence run at once) and appends its
+// plan to the sequence's fetch log, 4 bytes a row. The log is applied to the
+// per-token statistics, in order, before an append that evicts, before the
+// statistics are read, and when it outgrows twice the rows present.
 class KvStore::Sequence {
  public:
   Sequence(SequenceId id, const SequenceGeometry& g, EvictionPolicy policy,
@@ -92,6 +109,7 @@ class KvStore::Sequence {
         g_(g),
         policy_(policy),
         row_elems_(g.head_dim),
+        row_bytes_(g.head_dim * sizeof(uint16_t)),
         head_elems_(static_cast<size_t>(g.max_tokens) * g.head_dim),
         k_(std::move(k)),
         v_(std::move(v)),
@@ -150,13 +168,17 @@ class KvStore::Sequence {
       return absl::DeadlineExceededError(
           "the append's deadline passed before it ran; nothing appended");
     }
+    bool evicts = false;
     for (int32_t l = b.first_layer; l < b.first_layer + b.n_layers; ++l) {
       if (layer_length_[l] >
           std::numeric_limits<int32_t>::max() - b.n_tokens) {
         return absl::OutOfRangeError(absl::StrCat(
             "layer ", l, " would pass 2^31 - 1 positions"));
       }
+      evicts = evicts || layer_length_[l] + b.n_tokens > g_.max_tokens;
     }
+    // The eviction rules read the fetch statistics: bring them up to date.
+    if (evicts) ApplyLogLocked();
 
     AppendResult result;
     const size_t token_stride = static_cast<size_t>(g_.n_kv_heads) * row_elems_;
@@ -176,10 +198,11 @@ class KvStore::Sequence {
             slot = static_cast<int32_t>(head.slots.size());
             head.slots.emplace_back();
           } else {
+            if (!head.evicting) StartEvicting(head);
             slot = EvictionSlot(head);
             const int32_t victim = head.slots[slot].position;
             Unlink(head, slot);
-            head.slot_of.erase(victim);
+            ForgetPosition(head, victim, position);
             result.evicted.push_back(EvictedToken{layer, h, victim});
           }
           Slot& s = head.slots[slot];
@@ -188,18 +211,18 @@ class KvStore::Sequence {
           s.fetch_count = 0;
           s.last_fetch = 0;
           LinkAtTail(head, slot);
-          head.slot_of[position] = slot;
+          if (head.evicting) RememberPosition(head, position, slot);
           const size_t src = static_cast<size_t>(t) * token_stride +
                              static_cast<size_t>(h) * row_elems_;
-          std::memcpy(Row(k_.get(), layer, h, slot), k_src + src,
-                      row_elems_ * sizeof(uint16_t));
-          std::memcpy(Row(v_.get(), layer, h, slot), v_src + src,
-                      row_elems_ * sizeof(uint16_t));
+          std::memcpy(Row(k_.get(), layer, h, slot), k_src + src, row_bytes_);
+          std::memcpy(Row(v_.get(), layer, h, slot), v_src + src, row_bytes_);
         }
         layer_length_[layer] = position + 1;
       }
     }
     evicted_rows_ += static_cast<int64_t>(result.evicted.size());
+    present_rows_ += int64_t{b.n_layers} * b.n_tokens * g_.n_kv_heads -
+                     static_cast<int64_t>(result.evicted.size());
     // Annotations of blocks still to publish are kept until then.
     const size_t first_pending = attached_.size() + next_pending_;
     for (size_t i = 0; i < b.prefix_meta.size(); ++i) {
@@ -220,7 +243,8 @@ class KvStore::Sequence {
   }
 
   absl::Status Gather(int32_t layer, const FetchPlan& plan,
-                      absl::Span<uint16_t> dest, Totals& totals) {
+                      absl::Span<uint16_t> dest, Totals& totals,
+                      GatherPool* pool) {
     if (layer < 0 || layer >= g_.n_layers) {
       return absl::InvalidArgumentError(absl::StrCat(
           "layer ", layer, " is not within the sequence's ", g_.n_layers,
@@ -234,60 +258,47 @@ class KvStore::Sequence {
           "destination holds ", dest.size(), " values; the plan's ", n,
           " rows of K and V need ", need));
     }
-
-    absl::MutexLock lock(&mu_);
-    const int32_t length = layer_length_[layer];
-    // Validate every index before touching any counter, so that a bad plan
-    // changes nothing.
-    for (int32_t h = 0; h < g_.n_kv_heads; ++h) {
-      const Head& head = HeadAt(layer, h);
-      for (int32_t j = plan.head_offsets[h]; j < plan.head_offsets[h + 1]; ++j) {
-        const int32_t pos = plan.indices[j];
-        if (pos < 0) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "negative position ", pos, " for layer ", layer, " head ", h));
-        }
-        if (pos >= length) {
-          return absl::OutOfRangeError(absl::StrCat(
-              "position ", pos, " is beyond layer ", layer, "'s length ",
-              length));
-        }
-        if (!head.slot_of.contains(pos)) {
-          return absl::FailedPreconditionError(absl::StrCat(
-              "position ", pos, " of layer ", layer, " head ", h,
-              " was evicted"));
-        }
-      }
+    // Split across the pool's threads above kSplitBytes, a range of the
+    // plan's rows each (at least kTaskBytes of rows a task).
+    constexpr size_t kSplitBytes = size_t{1} << 20;
+    constexpr size_t kTaskBytes = size_t{256} << 10;
+    constexpr int kMaxTasks = 16;
+    const size_t bytes = need * sizeof(uint16_t);
+    int tasks = 1;
+    if (pool != nullptr && bytes >= kSplitBytes) {
+      tasks = static_cast<int>(std::min<size_t>(
+          {static_cast<size_t>(pool->threads()), bytes / kTaskBytes,
+           static_cast<size_t>(kMaxTasks)}));
     }
-    const uint64_t now = ++clock_;
-    uint16_t* k_out = dest.data();
-    uint16_t* v_out = dest.data() + n * row_elems_;
-    const size_t row_bytes = row_elems_ * sizeof(uint16_t);
-    for (int32_t h = 0; h < g_.n_kv_heads; ++h) {
-      Head& head = HeadAt(layer, h);
-      for (int32_t j = plan.head_offsets[h]; j < plan.head_offsets[h + 1]; ++j) {
-        const int32_t pos = plan.indices[j];
-        const int32_t slot = head.slot_of.find(pos)->second;
-        Slot& s = head.slots[slot];
-        std::memcpy(k_out, RowOf(/*v=*/false, layer, h, slot, s), row_bytes);
-        std::memcpy(v_out, RowOf(/*v=*/true, layer, h, slot, s), row_bytes);
-        k_out += row_elems_;
-        v_out += row_elems_;
-        const uint64_t before = Key(s);
-        ++s.fetch_count;
-        s.last_fetch = now;
-        // A candidate's key changed: its heap entry is stale, push a fresh
-        // one (the stale one is skipped when it surfaces).
-        if (pos < head.candidates_below && Key(s) != before) {
-          PushCandidate(head, slot);
-        }
+    bool apply = false;
+    {
+      absl::ReaderMutexLock lock(&mu_);
+      const int32_t length = layer_length_[layer];
+      absl::Status status;
+      if (tasks <= 1) {
+        status = CopyRows(layer, length, plan, 0, n, dest.data());
+      } else {
+        std::array<absl::Status, kMaxTasks> statuses;
+        pool->Run(tasks, [&](int t) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+          statuses[t] = CopyRows(layer, length, plan, n * t / tasks,
+                                 n * (t + 1) / tasks, dest.data());
+        });
+        for (int t = 0; t < tasks && status.ok(); ++t) status = statuses[t];
       }
+      // Nothing is recorded for a gather that failed.
+      if (!status.ok()) return status;
+      absl::MutexLock log_lock(&log_mu_);
+      LogFetchLocked(layer, plan);
+      apply = log_positions_.size() >
+              std::max<size_t>(size_t{1} << 16, 2 * present_rows_);
     }
-    ++fetches_;
-    fetched_rows_ += static_cast<int64_t>(n);
     totals.fetches.fetch_add(1, std::memory_order_relaxed);
     totals.fetched_rows.fetch_add(static_cast<int64_t>(n),
                                   std::memory_order_relaxed);
+    if (apply) {
+      absl::MutexLock lock(&mu_);
+      ApplyLogLocked();
+    }
     return absl::OkStatus();
   }
 
@@ -304,42 +315,43 @@ class KvStore::Sequence {
     next_pending_ = 0;
     const int32_t tokens =
         static_cast<int32_t>(attached_.size()) * block_tokens;
+    attached_tokens_ = tokens;
     for (int32_t layer = 0; layer < g_.n_layers; ++layer) {
       for (int32_t h = 0; h < g_.n_kv_heads; ++h) {
         Head& head = HeadAt(layer, h);
-        head.slot_of.reserve(tokens);
         for (int32_t p = 0; p < tokens; ++p) {
           const int32_t slot = static_cast<int32_t>(head.slots.size());
           head.slots.emplace_back();
           head.slots[slot].position = p;
           head.slots[slot].shared = true;
           LinkAtTail(head, slot);
-          head.slot_of[p] = slot;
         }
       }
       layer_length_[layer] = tokens;
     }
+    present_rows_ = int64_t{tokens} * g_.n_layers * g_.n_kv_heads;
     return tokens;
   }
 
   SequenceStats Stats() const {
-    absl::MutexLock lock(&mu_);
     SequenceStats s;
-    s.id = id_;
-    s.geometry = g_;
-    s.layer_lengths = layer_length_;
-    for (const Head& head : heads_) {
-      s.present_rows += static_cast<int64_t>(head.slots.size());
+    {
+      absl::ReaderMutexLock lock(&mu_);
+      s.id = id_;
+      s.geometry = g_;
+      s.layer_lengths = layer_length_;
+      s.present_rows = present_rows_;
+      s.evicted_rows = evicted_rows_;
+      s.bytes_reserved = ReservedBytes(g_);
     }
-    s.evicted_rows = evicted_rows_;
-    s.bytes_reserved = ReservedBytes(g_);
+    absl::MutexLock lock(&log_mu_);
     s.fetches = fetches_;
     s.fetched_rows = fetched_rows_;
     return s;
   }
 
-  absl::StatusOr<std::vector<TokenFetchStats>> TokenStats(
-      int32_t layer, int32_t kv_head) const {
+  absl::StatusOr<std::vector<TokenFetchStats>> TokenStats(int32_t layer,
+                                                          int32_t kv_head) {
     if (layer < 0 || layer >= g_.n_layers) {
       return absl::InvalidArgumentError(absl::StrCat(
           "layer ", layer, " is not within the sequence's ", g_.n_layers,
@@ -351,6 +363,7 @@ class KvStore::Sequence {
           " KV heads"));
     }
     absl::MutexLock lock(&mu_);
+    ApplyLogLocked();
     const Head& head = HeadAt(layer, kv_head);
     std::vector<TokenFetchStats> out;
     out.reserve(head.slots.size());
@@ -372,6 +385,8 @@ class KvStore::Sequence {
     // The row lives in an attached prefix block (position / block_tokens_),
     // not in k_/v_; cleared when the slot is reused.
     bool shared = false;
+    // On dirty_ (ApplyLogLocked): its candidate key changed.
+    bool dirty = false;
   };
   // An eviction candidate as it was when pushed; stale once the slot holds
   // another position or its key changed.
@@ -389,16 +404,37 @@ class KvStore::Sequence {
   // than max_tokens (the candidate heap up to about twice that).
   struct Head {
     std::vector<Slot> slots;  // [present]; grows to max_tokens, then reused
-    absl::flat_hash_map<int32_t, int32_t> slot_of;  // present position -> slot
+    // Set at the head's first eviction; until then slot == position.
+    bool evicting = false;
+    // LRU and counter, once evicting: ring[p % max_tokens] is the slot of
+    // position p for the last max_tokens positions (-1: evicted), and
+    // `older` the slots of the present positions before them.
+    std::vector<int32_t> ring;
+    absl::flat_hash_map<int32_t, int32_t> older;
     int32_t oldest = -1;  // present tokens by position: a list from here...
     int32_t newest = -1;  // ...to here
     // LRU and counter: every present token below this position is a
-    // candidate (the older half of the last append's position), each with
-    // one live entry in `heap`; `first_young` is the oldest non-candidate.
+    // candidate (the older half of the last append's position);
+    // `first_young` is the oldest non-candidate. Once the head evicts, each
+    // candidate has one live entry in `heap`.
     int32_t candidates_below = 0;
     int32_t first_young = -1;
     int32_t candidates = 0;
     std::vector<Candidate> heap;
+  };
+  // One gather in the fetch log; its plan is at log_positions_[begin...]:
+  // n_kv_heads + 1 head offsets, then the indices.
+  struct LoggedFetch {
+    uint64_t clock;
+    int32_t layer;
+    size_t begin;
+  };
+  // The K and V rows of a present position, and how many positions from it
+  // on are stored one after the other from there (at least 1).
+  struct RowRef {
+    const uint16_t* k = nullptr;  // null: the position was evicted
+    const uint16_t* v = nullptr;
+    int32_t run = 0;
   };
 
   Head& HeadAt(int32_t layer, int32_t h) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -412,6 +448,212 @@ class KvStore::Sequence {
     return base +
            (static_cast<size_t>(layer) * g_.n_kv_heads + h) * head_elems_ +
            static_cast<size_t>(slot) * row_elems_;
+  }
+
+  // The slot of `pos` (0 <= pos < length, the layer's length) in `head`;
+  // -1 when it was evicted.
+  int32_t SlotOf(const Head& head, int32_t pos, int32_t length) const {
+    if (!head.evicting) return pos;
+    const int32_t window = length - g_.max_tokens;
+    if (policy_ == EvictionPolicy::kFifo) {
+      return pos >= window ? pos % g_.max_tokens : -1;
+    }
+    if (pos >= window) return head.ring[pos % g_.max_tokens];
+    auto it = head.older.find(pos);
+    return it == head.older.end() ? -1 : it->second;
+  }
+
+  // Where the rows of `pos` (0 <= pos < length) of (layer, h) are.
+  RowRef Locate(const Head& head, int32_t layer, int32_t h, int32_t pos,
+                int32_t length) const ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    RowRef r;
+    const int32_t slot = SlotOf(head, pos, length);
+    if (slot < 0) return r;
+    if (pos < attached_tokens_ && head.slots[slot].shared) {
+      const PrefixBlock& b = *attached_[pos / block_tokens_];
+      const size_t at = b.RowOffset(layer, h, pos % block_tokens_);
+      r.k = b.k.data() + at;
+      r.v = b.v.data() + at;
+      // The rest of the block, while slot == position.
+      r.run = head.evicting && policy_ != EvictionPolicy::kFifo
+                  ? 1
+                  : block_tokens_ - pos % block_tokens_;
+      return r;
+    }
+    r.k = Row(k_.get(), layer, h, slot);
+    r.v = Row(v_.get(), layer, h, slot);
+    if (!head.evicting) {
+      r.run = length - pos;
+    } else if (policy_ == EvictionPolicy::kFifo) {
+      r.run = std::min(length - pos, g_.max_tokens - slot);
+    } else {
+      r.run = 1;
+    }
+    return r;
+  }
+
+  // Copies the rows of plan indices [begin, end) (any heads) into dest,
+  // laid out as the whole plan's destination.
+  absl::Status CopyRows(int32_t layer, int32_t length, const FetchPlan& plan,
+                        size_t begin, size_t end, uint16_t* dest) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    const size_t n = plan.indices.size();
+    if (begin >= end) return absl::OkStatus();
+    // The head of index `begin`: the last h with head_offsets[h] <= begin.
+    int32_t h = static_cast<int32_t>(
+                    std::upper_bound(plan.head_offsets.begin(),
+                                     plan.head_offsets.end(),
+                                     static_cast<int32_t>(begin)) -
+                    plan.head_offsets.begin()) -
+                1;
+    size_t j = begin;
+    while (j < end) {
+      const size_t head_end =
+          std::min(end, static_cast<size_t>(plan.head_offsets[h + 1]));
+      if (j < head_end) {
+        IG_RETURN_IF_ERROR(CopyHead(layer, h, length, plan.indices, j, head_end,
+                                    dest + j * row_elems_,
+                                    dest + (n + j) * row_elems_));
+      }
+      j = head_end;
+      ++h;
+    }
+    return absl::OkStatus();
+  }
+
+  // Copies the rows of indices [j, end) of head h to k_out and v_out.
+  absl::Status CopyHead(int32_t layer, int32_t h, int32_t length,
+                        absl::Span<const int32_t> indices, size_t j, size_t end,
+                        uint16_t* k_out, uint16_t* v_out) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    const Head& head = HeadAt(layer, h);
+    // Scattered rows: fetch the row kPrefetch indices ahead while this one
+    // is copied (where its place is arithmetic).
+    constexpr size_t kPrefetch = 8;
+    const bool arithmetic = !head.evicting || policy_ == EvictionPolicy::kFifo;
+    while (j < end) {
+      const int32_t pos = indices[j];
+      if (pos < 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "negative position ", pos, " for layer ", layer, " head ", h));
+      }
+      if (pos >= length) {
+        return absl::OutOfRangeError(absl::StrCat(
+            "position ", pos, " is beyond layer ", layer, "'s length ",
+            length));
+      }
+      const RowRef r = Locate(head, layer, h, pos, length);
+      if (r.k == nullptr) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "position ", pos, " of layer ", layer, " head ", h,
+            " was evicted"));
+      }
+      // Following indices that name the next positions, stored next.
+      size_t m = 1;
+      const size_t most = std::min(end - j, static_cast<size_t>(r.run));
+      while (m < most && indices[j + m] == pos + static_cast<int32_t>(m)) ++m;
+      if (m == 1) {
+        if (arithmetic && j + kPrefetch < end) {
+          const int32_t ahead = indices[j + kPrefetch];
+          if (ahead >= attached_tokens_ && ahead < length) {
+            const int32_t slot =
+                head.evicting ? ahead % g_.max_tokens : ahead;
+            Prefetch(Row(k_.get(), layer, h, slot));
+            Prefetch(Row(v_.get(), layer, h, slot));
+          }
+        }
+        CopyRow(k_out, r.k);
+        CopyRow(v_out, r.v);
+      } else {
+        std::memcpy(k_out, r.k, m * row_bytes_);
+        std::memcpy(v_out, r.v, m * row_bytes_);
+      }
+      k_out += m * row_elems_;
+      v_out += m * row_elems_;
+      j += m;
+    }
+    return absl::OkStatus();
+  }
+
+  // Asks for every cache line of the row at `p`.
+  void Prefetch(const uint16_t* p) const {
+    const char* c = reinterpret_cast<const char*>(p);
+    for (size_t off = 0; off < row_bytes_; off += 64) {
+      __builtin_prefetch(c + off, /*rw=*/0, /*locality=*/0);
+    }
+  }
+
+  // One row; the common widths as fixed-size copies the compiler inlines.
+  void CopyRow(uint16_t* dst, const uint16_t* src) const {
+    switch (row_bytes_) {
+      case 128:
+        std::memcpy(dst, src, 128);
+        return;
+      case 256:
+        std::memcpy(dst, src, 256);
+        return;
+      case 512:
+        std::memcpy(dst, src, 512);
+        return;
+      default:
+        std::memcpy(dst, src, row_bytes_);
+    }
+  }
+
+  // Appends a successful gather's plan to the fetch log.
+  void LogFetchLocked(int32_t layer, const FetchPlan& plan)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(log_mu_) {
+    log_.push_back(LoggedFetch{++clock_, layer, log_positions_.size()});
+    log_positions_.insert(log_positions_.end(), plan.head_offsets.begin(),
+                          plan.head_offsets.end());
+    log_positions_.insert(log_positions_.end(), plan.indices.begin(),
+                          plan.indices.end());
+    ++fetches_;
+    fetched_rows_ += static_cast<int64_t>(plan.indices.size());
+  }
+
+  // Applies the fetch log to the per-token statistics, in the order of the
+  // gathers, and refreshes the heap entries of the candidates they touched.
+  // Every logged position is present: nothing was evicted since its gather
+  // (an append that evicts applies the log first).
+  void ApplyLogLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    {
+      absl::MutexLock lock(&log_mu_);
+      if (log_.empty()) return;
+      applying_.swap(log_);
+      applying_positions_.swap(log_positions_);
+    }
+    const size_t heads = static_cast<size_t>(g_.n_kv_heads);
+    for (const LoggedFetch& f : applying_) {
+      const int32_t* offsets = applying_positions_.data() + f.begin;
+      const int32_t* indices = offsets + heads + 1;
+      const int32_t length = layer_length_[f.layer];
+      for (int32_t h = 0; h < g_.n_kv_heads; ++h) {
+        Head& head = HeadAt(f.layer, h);
+        const bool heap = head.evicting && policy_ != EvictionPolicy::kFifo;
+        for (int32_t j = offsets[h]; j < offsets[h + 1]; ++j) {
+          const int32_t pos = indices[j];
+          const int32_t slot = SlotOf(head, pos, length);
+          Slot& s = head.slots[slot];
+          ++s.fetch_count;
+          s.last_fetch = f.clock;
+          if (heap && pos < head.candidates_below && !s.dirty) {
+            s.dirty = true;
+            dirty_.push_back({f.layer * g_.n_kv_heads + h, slot});
+          }
+        }
+      }
+    }
+    // A candidate's key changed: its heap entry is stale, push a fresh one
+    // (the stale one is skipped when it surfaces).
+    for (const auto& [head_index, slot] : dirty_) {
+      Head& head = heads_[head_index];
+      head.slots[slot].dirty = false;
+      PushCandidate(head, slot);
+    }
+    dirty_.clear();
+    applying_.clear();
+    applying_positions_.clear();
   }
 
   // Where the K (v = false) or V row of `slot` is: its attached block's
@@ -448,22 +690,21 @@ class KvStore::Sequence {
                             block_tokens_ * row_elems_;
       b->k.resize(values);
       b->v.resize(values);
-      const size_t row_bytes = row_elems_ * sizeof(uint16_t);
       for (int32_t layer = 0; layer < g_.n_layers; ++layer) {
         for (int32_t h = 0; h < g_.n_kv_heads; ++h) {
           const Head& head = HeadAt(layer, h);
           for (int32_t t = 0; t < block_tokens_; ++t) {
-            auto found = head.slot_of.find(begin + t);
-            if (found == head.slot_of.end()) {  // evicted
+            const int32_t slot =
+                SlotOf(head, begin + t, layer_length_[layer]);
+            if (slot < 0) {  // evicted
               next_pending_ = pending_.size();
               return;
             }
-            const Slot& s = head.slots[found->second];
+            const Slot& s = head.slots[slot];
             const size_t at = b->RowOffset(layer, h, t);
-            std::memcpy(&b->k[at], RowOf(false, layer, h, found->second, s),
-                        row_bytes);
-            std::memcpy(&b->v[at], RowOf(true, layer, h, found->second, s),
-                        row_bytes);
+            std::memcpy(&b->k[at], RowOf(false, layer, h, slot, s),
+                        row_bytes_);
+            std::memcpy(&b->v[at], RowOf(true, layer, h, slot, s), row_bytes_);
           }
         }
       }
@@ -516,6 +757,37 @@ class KvStore::Sequence {
     s.prev = s.next = -1;
   }
 
+  // The head is full and about to evict for the first time: every slot
+  // still holds its own position (slot == position, positions [0,
+  // max_tokens)). LRU and counter start their ring and candidate heap.
+  void StartEvicting(Head& head) {
+    head.evicting = true;
+    if (policy_ == EvictionPolicy::kFifo) return;
+    head.ring.resize(g_.max_tokens);
+    for (int32_t p = 0; p < g_.max_tokens; ++p) head.ring[p] = p;
+    RebuildHeap(head);
+  }
+
+  // `victim` left an evicting head while `position` is appended (the
+  // layer's length before it).
+  void ForgetPosition(Head& head, int32_t victim, int32_t position) {
+    if (policy_ == EvictionPolicy::kFifo) return;
+    if (victim >= position - g_.max_tokens) {
+      head.ring[victim % g_.max_tokens] = -1;
+    } else {
+      head.older.erase(victim);
+    }
+  }
+
+  // `position` took `slot` of an evicting head: it enters the ring, and the
+  // position max_tokens before it, if still present, moves to `older`.
+  void RememberPosition(Head& head, int32_t position, int32_t slot) {
+    if (policy_ == EvictionPolicy::kFifo) return;
+    int32_t& entry = head.ring[position % g_.max_tokens];
+    if (entry >= 0) head.older[position - g_.max_tokens] = entry;
+    entry = slot;
+  }
+
   void PushCandidate(Head& head, int32_t slot) {
     const Slot& s = head.slots[slot];
     head.heap.push_back(Candidate{Key(s), s.position, slot});
@@ -538,7 +810,7 @@ class KvStore::Sequence {
   }
 
   // Before `position` is appended: the present tokens below position / 2
-  // become LRU / counter candidates.
+  // become LRU / counter candidates (on the heap once the head evicts).
   void AdvanceCandidates(Head& head, int32_t position) {
     if (policy_ == EvictionPolicy::kFifo) return;
     head.candidates_below = position / 2;
@@ -547,7 +819,7 @@ class KvStore::Sequence {
       const int32_t slot = head.first_young;
       head.first_young = head.slots[slot].next;
       ++head.candidates;
-      PushCandidate(head, slot);
+      if (head.evicting) PushCandidate(head, slot);
     }
   }
 
@@ -573,6 +845,7 @@ class KvStore::Sequence {
   const SequenceGeometry g_;
   const EvictionPolicy policy_;
   const size_t row_elems_;   // head_dim
+  const size_t row_bytes_;   // head_dim * 2
   const size_t head_elems_;  // max_tokens * head_dim
   // The rows never move; their contents and all below change under mu_.
   const RowMemory k_;
@@ -581,24 +854,37 @@ class KvStore::Sequence {
   mutable absl::Mutex mu_;
   std::vector<Head> heads_ ABSL_GUARDED_BY(mu_);  // [layer * n_kv_heads + h]
   std::vector<int32_t> layer_length_ ABSL_GUARDED_BY(mu_);
-  uint64_t clock_ ABSL_GUARDED_BY(mu_) = 0;  // one tick per Gather
+  int64_t present_rows_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t evicted_rows_ ABSL_GUARDED_BY(mu_) = 0;
-  int64_t fetches_ ABSL_GUARDED_BY(mu_) = 0;
-  int64_t fetched_rows_ ABSL_GUARDED_BY(mu_) = 0;
+  // ApplyLogLocked's scratch, kept for its capacity.
+  std::vector<LoggedFetch> applying_ ABSL_GUARDED_BY(mu_);
+  std::vector<int32_t> applying_positions_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::pair<int32_t, int32_t>> dirty_ ABSL_GUARDED_BY(mu_);
   // Shared prefix blocks this sequence reads its first tokens from, and
   // the keys of the blocks it will publish (Attach).
   int32_t block_tokens_ ABSL_GUARDED_BY(mu_) = 1;
+  int32_t attached_tokens_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<std::shared_ptr<const PrefixBlock>> attached_
       ABSL_GUARDED_BY(mu_);
   std::vector<PrefixKey> pending_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> pending_meta_ ABSL_GUARDED_BY(mu_);
   size_t next_pending_ ABSL_GUARDED_BY(mu_) = 0;
+
+  // The fetch log (taken after mu_, held briefly).
+  mutable absl::Mutex log_mu_ ABSL_ACQUIRED_AFTER(mu_);
+  uint64_t clock_ ABSL_GUARDED_BY(log_mu_) = 0;  // one tick per Gather
+  int64_t fetches_ ABSL_GUARDED_BY(log_mu_) = 0;
+  int64_t fetched_rows_ ABSL_GUARDED_BY(log_mu_) = 0;
+  std::vector<LoggedFetch> log_ ABSL_GUARDED_BY(log_mu_);
+  std::vector<int32_t> log_positions_ ABSL_GUARDED_BY(log_mu_);
 };
 
 KvStore::KvStore(const KvStoreOptions& options)
     : options_(options),
       totals_(new Totals),
-      prefix_cache_(new PrefixCache(options.prefix_cache_bytes)) {}
+      prefix_cache_(new PrefixCache(options.prefix_cache_bytes)),
+      gather_pool_(
+          new GatherPool(GatherPool::Resolve(options.gather_threads))) {}
 
 KvStore::~KvStore() = default;
 
@@ -855,7 +1141,7 @@ absl::Status KvStore::Gather(SequenceId seq, int32_t layer,
         options_.max_fetch_indices));
   }
   IG_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(seq));
-  return s->Gather(layer, plan, dest, *totals_);
+  return s->Gather(layer, plan, dest, *totals_, gather_pool_.get());
 }
 
 absl::StatusOr<std::shared_ptr<KvStore::Sequence>> KvStore::FindOwned(

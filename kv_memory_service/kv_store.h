@@ -81,6 +81,7 @@
 
 namespace infinigen::kv_memory_service {
 
+class GatherPool;
 class PrefixCache;
 
 // A session whose lease ExpireSessions found run out.
@@ -146,9 +147,17 @@ class KvStore {
   // Copies the K and V rows `plan` selects from `layer` into dest, in the
   // layout FetchPlan documents, and counts each selected token as fetched
   // once per occurrence. dest must hold at least FetchElements(plan,
-  // head_dim) values; anything past that is left untouched. Allocates
-  // nothing. Errors per the contract above; on error dest may be partly
-  // written but nothing stored changes.
+  // head_dim) values; anything past that is left untouched. Errors per the
+  // contract above; on error dest may be partly written but nothing stored
+  // changes.
+  //
+  // Cost: a position's row is found by arithmetic (a ring or map lookup
+  // only for LRU/counter heads that have evicted); runs of consecutive
+  // positions are copied as one block; a gather of over 1 MiB is split
+  // across KvStoreOptions::gather_threads. Gathers of one sequence run
+  // concurrently with each other (not with its appends). The fetch
+  // statistics are recorded in a log (the plan, 4 bytes a row) applied
+  // off the fetch path; allocation happens only as that log grows.
   absl::Status Gather(SequenceId seq, int32_t layer, const FetchPlan& plan,
                       absl::Span<uint16_t> dest);
 
@@ -227,6 +236,7 @@ class KvStore {
   struct Totals;
   std::unique_ptr<Totals> totals_;
   std::unique_ptr<PrefixCache> prefix_cache_;
+  std::unique_ptr<GatherPool> gather_pool_;  // splits large gathers
 };
 
 }  // namespace infinigen::kv_memory_service

@@ -35,6 +35,9 @@ struct KvStoreOptions {
   // capacity_bytes; 0 = no sharing (prefix requests neither attach nor
   // publish).
   int64_t prefix_cache_bytes = 0;
+  // Threads that share one large gather (the caller included): 0 = one
+  // per core (at most 8), 1 = the calling thread alone.
+  int32_t gather_threads = 0;
   // The clock leases are measured on; tests pass a fake. Null: absl::Now.
   std::function<absl::Time()> clock;
 };

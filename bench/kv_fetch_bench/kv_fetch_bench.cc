@@ -1,11 +1,19 @@
 // Fetch latency of the KV memory service, per data plane, against a
 // single-thread memcpy of the same bytes measured in the same run.
 //
-// One fetch = one layer's K and V rows of `tokens` tokens for each of 3 KV
-// heads (head_dim 64, fp16), each head its own random positions out of 8192
-// stored: 2 * tokens * 3 * 64 * 2 bytes, gathered into one contiguous
-// FetchBuffer. Timed: FetchAsync + Wait, one fetch in flight, so the
-// numbers are round trips.
+// Two shapes, each one layer's K and V rows gathered into one contiguous
+// FetchBuffer; timed: FetchAsync + Wait, one fetch in flight, so the numbers
+// are round trips.
+//  - <plane>/<tokens>: `tokens` tokens for each of 3 KV heads (head_dim 64,
+//    fp16, SmolLM2's layer), each head its own random positions out of 8192
+//    stored: 2 * tokens * 3 * 64 * 2 bytes.
+//  - <plane>/7b_layer/all and <plane>/7b_layer/10pct: a 7B-class layer
+//    (8 KV heads x 128 dims, fp16, 32,768 tokens stored per head): every
+//    row of the layer (128 MiB, what `full` reads), or 10% of the rows of
+//    each head at random positions (12.8 MiB, an InfiniGen step).
+// Baselines in the same run: memcpy/<case>, one thread copying the same
+// bytes from a source larger than the last-level cache; memcpy_mt/<case>,
+// the same copy split over every core.
 //
 //   bazel build //bench/kv_fetch_bench && bazel-bin/bench/kv_fetch_bench/kv_fetch_bench
 //       [--kv_address=tcp://HOST:PORT]   also bench an external server
@@ -20,7 +28,8 @@
 // the reason where there is no RDMA device), and, with --kv_address,
 // "external" (any address, e.g. shm:unix:PATH of a kv_memory_server
 // process). Counters: p50_us and
-// p99_us per fetch, GB/s at the p50, and the memcpy ratio of the p50.
+// p99_us per fetch, GB/s at the p50, and x_memcpy: the p50 over the
+// single-thread memcpy p50 of the same case.
 // To add a data plane, add a Plane in Planes().
 #include <unistd.h>
 
@@ -32,6 +41,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -44,37 +54,69 @@
 namespace infinigen::kv_memory_service {
 namespace {
 
-constexpr int kHeads = 3;
-constexpr int kHeadDim = 64;
-constexpr int kStored = 8192;  // tokens per (layer, head) in the store
-constexpr int kLayers = 2;
+// The stored cache of one shape: n_layers x stored tokens x heads x dims.
+struct Shape {
+  const char* name;
+  int heads;
+  int head_dim;
+  int stored;  // tokens per (layer, head) in the store
+  int layers;
+};
+constexpr Shape kSmall = {"small", 3, 64, 8192, 2};
+constexpr Shape k7b = {"7b_layer", 8, 128, 32768, 1};
 constexpr int kTokens[] = {16, 256, 4096};
 
-size_t FetchBytes(int tokens) {
-  return size_t{2} * tokens * kHeads * kHeadDim * sizeof(uint16_t);
+// One benchmark case: `tokens` rows of each head of layer `layer`; every
+// row in order when `all`, else distinct random positions, increasing.
+struct Case {
+  std::string name;  // "4096", "7b_layer/all", ...
+  const Shape* shape;
+  int tokens;
+  bool all;
+  size_t bytes() const {
+    return size_t{2} * tokens * shape->heads * shape->head_dim *
+           sizeof(uint16_t);
+  }
+  int layer() const { return shape->layers - 1; }
+};
+
+std::vector<Case> Cases() {
+  std::vector<Case> cases;
+  for (int tokens : kTokens) {
+    cases.push_back({absl::StrCat(tokens), &kSmall, tokens, false});
+  }
+  cases.push_back({"7b_layer/all", &k7b, k7b.stored, true});
+  cases.push_back({"7b_layer/10pct", &k7b, k7b.stored / 10, false});
+  return cases;
 }
 
-// Each head selects `tokens` distinct random positions, in increasing order.
-OwnedFetchPlan MakePlan(int tokens, uint32_t seed) {
+OwnedFetchPlan MakePlan(const Case& c, uint32_t seed) {
   std::mt19937 rng(seed);
-  std::vector<std::vector<int32_t>> per_head(kHeads);
-  std::vector<int32_t> all(kStored);
-  for (int i = 0; i < kStored; ++i) all[i] = i;
+  std::vector<std::vector<int32_t>> per_head(c.shape->heads);
+  std::vector<int32_t> all(c.shape->stored);
+  for (int i = 0; i < c.shape->stored; ++i) all[i] = i;
   for (auto& positions : per_head) {
-    std::shuffle(all.begin(), all.end(), rng);
-    positions.assign(all.begin(), all.begin() + tokens);
+    if (!c.all) std::shuffle(all.begin(), all.end(), rng);
+    positions.assign(all.begin(), all.begin() + c.tokens);
     std::sort(positions.begin(), positions.end());
   }
   return OwnedFetchPlan::PerHead(per_head);
 }
 
-// A client with one filled sequence and one buffer for the largest fetch.
+// A client with one filled sequence per shape and one buffer for the
+// largest fetch of each.
 struct Plane {
   std::string name;
   std::unique_ptr<KvClient> client;
-  SequenceId seq = 0;
-  std::unique_ptr<FetchBuffer> buffer;
+  std::map<const Shape*, SequenceId> seq;
+  std::map<const Shape*, std::unique_ptr<FetchBuffer>> buffer;
   std::string error;  // set when the plane could not be set up
+};
+
+// The rows appended to every plane, per shape:
+// [layers][stored][heads][head_dim].
+struct Rows {
+  std::vector<uint16_t> k, v;
 };
 
 struct World {
@@ -82,76 +124,96 @@ struct World {
   std::unique_ptr<KvServer> unix_server;  // unix socket, and shm
   std::unique_ptr<KvServer> rdma_server;  // with the RDMA data plane
   std::map<std::string, Plane> planes;
-  std::vector<uint16_t> k, v;  // [kLayers][kStored][kHeads][kHeadDim]
+  std::map<const Shape*, Rows> rows;
 };
+
+// Room for the whole 7B-class layer in one fetch over gRPC and the fetch
+// socket.
+constexpr int32_t kMaxMessageBytes = 256 << 20;
 
 World& TheWorld() {
   static World* world = new World;
   return *world;
 }
 
+// Opens and fills the sequence of `shape`, and makes its buffer, sized for
+// the shape's largest case.
+absl::Status SetUpShape(Plane& p, const Shape& shape) {
+  const Rows& rows = TheWorld().rows[&shape];
+  SequenceGeometry g;
+  g.n_layers = shape.layers;
+  g.n_kv_heads = shape.heads;
+  g.head_dim = shape.head_dim;
+  g.max_tokens = shape.stored;
+  absl::StatusOr<SequenceId> seq = p.client->Open(g);
+  if (!seq.ok()) return seq.status();
+  p.seq[&shape] = *seq;
+  // Appended in chunks of 1024 tokens, layer by layer, under the message
+  // limit.
+  constexpr int kChunk = 1024;
+  const size_t token_elems = size_t{1} * shape.heads * shape.head_dim;
+  for (int l = 0; l < shape.layers; ++l) {
+    for (int t = 0; t < shape.stored; t += kChunk) {
+      const size_t off =
+          (static_cast<size_t>(l) * shape.stored + t) * token_elems;
+      AppendBlock block;
+      block.first_layer = l;
+      block.n_layers = 1;
+      block.n_tokens = kChunk;
+      block.k = absl::MakeConstSpan(rows.k.data() + off, kChunk * token_elems);
+      block.v = absl::MakeConstSpan(rows.v.data() + off, kChunk * token_elems);
+      absl::StatusOr<AppendResult> r = p.client->Append(*seq, block);
+      if (!r.ok()) return r.status();
+    }
+  }
+  size_t largest = 0;
+  for (const Case& c : Cases()) {
+    if (c.shape == &shape) largest = std::max(largest, c.bytes());
+  }
+  auto buffer = p.client->NewFetchBuffer(largest / sizeof(uint16_t));
+  if (!buffer.ok()) return buffer.status();
+  p.buffer[&shape] = *std::move(buffer);
+  return absl::OkStatus();
+}
+
 void SetUpPlane(const std::string& name, const std::string& address,
-                const KvClientOptions& options = {}) {
+                KvClientOptions options = {}) {
   World& w = TheWorld();
   Plane& p = w.planes[name];
   p.name = name;
+  options.max_message_bytes = kMaxMessageBytes;
   auto client = ConnectKvClient(address, options);
   if (!client.ok()) {
     p.error = client.status().ToString();
     return;
   }
   p.client = *std::move(client);
-  SequenceGeometry g;
-  g.n_layers = kLayers;
-  g.n_kv_heads = kHeads;
-  g.head_dim = kHeadDim;
-  g.max_tokens = kStored;
-  auto seq = p.client->Open(g);
-  if (!seq.ok()) {
-    p.error = seq.status().ToString();
-    return;
-  }
-  p.seq = *seq;
-  // Appended in chunks of 1024 tokens, layer by layer, under the message
-  // limit.
-  constexpr int kChunk = 1024;
-  const size_t token_elems = size_t{kHeads} * kHeadDim;
-  for (int l = 0; l < kLayers; ++l) {
-    for (int t = 0; t < kStored; t += kChunk) {
-      const size_t off = (static_cast<size_t>(l) * kStored + t) * token_elems;
-      AppendBlock block;
-      block.first_layer = l;
-      block.n_layers = 1;
-      block.n_tokens = kChunk;
-      block.k = absl::MakeConstSpan(w.k.data() + off, kChunk * token_elems);
-      block.v = absl::MakeConstSpan(w.v.data() + off, kChunk * token_elems);
-      auto r = p.client->Append(p.seq, block);
-      if (!r.ok()) {
-        p.error = r.status().ToString();
-        return;
-      }
+  for (const Shape* shape : {&kSmall, &k7b}) {
+    absl::Status s = SetUpShape(p, *shape);
+    if (!s.ok()) {
+      p.error = s.ToString();
+      return;
     }
   }
-  auto buffer = p.client->NewFetchBuffer(FetchBytes(4096) / sizeof(uint16_t));
-  if (!buffer.ok()) {
-    p.error = buffer.status().ToString();
-    return;
-  }
-  p.buffer = *std::move(buffer);
 }
 
 void SetUpWorld(const std::string& external) {
   World& w = TheWorld();
-  const size_t n = size_t{kLayers} * kStored * kHeads * kHeadDim;
   std::mt19937 rng(1);
-  w.k.resize(n);
-  w.v.resize(n);
-  for (size_t i = 0; i < n; ++i) {
-    w.k[i] = static_cast<uint16_t>(rng());
-    w.v[i] = static_cast<uint16_t>(rng());
+  for (const Shape* shape : {&kSmall, &k7b}) {
+    Rows& rows = w.rows[shape];
+    const size_t n = size_t{1} * shape->layers * shape->stored *
+                     shape->heads * shape->head_dim;
+    rows.k.resize(n);
+    rows.v.resize(n);
+    for (size_t i = 0; i < n; ++i) {
+      rows.k[i] = static_cast<uint16_t>(rng());
+      rows.v[i] = static_cast<uint16_t>(rng());
+    }
   }
   SetUpPlane("inproc", "inproc:");
   KvServerOptions options;
+  options.max_message_bytes = kMaxMessageBytes;
   options.listen = "127.0.0.1:0";
   auto server = KvServer::Start(options);
   if (server.ok()) {
@@ -188,17 +250,20 @@ void SetUpWorld(const std::string& external) {
   if (!external.empty()) SetUpPlane("external", external);
 }
 
-// The row a fetch must return at its K or V half, checked once per case.
-bool Verify(const OwnedFetchPlan& plan, int layer, const uint16_t* got) {
-  const World& w = TheWorld();
+// The rows a fetch must return at its K and V halves, checked once per case.
+bool Verify(const Case& c, const OwnedFetchPlan& plan, const uint16_t* got) {
+  const Shape& sh = *c.shape;
+  const Rows& rows = TheWorld().rows[c.shape];
   const size_t n = plan.indices.size();
-  for (int h = 0; h < kHeads; ++h) {
+  const size_t row_bytes = sh.head_dim * sizeof(uint16_t);
+  for (int h = 0; h < sh.heads; ++h) {
     for (int j = plan.head_offsets[h]; j < plan.head_offsets[h + 1]; ++j) {
-      const size_t src =
-          ((static_cast<size_t>(layer) * kStored + plan.indices[j]) * kHeads + h) * kHeadDim;
-      if (std::memcmp(got + j * kHeadDim, w.k.data() + src, kHeadDim * 2) != 0 ||
-          std::memcmp(got + (n + j) * kHeadDim, w.v.data() + src,
-                      kHeadDim * 2) != 0) {
+      const size_t src = ((static_cast<size_t>(c.layer()) * sh.stored +
+                           plan.indices[j]) * sh.heads + h) * sh.head_dim;
+      if (std::memcmp(got + j * sh.head_dim, rows.k.data() + src, row_bytes) !=
+              0 ||
+          std::memcmp(got + (n + j) * sh.head_dim, rows.v.data() + src,
+                      row_bytes) != 0) {
         return false;
       }
     }
@@ -206,14 +271,14 @@ bool Verify(const OwnedFetchPlan& plan, int layer, const uint16_t* got) {
   return true;
 }
 
-// p50 of the memcpy baseline per size, for the ratio counter.
-std::map<int, double>& MemcpyP50() {
-  static auto* m = new std::map<int, double>;
+// p50 of the single-thread memcpy baseline per case, for the ratio counter.
+std::map<std::string, double>& MemcpyP50() {
+  static auto* m = new std::map<std::string, double>;
   return *m;
 }
 
 void Report(benchmark::State& state, std::vector<double>& samples_us,
-            int tokens, bool baseline) {
+            const Case& c, bool baseline) {
   if (samples_us.empty()) return;
   std::sort(samples_us.begin(), samples_us.end());
   const double p50 = samples_us[samples_us.size() / 2];
@@ -221,38 +286,51 @@ void Report(benchmark::State& state, std::vector<double>& samples_us,
                                          samples_us.size() * 99 / 100)];
   state.counters["p50_us"] = p50;
   state.counters["p99_us"] = p99;
-  state.counters["GB/s"] = FetchBytes(tokens) / (p50 * 1e3);
-  state.counters["KiB"] = FetchBytes(tokens) / 1024.0;
+  state.counters["GB/s"] = c.bytes() / (p50 * 1e3);
+  state.counters["KiB"] = c.bytes() / 1024.0;
   if (baseline) {
-    MemcpyP50()[tokens] = p50;
-  } else if (MemcpyP50().count(tokens)) {
-    state.counters["x_memcpy"] = p50 / MemcpyP50()[tokens];
+    MemcpyP50()[c.name] = p50;
+  } else if (MemcpyP50().count(c.name)) {
+    state.counters["x_memcpy"] = p50 / MemcpyP50()[c.name];
   }
 }
 
-void BM_Memcpy(benchmark::State& state, int tokens) {
-  const size_t bytes = FetchBytes(tokens);
-  // Source larger than the last-level cache, read at a moving offset, so the
-  // copy reads memory as a gather from a big pool would.
-  static std::vector<char>* src = new std::vector<char>(size_t{256} << 20, 1);
-  std::vector<char> dst(bytes);
+// Copies `bytes` from a source larger than the last-level cache, read at a
+// moving offset, so that the copy reads memory as a gather from a big pool
+// would; over `threads` threads, each its share.
+void BM_Memcpy(benchmark::State& state, const Case& c, int threads) {
+  const size_t bytes = c.bytes();
+  static std::vector<char>* src = new std::vector<char>(size_t{512} << 20, 1);
+  std::vector<char> dst(bytes, 0);
   std::vector<double> samples;
   size_t offset = 0;
+  const size_t share = (bytes + threads - 1) / threads;
   for (auto _ : state) {
     if (offset + bytes > src->size()) offset = 0;
+    const char* from = src->data() + offset;
     const auto t0 = std::chrono::steady_clock::now();
-    std::memcpy(dst.data(), src->data() + offset, bytes);
+    std::vector<std::thread> helpers;
+    for (int t = 1; t < threads; ++t) {
+      helpers.emplace_back([&, t] {
+        const size_t begin = std::min(bytes, t * share);
+        const size_t end = std::min(bytes, begin + share);
+        std::memcpy(dst.data() + begin, from + begin, end - begin);
+      });
+    }
+    std::memcpy(dst.data(), from, std::min(bytes, share));
+    for (std::thread& h : helpers) h.join();
     benchmark::DoNotOptimize(dst.data());
     benchmark::ClobberMemory();
     const auto t1 = std::chrono::steady_clock::now();
     samples.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
     offset += bytes;
   }
-  Report(state, samples, tokens, /*baseline=*/true);
+  Report(state, samples, c, /*baseline=*/threads == 1);
+  state.counters["threads"] = threads;
 }
 
 void BM_Fetch(benchmark::State& state, const std::string& plane_name,
-              int tokens) {
+              const Case& c) {
   Plane& p = TheWorld().planes[plane_name];
   if (!p.error.empty() || p.client == nullptr) {
     state.SkipWithError(("set-up failed: " + p.error).c_str());
@@ -260,11 +338,13 @@ void BM_Fetch(benchmark::State& state, const std::string& plane_name,
     }
     return;
   }
-  const OwnedFetchPlan plan = MakePlan(tokens, 7 + tokens);
+  const SequenceId seq = p.seq[c.shape];
+  FetchBuffer* buffer = p.buffer[c.shape].get();
+  const OwnedFetchPlan plan = MakePlan(c, 7 + c.tokens);
   const FetchPlan view = plan.view();
   // Warm up (opens streams, grows reused messages) and check the rows.
   for (int i = 0; i < 3; ++i) {
-    absl::Status s = p.client->Fetch(p.seq, 1, view, p.buffer.get());
+    absl::Status s = p.client->Fetch(seq, c.layer(), view, buffer);
     if (!s.ok()) {
       state.SkipWithError(s.ToString().c_str());
       for (auto _ : state) {
@@ -272,7 +352,7 @@ void BM_Fetch(benchmark::State& state, const std::string& plane_name,
       return;
     }
   }
-  if (!Verify(plan, 1, p.buffer->data())) {
+  if (!Verify(c, plan, buffer->data())) {
     state.SkipWithError("fetched rows differ from the appended ones");
     for (auto _ : state) {
     }
@@ -281,7 +361,7 @@ void BM_Fetch(benchmark::State& state, const std::string& plane_name,
   std::vector<double> samples;
   for (auto _ : state) {
     const auto t0 = std::chrono::steady_clock::now();
-    absl::Status s = p.client->FetchAsync(p.seq, 1, view, p.buffer.get()).Wait();
+    absl::Status s = p.client->FetchAsync(seq, c.layer(), view, buffer).Wait();
     const auto t1 = std::chrono::steady_clock::now();
     if (!s.ok()) {
       state.SkipWithError(s.ToString().c_str());
@@ -289,7 +369,7 @@ void BM_Fetch(benchmark::State& state, const std::string& plane_name,
     }
     samples.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
   }
-  Report(state, samples, tokens, /*baseline=*/false);
+  Report(state, samples, c, /*baseline=*/false);
 }
 
 std::string Machine() {
@@ -330,15 +410,25 @@ int main(int argc, char** argv) {
   std::vector<std::string> planes = {"inproc", "tcp",  "tcp_stream",
                                      "unix",   "shm",  "rdma"};
   if (!external.empty()) planes.push_back("external");
-  for (int tokens : kTokens) {
-    benchmark::RegisterBenchmark(absl::StrCat("memcpy/", tokens).c_str(),
-                                 BM_Memcpy, tokens)
+  const int cores =
+      std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  for (const Case& c : Cases()) {
+    benchmark::RegisterBenchmark(
+        absl::StrCat("memcpy/", c.name).c_str(),
+        [c](benchmark::State& s) { BM_Memcpy(s, c, 1); })
         ->UseRealTime()
         ->Unit(benchmark::kMicrosecond);
+    if (c.shape == &k7b) {
+      benchmark::RegisterBenchmark(
+          absl::StrCat("memcpy_mt/", c.name).c_str(),
+          [c, cores](benchmark::State& s) { BM_Memcpy(s, c, cores); })
+          ->UseRealTime()
+          ->Unit(benchmark::kMicrosecond);
+    }
     for (const std::string& plane : planes) {
       benchmark::RegisterBenchmark(
-          absl::StrCat(plane, "/", tokens).c_str(),
-          [plane, tokens](benchmark::State& s) { BM_Fetch(s, plane, tokens); })
+          absl::StrCat(plane, "/", c.name).c_str(),
+          [plane, c](benchmark::State& s) { BM_Fetch(s, plane, c); })
           ->UseRealTime()
           ->Unit(benchmark::kMicrosecond);
     }
