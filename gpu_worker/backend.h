@@ -49,6 +49,28 @@ struct AttentionParams {
   float* prob_sums = nullptr;
 };
 
+// Decode attention of one KV head's query heads straight over the rows a
+// fetch left in host memory, as stored: `count` stored rows (`format`, see
+// kv_rows.h; row_width uint16 each), then the new token's exact row.
+struct StoredRowsAttention {
+  const float* q = nullptr;    // [group, head_dim]
+  const uint16_t* k = nullptr;  // [count, row_width] stored K rows
+  const uint16_t* v = nullptr;  // [count, row_width] stored V rows
+  const float* k_new = nullptr;  // [head_dim]: the new token's K row
+  const float* v_new = nullptr;  // [head_dim]
+  float* out = nullptr;          // [group, head_dim]
+  int group = 0;                 // query heads of this KV head
+  int count = 0;
+  int head_dim = 0;
+  int row_width = 0;
+  KvRowFormat format = KvRowFormat::kHalf;
+  float scale = 1.0f;  // applied to q.k before the softmax
+  // Optional [group, prob_stride]: each query head's count + 1 attention
+  // probabilities are added here (H2O's accumulated attention).
+  float* prob_sums = nullptr;
+  int prob_stride = 0;
+};
+
 // The operations only the KV policies use, on the backend's memory: a new
 // policy's kernel widens this small interface, not the layer arithmetic
 // below. Each has a host default (right for the CPU); a device backend
@@ -68,6 +90,12 @@ class PolicyOps {
   // partial_keys.h). Default: speculator::QuantizePartialKeys on the host.
   virtual void QuantizePartialKeys(const float* keys, int n_rows, int n_cols,
                                    uint8_t* rows);
+  // Attention over fetched rows read where they lie (StoredRowsAttention),
+  // without decoding them into a buffer first. Returns false, doing
+  // nothing, where the backend cannot (the format, or rows not in its
+  // memory): the caller then decodes them (DecodeKvRows) and runs
+  // Attention. Default: false.
+  virtual bool AttendStoredRows(const StoredRowsAttention& p) { return false; }
 };
 
 // The layer arithmetic and the memory it runs on, with the policies'
@@ -213,6 +241,9 @@ class BackendWrapper : public Backend {
   }
   void SpeculateScores(const SpeculationParams& p) override {
     target_->SpeculateScores(p);
+  }
+  bool AttendStoredRows(const StoredRowsAttention& p) override {
+    return target_->AttendStoredRows(p);
   }
   Mark MarkIssued() override { return target_->MarkIssued(); }
   void CopyFromHost(void* dst, const void* src, size_t bytes,

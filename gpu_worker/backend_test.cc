@@ -83,6 +83,75 @@ TEST(CpuBackend, DecodesStoredRowsLikeTheHost) {
   }
 }
 
+// Attention over fp16 rows where they lie equals decoding them and running
+// Attention, query head by query head, up to the order of the sums; with
+// the probabilities H2O accumulates. Other formats are declined.
+TEST(CpuBackend, AttendsStoredRowsInPlaceLikeDecodedAttention) {
+  auto cpu = NewCpuBackend();
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal;
+  for (int d : {64, 128, 24}) {
+    for (int count : {0, 1, 37, 300}) {
+      const int group = 3, n = count + 1;
+      std::vector<float> q(group * d), k(n * d), v(n * d);
+      for (float& x : q) x = normal(rng);
+      for (float& x : k) x = normal(rng);
+      for (float& x : v) x = normal(rng);
+      std::vector<uint16_t> k_half(count * d + 1), v_half(count * d + 1);
+      EncodeKvRows(KvRowFormat::kHalf, k.data(), count, d, k_half.data());
+      EncodeKvRows(KvRowFormat::kHalf, v.data(), count, d, v_half.data());
+      // The reference: stored rows decoded, the new row exact, then one
+      // Attention per query head.
+      std::vector<float> kd(k), vd(v);
+      DecodeKvRows(KvRowFormat::kHalf, k_half.data(), count, d, kd.data());
+      DecodeKvRows(KvRowFormat::kHalf, v_half.data(), count, d, vd.data());
+      const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+      std::vector<float> want(group * d), want_probs(group * (n + 2), 0.5f);
+      for (int h = 0; h < group; ++h) {
+        AttentionParams p;
+        p.q = q.data() + h * d;
+        p.k = kd.data();
+        p.v = vd.data();
+        p.out = want.data() + h * d;
+        p.n = 1;
+        p.n_heads = 1;
+        p.n_kv_heads = 1;
+        p.head_dim = d;
+        p.kv_stride = n;
+        p.kv_len0 = n;
+        p.scale = scale;
+        p.prob_sums = want_probs.data() + h * (n + 2);
+        cpu->Attention(p);
+      }
+      std::vector<float> got(group * d, -7.0f), got_probs(group * (n + 2), 0.5f);
+      StoredRowsAttention p;
+      p.q = q.data();
+      p.k = k_half.data();
+      p.v = v_half.data();
+      p.k_new = k.data() + count * d;
+      p.v_new = v.data() + count * d;
+      p.out = got.data();
+      p.group = group;
+      p.count = count;
+      p.head_dim = d;
+      p.row_width = d;
+      p.scale = scale;
+      p.prob_sums = got_probs.data();
+      p.prob_stride = n + 2;
+      ASSERT_TRUE(cpu->AttendStoredRows(p));
+      for (int i = 0; i < group * d; ++i) {
+        ASSERT_NEAR(got[i], want[i], 1e-5f) << "d " << d << " count " << count;
+      }
+      for (int i = 0; i < group * (n + 2); ++i) {
+        // Past each head's n probabilities nothing is touched.
+        ASSERT_NEAR(got_probs[i], want_probs[i], 1e-6f) << i;
+      }
+      p.format = KvRowFormat::kInt4;
+      EXPECT_FALSE(cpu->AttendStoredRows(p));
+    }
+  }
+}
+
 // On the CPU a copy is done when CopyFromHost returns, in issue order, so
 // marks carry no information (0) and pinning has nothing to do.
 TEST(CpuBackend, CopiesFromHostAtOnce) {

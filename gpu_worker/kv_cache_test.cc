@@ -831,8 +831,19 @@ TEST_F(KvCacheTest, DeviceBackendsReadFetchedRowsFromTheirOwnMemory) {
       const std::vector<float> w(want->begin(), want->end());
       auto got = (*on_device)->Forward({t[i]}, false);
       ASSERT_TRUE(got.ok()) << got.status();
-      // Staged or read in place, the same arithmetic: bit for bit.
-      EXPECT_EQ(std::vector<float>(got->begin(), got->end()), w);
+      const std::vector<float> g(got->begin(), got->end());
+      if (kind == PolicyKind::kIdeal || kind == PolicyKind::kInt4) {
+        // Decoded and attended the same way on both: bit for bit.
+        EXPECT_EQ(g, w);
+      } else {
+        // The CPU attends over the fp16 rows where they lie
+        // (AttendStoredRows), the device path over decoded rows: the same
+        // values summed in another order.
+        ASSERT_EQ(g.size(), w.size());
+        for (size_t j = 0; j < w.size(); ++j) {
+          ASSERT_NEAR(g[j], w[j], 1e-4f * (1.0f + std::fabs(w[j]))) << j;
+        }
+      }
     }
     EXPECT_THAT(violations, ::testing::IsEmpty());
     EXPECT_EQ(d->shared_allocations, 0);  // no memory both sides touch

@@ -237,6 +237,13 @@ class OffloadedKvCache final : public KvCache {
                             bool& pin_warned);
   absl::Status InitSharedBuffers();
   void InitPrefixIdentity();
+  // Attention of one query row over the fetched rows where the backend
+  // reads them as stored (AttendStoredRows); false, having done nothing,
+  // where it cannot.
+  bool AttendInPlace(Sequence& s, int layer, const float* q,
+                     const float* k_new, const float* v_new, float* att);
+  // The same after DecodeFetched: Attention over k_rows_ / v_rows_.
+  void DecodedAttention(Sequence& s, int layer, const float* q, float* att);
   absl::Status FetchedAttention(Sequence& s, int layer, int row,
                                 const float* q, const float* k,
                                 const float* v, float* out);
@@ -875,19 +882,79 @@ absl::Status OffloadedKvCache::FetchedAttention(Sequence& s, int layer,
                                                 const float* k_all,
                                                 const float* v_all,
                                                 float* out) {
-  const int hd = c_.head_dim, group = c_.n_heads / c_.n_kv_heads;
+  const int group = c_.n_heads / c_.n_kv_heads;
   const int i = layer % 2;
   IG_RETURN_IF_ERROR(UploadFetched(s, layer));
   const kv_memory_service::OwnedFetchPlan& plan = s.plans[i];
   const bool want_probs = s.policy->WantsAttentionProbs();
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const float* q = q_all + static_cast<size_t>(row) * c_.q_dim();
   const float* k_new = k_all + static_cast<size_t>(row) * c_.kv_dim();
   const float* v_new = v_all + static_cast<size_t>(row) * c_.kv_dim();
   float* att = out + static_cast<size_t>(row) * c_.q_dim();
-  DecodeFetched(s, layer, k_new, v_new);
-  s.staged_free[i] = backend_.MarkIssued();
   if (want_probs) IG_RETURN_IF_ERROR(ZeroProbabilityRows(plan));
+  if (!layout_.staged && AttendInPlace(s, layer, q, k_new, v_new, att)) {
+    // Attention read the fetched rows where they lie: nothing decoded.
+  } else {
+    DecodeFetched(s, layer, k_new, v_new);
+    s.staged_free[i] = backend_.MarkIssued();
+    DecodedAttention(s, layer, q, att);
+  }
+  if (want_probs) {
+    // One copy (one wait) through the last head's row: the rows between
+    // heads' entries come back too, unread.
+    const int last = c_.n_heads - 1;
+    const int count = plan.head_offsets[last / group + 1] -
+                      plan.head_offsets[last / group];
+    const size_t values = static_cast<size_t>(last) * stride_ + count + 1;
+    IG_RETURN_IF_ERROR(backend_.CopyToHost(
+        probs_host_.data(), probs_.data(), values * sizeof(float)));
+    s.policy->ObserveAttention(layer, plan.view(), probs_host_.data(),
+                               stride_);
+  }
+  return absl::OkStatus();
+}
+
+bool OffloadedKvCache::AttendInPlace(Sequence& s, int layer, const float* q,
+                                     const float* k_new, const float* v_new,
+                                     float* att) {
+  const int hd = c_.head_dim, group = c_.n_heads / c_.n_kv_heads;
+  const kv_memory_service::OwnedFetchPlan& plan = s.plans[layer % 2];
+  const int total = static_cast<int>(plan.indices.size());
+  const int width = layout_.row_width;
+  const uint16_t* k_rows = FetchedRows(s, layer);
+  const uint16_t* v_rows = k_rows + static_cast<size_t>(total) * width;
+  const bool want_probs = s.policy->WantsAttentionProbs();
+  for (int g = 0; g < c_.n_kv_heads; ++g) {
+    const int begin = plan.head_offsets[g];
+    StoredRowsAttention p;
+    p.q = q + static_cast<size_t>(g) * group * hd;
+    p.k = k_rows + static_cast<size_t>(begin) * width;
+    p.v = v_rows + static_cast<size_t>(begin) * width;
+    p.k_new = k_new + static_cast<size_t>(g) * hd;
+    p.v_new = v_new + static_cast<size_t>(g) * hd;
+    p.out = att + static_cast<size_t>(g) * group * hd;
+    p.group = group;
+    p.count = plan.head_offsets[g + 1] - begin;
+    p.head_dim = hd;
+    p.row_width = width;
+    p.format = s.policy->row_format();
+    p.scale = 1.0f / std::sqrt(static_cast<float>(hd));
+    if (want_probs) {
+      p.prob_sums = probs_.data() + static_cast<size_t>(g) * group * stride_;
+      p.prob_stride = stride_;
+    }
+    // The format is the same for every head: the first answer holds.
+    if (!backend_.AttendStoredRows(p)) return false;
+  }
+  return true;
+}
+
+void OffloadedKvCache::DecodedAttention(Sequence& s, int layer, const float* q,
+                                        float* att) {
+  const int hd = c_.head_dim, group = c_.n_heads / c_.n_kv_heads;
+  const kv_memory_service::OwnedFetchPlan& plan = s.plans[layer % 2];
+  const bool want_probs = s.policy->WantsAttentionProbs();
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   for (int g = 0; g < c_.n_kv_heads; ++g) {
     const int begin = plan.head_offsets[g];
     const int count = plan.head_offsets[g + 1] - begin;
@@ -912,19 +979,6 @@ absl::Status OffloadedKvCache::FetchedAttention(Sequence& s, int layer,
       backend_.Attention(p);
     }
   }
-  if (want_probs) {
-    // One copy (one wait) through the last head's row: the rows between
-    // heads' entries come back too, unread.
-    const int last = c_.n_heads - 1;
-    const int count = plan.head_offsets[last / group + 1] -
-                      plan.head_offsets[last / group];
-    const size_t values = static_cast<size_t>(last) * stride_ + count + 1;
-    IG_RETURN_IF_ERROR(backend_.CopyToHost(
-        probs_host_.data(), probs_.data(), values * sizeof(float)));
-    s.policy->ObserveAttention(layer, plan.view(), probs_host_.data(),
-                               stride_);
-  }
-  return absl::OkStatus();
 }
 
 void OffloadedKvCache::DecodeFetched(Sequence& s, int layer,

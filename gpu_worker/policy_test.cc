@@ -835,8 +835,19 @@ TEST_F(PolicyTest, FetchedRowsMoveThroughPinnedCopiesInMarkOrder) {
       const std::vector<float> w(want->begin(), want->end());
       auto got = (*recorded)->DecodeBatch({0, 1}, tokens);
       ASSERT_TRUE(got.ok()) << got.status();
-      // The same arithmetic in the same order: bit for bit.
-      ASSERT_EQ(std::vector<float>(got->begin(), got->end()), w);
+      const std::vector<float> g(got->begin(), got->end());
+      if (policy.kind == PolicyKind::kInt4) {
+        // The same arithmetic in the same order: bit for bit.
+        ASSERT_EQ(g, w);
+      } else {
+        // The CPU attends over fp16 rows where they lie (AttendStoredRows),
+        // the staged path over decoded rows: the same values summed in
+        // another order.
+        ASSERT_EQ(g.size(), w.size());
+        for (size_t j = 0; j < w.size(); ++j) {
+          ASSERT_NEAR(g[j], w[j], 1e-3f * (1.0f + std::fabs(w[j]))) << j;
+        }
+      }
     }
     EXPECT_EQ(log.pins, 2 * 2);  // two fetch buffers per slot
     // Fetched rows: one copy per slot, layer and step, from pinned memory.

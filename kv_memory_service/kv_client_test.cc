@@ -165,6 +165,44 @@ TEST_P(KvClientTest, FetchesAreBitExact) {
   }
 }
 
+// Fetches of whole layers (queued to the in-process client's fetch
+// thread, and split across the node's gather threads) in flight together
+// with a scattered one: each lands bit for bit; an error found by a queued
+// gather reaches Wait; a busy buffer is refused.
+TEST_P(KvClientTest, LargeFetchesInFlightTogetherAreBitExact) {
+  const SequenceGeometry g = MakeGeometry(2, 3, 64, 4096);
+  const SequenceId id = OpenFilled(g, 23, 4096);
+  std::vector<int32_t> all(4096);
+  for (int p = 0; p < 4096; ++p) all[p] = p;
+  const OwnedFetchPlan whole = OwnedFetchPlan::SameForAllHeads(3, all);
+  std::mt19937 rng(8);
+  std::vector<std::vector<int32_t>> per_head(3);
+  for (auto& p : per_head) {
+    for (int i = 0; i < 700; ++i) p.push_back(rng() % 4096);
+  }
+  const OwnedFetchPlan scattered = OwnedFetchPlan::PerHead(per_head);
+  auto a = Buffer(FetchElements(whole.view(), 64));
+  auto b = Buffer(FetchElements(whole.view(), 64));
+  for (int round = 0; round < 3; ++round) {
+    FetchHandle first = client_->FetchAsync(id, 0, whole.view(), a.get());
+    FetchHandle second = client_->FetchAsync(id, 1, scattered.view(), b.get());
+    EXPECT_CODE(client_->FetchAsync(id, 1, whole.view(), a.get()).Wait(),
+                kFailedPrecondition);
+    ASSERT_OK(second.Wait());
+    ASSERT_OK(first.Wait());
+    std::vector<uint16_t> want = ExpectedRows(23, g, 0, whole.view());
+    ASSERT_EQ(Rows(*a, want.size()), want) << round;
+    want = ExpectedRows(23, g, 1, scattered.view());
+    ASSERT_EQ(Rows(*b, want.size()), want) << round;
+  }
+  OwnedFetchPlan bad = scattered;
+  bad.indices.back() = 5000;
+  EXPECT_CODE(client_->Fetch(id, 1, bad.view(), b.get()), kOutOfRange);
+  auto stats = client_->GetSequenceStats(id);
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->fetches, 6);
+}
+
 TEST_P(KvClientTest, ErrorsKeepTheirCodes) {
   const SequenceGeometry g = MakeGeometry(2, 2, 8, 4);
   const SequenceId id = OpenFilled(g, 5, 6);  // positions 0, 1 evicted (FIFO)

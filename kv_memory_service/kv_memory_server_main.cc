@@ -64,6 +64,10 @@ ABSL_FLAG(std::string, auth_token_file, "",
 ABSL_FLAG(int32_t, max_message_bytes, 64 << 20,
           "Largest gRPC message either way (appends, fetch responses).");
 ABSL_FLAG(int32_t, max_sequences, 1024, "Most sequences open at once.");
+ABSL_FLAG(int32_t, gather_threads, 0,
+          "Threads that share one large fetch's gather (over 1 MiB of rows), "
+          "the serving thread included: 0 = one per core (at most 8), "
+          "1 = the serving thread alone.");
 ABSL_FLAG(int32_t, fetch_port, 0,
           "With a TCP --listen: the port of the socket fetch endpoint on "
           "the same host, which tcp:// clients use for fetches (faster than "
@@ -142,7 +146,8 @@ std::string Usage() {
   for (const char* name :
        {"listen", "capacity_bytes", "prefix_cache_bytes", "eviction",
         "auth_token_file",
-        "max_message_bytes", "max_sequences", "fetch_port", "fetch_threads",
+        "max_message_bytes", "max_sequences", "gather_threads", "fetch_port",
+        "fetch_threads",
         "fetch_max_connections", "fetch_max_connections_per_peer",
         "fetch_handshake_timeout", "fetch_idle_timeout", "drain_timeout",
         "shm_listen", "shm_max_client_bytes", "shm_max_total_bytes",
@@ -227,6 +232,11 @@ int Run() {
   }
   options.store.capacity_bytes = absl::GetFlag(FLAGS_capacity_bytes);
   options.store.max_sequences = absl::GetFlag(FLAGS_max_sequences);
+  options.store.gather_threads = absl::GetFlag(FLAGS_gather_threads);
+  if (options.store.gather_threads < 0 || options.store.gather_threads > 64) {
+    return UsageError(absl::StrCat("--gather_threads must be in [0, 64], got ",
+                                   options.store.gather_threads));
+  }
   options.store.prefix_cache_bytes = absl::GetFlag(FLAGS_prefix_cache_bytes);
   if (options.store.prefix_cache_bytes < 0) {
     return UsageError("--prefix_cache_bytes must not be negative");

@@ -764,6 +764,150 @@ TEST(KvStoreTest, CountsFetches) {
   EXPECT_EQ(t.fetched_rows, 6);
 }
 
+// Plans made of runs of consecutive positions (copied as one block where
+// the rows lie side by side) and single rows, under every policy, before
+// and after the heads start evicting (FIFO's slots wrap around, LRU's and
+// the counter's positions move between the ring and the older map): every
+// gather returns the right rows, and the victims stay the reference's.
+TEST(KvStoreTest, RunsAndScatteredRowsGatherRightWhileHeadsEvict) {
+  for (EvictionPolicy policy : {EvictionPolicy::kFifo, EvictionPolicy::kLru,
+                                EvictionPolicy::kCounter}) {
+    SCOPED_TRACE(EvictionPolicyName(policy));
+    const SequenceGeometry g = Geo(2, 3, 8, 16);
+    Pool pool(policy, g);
+    std::vector<PoolModel> models(g.n_layers * g.n_kv_heads,
+                                  PoolModel(policy, g.max_tokens));
+    std::mt19937 rng(5 + static_cast<int>(policy));
+    uint64_t clock = 0;
+    for (int step = 0; step < 120; ++step) {
+      std::vector<EvictedToken> want;
+      for (int l = 0; l < g.n_layers; ++l) {
+        for (int h = 0; h < g.n_kv_heads; ++h) {
+          const int victim = models[l * g.n_kv_heads + h].Append();
+          if (victim >= 0) want.push_back({l, h, victim});
+        }
+      }
+      ASSERT_EQ(pool.Step(), want) << "step " << step;
+      const int layer = step % g.n_layers;
+      ++clock;
+      std::vector<std::vector<int32_t>> per_head(g.n_kv_heads);
+      for (int h = 0; h < g.n_kv_heads; ++h) {
+        PoolModel& m = models[layer * g.n_kv_heads + h];
+        const std::vector<int> present = m.Present();
+        std::vector<int32_t>& chosen = per_head[h];
+        // A run of present positions from a random start (consecutive where
+        // nothing between was evicted), then a few scattered ones, repeats
+        // allowed, and sometimes the whole head in order.
+        if (rng() % 5 == 0) {
+          chosen.assign(present.begin(), present.end());
+        } else {
+          const size_t start = rng() % present.size();
+          const size_t len = 1 + rng() % 8;
+          for (size_t i = start; i < present.size() && i < start + len; ++i) {
+            chosen.push_back(present[i]);
+          }
+          for (int i = 0; i < 3; ++i) {
+            chosen.push_back(present[rng() % present.size()]);
+          }
+        }
+        m.Fetch(std::vector<int>(chosen.begin(), chosen.end()), clock);
+      }
+      pool.Fetch(layer, per_head);
+    }
+    for (int l = 0; l < g.n_layers; ++l) {
+      for (int h = 0; h < g.n_kv_heads; ++h) {
+        EXPECT_EQ(pool.Present(l, h), models[l * g.n_kv_heads + h].Present());
+      }
+    }
+  }
+}
+
+// A gather above the split threshold is shared by the pool's threads, each
+// a range of the plan's rows across head boundaries: the rows are the same
+// as one thread's, and an error in any range fails the whole gather with
+// the first bad index's error, counting nothing.
+TEST(KvStoreTest, LargeGathersSplitAcrossThreadsAreBitExact) {
+  for (int threads : {1, 3}) {
+    SCOPED_TRACE(threads);
+    KvStoreOptions options;
+    options.gather_threads = threads;
+    KvStore store(options);
+    const SequenceGeometry g = Geo(1, 4, 64, 8192);
+    const SequenceId id = *store.Open(g);
+    for (int t = 0; t < 8192; t += 2048) {
+      Block b = MakeBlock(9, g, 0, 1, t, 2048);
+      ASSERT_TRUE(store.Append(id, b.block).ok());
+    }
+    std::mt19937 rng(3);
+    std::vector<std::vector<int32_t>> per_head(4);
+    for (int p = 0; p < 8192; ++p) per_head[1].push_back(p);   // all, in order
+    for (int i = 0; i < 3000; ++i) per_head[2].push_back(rng() % 8192);
+    for (int p = 8191; p >= 0; p -= 3) per_head[3].push_back(p);  // reversed
+    // Head 0 selects nothing.
+    OwnedFetchPlan plan = OwnedFetchPlan::PerHead(per_head);
+    std::vector<uint16_t> dest(FetchElements(plan.view(), g.head_dim));
+    ASSERT_GT(dest.size() * 2, size_t{1} << 21);  // well above the split
+    ASSERT_OK(store.Gather(id, 0, plan.view(), absl::MakeSpan(dest)));
+    EXPECT_EQ(dest, Expected(9, g, 0, plan));
+    EXPECT_EQ(store.GetSequenceStats(id)->fetched_rows,
+              static_cast<int64_t>(plan.indices.size()));
+
+    // The last task's range names a position past the end, an earlier one
+    // a negative position: the earlier error is the answer.
+    plan.indices.back() = 9000;
+    EXPECT_CODE(store.Gather(id, 0, plan.view(), absl::MakeSpan(dest)),
+                kOutOfRange);
+    plan.indices[plan.head_offsets[2] + 5] = -1;
+    EXPECT_CODE(store.Gather(id, 0, plan.view(), absl::MakeSpan(dest)),
+                kInvalidArgument);
+    const SequenceStats stats = *store.GetSequenceStats(id);
+    EXPECT_EQ(stats.fetches, 1);
+    EXPECT_EQ(stats.fetched_rows, static_cast<int64_t>(plan.indices.size()));
+  }
+}
+
+// Fetches are logged and applied to the statistics later: when the log
+// outgrows its bound, before statistics are read and before an append
+// that evicts. Every fetch counts once, with its own clock tick, and LRU
+// picks its victim from the statistics as they would be had each fetch
+// been counted at once.
+TEST(KvStoreTest, LoggedFetchesCountInOrder) {
+  KvStoreOptions options;
+  options.eviction = EvictionPolicy::kLru;
+  KvStore store(options);
+  const SequenceGeometry g = Geo(1, 1, 2, 100);
+  const SequenceId id = *store.Open(g);
+  Block b = MakeBlock(4, g, 0, 1, 0, 100);
+  ASSERT_TRUE(store.Append(id, b.block).ok());
+  std::vector<int32_t> early;
+  for (int p = 0; p < 50; ++p) early.push_back(p);
+  const OwnedFetchPlan many = OwnedFetchPlan::SameForAllHeads(1, early);
+  std::vector<uint16_t> dest(FetchElements(many.view(), g.head_dim));
+  // 3,000 x 50 logged positions: more than the log holds before applying.
+  for (int i = 0; i < 3000; ++i) {
+    ASSERT_OK(store.Gather(id, 0, many.view(), absl::MakeSpan(dest)));
+  }
+  // Position 7 fetched last: of the older half (< 50), 7 is the most
+  // recent, and 0 the least (tied with the rest at clock 3000, smallest).
+  const OwnedFetchPlan seven = OwnedFetchPlan::SameForAllHeads(1, {7});
+  ASSERT_OK(store.Gather(id, 0, seven.view(), absl::MakeSpan(dest)));
+  const std::vector<TokenFetchStats> stats = *store.GetTokenStats(id, 0, 0);
+  ASSERT_EQ(stats.size(), 100u);
+  EXPECT_EQ(stats[0].fetch_count, 3000);
+  EXPECT_EQ(stats[0].last_fetch, 3000u);
+  EXPECT_EQ(stats[7].fetch_count, 3001);
+  EXPECT_EQ(stats[7].last_fetch, 3001u);
+  EXPECT_EQ(stats[60].fetch_count, 0);
+  // Fetch 0 again (clock 3002): the victim is now 1.
+  const OwnedFetchPlan zero = OwnedFetchPlan::SameForAllHeads(1, {0});
+  ASSERT_OK(store.Gather(id, 0, zero.view(), absl::MakeSpan(dest)));
+  Block next = MakeBlock(4, g, 0, 1, 100, 1);
+  absl::StatusOr<AppendResult> r = store.Append(id, next.block);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_THAT(r->evicted, ElementsAre(EvictedToken{0, 0, 1}));
+  EXPECT_EQ(store.GetSequenceStats(id)->fetches, 3002);
+}
+
 // ---- Concurrency -----------------------------------------------------------
 
 TEST(KvStoreConcurrencyTest, ManyThreadsOnManySequences) {

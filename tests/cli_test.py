@@ -277,6 +277,17 @@ class Cli(unittest.TestCase):
                 "--max_worker_kv_bytes=-5")
         self.assert_one_line_failure(r, 2, ["--max_worker_kv_bytes"])
 
+    def test_memory_server_gather_threads_flag(self):
+        r = subprocess.run([SERVER, "--help"], capture_output=True, text=True,
+                           timeout=60)
+        self.assertIn("--gather_threads", r.stdout + r.stderr)
+        for bad in ("-1", "65", "many"):
+            r = subprocess.run([SERVER, "--listen=127.0.0.1:0",
+                                f"--gather_threads={bad}"],
+                               capture_output=True, text=True, timeout=60)
+            self.assertNotEqual(r.returncode, 0, bad)
+            self.assertIn("gather_threads", r.stderr, bad)
+
     def test_kv_auth_token_reaches_the_memory_server(self):
         with tempfile.TemporaryDirectory() as d:
             token = os.path.join(d, "token")

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <vector>
 
+#include "common/half.h"
 #include "gpu_worker/cpu/cpu_backend.h"
 
 namespace infinigen::gpu_worker {
@@ -122,6 +123,64 @@ class CpuBackend final : public Backend {
     }
   }
 
+  // fp16 rows: each K row is converted once (eight values an instruction)
+  // and dotted with every query head of the group, then each V row once
+  // into every head's sum: one read of the fetched bytes, no decoded copy.
+  bool AttendStoredRows(const StoredRowsAttention& p) override {
+    if (p.format != KvRowFormat::kHalf) return false;
+    const int d = p.head_dim, g_n = p.group, n = p.count + 1;
+    row_.resize(d);
+    scores_.resize(static_cast<size_t>(g_n) * n);
+    acc_.assign(static_cast<size_t>(g_n) * d, 0.0f);
+    const auto dot = [d](const float* a, const float* b) {
+      float s = 0.0f;
+      for (int j = 0; j < d; ++j) s += a[j] * b[j];
+      return s;
+    };
+    for (int t = 0; t < n; ++t) {
+      const float* k = p.k_new;
+      if (t < p.count) {
+        HalfToFloat(p.k + static_cast<size_t>(t) * p.row_width, d,
+                    row_.data());
+        k = row_.data();
+      }
+      for (int g = 0; g < g_n; ++g) {
+        scores_[static_cast<size_t>(g) * n + t] = p.scale * dot(p.q + g * d, k);
+      }
+    }
+    for (int g = 0; g < g_n; ++g) {
+      float* s = scores_.data() + static_cast<size_t>(g) * n;
+      float mx = s[0];
+      for (int t = 1; t < n; ++t) mx = std::max(mx, s[t]);
+      float sum = 0.0f;
+      for (int t = 0; t < n; ++t) {
+        s[t] = std::exp(s[t] - mx);
+        sum += s[t];
+      }
+      const float inv = 1.0f / sum;
+      for (int t = 0; t < n; ++t) s[t] *= inv;
+      if (p.prob_sums != nullptr) {
+        float* a = p.prob_sums + static_cast<size_t>(g) * p.prob_stride;
+        for (int t = 0; t < n; ++t) a[t] += s[t];
+      }
+    }
+    for (int t = 0; t < n; ++t) {
+      const float* v = p.v_new;
+      if (t < p.count) {
+        HalfToFloat(p.v + static_cast<size_t>(t) * p.row_width, d,
+                    row_.data());
+        v = row_.data();
+      }
+      for (int g = 0; g < g_n; ++g) {
+        const float w = scores_[static_cast<size_t>(g) * n + t];
+        float* a = acc_.data() + static_cast<size_t>(g) * d;
+        for (int j = 0; j < d; ++j) a[j] += w * v[j];
+      }
+    }
+    std::memcpy(p.out, acc_.data(), acc_.size() * sizeof(float));
+    return true;
+  }
+
   void SwiGlu(float* gate, const float* up, long count) override {
     for (long i = 0; i < count; ++i) {
       const float g = gate[i];
@@ -143,6 +202,8 @@ class CpuBackend final : public Backend {
 
  private:
   std::vector<float> scores_;  // [n, kv_max], grows to the largest call
+  std::vector<float> row_;     // AttendStoredRows: one decoded row
+  std::vector<float> acc_;     // AttendStoredRows: [group, head_dim] sums
 };
 
 }  // namespace
