@@ -99,8 +99,9 @@ struct KvStore::Totals {
 // Fetches do no bookkeeping on their path: a gather copies rows under a
 // reader lock (several gathers of a sequence run at once) and appends its
 // plan to the sequence's fetch log, 4 bytes a row. The log is applied to the
-// per-token statistics, in order, before an append that evicts, before the
-// statistics are read, and when it outgrows twice the rows present.
+// per-token statistics, in order: by an append that evicts or that finds it
+// holding half as many positions as rows present, before the statistics are
+// read, and by a gather that finds it at four times the rows present.
 class KvStore::Sequence {
  public:
   Sequence(SequenceId id, const SequenceGeometry& g, EvictionPolicy policy,
@@ -177,8 +178,13 @@ class KvStore::Sequence {
       }
       evicts = evicts || layer_length_[l] + b.n_tokens > g_.max_tokens;
     }
-    // The eviction rules read the fetch statistics: bring them up to date.
-    if (evicts) ApplyLogLocked();
+    // The eviction rules read the fetch statistics: bring them up to date;
+    // otherwise apply the log here, off the fetch path, once it holds half
+    // as many positions as there are rows (a decoding worker appends every
+    // step, so the log stays short).
+    if (evicts || LogPositions() > static_cast<size_t>(present_rows_ / 2)) {
+      ApplyLogLocked();
+    }
 
     AppendResult result;
     const size_t token_stride = static_cast<size_t>(g_.n_kv_heads) * row_elems_;
@@ -289,8 +295,9 @@ class KvStore::Sequence {
       if (!status.ok()) return status;
       absl::MutexLock log_lock(&log_mu_);
       LogFetchLocked(layer, plan);
+      // A sequence fetched without appends applies its log here.
       apply = log_positions_.size() >
-              std::max<size_t>(size_t{1} << 16, 2 * present_rows_);
+              std::max<size_t>(size_t{1} << 16, 4 * present_rows_);
     }
     totals.fetches.fetch_add(1, std::memory_order_relaxed);
     totals.fetched_rows.fetch_add(static_cast<int64_t>(n),
@@ -598,6 +605,11 @@ class KvStore::Sequence {
       default:
         std::memcpy(dst, src, row_bytes_);
     }
+  }
+
+  size_t LogPositions() const {
+    absl::MutexLock lock(&log_mu_);
+    return log_positions_.size();
   }
 
   // Appends a successful gather's plan to the fetch log.

@@ -21,6 +21,18 @@ rc=${PIPESTATUS[0]}
 # Each run's log and its test logs (bazel-testlogs follows the last run).
 counted=("$log" "$(readlink -f bazel-testlogs)")
 
+# A short run of the fetch benchmark (bench/kv_fetch_bench/smoke.sh): its
+# table of memcpy ratios printed, one check in the count (it fails only when
+# a plane fails, never on time).
+blog="$(mktemp)"
+if bench/kv_fetch_bench/smoke.sh; then
+  echo "//bench/kv_fetch_bench:smoke PASSED" >"$blog"
+else
+  echo "//bench/kv_fetch_bench:smoke FAILED" >"$blog"
+  [ "$rc" -eq 0 ] && rc=1
+fi
+counted+=("$blog" "bench/kv_fetch_bench")
+
 # Then a focused set of unit tests under ASan+UBSan and under TSan
 # (scripts/sanitizer_tests.sh), counted in the same line.
 for config in asan tsan; do

@@ -17,6 +17,8 @@
 //
 //   bazel build //bench/kv_fetch_bench && bazel-bin/bench/kv_fetch_bench/kv_fetch_bench
 //       [--kv_address=tcp://HOST:PORT]   also bench an external server
+//       [--planes=inproc,shm,...]        set up only these planes (default:
+//                                        all; the others report set-up skipped)
 //       [--benchmark_out=FILE.json --benchmark_out_format=json]
 //
 // Data planes: memcpy (the baseline), inproc, tcp (a KvServer in this
@@ -47,6 +49,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "benchmark/benchmark.h"
 #include "kv_memory_service/kv_client.h"
 #include "kv_memory_service/server/kv_server.h"
@@ -176,11 +179,25 @@ absl::Status SetUpShape(Plane& p, const Shape& shape) {
   return absl::OkStatus();
 }
 
+// The planes to set up: empty = all.
+std::vector<std::string>& Wanted() {
+  static auto* planes = new std::vector<std::string>;
+  return *planes;
+}
+bool WantPlane(const std::string& name) {
+  return Wanted().empty() ||
+         std::find(Wanted().begin(), Wanted().end(), name) != Wanted().end();
+}
+
 void SetUpPlane(const std::string& name, const std::string& address,
                 KvClientOptions options = {}) {
   World& w = TheWorld();
   Plane& p = w.planes[name];
   p.name = name;
+  if (!WantPlane(name)) {
+    p.error = "not in --planes";
+    return;
+  }
   options.max_message_bytes = kMaxMessageBytes;
   auto client = ConnectKvClient(address, options);
   if (!client.ok()) {
@@ -396,6 +413,9 @@ int main(int argc, char** argv) {
     command.push_back(argv[i]);
     if (absl::StartsWith(argv[i], "--kv_address=")) {
       external = std::string(argv[i]).substr(13);
+    } else if (absl::StartsWith(argv[i], "--planes=")) {
+      Wanted() = absl::StrSplit(std::string(argv[i]).substr(9), ',',
+                                absl::SkipEmpty());
     } else {
       args.push_back(argv[i]);
     }
