@@ -40,6 +40,7 @@ if ! command -v "$CXX" >/dev/null; then
 fi
 
 store_srcs=(kv_memory_service/kv_store.cc kv_memory_service/kv_types.cc
+            kv_memory_service/gather_pool.cc
             kv_memory_service/prefix_cache.cc kv_memory_service/prefix_keys.cc)
 model_srcs=(common/file.cc common/log.cc model/gguf.cc model/ggml_quants.cc
             model/gguf_llama.cc model/bpe_tokenizer.cc
@@ -49,7 +50,8 @@ sources_of() {
   case "$1" in
     fetch_socket_fuzzer)
       echo common/log.cc kv_memory_service/kv_store.cc \
-        kv_memory_service/kv_types.cc kv_memory_service/prefix_cache.cc \
+        kv_memory_service/kv_types.cc kv_memory_service/gather_pool.cc \
+        kv_memory_service/prefix_cache.cc \
         kv_memory_service/prefix_keys.cc kv_memory_service/request_metrics.cc \
         kv_memory_service/tcp/fetch_wire.cc kv_memory_service/tcp/fetch_tls.cc \
         kv_memory_service/tcp/fetch_socket_server.cc ;;

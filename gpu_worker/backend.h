@@ -53,9 +53,9 @@ struct AttentionParams {
 // fetch left in host memory, as stored: `count` stored rows (`format`, see
 // kv_rows.h; row_width uint16 each), then the new token's exact row.
 struct StoredRowsAttention {
-  const float* q = nullptr;    // [group, head_dim]
-  const uint16_t* k = nullptr;  // [count, row_width] stored K rows
-  const uint16_t* v = nullptr;  // [count, row_width] stored V rows
+  const float* q = nullptr;      // [group, head_dim]
+  const uint16_t* k = nullptr;   // [count, row_width] stored K rows
+  const uint16_t* v = nullptr;   // [count, row_width] stored V rows
   const float* k_new = nullptr;  // [head_dim]: the new token's K row
   const float* v_new = nullptr;  // [head_dim]
   float* out = nullptr;          // [group, head_dim]

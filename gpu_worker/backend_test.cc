@@ -123,7 +123,8 @@ TEST(CpuBackend, AttendsStoredRowsInPlaceLikeDecodedAttention) {
         p.prob_sums = want_probs.data() + h * (n + 2);
         cpu->Attention(p);
       }
-      std::vector<float> got(group * d, -7.0f), got_probs(group * (n + 2), 0.5f);
+      std::vector<float> got(group * d, -7.0f),
+          got_probs(group * (n + 2), 0.5f);
       StoredRowsAttention p;
       p.q = q.data();
       p.k = k_half.data();

@@ -240,8 +240,8 @@ class OffloadedKvCache final : public KvCache {
   // Attention of one query row over the fetched rows where the backend
   // reads them as stored (AttendStoredRows); false, having done nothing,
   // where it cannot.
-  bool AttendInPlace(Sequence& s, int layer, const float* q,
-                     const float* k_new, const float* v_new, float* att);
+  bool AttendInPlace(Sequence& s, int layer, const float* q, const float* k_new,
+                     const float* v_new, float* att);
   // The same after DecodeFetched: Attention over k_rows_ / v_rows_.
   void DecodedAttention(Sequence& s, int layer, const float* q, float* att);
   absl::Status FetchedAttention(Sequence& s, int layer, int row,
@@ -903,13 +903,12 @@ absl::Status OffloadedKvCache::FetchedAttention(Sequence& s, int layer,
     // One copy (one wait) through the last head's row: the rows between
     // heads' entries come back too, unread.
     const int last = c_.n_heads - 1;
-    const int count = plan.head_offsets[last / group + 1] -
-                      plan.head_offsets[last / group];
+    const int count =
+        plan.head_offsets[last / group + 1] - plan.head_offsets[last / group];
     const size_t values = static_cast<size_t>(last) * stride_ + count + 1;
-    IG_RETURN_IF_ERROR(backend_.CopyToHost(
-        probs_host_.data(), probs_.data(), values * sizeof(float)));
-    s.policy->ObserveAttention(layer, plan.view(), probs_host_.data(),
-                               stride_);
+    IG_RETURN_IF_ERROR(backend_.CopyToHost(probs_host_.data(), probs_.data(),
+                                           values * sizeof(float)));
+    s.policy->ObserveAttention(layer, plan.view(), probs_host_.data(), stride_);
   }
   return absl::OkStatus();
 }

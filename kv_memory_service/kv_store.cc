@@ -507,12 +507,12 @@ class KvStore::Sequence {
     const size_t n = plan.indices.size();
     if (begin >= end) return absl::OkStatus();
     // The head of index `begin`: the last h with head_offsets[h] <= begin.
-    int32_t h = static_cast<int32_t>(
-                    std::upper_bound(plan.head_offsets.begin(),
-                                     plan.head_offsets.end(),
-                                     static_cast<int32_t>(begin)) -
-                    plan.head_offsets.begin()) -
-                1;
+    int32_t h =
+        static_cast<int32_t>(std::upper_bound(plan.head_offsets.begin(),
+                                              plan.head_offsets.end(),
+                                              static_cast<int32_t>(begin)) -
+                             plan.head_offsets.begin()) -
+        1;
     size_t j = begin;
     while (j < end) {
       const size_t head_end =
@@ -545,15 +545,15 @@ class KvStore::Sequence {
             "negative position ", pos, " for layer ", layer, " head ", h));
       }
       if (pos >= length) {
-        return absl::OutOfRangeError(absl::StrCat(
-            "position ", pos, " is beyond layer ", layer, "'s length ",
-            length));
+        return absl::OutOfRangeError(absl::StrCat("position ", pos,
+                                                  " is beyond layer ", layer,
+                                                  "'s length ", length));
       }
       const RowRef r = Locate(head, layer, h, pos, length);
       if (r.k == nullptr) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "position ", pos, " of layer ", layer, " head ", h,
-            " was evicted"));
+        return absl::FailedPreconditionError(
+            absl::StrCat("position ", pos, " of layer ", layer, " head ", h,
+                         " was evicted"));
       }
       // Following indices that name the next positions, stored next.
       size_t m = 1;
@@ -563,8 +563,7 @@ class KvStore::Sequence {
         if (arithmetic && j + kPrefetch < end) {
           const int32_t ahead = indices[j + kPrefetch];
           if (ahead >= attached_tokens_ && ahead < length) {
-            const int32_t slot =
-                head.evicting ? ahead % g_.max_tokens : ahead;
+            const int32_t slot = head.evicting ? ahead % g_.max_tokens : ahead;
             Prefetch(Row(k_.get(), layer, h, slot));
             Prefetch(Row(v_.get(), layer, h, slot));
           }
@@ -706,16 +705,14 @@ class KvStore::Sequence {
         for (int32_t h = 0; h < g_.n_kv_heads; ++h) {
           const Head& head = HeadAt(layer, h);
           for (int32_t t = 0; t < block_tokens_; ++t) {
-            const int32_t slot =
-                SlotOf(head, begin + t, layer_length_[layer]);
+            const int32_t slot = SlotOf(head, begin + t, layer_length_[layer]);
             if (slot < 0) {  // evicted
               next_pending_ = pending_.size();
               return;
             }
             const Slot& s = head.slots[slot];
             const size_t at = b->RowOffset(layer, h, t);
-            std::memcpy(&b->k[at], RowOf(false, layer, h, slot, s),
-                        row_bytes_);
+            std::memcpy(&b->k[at], RowOf(false, layer, h, slot, s), row_bytes_);
             std::memcpy(&b->v[at], RowOf(true, layer, h, slot, s), row_bytes_);
           }
         }

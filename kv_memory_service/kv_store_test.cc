@@ -608,6 +608,29 @@ struct Pool {
   int length = 0;
 };
 
+// One token appended to every (layer, head) model; the evictions in the
+// order the store reports them.
+std::vector<EvictedToken> AppendToModels(const SequenceGeometry& g,
+                                         std::vector<PoolModel>& models) {
+  std::vector<EvictedToken> evicted;
+  for (int l = 0; l < g.n_layers; ++l) {
+    for (int h = 0; h < g.n_kv_heads; ++h) {
+      const int victim = models[l * g.n_kv_heads + h].Append();
+      if (victim >= 0) evicted.push_back({l, h, victim});
+    }
+  }
+  return evicted;
+}
+
+void ExpectPresentAsInModels(Pool& pool, std::vector<PoolModel>& models) {
+  for (int l = 0; l < pool.g.n_layers; ++l) {
+    for (int h = 0; h < pool.g.n_kv_heads; ++h) {
+      EXPECT_EQ(pool.Present(l, h),
+                models[l * pool.g.n_kv_heads + h].Present());
+    }
+  }
+}
+
 TEST(EvictionTest, FifoEvictsTheOldest) {
   Pool pool(EvictionPolicy::kFifo, Geo(1, 2, 4, 4));
   for (int i = 0; i < 4; ++i) EXPECT_THAT(pool.Step(), IsEmpty());
@@ -689,15 +712,8 @@ TEST(EvictionTest, MatchesTheReferenceOnRandomWorkloads) {
     std::mt19937 rng(11 + static_cast<int>(policy));
     uint64_t clock = 0;
     for (int step = 0; step < 300; ++step) {
-      std::vector<EvictedToken> want;
-      for (int l = 0; l < g.n_layers; ++l) {
-        for (int h = 0; h < g.n_kv_heads; ++h) {
-          int victim = models[l * g.n_kv_heads + h].Append();
-          if (victim >= 0) want.push_back({l, h, victim});
-        }
-      }
-      ASSERT_EQ(pool.Step(), want) << EvictionPolicyName(policy) << " step "
-                                   << step;
+      ASSERT_EQ(pool.Step(), AppendToModels(g, models))
+          << EvictionPolicyName(policy) << " step " << step;
       // A few fetches of random present tokens per step, skewed to favour
       // some tokens so that the policies differ.
       for (int f = 0; f < 2; ++f) {
@@ -720,11 +736,7 @@ TEST(EvictionTest, MatchesTheReferenceOnRandomWorkloads) {
         pool.Fetch(layer, per_head);
       }
     }
-    for (int l = 0; l < g.n_layers; ++l) {
-      for (int h = 0; h < g.n_kv_heads; ++h) {
-        EXPECT_EQ(pool.Present(l, h), models[l * g.n_kv_heads + h].Present());
-      }
-    }
+    ExpectPresentAsInModels(pool, models);
     SequenceStats stats = *pool.store.GetSequenceStats(pool.id);
     EXPECT_EQ(stats.present_rows, g.n_layers * g.n_kv_heads * g.max_tokens);
     EXPECT_EQ(stats.evicted_rows,
@@ -780,14 +792,7 @@ TEST(KvStoreTest, RunsAndScatteredRowsGatherRightWhileHeadsEvict) {
     std::mt19937 rng(5 + static_cast<int>(policy));
     uint64_t clock = 0;
     for (int step = 0; step < 120; ++step) {
-      std::vector<EvictedToken> want;
-      for (int l = 0; l < g.n_layers; ++l) {
-        for (int h = 0; h < g.n_kv_heads; ++h) {
-          const int victim = models[l * g.n_kv_heads + h].Append();
-          if (victim >= 0) want.push_back({l, h, victim});
-        }
-      }
-      ASSERT_EQ(pool.Step(), want) << "step " << step;
+      ASSERT_EQ(pool.Step(), AppendToModels(g, models)) << "step " << step;
       const int layer = step % g.n_layers;
       ++clock;
       std::vector<std::vector<int32_t>> per_head(g.n_kv_heads);
@@ -814,11 +819,7 @@ TEST(KvStoreTest, RunsAndScatteredRowsGatherRightWhileHeadsEvict) {
       }
       pool.Fetch(layer, per_head);
     }
-    for (int l = 0; l < g.n_layers; ++l) {
-      for (int h = 0; h < g.n_kv_heads; ++h) {
-        EXPECT_EQ(pool.Present(l, h), models[l * g.n_kv_heads + h].Present());
-      }
-    }
+    ExpectPresentAsInModels(pool, models);
   }
 }
 
@@ -840,7 +841,7 @@ TEST(KvStoreTest, LargeGathersSplitAcrossThreadsAreBitExact) {
     }
     std::mt19937 rng(3);
     std::vector<std::vector<int32_t>> per_head(4);
-    for (int p = 0; p < 8192; ++p) per_head[1].push_back(p);   // all, in order
+    for (int p = 0; p < 8192; ++p) per_head[1].push_back(p);  // all, in order
     for (int i = 0; i < 3000; ++i) per_head[2].push_back(rng() % 8192);
     for (int p = 8191; p >= 0; p -= 3) per_head[3].push_back(p);  // reversed
     // Head 0 selects nothing.

@@ -19,6 +19,7 @@ case "$config" in
   asan)
     targets=(
       //kv_memory_service:kv_store_test
+      //kv_memory_service:gather_pool_test
       //kv_memory_service:prefix_test
       //kv_memory_service:kv_client_test
       //kv_memory_service:tls_test
@@ -35,6 +36,7 @@ case "$config" in
   tsan)
     targets=(
       //kv_memory_service:kv_store_test
+      //kv_memory_service:gather_pool_test
       //kv_memory_service:prefix_test
       //kv_memory_service/tcp:fetch_socket_server_test
       //kv_memory_service/shm:shm_test

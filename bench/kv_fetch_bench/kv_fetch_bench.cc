@@ -15,7 +15,8 @@
 // bytes from a source larger than the last-level cache; memcpy_mt/<case>,
 // the same copy split over every core.
 //
-//   bazel build //bench/kv_fetch_bench && bazel-bin/bench/kv_fetch_bench/kv_fetch_bench
+//   bazel build //bench/kv_fetch_bench
+//   bazel-bin/bench/kv_fetch_bench/kv_fetch_bench
 //       [--kv_address=tcp://HOST:PORT]   also bench an external server
 //       [--planes=inproc,shm,...]        set up only these planes (default:
 //                                        all; the others report set-up skipped)
@@ -24,15 +25,14 @@
 // Data planes: memcpy (the baseline), inproc, tcp (a KvServer in this
 // process on 127.0.0.1:0: real loopback TCP; fetches on its plain fetch
 // socket), tcp_stream (the same, fetches on the gRPC FetchStream), unix (a
-// server on a unix socket: gRPC FetchStream), shm (that unix server's shared-memory data plane: the rows
-// are gathered into a memfd slot by the server's shm thread), rdma (a
-// KvServer with --rdma_device=any over the local RDMA port; skipped with
-// the reason where there is no RDMA device), and, with --kv_address,
-// "external" (any address, e.g. shm:unix:PATH of a kv_memory_server
-// process). Counters: p50_us and
-// p99_us per fetch, GB/s at the p50, and x_memcpy: the p50 over the
-// single-thread memcpy p50 of the same case.
-// To add a data plane, add a Plane in Planes().
+// server on a unix socket: gRPC FetchStream), shm (that unix server's
+// shared-memory data plane: the rows are gathered into a memfd slot by the
+// server's shm thread), rdma (a KvServer with --rdma_device=any over the local
+// RDMA port; skipped with the reason where there is no RDMA device), and, with
+// --kv_address, "external" (any address, e.g. shm:unix:PATH of a
+// kv_memory_server process). Counters: p50_us and p99_us per fetch, GB/s at the
+// p50, and x_memcpy: the p50 over the single-thread memcpy p50 of the same
+// case. To add a data plane, add a Plane in Planes().
 #include <unistd.h>
 
 #include <algorithm>
@@ -219,8 +219,8 @@ void SetUpWorld(const std::string& external) {
   std::mt19937 rng(1);
   for (const Shape* shape : {&kSmall, &k7b}) {
     Rows& rows = w.rows[shape];
-    const size_t n = size_t{1} * shape->layers * shape->stored *
-                     shape->heads * shape->head_dim;
+    const size_t n = size_t{1} * shape->layers * shape->stored * shape->heads *
+                     shape->head_dim;
     rows.k.resize(n);
     rows.v.resize(n);
     for (size_t i = 0; i < n; ++i) {
@@ -275,8 +275,11 @@ bool Verify(const Case& c, const OwnedFetchPlan& plan, const uint16_t* got) {
   const size_t row_bytes = sh.head_dim * sizeof(uint16_t);
   for (int h = 0; h < sh.heads; ++h) {
     for (int j = plan.head_offsets[h]; j < plan.head_offsets[h + 1]; ++j) {
-      const size_t src = ((static_cast<size_t>(c.layer()) * sh.stored +
-                           plan.indices[j]) * sh.heads + h) * sh.head_dim;
+      const size_t src =
+          ((static_cast<size_t>(c.layer()) * sh.stored + plan.indices[j]) *
+               sh.heads +
+           h) *
+          sh.head_dim;
       if (std::memcmp(got + j * sh.head_dim, rows.k.data() + src, row_bytes) !=
               0 ||
           std::memcmp(got + (n + j) * sh.head_dim, rows.v.data() + src,

@@ -1,6 +1,8 @@
 // The CPU reference backend. Reads top to bottom like llama2.c's run.c:
 // every operation is the textbook formula; matrix products go to OpenBLAS
 // (which threads them).
+#include "gpu_worker/cpu/cpu_backend.h"
+
 #include <cblas.h>
 
 #include <algorithm>
@@ -9,10 +11,22 @@
 #include <vector>
 
 #include "common/half.h"
-#include "gpu_worker/cpu/cpu_backend.h"
 
 namespace infinigen::gpu_worker {
 namespace {
+
+// s[0, len) = softmax(s[0, len)).
+void Softmax(float* s, int len) {
+  float mx = s[0];
+  for (int t = 1; t < len; ++t) mx = std::max(mx, s[t]);
+  float sum = 0.0f;
+  for (int t = 0; t < len; ++t) {
+    s[t] = std::exp(s[t] - mx);
+    sum += s[t];
+  }
+  const float inv = 1.0f / sum;
+  for (int t = 0; t < len; ++t) s[t] *= inv;
+}
 
 class CpuBackend final : public Backend {
  public:
@@ -101,15 +115,7 @@ class CpuBackend final : public Backend {
       for (int i = 0; i < p.n; ++i) {
         float* s = scores_.data() + static_cast<long>(i) * kv_max;
         const int len = p.kv_len0 + i;
-        float mx = s[0];
-        for (int t = 1; t < len; ++t) mx = std::max(mx, s[t]);
-        float sum = 0.0f;
-        for (int t = 0; t < len; ++t) {
-          s[t] = std::exp(s[t] - mx);
-          sum += s[t];
-        }
-        const float inv = 1.0f / sum;
-        for (int t = 0; t < len; ++t) s[t] *= inv;
+        Softmax(s, len);
         for (int t = len; t < kv_max; ++t) s[t] = 0.0f;  // causal mask
         if (p.prob_sums != nullptr) {
           float* acc = p.prob_sums + static_cast<long>(h) * kv_max;
@@ -140,8 +146,7 @@ class CpuBackend final : public Backend {
     for (int t = 0; t < n; ++t) {
       const float* k = p.k_new;
       if (t < p.count) {
-        HalfToFloat(p.k + static_cast<size_t>(t) * p.row_width, d,
-                    row_.data());
+        HalfToFloat(p.k + static_cast<size_t>(t) * p.row_width, d, row_.data());
         k = row_.data();
       }
       for (int g = 0; g < g_n; ++g) {
@@ -150,15 +155,7 @@ class CpuBackend final : public Backend {
     }
     for (int g = 0; g < g_n; ++g) {
       float* s = scores_.data() + static_cast<size_t>(g) * n;
-      float mx = s[0];
-      for (int t = 1; t < n; ++t) mx = std::max(mx, s[t]);
-      float sum = 0.0f;
-      for (int t = 0; t < n; ++t) {
-        s[t] = std::exp(s[t] - mx);
-        sum += s[t];
-      }
-      const float inv = 1.0f / sum;
-      for (int t = 0; t < n; ++t) s[t] *= inv;
+      Softmax(s, n);
       if (p.prob_sums != nullptr) {
         float* a = p.prob_sums + static_cast<size_t>(g) * p.prob_stride;
         for (int t = 0; t < n; ++t) a[t] += s[t];
@@ -167,8 +164,7 @@ class CpuBackend final : public Backend {
     for (int t = 0; t < n; ++t) {
       const float* v = p.v_new;
       if (t < p.count) {
-        HalfToFloat(p.v + static_cast<size_t>(t) * p.row_width, d,
-                    row_.data());
+        HalfToFloat(p.v + static_cast<size_t>(t) * p.row_width, d, row_.data());
         v = row_.data();
       }
       for (int g = 0; g < g_n; ++g) {
