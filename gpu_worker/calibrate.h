@@ -1,4 +1,4 @@
-// CalibrateSkew: InfiniGen's offline skewing pass (ALGORITHM.md) over
+// CalibrateSkew: InfiniGen's offline skewing pass (Lee et al., OSDI 2024) over
 // calibration tokens, with the reference CPU engine.
 #ifndef INFINIGEN_GPU_WORKER_CALIBRATE_H_
 #define INFINIGEN_GPU_WORKER_CALIBRATE_H_

@@ -332,7 +332,7 @@ class H2OPolicy final : public KvPolicy {
   std::vector<float> pending_new_;  // [layer][head]: the new token's prob
 };
 
-// InfiniGen (ALGORITHM.md): layers 0 and 1 read everything (dense_layers);
+// InfiniGen (Lee et al., OSDI 2024): layers 0 and 1 read everything (dense_layers);
 // for layer l >= 2 the plan comes from speculation with layer l - 1's
 // attention input (or the residual after its attention, for layer l's
 // norm), layer l's query weight, its skew and its partial key cache; a

@@ -1,7 +1,7 @@
 // KV policies: how a layer's K and V reach attention while decoding.
 //
 // One engine, many policies, chosen by a flag, so every comparison runs in
-// one process on the same model (DESIGN.md, Interfaces):
+// one process on the same model:
 //   ideal      the whole cache local; nothing is fetched
 //   full       offload; every cached row of every layer is fetched each step
 //              (FlexGen)

@@ -832,8 +832,8 @@ class KvStore::Sequence {
     }
   }
 
-  // The slot of the token to evict from a full head (ALGORITHM.md, "The
-  // memory pool"; kv_types.h spells it out).
+  // The slot of the token to evict from a full head (the rules of
+  // EvictionPolicy, kv_types.h).
   int32_t EvictionSlot(Head& head) {
     if (policy_ != EvictionPolicy::kFifo) {
       while (!head.heap.empty()) {

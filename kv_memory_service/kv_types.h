@@ -49,8 +49,8 @@ using SessionId = uint64_t;
 // The meaning of the 16-bit row values. Stored and returned bit for bit.
 enum class KvDType { kFloat16 = 0, kBFloat16 = 1 };
 
-// What the pool drops when a (layer, KV head) is full, as ALGORITHM.md's
-// "The memory pool" describes. Let p be the position being appended:
+// What the pool drops when a (layer, KV head) is full (InfiniGen's memory
+// pool, Lee et al., OSDI 2024). Let p be the position being appended:
 //  - kFifo: the present token with the smallest position.
 //  - kLru: among the present tokens with position < p / 2 (integer
 //    division), the one whose last fetch is oldest (never fetched is oldest

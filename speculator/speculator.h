@@ -5,8 +5,9 @@
 // memory node never sees any of this. Shapes are in comments; matrices are
 // row-major; `d` is the head dimension.
 //
-// Terms (ALGORITHM.md). For every layer and KV head g there is a skew matrix
-// A_g (d x d, orthogonal) shared by the query heads of g's group, so that
+// Terms (InfiniGen, Lee et al., OSDI 2024). For every layer and KV head g
+// there is a skew matrix A_g (d x d, orthogonal) shared by the query heads
+// of g's group, so that
 // (q A)(k A)^T = q k^T. After skewing, a few columns of q and k carry most of
 // the magnitude; the partial columns of (layer, g) are the top int(d * ratio)
 // of them. The partial key cache holds those columns of every cached
