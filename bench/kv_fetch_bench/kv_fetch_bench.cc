@@ -128,6 +128,7 @@ struct World {
   std::unique_ptr<KvServer> rdma_server;  // with the RDMA data plane
   std::map<std::string, Plane> planes;
   std::map<const Shape*, Rows> rows;
+  std::vector<std::string> socket_paths;  // removed before exit
 };
 
 // Room for the whole 7B-class layer in one fetch over gRPC and the fetch
@@ -242,9 +243,11 @@ void SetUpWorld(const std::string& external) {
   } else {
     w.planes["tcp"].error = server.status().ToString();
   }
-  options.listen = absl::StrCat("unix:/tmp/kv_fetch_bench-", getpid(), ".sock");
-  options.shm_listen =
-      absl::StrCat("unix:/tmp/kv_fetch_bench-", getpid(), ".shm.sock");
+  const std::string base = absl::StrCat("/tmp/kv_fetch_bench-", getpid());
+  options.listen = "unix:" + base + ".sock";
+  options.shm_listen = "unix:" + base + ".shm.sock";
+  // The shm server's lock file too: the servers are not stopped at exit.
+  w.socket_paths = {base + ".sock", base + ".shm.sock", base + ".shm.sock.lock"};
   auto unix_server = KvServer::Start(options);
   if (unix_server.ok()) {
     w.unix_server = *std::move(unix_server);
@@ -458,5 +461,6 @@ int main(int argc, char** argv) {
   }
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
+  for (const std::string& path : TheWorld().socket_paths) unlink(path.c_str());
   return 0;
 }
