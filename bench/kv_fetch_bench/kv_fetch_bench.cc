@@ -247,7 +247,8 @@ void SetUpWorld(const std::string& external) {
   options.listen = "unix:" + base + ".sock";
   options.shm_listen = "unix:" + base + ".shm.sock";
   // The shm server's lock file too: the servers are not stopped at exit.
-  w.socket_paths = {base + ".sock", base + ".shm.sock", base + ".shm.sock.lock"};
+  w.socket_paths = {base + ".sock", base + ".shm.sock",
+                    base + ".shm.sock.lock"};
   auto unix_server = KvServer::Start(options);
   if (unix_server.ok()) {
     w.unix_server = *std::move(unix_server);

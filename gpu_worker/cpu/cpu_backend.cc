@@ -143,12 +143,16 @@ class CpuBackend final : public Backend {
       for (int j = 0; j < d; ++j) s += a[j] * b[j];
       return s;
     };
+    // Row t of K or V in fp32: a stored row decoded into row_, or the new
+    // token's own.
+    const auto row = [&](const uint16_t* stored, const float* last, int t) {
+      if (t == p.count) return last;
+      HalfToFloat(stored + static_cast<size_t>(t) * p.row_width, d,
+                  row_.data());
+      return static_cast<const float*>(row_.data());
+    };
     for (int t = 0; t < n; ++t) {
-      const float* k = p.k_new;
-      if (t < p.count) {
-        HalfToFloat(p.k + static_cast<size_t>(t) * p.row_width, d, row_.data());
-        k = row_.data();
-      }
+      const float* k = row(p.k, p.k_new, t);
       for (int g = 0; g < g_n; ++g) {
         scores_[static_cast<size_t>(g) * n + t] = p.scale * dot(p.q + g * d, k);
       }
@@ -162,11 +166,7 @@ class CpuBackend final : public Backend {
       }
     }
     for (int t = 0; t < n; ++t) {
-      const float* v = p.v_new;
-      if (t < p.count) {
-        HalfToFloat(p.v + static_cast<size_t>(t) * p.row_width, d, row_.data());
-        v = row_.data();
-      }
+      const float* v = row(p.v, p.v_new, t);
       for (int g = 0; g < g_n; ++g) {
         const float w = scores_[static_cast<size_t>(g) * n + t];
         float* a = acc_.data() + static_cast<size_t>(g) * d;
