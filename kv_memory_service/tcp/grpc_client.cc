@@ -497,6 +497,7 @@ class GrpcKvClient final : public KvClient {
     kv::OpenSequenceRequest req;
     ToProto(geometry, req.mutable_geometry());
     ToProto(prefix, &req);
+    IG_RETURN_IF_ERROR(Unresponsive());
     IG_ASSIGN_OR_RETURN(SessionId session, CurrentSession());
     absl::Status status;
     for (int attempt = 0; attempt < 2; ++attempt) {
@@ -530,6 +531,7 @@ class GrpcKvClient final : public KvClient {
       if (!absl::IsNotFound(status)) break;
       IG_ASSIGN_OR_RETURN(session, NewSession(session, options_.rpc_timeout));
     }
+    NoteOutcome(status, options_.rpc_timeout);
     return status;
   }
 
@@ -547,10 +549,12 @@ class GrpcKvClient final : public KvClient {
     for (const std::string& meta : block.prefix_meta) req.add_prefix_meta(meta);
     req.set_v(reinterpret_cast<const char*>(block.v.data()),
               block.v.size() * sizeof(uint16_t));
+    IG_RETURN_IF_ERROR(Unresponsive());
     kv::AppendResponse resp;
     grpc::ClientContext ctx;
     Prepare(&ctx);
-    IG_RETURN_IF_ERROR(FromGrpcStatus(stub_->Append(&ctx, req, &resp)));
+    IG_RETURN_IF_ERROR(NoteOutcome(
+        FromGrpcStatus(stub_->Append(&ctx, req, &resp)), options_.rpc_timeout));
     return FromProto(resp);
   }
 
@@ -582,6 +586,10 @@ class GrpcKvClient final : public KvClient {
     auto claimed = FetchBuffer::Claim<GrpcFetchBuffer>(this, dest);
     if (!claimed.ok()) return FetchHandle(claimed.status());
     GrpcFetchBuffer* buffer = *claimed;
+    if (absl::Status down = Unresponsive(); !down.ok()) {
+      buffer->Complete(std::move(down));
+      return FetchHandle(buffer);
+    }
 
     buffer->deadline = absl::Now() + options_.fetch_timeout;
     kv::FetchRequest& req = buffer->request;
@@ -605,13 +613,15 @@ class GrpcKvClient final : public KvClient {
   }
 
   absl::Status Close(SequenceId seq) override {
+    IG_RETURN_IF_ERROR(Unresponsive());
     kv::CloseSequenceRequest req;
     req.set_sequence_id(seq);
     req.set_session_id(session());
     kv::CloseSequenceResponse resp;
     grpc::ClientContext ctx;
     Prepare(&ctx);
-    return FromGrpcStatus(stub_->CloseSequence(&ctx, req, &resp));
+    return NoteOutcome(FromGrpcStatus(stub_->CloseSequence(&ctx, req, &resp)),
+                       options_.rpc_timeout);
   }
 
   absl::StatusOr<SequenceStats> GetSequenceStats(SequenceId seq) override {
@@ -662,13 +672,37 @@ class GrpcKvClient final : public KvClient {
       buffer->Await(absl::InfiniteFuture());
     }
     buffer->connection.reset();
-    return buffer->Take();
+    return NoteOutcome(buffer->Take(), options_.fetch_timeout);
   }
 
  private:
   void Prepare(grpc::ClientContext* ctx) const {
     ctx->set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
     if (!auth_.empty()) ctx->AddMetadata("authorization", auth_);
+  }
+
+  // A node whose call timed out is unresponsive until it answers a
+  // heartbeat (asked for at once): until then calls fail here, in no time,
+  // instead of each waiting out its own timeout on a node known to be hung
+  // (a recovery's close, reopen and appends; a serving worker's queue).
+  absl::Status Unresponsive() const {
+    absl::MutexLock lock(&session_mu_);
+    return unresponsive_;
+  }
+
+  // Returns `status`, first noting a timeout: the node becomes unresponsive.
+  absl::Status NoteOutcome(absl::Status status, absl::Duration timeout) {
+    if (absl::IsDeadlineExceeded(status)) {
+      absl::MutexLock lock(&session_mu_);
+      if (unresponsive_.ok()) {
+        unresponsive_ = absl::UnavailableError(absl::StrCat(
+            "not answering (a call timed out after ",
+            absl::FormatDuration(timeout),
+            "); calls fail until it answers a heartbeat"));
+        beat_now_ = true;
+      }
+    }
+    return status;
   }
 
   // The session sequences are opened in, opened if there is none.
@@ -749,6 +783,9 @@ class GrpcKvClient final : public KvClient {
       if (absl::IsNotFound(status)) status = NewSession(session, timeout).status();
     }
     absl::MutexLock lock(&session_mu_);
+    // A node that answers a heartbeat takes calls again.
+    if (status.ok()) unresponsive_ = absl::OkStatus();
+    beat_now_ = false;
     health_ = status.ok()
                   ? absl::OkStatus()
                   : absl::Status(status.code(),
@@ -760,8 +797,10 @@ class GrpcKvClient final : public KvClient {
     while (true) {
       {
         absl::MutexLock lock(&session_mu_);
-        session_mu_.AwaitWithTimeout(absl::Condition(&stopping_),
-                                     beat_interval_);
+        auto wake = [this]() ABSL_SHARED_LOCKS_REQUIRED(session_mu_) {
+          return stopping_ || beat_now_;
+        };
+        session_mu_.AwaitWithTimeout(absl::Condition(&wake), beat_interval_);
         if (stopping_) return;
       }
       Beat();
@@ -853,6 +892,9 @@ class GrpcKvClient final : public KvClient {
   absl::Duration beat_interval_ ABSL_GUARDED_BY(session_mu_) =
       options_.heartbeat_interval;
   absl::Status health_ ABSL_GUARDED_BY(session_mu_);
+  // Not OK from a call's timeout until the next heartbeat that succeeds.
+  absl::Status unresponsive_ ABSL_GUARDED_BY(session_mu_);
+  bool beat_now_ ABSL_GUARDED_BY(session_mu_) = false;  // wake the heartbeat
   bool stopping_ ABSL_GUARDED_BY(session_mu_) = false;
   // The heartbeat in flight, cancelled by the destructor.
   grpc::ClientContext* beat_ctx_ ABSL_GUARDED_BY(session_mu_) = nullptr;

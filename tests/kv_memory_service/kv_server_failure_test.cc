@@ -194,6 +194,13 @@ TEST(ServerHangsTest, FetchesEndWithDeadlineExceeded) {
   (*server)->Stop();
   EXPECT_EQ((*client)->Fetch(*id, 0, plan.view(), buffer->get()).code(),
             absl::StatusCode::kDeadlineExceeded);
+  // Known not to answer: the next calls fail at once, saying so, rather
+  // than each waiting its own timeout.
+  absl::Status append = (*client)->Append(*id, b.block).status();
+  EXPECT_EQ(append.code(), absl::StatusCode::kUnavailable) << append;
+  EXPECT_THAT(std::string(append.message()), HasSubstr("not answering"));
+  EXPECT_EQ((*client)->Fetch(*id, 0, plan.view(), buffer->get()).code(),
+            absl::StatusCode::kUnavailable);
   (*server)->Continue();
   // The stream was dropped; the next fetch opens a new one.
   absl::Status again;
