@@ -37,7 +37,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
         "engine: batch must be in [1, 1024], got %d", options.batch));
   }
   IG_RETURN_IF_ERROR(options.policy.Validate());
-  if (options.policy.kind != PolicyKind::kIdeal &&
+  if (Offloads(options.policy.kind) &&
       options.kv_client == nullptr) {
     return absl::InvalidArgumentError(
         absl::StrFormat("engine: policy %s needs a KV memory node",

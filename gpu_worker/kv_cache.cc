@@ -178,7 +178,7 @@ absl::StatusOr<std::unique_ptr<KvCache>> NewLocalKvCache(
 
 absl::StatusOr<int64_t> KvCache::WorkerBytes(const model::Weights& weights,
                                              const KvCacheOptions& options) {
-  if (options.policy.kind == PolicyKind::kIdeal) {
+  if (!Offloads(options.policy.kind)) {
     return LocalKvCacheBytes(weights.config, options);
   }
   return OffloadedKvCacheBytes(weights, options);
@@ -208,7 +208,7 @@ absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(
         options.max_seq_len, options.max_worker_bytes / 1048576.0,
         options.max_worker_bytes));
   }
-  if (options.policy.kind == PolicyKind::kIdeal) {
+  if (!Offloads(options.policy.kind)) {
     return NewLocalKvCache(weights, backend, options);
   }
   return NewOffloadedKvCache(weights, backend, options);

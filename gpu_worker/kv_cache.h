@@ -37,7 +37,8 @@
 //   BeginStep; for each layer: LayerInput (after the attention norm),
 //   DecodeAttention (after Q, K, V), PostAttentionInput (after the
 //   attention's residual add, where the cache wants it), LayerDone (after
-//   the MLP); EndStep.
+//   the MLP); EndStep. Which of these points sends each layer's fetch is the
+//   policy's FetchSchedule (kv/fetch_schedule.h), stated once per policy.
 #ifndef INFINIGEN_GPU_WORKER_KV_CACHE_H_
 #define INFINIGEN_GPU_WORKER_KV_CACHE_H_
 

@@ -31,8 +31,8 @@
 // and fetches them with FetchPlans, so the rows moved per step are counted
 // the same way for all.
 //
-// KvPolicy is the offloaded KV cache's internal interface (kv_cache.h): one
-// per sequence, it owns the policy's state (partial key cache, accumulated
+// KvPolicy is the offloaded KV cache's internal interface (kv_cache.h),
+// implemented once per policy under kv/policies/: one per sequence, it owns the policy's state (partial key cache, accumulated
 // attention); ideal has none, it never offloads. Not thread-safe.
 #ifndef INFINIGEN_GPU_WORKER_KV_POLICY_H_
 #define INFINIGEN_GPU_WORKER_KV_POLICY_H_
@@ -56,10 +56,14 @@ enum class PolicyKind {
   kIdeal, kFull, kInfiniGen, kH2O, kInt4, kOracle, kQuest
 };
 
-// "ideal", "full", "infinigen", "h2o", "int4", "oracle", "quest";
-// InvalidArgument otherwise.
+// Each kind is one file under kv/policies/ and one entry of its registry
+// (kv/policies/registry.h), where its name, traits and factory live.
+// By name ("ideal", "full", ...); InvalidArgument naming the known ones.
 absl::StatusOr<PolicyKind> ParsePolicy(absl::string_view name);
 const char* PolicyName(PolicyKind kind);
+// Whether the policy's rows go to the memory node (all but ideal, whose
+// whole cache stays local).
+bool Offloads(PolicyKind kind);
 
 struct PolicyOptions {
   PolicyKind kind = PolicyKind::kIdeal;
@@ -129,24 +133,13 @@ struct PolicyOptions {
   int dense_layers = 2;
 
   // Whether a layer's fetch is chosen from that layer's own input
-  // (same_layer_input, oracle) rather than the previous layer's.
-  bool SpeculatesFromOwnInput() const {
-    return same_layer_input || kind == PolicyKind::kOracle ||
-           kind == PolicyKind::kQuest;
-  }
+  // (same_layer_input, oracle, quest) rather than the previous layer's.
+  bool SpeculatesFromOwnInput() const;
   // Whether layer l + 1's fetch is speculated after layer l's attention.
-  bool SpeculatesAfterAttention() const {
-    return kind == PolicyKind::kInfiniGen && !SpeculatesFromOwnInput() &&
-           speculation_input == SpeculationInput::kPostAttention;
-  }
-
+  bool SpeculatesAfterAttention() const;
   // Whether layer 0's rows are chosen (from its own attention input, at
   // the start of the layer) rather than all fetched at the step's start.
-  bool SelectsLayerZero() const {
-    return dense_layers == 0 &&
-           (kind == PolicyKind::kInfiniGen || kind == PolicyKind::kOracle ||
-            kind == PolicyKind::kQuest);
-  }
+  bool SelectsLayerZero() const;
 
   // InvalidArgument for values out of range or a missing skew.
   absl::Status Validate() const;

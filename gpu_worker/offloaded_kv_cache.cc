@@ -21,6 +21,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/log.h"
 #include "common/status.h"
+#include "gpu_worker/kv/fetch_schedule.h"
 #include "gpu_worker/kv_cache_impl.h"
 #include "kv_memory_service/prefix_keys.h"
 
@@ -99,6 +100,7 @@ class OffloadedKvCache final : public KvCache {
         c_(weights.config),
         backend_(*backend),
         options_(options),
+        schedule_(FetchSchedule::Of(options.policy, weights.config.n_layers)),
         layout_(layout),
         max_seq_(options.max_seq_len),
         stride_(options.max_seq_len + 1),
@@ -140,7 +142,7 @@ class OffloadedKvCache final : public KvCache {
                          absl::Span<const int> positions) override;
   absl::Status LayerInput(int layer, const float* xb) override;
   bool WantsPostAttentionInput() const override {
-    return options_.policy.SpeculatesAfterAttention();
+    return schedule_.WantsPostAttentionInput();
   }
   absl::Status PostAttentionInput(int layer, const float* xb_next) override;
   absl::Status DecodeAttention(int layer, const float* q, const float* k,
@@ -225,6 +227,10 @@ class OffloadedKvCache final : public KvCache {
   // Waits for `layer`'s fetch and makes its rows readable by the backend
   // (a copy to its staging, queued once per fetch).
   absl::Status UploadFetched(Sequence& s, int layer);
+  // Issues, for every slot of the step, the fetch due at `point` of
+  // `layer`'s pass (FetchSchedule::DueAt), ranked by x [slots][dim] (null
+  // at the step's start).
+  absl::Status IssueDue(FetchPoint point, int layer, const float* x);
   const uint16_t* FetchedRows(Sequence& s, int layer) {
     const int i = layer % 2;
     return layout_.staged ? s.staged[i].data() : s.buffers[i]->data();
@@ -267,6 +273,7 @@ class OffloadedKvCache final : public KvCache {
   const model::ModelConfig& c_;
   Backend& backend_;
   const KvCacheOptions options_;
+  const FetchSchedule schedule_;  // when each layer's fetch leaves
   const Layout layout_;
   const int max_seq_;
   const int stride_;  // rows between KV heads in k_rows_/v_rows_
@@ -737,46 +744,27 @@ absl::Status OffloadedKvCache::BeginStep(absl::Span<const int> slots,
     Sequence& s = sequences_[slots[i]];
     s.position = positions[i];
     s.step_rows = 0;
-    // Layer 0's whole, now; a selected layer 0 waits for its input.
-    if (!options_.policy.SelectsLayerZero()) {
-      IG_RETURN_IF_ERROR(IssueFetch(s, 0, nullptr));
-    }
   }
-  return absl::OkStatus();
+  return IssueDue(FetchPoint::kStepStart, 0, nullptr);
 }
 
 absl::Status OffloadedKvCache::LayerInput(int layer, const float* xb) {
-  // Layer l + 1's fetch leaves before layer l's attention and MLP run
-  // (with the same_layer_input diagnostic, layer l's leaves now, from its
-  // own input; speculating after the attention, in PostAttentionInput).
-  // Layer 0's left at the start of the step, unless it is selected: then
-  // it leaves now, from its own input.
-  const PolicyOptions& o = options_.policy;
-  const bool own =
-      layer == 0 ? o.SelectsLayerZero() : o.SpeculatesFromOwnInput();
-  const bool next =
-      !o.SpeculatesFromOwnInput() && !o.SpeculatesAfterAttention();
-  for (const int fetch_layer : {own ? layer : -1, next ? layer + 1 : -1}) {
-    if (fetch_layer < 0 || fetch_layer >= c_.n_layers) continue;
-    for (size_t i = 0; i < step_slots_.size(); ++i) {
-      IG_RETURN_IF_ERROR(
-          IssueFetch(sequences_[step_slots_[i]], fetch_layer, xb + i * c_.dim));
-    }
-  }
-  return absl::OkStatus();
+  IG_RETURN_IF_ERROR(IssueDue(FetchPoint::kOwnInput, layer, xb));
+  return IssueDue(FetchPoint::kPreviousInput, layer, xb);
 }
 
 absl::Status OffloadedKvCache::PostAttentionInput(int layer,
                                                   const float* xb_next) {
-  // Layer l + 1's fetch leaves after layer l's attention, while its MLP
-  // runs.
-  if (!options_.policy.SpeculatesAfterAttention() ||
-      layer + 1 >= c_.n_layers) {
-    return absl::OkStatus();
-  }
+  return IssueDue(FetchPoint::kPreviousAttention, layer, xb_next);
+}
+
+absl::Status OffloadedKvCache::IssueDue(FetchPoint point, int layer,
+                                        const float* x) {
+  const int due = schedule_.DueAt(point, layer);
+  if (due < 0) return absl::OkStatus();
   for (size_t i = 0; i < step_slots_.size(); ++i) {
-    IG_RETURN_IF_ERROR(IssueFetch(sequences_[step_slots_[i]], layer + 1,
-                                  xb_next + i * c_.dim));
+    IG_RETURN_IF_ERROR(IssueFetch(sequences_[step_slots_[i]], due,
+                                  x == nullptr ? nullptr : x + i * c_.dim));
   }
   return absl::OkStatus();
 }
@@ -808,10 +796,8 @@ absl::Status OffloadedKvCache::DecodeAttention(int layer, const float* q,
 
 absl::Status OffloadedKvCache::LayerDone(int layer) {
   // The next layer's rows move to the backend while this layer computes
-  // (its fetch left before this layer's attention).
-  if (options_.policy.SpeculatesFromOwnInput() || layer + 1 >= c_.n_layers) {
-    return absl::OkStatus();
-  }
+  // (its fetch left before this layer's end).
+  if (!schedule_.UploadsEarly(layer + 1)) return absl::OkStatus();
   for (int slot : step_slots_) {
     IG_RETURN_IF_ERROR(UploadFetched(sequences_[slot], layer + 1));
   }

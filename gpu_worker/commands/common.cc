@@ -16,6 +16,7 @@
 #include "common/status.h"
 #include "gpu_worker/backend.h"
 #include "gpu_worker/calibrate.h"
+#include "gpu_worker/kv/policies/registry.h"
 #include "gpu_worker/kv_policy.h"
 #include "gpu_worker/model_identity.h"
 #include "kv_memory_service/kv_store.h"
@@ -398,9 +399,10 @@ absl::StatusOr<EngineOptions> EngineOptionsFromFlags(const std::string& policy,
   }
   gpu_worker::PolicyOptions& p = options.policy;
   IG_ASSIGN_OR_RETURN(p.kind, gpu_worker::ParsePolicy(policy));
+  const bool speculates = gpu_worker::PolicyEntryOf(p.kind).traits.speculates;
   p.alpha = static_cast<float>(absl::GetFlag(FLAGS_alpha));
   // The --target_fetch defaults of infinigen (auto flags).
-  const bool tuned = p.kind == gpu_worker::PolicyKind::kInfiniGen &&
+  const bool tuned = speculates &&
                      absl::GetFlag(FLAGS_target_fetch) != 0;
   IG_ASSIGN_OR_RETURN(const gpu_worker::SpeculationOptions speculation,
                       SpeculationFromFlags(tuned));
@@ -412,7 +414,7 @@ absl::StatusOr<EngineOptions> EngineOptionsFromFlags(const std::string& policy,
   p.exact_partial_keys = speculation.exact_keys;
   IG_ASSIGN_OR_RETURN(
       p.dense_layers,
-      DenseLayersFromFlags(p.kind == gpu_worker::PolicyKind::kInfiniGen &&
+      DenseLayersFromFlags(speculates &&
                            speculation.post_attention));
   if (p.dense_layers > n_layers) {
     return absl::InvalidArgumentError(
@@ -456,7 +458,7 @@ absl::StatusOr<EngineOptions> EngineOptionsFromFlags(const std::string& policy,
   }
   p.adaptive_budgets =
       budgets == "adaptive" ||
-      (budgets == "auto" && p.kind == gpu_worker::PolicyKind::kInfiniGen &&
+      (budgets == "auto" && speculates &&
        absl::GetFlag(FLAGS_target_fetch) != 0);
   return options;
 }
@@ -494,11 +496,12 @@ absl::StatusOr<PolicySetup> SetUpPolicy(
   PolicySetup s;
   IG_ASSIGN_OR_RETURN(s.options, EngineOptionsFromFlags(
                                      policy, weights.config.n_layers, serving));
-  if (s.options.policy.kind == gpu_worker::PolicyKind::kIdeal) return s;
+  if (!gpu_worker::Offloads(s.options.policy.kind)) return s;
   gpu_worker::PolicyOptions& p = s.options.policy;
-  if (p.kind == gpu_worker::PolicyKind::kInfiniGen || p.adaptive_budgets) {
+  const bool speculates = gpu_worker::PolicyEntryOf(p.kind).traits.speculates;
+  if (speculates || p.adaptive_budgets) {
     IG_ASSIGN_OR_RETURN(s.skew, SkewFromFlags(weights, calibration, p));
-    if (p.kind == gpu_worker::PolicyKind::kInfiniGen) p.skew = s.skew.get();
+    if (speculates) p.skew = s.skew.get();
   }
   if (p.adaptive_budgets && s.skew->profile.empty()) {
     if (absl::GetFlag(FLAGS_head_budgets) == "adaptive") {

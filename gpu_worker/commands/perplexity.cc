@@ -103,7 +103,7 @@ int RunPerplexity() {
   const std::string policy = absl::GetFlag(FLAGS_policy);
   auto kind = gpu_worker::ParsePolicy(policy);
   if (!kind.ok()) return Fail(kExitUsage, kind.status());
-  if (o.prompt_tokens == 0 && *kind != gpu_worker::PolicyKind::kIdeal) {
+  if (o.prompt_tokens == 0 && gpu_worker::Offloads(*kind)) {
     return Fail(kExitUsage,
                 absl::InvalidArgumentError(
                     "--policy needs --prompt_tokens (the dense prefix before "

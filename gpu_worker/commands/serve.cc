@@ -9,6 +9,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/time/time.h"
 #include "common/file.h"
 #include "common/log.h"
@@ -20,6 +21,7 @@
 #include "gpu_worker/generation_scheduler.h"
 #include "gpu_worker/generation_service.h"
 #include "gpu_worker/http_api.h"
+#include "gpu_worker/kv/policies/registry.h"
 #include "gpu_worker/kv_policy.h"
 #include "gpu_worker/worker_metrics.h"
 
@@ -118,11 +120,12 @@ absl::Status CheckServeFlags() {
   }
   IG_ASSIGN_OR_RETURN(const gpu_worker::PolicyKind kind,
                       gpu_worker::ParsePolicy(absl::GetFlag(FLAGS_policy)));
-  if (kind == gpu_worker::PolicyKind::kInfiniGen &&
+  if (gpu_worker::PolicyEntryOf(kind).traits.speculates &&
       absl::GetFlag(FLAGS_skew).empty()) {
-    return absl::InvalidArgumentError(
-        "serve --policy=infinigen needs --skew (from 'infinigen skew'): there "
-        "is no input to calibrate on");
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "serve --policy=%s needs --skew (from 'infinigen skew'): there is no "
+        "input to calibrate on",
+        gpu_worker::PolicyName(kind)));
   }
   return absl::OkStatus();
 }

@@ -1,0 +1,499 @@
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "absl/strings/str_format.h"
+#include "common/half.h"
+#include "common/status.h"
+#include "gpu_worker/kv/policies/infinigen.h"
+#include "gpu_worker/kv/policies/policy_util.h"
+#include "speculator/partial_keys.h"
+#include "gpu_worker/kv/policies/registry.h"
+
+namespace infinigen::gpu_worker {
+namespace {
+
+using kv_memory_service::FetchPlan;
+using kv_memory_service::OwnedFetchPlan;
+
+// InfiniGen (Lee et al., OSDI 2024): layers 0 and 1 read everything (dense_layers);
+// for layer l >= 2 the plan comes from speculation with layer l - 1's
+// attention input (or the residual after its attention, for layer l's
+// norm), layer l's query weight, its skew and its partial key cache; a
+// selecting layer 0 speculates from its own attention input.
+//
+// The speculation's arithmetic runs on the engine's backend, next to the
+// activations: the partial key cache [layer][kv_head][max_seq][n_cols] (its
+// device memory), the partial key weights (the partial columns of each
+// skew, so that a key's partial row is one product) and the scores live in
+// its memory; only
+// the scores come back to the host, where the threshold-and-cap selection
+// runs. Choosing the partial columns (once per prompt) runs on the host.
+class InfiniGenPolicy final : public KvPolicy {
+ public:
+  // `owned_skew`: the skew to use instead of o.skew (the oracle's identity).
+  InfiniGenPolicy(const Context& c, const PolicyOptions& o,
+                  std::unique_ptr<const speculator::SkewMatrices> owned_skew =
+                      nullptr)
+      : KvPolicy(c),
+        owned_skew_(std::move(owned_skew)),
+        options_(o),
+        skew_(owned_skew_ != nullptr ? *owned_skew_ : *o.skew),
+        n_cols_(speculator::PartialColumnCount(c.weights->config.head_dim,
+                                               o.partial_ratio)),
+        format_(KeyFormat(o)),
+        row_bytes_(speculator::PartialKeyRowBytes(n_cols_, format_)) {}
+
+  // The exact diagnostics (the oracle, same_layer_input,
+  // exact_partial_keys) rank by fp32 partial keys; infinigen keeps 4-bit
+  // rows (speculator/partial_keys.h).
+  static speculator::PartialKeyFormat KeyFormat(const PolicyOptions& o) {
+    return o.SpeculatesFromOwnInput() || o.exact_partial_keys
+               ? speculator::PartialKeyFormat::kFloat
+               : speculator::PartialKeyFormat::kInt4;
+  }
+
+  // Every buffer below, in bytes, for StateBytes and Init alike.
+  struct Sizes {
+    size_t heads, d, n_cols, max_seq, q_dim, n_kv, n_heads;
+    speculator::PartialKeyFormat format;
+    int64_t Bytes() const {
+      return static_cast<int64_t>(
+          2 * heads * d * sizeof(float) +             // col_sums_, k_col_sums_
+          2 * heads * n_cols * sizeof(int32_t) +      // cols_, cols_dev_
+          heads * d * d * sizeof(float) +             // skew_t_
+          2 * heads * n_cols * d * sizeof(float) +    // partial_w_, its host
+          heads * max_seq * speculator::PartialKeyRowBytes(n_cols, format) +
+                                                      // partial_k_
+          (format == speculator::PartialKeyFormat::kFloat
+               ? 0
+               : max_seq * n_cols * sizeof(float)) +
+                                                      // new_partial_k_
+          2 * q_dim * sizeof(float) +                 // q_, q_skewed_
+          2 * n_heads * max_seq * sizeof(float) +     // scores_ (+host)
+          n_kv * max_seq * (sizeof(float) + 1) +      // scores_host_, present_
+          2 * d * sizeof(float) + sizeof(int));       // row_, k_sums_, position_
+    }
+  };
+  static Sizes SizesFor(const Context& c, const PolicyOptions& o) {
+    const model::ModelConfig& m = c.weights->config;
+    Sizes z;
+    z.heads = static_cast<size_t>(m.n_layers) * m.n_kv_heads;
+    z.d = m.head_dim;
+    z.n_cols = speculator::PartialColumnCount(m.head_dim, o.partial_ratio);
+    z.max_seq = c.max_seq_len;
+    z.q_dim = m.q_dim();
+    z.n_kv = m.n_kv_heads;
+    z.n_heads = m.n_heads;
+    z.format = KeyFormat(o);
+    return z;
+  }
+
+  absl::Status Init() override {
+    const model::ModelConfig& m = config();
+    const Sizes z = SizesFor(ctx_, options_);
+    const size_t heads = z.heads, d = z.d;
+    col_sums_.assign(heads * d, 0.0f);
+    k_col_sums_.assign(heads * d, 0.0f);
+    cols_.n_layers = m.n_layers;
+    cols_.n_kv_heads = m.n_kv_heads;
+    cols_.n_cols = n_cols_;
+    cols_.cols.assign(heads * n_cols_, 0);
+    Backend* b = ctx_.backend;
+    IG_ASSIGN_OR_RETURN(cols_dev_, DeviceBuffer<int32_t>::Make(
+                                       b, heads * n_cols_, "partial columns"));
+    // Linear(x, w) is x . w^T: the transposed skews turn q into q A.
+    IG_ASSIGN_OR_RETURN(skew_t_, DeviceBuffer<float>::Make(b, heads * d * d,
+                                                           "skew matrices"));
+    {
+      std::vector<float> t(heads * d * d);
+      for (size_t hd = 0; hd < heads; ++hd) {
+        const float* a = skew_.a.data() + hd * d * d;
+        float* th = t.data() + hd * d * d;
+        for (size_t r = 0; r < d; ++r) {
+          for (size_t col = 0; col < d; ++col) th[col * d + r] = a[r * d + col];
+        }
+      }
+      b->CopyFromHost(skew_t_.data(), t.data(), t.size() * sizeof(float),
+                      b->MarkIssued());
+      IG_RETURN_IF_ERROR(b->WaitCopies());  // before t goes
+    }
+    partial_w_host_.assign(heads * n_cols_ * d, 0.0f);
+    IG_ASSIGN_OR_RETURN(partial_w_, DeviceBuffer<float>::Make(
+                                        b, heads * n_cols_ * d,
+                                        "partial key weights"));
+    IG_ASSIGN_OR_RETURN(
+        partial_k_,
+        DeviceBuffer<uint8_t>::Make(
+            b, heads * z.max_seq * row_bytes_, "the partial key cache"));
+    if (format_ == speculator::PartialKeyFormat::kInt4) {
+      IG_ASSIGN_OR_RETURN(new_partial_k_,
+                          DeviceBuffer<float>::Make(b, z.max_seq * n_cols_,
+                                                    "new partial keys"));
+    }
+    IG_ASSIGN_OR_RETURN(q_, DeviceBuffer<float>::Make(b, z.q_dim,
+                                                      "speculated queries"));
+    IG_ASSIGN_OR_RETURN(q_skewed_, DeviceBuffer<float>::Make(
+                                       b, z.q_dim, "speculated queries"));
+    IG_ASSIGN_OR_RETURN(scores_, DeviceBuffer<float>::Make(
+                                     b, z.n_heads * z.max_seq,
+                                     "speculated scores"));
+    head_scores_host_.assign(z.n_heads * z.max_seq, 0.0f);
+    scores_host_.assign(z.n_kv * z.max_seq, 0.0f);
+    IG_ASSIGN_OR_RETURN(position_,
+                        DeviceBuffer<int>::Make(b, 1, "speculated position"));
+    present_.reserve(z.n_kv * z.max_seq);
+    if (options_.adaptive_budgets) {
+      const speculator::HeadProfile& pr = *options_.profile;
+      if (pr.n_layers != m.n_layers || pr.n_kv_heads != m.n_kv_heads) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "the head profile is for %d layers x %d KV heads, the model has "
+            "%d x %d", pr.n_layers, pr.n_kv_heads, m.n_layers,
+            m.n_kv_heads));
+      }
+      // InfiniGen's selection is judged by the errors of its own ranking;
+      // the oracle's (and a same-layer diagnostic's) by the exact one.
+      const bool exact = options_.kind == PolicyKind::kOracle ||
+                         options_.same_layer_input;
+      head_budgets_ = speculator::AllocateBudgets(
+          pr, exact ? pr.error : pr.speculated_error, options_.budget,
+          options_.dense_layers, options_.budget_floor * options_.budget);
+    }
+    row_.resize(d);
+    k_sums_.resize(d);
+    return absl::OkStatus();
+  }
+
+  void Reset() override {
+    std::fill(col_sums_.begin(), col_sums_.end(), 0.0f);
+    std::fill(k_col_sums_.begin(), k_col_sums_.end(), 0.0f);
+  }
+
+  void ObservePrefill(int layer, const float* q, const float* k, int n,
+                      int first_pos, const float* prob_sums) override {
+    const model::ModelConfig& m = config();
+    const size_t d = m.head_dim;
+    Accumulate(layer, q, k, n, ColSums(layer, 0),
+               k_col_sums_.data() + Head(layer, 0) * d, row_.data());
+  }
+
+  // Per layer: the summed |q A| of each KV head's columns, then (with
+  // rank_columns_by_keys) the summed |k A|.
+  int PrefixStateFloats() const override {
+    const model::ModelConfig& m = config();
+    return m.n_kv_heads * m.head_dim * (options_.rank_columns_by_keys ? 2 : 1);
+  }
+  void SummarizePrefill(int layer, const float* q, const float* k, int n,
+                        float* out) const override {
+    const model::ModelConfig& m = config();
+    std::vector<float> row(m.head_dim);
+    Accumulate(layer, q, k, n, out,
+               out + static_cast<size_t>(m.n_kv_heads) * m.head_dim,
+               row.data());
+  }
+  void AddPrefixState(int layer, const float* state) override {
+    const model::ModelConfig& m = config();
+    const size_t n = static_cast<size_t>(m.n_kv_heads) * m.head_dim;
+    float* q_sums = ColSums(layer, 0);
+    for (size_t i = 0; i < n; ++i) q_sums[i] += state[i];
+    if (!options_.rank_columns_by_keys) return;
+    float* k_sums = k_col_sums_.data() + Head(layer, 0) * m.head_dim;
+    for (size_t i = 0; i < n; ++i) k_sums[i] += state[n + i];
+  }
+
+  // Partial columns rank by the summed |q A| over the prompt (times the
+  // summed |k A| with rank_columns_by_keys): adds n tokens' magnitudes to
+  // q_sums [n_kv_heads][d] and k_sums (the same), using row [d].
+  void Accumulate(int layer, const float* q, const float* k, int n,
+                  float* q_sums, float* k_sums, float* row) const {
+    const model::ModelConfig& m = config();
+    const int d = m.head_dim, group = m.n_heads / m.n_kv_heads;
+    for (int i = 0; i < n; ++i) {
+      for (int h = 0; h < m.n_heads; ++h) {
+        const int g = h / group;
+        speculator::ApplySkew(q + (static_cast<size_t>(i) * m.n_heads + h) * d,
+                              1, skew_.at(layer, g), d, row);
+        float* sums = q_sums + static_cast<size_t>(g) * d;
+        for (int c = 0; c < d; ++c) sums[c] += std::fabs(row[c]);
+      }
+    }
+    if (!options_.rank_columns_by_keys) return;
+    for (int g = 0; g < m.n_kv_heads; ++g) {
+      float* sums = k_sums + static_cast<size_t>(g) * d;
+      for (int i = 0; i < n; ++i) {
+        speculator::ApplySkew(
+            k + (static_cast<size_t>(i) * m.n_kv_heads + g) * d, 1,
+            skew_.at(layer, g), d, row);
+        for (int c = 0; c < d; ++c) sums[c] += std::fabs(row[c]);
+      }
+    }
+  }
+
+  absl::Status FinishPrefillLayer(int l, int n_tokens, const float* keys,
+                                  int key_stride) override {
+    const model::ModelConfig& m = config();
+    const int d = m.head_dim;
+    if (options_.rank_columns_by_keys) {
+      for (int g = 0; g < m.n_kv_heads; ++g) {
+        const float* k_sums = k_col_sums_.data() + Head(l, g) * d;
+        float* sums = ColSums(l, g);
+        for (int c = 0; c < d; ++c) sums[c] *= k_sums[c];
+      }
+    }
+    // Each KV head's column sums as one "token" whose heads are the KV
+    // heads: SelectPartialColumns then ranks each head's columns alone.
+    speculator::SelectPartialColumns(
+        ColSums(l, 0), 1, m.n_kv_heads, m.n_kv_heads, d, n_cols_,
+        cols_.cols.data() + Head(l, 0) * n_cols_);
+    for (int g = 0; g < m.n_kv_heads; ++g) {
+      // Partial key weight rows: w[c][j] = A[j][cols[c]].
+      const int32_t* cols = cols_.at(l, g);
+      const float* a = skew_.at(l, g);
+      float* w = partial_w_host_.data() + Head(l, g) * n_cols_ * d;
+      for (int c = 0; c < n_cols_; ++c) {
+        for (int j = 0; j < d; ++j) w[c * d + j] = a[j * d + cols[c]];
+      }
+    }
+    // This layer's slices of the host arrays are not written again before
+    // the next prefill, which waits for these copies.
+    Backend& b = *ctx_.backend;
+    const size_t first = Head(l, 0), heads = m.n_kv_heads;
+    b.CopyFromHost(cols_dev_.data() + first * n_cols_,
+                   cols_.cols.data() + first * n_cols_,
+                   heads * n_cols_ * sizeof(int32_t), b.MarkIssued());
+    b.CopyFromHost(partial_w_.data() + first * n_cols_ * d,
+                   partial_w_host_.data() + first * n_cols_ * d,
+                   heads * n_cols_ * d * sizeof(float), b.MarkIssued());
+    // The prompt's partial keys, one product per KV head, then their
+    // 4-bit rows.
+    for (int g = 0; g < m.n_kv_heads; ++g) {
+      AppendPartialKeys(keys + static_cast<size_t>(g) * key_stride * d,
+                        n_tokens, l, g, 0);
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status PlanFetch(int layer, int p, const float* xb_prev,
+                         const uint8_t* present,
+                         OwnedFetchPlan& plan) override {
+    if (layer < options_.dense_layers || xb_prev == nullptr) {
+      PlanAllPresent(p, present, plan);
+      return absl::OkStatus();
+    }
+    const model::ModelConfig& m = config();
+    const model::LayerWeights& w = ctx_.weights->layers[layer];
+    const int d = m.head_dim, group = m.n_heads / m.n_kv_heads;
+    Backend& b = *ctx_.backend;
+    // The approximate query of `layer` from the previous layer's input,
+    // rotated, then skewed per group. The last copy from position_host_
+    // finished: the previous PlanFetch ended with CopyToHost, which waits.
+    ProjectQuery(b, m, w, xb_prev, p, &position_host_, position_.data(),
+                 q_.data());
+    for (int g = 0; g < m.n_kv_heads; ++g) {
+      const size_t at = static_cast<size_t>(g) * group * d;
+      b.Linear(q_.data() + at, group, d, SkewT(layer, g), nullptr, d,
+               q_skewed_.data() + at);
+    }
+    // Each query head's speculated logits over its KV head's partial keys
+    // [n_heads][p] (each row read once for its group), then per KV head the
+    // largest of its heads' log-softmax (speculator::CombineHeadScores).
+    SpeculationParams sp;
+    sp.q_skewed = q_skewed_.data();
+    sp.partial_k = PartialK(layer, 0);
+    sp.cols = cols_dev_.data() + Head(layer, 0) * n_cols_;
+    sp.scores = scores_.data();
+    sp.n_heads = m.n_heads;
+    sp.n_kv_heads = m.n_kv_heads;
+    sp.d = d;
+    sp.k_stride = ctx_.max_seq_len;
+    sp.n_tokens = p;
+    sp.n_cols = n_cols_;
+    sp.format = format_;
+    b.SpeculateScores(sp);
+    IG_RETURN_IF_ERROR(b.CopyToHost(
+        head_scores_host_.data(), scores_.data(),
+        static_cast<size_t>(m.n_heads) * p * sizeof(float)));
+    // present is strided by max_seq_len; compact it to [n_kv_heads][p].
+    present_.resize(static_cast<size_t>(m.n_kv_heads) * p);
+    for (int g = 0; g < m.n_kv_heads; ++g) {
+      std::memcpy(present_.data() + static_cast<size_t>(g) * p,
+                  present + static_cast<size_t>(g) * ctx_.max_seq_len, p);
+    }
+    speculator::CombineHeadScores(head_scores_host_.data(), m.n_heads,
+                                  m.n_kv_heads, p, present_.data(),
+                                  scores_host_.data());
+    if (!head_budgets_.empty()) {
+      head_k_.resize(m.n_kv_heads);
+      for (int g = 0; g < m.n_kv_heads; ++g) {
+        head_k_[g] = std::max(
+            1, static_cast<int>(static_cast<float>(p) *
+                                head_budgets_[Head(layer, g)]));
+      }
+      speculator::SelectTopKPerHead(scores_host_.data(), m.n_kv_heads, p,
+                                    present_.data(), head_k_.data(),
+                                    plan.indices, plan.head_offsets);
+    } else if (options_.score_mass > 0.0f) {
+      speculator::SelectByMass(scores_host_.data(), m.n_kv_heads, p,
+                               present_.data(), options_.score_mass,
+                               options_.budget, plan.indices,
+                               plan.head_offsets);
+    } else {
+      speculator::SelectionOptions sel;
+      sel.alpha = options_.alpha;
+      sel.max_fraction = options_.budget;
+      speculator::SelectTokens(scores_host_.data(), m.n_kv_heads, p,
+                               present_.data(), sel, plan.indices,
+                               plan.head_offsets);
+    }
+    if (options_.sink_tokens > 0 || options_.recent_tokens > 0) {
+      AddSinksAndRecent(p, plan);
+    }
+    return absl::OkStatus();
+  }
+
+  // Adds the present sink and recent positions each head's selection
+  // lacks (present_ is [kv_head][p]).
+  void AddSinksAndRecent(int p, OwnedFetchPlan& plan) {
+    const int n_kv = config().n_kv_heads;
+    const int sinks = std::min(options_.sink_tokens, p);
+    const int recent_from = std::max(sinks, p - options_.recent_tokens);
+    std::vector<int32_t> indices;
+    std::vector<int32_t> offsets(1, 0);
+    indices.reserve(plan.indices.size() +
+                    static_cast<size_t>(n_kv) * (sinks + p - recent_from));
+    chosen_.assign(p, 0);
+    for (int g = 0; g < n_kv; ++g) {
+      const uint8_t* present = present_.data() + static_cast<size_t>(g) * p;
+      for (int j = plan.head_offsets[g]; j < plan.head_offsets[g + 1]; ++j) {
+        indices.push_back(plan.indices[j]);
+        chosen_[plan.indices[j]] = 1;
+      }
+      auto add = [&](int pos) {
+        if (present[pos] && !chosen_[pos]) indices.push_back(pos);
+      };
+      for (int pos = 0; pos < sinks; ++pos) add(pos);
+      for (int pos = recent_from; pos < p; ++pos) add(pos);
+      for (int j = plan.head_offsets[g]; j < plan.head_offsets[g + 1]; ++j) {
+        chosen_[plan.indices[j]] = 0;
+      }
+      offsets.push_back(static_cast<int32_t>(indices.size()));
+    }
+    plan.indices.swap(indices);
+    plan.head_offsets.swap(offsets);
+  }
+
+  void OnDecodeAppend(int layer, int p, const float* key) override {
+    const int d = config().head_dim;
+    for (int g = 0; g < config().n_kv_heads; ++g) {
+      AppendPartialKeys(key + static_cast<size_t>(g) * d, 1, layer, g, p);
+    }
+  }
+
+  // The partial key rows of n keys [n, head_dim] (KV head g of `layer`) at
+  // positions [first, first + n): their partial columns, then (4-bit) their
+  // rows.
+  void AppendPartialKeys(const float* keys, int n, int layer, int g,
+                         int first) {
+    Backend& b = *ctx_.backend;
+    const int d = config().head_dim;
+    uint8_t* rows =
+        PartialK(layer, g) + static_cast<size_t>(first) * row_bytes_;
+    if (format_ == speculator::PartialKeyFormat::kFloat) {
+      b.Linear(keys, n, d, PartialW(layer, g), nullptr, n_cols_,
+               reinterpret_cast<float*>(rows));
+      return;
+    }
+    b.Linear(keys, n, d, PartialW(layer, g), nullptr, n_cols_,
+             new_partial_k_.data());
+    b.QuantizePartialKeys(new_partial_k_.data(), n, n_cols_, rows);
+  }
+
+ private:
+  size_t Head(int layer, int g) const {
+    return static_cast<size_t>(layer) * config().n_kv_heads + g;
+  }
+  float* ColSums(int layer, int g) {
+    return col_sums_.data() + Head(layer, g) * config().head_dim;
+  }
+  const float* SkewT(int layer, int g) const {
+    const size_t d = config().head_dim;
+    return skew_t_.data() + Head(layer, g) * d * d;
+  }
+  float* PartialW(int layer, int g) {
+    return partial_w_.data() + Head(layer, g) * n_cols_ * config().head_dim;
+  }
+  uint8_t* PartialK(int layer, int g) {
+    return partial_k_.data() + Head(layer, g) * ctx_.max_seq_len * row_bytes_;
+  }
+
+  const std::unique_ptr<const speculator::SkewMatrices> owned_skew_;
+  const PolicyOptions options_;
+  const speculator::SkewMatrices& skew_;
+  const int n_cols_;
+  const speculator::PartialKeyFormat format_;
+  const int row_bytes_;  // of a partial key row
+  // Host:
+  std::vector<float> col_sums_;          // [layer][kv_head][d]
+  std::vector<float> k_col_sums_;        // [layer][kv_head][d]: sum |k A|
+  speculator::PartialColumns cols_;      // [layer][kv_head][n_cols]
+  std::vector<uint8_t> present_;         // [kv_head][p]
+  std::vector<uint8_t> chosen_;          // [p]: AddSinksAndRecent's marks
+  // adaptive_budgets: [layer][kv_head] fractions (AllocateBudgets), and
+  // each head's k of the current step.
+  std::vector<float> head_budgets_;
+  std::vector<int> head_k_;
+  std::vector<float> row_;               // [d]
+  std::vector<float> k_sums_;            // [d]
+  std::vector<float> partial_w_host_;    // partial_w_, built here
+  std::vector<float> head_scores_host_;  // scores_, read here
+  std::vector<float> scores_host_;       // [kv_head][p]: combined
+  int position_host_ = 0;                // position_, written here
+  // The backend's device memory:
+  DeviceBuffer<int32_t> cols_dev_;   // cols_ for SpeculateScores
+  DeviceBuffer<float> skew_t_;       // [layer][kv_head][d][d]: A^T
+  DeviceBuffer<float> partial_w_;    // [layer][kv_head][n_cols][d]
+  // [layer][kv_head][max_seq] 4-bit rows (speculator/partial_keys.h)
+  DeviceBuffer<uint8_t> partial_k_;
+  DeviceBuffer<float> new_partial_k_;  // [max_seq][n_cols]: before rows
+  DeviceBuffer<float> q_, q_skewed_;  // [n_heads * d]
+  DeviceBuffer<float> scores_;       // [head][p]: speculated logits
+  DeviceBuffer<int> position_;       // [1]: the speculated query's position
+};
+
+}  // namespace
+
+std::unique_ptr<KvPolicy> NewInfiniGenPolicy(
+    const KvPolicy::Context& context, const PolicyOptions& o,
+    std::unique_ptr<const speculator::SkewMatrices> owned_skew) {
+  return std::make_unique<InfiniGenPolicy>(context, o, std::move(owned_skew));
+}
+
+int64_t InfiniGenStateBytes(const KvPolicy::Context& context,
+                            const PolicyOptions& o) {
+  return InfiniGenPolicy::SizesFor(context, o).Bytes();
+}
+
+const PolicyEntry kInfiniGenPolicy = {
+    PolicyKind::kInfiniGen, "infinigen",
+    "layer i speculates which tokens layer i + 1 needs (partial query "
+    "weight and partial keys after an SVD skew); only those are fetched",
+    {/*offloads=*/true, /*selects=*/true, /*own_input=*/false,
+     /*speculates=*/true, /*adaptive_budgets=*/true},
+    SetSelectedLayersTargetFetch,
+    [](const PolicyOptions& options, const KvPolicy::Context& context)
+        -> absl::StatusOr<std::unique_ptr<KvPolicy>> {
+      const model::ModelConfig& m = context.weights->config;
+      IG_RETURN_IF_ERROR(
+          options.skew->CheckShape(m.n_layers, m.n_kv_heads, m.head_dim));
+      return NewInfiniGenPolicy(context, options);
+    },
+    [](const PolicyOptions& options, const KvPolicy::Context& context)
+        -> absl::StatusOr<int64_t> {
+      return InfiniGenStateBytes(context, options);
+    },
+};
+
+}  // namespace infinigen::gpu_worker

@@ -1,0 +1,43 @@
+#include "gpu_worker/kv/policies/policy_util.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_format.h"
+
+namespace infinigen::gpu_worker {
+
+// One token's query of layer `w` from x (that layer's input, or the previous
+// layer's as InfiniGen speculates): x Wq (+ bq), rotated at position p on
+// Llama. *position_host is the source of an asynchronous copy: the caller
+// must not change it again before a call that waits for copies (CopyToHost).
+void ProjectQuery(Backend& b, const model::ModelConfig& m,
+                  const model::LayerWeights& w, const float* x, int p,
+                  int* position_host, int* position_device, float* q) {
+  b.Linear(x, 1, m.dim, w.wq.data(), w.bq.empty() ? nullptr : w.bq.data(),
+           m.q_dim(), q);
+  if (m.arch == model::Architecture::kLlama) {
+    *position_host = p;
+    b.CopyFromHost(position_device, position_host, sizeof(int),
+                   b.MarkIssued());
+    b.Rope(q, 1, m.n_heads, m.head_dim, position_device, m.rope_theta);
+  }
+}
+
+absl::Status SetSelectedLayersTargetFetch(double fraction, int n_layers,
+                                          PolicyOptions& options) {
+  const int dense_layers = options.dense_layers;  // read whole
+  const double dense = static_cast<double>(dense_layers) / n_layers;
+  if (dense_layers >= n_layers || fraction <= dense) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "a target fetch of %g is not reachable with %s on %d layers: "
+        "its %d dense layers alone fetch %g of the rows",
+        fraction, PolicyName(options.kind), n_layers, dense_layers,
+        std::min(1.0, dense)));
+  }
+  options.budget = static_cast<float>((fraction - dense) / (1.0 - dense));
+  options.alpha = 1e9f;
+  options.score_mass = 0.0f;
+  return absl::OkStatus();
+}
+
+}  // namespace infinigen::gpu_worker

@@ -1,0 +1,30 @@
+// Helpers the policy files share: a query projected for speculation, and
+// the target-fetch rule of the policies that read their first layers whole.
+#ifndef INFINIGEN_GPU_WORKER_KV_POLICIES_POLICY_UTIL_H_
+#define INFINIGEN_GPU_WORKER_KV_POLICIES_POLICY_UTIL_H_
+
+#include "absl/status/status.h"
+#include "gpu_worker/backend.h"
+#include "gpu_worker/kv_policy.h"
+#include "model/weights.h"
+
+namespace infinigen::gpu_worker {
+
+// One token's query of layer `w` from x (that layer's input, or the previous
+// layer's as InfiniGen speculates): x Wq (+ bq), rotated at position p on
+// Llama. *position_host is the source of an asynchronous copy: the caller
+// must not change it again before a call that waits for copies (CopyToHost).
+void ProjectQuery(Backend& b, const model::ModelConfig& m,
+                  const model::LayerWeights& w, const float* x, int p,
+                  int* position_host, int* position_device, float* q);
+
+// SetTargetFetch for a policy that reads its first options.dense_layers
+// layers whole and selects in the others: the selecting layers take budget
+// (fraction * n_layers - D) / (n_layers - D), the alpha rule off and no
+// score mass. InvalidArgument where the dense layers alone fetch more.
+absl::Status SetSelectedLayersTargetFetch(double fraction, int n_layers,
+                                          PolicyOptions& options);
+
+}  // namespace infinigen::gpu_worker
+
+#endif  // INFINIGEN_GPU_WORKER_KV_POLICIES_POLICY_UTIL_H_

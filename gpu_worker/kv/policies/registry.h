@@ -1,0 +1,78 @@
+// The registry of KV policies: for each policy its name, what the rest of
+// the worker asks of it before it exists (its traits, its target-fetch rule,
+// its state size) and its factory. A policy is one file in this directory
+// (its KvPolicy subclass and its PolicyEntry) plus its line in registry.cc
+// and its PolicyKind; the cache, the engine and the commands ask the
+// registry, never a switch over kinds.
+#ifndef INFINIGEN_GPU_WORKER_KV_POLICIES_REGISTRY_H_
+#define INFINIGEN_GPU_WORKER_KV_POLICIES_REGISTRY_H_
+
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "gpu_worker/kv_policy.h"
+
+namespace infinigen::gpu_worker {
+
+struct PolicyTraits {
+  // Whether rows go to the memory node. false only for ideal: the whole
+  // cache stays local and there is no KvPolicy.
+  bool offloads = true;
+  // Whether a layer's rows are chosen rather than all read: dense_layers,
+  // budget, sink and recent tokens apply, and layer 0 selects when
+  // dense_layers is 0.
+  bool selects = false;
+  // Whether a layer's rows are chosen from that layer's own input (the
+  // fetch cannot leave early) rather than the previous layer's.
+  bool own_input = false;
+  // InfiniGen's rehearsal: the policy needs a skew, and may speculate after
+  // the attention (PolicyOptions::speculation_input).
+  bool speculates = false;
+  // Whether it takes per-(layer, KV head) budgets from a head profile.
+  bool adaptive_budgets = false;
+};
+
+struct PolicyEntry {
+  PolicyKind kind;
+  const char* name;
+  const char* summary;  // one line, for --help
+  PolicyTraits traits;
+  // Sets `options` so that the mean fraction of cached rows fetched per
+  // step lands at `fraction` (SetTargetFetch); null where the fetch is not
+  // chosen.
+  absl::Status (*set_target_fetch)(double fraction, int n_layers,
+                                   PolicyOptions& options);
+  // The policy, its state not yet allocated (KvPolicy::CreateUninitialized,
+  // options already validated); null for ideal.
+  absl::StatusOr<std::unique_ptr<KvPolicy>> (*create)(
+      const PolicyOptions& options, const KvPolicy::Context& context);
+  // Bytes of its per-sequence state on the worker (KvPolicy::StateBytes);
+  // null for ideal.
+  absl::StatusOr<int64_t> (*state_bytes)(const PolicyOptions& options,
+                                         const KvPolicy::Context& context);
+};
+
+// Each offloading policy's entry, defined in its file (ideal's is in
+// registry.cc: it is the local cache).
+extern const PolicyEntry kFullPolicy;
+extern const PolicyEntry kInfiniGenPolicy;
+extern const PolicyEntry kH2OPolicy;
+extern const PolicyEntry kInt4Policy;
+extern const PolicyEntry kOraclePolicy;
+extern const PolicyEntry kQuestPolicy;
+
+// Every policy, in the order --help lists them.
+absl::Span<const PolicyEntry* const> Policies();
+// The entry of `kind` (every kind has one).
+const PolicyEntry& PolicyEntryOf(PolicyKind kind);
+// The entry named `name`; null if none.
+const PolicyEntry* FindPolicy(absl::string_view name);
+// "ideal, full, ...": the names, for messages.
+std::string PolicyNames();
+
+}  // namespace infinigen::gpu_worker
+
+#endif  // INFINIGEN_GPU_WORKER_KV_POLICIES_REGISTRY_H_

@@ -1,0 +1,119 @@
+#include "gpu_worker/kv/policies/registry.h"
+
+#include <set>
+#include <string>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "model/llama2c.h"
+
+namespace infinigen::gpu_worker {
+namespace {
+
+using ::testing::HasSubstr;
+
+const PolicyKind kEveryKind[] = {
+    PolicyKind::kIdeal, PolicyKind::kFull,   PolicyKind::kInfiniGen,
+    PolicyKind::kH2O,   PolicyKind::kInt4,   PolicyKind::kOracle,
+    PolicyKind::kQuest,
+};
+
+TEST(PolicyRegistry, EveryKindHasOneEntryWhoseNameParsesBack) {
+  std::set<std::string> names;
+  for (PolicyKind kind : kEveryKind) {
+    const PolicyEntry& entry = PolicyEntryOf(kind);
+    EXPECT_EQ(entry.kind, kind);
+    EXPECT_TRUE(names.insert(entry.name).second) << entry.name;
+    EXPECT_EQ(*ParsePolicy(entry.name), kind);
+    EXPECT_EQ(FindPolicy(entry.name), &entry);
+    EXPECT_NE(std::string(entry.summary), "");
+  }
+  EXPECT_EQ(Policies().size(), names.size());
+  EXPECT_EQ(FindPolicy("bogus"), nullptr);
+  const absl::Status unknown = ParsePolicy("bogus").status();
+  EXPECT_EQ(unknown.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(unknown.message()),
+              HasSubstr("'bogus' (ideal, full, infinigen, h2o, int4, oracle, "
+                        "quest)"));
+}
+
+TEST(PolicyRegistry, OnlyIdealStaysLocalAndEveryOtherHasAFactory) {
+  for (const PolicyEntry* entry : Policies()) {
+    SCOPED_TRACE(entry->name);
+    EXPECT_EQ(Offloads(entry->kind), entry->kind != PolicyKind::kIdeal);
+    EXPECT_EQ(entry->create != nullptr, entry->traits.offloads);
+    EXPECT_EQ(entry->state_bytes != nullptr, entry->traits.offloads);
+    // A chosen fetch is what a target fetch sets.
+    if (entry->traits.selects) EXPECT_NE(entry->set_target_fetch, nullptr);
+  }
+}
+
+class PolicyFactoryTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto w = model::LoadLlama2cWeights("models/stories260K/stories260K.bin");
+    ASSERT_TRUE(w.ok()) << w.status();
+    weights_ = std::move(*w);
+    skew_ = speculator::SkewMatrices::Identity(
+        weights_.config.n_layers, weights_.config.n_kv_heads,
+        weights_.config.head_dim);
+  }
+  model::Weights weights_;
+  speculator::SkewMatrices skew_;
+};
+
+TEST_F(PolicyFactoryTest, EveryOffloadingPolicyBuildsAndSizesItsState) {
+  KvPolicy::Context context{&weights_, /*backend=*/nullptr,
+                            /*max_seq_len=*/64};
+  for (const PolicyEntry* entry : Policies()) {
+    SCOPED_TRACE(entry->name);
+    PolicyOptions options;
+    options.kind = entry->kind;
+    options.skew = &skew_;
+    absl::StatusOr<int64_t> bytes = KvPolicy::StateBytes(options, context);
+    auto policy = KvPolicy::CreateUninitialized(options, context);
+    if (!entry->traits.offloads) {
+      EXPECT_EQ(bytes.status().code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_EQ(policy.status().code(), absl::StatusCode::kInvalidArgument);
+      continue;
+    }
+    ASSERT_TRUE(bytes.ok()) << bytes.status();
+    ASSERT_TRUE(policy.ok()) << policy.status();
+    // Policies that keep per-token state say so; full and int4 keep none.
+    EXPECT_EQ(*bytes > 0, entry->kind != PolicyKind::kFull &&
+                              entry->kind != PolicyKind::kInt4);
+    EXPECT_EQ((*policy)->row_format() == KvRowFormat::kInt4,
+              entry->kind == PolicyKind::kInt4);
+  }
+}
+
+TEST_F(PolicyFactoryTest, TraitsDecideTheOptionChecks) {
+  KvPolicy::Context context{&weights_, nullptr, 64};
+  PolicyOptions options;
+  options.kind = PolicyKind::kInfiniGen;  // speculates: needs a skew
+  EXPECT_THAT(std::string(options.Validate().message()),
+              HasSubstr("infinigen policy needs a skew"));
+  options.kind = PolicyKind::kQuest;
+  options.adaptive_budgets = true;
+  const absl::Status adaptive = options.Validate();
+  EXPECT_EQ(adaptive.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(adaptive.message()),
+              HasSubstr("adaptive budgets apply to infinigen and oracle, not "
+                        "quest"));
+  options = PolicyOptions();
+  options.kind = PolicyKind::kFull;
+  const absl::Status target = SetTargetFetch(0.1, 8, options);
+  EXPECT_THAT(std::string(target.message()),
+              HasSubstr("applies to infinigen, h2o, oracle, quest, not full"));
+  options.kind = PolicyKind::kQuest;
+  options.dense_layers = 0;
+  EXPECT_TRUE(options.SelectsLayerZero());
+  EXPECT_TRUE(options.SpeculatesFromOwnInput());
+  options.kind = PolicyKind::kH2O;
+  EXPECT_FALSE(options.SelectsLayerZero());
+  ASSERT_TRUE(SetTargetFetch(0.25, 8, options).ok());
+  EXPECT_FLOAT_EQ(options.budget, 0.25f);
+}
+
+}  // namespace
+}  // namespace infinigen::gpu_worker
