@@ -22,10 +22,10 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_format.h"
-#include "gpu_worker/backend.h"
+#include "gpu_worker/backend/backend.h"
 #include "gpu_worker/cpu/cpu_backend.h"
 #include "gpu_worker/engine.h"
-#include "gpu_worker/sampler.h"
+#include "gpu_worker/serving/sampler.h"
 #include "model/loader.h"
 
 ABSL_FLAG(std::string, model, "", "Model file (llama2.c .bin, GGUF, safetensors).");

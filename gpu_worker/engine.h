@@ -23,9 +23,9 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "gpu_worker/backend.h"
-#include "gpu_worker/kv_cache.h"
-#include "gpu_worker/kv_policy.h"
+#include "gpu_worker/backend/backend.h"
+#include "gpu_worker/kv/kv_cache.h"
+#include "gpu_worker/kv/kv_policy.h"
 #include "kv_memory_service/kv_client.h"
 #include "model/weights.h"
 #include "speculator/speculator.h"

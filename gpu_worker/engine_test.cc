@@ -8,7 +8,7 @@
 #include "gmock/gmock.h"
 #include "gpu_worker/cpu/cpu_backend.h"
 #include "gtest/gtest.h"
-#include "gpu_worker/sampler.h"
+#include "gpu_worker/serving/sampler.h"
 #include "model/llama2c.h"
 
 namespace infinigen::gpu_worker {

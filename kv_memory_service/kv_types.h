@@ -10,7 +10,7 @@
 //
 // Rows are head_dim uint16_t values: 16-bit floats (fp16 or bf16 per
 // SequenceGeometry::dtype) for most policies, or any packed format the
-// worker chooses (int4 rows, gpu_worker/kv_rows.h, are scales, minimums and
+// worker chooses (int4 rows, gpu_worker/backend/kv_rows.h, are scales, minimums and
 // nibbles packed into KvRowWidth values, which the worker passes as
 // head_dim). The memory node never interprets them, it only moves bits.
 //

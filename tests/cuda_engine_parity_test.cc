@@ -27,8 +27,8 @@
 #include <string>
 #include <vector>
 
-#include "gpu_worker/backend.h"
-#include "gpu_worker/calibrate.h"
+#include "gpu_worker/backend/backend.h"
+#include "gpu_worker/eval/calibrate.h"
 #include "gpu_worker/cpu/cpu_backend.h"
 #include "gpu_worker/cuda/cuda_backend.h"
 #include "gpu_worker/engine.h"

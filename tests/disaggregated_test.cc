@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "gmock/gmock.h"
-#include "gpu_worker/calibrate.h"
+#include "gpu_worker/eval/calibrate.h"
 #include "gpu_worker/cpu/cpu_backend.h"
 #include "gpu_worker/engine.h"
 #include "gtest/gtest.h"

@@ -15,7 +15,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
-#include "gpu_worker/calibrate.h"
+#include "gpu_worker/eval/calibrate.h"
 #include "gpu_worker/cpu/cpu_backend.h"
 #include "gpu_worker/engine.h"
 #include "gtest/gtest.h"

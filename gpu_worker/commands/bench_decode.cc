@@ -1,5 +1,5 @@
 // infinigen bench-decode: decode latency, fetches and memory per policy
-// (gpu_worker/bench_decode.h).
+// (gpu_worker/eval/bench_decode.h).
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -12,9 +12,9 @@
 #include "common/file.h"
 #include "common/log.h"
 #include "common/status.h"
-#include "gpu_worker/bench_decode.h"
+#include "gpu_worker/eval/bench_decode.h"
 #include "gpu_worker/commands/common.h"
-#include "gpu_worker/kv_policy.h"
+#include "gpu_worker/kv/kv_policy.h"
 
 ABSL_FLAG(int, batch, 1, "bench-decode: sequences decoding together.");
 ABSL_FLAG(int, decode_tokens, 64, "bench-decode: decode steps timed.");

@@ -14,11 +14,11 @@
 #include "common/log.h"
 #include "common/server_tls.h"
 #include "common/status.h"
-#include "gpu_worker/backend.h"
-#include "gpu_worker/calibrate.h"
+#include "gpu_worker/backend/backend.h"
+#include "gpu_worker/eval/calibrate.h"
 #include "gpu_worker/kv/policies/registry.h"
-#include "gpu_worker/kv_policy.h"
-#include "gpu_worker/model_identity.h"
+#include "gpu_worker/kv/kv_policy.h"
+#include "gpu_worker/kv/model_identity.h"
 #include "kv_memory_service/kv_store.h"
 
 ABSL_FLAG(std::string, model, "",

@@ -15,7 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "gpu_worker/calibrate.h"
+#include "gpu_worker/eval/calibrate.h"
 #include "gpu_worker/engine.h"
 #include "kv_memory_service/kv_client.h"
 #include "model/loader.h"

@@ -10,10 +10,10 @@
 #include "absl/strings/str_format.h"
 #include "common/log.h"
 #include "common/status.h"
-#include "gpu_worker/chat_template.h"
+#include "gpu_worker/serving/chat_template.h"
 #include "gpu_worker/commands/common.h"
-#include "gpu_worker/kv_policy.h"
-#include "gpu_worker/sampler.h"
+#include "gpu_worker/kv/kv_policy.h"
+#include "gpu_worker/serving/sampler.h"
 
 ABSL_FLAG(std::string, prompt, "Once upon a time", "generate: the prompt.");
 ABSL_FLAG(int, max_new_tokens, 256,

@@ -1,4 +1,4 @@
-// infinigen perplexity: scores a text file in windows (gpu_worker/perplexity.h).
+// infinigen perplexity: scores a text file in windows (gpu_worker/eval/perplexity.h).
 #include <cmath>
 #include <cstdio>
 #include <string>
@@ -8,8 +8,8 @@
 #include "absl/flags/flag.h"
 #include "absl/strings/str_format.h"
 #include "gpu_worker/commands/common.h"
-#include "gpu_worker/kv_policy.h"
-#include "gpu_worker/perplexity.h"
+#include "gpu_worker/kv/kv_policy.h"
+#include "gpu_worker/eval/perplexity.h"
 
 ABSL_FLAG(int, max_windows, 0, "perplexity: score at most this many windows "
                                "(0: the whole text).");

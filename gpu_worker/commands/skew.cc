@@ -6,7 +6,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_format.h"
-#include "gpu_worker/calibrate.h"
+#include "gpu_worker/eval/calibrate.h"
 #include "gpu_worker/commands/common.h"
 
 ABSL_FLAG(std::string, out, "", "skew: the skew file to write.");

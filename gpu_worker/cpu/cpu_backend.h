@@ -6,7 +6,7 @@
 
 #include <memory>
 
-#include "gpu_worker/backend.h"
+#include "gpu_worker/backend/backend.h"
 
 namespace infinigen::gpu_worker {
 

@@ -1,4 +1,4 @@
-// The CUDA backend: the Backend interface (gpu_worker/backend.h) on one
+// The CUDA backend: the Backend interface (gpu_worker/backend/backend.h) on one
 // NVIDIA device, cuBLAS for Linear and the kernels of kernels.h for the
 // rest.
 //
@@ -23,7 +23,7 @@
 #include <memory>
 
 #include "absl/status/statusor.h"
-#include "gpu_worker/backend.h"
+#include "gpu_worker/backend/backend.h"
 
 namespace infinigen::gpu_worker::cuda {
 

@@ -15,10 +15,10 @@
 #include <string>
 #include <vector>
 
-#include "gpu_worker/backend.h"
+#include "gpu_worker/backend/backend.h"
 #include "gpu_worker/cpu/cpu_backend.h"
 #include "gpu_worker/cuda/parity_testing.h"
-#include "gpu_worker/shared_vector.h"
+#include "gpu_worker/backend/shared_vector.h"
 #include "gtest/gtest.h"
 #include "speculator/partial_keys.h"
 

@@ -1,5 +1,5 @@
 // The CUDA backend as a plugin, libinfinigen_cuda.so: the backend factory
-// (gpu_worker/backend_factory.cc) loads it only when CUDA is asked for, so a
+// (gpu_worker/backend/backend_factory.cc) loads it only when CUDA is asked for, so a
 // process on the CPU backend never maps cudart and cuBLAS (whose load alone
 // costs a few hundred MB of resident memory). Built by the same toolchain
 // from the same headers as the binaries that load it, so the entry point

@@ -9,7 +9,7 @@
 // launched with cudaErrorInvalidValue (1). The arithmetic follows the CPU
 // reference (gpu_worker/cpu/cpu_backend.cc), speculator::SpeculateScores and
 // the int4 row format (KvRowFormat::kInt4: EncodeKvRows and DecodeKvRows in
-// gpu_worker/kv_rows.h) formula for formula; only the order of float
+// gpu_worker/backend/kv_rows.h) formula for formula; only the order of float
 // additions differs.
 //
 // Sources: layer_kernels.cu (norms, RoPE, pointwise, conversions),
@@ -19,8 +19,8 @@
 
 #include <cstdint>
 
-#include "gpu_worker/kv_rows.h"
-#include "gpu_worker/speculation_params.h"
+#include "gpu_worker/backend/kv_rows.h"
+#include "gpu_worker/backend/speculation_params.h"
 
 namespace infinigen::gpu_worker::cuda {
 
@@ -176,7 +176,7 @@ int LaunchAttention(const AttentionKernelParams& p, void* stream);
 // ----------------------------------------------------------- speculation
 
 // speculator::SpeculateScores on the device (SpeculationParams, in
-// gpu_worker/speculation_params.h, says what it computes).
+// gpu_worker/backend/speculation_params.h, says what it computes).
 int LaunchSpeculateScores(const SpeculationParams& p, void* stream);
 
 struct QuantizePartialKeysParams {

@@ -17,10 +17,10 @@
 #include <vector>
 
 #include "common/half.h"
-#include "gpu_worker/backend.h"
+#include "gpu_worker/backend/backend.h"
 #include "gpu_worker/cpu/cpu_backend.h"
 #include "gpu_worker/cuda/parity_testing.h"
-#include "gpu_worker/kv_policy.h"
+#include "gpu_worker/kv/kv_policy.h"
 #include "gtest/gtest.h"
 #include "model/weights.h"
 #include "speculator/partial_keys.h"

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "gpu_worker/backend.h"
+#include "gpu_worker/backend/backend.h"
 
 namespace infinigen::gpu_worker::cuda {
 

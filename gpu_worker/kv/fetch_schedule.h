@@ -20,7 +20,7 @@
 
 #include <vector>
 
-#include "gpu_worker/kv_policy.h"
+#include "gpu_worker/kv/kv_policy.h"
 
 namespace infinigen::gpu_worker {
 

@@ -7,7 +7,7 @@
 #include <memory>
 
 #include "absl/status/statusor.h"
-#include "gpu_worker/kv_policy.h"
+#include "gpu_worker/kv/kv_policy.h"
 #include "speculator/speculator.h"
 
 namespace infinigen::gpu_worker {

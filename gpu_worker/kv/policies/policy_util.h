@@ -4,8 +4,8 @@
 #define INFINIGEN_GPU_WORKER_KV_POLICIES_POLICY_UTIL_H_
 
 #include "absl/status/status.h"
-#include "gpu_worker/backend.h"
-#include "gpu_worker/kv_policy.h"
+#include "gpu_worker/backend/backend.h"
+#include "gpu_worker/kv/kv_policy.h"
 #include "model/weights.h"
 
 namespace infinigen::gpu_worker {

@@ -13,7 +13,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
-#include "gpu_worker/kv_policy.h"
+#include "gpu_worker/kv/kv_policy.h"
 
 namespace infinigen::gpu_worker {
 

@@ -1,0 +1,48 @@
+// Backend defaults: shared memory is aligned host memory and the
+// operations run on the host.
+#include "gpu_worker/backend/backend.h"
+
+#include <cstdlib>
+#include <cstring>
+
+#include "common/status.h"
+#include "speculator/speculator.h"
+
+namespace infinigen::gpu_worker {
+
+void* Backend::AllocateShared(size_t bytes) {
+  // 64-byte alignment for AVX-512 loads and cache lines.
+  const size_t rounded = (bytes + 63) / 64 * 64;
+  return std::aligned_alloc(64, rounded == 0 ? 64 : rounded);
+}
+
+void Backend::FreeShared(void* p) { std::free(p); }
+
+void PolicyOps::DecodeKvRows(const uint16_t* in, int n_rows, int head_dim,
+                             KvRowFormat format, float* rows) {
+  gpu_worker::DecodeKvRows(format, in, n_rows, head_dim, rows);
+}
+
+void PolicyOps::SpeculateScores(const SpeculationParams& p) {
+  speculator::SpeculateScores(p.q_skewed, p.n_heads, p.n_kv_heads, p.d,
+                              p.partial_k, p.k_stride, p.n_tokens, p.cols,
+                              p.n_cols, p.scores, p.format);
+}
+
+void PolicyOps::QuantizePartialKeys(const float* keys, int n_rows,
+                                    int n_cols, uint8_t* rows) {
+  speculator::QuantizePartialKeys(keys, n_rows, n_cols, rows);
+}
+
+void Backend::CopyFromHost(void* dst, const void* src, size_t bytes,
+                           Mark after) {
+  std::memcpy(dst, src, bytes);
+}
+
+absl::Status Backend::CopyToHost(void* dst, const void* src, size_t bytes) {
+  IG_RETURN_IF_ERROR(Synchronize());
+  if (bytes > 0) std::memcpy(dst, src, bytes);
+  return absl::OkStatus();
+}
+
+}  // namespace infinigen::gpu_worker

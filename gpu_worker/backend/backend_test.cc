@@ -1,0 +1,209 @@
+// The Backend defaults every backend starts from, on the CPU backend: the
+// stored KV row formats, decoding them, and copies from host memory.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "gpu_worker/backend/backend.h"
+#include "gpu_worker/cpu/cpu_backend.h"
+#include "gpu_worker/backend/kv_rows.h"
+#include "gpu_worker/backend/shared_vector.h"
+#include "gtest/gtest.h"
+
+namespace infinigen::gpu_worker {
+namespace {
+
+TEST(KvRows, Widths) {
+  EXPECT_EQ(KvRowWidth(KvRowFormat::kHalf, 64), 64);
+  // Groups of min(64, d): 2 fp16 per group, then d / 4 uint16 of nibbles.
+  EXPECT_EQ(KvRowWidth(KvRowFormat::kInt4, 64), 2 + 16);
+  EXPECT_EQ(KvRowWidth(KvRowFormat::kInt4, 128), 4 + 32);
+  EXPECT_EQ(KvRowWidth(KvRowFormat::kInt4, 32), 2 + 8);
+  EXPECT_STREQ(KvRowFormatName(KvRowFormat::kInt4), "int4");
+}
+
+TEST(KvRows, HalfRoundTripIsExactForHalfValues) {
+  const std::vector<float> rows = {0.0f, -0.0f, 1.0f, -2.5f, 65504.0f,
+                                   0x1p-24f, 0.333251953125f, -1024.0f};
+  std::vector<uint16_t> stored(rows.size());
+  EncodeKvRows(KvRowFormat::kHalf, rows.data(), 2, 4, stored.data());
+  std::vector<float> back(rows.size());
+  DecodeKvRows(KvRowFormat::kHalf, stored.data(), 2, 4, back.data());
+  for (size_t i = 0; i < rows.size(); ++i) {
+    EXPECT_EQ(back[i], rows[i]) << i;
+    EXPECT_EQ(std::signbit(back[i]), std::signbit(rows[i])) << i;
+  }
+}
+
+// Each value comes back within half a quantization step of its group
+// (plus the fp16 rounding of the group's minimum and scale).
+TEST(KvRows, Int4ErrorIsWithinHalfAStep) {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  const int d = 128, n = 9;
+  std::vector<float> rows(n * d);
+  for (float& x : rows) x = normal(rng);
+  std::vector<uint16_t> stored(n * KvRowWidth(KvRowFormat::kInt4, d));
+  EncodeKvRows(KvRowFormat::kInt4, rows.data(), n, d, stored.data());
+  std::vector<float> back(rows.size());
+  DecodeKvRows(KvRowFormat::kInt4, stored.data(), n, d, back.data());
+  for (int r = 0; r < n; ++r) {
+    for (int g = 0; g < d / 64; ++g) {
+      const float* x = &rows[r * d + g * 64];
+      float mn = x[0], mx = x[0];
+      for (int i = 0; i < 64; ++i) {
+        mn = std::min(mn, x[i]);
+        mx = std::max(mx, x[i]);
+      }
+      const float step = (mx - mn) / 15.0f;
+      for (int i = 0; i < 64; ++i) {
+        EXPECT_NEAR(back[r * d + g * 64 + i], x[i], step * 0.5f + 1e-2f)
+            << "row " << r << " value " << g * 64 + i;
+      }
+    }
+  }
+}
+
+TEST(CpuBackend, DecodesStoredRowsLikeTheHost) {
+  auto cpu = NewCpuBackend();
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal;
+  for (KvRowFormat format : {KvRowFormat::kHalf, KvRowFormat::kInt4}) {
+    const int d = 64, n = 5;
+    std::vector<float> rows(n * d);
+    for (float& x : rows) x = normal(rng);
+    std::vector<uint16_t> stored(n * KvRowWidth(format, d));
+    EncodeKvRows(format, rows.data(), n, d, stored.data());
+    std::vector<float> want(rows.size()), got(rows.size(), -1.0f);
+    DecodeKvRows(format, stored.data(), n, d, want.data());
+    cpu->DecodeKvRows(stored.data(), n, d, format, got.data());
+    EXPECT_EQ(got, want) << KvRowFormatName(format);
+  }
+}
+
+// Attention over fp16 rows where they lie equals decoding them and running
+// Attention, query head by query head, up to the order of the sums; with
+// the probabilities H2O accumulates. Other formats are declined.
+TEST(CpuBackend, AttendsStoredRowsInPlaceLikeDecodedAttention) {
+  auto cpu = NewCpuBackend();
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal;
+  for (int d : {64, 128, 24}) {
+    for (int count : {0, 1, 37, 300}) {
+      const int group = 3, n = count + 1;
+      std::vector<float> q(group * d), k(n * d), v(n * d);
+      for (float& x : q) x = normal(rng);
+      for (float& x : k) x = normal(rng);
+      for (float& x : v) x = normal(rng);
+      std::vector<uint16_t> k_half(count * d + 1), v_half(count * d + 1);
+      EncodeKvRows(KvRowFormat::kHalf, k.data(), count, d, k_half.data());
+      EncodeKvRows(KvRowFormat::kHalf, v.data(), count, d, v_half.data());
+      // The reference: stored rows decoded, the new row exact, then one
+      // Attention per query head.
+      std::vector<float> kd(k), vd(v);
+      DecodeKvRows(KvRowFormat::kHalf, k_half.data(), count, d, kd.data());
+      DecodeKvRows(KvRowFormat::kHalf, v_half.data(), count, d, vd.data());
+      const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+      std::vector<float> want(group * d), want_probs(group * (n + 2), 0.5f);
+      for (int h = 0; h < group; ++h) {
+        AttentionParams p;
+        p.q = q.data() + h * d;
+        p.k = kd.data();
+        p.v = vd.data();
+        p.out = want.data() + h * d;
+        p.n = 1;
+        p.n_heads = 1;
+        p.n_kv_heads = 1;
+        p.head_dim = d;
+        p.kv_stride = n;
+        p.kv_len0 = n;
+        p.scale = scale;
+        p.prob_sums = want_probs.data() + h * (n + 2);
+        cpu->Attention(p);
+      }
+      std::vector<float> got(group * d, -7.0f),
+          got_probs(group * (n + 2), 0.5f);
+      StoredRowsAttention p;
+      p.q = q.data();
+      p.k = k_half.data();
+      p.v = v_half.data();
+      p.k_new = k.data() + count * d;
+      p.v_new = v.data() + count * d;
+      p.out = got.data();
+      p.group = group;
+      p.count = count;
+      p.head_dim = d;
+      p.row_width = d;
+      p.scale = scale;
+      p.prob_sums = got_probs.data();
+      p.prob_stride = n + 2;
+      ASSERT_TRUE(cpu->AttendStoredRows(p));
+      for (int i = 0; i < group * d; ++i) {
+        ASSERT_NEAR(got[i], want[i], 1e-5f) << "d " << d << " count " << count;
+      }
+      for (int i = 0; i < group * (n + 2); ++i) {
+        // Past each head's n probabilities nothing is touched.
+        ASSERT_NEAR(got_probs[i], want_probs[i], 1e-6f) << i;
+      }
+      p.format = KvRowFormat::kInt4;
+      EXPECT_FALSE(cpu->AttendStoredRows(p));
+    }
+  }
+}
+
+// On the CPU a copy is done when CopyFromHost returns, in issue order, so
+// marks carry no information (0) and pinning has nothing to do.
+TEST(CpuBackend, CopiesFromHostAtOnce) {
+  auto cpu = NewCpuBackend();
+  std::vector<float> src = {1, 2, 3, 4};
+  SharedVector<float> dst(4, 0.0f, SharedAllocator<float>(cpu.get()));
+  EXPECT_TRUE(cpu->PinHost(src.data(), 16).ok());
+  const Backend::Mark mark = cpu->MarkIssued();
+  EXPECT_EQ(mark, 0u);
+  cpu->CopyFromHost(dst.data(), src.data(), 3 * sizeof(float), mark);
+  src[0] = 9;  // after WaitCopies the source is free again
+  EXPECT_TRUE(cpu->WaitCopies().ok());
+  EXPECT_EQ(std::vector<float>(dst.begin(), dst.end()),
+            (std::vector<float>{1, 2, 3, 0}));
+  cpu->UnpinHost(src.data());
+  EXPECT_TRUE(cpu->Synchronize().ok());
+}
+
+// A wrapper forwards every call: its results are the wrapped backend's,
+// and an override changes only what it overrides.
+TEST(BackendWrapper, ForwardsEveryCallButTheOverridden) {
+  class CountingLinear final : public BackendWrapper {
+   public:
+    CountingLinear() : BackendWrapper(NewCpuBackend()) {}
+    void Linear(const float* x, int n, int in, const float* w, const float* b,
+                int out, float* y) override {
+      ++linears;
+      BackendWrapper::Linear(x, n, in, w, b, out, y);
+    }
+    int linears = 0;
+  };
+  CountingLinear wrapped;
+  auto cpu = NewCpuBackend();
+  EXPECT_EQ(wrapped.name(), cpu->name());
+  EXPECT_EQ(wrapped.OperatesOnHostMemory(), cpu->OperatesOnHostMemory());
+  const std::vector<float> x = {1, 2, 3, 4, 5, 6};  // [2, 3]
+  const std::vector<float> w = {1, 0, -1, 2, 2, 2};  // [2, 3]
+  const std::vector<float> bias = {0.5f, -0.5f};
+  std::vector<float> want(4), got(4);
+  cpu->Linear(x.data(), 2, 3, w.data(), bias.data(), 2, want.data());
+  wrapped.Linear(x.data(), 2, 3, w.data(), bias.data(), 2, got.data());
+  EXPECT_EQ(got, want);
+  EXPECT_EQ(wrapped.linears, 1);
+  std::vector<float> y = {1, -2, 3};
+  wrapped.Relu(y.data(), 3);
+  EXPECT_EQ(y, (std::vector<float>{1, 0, 3}));
+  void* p = wrapped.AllocateDevice(64);
+  ASSERT_NE(p, nullptr);
+  wrapped.FreeDevice(p);
+  EXPECT_TRUE(wrapped.Synchronize().ok());
+}
+
+}  // namespace
+}  // namespace infinigen::gpu_worker

@@ -1,0 +1,105 @@
+#include "gpu_worker/eval/bench_decode.h"
+
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <chrono>
+
+#include "absl/strings/str_format.h"
+#include "common/status.h"
+
+namespace infinigen::gpu_worker {
+namespace {
+
+double SecondsSince(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+      .count();
+}
+
+}  // namespace
+
+double DecodeBenchResult::step_ms(double percentile) const {
+  return 1e3 * Percentile(step_seconds, percentile);
+}
+
+std::vector<int> DecodeBenchSource(absl::Span<const int> text, size_t need,
+                                   int vocab) {
+  std::vector<int> source(text.begin(), text.end());
+  if (!text.empty()) {
+    for (size_t i = 0; source.size() < need; ++i) source.push_back(text[i % text.size()]);
+    return source;
+  }
+  uint64_t x = 88172645463325252ull;  // xorshift64
+  while (source.size() < need) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    source.push_back(static_cast<int>(x % vocab));
+  }
+  return source;
+}
+
+absl::StatusOr<DecodeBenchResult> RunDecodeBench(
+    Engine& engine, absl::Span<const int> source, int ctx, int steps,
+    const std::function<void(int prefilled)>& on_prefilled) {
+  const int batch = engine.batch();
+  if (ctx < 1 || steps < 1) {
+    return absl::InvalidArgumentError("ctx and steps must be >= 1");
+  }
+  if (ctx + steps > engine.max_seq_len()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "ctx + steps = %d exceeds the engine's %d positions", ctx + steps,
+        engine.max_seq_len()));
+  }
+  const size_t stride = static_cast<size_t>(ctx) + steps;
+  if (source.size() < stride * batch) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%d tokens of input for %d sequences of %d", source.size(), batch,
+        stride));
+  }
+  DecodeBenchResult r;
+  r.policy = PolicyName(engine.policy());
+  r.backend = engine.backend().name();
+  r.ctx = ctx;
+  r.batch = batch;
+  r.steps = steps;
+  auto t0 = std::chrono::steady_clock::now();
+  std::vector<int> slots(batch), next(batch);
+  for (int b = 0; b < batch; ++b) {
+    slots[b] = b;
+    IG_RETURN_IF_ERROR(
+        engine.Forward(b, source.subspan(b * stride, ctx), false).status());
+    r.cached_tokens += engine.cached_tokens(b);
+    if (on_prefilled) on_prefilled(b + 1);
+  }
+  r.prefill_seconds = SecondsSince(t0);
+  t0 = std::chrono::steady_clock::now();
+  for (int step = 0; step < steps; ++step) {
+    for (int b = 0; b < batch; ++b) next[b] = source[b * stride + ctx + step];
+    const auto s0 = std::chrono::steady_clock::now();
+    IG_RETURN_IF_ERROR(engine.DecodeBatch(slots, next).status());
+    r.step_seconds.push_back(SecondsSince(s0));
+  }
+  r.seconds = SecondsSince(t0);
+  for (int b = 0; b < batch; ++b) r.fetch.Add(engine.fetch_stats(b));
+  r.worker_kv_bytes = engine.worker_kv_bytes();
+  r.memory_node_bytes = engine.node_kv_bytes();
+  r.peak_rss_bytes = PeakRssBytes();
+  return r;
+}
+
+double Percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t i =
+      std::min(v.size() - 1, static_cast<size_t>(p / 100.0 * v.size()));
+  return v[i];
+}
+
+int64_t PeakRssBytes() {
+  struct rusage usage;
+  if (getrusage(RUSAGE_SELF, &usage) != 0) return 0;
+  return static_cast<int64_t>(usage.ru_maxrss) * 1024;  // Linux: KiB
+}
+
+}  // namespace infinigen::gpu_worker

@@ -1,0 +1,217 @@
+// The KvCache factory, the worker-memory limit, and the local cache of the
+// ideal policy.
+#include "gpu_worker/kv/kv_cache.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "absl/strings/str_format.h"
+#include "common/status.h"
+#include "gpu_worker/kv/kv_cache_impl.h"
+
+namespace infinigen::gpu_worker {
+
+void FetchStats::Add(const FetchStats& o) {
+  steps += o.steps;
+  fraction_sum += o.fraction_sum;
+  fraction_max = std::max(fraction_max, o.fraction_max);
+  rows_fetched += o.rows_fetched;
+  bytes_fetched += o.bytes_fetched;
+  wait_seconds += o.wait_seconds;
+}
+
+void QueueAttention(Backend& backend, const model::ModelConfig& c,
+                    const float* q, const float* k, const float* v,
+                    int kv_stride, int n, int kv_len0, float* out,
+                    float* prob_sums) {
+  AttentionParams p;
+  p.q = q;
+  p.k = k;
+  p.v = v;
+  p.out = out;
+  p.n = n;
+  p.n_heads = c.n_heads;
+  p.n_kv_heads = c.n_kv_heads;
+  p.head_dim = c.head_dim;
+  p.kv_stride = kv_stride;
+  p.kv_len0 = kv_len0;
+  p.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  p.prob_sums = prob_sums;
+  backend.Attention(p);
+}
+
+namespace {
+
+// Every slot's whole cache, K and V [layer][kv_head][position][head_dim],
+// in the backend's device memory.
+class LocalKvCache final : public KvCache {
+ public:
+  LocalKvCache(const model::Weights& weights, Backend* backend,
+               const KvCacheOptions& options)
+      : config_(weights.config),
+        backend_(*backend),
+        options_(options),
+        layer_size_(static_cast<size_t>(config_.n_kv_heads) *
+                    options.max_seq_len * config_.head_dim),
+        stats_(options.batch) {}
+
+  absl::Status Init() {
+    const size_t count = layer_size_ * config_.n_layers;
+    for (int i = 0; i < options_.batch; ++i) {
+      IG_ASSIGN_OR_RETURN(DeviceBuffer<float> k,
+                          DeviceBuffer<float>::Make(&backend_, count,
+                                                    "the local K cache"));
+      IG_ASSIGN_OR_RETURN(DeviceBuffer<float> v,
+                          DeviceBuffer<float>::Make(&backend_, count,
+                                                    "the local V cache"));
+      bytes_ += static_cast<int64_t>(k.bytes() + v.bytes());
+      k_.push_back(std::move(k));
+      v_.push_back(std::move(v));
+    }
+    step_slots_.reserve(options_.batch);
+    step_positions_.reserve(options_.batch);
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<int> BeginPrefill(int slot, int first,
+                                   absl::Span<const int> tokens,
+                                   bool reuse) override {
+    slot_ = slot;
+    return 0;
+  }
+
+  absl::Status PrefillAttention(int layer, int pos, int rows, const float* q,
+                                const float* k, const float* v,
+                                float* out) override {
+    for (int i = 0; i < rows; ++i) Store(slot_, layer, pos + i, k, v, i);
+    QueueAttention(backend_, config_, q, Keys(slot_, layer),
+                   Values(slot_, layer), options_.max_seq_len, rows, pos + 1,
+                   out, nullptr);
+    return absl::OkStatus();
+  }
+
+  absl::Status EndPrefillLayer(int layer) override { return absl::OkStatus(); }
+  absl::Status EndPrefill() override { return absl::OkStatus(); }
+
+  absl::Status BeginStep(absl::Span<const int> slots,
+                         absl::Span<const int> positions) override {
+    step_slots_.assign(slots.begin(), slots.end());
+    step_positions_.assign(positions.begin(), positions.end());
+    return absl::OkStatus();
+  }
+
+  absl::Status LayerInput(int layer, const float* xb) override {
+    return absl::OkStatus();
+  }
+
+  absl::Status DecodeAttention(int layer, const float* q, const float* k,
+                               const float* v, float* out) override {
+    const size_t qd = static_cast<size_t>(config_.q_dim());
+    for (size_t i = 0; i < step_slots_.size(); ++i) {
+      const int slot = step_slots_[i], pos = step_positions_[i];
+      Store(slot, layer, pos, k, v, static_cast<int>(i));
+      QueueAttention(backend_, config_, q + i * qd, Keys(slot, layer),
+                     Values(slot, layer), options_.max_seq_len, 1, pos + 1,
+                     out + i * qd, nullptr);
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status LayerDone(int layer) override { return absl::OkStatus(); }
+  absl::Status EndStep() override { return absl::OkStatus(); }
+  absl::Status Reset(int slot) override { return absl::OkStatus(); }
+  absl::Status Flush() override { return absl::OkStatus(); }
+  bool offloaded() const override { return false; }
+  const FetchStats& fetch_stats(int slot) const override {
+    return stats_[slot];
+  }
+  int64_t worker_bytes() const override { return bytes_; }
+  int64_t node_bytes() const override { return 0; }
+
+ private:
+  float* Keys(int slot, int layer) {
+    return k_[slot].data() + static_cast<size_t>(layer) * layer_size_;
+  }
+  float* Values(int slot, int layer) {
+    return v_[slot].data() + static_cast<size_t>(layer) * layer_size_;
+  }
+  // Row `row` of k and v [rows, n_kv_heads, head_dim] -> position pos.
+  void Store(int slot, int layer, int pos, const float* k, const float* v,
+             int row) {
+    const int hd = config_.head_dim, kvd = config_.kv_dim();
+    for (int g = 0; g < config_.n_kv_heads; ++g) {
+      const size_t dst =
+          (static_cast<size_t>(g) * options_.max_seq_len + pos) * hd;
+      const size_t src = static_cast<size_t>(row) * kvd + g * hd;
+      backend_.Copy(Keys(slot, layer) + dst, k + src, hd);
+      backend_.Copy(Values(slot, layer) + dst, v + src, hd);
+    }
+  }
+
+  const model::ModelConfig& config_;
+  Backend& backend_;
+  const KvCacheOptions options_;
+  const size_t layer_size_;  // n_kv_heads * max_seq_len * head_dim
+  std::vector<DeviceBuffer<float>> k_, v_;  // [slot]
+  std::vector<FetchStats> stats_;           // always empty: nothing fetched
+  int64_t bytes_ = 0;
+  int slot_ = 0;  // the slot being prefilled
+  std::vector<int> step_slots_, step_positions_;
+};
+
+}  // namespace
+
+int64_t LocalKvCacheBytes(const model::ModelConfig& c,
+                          const KvCacheOptions& options) {
+  return int64_t{2} * options.batch * c.n_layers * c.n_kv_heads *
+         options.max_seq_len * c.head_dim * static_cast<int64_t>(sizeof(float));
+}
+
+absl::StatusOr<std::unique_ptr<KvCache>> NewLocalKvCache(
+    const model::Weights& weights, Backend* backend,
+    const KvCacheOptions& options) {
+  auto cache = std::make_unique<LocalKvCache>(weights, backend, options);
+  IG_RETURN_IF_ERROR(cache->Init());
+  return std::unique_ptr<KvCache>(std::move(cache));
+}
+
+absl::StatusOr<int64_t> KvCache::WorkerBytes(const model::Weights& weights,
+                                             const KvCacheOptions& options) {
+  if (!Offloads(options.policy.kind)) {
+    return LocalKvCacheBytes(weights.config, options);
+  }
+  return OffloadedKvCacheBytes(weights, options);
+}
+
+absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(
+    const model::Weights& weights, Backend* backend,
+    const KvCacheOptions& options) {
+  if (options.batch <= 0 || options.max_seq_len <= 0 ||
+      options.max_chunk <= 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "kv cache: batch %d, max_seq_len %d and max_chunk %d must be "
+        "positive",
+        options.batch, options.max_seq_len, options.max_chunk));
+  }
+  if (options.max_worker_bytes < 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "kv cache: max_worker_bytes must be >= 0, got %d",
+        options.max_worker_bytes));
+  }
+  IG_ASSIGN_OR_RETURN(const int64_t need, WorkerBytes(weights, options));
+  if (options.max_worker_bytes > 0 && need > options.max_worker_bytes) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "policy %s needs %.1f MiB of worker KV memory for batch %d x %d "
+        "positions, above the limit of %.1f MiB (--max_worker_kv_bytes=%d)",
+        PolicyName(options.policy.kind), need / 1048576.0, options.batch,
+        options.max_seq_len, options.max_worker_bytes / 1048576.0,
+        options.max_worker_bytes));
+  }
+  if (!Offloads(options.policy.kind)) {
+    return NewLocalKvCache(weights, backend, options);
+  }
+  return NewOffloadedKvCache(weights, backend, options);
+}
+
+}  // namespace infinigen::gpu_worker

@@ -1,0 +1,177 @@
+// KvCache: where the engine's attention finds K and V. The seam between the
+// forward pass and the KV cache, in the spirit of llama.cpp's memory
+// interface: the engine runs the layers and calls the cache at a few points
+// per layer; the cache decides where rows live and how they reach attention.
+//
+// Two implementations:
+//  - local (policy `ideal`): every slot's whole cache [layer][kv_head]
+//    [position][head_dim] in the backend's device memory; nothing fetched.
+//  - offloaded (full, infinigen, h2o, int4): the memory node holds every
+//    row (through a KvClient); the worker holds a bounded working set: each
+//    sequence's policy state (InfiniGen's partial key cache, H2O's scores
+//    and kept set), staging for the rows of the one or two layers in flight,
+//    and during a prefill one layer's prompt rows. Prefill runs layer by
+//    layer: each layer's K and V go to the memory node before the next
+//    layer starts. A decode step fetches layer l + 1's rows while layer l
+//    computes, copies them to the backend beside the operations and decodes
+//    them where attention reads them; the step's new rows are appended on a
+//    background thread while the last MLP and the classifier run.
+//
+// The engine owns the cache; the cache owns its buffers and policies and
+// borrows the backend, the weights and the KvClient (which outlive it).
+// Not thread-safe: one engine drives it.
+//
+// Call order. Prefill of one slot (positions [first, first + n)):
+//   BeginPrefill (which may find a leading part of the prompt already
+//   cached: the chunks then start after it); for each layer: for each
+//   chunk: PrefillAttention; EndPrefillLayer; then EndPrefill.
+//
+// Prefix reuse (offloaded, with prefix_block_tokens): BeginPrefill opens
+// the slot's sequence on the memory node with the prompt's block keys
+// (kv_memory_service/prefix_keys.h over model_identity and the row
+// format) and learns how many leading tokens another sequence (of this
+// worker or another) already stored; those rows are fetched layer by
+// layer during the prefill instead of computed, and the policy's prompt
+// statistics come with the blocks, so decoding behaves as without reuse.
+// Decode step of several slots (one token each, row i = slots[i]):
+//   BeginStep; for each layer: LayerInput (after the attention norm),
+//   DecodeAttention (after Q, K, V), PostAttentionInput (after the
+//   attention's residual add, where the cache wants it), LayerDone (after
+//   the MLP); EndStep. Which of these points sends each layer's fetch is the
+//   policy's FetchSchedule (kv/fetch_schedule.h), stated once per policy
+//   (docs/design.md, "One decode step").
+#ifndef INFINIGEN_GPU_WORKER_KV_KV_CACHE_H_
+#define INFINIGEN_GPU_WORKER_KV_KV_CACHE_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "gpu_worker/backend/backend.h"
+#include "gpu_worker/kv/kv_policy.h"
+#include "kv_memory_service/kv_client.h"
+#include "model/weights.h"
+
+namespace infinigen::gpu_worker {
+
+// What a slot's policy moved, over its decode steps since its last Reset.
+struct FetchStats {
+  long steps = 0;
+  double fraction_sum = 0;   // sum over steps of fetched rows / cached rows
+  double fraction_max = 0;
+  long rows_fetched = 0;     // K/V row pairs, all layers and heads
+  long bytes_fetched = 0;    // K and V bytes as stored (fp16 or int4)
+  double wait_seconds = 0;   // blocked in fetch Wait()
+  double fraction_mean() const { return steps ? fraction_sum / steps : 0.0; }
+  void Add(const FetchStats& o);
+};
+
+struct KvCacheOptions {
+  int batch = 1;         // sequence slots
+  int max_seq_len = 0;   // positions per slot
+  int max_chunk = 1;     // most prefill tokens per PrefillAttention
+  PolicyOptions policy;  // ideal: local; anything else: offloaded
+  // The memory node (offloaded only; not owned, outlives the cache).
+  kv_memory_service::KvClient* kv_client = nullptr;
+  // Tokens the memory node keeps per (layer, KV head), as a fraction of
+  // max_seq_len; below 1 its pool evicts.
+  double kv_capacity = 1.0;
+  // Most bytes the cache may hold on the worker (WorkerBytes); 0 = no
+  // limit. Create refuses a configuration above it before allocating.
+  int64_t max_worker_bytes = 0;
+  // Prefix reuse (offloaded only): tokens per shared block; 0 = none.
+  int prefix_block_tokens = 0;
+  // Names the model and everything its rows depend on (weights, skew); the
+  // cache adds the policy and row format. Reuse needs it non-empty.
+  std::string model_identity;
+};
+
+class KvCache {
+ public:
+  // The local cache for ideal, the offloaded one otherwise. InvalidArgument
+  // for bad options (an offloaded policy without kv_client);
+  // ResourceExhausted, naming what the configuration needs and the limit,
+  // when WorkerBytes(...) > max_worker_bytes, or when the backend is out of
+  // memory.
+  static absl::StatusOr<std::unique_ptr<KvCache>> Create(
+      const model::Weights& weights, Backend* backend,
+      const KvCacheOptions& options);
+  // Bytes the cache of these options holds on the worker (backend and host
+  // memory: K/V rows, staging, decoded rows, policy state), computed without
+  // allocating. The accounting `bench-decode` reports as worker_kv_bytes.
+  static absl::StatusOr<int64_t> WorkerBytes(const model::Weights& weights,
+                                             const KvCacheOptions& options);
+  virtual ~KvCache() = default;
+
+  // --- Prefill of one slot, layer-major.
+  // `tokens` at positions [first, first + n). Returns how many leading
+  // tokens are already cached (prefix reuse, when `reuse` and the cache
+  // does it; fewer than n): the engine computes only the rest, and the
+  // PrefillAttention calls start at first + that. FailedPrecondition where
+  // the cache cannot continue this slot's prefill (offloaded: after its
+  // first prefill call).
+  virtual absl::StatusOr<int> BeginPrefill(int slot, int first,
+                                           absl::Span<const int> tokens,
+                                           bool reuse) = 0;
+  // One chunk of `layer`: q [rows, n_heads, head_dim] and k, v [rows,
+  // n_kv_heads, head_dim] (backend memory, host-readable after
+  // Synchronize) of positions [pos, pos + rows). Stores the chunk's K and V
+  // and queues causal attention of its queries over every position up to
+  // their own into out [rows, n_heads * head_dim].
+  virtual absl::Status PrefillAttention(int layer, int pos, int rows,
+                                        const float* q, const float* k,
+                                        const float* v, float* out) = 0;
+  virtual absl::Status EndPrefillLayer(int layer) = 0;
+  virtual absl::Status EndPrefill() = 0;
+
+  // --- Decode step of `slots` (distinct, each prefilled), slot slots[i]'s
+  // new token at positions[i], in row i of the engine's activations.
+  virtual absl::Status BeginStep(absl::Span<const int> slots,
+                                 absl::Span<const int> positions) = 0;
+  // `layer`'s attention input xb [rows, dim] is queued.
+  virtual absl::Status LayerInput(int layer, const float* xb) = 0;
+  // Whether the cache speculates layer l + 1's fetch from the residual
+  // stream after layer l's attention (PostAttentionInput) rather than from
+  // layer l's input.
+  virtual bool WantsPostAttentionInput() const { return false; }
+  // With WantsPostAttentionInput, for layer + 1 < n_layers: `layer`'s
+  // attention and its residual add are queued, and xb_next [rows, dim] is
+  // layer + 1's attention norm of the residual stream at this point (before
+  // layer's MLP).
+  virtual absl::Status PostAttentionInput(int layer, const float* xb_next) {
+    return absl::OkStatus();
+  }
+  // q, k, v, out as in PrefillAttention, one row per slot of the step: the
+  // new tokens' attention over their cached rows and themselves.
+  virtual absl::Status DecodeAttention(int layer, const float* q,
+                                       const float* k, const float* v,
+                                       float* out) = 0;
+  // `layer`'s attention output projection and MLP are queued.
+  virtual absl::Status LayerDone(int layer) = 0;
+  // After the step's last operation (backend synchronized).
+  virtual absl::Status EndStep() = 0;
+
+  // Forgets `slot`'s sequence (closing it on the memory node; the close's
+  // error is returned, the slot is clean regardless).
+  virtual absl::Status Reset(int slot) = 0;
+  // Finishes background work (a step's appends) and returns its first
+  // error. A slot whose rows did not reach the memory node is lost: its
+  // next BeginStep returns that error again, until Reset.
+  virtual absl::Status Flush() = 0;
+
+  // Whether slot's cache holds rows of a sequence that may take several
+  // prefill calls (local) or only one (offloaded).
+  virtual bool offloaded() const = 0;
+  virtual const FetchStats& fetch_stats(int slot) const = 0;
+  // Bytes held on the worker now (as WorkerBytes) and reserved on the
+  // memory node for this cache's open sequences.
+  virtual int64_t worker_bytes() const = 0;
+  virtual int64_t node_bytes() const = 0;
+};
+
+}  // namespace infinigen::gpu_worker
+
+#endif  // INFINIGEN_GPU_WORKER_KV_KV_CACHE_H_

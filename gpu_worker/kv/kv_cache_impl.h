@@ -1,0 +1,40 @@
+// The two KvCache implementations (kv_cache.h) and what they share; private
+// to gpu_worker's :kv_cache target.
+#ifndef INFINIGEN_GPU_WORKER_KV_KV_CACHE_IMPL_H_
+#define INFINIGEN_GPU_WORKER_KV_KV_CACHE_IMPL_H_
+
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "gpu_worker/backend/backend.h"
+#include "gpu_worker/kv/kv_cache.h"
+#include "model/weights.h"
+
+namespace infinigen::gpu_worker {
+
+// Local (ideal): WorkerBytes without allocating, and the cache.
+int64_t LocalKvCacheBytes(const model::ModelConfig& config,
+                          const KvCacheOptions& options);
+absl::StatusOr<std::unique_ptr<KvCache>> NewLocalKvCache(
+    const model::Weights& weights, Backend* backend,
+    const KvCacheOptions& options);
+
+// Offloaded (every other policy).
+absl::StatusOr<int64_t> OffloadedKvCacheBytes(const model::Weights& weights,
+                                              const KvCacheOptions& options);
+absl::StatusOr<std::unique_ptr<KvCache>> NewOffloadedKvCache(
+    const model::Weights& weights, Backend* backend,
+    const KvCacheOptions& options);
+
+// Queues causal attention of n queries q [n, n_heads, head_dim] (into out,
+// same shape) over k, v [n_kv_heads, kv_stride, head_dim]: query i sees
+// rows [0, kv_len0 + i). prob_sums as in AttentionParams.
+void QueueAttention(Backend& backend, const model::ModelConfig& config,
+                    const float* q, const float* k, const float* v,
+                    int kv_stride, int n, int kv_len0, float* out,
+                    float* prob_sums);
+
+}  // namespace infinigen::gpu_worker
+
+#endif  // INFINIGEN_GPU_WORKER_KV_KV_CACHE_IMPL_H_

@@ -1,0 +1,859 @@
+// The KV cache seam: what the offloaded cache sends to the memory node and
+// when (through a fake KvClient that records every call), what it holds on
+// the worker, the worker-memory limit, and the staging path of a device
+// backend (through a recording backend).
+#include "gpu_worker/kv/kv_cache.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gpu_worker/cpu/cpu_backend.h"
+#include "gpu_worker/engine.h"
+#include "gtest/gtest.h"
+#include "absl/synchronization/mutex.h"
+#include "kv_memory_service/kv_store.h"
+
+namespace infinigen::gpu_worker {
+namespace {
+
+using ::testing::ElementsAreArray;
+using ::testing::HasSubstr;
+using kv_memory_service::AppendBlock;
+using kv_memory_service::AppendResult;
+using kv_memory_service::FetchBuffer;
+using kv_memory_service::FetchHandle;
+using kv_memory_service::FetchPlan;
+using kv_memory_service::KvClient;
+using kv_memory_service::KvStore;
+using kv_memory_service::SequenceGeometry;
+using kv_memory_service::SequenceId;
+using model::Architecture;
+using model::LayerWeights;
+using model::ModelConfig;
+using model::Weights;
+
+// A memory node in a KvStore that records every call, and can fail the
+// n-th append. The offloaded cache appends from its writer thread while the
+// test reads, so every record is behind a mutex and read as a copy.
+class FakeKvClient final : public KvClient {
+ public:
+  struct AppendCall {
+    int first_layer, n_layers, n_tokens;
+    bool operator==(const AppendCall& o) const {
+      return first_layer == o.first_layer && n_layers == o.n_layers &&
+             n_tokens == o.n_tokens;
+    }
+  };
+  struct FetchCall {
+    int layer;
+    size_t rows;
+  };
+
+  FakeKvClient() : store_(WithPrefixCache()) {}
+
+  // The memory node loses every sequence opened so far (a restart, an
+  // eviction, a replacement).
+  void LoseEverything() {
+    std::vector<SequenceId> opened;
+    {
+      absl::MutexLock lock(&mu_);
+      opened = opened_;
+    }
+    for (SequenceId seq : opened) store_.Close(seq).IgnoreError();
+  }
+  // The n-th append from now on (counting from 1) fails as a lost node.
+  void FailAppendAt(int n) {
+    absl::MutexLock lock(&mu_);
+    fail_append_at_ = n;
+    append_count_ = 0;
+  }
+
+  std::vector<AppendCall> appends() const {
+    absl::MutexLock lock(&mu_);
+    return appends_;
+  }
+  void ClearAppends() {
+    absl::MutexLock lock(&mu_);
+    appends_.clear();
+  }
+  std::vector<FetchCall> fetches() const {
+    absl::MutexLock lock(&mu_);
+    return fetches_;
+  }
+  int opens() const {
+    absl::MutexLock lock(&mu_);
+    return opens_;
+  }
+  int closes() const {
+    absl::MutexLock lock(&mu_);
+    return closes_;
+  }
+
+  absl::StatusOr<kv_memory_service::OpenedSequence> OpenSequence(
+      const SequenceGeometry& g,
+      const kv_memory_service::PrefixRequest& prefix) override {
+    auto opened = store_.Open(g, 0, prefix);
+    absl::MutexLock lock(&mu_);
+    ++opens_;
+    if (opened.ok()) opened_.push_back(opened->id);
+    return opened;
+  }
+  absl::StatusOr<AppendResult> Append(SequenceId seq,
+                                      const AppendBlock& block) override {
+    {
+      absl::MutexLock lock(&mu_);
+      if (fail_append_at_ > 0 && ++append_count_ == fail_append_at_) {
+        return absl::UnavailableError("fake: the memory node went away");
+      }
+      appends_.push_back({block.first_layer, block.n_layers, block.n_tokens});
+    }
+    return store_.Append(seq, block);
+  }
+  absl::StatusOr<std::unique_ptr<FetchBuffer>> NewFetchBuffer(
+      size_t elements) override {
+    return std::unique_ptr<FetchBuffer>(new Buffer(this, elements));
+  }
+  FetchHandle FetchAsync(SequenceId seq, int32_t layer, const FetchPlan& plan,
+                         FetchBuffer* dest) override {
+    auto* buffer = static_cast<Buffer*>(dest);
+    absl::Status begun = buffer->Begin();
+    if (!begun.ok()) return FetchHandle(begun);
+    {
+      absl::MutexLock lock(&mu_);
+      fetches_.push_back({layer, plan.indices.size()});
+    }
+    buffer->Complete(store_.Gather(seq, layer, plan, buffer->span()));
+    return FetchHandle(buffer);
+  }
+  absl::Status Close(SequenceId seq) override {
+    {
+      absl::MutexLock lock(&mu_);
+      ++closes_;
+    }
+    return store_.Close(seq);
+  }
+  absl::StatusOr<kv_memory_service::SequenceStats> GetSequenceStats(
+      SequenceId seq) override {
+    return store_.GetSequenceStats(seq);
+  }
+  absl::StatusOr<kv_memory_service::StoreStats> GetStoreStats() override {
+    return store_.GetStoreStats();
+  }
+  std::string data_plane() const override { return "fake"; }
+
+ private:
+  using KvStoreOptions = kv_memory_service::KvStoreOptions;
+  class Buffer final : public FetchBuffer {
+   public:
+    Buffer(const void* owner, size_t n)
+        : Buffer(owner, new uint16_t[n], n) {}
+    absl::Status Begin() { return BeginFetch(); }
+    void Complete(absl::Status s) { CompleteFetch(std::move(s)); }
+
+   private:
+    Buffer(const void* owner, uint16_t* data, size_t n)
+        : FetchBuffer(owner, data, n), memory_(data) {}
+    std::unique_ptr<uint16_t[]> memory_;
+  };
+
+  static KvStoreOptions WithPrefixCache() {
+    KvStoreOptions o;
+    o.prefix_cache_bytes = 64 << 20;
+    return o;
+  }
+
+  KvStore store_;  // thread-safe itself
+  mutable absl::Mutex mu_;
+  int opens_ = 0, closes_ = 0, fail_append_at_ = 0, append_count_ = 0;
+  std::vector<AppendCall> appends_;
+  std::vector<FetchCall> fetches_;
+  std::vector<SequenceId> opened_;
+};
+
+// A random Llama-shaped model with many layers and a small width: worker
+// memory per layer is what these tests measure.
+Weights ManyLayers(int n_layers, int max_seq) {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.0f, 0.3f);
+  auto rnd = [&](size_t n) {
+    std::vector<float> v(n);
+    for (float& e : v) e = normal(rng);
+    return v;
+  };
+  Weights w;
+  ModelConfig& c = w.config;
+  c.arch = Architecture::kLlama;
+  c.dim = 32;
+  c.hidden_dim = 48;
+  c.n_layers = n_layers;
+  c.n_heads = 4;
+  c.n_kv_heads = 2;
+  c.head_dim = 8;
+  c.vocab_size = 64;
+  c.max_seq_len = max_seq;
+  c.bos_id = 0;
+  c.eos_id = 1;
+  w.token_embedding = rnd(64 * 32);
+  for (int i = 0; i < n_layers; ++i) {
+    LayerWeights l;
+    l.attn_norm = rnd(32);
+    l.wq = rnd(32 * 32);
+    l.wk = rnd(32 * c.kv_dim());
+    l.wv = rnd(32 * c.kv_dim());
+    l.wo = rnd(32 * 32);
+    l.ffn_norm = rnd(32);
+    l.w1 = rnd(48 * 32);
+    l.w2 = rnd(48 * 32);
+    l.w3 = rnd(48 * 32);
+    w.layers.push_back(l);
+  }
+  w.final_norm = rnd(32);
+  return w;
+}
+
+std::vector<int> Tokens(int n) {
+  std::vector<int> t;
+  for (int i = 0; i < n; ++i) t.push_back((i * 37 + 11) % 64);
+  return t;
+}
+
+class KvCacheTest : public ::testing::Test {
+ protected:
+  KvCacheTest()
+      : weights_(ManyLayers(12, 1024)),
+        identity_(speculator::SkewMatrices::Identity(12, 2, 8)) {}
+
+  EngineOptions Options(PolicyKind kind, KvClient* client) {
+    EngineOptions o;
+    o.max_seq_len = 256;
+    o.max_chunk = 16;
+    o.policy.kind = kind;
+    o.policy.skew = &identity_;
+    o.kv_client = client;
+    return o;
+  }
+
+  Weights weights_;
+  speculator::SkewMatrices identity_;
+};
+
+TEST_F(KvCacheTest, PrefillSendsEachLayerBeforeTheNextAndDecodeFetches) {
+  FakeKvClient node;
+  auto engine =
+      Engine::Create(weights_, NewCpuBackend(), Options(PolicyKind::kFull, &node));
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  const std::vector<int> t = Tokens(45);
+  ASSERT_TRUE((*engine)->Forward(absl::MakeConstSpan(t).subspan(0, 40), false)
+                  .ok());
+  // Layer-major: one append per layer, in order, with the whole prompt
+  // (three chunks of 16 and one of 8 each).
+  std::vector<FakeKvClient::AppendCall> want;
+  for (int l = 0; l < 12; ++l) want.push_back({l, 1, 40});
+  EXPECT_THAT(node.appends(), ElementsAreArray(want));
+  EXPECT_TRUE(node.fetches().empty());  // the prefill reads nothing back
+  for (int i = 40; i < 45; ++i) {
+    ASSERT_TRUE((*engine)->Forward({t[i]}, false).ok());
+  }
+  // Each decode step: every layer fetched once with every cached row (full),
+  // then one append of the new token's rows of every layer.
+  const std::vector<FakeKvClient::FetchCall> fetches = node.fetches();
+  ASSERT_EQ(fetches.size(), 5u * 12);
+  for (size_t i = 0; i < fetches.size(); ++i) {
+    EXPECT_EQ(fetches[i].layer, static_cast<int>(i % 12));
+    EXPECT_EQ(fetches[i].rows, 2u * (40 + i / 12)) << i;
+  }
+  ASSERT_TRUE((*engine)->Reset().ok());  // waits for the last append
+  const std::vector<FakeKvClient::AppendCall> appends = node.appends();
+  ASSERT_EQ(appends.size(), 12u + 5);
+  EXPECT_EQ(appends.back(), (FakeKvClient::AppendCall{0, 12, 1}));
+  EXPECT_EQ(node.opens(), 1);
+  EXPECT_EQ(node.closes(), 1);
+}
+
+TEST_F(KvCacheTest, OffloadedMatchesLocalUpToFp16) {
+  FakeKvClient node;
+  auto local = Engine::Create(weights_, NewCpuBackend(),
+                              Options(PolicyKind::kIdeal, nullptr));
+  auto full = Engine::Create(weights_, NewCpuBackend(),
+                             Options(PolicyKind::kFull, &node));
+  ASSERT_TRUE(local.ok() && full.ok());
+  const std::vector<int> t = Tokens(60);
+  for (Engine* e : {local->get(), full->get()}) {
+    ASSERT_TRUE(e->Forward(absl::MakeConstSpan(t).subspan(0, 50), false).ok());
+  }
+  for (int i = 50; i < 60; ++i) {
+    auto a = (*local)->Forward({t[i]}, false);
+    ASSERT_TRUE(a.ok());
+    const std::vector<float> want(a->begin(), a->end());
+    auto b = (*full)->Forward({t[i]}, false);
+    ASSERT_TRUE(b.ok()) << b.status();
+    double max_diff = 0, max_abs = 0;
+    for (size_t j = 0; j < want.size(); ++j) {
+      max_diff = std::max(max_diff, std::fabs(double((*b)[j]) - want[j]));
+      max_abs = std::max(max_abs, std::fabs(double(want[j])));
+    }
+    // Rows pass through fp16 on the memory node: close, not equal.
+    EXPECT_LT(max_diff, 2e-2 * std::max(1.0, max_abs)) << i;
+    EXPECT_GT(max_diff, 0.0) << i;
+  }
+}
+
+TEST_F(KvCacheTest, WorkerHoldsABoundedWorkingSet) {
+  FakeKvClient node;
+  std::map<PolicyKind, int64_t> bytes;
+  for (PolicyKind kind : {PolicyKind::kIdeal, PolicyKind::kFull,
+                          PolicyKind::kInfiniGen, PolicyKind::kH2O,
+                          PolicyKind::kInt4}) {
+    SCOPED_TRACE(PolicyName(kind));
+    EngineOptions o = Options(kind, &node);
+    o.max_seq_len = 1024;
+    o.batch = 2;
+    auto engine = Engine::Create(weights_, NewCpuBackend(), o);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    bytes[kind] = (*engine)->worker_kv_bytes();
+    KvCacheOptions kv;
+    kv.batch = 2;
+    kv.max_seq_len = 1024;
+    kv.policy = o.policy;
+    kv.kv_client = &node;
+    auto planned = KvCache::WorkerBytes(weights_, kv);
+    ASSERT_TRUE(planned.ok());
+    // The plan is sized for a device backend (with staging); the CPU
+    // backend reads fetched rows where they land and holds less.
+    EXPECT_LE(bytes[kind], *planned);
+    if (kind == PolicyKind::kIdeal) {
+      EXPECT_EQ(bytes[kind], *planned);
+    }
+  }
+  // Ideal: 2 slots x 12 layers x 2 KV heads x 1024 positions x 8 x (K, V)
+  // floats. The offloaded caches hold about 2.5 layers' worth on this
+  // backend (two fp16 fetch buffers per slot, one layer of decoded fp32
+  // rows, one layer of fp16 prefill rows) plus their policy's state.
+  EXPECT_EQ(bytes[PolicyKind::kIdeal], 2LL * 12 * 2 * 1024 * 8 * 2 * 4);
+  EXPECT_LE(bytes[PolicyKind::kFull], bytes[PolicyKind::kIdeal] / 4);
+  EXPECT_LE(bytes[PolicyKind::kInt4], bytes[PolicyKind::kIdeal] / 4);
+  EXPECT_LE(bytes[PolicyKind::kH2O], bytes[PolicyKind::kIdeal] / 4);
+  EXPECT_LE(bytes[PolicyKind::kInfiniGen], bytes[PolicyKind::kIdeal] / 2);
+}
+
+// SmolLM2-135M's shape (30 layers, 3 KV heads of 64) at context 4096 and
+// batch 4, sized for a device backend (fetched rows staged on the device):
+// the worker's share of the KV memory the issue asks for.
+TEST(KvCacheSizing, SmolLm2ShapeAtContext4096Batch4) {
+  Weights w;
+  ModelConfig& c = w.config;
+  c.arch = Architecture::kLlama;
+  c.dim = 576;
+  c.hidden_dim = 1536;
+  c.n_layers = 30;
+  c.n_heads = 9;
+  c.n_kv_heads = 3;
+  c.head_dim = 64;
+  c.vocab_size = 49152;
+  c.max_seq_len = 8192;
+  const auto skew = speculator::SkewMatrices::Identity(30, 3, 64);
+  FakeKvClient node;
+  auto bytes = [&](PolicyKind kind, int max_seq) {
+    KvCacheOptions kv;
+    kv.batch = 4;
+    kv.max_seq_len = max_seq;
+    kv.policy.kind = kind;
+    kv.policy.skew = &skew;
+    kv.kv_client = &node;
+    auto b = KvCache::WorkerBytes(w, kv);
+    EXPECT_TRUE(b.ok()) << b.status();
+    return static_cast<double>(b.value_or(0));
+  };
+  const double ideal = bytes(PolicyKind::kIdeal, 4096);
+  EXPECT_EQ(ideal, 4.0 * 30 * 3 * 4096 * 64 * 2 * 4);
+  EXPECT_LE(bytes(PolicyKind::kFull, 4096), 0.10 * ideal);
+  EXPECT_LE(bytes(PolicyKind::kInt4, 4096), 0.10 * ideal);
+  EXPECT_LE(bytes(PolicyKind::kH2O, 4096), 0.10 * ideal);
+  EXPECT_LE(bytes(PolicyKind::kInfiniGen, 4096), 0.25 * ideal);
+  // Doubling the context adds a few layers' rows, not thirty.
+  const double ideal_growth = bytes(PolicyKind::kIdeal, 8192) - ideal;
+  const double full_growth =
+      bytes(PolicyKind::kFull, 8192) - bytes(PolicyKind::kFull, 4096);
+  EXPECT_GT(full_growth, 0);
+  EXPECT_LE(full_growth, 0.10 * ideal_growth);
+}
+
+// A backend that counts the bytes its allocations hold (shared and device).
+class CountingBackend final : public BackendWrapper {
+ public:
+  explicit CountingBackend(int64_t* live)
+      : BackendWrapper(NewCpuBackend()), live_(live) {}
+  std::string name() const override { return "counting-cpu"; }
+  void* AllocateShared(size_t bytes) override {
+    void* p = BackendWrapper::AllocateShared(bytes);
+    sizes_[p] = bytes;
+    *live_ += bytes;
+    return p;
+  }
+  void FreeShared(void* p) override {
+    if (p == nullptr) return;
+    *live_ -= sizes_[p];
+    sizes_.erase(p);
+    BackendWrapper::FreeShared(p);
+  }
+  void* AllocateDevice(size_t bytes) override { return AllocateShared(bytes); }
+  void FreeDevice(void* p) override { FreeShared(p); }
+
+ private:
+  int64_t* live_;
+  std::map<void*, size_t> sizes_;
+};
+
+// Full offload's KV memory does not grow as the context grows while
+// decoding: everything is allocated at creation (its growth with
+// max_seq_len: KvCacheSizing below).
+TEST_F(KvCacheTest, FullWorkerKvDoesNotGrowWithContext) {
+  FakeKvClient node;
+  int64_t live = 0;
+  EngineOptions o = Options(PolicyKind::kFull, &node);
+  auto engine =
+      Engine::Create(weights_, std::make_unique<CountingBackend>(&live), o);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  const int64_t after_create = live;
+  const std::vector<int> t = Tokens(200);
+  ASSERT_TRUE((*engine)->Forward(absl::MakeConstSpan(t).subspan(0, 8), false)
+                  .ok());
+  for (int i = 8; i < 200; ++i) {
+    ASSERT_TRUE((*engine)->Forward({t[i]}, false).ok());
+    ASSERT_EQ(live, after_create) << "allocation at context " << i;
+  }
+
+}
+
+TEST_F(KvCacheTest, WorkerKvLimitRefusesIdealAndServesOffloaded) {
+  FakeKvClient node;
+  KvCacheOptions kv;
+  kv.max_seq_len = 256;
+  kv.batch = 4;
+  kv.policy = Options(PolicyKind::kIdeal, nullptr).policy;
+  const int64_t ideal = *KvCache::WorkerBytes(weights_, kv);
+  const int64_t limit = ideal / 2;
+  for (PolicyKind kind :
+       {PolicyKind::kIdeal, PolicyKind::kFull, PolicyKind::kInfiniGen}) {
+    SCOPED_TRACE(PolicyName(kind));
+    EngineOptions o = Options(kind, &node);
+    o.batch = 4;
+    o.max_worker_kv_bytes = limit;
+    auto engine = Engine::Create(weights_, NewCpuBackend(), o);
+    if (kind == PolicyKind::kIdeal) {
+      ASSERT_EQ(engine.status().code(), absl::StatusCode::kResourceExhausted);
+      const std::string message(engine.status().message());
+      EXPECT_THAT(message, HasSubstr("policy ideal needs"));
+      EXPECT_THAT(message, HasSubstr("--max_worker_kv_bytes=" +
+                                     std::to_string(limit)));
+      continue;
+    }
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    EXPECT_LE((*engine)->worker_kv_bytes(), limit);
+    const std::vector<int> t = Tokens(30);
+    for (int slot = 0; slot < 4; ++slot) {
+      ASSERT_TRUE((*engine)
+                      ->Forward(slot, absl::MakeConstSpan(t).subspan(slot, 20),
+                                false)
+                      .ok());
+    }
+    auto step = (*engine)->DecodeBatch({0, 1, 2, 3}, {t[20], t[21], t[22], t[23]});
+    ASSERT_TRUE(step.ok()) << step.status();
+    // The node holds what the worker does not: every slot's reservation.
+    EXPECT_EQ((*engine)->node_kv_bytes(), 4LL * 12 * 2 * 256 * 8 * 2 * 2);
+  }
+  EngineOptions negative = Options(PolicyKind::kFull, &node);
+  negative.max_worker_kv_bytes = -1;
+  EXPECT_EQ(Engine::Create(weights_, NewCpuBackend(), negative).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(KvCacheTest, OffloadedPrefillIsOneCallAndAFailedOneLeavesTheSlotEmpty) {
+  FakeKvClient node;
+  node.FailAppendAt(5);  // layer 4's rows of the first prefill
+  EngineOptions o = Options(PolicyKind::kFull, &node);
+  o.recompute_on_kv_loss = false;
+  auto engine = Engine::Create(weights_, NewCpuBackend(), o);
+  ASSERT_TRUE(engine.ok());
+  const std::vector<int> t = Tokens(20);
+  auto failed = (*engine)->Forward(absl::MakeConstSpan(t).subspan(0, 10), false);
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ((*engine)->position(), 0);
+  EXPECT_EQ(node.closes(), 1);  // the half-written sequence is gone
+  // The same prompt again, from scratch, then a decode step.
+  ASSERT_TRUE((*engine)->Forward(absl::MakeConstSpan(t).subspan(0, 10), false)
+                  .ok());
+  ASSERT_TRUE((*engine)->Forward({t[10]}, false).ok());
+  EXPECT_EQ((*engine)->position(), 11);
+  auto more = (*engine)->Forward({t[11], t[12]}, false);
+  EXPECT_EQ(more.status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+// Greedy decoding of `steps` tokens after `prompt`; `before_step(i)` runs
+// before step i.
+std::vector<int> Greedy(Engine& e, const std::vector<int>& prompt, int steps,
+                        const std::function<void(int)>& before_step = {}) {
+  std::vector<int> out;
+  auto logits = e.Forward(prompt, false);
+  for (int i = 0; i < steps && logits.ok(); ++i) {
+    const int next = static_cast<int>(
+        std::max_element(logits->begin(), logits->end()) - logits->begin());
+    out.push_back(next);
+    if (before_step) before_step(i);
+    logits = e.Forward({next}, false);
+  }
+  if (!logits.ok()) out.push_back(-static_cast<int>(logits.status().code()));
+  return out;
+}
+
+// Prefix reuse: a second prefill of a prompt sharing a long prefix with an
+// earlier one (here from another engine: another worker on the same node)
+// fetches the prefix's rows instead of computing them, and decodes as
+// without reuse: the same greedy tokens, and for infinigen the same rows
+// fetched at every step (its column ranking sees the reused tokens' query
+// sums, carried with the blocks).
+TEST_F(KvCacheTest, APrefixReusedFromTheNodeDecodesAsWithoutReuse) {
+  for (PolicyKind kind : {PolicyKind::kFull, PolicyKind::kInfiniGen}) {
+    SCOPED_TRACE(PolicyName(kind));
+    FakeKvClient node;
+    EngineOptions o = Options(kind, &node);
+    o.prefix_block_tokens = 8;
+    o.model_identity = "test-model";
+    const std::vector<int> shared = Tokens(70);
+    std::vector<int> prompt = shared;
+    prompt.push_back(5);
+    prompt.push_back(9);
+    auto first = Engine::Create(weights_, NewCpuBackend(), o);
+    ASSERT_TRUE(first.ok());
+    ASSERT_TRUE((*first)->Forward(shared, false).ok());
+    EXPECT_EQ((*first)->cached_tokens(), 0);
+    // Another worker, another prompt with the same first 70 tokens.
+    auto second = Engine::Create(weights_, NewCpuBackend(), o);
+    ASSERT_TRUE(second.ok());
+    node.ClearAppends();
+    const std::vector<int> reused = Greedy(**second, prompt, 12);
+    EXPECT_EQ((*second)->cached_tokens(), 64);  // 8 whole blocks of 8
+    // Each layer appended only the 8 tokens after the reused ones.
+    const std::vector<FakeKvClient::AppendCall> appended = node.appends();
+    ASSERT_FALSE(appended.empty());
+    EXPECT_EQ(appended[0].n_tokens, 8);
+    // The same without reuse.
+    EngineOptions plain = o;
+    plain.prefix_block_tokens = 0;
+    auto third = Engine::Create(weights_, NewCpuBackend(), plain);
+    ASSERT_TRUE(third.ok());
+    const std::vector<int> computed = Greedy(**third, prompt, 12);
+    EXPECT_EQ((*third)->cached_tokens(), 0);
+    EXPECT_EQ(reused, computed);
+    EXPECT_EQ((*second)->fetch_stats().rows_fetched,
+              (*third)->fetch_stats().rows_fetched);
+    // Another model identity: nothing reused.
+    EngineOptions other = o;
+    other.model_identity = "another-model";
+    auto fourth = Engine::Create(weights_, NewCpuBackend(), other);
+    ASSERT_TRUE(fourth.ok());
+    ASSERT_TRUE((*fourth)->Forward(prompt, false).ok());
+    EXPECT_EQ((*fourth)->cached_tokens(), 0);
+  }
+}
+
+// h2o ranks by the prompt's own attention: it never reuses.
+TEST_F(KvCacheTest, H2ONeverReusesAPrefix) {
+  FakeKvClient node;
+  EngineOptions o = Options(PolicyKind::kH2O, &node);
+  o.prefix_block_tokens = 8;
+  o.model_identity = "test-model";
+  const std::vector<int> prompt = Tokens(40);
+  for (int i = 0; i < 2; ++i) {
+    auto e = Engine::Create(weights_, NewCpuBackend(), o);
+    ASSERT_TRUE(e.ok());
+    ASSERT_TRUE((*e)->Forward(prompt, false).ok());
+    EXPECT_EQ((*e)->cached_tokens(), 0);
+  }
+}
+
+// Teacher-forced decoding of `next` after `prompt`: the logits of every
+// step; `before_step(i)` runs before step i. Stops at the first error,
+// returned as the last entry's status.
+struct ForcedRun {
+  std::vector<std::vector<float>> logits;
+  absl::Status status;
+};
+ForcedRun Forced(Engine& e, const std::vector<int>& prompt,
+           const std::vector<int>& next,
+           const std::function<void(int)>& before_step = {}) {
+  ForcedRun run;
+  auto logits = e.Forward(prompt, false);
+  for (size_t i = 0; logits.ok(); ++i) {
+    run.logits.emplace_back(logits->begin(), logits->end());
+    if (i == next.size()) break;
+    if (before_step) before_step(static_cast<int>(i));
+    logits = e.Forward({next[i]}, false);
+  }
+  run.status = logits.status();
+  return run;
+}
+
+// The node loses the sequence mid-generation: with recompute the engine
+// prefills the prompt again and replays the decoded tokens, so every
+// later step's logits are the uninterrupted run's, bit for bit (InfiniGen
+// included: its partial columns rank over the same prompt); without, the
+// step fails with the node's NotFound.
+TEST_F(KvCacheTest, ASequenceTheNodeLostIsRecomputed) {
+  for (PolicyKind kind : {PolicyKind::kFull, PolicyKind::kInfiniGen}) {
+    SCOPED_TRACE(PolicyName(kind));
+    const std::vector<int> prompt = Tokens(30);
+    std::vector<int> next;
+    for (int i = 0; i < 16; ++i) next.push_back((i * 13 + 5) % 64);
+    FakeKvClient clean_node;
+    auto clean = Engine::Create(weights_, NewCpuBackend(),
+                                Options(kind, &clean_node));
+    ASSERT_TRUE(clean.ok());
+    const ForcedRun want = Forced(**clean, prompt, next);
+    ASSERT_TRUE(want.status.ok());
+    auto expect_close = [&](const ForcedRun& got) {
+      ASSERT_TRUE(got.status.ok()) << got.status;
+      ASSERT_EQ(got.logits.size(), want.logits.size());
+      for (size_t i = 0; i < got.logits.size(); ++i) {
+        double max_diff = 0, max_abs = 0;
+        for (size_t j = 0; j < got.logits[i].size(); ++j) {
+          max_diff = std::max(max_diff, std::fabs(double(got.logits[i][j]) -
+                                                  want.logits[i][j]));
+          max_abs = std::max(max_abs, std::fabs(double(want.logits[i][j])));
+        }
+        EXPECT_EQ(max_diff, 0.0) << "step " << i << " of logits up to " << max_abs;
+      }
+    };
+
+    FakeKvClient node;
+    auto engine = Engine::Create(weights_, NewCpuBackend(), Options(kind, &node));
+    ASSERT_TRUE(engine.ok());
+    expect_close(Forced(**engine, prompt, next, [&](int i) {
+      if (i == 6) node.LoseEverything();
+    }));
+    EXPECT_EQ((*engine)->kv_recoveries(), 1);
+    EXPECT_EQ(node.opens(), 2);
+
+    // A step's rows that never reached the node: recomputed too.
+    FakeKvClient flaky;
+    flaky.FailAppendAt(12 + 4);  // the prefill's 12, then step 4's
+    auto again = Engine::Create(weights_, NewCpuBackend(), Options(kind, &flaky));
+    ASSERT_TRUE(again.ok());
+    expect_close(Forced(**again, prompt, next));
+    EXPECT_EQ((*again)->kv_recoveries(), 1);
+
+    EngineOptions strict = Options(kind, &node);
+    strict.recompute_on_kv_loss = false;
+    auto failing = Engine::Create(weights_, NewCpuBackend(), strict);
+    ASSERT_TRUE(failing.ok());
+    const ForcedRun cut = Forced(**failing, prompt, next, [&](int i) {
+      if (i == 6) node.LoseEverything();
+    });
+    EXPECT_EQ(cut.logits.size(), 7u);
+    EXPECT_EQ(cut.status.code(), absl::StatusCode::kNotFound);
+    EXPECT_EQ((*failing)->kv_recoveries(), 0);
+  }
+}
+
+// A device-like backend whose device memory the host cannot touch: it is
+// mapped PROT_NONE except while one of the backend's own operations or
+// copies runs, so any host access to it by the engine, the cache or a
+// policy crashes the test. Fetched rows must reach it by CopyFromHost and
+// results leave it by CopyToHost; the operations that decode fetched rows
+// must read them there, not in the host's fetch buffers.
+class GuardedDeviceBackend final : public Backend {
+ public:
+  explicit GuardedDeviceBackend(std::vector<std::string>* violations)
+      : cpu_(NewCpuBackend()), violations_(violations) {}
+  ~GuardedDeviceBackend() override {
+    for (auto& [p, size] : device_) munmap(p, size);
+  }
+  std::string name() const override { return "guarded-device"; }
+  void* AllocateShared(size_t bytes) override {
+    ++shared_allocations;
+    return Backend::AllocateShared(bytes);
+  }
+  void* AllocateDevice(size_t bytes) override {
+    const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    const size_t size = std::max<size_t>(1, (bytes + page - 1) / page) * page;
+    void* p = mmap(nullptr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1,
+                   0);
+    if (p == MAP_FAILED) return nullptr;
+    device_[static_cast<char*>(p)] = size;
+    return p;
+  }
+  void FreeDevice(void* p) override {
+    auto it = device_.find(static_cast<char*>(p));
+    if (it == device_.end()) return;
+    munmap(it->first, it->second);
+    device_.erase(it);
+  }
+  void Linear(const float* x, int n, int in, const float* w, const float* b,
+              int out, float* y) override {
+    Open open(this);
+    cpu_->Linear(x, n, in, w, b, out, y);
+  }
+  void RmsNorm(const float* x, int n, int dim, const float* g, float eps,
+               float* y) override {
+    Open open(this);
+    cpu_->RmsNorm(x, n, dim, g, eps, y);
+  }
+  void LayerNorm(const float* x, int n, int dim, const float* g,
+                 const float* b, float eps, float* y) override {
+    Open open(this);
+    cpu_->LayerNorm(x, n, dim, g, b, eps, y);
+  }
+  void Rope(float* x, int n, int h, int d, const int* pos,
+            float theta) override {
+    Open open(this);
+    cpu_->Rope(x, n, h, d, pos, theta);
+  }
+  void Attention(const AttentionParams& p) override {
+    Open open(this);
+    if (!InDevice(p.k) || !InDevice(p.v)) {
+      violations_->push_back("attention reads K/V outside device memory");
+    }
+    cpu_->Attention(p);
+  }
+  void SwiGlu(float* g, const float* u, long n) override {
+    Open open(this);
+    cpu_->SwiGlu(g, u, n);
+  }
+  void Relu(float* x, long n) override {
+    Open open(this);
+    cpu_->Relu(x, n);
+  }
+  void Add(float* x, const float* y, long n) override {
+    Open open(this);
+    cpu_->Add(x, y, n);
+  }
+  void Copy(float* d, const float* s, long n) override {
+    Open open(this);
+    cpu_->Copy(d, s, n);
+  }
+  void DecodeKvRows(const uint16_t* in, int n_rows, int head_dim,
+                    KvRowFormat format, float* rows) override {
+    Open open(this);
+    ++decodes;
+    if (!InDevice(in)) {
+      violations_->push_back("fetched rows decoded from host memory");
+    }
+    cpu_->DecodeKvRows(in, n_rows, head_dim, format, rows);
+  }
+  void SpeculateScores(const SpeculationParams& p) override {
+    Open open(this);
+    cpu_->SpeculateScores(p);
+  }
+  void QuantizePartialKeys(const float* keys, int n_rows, int n_cols,
+                           uint8_t* rows) override {
+    Open open(this);
+    if (!InDevice(keys) || !InDevice(rows)) {
+      violations_->push_back("partial keys quantized outside device memory");
+    }
+    cpu_->QuantizePartialKeys(keys, n_rows, n_cols, rows);
+  }
+  void CopyFromHost(void* dst, const void* src, size_t bytes,
+                    Mark after) override {
+    Open open(this);
+    ++copies_in;
+    if (!InDevice(dst)) violations_->push_back("a copy into host memory");
+    std::memcpy(dst, src, bytes);
+  }
+  absl::Status CopyToHost(void* dst, const void* src, size_t bytes) override {
+    Open open(this);
+    if (!InDevice(src)) violations_->push_back("a copy out of host memory");
+    std::memcpy(dst, src, bytes);
+    return absl::OkStatus();
+  }
+  long copies_in = 0, decodes = 0, shared_allocations = 0;
+
+ private:
+  // Device memory readable and writable for the life of this object.
+  class Open {
+   public:
+    explicit Open(GuardedDeviceBackend* b) : b_(b) { b_->Protect(true); }
+    ~Open() { b_->Protect(false); }
+
+   private:
+    GuardedDeviceBackend* b_;
+  };
+  void Protect(bool open) {
+    for (auto& [p, size] : device_) {
+      mprotect(p, size, open ? PROT_READ | PROT_WRITE : PROT_NONE);
+    }
+  }
+  bool InDevice(const void* p) const {
+    const char* c = static_cast<const char*>(p);
+    auto it = device_.upper_bound(const_cast<char*>(c));
+    if (it == device_.begin()) return false;
+    --it;
+    return c < it->first + it->second;
+  }
+  std::unique_ptr<Backend> cpu_;
+  std::vector<std::string>* violations_;
+  std::map<char*, size_t> device_;
+};
+
+TEST_F(KvCacheTest, DeviceBackendsReadFetchedRowsFromTheirOwnMemory) {
+  for (PolicyKind kind : {PolicyKind::kIdeal, PolicyKind::kFull,
+                          PolicyKind::kInt4, PolicyKind::kH2O,
+                          PolicyKind::kInfiniGen}) {
+    SCOPED_TRACE(PolicyName(kind));
+    FakeKvClient a, b;
+    std::vector<std::string> violations;
+    auto device = std::make_unique<GuardedDeviceBackend>(&violations);
+    GuardedDeviceBackend* d = device.get();
+    auto on_device = Engine::Create(weights_, std::move(device),
+                                    Options(kind, &a));
+    auto on_cpu = Engine::Create(weights_, NewCpuBackend(), Options(kind, &b));
+    ASSERT_TRUE(on_device.ok()) << on_device.status();
+    ASSERT_TRUE(on_cpu.ok());
+    const std::vector<int> t = Tokens(40);
+    // A prompt of two chunks and a half.
+    for (Engine* e : {on_device->get(), on_cpu->get()}) {
+      ASSERT_TRUE(e->Forward(absl::MakeConstSpan(t).subspan(0, 30), false).ok());
+    }
+    const long copies_after_prefill = d->copies_in;
+    for (int i = 30; i < 40; ++i) {
+      auto want = (*on_cpu)->Forward({t[i]}, false);
+      ASSERT_TRUE(want.ok());
+      const std::vector<float> w(want->begin(), want->end());
+      auto got = (*on_device)->Forward({t[i]}, false);
+      ASSERT_TRUE(got.ok()) << got.status();
+      const std::vector<float> g(got->begin(), got->end());
+      if (kind == PolicyKind::kIdeal || kind == PolicyKind::kInt4) {
+        // Decoded and attended the same way on both: bit for bit.
+        EXPECT_EQ(g, w);
+      } else {
+        // The CPU attends over the fp16 rows where they lie
+        // (AttendStoredRows), the device path over decoded rows: the same
+        // values summed in another order.
+        ASSERT_EQ(g.size(), w.size());
+        for (size_t j = 0; j < w.size(); ++j) {
+          ASSERT_NEAR(g[j], w[j], 1e-4f * (1.0f + std::fabs(w[j]))) << j;
+        }
+      }
+    }
+    EXPECT_THAT(violations, ::testing::IsEmpty());
+    EXPECT_EQ(d->shared_allocations, 0);  // no memory both sides touch
+    if (kind != PolicyKind::kIdeal) {
+      // At least one copy of fetched rows per layer and step.
+      EXPECT_GE(d->copies_in - copies_after_prefill, 10L * 12);
+      EXPECT_GE(d->decodes, 2L * 2 * 10 * 12);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace infinigen::gpu_worker

@@ -1,0 +1,268 @@
+// KV policies: how a layer's K and V reach attention while decoding.
+//
+// One engine, many policies, chosen by a flag, so every comparison runs in
+// one process on the same model:
+//   ideal      the whole cache local; nothing is fetched
+//   full       offload; every cached row of every layer is fetched each step
+//              (FlexGen)
+//   infinigen  the first dense_layers layers (2, the paper's; 0 when it
+//              speculates after the attention) fetch everything; layer
+//              i >= 1 speculates which tokens layer i + 1 needs and only
+//              those are fetched (layer 0, when not dense, ranks by its own
+//              input, the first thing a step knows)
+//   h2o        heavy hitters (accumulated attention) plus a recent window,
+//              budget a fraction of the sequence, evicted for good
+//   int4       rows stored group-wise 4-bit (asymmetric, group 64, FlexGen's
+//              scheme); every row fetched
+//   oracle     the upper bound of top-k selection: the first dense_layers
+//              (2) fetch everything; each other layer fetches the exact top
+//              `budget` of its own attention per KV head (ranked by the
+//              largest of the group's query heads' log-softmax, as
+//              infinigen ranks its speculated scores), chosen from its own
+//              input (the fetch cannot leave early: a diagnostic, not a
+//              serving policy)
+//   quest      Quest's page selection: keys in pages of page_tokens, each
+//              page's element-wise key min and max bound its best score;
+//              the layers after the first dense_layers (2, as in the
+//              paper) fetch the top budget of pages per KV head by
+//              that bound for its own query (a peer at equal fetch; like
+//              oracle, chosen from the layer's own input)
+// Every policy but ideal stores rows in the memory node through a KvClient
+// and fetches them with FetchPlans, so the rows moved per step are counted
+// the same way for all.
+//
+// KvPolicy is the offloaded KV cache's internal interface (kv_cache.h),
+// implemented once per policy under kv/policies/: one per sequence, it owns
+// the policy's state (partial key cache, accumulated attention;
+// docs/design.md, "Where each policy's state lives"); ideal has none, it
+// never offloads. Not thread-safe.
+#ifndef INFINIGEN_GPU_WORKER_KV_KV_POLICY_H_
+#define INFINIGEN_GPU_WORKER_KV_KV_POLICY_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "gpu_worker/backend/backend.h"
+#include "gpu_worker/backend/kv_rows.h"
+#include "kv_memory_service/kv_types.h"
+#include "model/weights.h"
+#include "speculator/speculator.h"
+
+namespace infinigen::gpu_worker {
+
+enum class PolicyKind {
+  kIdeal, kFull, kInfiniGen, kH2O, kInt4, kOracle, kQuest
+};
+
+// Each kind is one file under kv/policies/ and one entry of its registry
+// (kv/policies/registry.h), where its name, traits and factory live.
+// By name ("ideal", "full", ...); InvalidArgument naming the known ones.
+absl::StatusOr<PolicyKind> ParsePolicy(absl::string_view name);
+const char* PolicyName(PolicyKind kind);
+// Whether the policy's rows go to the memory node (all but ideal, whose
+// whole cache stays local).
+bool Offloads(PolicyKind kind);
+
+struct PolicyOptions {
+  PolicyKind kind = PolicyKind::kIdeal;
+  // infinigen: a token is a candidate when its speculated score is within
+  // alpha of the head's maximum.
+  float alpha = 5.0f;
+  // infinigen: fraction of each head's columns kept in the partial query
+  // weight and partial key cache (4-bit rows, speculator/partial_keys.h).
+  float partial_ratio = 0.3f;
+  // infinigen: cap on the tokens fetched per head, as a fraction of the
+  // cached tokens. h2o: the kept fraction (half heavy hitters, half recent).
+  float budget = 0.2f;
+  // infinigen: how partial columns are ranked over the prompt. false: by
+  // the summed |q A| (the reference); true: by summed |q A| times summed
+  // |k A|, the columns whose products carry the scores (our variant).
+  bool rank_columns_by_keys = false;
+  // Diagnostic (accuracy only): speculate each layer's selection from that
+  // layer's own attention input instead of the previous layer's, so the
+  // fetch cannot leave early. Separates the loss of attending to a subset
+  // from the error of speculating one layer ahead.
+  bool same_layer_input = false;
+  // infinigen: where layer l + 1's query is speculated from. kLayerInput
+  // (the paper): layer l's attention input (its norm of the residual
+  // stream), so the fetch overlaps layer l's attention and MLP.
+  // kPostAttention: layer l + 1's attention norm of the residual stream
+  // after layer l's attention, the input layer l + 1 would see if layer l's
+  // MLP added nothing; the fetch overlaps layer l's MLP only.
+  enum class SpeculationInput { kLayerInput, kPostAttention };
+  SpeculationInput speculation_input = SpeculationInput::kLayerInput;
+  // infinigen, diagnostic: fp32 partial key rows instead of 4-bit ones
+  // (speculator/partial_keys.h), to measure what the 4 bits cost. The
+  // oracle and same_layer_input always rank by fp32 keys.
+  bool exact_partial_keys = false;
+  // infinigen: the skew matrices (not owned; must outlive the engine).
+  // Required for infinigen.
+  const speculator::SkewMatrices* skew = nullptr;
+  // infinigen, oracle and quest: the first sink_tokens positions (attention
+  // sinks) and the last recent_tokens before the new token are fetched at
+  // every speculated layer, besides the speculated selection (quest: the
+  // pages that hold them).
+  int sink_tokens = 0;
+  int recent_tokens = 0;
+  // infinigen and oracle: 0 selects by alpha (the paper's rule, one k per
+  // layer); in (0, 1], each KV head takes its top tokens until they carry
+  // this share of its speculated attention, at most `budget` of the cached
+  // tokens (speculator::SelectByMass: budgets adapt across layers and
+  // heads).
+  float score_mass = 0.0f;
+  // infinigen and oracle: each (layer, KV head) of the selecting layers
+  // takes its own share of the cached tokens, allocated from `profile`
+  // (speculator::AllocateBudgets) so that their mean is `budget` and the
+  // summed calibration error is least (infinigen: the error of its
+  // speculated ranking; oracle: of the exact one); each takes at least
+  // budget_floor times `budget`. Replaces the alpha rule and score_mass.
+  bool adaptive_budgets = false;
+  float budget_floor = 0.25f;
+  // The calibration's head profile (not owned; must outlive the engine).
+  // Required with adaptive_budgets.
+  const speculator::HeadProfile* profile = nullptr;
+  // quest: tokens per page.
+  int page_tokens = 16;
+  // infinigen, oracle and quest: the first dense_layers layers read every
+  // row (the paper's InfiniGen and Quest: 2). With 0, layer 0 ranks its
+  // rows by its own attention input (exact for its query; its fetch leaves
+  // at the start of the layer, where the whole layer's left at the start
+  // of the step) and every layer shares the budget.
+  int dense_layers = 2;
+
+  // Whether a layer's fetch is chosen from that layer's own input
+  // (same_layer_input, oracle, quest) rather than the previous layer's.
+  bool SpeculatesFromOwnInput() const;
+  // Whether layer l + 1's fetch is speculated after layer l's attention.
+  bool SpeculatesAfterAttention() const;
+  // Whether layer 0's rows are chosen (from its own attention input, at
+  // the start of the layer) rather than all fetched at the step's start.
+  bool SelectsLayerZero() const;
+
+  // InvalidArgument for values out of range or a missing skew.
+  absl::Status Validate() const;
+};
+
+// Sets `options` (its kind already chosen) so that the mean fraction of
+// cached rows fetched per decode step lands at `fraction` on a model of
+// `n_layers` layers: infinigen, oracle and quest read their first
+// D = options.dense_layers layers whole, so the selecting layers take
+// budget (fraction * n_layers - D) / (n_layers - D), with the alpha rule
+// off (alpha 1e9: the cap decides) and no score mass; h2o keeps
+// `fraction`. Sink and recent tokens come on top. InvalidArgument for a
+// fraction outside (0, 1], one at or below what the dense layers fetch
+// alone, or a policy whose fetch is not chosen (ideal, full, int4).
+absl::Status SetTargetFetch(double fraction, int n_layers,
+                            PolicyOptions& options);
+
+class KvPolicy {
+ public:
+  struct Context {
+    const model::Weights* weights = nullptr;
+    // The engine's backend (its weights registered): a policy keeps its
+    // per-token state in this backend's shared memory and runs its
+    // arithmetic there.
+    Backend* backend = nullptr;
+    int max_seq_len = 0;  // positions the caches hold
+  };
+
+  static absl::StatusOr<std::unique_ptr<KvPolicy>> Create(
+      const PolicyOptions& options, const Context& context);
+  // The same without allocating its state: for the sizes and properties
+  // below (RowWidth, MaxPlanRows, Wants*), not for use.
+  static absl::StatusOr<std::unique_ptr<KvPolicy>> CreateUninitialized(
+      const PolicyOptions& options, const Context& context);
+  // Bytes of per-sequence state a policy of these options holds on the
+  // worker (InfiniGen's partial key cache and weights, H2O's scores and kept
+  // set), as Create would allocate them; computed without allocating.
+  static absl::StatusOr<int64_t> StateBytes(const PolicyOptions& options,
+                                            const Context& context);
+  virtual ~KvPolicy() = default;
+
+  // How this policy stores K and V rows (fp16 unless it quantizes).
+  virtual KvRowFormat row_format() const { return KvRowFormat::kHalf; }
+  // uint16_t values per stored K or V row.
+  int RowWidth() const;
+  // rows [n_rows, head_dim] fp32 -> out [n_rows, RowWidth()], on the host
+  // (the backend decodes them: PolicyOps::DecodeKvRows).
+  void EncodeRows(const float* rows, int n_rows, uint16_t* out) const;
+  // Most rows of one (layer, KV head) a plan of this policy names when
+  // positions [0, p) are cached: what the fetch staging must hold.
+  virtual int MaxPlanRows(int p) const { return p; }
+
+  // A new sequence begins.
+  virtual void Reset() {}
+
+  // Prefill, layer by layer, each layer in chunks: layer's post-RoPE
+  // queries q [n, n_heads, head_dim] and keys k [n, n_kv_heads, head_dim]
+  // of positions [first_pos, first_pos + n) (host-readable), and, when
+  // WantsPrefillProbs, the summed attention probabilities prob_sums
+  // [n_heads, first_pos + n].
+  virtual bool WantsPrefillProbs() const { return false; }
+  virtual void ObservePrefill(int layer, const float* q, const float* k,
+                              int n, int first_pos, const float* prob_sums) {}
+
+  // Prefix reuse (kv_cache.h): a sequence may start from the rows of a
+  // prompt prefix another sequence computed. Whether this policy can:
+  // false where it needs the whole prompt's attention itself (h2o).
+  virtual bool ReusesPrefix() const { return true; }
+  // What the policy derives from prefill queries and keys beyond the
+  // stored rows, per layer, as floats that add up over tokens (InfiniGen:
+  // the summed |q A| its partial columns rank by). A reused block carries
+  // its tokens' sums, so that the sequence ranks as if it had seen them.
+  virtual int PrefixStateFloats() const { return 0; }
+  // Adds the contribution of n prefill tokens of `layer` (q, k as in
+  // ObservePrefill) to out [PrefixStateFloats()].
+  virtual void SummarizePrefill(int layer, const float* q, const float* k,
+                                int n, float* out) const {}
+  // Counts a reused block's summary of `layer` as if ObservePrefill had
+  // seen its tokens.
+  virtual void AddPrefixState(int layer, const float* state) {}
+
+  // After layer's last prefill chunk: keys [n_kv_heads, key_stride,
+  // head_dim] (backend memory) hold its post-RoPE keys of positions
+  // [0, n_tokens). Errors are the backend's.
+  virtual absl::Status FinishPrefillLayer(int layer, int n_tokens,
+                                          const float* keys, int key_stride) {
+    return absl::OkStatus();
+  }
+
+  // The rows `layer` attends to when positions [0, p) are cached. xb_prev
+  // is layer - 1's attention input [dim] in the backend's memory (null for
+  // layer 0); present is [n_kv_heads, max_seq_len] on the host, 0 where the
+  // pool evicted a token. Errors are the backend's.
+  virtual absl::Status PlanFetch(int layer, int p, const float* xb_prev,
+                                 const uint8_t* present,
+                                 kv_memory_service::OwnedFetchPlan& plan) = 0;
+
+  // After `layer`'s attention over `plan`'s rows plus the new token:
+  // probs [n_heads, stride], head h's row holds the probability of each of
+  // its KV head's plan entries in order, then the new token's.
+  virtual void ObserveAttention(int layer,
+                                const kv_memory_service::FetchPlan& plan,
+                                const float* probs, int stride) {}
+  virtual bool WantsAttentionProbs() const { return false; }
+
+  // After a decode step: key [n_kv_heads, head_dim] (backend memory) is the
+  // post-RoPE key of the new token at position p of `layer`.
+  virtual void OnDecodeAppend(int layer, int p, const float* key) {}
+
+ protected:
+  explicit KvPolicy(const Context& context) : ctx_(context) {}
+  // Allocates what the policy keeps in the backend's memory.
+  virtual absl::Status Init() { return absl::OkStatus(); }
+  // Every present position of each head, ascending.
+  void PlanAllPresent(int p, const uint8_t* present,
+                      kv_memory_service::OwnedFetchPlan& plan) const;
+  const model::ModelConfig& config() const { return ctx_.weights->config; }
+
+  Context ctx_;
+};
+
+}  // namespace infinigen::gpu_worker
+
+#endif  // INFINIGEN_GPU_WORKER_KV_KV_POLICY_H_

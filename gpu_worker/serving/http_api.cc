@@ -1,0 +1,746 @@
+#include "gpu_worker/serving/http_api.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <optional>
+#include <random>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "common/api_key.h"
+#include "common/address.h"
+#include "common/status.h"
+#include "httplib.h"
+#include "openssl/ssl.h"
+#include "nlohmann/json.hpp"
+
+namespace infinigen::gpu_worker {
+
+using json = nlohmann::json;
+
+namespace {
+
+// A request's parameters after validation.
+struct CompletionParams {
+  bool chat = false;
+  std::vector<int> prompt_tokens;
+  int max_tokens = 0;  // 0: up to the scheduler's limit
+  float temperature = 1.0f;
+  float top_p = 1.0f;
+  uint64_t seed = 0;
+  std::vector<std::string> stop;
+  bool stream = false;
+  bool include_usage = false;
+};
+
+// An HTTP status and OpenAI's error fields.
+struct ApiError {
+  int status = 400;
+  std::string message;
+  std::string type = "invalid_request_error";
+  std::string param;  // empty: null
+  std::string code;   // empty: null
+};
+
+json ErrorBody(const ApiError& e) {
+  return json{{"error",
+               {{"message", e.message},
+                {"type", e.type},
+                {"param", e.param.empty() ? json(nullptr) : json(e.param)},
+                {"code", e.code.empty() ? json(nullptr) : json(e.code)}}}};
+}
+
+void SetError(httplib::Response& res, const ApiError& e) {
+  res.status = e.status;
+  res.set_content(ErrorBody(e).dump(), "application/json");
+}
+
+ApiError BadParam(std::string param, std::string message) {
+  return ApiError{400, std::move(message), "invalid_request_error",
+                  std::move(param), ""};
+}
+
+// The scheduler's refusals as HTTP.
+ApiError FromStatus(const absl::Status& s) {
+  ApiError e;
+  e.message = std::string(s.message());
+  switch (s.code()) {
+    case absl::StatusCode::kInvalidArgument:
+      e.status = 400;
+      break;
+    case absl::StatusCode::kResourceExhausted:
+      e.status = 429;
+      e.type = "rate_limit_error";
+      e.code = "queue_full";
+      break;
+    case absl::StatusCode::kUnavailable:
+      e.status = 503;
+      e.type = "server_error";
+      e.code = "unavailable";
+      break;
+    default:
+      e.status = 500;
+      e.type = "server_error";
+      break;
+  }
+  return e;
+}
+
+std::string RandomId(absl::string_view prefix) {
+  static std::atomic<uint64_t> counter{0};
+  static const uint64_t base = std::random_device{}();
+  return absl::StrCat(prefix, absl::Hex(base, absl::kZeroPad8),
+                      absl::Hex(counter.fetch_add(1), absl::kZeroPad8));
+}
+
+int64_t UnixNow() { return absl::ToUnixSeconds(absl::Now()); }
+
+// Sends a generation's text minus its stop sequences: text that could be the
+// start of a stop sequence is held back until it cannot.
+class StopMatcher {
+ public:
+  explicit StopMatcher(const std::vector<std::string>& stop) : stop_(stop) {}
+
+  // The text now safe to send after `piece`; sets stopped() when a stop
+  // sequence appeared (the returned text then ends just before it).
+  std::string Add(absl::string_view piece) {
+    pending_.append(piece.data(), piece.size());
+    size_t first = std::string::npos;
+    for (const std::string& s : stop_) {
+      first = std::min(first, pending_.find(s));
+    }
+    if (first != std::string::npos) {
+      stopped_ = true;
+      std::string out = pending_.substr(0, first);
+      pending_.clear();
+      return out;
+    }
+    size_t hold = 0;  // the longest suffix that begins a stop sequence
+    for (const std::string& s : stop_) {
+      for (size_t n = std::min(s.size() - 1, pending_.size()); n > hold; --n) {
+        if (pending_.compare(pending_.size() - n, n, s, 0, n) == 0) {
+          hold = n;
+          break;
+        }
+      }
+    }
+    std::string out = pending_.substr(0, pending_.size() - hold);
+    pending_.erase(0, pending_.size() - hold);
+    return out;
+  }
+  // What was held back (the generation ended without a stop sequence).
+  std::string Flush() { return std::exchange(pending_, ""); }
+  bool stopped() const { return stopped_; }
+
+ private:
+  const std::vector<std::string> stop_;
+  std::string pending_;
+  bool stopped_ = false;
+};
+
+// Reads an optional number field; its absence leaves *out alone.
+std::optional<ApiError> GetNumber(const json& body, const char* name,
+                                  double* out) {
+  auto it = body.find(name);
+  if (it == body.end() || it->is_null()) return std::nullopt;
+  if (!it->is_number()) {
+    return BadParam(name, absl::StrCat("'", name, "' must be a number"));
+  }
+  *out = it->get<double>();
+  return std::nullopt;
+}
+
+std::optional<ApiError> GetInt(const json& body, const char* name,
+                               int64_t* out) {
+  auto it = body.find(name);
+  if (it == body.end() || it->is_null()) return std::nullopt;
+  if (!it->is_number_integer()) {
+    return BadParam(name, absl::StrCat("'", name, "' must be an integer"));
+  }
+  *out = it->get<int64_t>();
+  return std::nullopt;
+}
+
+std::optional<ApiError> GetBool(const json& body, const char* name,
+                                bool* out) {
+  auto it = body.find(name);
+  if (it == body.end() || it->is_null()) return std::nullopt;
+  if (!it->is_boolean()) {
+    return BadParam(name, absl::StrCat("'", name, "' must be true or false"));
+  }
+  *out = it->get<bool>();
+  return std::nullopt;
+}
+
+class Api {
+ public:
+  Api(GenerationScheduler* scheduler, const model::Tokenizer* tokenizer,
+      HttpApiOptions options)
+      : scheduler_(scheduler),
+        tokenizer_(tokenizer),
+        options_(std::move(options)),
+        created_(UnixNow()) {}
+
+  void Install(httplib::Server& server) {
+    server.set_payload_max_length(options_.max_body_bytes);
+    server.set_pre_routing_handler(
+        [this](const httplib::Request& req, httplib::Response& res) {
+          return Authorize(req, res);
+        });
+    // Called for every response of status >= 400: fills in the body of
+    // httplib's own (404 for no route, 413, ...).
+    server.set_error_handler(httplib::Server::HandlerWithResponse(
+        [](const httplib::Request& req, httplib::Response& res) {
+          if (!res.body.empty() || res.content_provider_) {
+            return httplib::Server::HandlerResponse::Unhandled;
+          }
+          ApiError e;
+          e.status = res.status;
+          if (res.status == 404) {
+            e.message = absl::StrCat("no route ", req.method, " ", req.path);
+            e.code = "not_found";
+          } else if (res.status == 413) {
+            e.message = "the request body is too large";
+            e.code = "payload_too_large";
+          } else {
+            e.message = absl::StrCat("HTTP status ", res.status);
+          }
+          SetError(res, e);
+          return httplib::Server::HandlerResponse::Handled;
+        }));
+    server.Get("/health",
+               [this](const httplib::Request&, httplib::Response& res) {
+                 const bool ok = !options_.serving || options_.serving();
+                 res.status = ok ? 200 : 503;
+                 res.set_content(
+                     json{{"status", ok ? "ok" : "unavailable"}}.dump(),
+                     "application/json");
+               });
+    if (options_.metrics) {
+      server.Get("/metrics",
+                 [this](const httplib::Request&, httplib::Response& res) {
+                   res.set_content(options_.metrics(),
+                                   "text/plain; version=0.0.4");
+                 });
+    }
+    server.Get("/v1/models",
+               [this](const httplib::Request&, httplib::Response& res) {
+                 res.set_content(
+                     json{{"object", "list"}, {"data", {ModelJson()}}}.dump(),
+                     "application/json");
+               });
+    server.Get(R"(/v1/models/(.+))",
+               [this](const httplib::Request& req, httplib::Response& res) {
+                 if (req.matches[1] != options_.model_id) {
+                   SetError(res, UnknownModel(req.matches[1]));
+                   return;
+                 }
+                 res.set_content(ModelJson().dump(), "application/json");
+               });
+    server.Post("/v1/completions",
+                [this](const httplib::Request& req, httplib::Response& res) {
+                  Complete(req, res, /*chat=*/false);
+                });
+    server.Post("/v1/chat/completions",
+                [this](const httplib::Request& req, httplib::Response& res) {
+                  Complete(req, res, /*chat=*/true);
+                });
+  }
+
+ private:
+  httplib::Server::HandlerResponse Authorize(const httplib::Request& req,
+                                             httplib::Response& res) {
+    if (options_.api_key.empty() || req.path == "/health" ||
+        (req.path == "/metrics" && options_.metrics)) {
+      return httplib::Server::HandlerResponse::Unhandled;
+    }
+    const std::string header = req.get_header_value("Authorization");
+    const absl::string_view presented(header);
+    const absl::Status status = CheckApiKey(&presented, options_.api_key);
+    if (status.ok()) return httplib::Server::HandlerResponse::Unhandled;
+    SetError(res, ApiError{401, std::string(status.message()),
+                           "authentication_error", "", "invalid_api_key"});
+    return httplib::Server::HandlerResponse::Handled;
+  }
+
+  json ModelJson() const {
+    return json{{"id", options_.model_id},
+                {"object", "model"},
+                {"created", created_},
+                {"owned_by", "infinigen"},
+                {"max_model_len", scheduler_->max_seq_len()}};
+  }
+
+  ApiError UnknownModel(const std::string& model) const {
+    return ApiError{404,
+                    absl::StrCat("the model '", model,
+                                 "' does not exist; this server serves '",
+                                 options_.model_id, "'"),
+                    "invalid_request_error", "model", "model_not_found"};
+  }
+
+  // The request's parameters, or the error to answer with.
+  std::optional<ApiError> Parse(const json& body, bool chat,
+                                CompletionParams* p) const {
+    if (!body.is_object()) {
+      return ApiError{400, "the request body must be a JSON object"};
+    }
+    p->chat = chat;
+    if (auto it = body.find("model"); it != body.end() && !it->is_null()) {
+      if (!it->is_string()) return BadParam("model", "'model' must be a string");
+      if (it->get<std::string>() != options_.model_id) {
+        return UnknownModel(it->get<std::string>());
+      }
+    }
+    int64_t n = 1;
+    if (auto e = GetInt(body, "n", &n)) return e;
+    if (n != 1) return BadParam("n", "only n=1 is supported");
+
+    if (auto e = chat ? ParseChatPrompt(body, p)
+                      : ParseCompletionPrompt(body, p)) {
+      return e;
+    }
+    if (auto e = ParseMaxTokens(body, chat, p)) return e;
+    if (auto e = ParseSampling(body, p)) return e;
+    return ParseStopAndStream(body, p);
+  }
+
+  // A chat request's messages in the model's chat template, tokenized.
+  std::optional<ApiError> ParseChatPrompt(const json& body,
+                                          CompletionParams* p) const {
+    if (!options_.chat_template.ok()) {
+      return ApiError{400,
+                      absl::StrCat("chat is not available: ",
+                                   options_.chat_template.status().message())};
+    }
+    auto it = body.find("messages");
+    if (it == body.end() || !it->is_array() || it->empty()) {
+      return BadParam("messages",
+                      "'messages' must be a non-empty array of messages");
+    }
+    std::vector<ChatMessage> messages;
+    for (size_t i = 0; i < it->size(); ++i) {
+      const json& m = (*it)[i];
+      const std::string where = absl::StrCat("messages[", i, "]");
+      if (!m.is_object() || !m.contains("role") || !m["role"].is_string()) {
+        return BadParam(where, absl::StrCat("'", where,
+                                            "' must be an object with a "
+                                            "string 'role'"));
+      }
+      ChatMessage message{m["role"].get<std::string>(), ""};
+      const json content = m.value("content", json(nullptr));
+      if (content.is_string()) {
+        message.content = content.get<std::string>();
+      } else if (content.is_array()) {
+        // [{"type": "text", "text": ...}, ...]: the text parts.
+        for (const json& part : content) {
+          if (!part.is_object() || part.value("type", "") != "text" ||
+              !part.contains("text") || !part["text"].is_string()) {
+            return BadParam(where, absl::StrCat("'", where,
+                                                ".content' may hold only "
+                                                "text parts"));
+          }
+          message.content += part["text"].get<std::string>();
+        }
+      } else if (!content.is_null()) {
+        return BadParam(where, absl::StrCat("'", where,
+                                            ".content' must be a string"));
+      }
+      messages.push_back(std::move(message));
+    }
+    auto text = ApplyChatTemplate(*options_.chat_template, messages);
+    if (!text.ok()) {
+      return BadParam("messages", std::string(text.status().message()));
+    }
+    p->prompt_tokens = tokenizer_->Encode(*text, /*add_bos=*/true);
+    return std::nullopt;
+  }
+
+  // A completion request's prompt: one string or one array of token ids.
+  std::optional<ApiError> ParseCompletionPrompt(const json& body,
+                                                CompletionParams* p) const {
+    auto it = body.find("prompt");
+    if (it == body.end() || it->is_null()) {
+      return BadParam("prompt", "'prompt' is required");
+    }
+    const json* one = &*it;
+    if (it->is_array() && it->size() == 1 && (*it)[0].is_string()) {
+      one = &(*it)[0];  // ["text"]
+    }
+    if (one->is_string()) {
+      p->prompt_tokens =
+          tokenizer_->Encode(one->get<std::string>(), /*add_bos=*/true);
+    } else if (one->is_array() && !one->empty() &&
+               std::all_of(one->begin(), one->end(),
+                           [](const json& t) {
+                             return t.is_number_integer();
+                           })) {
+      for (const json& t : *one) p->prompt_tokens.push_back(t.get<int>());
+    } else {
+      return BadParam("prompt",
+                      "'prompt' must be a string or an array of token ids "
+                      "(one prompt: n and batches of prompts are not "
+                      "supported)");
+    }
+    if (p->prompt_tokens.empty()) {
+      return BadParam("prompt", "the prompt is empty");
+    }
+    return std::nullopt;
+  }
+
+  // max_tokens (or chat's max_completion_tokens) within the server's limit,
+  // with OpenAI's defaults.
+  std::optional<ApiError> ParseMaxTokens(const json& body, bool chat,
+                                         CompletionParams* p) const {
+    int64_t max_tokens = 0;
+    const char* max_name = "max_tokens";
+    if (auto e = GetInt(body, "max_tokens", &max_tokens)) return e;
+    if (chat && body.contains("max_completion_tokens")) {
+      max_name = "max_completion_tokens";
+      if (auto e = GetInt(body, max_name, &max_tokens)) return e;
+    }
+    const bool max_given = max_tokens != 0 || (body.contains(max_name) &&
+                                               !body[max_name].is_null());
+    const int limit = scheduler_->max_new_tokens_limit();
+    if (max_given && (max_tokens < 1 || max_tokens > limit)) {
+      return BadParam(max_name, absl::StrCat("'", max_name,
+                                             "' must be in [1, ", limit,
+                                             "], not ", max_tokens));
+    }
+    // OpenAI's default for completions is 16; chat runs to the end of the
+    // context.
+    p->max_tokens = max_given ? static_cast<int>(max_tokens)
+                              : (chat ? limit : std::min(16, limit));
+    return std::nullopt;
+  }
+
+  // temperature, top_p and seed.
+  static std::optional<ApiError> ParseSampling(const json& body,
+                                               CompletionParams* p) {
+    double temperature = 1.0, top_p = 1.0;
+    if (auto e = GetNumber(body, "temperature", &temperature)) return e;
+    if (temperature < 0 || temperature > 2) {
+      return BadParam("temperature", "'temperature' must be in [0, 2]");
+    }
+    if (auto e = GetNumber(body, "top_p", &top_p)) return e;
+    if (!(top_p > 0 && top_p <= 1)) {
+      return BadParam("top_p", "'top_p' must be in (0, 1]");
+    }
+    p->temperature = static_cast<float>(temperature);
+    p->top_p = static_cast<float>(top_p);
+    int64_t seed = 0;
+    if (body.contains("seed") && !body["seed"].is_null()) {
+      if (auto e = GetInt(body, "seed", &seed)) return e;
+      p->seed = static_cast<uint64_t>(seed);
+    } else {
+      p->seed = std::random_device{}();
+    }
+    return std::nullopt;
+  }
+
+  // stop sequences, stream and stream_options.
+  static std::optional<ApiError> ParseStopAndStream(const json& body,
+                                                    CompletionParams* p) {
+    if (auto it = body.find("stop"); it != body.end() && !it->is_null()) {
+      if (it->is_string()) {
+        p->stop.push_back(it->get<std::string>());
+      } else if (it->is_array() && it->size() <= 4 &&
+                 std::all_of(it->begin(), it->end(),
+                             [](const json& s) { return s.is_string(); })) {
+        for (const json& s : *it) p->stop.push_back(s.get<std::string>());
+      } else {
+        return BadParam("stop",
+                        "'stop' must be a string or an array of at most 4 "
+                        "strings");
+      }
+      for (const std::string& s : p->stop) {
+        if (s.empty()) {
+          return BadParam("stop", "stop sequences must not be empty");
+        }
+      }
+    }
+    if (auto e = GetBool(body, "stream", &p->stream)) return e;
+    if (auto it = body.find("stream_options");
+        it != body.end() && !it->is_null()) {
+      if (!it->is_object()) {
+        return BadParam("stream_options", "'stream_options' must be an object");
+      }
+      if (auto e = GetBool(*it, "include_usage", &p->include_usage)) return e;
+    }
+    return std::nullopt;
+  }
+
+  // One completion's chunk or whole answer. `text` and `finish` (may be
+  // empty: null) fill the one choice.
+  json Choice(const CompletionParams& p, const std::string& text,
+              const std::string& finish, bool delta, bool first) const {
+    json choice{{"index", 0},
+                {"finish_reason",
+                 finish.empty() ? json(nullptr) : json(finish)}};
+    if (!p.chat) {
+      choice["text"] = text;
+      choice["logprobs"] = nullptr;
+    } else if (!delta) {
+      choice["message"] = {{"role", "assistant"}, {"content", text}};
+    } else {
+      json d = json::object();
+      if (first) d["role"] = "assistant";
+      if (!text.empty() || first) d["content"] = text;
+      choice["delta"] = d;
+    }
+    return choice;
+  }
+
+  json Envelope(const CompletionParams& p, const std::string& id,
+                int64_t created, bool chunk) const {
+    return json{{"id", id},
+                {"object", p.chat ? (chunk ? "chat.completion.chunk"
+                                           : "chat.completion")
+                                  : "text_completion"},
+                {"created", created},
+                {"model", options_.model_id}};
+  }
+
+  static json Usage(int prompt, int completion, int cached) {
+    return json{{"prompt_tokens", prompt},
+                {"completion_tokens", completion},
+                {"total_tokens", prompt + completion},
+                {"prompt_tokens_details", {{"cached_tokens", cached}}}};
+  }
+
+  // The generation's progress as the handlers see it.
+  struct Progress {
+    explicit Progress(const std::vector<std::string>& stop) : matcher(stop) {}
+    StopMatcher matcher;
+    int completion_tokens = 0;
+    int cached_tokens = 0;  // prompt tokens whose KV was reused
+    std::string finish;  // set once the generation ended
+    absl::Status error;  // the stream's kError
+  };
+
+  // Waits for the stream's next event and returns the text it frees to
+  // send. Sets progress->finish when the generation is over (cancelling the
+  // stream when a stop sequence ended it).
+  static std::string Step(GenerationStream& stream, Progress* progress) {
+    GenerationEvent ev;
+    if (!stream.Next(absl::Milliseconds(100), &ev)) return "";
+    switch (ev.kind) {
+      case GenerationEvent::Kind::kToken: {
+        ++progress->completion_tokens;
+        progress->cached_tokens = ev.cached_tokens;
+        std::string out = progress->matcher.Add(ev.text);
+        if (progress->matcher.stopped()) {
+          stream.Cancel();
+          progress->finish = "stop";
+        }
+        return out;
+      }
+      case GenerationEvent::Kind::kFinished: {
+        progress->cached_tokens = ev.summary.cached_tokens;
+        std::string out = progress->matcher.Add(ev.summary.text);
+        if (progress->matcher.stopped()) {
+          progress->finish = "stop";
+          return out;
+        }
+        out += progress->matcher.Flush();
+        progress->finish =
+            ev.summary.reason == FinishReason::kEndToken ? "stop" : "length";
+        return out;
+      }
+      case GenerationEvent::Kind::kError:
+        progress->error = ev.status;
+        progress->finish = "error";
+        return progress->matcher.Flush();
+    }
+    return "";
+  }
+
+  void Complete(const httplib::Request& req, httplib::Response& res,
+                bool chat) {
+    json body = json::parse(req.body, nullptr, /*allow_exceptions=*/false);
+    if (body.is_discarded()) {
+      SetError(res, ApiError{400, "the request body is not valid JSON"});
+      return;
+    }
+    auto params = std::make_shared<CompletionParams>();
+    if (auto e = Parse(body, chat, params.get())) {
+      SetError(res, *e);
+      return;
+    }
+    GenerationRequest request;
+    request.prompt_tokens = params->prompt_tokens;
+    request.max_new_tokens = params->max_tokens;
+    request.temperature = params->temperature;
+    request.top_p = params->top_p;
+    request.seed = params->seed;
+    auto stream = scheduler_->Submit(request);
+    if (!stream.ok()) {
+      SetError(res, FromStatus(stream.status()));
+      return;
+    }
+    Answer answer{params, RandomId(chat ? "chatcmpl-" : "cmpl-"), UnixNow()};
+    if (!params->stream) {
+      AnswerWhole(**stream, answer, res);
+      return;
+    }
+    std::shared_ptr<GenerationStream> s = *stream;
+    res.set_header("Cache-Control", "no-cache");
+    res.set_chunked_content_provider(
+        "text/event-stream",
+        [this, s, answer](size_t, httplib::DataSink& sink) {
+          return WriteEvents(*s, answer, sink);
+        },
+        [s](bool success) {
+          if (!success) s->Cancel();
+        });
+  }
+
+  // What every part of one answer carries.
+  struct Answer {
+    std::shared_ptr<const CompletionParams> params;
+    std::string id;
+    int64_t created = 0;
+    int prompt_tokens() const {
+      return static_cast<int>(params->prompt_tokens.size());
+    }
+  };
+
+  // A non-streaming answer: the whole completion in one JSON body.
+  void AnswerWhole(GenerationStream& stream, const Answer& a,
+                   httplib::Response& res) {
+    const CompletionParams& p = *a.params;
+    Progress progress(p.stop);
+    std::string text;
+    while (progress.finish.empty()) text += Step(stream, &progress);
+    if (!progress.error.ok()) {
+      SetError(res, FromStatus(progress.error));
+      return;
+    }
+    json out = Envelope(p, a.id, a.created, /*chunk=*/false);
+    out["choices"] = json::array(
+        {Choice(p, text, progress.finish, /*delta=*/false, false)});
+    out["usage"] = Usage(a.prompt_tokens(), progress.completion_tokens,
+                         progress.cached_tokens);
+    res.set_content(out.dump(), "application/json");
+  }
+
+  // A streaming answer as server-sent events: a chunk per piece of text,
+  // the finish reason, usage when asked, then [DONE]. False (the stream
+  // cancelled) when the client goes away.
+  bool WriteEvents(GenerationStream& s, const Answer& a,
+                   httplib::DataSink& sink) {
+    const CompletionParams& p = *a.params;
+    auto send = [&sink](const json& j) {
+      const std::string event = absl::StrCat("data: ", j.dump(), "\n\n");
+      return sink.write(event.data(), event.size());
+    };
+    Progress progress(p.stop);
+    bool first = true;
+    while (progress.finish.empty()) {
+      const std::string text = Step(s, &progress);
+      if (!progress.error.ok()) break;
+      if (text.empty() && !first) {
+        if (!sink.is_writable()) {  // the client went away
+          s.Cancel();
+          return false;
+        }
+        continue;
+      }
+      json chunk = Envelope(p, a.id, a.created, /*chunk=*/true);
+      chunk["choices"] =
+          json::array({Choice(p, text, "", /*delta=*/true, first)});
+      first = false;
+      if (!send(chunk)) {
+        s.Cancel();
+        return false;
+      }
+    }
+    if (!progress.error.ok()) {
+      send(ErrorBody(FromStatus(progress.error)));
+    } else {
+      json chunk = Envelope(p, a.id, a.created, /*chunk=*/true);
+      chunk["choices"] = json::array(
+          {Choice(p, "", progress.finish, /*delta=*/true, false)});
+      send(chunk);
+      if (p.include_usage) {
+        json usage = Envelope(p, a.id, a.created, /*chunk=*/true);
+        usage["choices"] = json::array();
+        usage["usage"] = Usage(a.prompt_tokens(), progress.completion_tokens,
+                               progress.cached_tokens);
+        send(usage);
+      }
+    }
+    constexpr absl::string_view kDone = "data: [DONE]\n\n";
+    sink.write(kDone.data(), kDone.size());
+    sink.done();
+    return true;
+  }
+
+  GenerationScheduler* const scheduler_;
+  const model::Tokenizer* const tokenizer_;
+  const HttpApiOptions options_;
+  const int64_t created_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<HttpApiServer>> HttpApiServer::Start(
+    GenerationScheduler* scheduler, const model::Tokenizer* tokenizer,
+    HttpApiOptions options) {
+  auto address = ParseHostPort(options.listen, "HTTP listen");
+  if (!address.ok()) return address.status();
+  const std::string listen = options.listen;
+  const std::string& host = address->host;
+  int port = address->port;
+  std::unique_ptr<HttpApiServer> s(new HttpApiServer());
+  IG_RETURN_IF_ERROR(CheckServerTls(options.tls));
+  if (options.tls.enabled()) {
+    const ServerTlsPem& tls = options.tls;
+    absl::Status loaded;
+    auto https = std::make_unique<httplib::SSLServer>([&](SSL_CTX& ctx) {
+      loaded = LoadServerTls(tls, &ctx);
+      return loaded.ok();
+    });
+    if (!https->is_valid()) {
+      return loaded.ok() ? absl::InternalError("HTTPS: no SSL context")
+                         : loaded;
+    }
+    s->server_ = std::move(https);
+  } else {
+    s->server_ = std::make_unique<httplib::Server>();
+  }
+  const int threads = std::max(options.threads, 2);
+  s->server_->new_task_queue = [threads] {
+    return new httplib::ThreadPool(threads);
+  };
+  auto api = std::make_shared<Api>(scheduler, tokenizer, std::move(options));
+  api->Install(*s->server_);
+  if (port == 0) {
+    port = s->server_->bind_to_any_port(host);
+  } else if (!s->server_->bind_to_port(host, port)) {
+    port = -1;
+  }
+  if (port <= 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen for HTTP on ", listen));
+  }
+  s->port_ = port;
+  // `api` lives as long as the handlers that captured its pointer: the
+  // thread holds it until listen_after_bind returns.
+  s->thread_ = std::thread([server = s->server_.get(), api] {
+    server->listen_after_bind();
+  });
+  return s;
+}
+
+void HttpApiServer::Stop() {
+  if (server_ != nullptr) server_->stop();
+  if (thread_.joinable()) thread_.join();
+}
+
+HttpApiServer::~HttpApiServer() { Stop(); }
+
+}  // namespace infinigen::gpu_worker

@@ -1,0 +1,103 @@
+// The OpenAI-compatible HTTP API of `infinigen serve` (--http_listen), beside
+// the gRPC Worker service and over the same GenerationScheduler, so HTTP and
+// gRPC requests share its queue and its continuous batches.
+//
+//   POST /v1/completions        prompt -> text
+//   POST /v1/chat/completions   messages -> the model's chat template -> text
+//   GET  /v1/models, /v1/models/{id}, /health, /metrics (when given)
+//
+// Both POST routes take model, max_tokens (chat: or max_completion_tokens),
+// temperature, top_p, seed, stop (a string or up to 4), n (only 1), stream
+// and stream_options.include_usage; other OpenAI fields are ignored. A
+// non-streaming answer carries usage (prompt and completion tokens) and
+// finish_reason "stop" (end token or a stop sequence) or "length"
+// (max_tokens, or the context is full). A streaming answer is server-sent
+// events, one chunk per piece of text, then one with finish_reason, then
+// `data: [DONE]`. A stop sequence is never sent: text that may begin one is
+// held back until it cannot.
+//
+// Errors are OpenAI's shape, {"error": {"message", "type", "param", "code"}}:
+// 400 malformed body or parameter, 401 missing or wrong bearer key (when
+// api_key is set; /health needs none), 404 unknown model or route, 413 body
+// over max_body_bytes, 429 scheduler queue full, 503 draining. A streaming
+// client that disconnects cancels its GenerationStream, which frees its
+// slot.
+//
+// Thread-safe; requests are served by a pool of threads, each blocking on
+// one GenerationStream.
+#ifndef INFINIGEN_GPU_WORKER_SERVING_HTTP_API_H_
+#define INFINIGEN_GPU_WORKER_SERVING_HTTP_API_H_
+
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "common/server_tls.h"
+#include "gpu_worker/serving/chat_template.h"
+#include "gpu_worker/serving/generation_scheduler.h"
+#include "model/tokenizer.h"
+
+namespace httplib {
+class Server;
+}
+
+namespace infinigen::gpu_worker {
+
+struct HttpApiOptions {
+  // "HOST:PORT"; port 0 picks a free one (see HttpApiServer::port).
+  std::string listen;
+  // The id /v1/models lists; a request naming another model gets 404.
+  std::string model_id;
+  // The template of /v1/chat/completions, or why there is none (chat
+  // requests then get 400 with that message).
+  absl::StatusOr<ChatTemplate> chat_template =
+      absl::NotFoundError("no chat template");
+  // When not empty, every route but /health needs
+  // "Authorization: Bearer <api_key>".
+  std::string api_key;
+  // Larger request bodies get 413.
+  size_t max_body_bytes = 1 << 20;
+  // What GET /health reports: 200 while true, 503 otherwise. Null: 200.
+  std::function<bool()> serving;
+  // Not null: GET /metrics answers its Prometheus text (no key needed, as
+  // for /health).
+  std::function<std::string()> metrics;
+  // Connections served at once (each streaming request holds one).
+  int threads = 16;
+  // HTTPS when tls.enabled(); with tls.mutual(), clients must present a
+  // certificate tls.client_ca signed.
+  ServerTlsPem tls;
+};
+
+class HttpApiServer {
+ public:
+  // Listens on options.listen and serves from a background thread.
+  // `scheduler` and `tokenizer` are not owned and must outlive the server.
+  // InvalidArgument for a malformed address or TLS PEMs OpenSSL does not
+  // take; Unavailable when it cannot be bound.
+  static absl::StatusOr<std::unique_ptr<HttpApiServer>> Start(
+      GenerationScheduler* scheduler, const model::Tokenizer* tokenizer,
+      HttpApiOptions options);
+  ~HttpApiServer();  // Stop()
+
+  int port() const { return port_; }
+  // Stops listening and waits for the requests being served to end (the
+  // scheduler's Shutdown ends their streams). Idempotent.
+  void Stop();
+
+ private:
+  HttpApiServer() = default;
+
+  std::unique_ptr<httplib::Server> server_;
+  std::thread thread_;
+  int port_ = 0;
+};
+
+}  // namespace infinigen::gpu_worker
+
+#endif  // INFINIGEN_GPU_WORKER_SERVING_HTTP_API_H_

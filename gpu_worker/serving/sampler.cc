@@ -1,0 +1,79 @@
+#include "gpu_worker/serving/sampler.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/str_format.h"
+
+namespace infinigen::gpu_worker {
+
+absl::StatusOr<Sampler> Sampler::Create(const SamplerOptions& options) {
+  if (!(options.temperature >= 0.0f) || !std::isfinite(options.temperature)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "temperature must be >= 0, got %g", options.temperature));
+  }
+  if (!(options.top_p > 0.0f && options.top_p <= 1.0f)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("top_p must be in (0, 1], got %g", options.top_p));
+  }
+  return Sampler(options);
+}
+
+int Argmax(absl::Span<const float> values) {
+  int best = 0;
+  for (int i = 1; i < static_cast<int>(values.size()); ++i) {
+    if (values[i] > values[best]) best = i;
+  }
+  return best;
+}
+
+double LogProb(absl::Span<const float> logits, int target) {
+  float mx = logits[0];
+  for (float v : logits) mx = std::max(mx, v);
+  double sum = 0.0;
+  for (float v : logits) sum += std::exp(static_cast<double>(v) - mx);
+  return static_cast<double>(logits[target]) - mx - std::log(sum);
+}
+
+int Sampler::Sample(absl::Span<const float> logits) {
+  if (options_.temperature == 0.0f) return Argmax(logits);
+  const int n = static_cast<int>(logits.size());
+  float mx = logits[0];
+  for (float v : logits) mx = std::max(mx, v);
+  probs_.resize(n);
+  double sum = 0.0;
+  for (int i = 0; i < n; ++i) {
+    const float p = std::exp((logits[i] - mx) / options_.temperature);
+    probs_[i] = {p, i};
+    sum += p;
+  }
+  int count = n;
+  if (options_.top_p < 1.0f) {
+    // Only the head of the distribution matters: sort it descending and cut
+    // where the cumulative mass first reaches top_p.
+    std::sort(probs_.begin(), probs_.end(),
+              [](const auto& a, const auto& b) {
+                return a.first > b.first || (a.first == b.first && a.second < b.second);
+              });
+    double cum = 0.0;
+    const double target = options_.top_p * sum;
+    for (int i = 0; i < n; ++i) {
+      cum += probs_[i].first;
+      if (cum >= target) {
+        count = i + 1;
+        break;
+      }
+    }
+    sum = cum;
+  }
+  std::uniform_real_distribution<double> uniform(0.0, sum);
+  const double r = uniform(rng_);
+  double cum = 0.0;
+  for (int i = 0; i < count; ++i) {
+    cum += probs_[i].first;
+    if (r < cum) return probs_[i].second;
+  }
+  return probs_[count - 1].second;
+}
+
+}  // namespace infinigen::gpu_worker
