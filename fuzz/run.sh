@@ -68,7 +68,9 @@ sources_of() {
         fuzz/out/gen/proto/kv_memory.grpc.pb.cc ;;
     gguf_fuzzer | llama2c_tokenizer_fuzzer | safetensors_fuzzer)
       echo "${model_srcs[@]}" ;;
-    skew_file_fuzzer) echo common/file.cc common/log.cc speculator/speculator.cc ;;
+    skew_file_fuzzer)
+      echo common/file.cc common/log.cc \
+        $(ls speculator/*.cc | grep -v '_test\.cc$') ;;
     *) return 1 ;;
   esac
 }

@@ -87,8 +87,7 @@ TEST_F(PolicyFactoryTest, EveryOffloadingPolicyBuildsAndSizesItsState) {
   }
 }
 
-TEST_F(PolicyFactoryTest, TraitsDecideTheOptionChecks) {
-  KvPolicy::Context context{&weights_, nullptr, 64};
+TEST(PolicyRegistry, TraitsDecideTheOptionChecks) {
   PolicyOptions options;
   options.kind = PolicyKind::kInfiniGen;  // speculates: needs a skew
   EXPECT_THAT(std::string(options.Validate().message()),
