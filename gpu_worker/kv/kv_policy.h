@@ -234,10 +234,14 @@ class KvPolicy {
   // The rows `layer` attends to when positions [0, p) are cached. xb_prev
   // is layer - 1's attention input [dim] in the backend's memory (null for
   // layer 0); present is [n_kv_heads, max_seq_len] on the host, 0 where the
-  // pool evicted a token. Errors are the backend's.
+  // pool evicted a token. Errors are the backend's. By default every
+  // present row (full, int4).
   virtual absl::Status PlanFetch(int layer, int p, const float* xb_prev,
                                  const uint8_t* present,
-                                 kv_memory_service::OwnedFetchPlan& plan) = 0;
+                                 kv_memory_service::OwnedFetchPlan& plan) {
+    PlanAllPresent(p, present, plan);
+    return absl::OkStatus();
+  }
 
   // After `layer`'s attention over `plan`'s rows plus the new token:
   // probs [n_heads, stride], head h's row holds the probability of each of

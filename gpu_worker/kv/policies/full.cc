@@ -1,22 +1,19 @@
 #include <memory>
 
+#include "gpu_worker/kv/policies/policy_util.h"
 #include "gpu_worker/kv/policies/registry.h"
 
 namespace infinigen::gpu_worker {
 namespace {
 
-using kv_memory_service::FetchPlan;
-using kv_memory_service::OwnedFetchPlan;
-
-// FlexGen: every row, fp16.
+// FlexGen: every row, fp16 (KvPolicy's default plan: every present row).
 class FullPolicy final : public KvPolicy {
  public:
   explicit FullPolicy(const Context& c) : KvPolicy(c) {}
-  absl::Status PlanFetch(int layer, int p, const float* xb_prev,
-                         const uint8_t* present,
-                         OwnedFetchPlan& plan) override {
-    PlanAllPresent(p, present, plan);
-    return absl::OkStatus();
+
+  static absl::StatusOr<std::unique_ptr<KvPolicy>> Make(
+      const PolicyOptions&, const Context& c) {
+    return std::unique_ptr<KvPolicy>(new FullPolicy(c));
   }
 };
 
@@ -27,13 +24,7 @@ const PolicyEntry kFullPolicy = {
     "offload; every cached row of every layer fetched each step (FlexGen)",
     {/*offloads=*/true, /*selects=*/false, /*own_input=*/false,
      /*speculates=*/false, /*adaptive_budgets=*/false},
-    /*set_target_fetch=*/nullptr,
-    [](const PolicyOptions&, const KvPolicy::Context& context)
-        -> absl::StatusOr<std::unique_ptr<KvPolicy>> {
-      return std::unique_ptr<KvPolicy>(new FullPolicy(context));
-    },
-    [](const PolicyOptions&, const KvPolicy::Context&)
-        -> absl::StatusOr<int64_t> { return int64_t{0}; },
+    /*set_target_fetch=*/nullptr, &FullPolicy::Make, &NoStateBytes,
 };
 
 }  // namespace infinigen::gpu_worker

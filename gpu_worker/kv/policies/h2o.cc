@@ -31,7 +31,20 @@ class H2OPolicy final : public KvPolicy {
     return absl::OkStatus();
   }
 
-  static int64_t StateBytes(const Context& c) {
+  static absl::StatusOr<std::unique_ptr<KvPolicy>> Make(
+      const PolicyOptions& o, const Context& c) {
+    return std::make_unique<H2OPolicy>(c, o.budget);
+  }
+
+  // The budget is the kept fraction: what a target fetch sets.
+  static absl::Status SetTargetFetch(double fraction, int,
+                                     PolicyOptions& options) {
+    options.budget = static_cast<float>(fraction);
+    return absl::OkStatus();
+  }
+
+  static absl::StatusOr<int64_t> StateBytes(const PolicyOptions&,
+                                            const Context& c) {
     const model::ModelConfig& m = c.weights->config;
     const int64_t slots = int64_t{m.n_layers} * m.n_kv_heads * c.max_seq_len;
     return slots * (sizeof(float) + sizeof(uint8_t)) +
@@ -145,16 +158,7 @@ const PolicyEntry kH2OPolicy = {
     "for good",
     {/*offloads=*/true, /*selects=*/false, /*own_input=*/false,
      /*speculates=*/false, /*adaptive_budgets=*/false},
-    [](double fraction, int, PolicyOptions& options) {
-      options.budget = static_cast<float>(fraction);
-      return absl::OkStatus();
-    },
-    [](const PolicyOptions& options, const KvPolicy::Context& context)
-        -> absl::StatusOr<std::unique_ptr<KvPolicy>> {
-      return std::make_unique<H2OPolicy>(context, options.budget);
-    },
-    [](const PolicyOptions&, const KvPolicy::Context& context)
-        -> absl::StatusOr<int64_t> { return H2OPolicy::StateBytes(context); },
+    &H2OPolicy::SetTargetFetch, &H2OPolicy::Make, &H2OPolicy::StateBytes,
 };
 
 }  // namespace infinigen::gpu_worker

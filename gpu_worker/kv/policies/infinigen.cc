@@ -476,24 +476,29 @@ int64_t InfiniGenStateBytes(const KvPolicy::Context& context,
   return InfiniGenPolicy::SizesFor(context, o).Bytes();
 }
 
+namespace {
+
+absl::StatusOr<std::unique_ptr<KvPolicy>> MakeInfiniGen(
+    const PolicyOptions& o, const KvPolicy::Context& c) {
+  const model::ModelConfig& m = c.weights->config;
+  IG_RETURN_IF_ERROR(o.skew->CheckShape(m.n_layers, m.n_kv_heads, m.head_dim));
+  return NewInfiniGenPolicy(c, o);
+}
+
+absl::StatusOr<int64_t> InfiniGenBytes(const PolicyOptions& o,
+                                       const KvPolicy::Context& c) {
+  return InfiniGenStateBytes(c, o);
+}
+
+}  // namespace
+
 const PolicyEntry kInfiniGenPolicy = {
     PolicyKind::kInfiniGen, "infinigen",
     "layer i speculates which tokens layer i + 1 needs (partial query "
     "weight and partial keys after an SVD skew); only those are fetched",
     {/*offloads=*/true, /*selects=*/true, /*own_input=*/false,
      /*speculates=*/true, /*adaptive_budgets=*/true},
-    SetSelectedLayersTargetFetch,
-    [](const PolicyOptions& options, const KvPolicy::Context& context)
-        -> absl::StatusOr<std::unique_ptr<KvPolicy>> {
-      const model::ModelConfig& m = context.weights->config;
-      IG_RETURN_IF_ERROR(
-          options.skew->CheckShape(m.n_layers, m.n_kv_heads, m.head_dim));
-      return NewInfiniGenPolicy(context, options);
-    },
-    [](const PolicyOptions& options, const KvPolicy::Context& context)
-        -> absl::StatusOr<int64_t> {
-      return InfiniGenStateBytes(context, options);
-    },
+    &SetSelectedLayersTargetFetch, &MakeInfiniGen, &InfiniGenBytes,
 };
 
 }  // namespace infinigen::gpu_worker

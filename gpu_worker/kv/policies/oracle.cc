@@ -18,6 +18,21 @@ PolicyOptions OracleOptions(PolicyOptions o) {
   return o;
 }
 
+// With the identity skew every column is the key's own, unrotated.
+absl::StatusOr<std::unique_ptr<KvPolicy>> MakeOracle(
+    const PolicyOptions& o, const KvPolicy::Context& c) {
+  const model::ModelConfig& m = c.weights->config;
+  return NewInfiniGenPolicy(c, OracleOptions(o),
+                            std::make_unique<const speculator::SkewMatrices>(
+                                speculator::SkewMatrices::Identity(
+                                    m.n_layers, m.n_kv_heads, m.head_dim)));
+}
+
+absl::StatusOr<int64_t> OracleBytes(const PolicyOptions& o,
+                                    const KvPolicy::Context& c) {
+  return InfiniGenStateBytes(c, OracleOptions(o));
+}
+
 }  // namespace
 
 const PolicyEntry kOraclePolicy = {
@@ -26,20 +41,7 @@ const PolicyEntry kOraclePolicy = {
     "diagnostic: the fetch cannot leave early)",
     {/*offloads=*/true, /*selects=*/true, /*own_input=*/true,
      /*speculates=*/false, /*adaptive_budgets=*/true},
-    SetSelectedLayersTargetFetch,
-    [](const PolicyOptions& options, const KvPolicy::Context& context)
-        -> absl::StatusOr<std::unique_ptr<KvPolicy>> {
-      const model::ModelConfig& m = context.weights->config;
-      return NewInfiniGenPolicy(
-          context, OracleOptions(options),
-          std::make_unique<const speculator::SkewMatrices>(
-              speculator::SkewMatrices::Identity(m.n_layers, m.n_kv_heads,
-                                                 m.head_dim)));
-    },
-    [](const PolicyOptions& options, const KvPolicy::Context& context)
-        -> absl::StatusOr<int64_t> {
-      return InfiniGenStateBytes(context, OracleOptions(options));
-    },
+    &SetSelectedLayersTargetFetch, &MakeOracle, &OracleBytes,
 };
 
 }  // namespace infinigen::gpu_worker

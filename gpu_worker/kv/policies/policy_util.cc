@@ -40,4 +40,9 @@ absl::Status SetSelectedLayersTargetFetch(double fraction, int n_layers,
   return absl::OkStatus();
 }
 
+absl::StatusOr<int64_t> NoStateBytes(const PolicyOptions&,
+                                     const KvPolicy::Context&) {
+  return int64_t{0};
+}
+
 }  // namespace infinigen::gpu_worker

@@ -3,7 +3,10 @@
 #ifndef INFINIGEN_GPU_WORKER_KV_POLICIES_POLICY_UTIL_H_
 #define INFINIGEN_GPU_WORKER_KV_POLICIES_POLICY_UTIL_H_
 
+#include <cstdint>
+
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "gpu_worker/backend/backend.h"
 #include "gpu_worker/kv/kv_policy.h"
 #include "model/weights.h"
@@ -24,6 +27,10 @@ void ProjectQuery(Backend& b, const model::ModelConfig& m,
 // score mass. InvalidArgument where the dense layers alone fetch more.
 absl::Status SetSelectedLayersTargetFetch(double fraction, int n_layers,
                                           PolicyOptions& options);
+
+// PolicyEntry::state_bytes of a policy that keeps no per-token state.
+absl::StatusOr<int64_t> NoStateBytes(const PolicyOptions& options,
+                                     const KvPolicy::Context& context);
 
 }  // namespace infinigen::gpu_worker
 

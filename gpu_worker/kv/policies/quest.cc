@@ -37,7 +37,13 @@ class QuestPolicy final : public KvPolicy {
         dense_layers_(o.dense_layers),
         max_pages_((c.max_seq_len + o.page_tokens - 1) / o.page_tokens) {}
 
-  static int64_t StateBytes(const Context& c, const PolicyOptions& o) {
+  static absl::StatusOr<std::unique_ptr<KvPolicy>> Make(
+      const PolicyOptions& o, const Context& c) {
+    return std::make_unique<QuestPolicy>(c, o);
+  }
+
+  static absl::StatusOr<int64_t> StateBytes(const PolicyOptions& o,
+                                            const Context& c) {
     const model::ModelConfig& m = c.weights->config;
     const int64_t pages = (c.max_seq_len + o.page_tokens - 1) / o.page_tokens;
     return 2 * int64_t{m.n_layers} * m.n_kv_heads * pages * m.head_dim *
@@ -230,15 +236,7 @@ const PolicyEntry kQuestPolicy = {
     "for the layer's own query",
     {/*offloads=*/true, /*selects=*/true, /*own_input=*/true,
      /*speculates=*/false, /*adaptive_budgets=*/false},
-    SetSelectedLayersTargetFetch,
-    [](const PolicyOptions& options, const KvPolicy::Context& context)
-        -> absl::StatusOr<std::unique_ptr<KvPolicy>> {
-      return std::make_unique<QuestPolicy>(context, options);
-    },
-    [](const PolicyOptions& options, const KvPolicy::Context& context)
-        -> absl::StatusOr<int64_t> {
-      return QuestPolicy::StateBytes(context, options);
-    },
+    &SetSelectedLayersTargetFetch, &QuestPolicy::Make, &QuestPolicy::StateBytes,
 };
 
 }  // namespace infinigen::gpu_worker
