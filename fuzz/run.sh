@@ -39,7 +39,8 @@ if ! command -v "$CXX" >/dev/null; then
   exit 2
 fi
 
-store_srcs=(kv_memory_service/kv_store.cc kv_memory_service/kv_types.cc
+store_srcs=(kv_memory_service/kv_store.cc kv_memory_service/stored_sequence.cc
+            kv_memory_service/head_slots.cc kv_memory_service/kv_types.cc
             kv_memory_service/gather_pool.cc
             kv_memory_service/prefix_cache.cc kv_memory_service/prefix_keys.cc)
 model_srcs=(common/file.cc common/log.cc model/gguf.cc model/ggml_quants.cc
@@ -49,10 +50,8 @@ model_srcs=(common/file.cc common/log.cc model/gguf.cc model/ggml_quants.cc
 sources_of() {
   case "$1" in
     fetch_socket_fuzzer)
-      echo common/log.cc kv_memory_service/kv_store.cc \
-        kv_memory_service/kv_types.cc kv_memory_service/gather_pool.cc \
-        kv_memory_service/prefix_cache.cc \
-        kv_memory_service/prefix_keys.cc kv_memory_service/request_metrics.cc \
+      echo common/log.cc "${store_srcs[@]}" \
+        kv_memory_service/request_metrics.cc \
         kv_memory_service/tcp/fetch_wire.cc kv_memory_service/tcp/fetch_tls.cc \
         kv_memory_service/tcp/fetch_socket_server.cc ;;
     shm_protocol_fuzzer) echo kv_memory_service/shm/shm_protocol.cc ;;

@@ -92,6 +92,9 @@ struct ExpiredSession {
   absl::Duration idle;      // since the session's last renewal
 };
 
+class StoredSequence;
+struct StoreTotals;
+
 class KvStore {
  public:
   explicit KvStore(const KvStoreOptions& options);
@@ -187,7 +190,8 @@ class KvStore {
   const KvStoreOptions& options() const { return options_; }
 
  private:
-  class Sequence;  // one sequence's rows and bookkeeping; kv_store.cc
+  // One sequence's rows and bookkeeping (stored_sequence.h).
+  using Sequence = StoredSequence;
 
   // A client session: its last renewal and the sequences it owns, with
   // their reserved bytes.
@@ -233,8 +237,7 @@ class KvStore {
   int64_t expired_sequences_ ABSL_GUARDED_BY(mu_) = 0;
 
   // Lifetime totals, kept as atomics so the hot paths do not take mu_.
-  struct Totals;
-  std::unique_ptr<Totals> totals_;
+  std::unique_ptr<StoreTotals> totals_;
   std::unique_ptr<PrefixCache> prefix_cache_;
   std::unique_ptr<GatherPool> gather_pool_;  // splits large gathers
 };

@@ -1,0 +1,201 @@
+// StoredSequence: one sequence of the memory node's store (kv_store.h), its
+// K and V rows [layer][kv_head][slot][head_dim] and, per (layer, KV head),
+// a HeadSlots (head_slots.h) saying which slot holds which position.
+// Private to the store.
+//
+// Memory follows what is stored, not what was reserved or ever appended:
+// the rows are an mmap the kernel commits page by page as rows are
+// written; the bookkeeping is HeadSlots'. Consecutive positions stored side
+// by side are gathered as one block, scattered ones with fixed-size copies
+// prefetched ahead, and gathers over 1 MiB are split across the store's
+// GatherPool.
+//
+// Fetches do no bookkeeping on their path: a gather copies rows under a
+// reader lock (several gathers of a sequence run at once) and appends its
+// plan to the sequence's fetch log, 4 bytes a row. The log is applied to
+// the per-token statistics, in order: by an append that evicts or that
+// finds it holding half as many positions as rows present, before the
+// statistics are read, and by a gather that finds it at four times the rows
+// present.
+//
+// Thread-safe: appends and statistics take the sequence's lock, gathers
+// share it.
+#ifndef INFINIGEN_KV_MEMORY_SERVICE_STORED_SEQUENCE_H_
+#define INFINIGEN_KV_MEMORY_SERVICE_STORED_SEQUENCE_H_
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
+#include "kv_memory_service/gather_pool.h"
+#include "kv_memory_service/head_slots.h"
+#include "kv_memory_service/kv_types.h"
+#include "kv_memory_service/prefix_cache.h"
+
+namespace infinigen::kv_memory_service {
+
+// The rows of a sequence: an anonymous private mapping, so the kernel
+// commits its pages only as rows are written (an Open reserves capacity, it
+// does not take memory), and Close returns all of it at once. Page-aligned,
+// so a data plane may register it (RDMA, CUDA).
+class RowMemory {
+ public:
+  RowMemory() = default;
+  // Null (get() == nullptr) when the mapping fails.
+  explicit RowMemory(size_t bytes);
+  RowMemory(RowMemory&& o) noexcept : data_(o.data_), bytes_(o.bytes_) {
+    o.data_ = nullptr;
+  }
+  RowMemory& operator=(RowMemory&&) = delete;
+  RowMemory(const RowMemory&) = delete;
+  ~RowMemory();
+  uint16_t* get() const { return data_; }
+  bool operator==(std::nullptr_t) const { return data_ == nullptr; }
+
+ private:
+  uint16_t* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// The store's running totals, which every sequence adds to.
+struct StoreTotals {
+  std::atomic<int64_t> appended_rows{0};
+  std::atomic<int64_t> evicted_rows{0};
+  std::atomic<int64_t> fetches{0};
+  std::atomic<int64_t> fetched_rows{0};
+};
+
+class StoredSequence {
+ public:
+  StoredSequence(SequenceId id, const SequenceGeometry& g,
+                 EvictionPolicy policy, RowMemory k, RowMemory v);
+
+  const SequenceGeometry& geometry() const { return g_; }
+
+  // KvStore::Append on this sequence, at most max_append_tokens per call.
+  // `published` receives the prefix blocks this append completed (see
+  // Attach), for the store to share.
+  absl::StatusOr<AppendResult> Append(
+      const AppendBlock& b, int32_t max_append_tokens, StoreTotals& totals,
+      std::vector<std::shared_ptr<const PrefixBlock>>* published);
+
+  // KvStore::Gather on this sequence; `pool` (may be null) splits large
+  // gathers.
+  absl::Status Gather(int32_t layer, const FetchPlan& plan,
+                      absl::Span<uint16_t> dest, StoreTotals& totals,
+                      GatherPool* pool);
+
+  // Makes the attached blocks the sequence's first tokens (a fresh
+  // sequence: nothing appended yet) and remembers `pending` (the keys of
+  // the blocks after them) to publish each of those blocks once every
+  // layer's rows of it are appended. Returns the attached tokens.
+  int32_t Attach(std::vector<std::shared_ptr<const PrefixBlock>> blocks,
+                 int32_t block_tokens, std::vector<PrefixKey> pending);
+
+  SequenceStats Stats() const;
+  absl::StatusOr<std::vector<TokenFetchStats>> TokenStats(int32_t layer,
+                                                          int32_t kv_head);
+
+ private:
+  // One gather in the fetch log; its plan is at log_positions_[begin...]:
+  // n_kv_heads + 1 head offsets, then the indices.
+  struct LoggedFetch {
+    uint64_t clock;
+    int32_t layer;
+    size_t begin;
+  };
+  // The K and V rows of a present position, and how many positions from it
+  // on are stored one after the other from there (at least 1).
+  struct RowRef {
+    const uint16_t* k = nullptr;  // null: the position was evicted
+    const uint16_t* v = nullptr;
+    int32_t run = 0;
+  };
+
+  HeadSlots& HeadAt(int32_t layer, int32_t h)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return heads_[static_cast<size_t>(layer) * g_.n_kv_heads + h];
+  }
+  const HeadSlots& HeadAt(int32_t layer, int32_t h) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    return heads_[static_cast<size_t>(layer) * g_.n_kv_heads + h];
+  }
+  uint16_t* Row(uint16_t* base, int32_t layer, int32_t h, int32_t slot) const {
+    return base +
+           (static_cast<size_t>(layer) * g_.n_kv_heads + h) * head_elems_ +
+           static_cast<size_t>(slot) * row_elems_;
+  }
+
+  RowRef Locate(const HeadSlots& head, int32_t layer, int32_t h, int32_t pos,
+                int32_t length) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  absl::Status CopyRows(int32_t layer, int32_t length, const FetchPlan& plan,
+                        size_t begin, size_t end, uint16_t* dest) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  absl::Status CopyHead(int32_t layer, int32_t h, int32_t length,
+                        absl::Span<const int32_t> indices, size_t j, size_t end,
+                        uint16_t* k_out, uint16_t* v_out) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  void Prefetch(const uint16_t* p) const;
+  void CopyRow(uint16_t* dst, const uint16_t* src) const;
+
+  size_t LogPositions() const;
+  void LogFetchLocked(int32_t layer, const FetchPlan& plan)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(log_mu_);
+  void ApplyLogLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const uint16_t* RowOf(bool v, int32_t layer, int32_t h, int32_t slot,
+                        const HeadSlots::Slot& s) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  void CollectPublishable(std::vector<std::shared_ptr<const PrefixBlock>>* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const SequenceId id_;
+  const SequenceGeometry g_;
+  const EvictionPolicy policy_;
+  const size_t row_elems_;   // head_dim
+  const size_t row_bytes_;   // head_dim * 2
+  const size_t head_elems_;  // max_tokens * head_dim
+  // The rows never move; their contents and all below change under mu_.
+  const RowMemory k_;
+  const RowMemory v_;
+
+  mutable absl::Mutex mu_;
+  std::vector<HeadSlots> heads_ ABSL_GUARDED_BY(mu_);  // [layer * n_kv + h]
+  std::vector<int32_t> layer_length_ ABSL_GUARDED_BY(mu_);
+  int64_t present_rows_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t evicted_rows_ ABSL_GUARDED_BY(mu_) = 0;
+  // ApplyLogLocked's scratch, kept for its capacity.
+  std::vector<LoggedFetch> applying_ ABSL_GUARDED_BY(mu_);
+  std::vector<int32_t> applying_positions_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::pair<int32_t, int32_t>> dirty_ ABSL_GUARDED_BY(mu_);
+  // Shared prefix blocks this sequence reads its first tokens from, and
+  // the keys of the blocks it will publish (Attach).
+  int32_t block_tokens_ ABSL_GUARDED_BY(mu_) = 1;
+  int32_t attached_tokens_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<std::shared_ptr<const PrefixBlock>> attached_
+      ABSL_GUARDED_BY(mu_);
+  std::vector<PrefixKey> pending_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> pending_meta_ ABSL_GUARDED_BY(mu_);
+  size_t next_pending_ ABSL_GUARDED_BY(mu_) = 0;
+
+  // The fetch log (taken after mu_, held briefly).
+  mutable absl::Mutex log_mu_ ABSL_ACQUIRED_AFTER(mu_);
+  uint64_t clock_ ABSL_GUARDED_BY(log_mu_) = 0;  // one tick per Gather
+  int64_t fetches_ ABSL_GUARDED_BY(log_mu_) = 0;
+  int64_t fetched_rows_ ABSL_GUARDED_BY(log_mu_) = 0;
+  std::vector<LoggedFetch> log_ ABSL_GUARDED_BY(log_mu_);
+  std::vector<int32_t> log_positions_ ABSL_GUARDED_BY(log_mu_);
+};
+
+}  // namespace infinigen::kv_memory_service
+
+#endif  // INFINIGEN_KV_MEMORY_SERVICE_STORED_SEQUENCE_H_
