@@ -53,7 +53,9 @@ sources_of() {
       echo common/log.cc "${store_srcs[@]}" \
         kv_memory_service/request_metrics.cc \
         kv_memory_service/tcp/fetch_wire.cc kv_memory_service/tcp/fetch_tls.cc \
-        kv_memory_service/tcp/fetch_socket_server.cc ;;
+        kv_memory_service/tcp/fetch_socket_server.cc \
+        kv_memory_service/tcp/fetch_socket_loop.cc \
+        kv_memory_service/tcp/fetch_socket_protocol.cc ;;
     shm_protocol_fuzzer) echo kv_memory_service/shm/shm_protocol.cc ;;
     rdma_wire_fuzzer)
       echo common/log.cc common/address.cc "${store_srcs[@]}" \

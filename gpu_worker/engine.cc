@@ -36,22 +36,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
     return absl::InvalidArgumentError(absl::StrFormat(
         "engine: batch must be in [1, 1024], got %d", options.batch));
   }
-  IG_RETURN_IF_ERROR(options.policy.Validate());
-  if (Offloads(options.policy.kind) &&
-      options.kv_client == nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("engine: policy %s needs a KV memory node",
-                        PolicyName(options.policy.kind)));
-  }
-  if (options.max_worker_kv_bytes < 0) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "engine: max_worker_kv_bytes must be >= 0, got %d",
-        options.max_worker_kv_bytes));
-  }
-  if (!(options.kv_capacity > 0.0 && options.kv_capacity <= 1.0)) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "engine: kv_capacity must be in (0, 1], got %g", options.kv_capacity));
-  }
+  // The KV options are the cache's to check (KvCache::Create, first in
+  // Init, before anything large is allocated).
   if (options.attention_skew != nullptr) {
     IG_RETURN_IF_ERROR(options.attention_skew->CheckShape(
         c.n_layers, c.n_kv_heads, c.head_dim));
@@ -84,12 +70,7 @@ absl::Status Engine::Init() {
   kv.batch = options_.batch;
   kv.max_seq_len = max_seq_len_;
   kv.max_chunk = max_chunk_;
-  kv.policy = options_.policy;
-  kv.kv_client = options_.kv_client;
-  kv.kv_capacity = options_.kv_capacity;
-  kv.max_worker_bytes = options_.max_worker_kv_bytes;
-  kv.prefix_block_tokens = options_.prefix_block_tokens;
-  kv.model_identity = options_.model_identity;
+  kv.kv = options_.kv;
   IG_ASSIGN_OR_RETURN(cache_, KvCache::Create(weights_, backend_.get(), kv));
   IG_RETURN_IF_ERROR(RegisterWeights());
   // Activations live in the backend's device memory: host code never
@@ -198,7 +179,7 @@ absl::StatusOr<absl::Span<const float>> Engine::Forward(
   if (offloaded && position > 0) {
     return absl::FailedPreconditionError(absl::StrFormat(
         "forward: policy %s decodes one token at a time after the prefill",
-        PolicyName(options_.policy.kind)));
+        PolicyName(options_.kv.policy.kind)));
   }
   absl::StatusOr<absl::Span<const float>> out =
       ForwardChecked(slot, tokens, all_logits);
@@ -413,7 +394,7 @@ absl::StatusOr<absl::Span<const float>> Engine::Logits(int first, int rows) {
 
 absl::Status Engine::ObservePrefill(int l, int n, const float* x) {
   const ModelConfig& c = weights_.config;
-  if (options_.attention_skew == nullptr && !options_.observer) {
+  if (options_.attention_skew == nullptr && options_.observer == nullptr) {
     return absl::OkStatus();
   }
   // The skew and the observer work on host copies of q_ and k_.
@@ -448,15 +429,15 @@ absl::Status Engine::ObservePrefill(int l, int n, const float* x) {
     b.CopyFromHost(k_.data(), k_host_.data(), k_values * sizeof(float),
                    b.MarkIssued());
   }
-  if (options_.observer) {
+  if (options_.observer != nullptr) {
     v_host_.resize(k_values);
     IG_RETURN_IF_ERROR(backend_->CopyToHost(v_host_.data(), v_.data(),
                                             k_values * sizeof(float)));
     x_host_.resize(static_cast<size_t>(n) * c.dim);
     IG_RETURN_IF_ERROR(backend_->CopyToHost(
         x_host_.data(), x, x_host_.size() * sizeof(float)));
-    options_.observer(l, q_host_.data(), k_host_.data(), v_host_.data(),
-                      x_host_.data(), n);
+    options_.observer->OnLayer(l, q_host_.data(), k_host_.data(),
+                               v_host_.data(), x_host_.data(), n);
   }
   return absl::OkStatus();
 }
@@ -487,11 +468,12 @@ absl::Status Engine::RunLayer(int l, int first, int n, bool decode, int pos) {
     AttentionNorm(weights_.layers[l + 1], x, n);
     IG_RETURN_IF_ERROR(cache_->PostAttentionInput(l, xb_.data()));
   }
-  if (!decode && options_.post_attention_observer) {
+  if (!decode && options_.observer != nullptr &&
+      options_.observer->WantsPostAttention()) {
     x_host_.resize(static_cast<size_t>(n) * c.dim);
     IG_RETURN_IF_ERROR(backend_->CopyToHost(x_host_.data(), x,
                                             x_host_.size() * sizeof(float)));
-    options_.post_attention_observer(l, x_host_.data(), n);
+    options_.observer->OnPostAttention(l, x_host_.data(), n);
   }
   Mlp(w, x, n);
   if (decode) IG_RETURN_IF_ERROR(cache_->LayerDone(l));

@@ -16,7 +16,6 @@
 #define INFINIGEN_GPU_WORKER_ENGINE_H_
 
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -32,6 +31,23 @@
 
 namespace infinigen::gpu_worker {
 
+// Calibration's view of a prefill (EngineOptions::observer), called on the
+// engine's thread with host copies of the backend's activations.
+class EngineObserver {
+ public:
+  virtual ~EngineObserver() = default;
+  // Each prefill chunk of `layer`: post-RoPE queries q [n, n_heads,
+  // head_dim], keys k and values v [n, n_kv_heads, head_dim], and the
+  // residual stream entering the layer x [n, dim].
+  virtual void OnLayer(int layer, const float* q, const float* k,
+                       const float* v, const float* x, int n) = 0;
+  // Whether OnPostAttention is wanted (it costs a copy per layer).
+  virtual bool WantsPostAttention() const { return false; }
+  // The residual stream after the layer's attention (its residual add,
+  // before the MLP) x [n, dim].
+  virtual void OnPostAttention(int layer, const float* x, int n) {}
+};
+
 struct EngineOptions {
   // Longest sequence each slot holds; 0 means the model's context length.
   int max_seq_len = 0;
@@ -40,24 +56,10 @@ struct EngineOptions {
   int max_chunk = 256;
   // Sequence slots: the largest batch DecodeBatch takes.
   int batch = 1;
-  // How K and V reach attention when decoding.
-  PolicyOptions policy;
-  // The memory node, for every policy but ideal (not owned; outlives the
-  // engine).
-  kv_memory_service::KvClient* kv_client = nullptr;
-  // Tokens the memory node keeps per (layer, KV head) for a sequence, as a
-  // fraction of max_seq_len; below 1 the pool evicts (its own policy).
-  double kv_capacity = 1.0;
-  // Most bytes the KV cache may hold on the worker (K/V rows, staging and
-  // policy state: KvCache::WorkerBytes); 0 = no limit. Create refuses a
-  // configuration above it with ResourceExhausted, before allocating.
-  int64_t max_worker_kv_bytes = 0;
-  // Prefix reuse through the memory node (kv_cache.h): tokens per shared
-  // block (0 = none) and the identity of the model's rows (weights and
-  // skew; ModelIdentity in the worker's commands). A prefill that asks for
-  // one logit row starts after the prompt's longest prefix the node holds.
-  int prefix_block_tokens = 0;
-  std::string model_identity;
+  // How K and V reach attention when decoding, and where they are kept:
+  // the policy, the memory node, the worker's limit, prefix reuse
+  // (kv_cache.h). Validated by the cache.
+  KvOptions kv;
   // When the memory node loses a sequence (it restarted, evicted it, was
   // replaced) or cannot be reached mid-step: true re-prefills each slot of
   // the failed call from the tokens it holds and runs the call again, once
@@ -66,23 +68,16 @@ struct EngineOptions {
   // Diagnostics: multiply every post-RoPE query and key by these skew
   // matrices before attention. The logits must not change (A A^T = I).
   const speculator::SkewMatrices* attention_skew = nullptr;
-  // Calibration: called with each layer's post-RoPE queries
-  // [n, n_heads, head_dim], keys and values [n, n_kv_heads, head_dim], and
-  // the residual stream entering the layer x [n, dim] (prefill).
-  std::function<void(int layer, const float* q, const float* k,
-                     const float* v, const float* x, int n)>
-      observer;
-  // Calibration: called with the residual stream after each layer's
-  // attention (its residual add, before the MLP) x [n, dim] (prefill).
-  std::function<void(int layer, const float* x, int n)>
-      post_attention_observer;
+  // Calibration: what a prefill computes, layer by layer (not owned;
+  // outlives the engine; null: nothing observed).
+  EngineObserver* observer = nullptr;
 };
 
 class Engine {
  public:
   // InvalidArgument if the weights are inconsistent, options out of range,
   // or a policy other than ideal has no kv_client; ResourceExhausted when
-  // the KV cache would pass max_worker_kv_bytes or memory runs out.
+  // the KV cache would pass kv.max_worker_bytes or memory runs out.
   static absl::StatusOr<std::unique_ptr<Engine>> Create(
       const model::Weights& weights, std::unique_ptr<Backend> backend,
       const EngineOptions& options = {});
@@ -129,7 +124,7 @@ class Engine {
   int batch() const { return static_cast<int>(positions_of_.size()); }
   const model::ModelConfig& config() const { return weights_.config; }
   Backend& backend() { return *backend_; }
-  PolicyKind policy() const { return options_.policy.kind; }
+  PolicyKind policy() const { return options_.kv.policy.kind; }
   const FetchStats& fetch_stats(int slot = 0) const {
     return cache_->fetch_stats(slot);
   }

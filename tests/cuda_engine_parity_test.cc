@@ -74,10 +74,10 @@ class CudaEngineParity : public ::testing::Test {
     EngineOptions o;
     o.max_seq_len = prompt + steps + 2;
     o.batch = 2;
-    o.policy.kind = kind;
-    o.policy.skew = skew;
-    if (tweak) tweak(o.policy);
-    o.kv_client = client->get();
+    o.kv.policy.kind = kind;
+    o.kv.policy.skew = skew;
+    if (tweak) tweak(o.kv.policy);
+    o.kv.kv_client = client->get();
     auto engine = Engine::Create(w, std::move(backend), o);
     EXPECT_TRUE(engine.ok()) << engine.status();
     if (!engine.ok()) return run;

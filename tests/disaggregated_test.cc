@@ -58,9 +58,9 @@ class Disaggregated : public ::testing::Test {
     EngineOptions options;
     options.max_seq_len = 96;
     options.batch = 2;
-    options.policy.kind = kind;
-    options.policy.skew = &skew_;
-    options.kv_client = client->get();
+    options.kv.policy.kind = kind;
+    options.kv.policy.skew = &skew_;
+    options.kv.kv_client = client->get();
     auto engine = Engine::Create(weights_, gpu_worker::NewCpuBackend(), options);
     EXPECT_TRUE(engine.ok()) << engine.status();
     std::vector<std::vector<float>> out;
@@ -117,8 +117,8 @@ TEST_F(Disaggregated, ServerDeathIsAClearErrorNotAHang) {
     ASSERT_TRUE(client.ok()) << client.status();
     EngineOptions options;
     options.max_seq_len = 96;
-    options.policy.kind = PolicyKind::kFull;
-    options.kv_client = client->get();
+    options.kv.policy.kind = PolicyKind::kFull;
+    options.kv.kv_client = client->get();
     auto engine = Engine::Create(weights_, gpu_worker::NewCpuBackend(), options);
     ASSERT_TRUE(engine.ok());
     ASSERT_TRUE((*engine)->Forward(absl::MakeConstSpan(tokens_).subspan(0, 8),

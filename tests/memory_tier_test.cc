@@ -82,9 +82,9 @@ class MemoryTier : public ::testing::Test {
     EngineOptions options;
     options.max_seq_len = 96;
     options.batch = 2;
-    options.policy.kind = kind;
-    options.policy.skew = &skew_;
-    options.kv_client = client;
+    options.kv.policy.kind = kind;
+    options.kv.policy.skew = &skew_;
+    options.kv.kv_client = client;
     auto engine = Engine::Create(weights_, gpu_worker::NewCpuBackend(), options);
     EXPECT_TRUE(engine.ok()) << engine.status();
     return engine.ok() ? std::move(*engine) : nullptr;

@@ -397,7 +397,7 @@ absl::StatusOr<EngineOptions> EngineOptionsFromFlags(const std::string& policy,
   if (absl::GetFlag(FLAGS_prefix_cache_bytes) < 0) {
     return absl::InvalidArgumentError("--prefix_cache_bytes must be >= 0");
   }
-  gpu_worker::PolicyOptions& p = options.policy;
+  gpu_worker::PolicyOptions& p = options.kv.policy;
   IG_ASSIGN_OR_RETURN(p.kind, gpu_worker::ParsePolicy(policy));
   const bool speculates = gpu_worker::PolicyEntryOf(p.kind).traits.speculates;
   p.alpha = static_cast<float>(absl::GetFlag(FLAGS_alpha));
@@ -434,12 +434,12 @@ absl::StatusOr<EngineOptions> EngineOptionsFromFlags(const std::string& policy,
   p.page_tokens = absl::GetFlag(FLAGS_page_tokens);
   p.score_mass = static_cast<float>(absl::GetFlag(FLAGS_score_mass));
   p.budget_floor = static_cast<float>(absl::GetFlag(FLAGS_budget_floor));
-  options.kv_capacity = absl::GetFlag(FLAGS_kv_capacity);
-  options.max_worker_kv_bytes = absl::GetFlag(FLAGS_max_worker_kv_bytes);
-  if (options.max_worker_kv_bytes < 0) {
+  options.kv.kv_capacity = absl::GetFlag(FLAGS_kv_capacity);
+  options.kv.max_worker_bytes = absl::GetFlag(FLAGS_max_worker_kv_bytes);
+  if (options.kv.max_worker_bytes < 0) {
     return absl::InvalidArgumentError(
         absl::StrFormat("--max_worker_kv_bytes must be >= 0, got %d",
-                        options.max_worker_kv_bytes));
+                        options.kv.max_worker_bytes));
   }
   if (const double target = absl::GetFlag(FLAGS_target_fetch); target != 0) {
     if (absl::Status st = gpu_worker::SetTargetFetch(target, n_layers, p);
@@ -496,8 +496,8 @@ absl::StatusOr<PolicySetup> SetUpPolicy(
   PolicySetup s;
   IG_ASSIGN_OR_RETURN(s.options, EngineOptionsFromFlags(
                                      policy, weights.config.n_layers, serving));
-  if (!gpu_worker::Offloads(s.options.policy.kind)) return s;
-  gpu_worker::PolicyOptions& p = s.options.policy;
+  if (!gpu_worker::Offloads(s.options.kv.policy.kind)) return s;
+  gpu_worker::PolicyOptions& p = s.options.kv.policy;
   const bool speculates = gpu_worker::PolicyEntryOf(p.kind).traits.speculates;
   if (speculates || p.adaptive_budgets) {
     IG_ASSIGN_OR_RETURN(s.skew, SkewFromFlags(weights, calibration, p));
@@ -526,14 +526,14 @@ absl::StatusOr<PolicySetup> SetUpPolicy(
       absl::GetFlag(FLAGS_prefix_cache_bytes);
   if (const int block = absl::GetFlag(FLAGS_prefix_block_tokens);
       serving && block > 0) {
-    s.options.prefix_block_tokens = block;
-    s.options.model_identity = gpu_worker::ModelIdentity(weights, s.skew.get());
+    s.options.kv.prefix_block_tokens = block;
+    s.options.kv.model_identity = gpu_worker::ModelIdentity(weights, s.skew.get());
   }
   const std::string kv_service = absl::GetFlag(FLAGS_kv_service);
   IG_ASSIGN_OR_RETURN(s.client, kv_memory_service::ConnectKvClient(
                                     kv_service, client_options));
-  s.options.kv_client = s.client.get();
-  IG_LOG(INFO) << "policy " << gpu_worker::PolicyName(s.options.policy.kind)
+  s.options.kv.kv_client = s.client.get();
+  IG_LOG(INFO) << "policy " << gpu_worker::PolicyName(s.options.kv.policy.kind)
                << " over " << s.client->data_plane() << " (" << kv_service
                << ")";
   return s;

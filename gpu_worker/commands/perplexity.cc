@@ -118,7 +118,7 @@ int RunPerplexity() {
   auto result =
       gpu_worker::ScorePerplexity(**engine, run->tokens, o, PrintProgress);
   if (!result.ok()) return Fail(kExitFailure, result.status());
-  PrintResult(o, setup->options.policy, *result);
+  PrintResult(o, setup->options.kv.policy, *result);
   return 0;
 }
 

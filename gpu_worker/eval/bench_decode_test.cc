@@ -49,10 +49,10 @@ class RunDecodeBenchTest : public ::testing::Test {
   std::unique_ptr<Engine> MakeEngine(PolicyKind policy, int batch,
                                      int max_seq_len) {
     EngineOptions o;
-    o.policy.kind = policy;
+    o.kv.policy.kind = policy;
     o.batch = batch;
     o.max_seq_len = max_seq_len;
-    if (policy != PolicyKind::kIdeal) o.kv_client = client_.get();
+    if (policy != PolicyKind::kIdeal) o.kv.kv_client = client_.get();
     auto e = Engine::Create(*weights_, NewCpuBackend(), o);
     EXPECT_TRUE(e.ok()) << e.status();
     return e.ok() ? *std::move(e) : nullptr;

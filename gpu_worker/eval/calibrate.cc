@@ -140,28 +140,50 @@ absl::StatusOr<speculator::SkewMatrices> CalibrateSkew(
   }
   // Per layer, as the engine gives them (prefill chunks appended): queries
   // [n, q_dim], keys and values [n, kv_dim], the residual entering the
-  // layer [n, dim].
-  std::vector<std::vector<float>> lq(c.n_layers), lk(c.n_layers),
-      lv(c.n_layers), lx(c.n_layers), lx_attended(c.n_layers);
+  // layer [n, dim], and (post_attention) after its attention.
+  class Recorder final : public EngineObserver {
+   public:
+    Recorder(const model::ModelConfig& c, bool post_attention)
+        : c_(c),
+          post_attention_(post_attention),
+          lq(c.n_layers),
+          lk(c.n_layers),
+          lv(c.n_layers),
+          lx(c.n_layers),
+          lx_attended(c.n_layers) {}
+    void OnLayer(int layer, const float* qs, const float* ks, const float* vs,
+                 const float* xs, int m) override {
+      Append(lq[layer], qs, m, c_.q_dim());
+      Append(lk[layer], ks, m, c_.kv_dim());
+      Append(lv[layer], vs, m, c_.kv_dim());
+      Append(lx[layer], xs, m, c_.dim);
+    }
+    bool WantsPostAttention() const override { return post_attention_; }
+    void OnPostAttention(int layer, const float* xs, int m) override {
+      if (layer + 1 >= c_.n_layers) return;  // no layer to speculate
+      Append(lx_attended[layer], xs, m, c_.dim);
+    }
+
+   private:
+    static void Append(std::vector<float>& to, const float* rows, int m,
+                       int width) {
+      to.insert(to.end(), rows, rows + static_cast<size_t>(m) * width);
+    }
+    const model::ModelConfig& c_;
+    const bool post_attention_;
+
+   public:
+    std::vector<std::vector<float>> lq, lk, lv, lx, lx_attended;
+  };
+  Recorder recorder(c, post_attention);
+  const auto& lq = recorder.lq;
+  const auto& lk = recorder.lk;
+  const auto& lv = recorder.lv;
+  const auto& lx = recorder.lx;
+  const auto& lx_attended = recorder.lx_attended;
   EngineOptions options;
   options.max_seq_len = n;
-  options.observer = [&](int layer, const float* qs, const float* ks,
-                         const float* vs, const float* xs, int m) {
-    auto append = [m](std::vector<float>& to, const float* rows, int width) {
-      to.insert(to.end(), rows, rows + static_cast<size_t>(m) * width);
-    };
-    append(lq[layer], qs, c.q_dim());
-    append(lk[layer], ks, c.kv_dim());
-    append(lv[layer], vs, c.kv_dim());
-    append(lx[layer], xs, c.dim);
-  };
-  if (post_attention) {
-    options.post_attention_observer = [&](int layer, const float* xs, int m) {
-      if (layer + 1 >= c.n_layers) return;  // no layer to speculate
-      lx_attended[layer].insert(lx_attended[layer].end(), xs,
-                                xs + static_cast<size_t>(m) * c.dim);
-    };
-  }
+  options.observer = &recorder;
   IG_ASSIGN_OR_RETURN(auto engine,
                       Engine::Create(weights, NewCpuBackend(), options));
   IG_RETURN_IF_ERROR(engine->Forward(tokens, false).status());

@@ -41,12 +41,12 @@ class PerplexityTest : public ::testing::Test {
     EngineOptions o;
     o.max_seq_len = max_seq_len;
     o.max_chunk = 16;  // several chunks per window
-    o.policy.kind = policy;
+    o.kv.policy.kind = policy;
     if (policy != PolicyKind::kIdeal) {
       auto client = kv_memory_service::ConnectKvClient("inproc:");
       EXPECT_TRUE(client.ok());
       client_ = *std::move(client);
-      o.kv_client = client_.get();
+      o.kv.kv_client = client_.get();
     }
     auto e = Engine::Create(*weights_, NewCpuBackend(), o);
     EXPECT_TRUE(e.ok()) << e.status();

@@ -176,9 +176,30 @@ absl::StatusOr<std::unique_ptr<KvCache>> NewLocalKvCache(
   return std::unique_ptr<KvCache>(std::move(cache));
 }
 
+absl::Status KvOptions::Validate() const {
+  IG_RETURN_IF_ERROR(policy.Validate());
+  if (Offloads(policy.kind) && kv_client == nullptr) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "policy %s needs a KV memory node (kv_client)", PolicyName(policy.kind)));
+  }
+  if (!(kv_capacity > 0.0 && kv_capacity <= 1.0)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "kv_capacity must be in (0, 1], got %g", kv_capacity));
+  }
+  if (max_worker_bytes < 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "max_worker_bytes must be >= 0, got %d", max_worker_bytes));
+  }
+  if (prefix_block_tokens < 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "prefix_block_tokens must be >= 0, got %d", prefix_block_tokens));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<int64_t> KvCache::WorkerBytes(const model::Weights& weights,
                                              const KvCacheOptions& options) {
-  if (!Offloads(options.policy.kind)) {
+  if (!Offloads(options.kv.policy.kind)) {
     return LocalKvCacheBytes(weights.config, options);
   }
   return OffloadedKvCacheBytes(weights, options);
@@ -194,21 +215,17 @@ absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(
         "positive",
         options.batch, options.max_seq_len, options.max_chunk));
   }
-  if (options.max_worker_bytes < 0) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "kv cache: max_worker_bytes must be >= 0, got %d",
-        options.max_worker_bytes));
-  }
+  IG_RETURN_IF_ERROR(options.kv.Validate());
   IG_ASSIGN_OR_RETURN(const int64_t need, WorkerBytes(weights, options));
-  if (options.max_worker_bytes > 0 && need > options.max_worker_bytes) {
+  if (options.kv.max_worker_bytes > 0 && need > options.kv.max_worker_bytes) {
     return absl::ResourceExhaustedError(absl::StrFormat(
         "policy %s needs %.1f MiB of worker KV memory for batch %d x %d "
         "positions, above the limit of %.1f MiB (--max_worker_kv_bytes=%d)",
-        PolicyName(options.policy.kind), need / 1048576.0, options.batch,
-        options.max_seq_len, options.max_worker_bytes / 1048576.0,
-        options.max_worker_bytes));
+        PolicyName(options.kv.policy.kind), need / 1048576.0, options.batch,
+        options.max_seq_len, options.kv.max_worker_bytes / 1048576.0,
+        options.kv.max_worker_bytes));
   }
-  if (!Offloads(options.policy.kind)) {
+  if (!Offloads(options.kv.policy.kind)) {
     return NewLocalKvCache(weights, backend, options);
   }
   return NewOffloadedKvCache(weights, backend, options);

@@ -69,24 +69,38 @@ struct FetchStats {
   void Add(const FetchStats& o);
 };
 
-struct KvCacheOptions {
-  int batch = 1;         // sequence slots
-  int max_seq_len = 0;   // positions per slot
-  int max_chunk = 1;     // most prefill tokens per PrefillAttention
+// How the KV cache keeps K and V, as its user chooses it (the engine's
+// EngineOptions::kv, copied whole into the cache's options).
+struct KvOptions {
   PolicyOptions policy;  // ideal: local; anything else: offloaded
   // The memory node (offloaded only; not owned, outlives the cache).
   kv_memory_service::KvClient* kv_client = nullptr;
   // Tokens the memory node keeps per (layer, KV head), as a fraction of
   // max_seq_len; below 1 its pool evicts.
   double kv_capacity = 1.0;
-  // Most bytes the cache may hold on the worker (WorkerBytes); 0 = no
-  // limit. Create refuses a configuration above it before allocating.
+  // Most bytes the cache may hold on the worker (K/V rows, staging and
+  // policy state: KvCache::WorkerBytes); 0 = no limit. Create refuses a
+  // configuration above it with ResourceExhausted, before allocating.
   int64_t max_worker_bytes = 0;
-  // Prefix reuse (offloaded only): tokens per shared block; 0 = none.
+  // Prefix reuse through the memory node (offloaded only): tokens per
+  // shared block; 0 = none. A prefill that asks for one logit row starts
+  // after the prompt's longest prefix the node holds.
   int prefix_block_tokens = 0;
-  // Names the model and everything its rows depend on (weights, skew); the
-  // cache adds the policy and row format. Reuse needs it non-empty.
+  // Names the model and everything its rows depend on (weights, skew;
+  // ModelIdentity in the worker's commands); the cache adds the policy and
+  // row format. Reuse needs it non-empty.
   std::string model_identity;
+
+  // InvalidArgument naming the field out of range, an invalid policy, or
+  // an offloading policy without kv_client.
+  absl::Status Validate() const;
+};
+
+struct KvCacheOptions {
+  int batch = 1;        // sequence slots
+  int max_seq_len = 0;  // positions per slot
+  int max_chunk = 1;    // most prefill tokens per PrefillAttention
+  KvOptions kv;
 };
 
 class KvCache {

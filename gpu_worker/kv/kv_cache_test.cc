@@ -238,9 +238,9 @@ class KvCacheTest : public ::testing::Test {
     EngineOptions o;
     o.max_seq_len = 256;
     o.max_chunk = 16;
-    o.policy.kind = kind;
-    o.policy.skew = &identity_;
-    o.kv_client = client;
+    o.kv.policy.kind = kind;
+    o.kv.policy.skew = &identity_;
+    o.kv.kv_client = client;
     return o;
   }
 
@@ -325,8 +325,8 @@ TEST_F(KvCacheTest, WorkerHoldsABoundedWorkingSet) {
     KvCacheOptions kv;
     kv.batch = 2;
     kv.max_seq_len = 1024;
-    kv.policy = o.policy;
-    kv.kv_client = &node;
+    kv.kv.policy = o.kv.policy;
+    kv.kv.kv_client = &node;
     auto planned = KvCache::WorkerBytes(weights_, kv);
     ASSERT_TRUE(planned.ok());
     // The plan is sized for a device backend (with staging); the CPU
@@ -368,9 +368,9 @@ TEST(KvCacheSizing, SmolLm2ShapeAtContext4096Batch4) {
     KvCacheOptions kv;
     kv.batch = 4;
     kv.max_seq_len = max_seq;
-    kv.policy.kind = kind;
-    kv.policy.skew = &skew;
-    kv.kv_client = &node;
+    kv.kv.policy.kind = kind;
+    kv.kv.policy.skew = &skew;
+    kv.kv.kv_client = &node;
     auto b = KvCache::WorkerBytes(w, kv);
     EXPECT_TRUE(b.ok()) << b.status();
     return static_cast<double>(b.value_or(0));
@@ -441,7 +441,7 @@ TEST_F(KvCacheTest, WorkerKvLimitRefusesIdealAndServesOffloaded) {
   KvCacheOptions kv;
   kv.max_seq_len = 256;
   kv.batch = 4;
-  kv.policy = Options(PolicyKind::kIdeal, nullptr).policy;
+  kv.kv.policy = Options(PolicyKind::kIdeal, nullptr).kv.policy;
   const int64_t ideal = *KvCache::WorkerBytes(weights_, kv);
   const int64_t limit = ideal / 2;
   for (PolicyKind kind :
@@ -449,7 +449,7 @@ TEST_F(KvCacheTest, WorkerKvLimitRefusesIdealAndServesOffloaded) {
     SCOPED_TRACE(PolicyName(kind));
     EngineOptions o = Options(kind, &node);
     o.batch = 4;
-    o.max_worker_kv_bytes = limit;
+    o.kv.max_worker_bytes = limit;
     auto engine = Engine::Create(weights_, NewCpuBackend(), o);
     if (kind == PolicyKind::kIdeal) {
       ASSERT_EQ(engine.status().code(), absl::StatusCode::kResourceExhausted);
@@ -474,7 +474,7 @@ TEST_F(KvCacheTest, WorkerKvLimitRefusesIdealAndServesOffloaded) {
     EXPECT_EQ((*engine)->node_kv_bytes(), 4LL * 12 * 2 * 256 * 8 * 2 * 2);
   }
   EngineOptions negative = Options(PolicyKind::kFull, &node);
-  negative.max_worker_kv_bytes = -1;
+  negative.kv.max_worker_bytes = -1;
   EXPECT_EQ(Engine::Create(weights_, NewCpuBackend(), negative).status().code(),
             absl::StatusCode::kInvalidArgument);
 }
@@ -528,8 +528,8 @@ TEST_F(KvCacheTest, APrefixReusedFromTheNodeDecodesAsWithoutReuse) {
     SCOPED_TRACE(PolicyName(kind));
     FakeKvClient node;
     EngineOptions o = Options(kind, &node);
-    o.prefix_block_tokens = 8;
-    o.model_identity = "test-model";
+    o.kv.prefix_block_tokens = 8;
+    o.kv.model_identity = "test-model";
     const std::vector<int> shared = Tokens(70);
     std::vector<int> prompt = shared;
     prompt.push_back(5);
@@ -550,7 +550,7 @@ TEST_F(KvCacheTest, APrefixReusedFromTheNodeDecodesAsWithoutReuse) {
     EXPECT_EQ(appended[0].n_tokens, 8);
     // The same without reuse.
     EngineOptions plain = o;
-    plain.prefix_block_tokens = 0;
+    plain.kv.prefix_block_tokens = 0;
     auto third = Engine::Create(weights_, NewCpuBackend(), plain);
     ASSERT_TRUE(third.ok());
     const std::vector<int> computed = Greedy(**third, prompt, 12);
@@ -560,7 +560,7 @@ TEST_F(KvCacheTest, APrefixReusedFromTheNodeDecodesAsWithoutReuse) {
               (*third)->fetch_stats().rows_fetched);
     // Another model identity: nothing reused.
     EngineOptions other = o;
-    other.model_identity = "another-model";
+    other.kv.model_identity = "another-model";
     auto fourth = Engine::Create(weights_, NewCpuBackend(), other);
     ASSERT_TRUE(fourth.ok());
     ASSERT_TRUE((*fourth)->Forward(prompt, false).ok());
@@ -572,8 +572,8 @@ TEST_F(KvCacheTest, APrefixReusedFromTheNodeDecodesAsWithoutReuse) {
 TEST_F(KvCacheTest, H2ONeverReusesAPrefix) {
   FakeKvClient node;
   EngineOptions o = Options(PolicyKind::kH2O, &node);
-  o.prefix_block_tokens = 8;
-  o.model_identity = "test-model";
+  o.kv.prefix_block_tokens = 8;
+  o.kv.model_identity = "test-model";
   const std::vector<int> prompt = Tokens(40);
   for (int i = 0; i < 2; ++i) {
     auto e = Engine::Create(weights_, NewCpuBackend(), o);

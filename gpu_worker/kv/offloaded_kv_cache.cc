@@ -69,16 +69,16 @@ struct Layout {
 absl::StatusOr<Layout> MakeLayout(const model::Weights& weights,
                                   bool operates_on_host,
                                   const KvCacheOptions& options) {
-  if (options.kv_client == nullptr) {
+  if (options.kv.kv_client == nullptr) {
     return absl::InvalidArgumentError(
         absl::StrFormat("engine: policy %s needs a KV memory node",
-                        PolicyName(options.policy.kind)));
+                        PolicyName(options.kv.policy.kind)));
   }
   KvPolicy::Context ctx;
   ctx.weights = &weights;
   ctx.max_seq_len = options.max_seq_len;
   IG_ASSIGN_OR_RETURN(std::unique_ptr<KvPolicy> policy,
-                      KvPolicy::CreateUninitialized(options.policy, ctx));
+                      KvPolicy::CreateUninitialized(options.kv.policy, ctx));
   Layout z;
   z.row_width = policy->RowWidth();
   z.plan_rows = static_cast<size_t>(weights.config.n_kv_heads) *
@@ -88,7 +88,7 @@ absl::StatusOr<Layout> MakeLayout(const model::Weights& weights,
   z.attention_probs = policy->WantsAttentionProbs();
   z.prefill_probs = policy->WantsPrefillProbs();
   IG_ASSIGN_OR_RETURN(z.policy_bytes,
-                      KvPolicy::StateBytes(options.policy, ctx));
+                      KvPolicy::StateBytes(options.kv.policy, ctx));
   return z;
 }
 
@@ -100,7 +100,7 @@ class OffloadedKvCache final : public KvCache {
         c_(weights.config),
         backend_(*backend),
         options_(options),
-        schedule_(FetchSchedule::Of(options.policy, weights.config.n_layers)),
+        schedule_(FetchSchedule::Of(options.kv.policy, weights.config.n_layers)),
         layout_(layout),
         max_seq_(options.max_seq_len),
         stride_(options.max_seq_len + 1),
@@ -116,7 +116,7 @@ class OffloadedKvCache final : public KvCache {
       appender_.join();
     }
     for (Sequence& s : sequences_) {
-      if (s.seq != 0) options_.kv_client->Close(s.seq).IgnoreError();
+      if (s.seq != 0) options_.kv.kv_client->Close(s.seq).IgnoreError();
     }
     // Copies may still read the fetch buffers; unpin them before they go.
     backend_.WaitCopies().IgnoreError();
@@ -326,7 +326,7 @@ absl::Status OffloadedKvCache::Init() {
   geometry_.n_kv_heads = c_.n_kv_heads;
   geometry_.head_dim = layout_.row_width;
   geometry_.max_tokens =
-      std::max(1, static_cast<int>(options_.kv_capacity * max_seq_));
+      std::max(1, static_cast<int>(options_.kv.kv_capacity * max_seq_));
   bool pin_warned = false;
   for (Sequence& s : sequences_) {
     IG_RETURN_IF_ERROR(InitSequence(s, ctx, pin_warned));
@@ -347,9 +347,9 @@ absl::Status OffloadedKvCache::Init() {
 absl::Status OffloadedKvCache::InitSequence(Sequence& s,
                                             const KvPolicy::Context& ctx,
                                             bool& pin_warned) {
-  IG_ASSIGN_OR_RETURN(s.policy, KvPolicy::Create(options_.policy, ctx));
+  IG_ASSIGN_OR_RETURN(s.policy, KvPolicy::Create(options_.kv.policy, ctx));
   for (int i = 0; i < 2; ++i) {
-    IG_ASSIGN_OR_RETURN(s.buffers[i], options_.kv_client->NewFetchBuffer(
+    IG_ASSIGN_OR_RETURN(s.buffers[i], options_.kv.kv_client->NewFetchBuffer(
                                           layout_.fetch_values));
     const absl::Status pinned = backend_.PinHost(
         s.buffers[i]->data(), s.buffers[i]->size() * sizeof(uint16_t));
@@ -412,7 +412,7 @@ absl::Status OffloadedKvCache::InitSharedBuffers() {
 
 void OffloadedKvCache::InitPrefixIdentity() {
   const KvPolicy& policy = *sequences_[0].policy;
-  if (options_.prefix_block_tokens <= 0 || options_.model_identity.empty() ||
+  if (options_.kv.prefix_block_tokens <= 0 || options_.kv.model_identity.empty() ||
       !policy.ReusesPrefix()) {
     return;
   }
@@ -421,8 +421,8 @@ void OffloadedKvCache::InitPrefixIdentity() {
   identity_ = absl::StrFormat(
       "%s|policy=%s|rank_by_keys=%d|format=%d|layers=%d|kv_heads=%d|"
       "width=%d|dtype=%d",
-      options_.model_identity, PolicyName(options_.policy.kind),
-      options_.policy.rank_columns_by_keys ? 1 : 0,
+      options_.kv.model_identity, PolicyName(options_.kv.policy.kind),
+      options_.kv.policy.rank_columns_by_keys ? 1 : 0,
       static_cast<int>(policy.row_format()), geometry_.n_layers,
       geometry_.n_kv_heads, geometry_.head_dim,
       static_cast<int>(geometry_.dtype));
@@ -432,7 +432,7 @@ void OffloadedKvCache::InitPrefixIdentity() {
 absl::StatusOr<int> OffloadedKvCache::OpenSequence(
     Sequence& s, absl::Span<const int> tokens, bool reuse) {
   const int n = static_cast<int>(tokens.size());
-  const int block = options_.prefix_block_tokens;
+  const int block = options_.kv.prefix_block_tokens;
   kv_memory_service::PrefixRequest prefix;
   if (reuse && !identity_.empty()) {
     // Whole blocks only, at least one token left to compute (its logits
@@ -448,7 +448,7 @@ absl::StatusOr<int> OffloadedKvCache::OpenSequence(
     }
   }
   IG_ASSIGN_OR_RETURN(kv_memory_service::OpenedSequence opened,
-                      options_.kv_client->OpenSequence(geometry_, prefix));
+                      options_.kv.kv_client->OpenSequence(geometry_, prefix));
   s.seq = opened.id;
   const int cached = opened.cached_tokens;
   const int blocks = block > 0 ? cached / block : 0;
@@ -470,7 +470,7 @@ absl::StatusOr<int> OffloadedKvCache::OpenSequence(
       bad = absl::DataLossError(absl::StrFormat(
           "kv cache: a reused prefix block's policy summary has %d bytes, "
           "%s expects %d",
-          meta.size(), PolicyName(options_.policy.kind), meta_bytes));
+          meta.size(), PolicyName(options_.kv.policy.kind), meta_bytes));
     }
   }
   if (!bad.ok()) return bad;
@@ -508,7 +508,7 @@ absl::Status OffloadedKvCache::IssuePrefixFetch(Sequence& s, int layer) {
     for (int p = 0; p < s.cached; ++p) plan.indices.push_back(p);
     plan.head_offsets.push_back(static_cast<int32_t>(plan.indices.size()));
   }
-  s.handles[i] = options_.kv_client->FetchAsync(s.seq, layer, plan.view(),
+  s.handles[i] = options_.kv.kv_client->FetchAsync(s.seq, layer, plan.view(),
                                                 s.buffers[i].get());
   return absl::OkStatus();
 }
@@ -550,7 +550,7 @@ absl::Status OffloadedKvCache::Reset(int slot) {
   if (s.seq != 0) {
     const kv_memory_service::SequenceId seq = s.seq;
     s.seq = 0;
-    IG_RETURN_IF_ERROR(options_.kv_client->Close(seq));
+    IG_RETURN_IF_ERROR(options_.kv.kv_client->Close(seq));
   }
   return absl::OkStatus();
 }
@@ -564,7 +564,7 @@ absl::StatusOr<int> OffloadedKvCache::BeginPrefill(
     return absl::FailedPreconditionError(absl::StrFormat(
         "forward: policy %s prefills a sequence in one call (slot %d holds "
         "%d tokens already)",
-        PolicyName(options_.policy.kind), slot, first));
+        PolicyName(options_.kv.policy.kind), slot, first));
   }
   IG_RETURN_IF_ERROR(FinishAppends());
   Sequence& s = sequences_[slot];
@@ -638,7 +638,7 @@ absl::Status OffloadedKvCache::PrefillAttention(int layer, int pos, int rows,
                                             : nullptr);
   // Summaries of the whole blocks this sequence will share.
   if (!s.block_state.empty()) {
-    const int block = options_.prefix_block_tokens;
+    const int block = options_.kv.prefix_block_tokens;
     const size_t per_block = static_cast<size_t>(c_.n_layers) * state_floats_;
     const size_t blocks = s.block_state.size() / per_block;
     for (int i = 0; i < rows;) {
@@ -704,7 +704,7 @@ absl::Status OffloadedKvCache::AppendRows(Sequence& s, int first_layer,
                       layout_.row_width;
   block.k = absl::MakeConstSpan(k, size);
   block.v = absl::MakeConstSpan(v, size);
-  IG_ASSIGN_OR_RETURN(*result, options_.kv_client->Append(s.seq, block));
+  IG_ASSIGN_OR_RETURN(*result, options_.kv.kv_client->Append(s.seq, block));
   return absl::OkStatus();
 }
 
@@ -832,14 +832,14 @@ absl::Status OffloadedKvCache::IssueFetch(Sequence& s, int layer,
     return absl::InternalError(absl::StrFormat(
         "kv cache: policy %s planned %d rows for layer %d, above the %d its "
         "staging holds",
-        PolicyName(options_.policy.kind), plan.indices.size(), layer,
+        PolicyName(options_.kv.policy.kind), plan.indices.size(), layer,
         layout_.plan_rows));
   }
   s.step_rows += static_cast<long>(plan.indices.size());
   s.stats.rows_fetched += static_cast<long>(plan.indices.size());
   s.stats.bytes_fetched +=
       static_cast<long>(plan.indices.size()) * 2 * layout_.row_width * 2;
-  s.handles[layer % 2] = options_.kv_client->FetchAsync(
+  s.handles[layer % 2] = options_.kv.kv_client->FetchAsync(
       s.seq, layer, plan.view(), s.buffers[layer % 2].get());
   return absl::OkStatus();
 }

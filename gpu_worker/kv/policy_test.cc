@@ -64,9 +64,9 @@ class PolicyTest : public ::testing::Test {
     EXPECT_TRUE(client.ok()) << client.status();
     EngineOptions options;
     options.max_seq_len = 128;
-    options.policy = policy;
-    options.kv_client = client->get();
-    options.kv_capacity = kv_capacity;
+    options.kv.policy = policy;
+    options.kv.kv_client = client->get();
+    options.kv.kv_capacity = kv_capacity;
     auto engine = Engine::Create(weights != nullptr ? *weights : *weights_,
                                  NewCpuBackend(), options);
     EXPECT_TRUE(engine.ok()) << engine.status();
@@ -808,8 +808,8 @@ TEST_F(PolicyTest, FetchedRowsMoveThroughPinnedCopiesInMarkOrder) {
     ASSERT_TRUE(client.ok());
     EngineOptions options;
     options.max_seq_len = 128;
-    options.policy = policy;
-    options.kv_client = client->get();
+    options.kv.policy = policy;
+    options.kv.kv_client = client->get();
     options.batch = 2;
     RecordingBackend::Log log;
     auto cpu = Engine::Create(*weights_, NewCpuBackend(), options);
@@ -877,8 +877,8 @@ TEST_F(PolicyTest, BatchedDecodingMatchesSingleSequences) {
     EngineOptions options;
     options.max_seq_len = 96;
     options.batch = 3;
-    options.policy = policy;
-    options.kv_client = client->get();
+    options.kv.policy = policy;
+    options.kv.kv_client = client->get();
     auto batched = Engine::Create(*weights_, NewCpuBackend(), options);
     ASSERT_TRUE(batched.ok()) << batched.status();
     const std::vector<int>& t = *tokens_;
@@ -936,24 +936,24 @@ TEST_F(PolicyTest, BadOptionsAreRejected) {
   auto client = kv_memory_service::ConnectKvClient("inproc:");
   ASSERT_TRUE(client.ok());
   EngineOptions o;
-  o.policy = Policy(PolicyKind::kFull);
+  o.kv.policy = Policy(PolicyKind::kFull);
   auto no_client = Engine::Create(*weights_, NewCpuBackend(), o);
   EXPECT_EQ(no_client.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(no_client.status().message()),
               HasSubstr("KV memory node"));
-  o.kv_client = client->get();
-  o.policy = Policy(PolicyKind::kInfiniGen);
+  o.kv.kv_client = client->get();
+  o.kv.policy = Policy(PolicyKind::kInfiniGen);
   EXPECT_EQ(Engine::Create(*weights_, NewCpuBackend(), o).status().code(),
             absl::StatusCode::kInvalidArgument);  // no skew
-  o.policy.skew = skew_;
-  o.policy.alpha = -1;
+  o.kv.policy.skew = skew_;
+  o.kv.policy.alpha = -1;
   EXPECT_EQ(Engine::Create(*weights_, NewCpuBackend(), o).status().code(),
             absl::StatusCode::kInvalidArgument);
-  o.policy = Policy(PolicyKind::kFull);
-  o.kv_capacity = 0;
+  o.kv.policy = Policy(PolicyKind::kFull);
+  o.kv.kv_capacity = 0;
   EXPECT_EQ(Engine::Create(*weights_, NewCpuBackend(), o).status().code(),
             absl::StatusCode::kInvalidArgument);
-  o.kv_capacity = 1;
+  o.kv.kv_capacity = 1;
   o.max_seq_len = 64;
   auto engine = Engine::Create(*weights_, NewCpuBackend(), o);
   ASSERT_TRUE(engine.ok());

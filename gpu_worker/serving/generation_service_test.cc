@@ -139,13 +139,13 @@ class GenerationServiceTest : public ::testing::Test {
       PolicyKind policy = PolicyKind::kIdeal) {
     EngineOptions engine_options;
     engine_options.batch = batch;
-    engine_options.policy.kind = policy;
+    engine_options.kv.policy.kind = policy;
     if (policy != PolicyKind::kIdeal) {
       auto client = kv_memory_service::ConnectKvClient("inproc:");
       EXPECT_TRUE(client.ok()) << client.status();
       if (!client.ok()) return nullptr;
       kv_client_ = std::move(*client);
-      engine_options.kv_client = kv_client_.get();
+      engine_options.kv.kv_client = kv_client_.get();
     }
     auto engine = Engine::Create(*weights_, NewCpuBackend(), engine_options);
     EXPECT_TRUE(engine.ok()) << engine.status();
