@@ -83,11 +83,20 @@ int64_t ReservedBytes(const SequenceGeometry& g) {
   return int64_t{4} * g.n_layers * g.n_kv_heads * g.max_tokens * g.head_dim;
 }
 
-absl::Status ValidatePlanShape(const FetchPlan& plan, int32_t n_kv_heads) {
-  if (plan.head_offsets.size() != static_cast<size_t>(n_kv_heads) + 1) {
+absl::Status ValidatePlanHeadCount(size_t n_offsets, int32_t n_kv_heads) {
+  if (n_offsets != static_cast<size_t>(n_kv_heads) + 1) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "plan has ", plan.head_offsets.size(), " head offsets; the sequence has ",
-        n_kv_heads, " KV heads, so it needs ", n_kv_heads + 1));
+        "plan has ", n_offsets, " head offsets; the sequence has ", n_kv_heads,
+        " KV heads, so it needs ", n_kv_heads + 1));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidatePlanShape(const FetchPlan& plan, int32_t n_kv_heads) {
+  if (absl::Status count =
+          ValidatePlanHeadCount(plan.head_offsets.size(), n_kv_heads);
+      !count.ok()) {
+    return count;
   }
   if (plan.head_offsets[0] != 0) {
     return absl::InvalidArgumentError(absl::StrCat(

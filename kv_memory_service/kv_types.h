@@ -216,6 +216,9 @@ inline size_t FetchElements(const FetchPlan& plan, int32_t head_dim) {
 // entries, does not start at 0, decreases, or does not end at
 // indices.size().
 absl::Status ValidatePlanShape(const FetchPlan& plan, int32_t n_kv_heads);
+// ValidatePlanShape's first check alone, for a data plane that judges a
+// request by its header (n_offsets head offsets) before its body arrives.
+absl::Status ValidatePlanHeadCount(size_t n_offsets, int32_t n_kv_heads);
 
 // A plan that owns its arrays; handy for tests and for callers that build
 // a plan once and reuse it.

@@ -301,16 +301,11 @@ bool FetchSocketServer::Loop::Judge(Connection* c) {
                        " bytes exceeds the limit of ", max_message)),
                    0, Connection::State::kHeader);
   }
-  absl::Status status;
   absl::StatusOr<SequenceGeometry> g =
       server_->store_->Geometry(q.sequence_id, q.session_id);
-  if (!g.ok()) {
-    status = g.status();
-  } else if (q.n_offsets != static_cast<uint32_t>(g->n_kv_heads) + 1) {
-    status = absl::InvalidArgumentError(absl::StrCat(
-        "plan has ", q.n_offsets, " head offsets; the sequence has ",
-        g->n_kv_heads, " KV heads, so it needs ", g->n_kv_heads + 1));
-  } else {
+  absl::Status status =
+      g.ok() ? ValidatePlanHeadCount(q.n_offsets, g->n_kv_heads) : g.status();
+  if (status.ok()) {
     // Each index brings a K and a V row of head_dim 2-byte values.
     const int64_t max_indices = std::min<int64_t>(
         server_->store_->options().max_fetch_indices,
