@@ -1,0 +1,315 @@
+#include "gpu_worker/kv/offloaded_kv_cache.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_format.h"
+#include "common/log.h"
+#include "common/status.h"
+#include "kv_memory_service/prefix_keys.h"
+
+namespace infinigen::gpu_worker {
+namespace offloaded {
+
+// --- Decode.
+
+absl::Status OffloadedKvCache::BeginStep(absl::Span<const int> slots,
+                                         absl::Span<const int> positions) {
+  // The previous step's appends must be in before this step fetches.
+  IG_RETURN_IF_ERROR(FinishAppends());
+  step_slots_.assign(slots.begin(), slots.end());
+  for (int slot : slots) IG_RETURN_IF_ERROR(sequences_[slot].lost);
+  for (size_t i = 0; i < slots.size(); ++i) {
+    Sequence& s = sequences_[slots[i]];
+    s.position = positions[i];
+    s.step_rows = 0;
+  }
+  return IssueDue(FetchPoint::kStepStart, 0, nullptr);
+}
+
+absl::Status OffloadedKvCache::LayerInput(int layer, const float* xb) {
+  IG_RETURN_IF_ERROR(IssueDue(FetchPoint::kOwnInput, layer, xb));
+  return IssueDue(FetchPoint::kPreviousInput, layer, xb);
+}
+
+absl::Status OffloadedKvCache::PostAttentionInput(int layer,
+                                                  const float* xb_next) {
+  return IssueDue(FetchPoint::kPreviousAttention, layer, xb_next);
+}
+
+absl::Status OffloadedKvCache::IssueDue(FetchPoint point, int layer,
+                                        const float* x) {
+  const int due = schedule_.DueAt(point, layer);
+  if (due < 0) return absl::OkStatus();
+  for (size_t i = 0; i < step_slots_.size(); ++i) {
+    IG_RETURN_IF_ERROR(IssueFetch(sequences_[step_slots_[i]], due,
+                                  x == nullptr ? nullptr : x + i * c_.dim));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status OffloadedKvCache::DecodeAttention(int layer, const float* q,
+                                               const float* k, const float* v,
+                                               float* out) {
+  const size_t kvd = c_.kv_dim();
+  for (size_t i = 0; i < step_slots_.size(); ++i) {
+    Sequence& s = sequences_[step_slots_[i]];
+    // The new token's rows, kept until the step's appends are encoded.
+    float* new_k = s.new_rows.data() + layer * kvd;
+    backend_.Copy(new_k, k + i * kvd, kvd);
+    backend_.Copy(new_k + c_.n_layers * kvd, v + i * kvd, kvd);
+    IG_RETURN_IF_ERROR(
+        FetchedAttention(s, layer, static_cast<int>(i), q, k, v, out));
+  }
+  // Every fetch of the step is done: the host encodes the step's new rows
+  // and the appends run while the last layer's MLP and the classifier
+  // compute.
+  if (layer + 1 == c_.n_layers) {
+    for (int slot : step_slots_) {
+      IG_RETURN_IF_ERROR(StageStepRows(sequences_[slot]));
+    }
+    StartAppends();
+  }
+  return absl::OkStatus();
+}
+
+absl::Status OffloadedKvCache::LayerDone(int layer) {
+  // The next layer's rows move to the backend while this layer computes
+  // (its fetch left before this layer's end).
+  if (!schedule_.UploadsEarly(layer + 1)) return absl::OkStatus();
+  for (int slot : step_slots_) {
+    IG_RETURN_IF_ERROR(UploadFetched(sequences_[slot], layer + 1));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status OffloadedKvCache::EndStep() {
+  for (int slot : step_slots_) {
+    Sequence& s = sequences_[slot];
+    long cached = 0;
+    for (long r : s.present_count) cached += r;
+    const double fraction =
+        cached > 0 ? static_cast<double>(s.step_rows) / cached : 0.0;
+    ++s.stats.steps;
+    s.stats.fraction_sum += fraction;
+    s.stats.fraction_max = std::max(s.stats.fraction_max, fraction);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status OffloadedKvCache::IssueFetch(Sequence& s, int layer,
+                                          const float* xb_prev) {
+  // The last copy out of this fetch buffer must have read it.
+  IG_RETURN_IF_ERROR(backend_.WaitCopies());
+  s.uploaded[layer % 2] = false;
+  kv_memory_service::OwnedFetchPlan& plan = s.plans[layer % 2];
+  IG_RETURN_IF_ERROR(s.policy->PlanFetch(
+      layer, s.position, xb_prev,
+      &s.present[static_cast<size_t>(layer) * c_.n_kv_heads * max_seq_],
+      plan));
+  if (plan.indices.size() > layout_.plan_rows) {
+    return absl::InternalError(absl::StrFormat(
+        "kv cache: policy %s planned %d rows for layer %d, above the %d its "
+        "staging holds",
+        PolicyName(options_.kv.policy.kind), plan.indices.size(), layer,
+        layout_.plan_rows));
+  }
+  s.step_rows += static_cast<long>(plan.indices.size());
+  s.stats.rows_fetched += static_cast<long>(plan.indices.size());
+  s.stats.bytes_fetched +=
+      static_cast<long>(plan.indices.size()) * 2 * layout_.row_width * 2;
+  s.handles[layer % 2] = options_.kv.kv_client->FetchAsync(
+      s.seq, layer, plan.view(), s.buffers[layer % 2].get());
+  return absl::OkStatus();
+}
+
+absl::Status OffloadedKvCache::UploadFetched(Sequence& s, int layer) {
+  const int i = layer % 2;
+  if (s.uploaded[i]) return absl::OkStatus();
+  const auto t0 = std::chrono::steady_clock::now();
+  absl::Status fetched = s.handles[i].Wait();
+  s.stats.wait_seconds += std::chrono::duration<double>(
+                              std::chrono::steady_clock::now() - t0)
+                              .count();
+  IG_RETURN_IF_ERROR(fetched);
+  if (layout_.staged) {
+    // K rows of every head, then V rows, as stored.
+    const size_t values = 2 * s.plans[i].indices.size() * layout_.row_width;
+    backend_.CopyFromHost(s.staged[i].data(), s.buffers[i]->data(),
+                          values * sizeof(uint16_t), s.staged_free[i]);
+  }
+  s.uploaded[i] = true;
+  return absl::OkStatus();
+}
+
+absl::Status OffloadedKvCache::FetchedAttention(Sequence& s, int layer,
+                                                int row, const float* q_all,
+                                                const float* k_all,
+                                                const float* v_all,
+                                                float* out) {
+  const int group = c_.n_heads / c_.n_kv_heads;
+  const int i = layer % 2;
+  IG_RETURN_IF_ERROR(UploadFetched(s, layer));
+  const kv_memory_service::OwnedFetchPlan& plan = s.plans[i];
+  const bool want_probs = s.policy->WantsAttentionProbs();
+  const float* q = q_all + static_cast<size_t>(row) * c_.q_dim();
+  const float* k_new = k_all + static_cast<size_t>(row) * c_.kv_dim();
+  const float* v_new = v_all + static_cast<size_t>(row) * c_.kv_dim();
+  float* att = out + static_cast<size_t>(row) * c_.q_dim();
+  if (want_probs) IG_RETURN_IF_ERROR(ZeroProbabilityRows(plan));
+  if (!layout_.staged && AttendInPlace(s, layer, q, k_new, v_new, att)) {
+    // Attention read the fetched rows where they lie: nothing decoded.
+  } else {
+    DecodeFetched(s, layer, k_new, v_new);
+    s.staged_free[i] = backend_.MarkIssued();
+    DecodedAttention(s, layer, q, att);
+  }
+  if (want_probs) {
+    // One copy (one wait) through the last head's row: the rows between
+    // heads' entries come back too, unread.
+    const int last = c_.n_heads - 1;
+    const int count =
+        plan.head_offsets[last / group + 1] - plan.head_offsets[last / group];
+    const size_t values = static_cast<size_t>(last) * stride_ + count + 1;
+    IG_RETURN_IF_ERROR(backend_.CopyToHost(probs_host_.data(), probs_.data(),
+                                           values * sizeof(float)));
+    s.policy->ObserveAttention(layer, plan.view(), probs_host_.data(), stride_);
+  }
+  return absl::OkStatus();
+}
+
+bool OffloadedKvCache::AttendInPlace(Sequence& s, int layer, const float* q,
+                                     const float* k_new, const float* v_new,
+                                     float* att) {
+  const int hd = c_.head_dim, group = c_.n_heads / c_.n_kv_heads;
+  const kv_memory_service::OwnedFetchPlan& plan = s.plans[layer % 2];
+  const int total = static_cast<int>(plan.indices.size());
+  const int width = layout_.row_width;
+  const uint16_t* k_rows = FetchedRows(s, layer);
+  const uint16_t* v_rows = k_rows + static_cast<size_t>(total) * width;
+  const bool want_probs = s.policy->WantsAttentionProbs();
+  for (int g = 0; g < c_.n_kv_heads; ++g) {
+    const int begin = plan.head_offsets[g];
+    StoredRowsAttention p;
+    p.q = q + static_cast<size_t>(g) * group * hd;
+    p.k = k_rows + static_cast<size_t>(begin) * width;
+    p.v = v_rows + static_cast<size_t>(begin) * width;
+    p.k_new = k_new + static_cast<size_t>(g) * hd;
+    p.v_new = v_new + static_cast<size_t>(g) * hd;
+    p.out = att + static_cast<size_t>(g) * group * hd;
+    p.group = group;
+    p.count = plan.head_offsets[g + 1] - begin;
+    p.head_dim = hd;
+    p.row_width = width;
+    p.format = s.policy->row_format();
+    p.scale = 1.0f / std::sqrt(static_cast<float>(hd));
+    if (want_probs) {
+      p.prob_sums = probs_.data() + static_cast<size_t>(g) * group * stride_;
+      p.prob_stride = stride_;
+    }
+    // The format is the same for every head: the first answer holds.
+    if (!backend_.AttendStoredRows(p)) return false;
+  }
+  return true;
+}
+
+void OffloadedKvCache::DecodedAttention(Sequence& s, int layer, const float* q,
+                                        float* att) {
+  const int hd = c_.head_dim, group = c_.n_heads / c_.n_kv_heads;
+  const kv_memory_service::OwnedFetchPlan& plan = s.plans[layer % 2];
+  const bool want_probs = s.policy->WantsAttentionProbs();
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  for (int g = 0; g < c_.n_kv_heads; ++g) {
+    const int begin = plan.head_offsets[g];
+    const int count = plan.head_offsets[g + 1] - begin;
+    float* kg = k_rows_.data() + static_cast<size_t>(g) * stride_ * hd;
+    float* vg = v_rows_.data() + static_cast<size_t>(g) * stride_ * hd;
+    for (int h = g * group; h < (g + 1) * group; ++h) {
+      AttentionParams p;
+      p.q = q + h * hd;
+      p.k = kg;
+      p.v = vg;
+      p.out = att + h * hd;
+      p.n = 1;
+      p.n_heads = 1;
+      p.n_kv_heads = 1;
+      p.head_dim = hd;
+      p.kv_stride = stride_;
+      p.kv_len0 = count + 1;
+      p.scale = scale;
+      if (want_probs) {
+        p.prob_sums = probs_.data() + static_cast<size_t>(h) * stride_;
+      }
+      backend_.Attention(p);
+    }
+  }
+}
+
+void OffloadedKvCache::DecodeFetched(Sequence& s, int layer,
+                                     const float* k_new, const float* v_new) {
+  const int hd = c_.head_dim;
+  const kv_memory_service::OwnedFetchPlan& plan = s.plans[layer % 2];
+  const int total = static_cast<int>(plan.indices.size());
+  const KvRowFormat format = s.policy->row_format();
+  const int width = layout_.row_width;
+  const uint16_t* k_rows = FetchedRows(s, layer);
+  const uint16_t* v_rows = k_rows + static_cast<size_t>(total) * width;
+  // Each KV head's rows, decoded where attention reads them, then the new
+  // token's exact (unstored) row.
+  for (int g = 0; g < c_.n_kv_heads; ++g) {
+    const int begin = plan.head_offsets[g];
+    const int count = plan.head_offsets[g + 1] - begin;
+    float* kg = k_rows_.data() + static_cast<size_t>(g) * stride_ * hd;
+    float* vg = v_rows_.data() + static_cast<size_t>(g) * stride_ * hd;
+    if (count > 0) {
+      backend_.DecodeKvRows(k_rows + static_cast<size_t>(begin) * width,
+                            count, hd, format, kg);
+      backend_.DecodeKvRows(v_rows + static_cast<size_t>(begin) * width,
+                            count, hd, format, vg);
+    }
+    backend_.Copy(kg + static_cast<size_t>(count) * hd, k_new + g * hd, hd);
+    backend_.Copy(vg + static_cast<size_t>(count) * hd, v_new + g * hd, hd);
+  }
+}
+
+absl::Status OffloadedKvCache::ZeroProbabilityRows(
+    const kv_memory_service::OwnedFetchPlan& plan) {
+  const int group = c_.n_heads / c_.n_kv_heads;
+  // Each head's probability row zeroed from the host copy (a previous
+  // CopyToHost waited for earlier copies out of it).
+  IG_RETURN_IF_ERROR(backend_.WaitCopies());
+  for (int h = 0; h < c_.n_heads; ++h) {
+    const int count = plan.head_offsets[h / group + 1] -
+                      plan.head_offsets[h / group];
+    const size_t at = static_cast<size_t>(h) * stride_;
+    std::fill(probs_host_.begin() + at, probs_host_.begin() + at + count + 1,
+              0.0f);
+    backend_.CopyFromHost(probs_.data() + at, probs_host_.data() + at,
+                          (count + 1) * sizeof(float),
+                          backend_.MarkIssued());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status OffloadedKvCache::StageStepRows(Sequence& s) {
+  const size_t kvd = c_.kv_dim();
+  const int width = layout_.row_width;
+  IG_RETURN_IF_ERROR(backend_.CopyToHost(new_rows_host_.data(),
+                                         s.new_rows.data(),
+                                         s.new_rows.bytes()));
+  const float* new_k = new_rows_host_.data();
+  const float* new_v = new_k + c_.n_layers * kvd;
+  for (int l = 0; l < c_.n_layers; ++l) {
+    const size_t at = static_cast<size_t>(l) * c_.n_kv_heads * width;
+    s.policy->EncodeRows(new_k + l * kvd, c_.n_kv_heads, &s.k_step[at]);
+    s.policy->EncodeRows(new_v + l * kvd, c_.n_kv_heads, &s.v_step[at]);
+    s.policy->OnDecodeAppend(l, s.position, s.new_rows.data() + l * kvd);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace offloaded
+}  // namespace infinigen::gpu_worker

@@ -1,0 +1,309 @@
+// The offloaded KV cache (kv_cache.h): the memory node holds the rows, the
+// worker a bounded working set. Private to the :kv_cache target:
+// offloaded_kv_cache.cc sets it up, opens sequences (prefix reuse) and runs
+// the background appends; offloaded_prefill.cc and offloaded_decode.cc are
+// its prefill and its decode step.
+//
+// What the worker holds, per sequence: its policy's state, two fetch
+// buffers (host memory the data plane chose, pinned by the backend) and,
+// on a device backend, two staging buffers on the device they are copied
+// to, each sized for the largest plan of one layer (KvPolicy::MaxPlanRows),
+// the new token's K and V of every layer, and the presence of each row
+// (1 byte per position, layer and KV head). Shared by the sequences: the
+// decoded rows attention reads (one layer, fp32), and for a prefill one
+// layer's encoded prompt rows on their way to the memory node. Nothing
+// grows with n_layers x max_seq_len.
+#ifndef INFINIGEN_GPU_WORKER_KV_OFFLOADED_KV_CACHE_H_
+#define INFINIGEN_GPU_WORKER_KV_OFFLOADED_KV_CACHE_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "gpu_worker/kv/fetch_schedule.h"
+#include "gpu_worker/kv/kv_cache_impl.h"
+#include "kv_memory_service/kv_client.h"
+
+namespace infinigen::gpu_worker {
+namespace offloaded {
+
+using kv_memory_service::AppendBlock;
+using kv_memory_service::AppendResult;
+using kv_memory_service::SequenceGeometry;
+
+// Sizes of every buffer, from the options alone: Init allocates exactly
+// these and WorkerBytes reports their sum.
+struct Layout {
+  int row_width = 0;        // uint16 per stored row
+  size_t plan_rows = 0;     // most rows of one layer's plan, all heads
+  size_t fetch_values = 0;  // uint16 per fetch buffer: K then V rows
+  bool staged = false;      // fetched rows copied to device staging
+  bool attention_probs = false;
+  bool prefill_probs = false;
+  int64_t policy_bytes = 0;
+
+  int64_t PerSequence(const model::ModelConfig& c, int max_seq) const {
+    const int64_t fetch = 2 * static_cast<int64_t>(fetch_values) * 2;
+    return fetch * (staged ? 2 : 1) +
+           int64_t{2} * c.n_layers * c.kv_dim() * 4 +        // step rows
+           int64_t{2} * c.n_layers * c.n_kv_heads * row_width * 2 +  // encoded
+           int64_t{c.n_layers} * c.n_kv_heads * max_seq +    // presence
+           int64_t{c.n_layers} * 8 + policy_bytes;
+  }
+  int64_t Shared(const model::ModelConfig& c, int max_seq,
+                 int max_chunk) const {
+    const int64_t decoded =
+        int64_t{2} * c.n_kv_heads * (max_seq + 1) * c.head_dim * 4;
+    const int64_t stage = int64_t{2} * max_seq * c.n_kv_heads * row_width * 2;
+    const int64_t host_rows =  // prefill chunk and step rows, read here
+        int64_t{max_chunk} * (c.q_dim() + 2 * c.kv_dim()) * 4 +
+        int64_t{2} * c.n_layers * c.kv_dim() * 4;
+    // Probabilities (h2o): on the backend and their host copies.
+    return decoded + stage + host_rows +
+           (attention_probs ? int64_t{2} * c.n_heads * (max_seq + 1) * 4 : 0) +
+           (prefill_probs ? int64_t{2} * c.n_heads * max_seq * 4 : 0);
+  }
+};
+
+absl::StatusOr<Layout> MakeLayout(const model::Weights& weights,
+                                  bool operates_on_host,
+                                  const KvCacheOptions& options);
+
+// The cache itself: one Sequence per slot (its memory-node sequence, policy,
+// fetch buffers and presence), the shared buffers, and the appender thread
+// that sends a decode step's new rows while the step finishes.
+class OffloadedKvCache final : public KvCache {
+ public:
+  OffloadedKvCache(const model::Weights& weights, Backend* backend,
+                   const KvCacheOptions& options, const Layout& layout)
+      : weights_(weights),
+        c_(weights.config),
+        backend_(*backend),
+        options_(options),
+        schedule_(FetchSchedule::Of(options.kv.policy, weights.config.n_layers)),
+        layout_(layout),
+        max_seq_(options.max_seq_len),
+        stride_(options.max_seq_len + 1),
+        sequences_(options.batch) {}
+
+  ~OffloadedKvCache() override {
+    if (appender_.joinable()) {
+      FinishAppends().IgnoreError();
+      {
+        absl::MutexLock lock(&append_mu_);
+        stopping_ = true;
+      }
+      appender_.join();
+    }
+    for (Sequence& s : sequences_) {
+      if (s.seq != 0) options_.kv.kv_client->Close(s.seq).IgnoreError();
+    }
+    // Copies may still read the fetch buffers; unpin them before they go.
+    backend_.WaitCopies().IgnoreError();
+    for (Sequence& s : sequences_) {
+      for (int i = 0; i < 2; ++i) {
+        s.handles[i].Wait().IgnoreError();
+        if (s.buffers[i] != nullptr) backend_.UnpinHost(s.buffers[i]->data());
+      }
+    }
+  }
+
+  absl::Status Init();
+
+  absl::StatusOr<int> BeginPrefill(int slot, int first,
+                                   absl::Span<const int> tokens,
+                                   bool reuse) override;
+  absl::Status PrefillAttention(int layer, int pos, int rows, const float* q,
+                                const float* k, const float* v,
+                                float* out) override;
+  absl::Status EndPrefillLayer(int layer) override;
+  absl::Status EndPrefill() override;
+  absl::Status BeginStep(absl::Span<const int> slots,
+                         absl::Span<const int> positions) override;
+  absl::Status LayerInput(int layer, const float* xb) override;
+  bool WantsPostAttentionInput() const override {
+    return schedule_.WantsPostAttentionInput();
+  }
+  absl::Status PostAttentionInput(int layer, const float* xb_next) override;
+  absl::Status DecodeAttention(int layer, const float* q, const float* k,
+                               const float* v, float* out) override;
+  absl::Status LayerDone(int layer) override;
+  absl::Status EndStep() override;
+  absl::Status Reset(int slot) override;
+  absl::Status Flush() override { return FinishAppends(); }
+  bool offloaded() const override { return true; }
+  const FetchStats& fetch_stats(int slot) const override {
+    return sequences_[slot].stats;
+  }
+  int64_t worker_bytes() const override { return bytes_; }
+  int64_t node_bytes() const override {
+    int64_t bytes = 0;
+    for (const Sequence& s : sequences_) {
+      if (s.seq != 0) bytes += kv_memory_service::ReservedBytes(geometry_);
+    }
+    return bytes;
+  }
+
+ private:
+  // One sequence slot: its memory-node sequence, policy and fetch state.
+  struct Sequence {
+    std::unique_ptr<KvPolicy> policy;
+    kv_memory_service::SequenceId seq = 0;
+    int position = 0;                 // this step's new token
+    std::vector<uint8_t> present;     // [layer][kv_head][pos]
+    std::vector<long> present_count;  // [layer]: present rows, all heads
+    std::unique_ptr<kv_memory_service::FetchBuffer> buffers[2];
+    kv_memory_service::OwnedFetchPlan plans[2];
+    kv_memory_service::FetchHandle handles[2];
+    // buffers[i]'s rows copied to the backend (device backends only);
+    // staged_free[i] marks the last operation that read staged[i].
+    DeviceBuffer<uint16_t> staged[2];
+    Backend::Mark staged_free[2] = {0, 0};
+    bool uploaded[2] = {false, false};  // plans[i]'s rows are readable
+    // The step's new K rows [layer][kv_dim], then its V rows the same
+    // (backend memory, copied to the host in one piece after the last
+    // layer), encoded for the memory node into k_step/v_step
+    // [layer][kv_head][row_width].
+    DeviceBuffer<float> new_rows;
+    std::vector<uint16_t> k_step, v_step;
+    AppendResult appended;  // last async append
+    absl::Status append_status;
+    // Set when a step's rows did not reach the memory node: the sequence
+    // there lacks a position, so its next step fails with this (and the
+    // engine recomputes it) rather than attend without the row.
+    absl::Status lost;
+    FetchStats stats;
+    long step_rows = 0;  // rows fetched in the current step
+    // Prefix reuse: leading tokens attached from shared blocks at the
+    // prefill, and the policy summaries of the prompt's later whole blocks
+    // [annotated_first, ...), [block][layer][PrefixStateFloats], sent with
+    // the last layer's rows.
+    int cached = 0;
+    int annotated_first = 0;
+    std::vector<float> block_state;
+  };
+
+  // Opens the slot's sequence with the prefix keys of `tokens` (none
+  // without reuse) and takes over what it attached; returns the cached
+  // tokens.
+  absl::StatusOr<int> OpenSequence(Sequence& s, absl::Span<const int> tokens,
+                                   bool reuse);
+  // Prefix reuse: fetches `layer`'s rows of the cached positions; then
+  // (LoadPrefix) decodes them into k_rows_/v_rows_ and starts the next
+  // layer's.
+  absl::Status IssuePrefixFetch(Sequence& s, int layer);
+  absl::Status LoadPrefix(Sequence& s, int layer);
+  // Appends `n` tokens' rows of layers [first_layer, first_layer +
+  // n_layers) (layout [layer][token][kv_head][row_width]) and marks them
+  // present, less what the pool evicted.
+  absl::Status AppendRows(Sequence& s, int first_layer, int n_layers,
+                          const uint16_t* k, const uint16_t* v, int n,
+                          AppendResult* result,
+                          const std::vector<std::string>* meta = nullptr,
+                          int meta_first_block = 0);
+  void MarkAppended(Sequence& s, int first_layer, int n_layers, int first,
+                    int n, const AppendResult& result);
+  absl::Status IssueFetch(Sequence& s, int layer, const float* xb_prev);
+  // Waits for `layer`'s fetch and makes its rows readable by the backend
+  // (a copy to its staging, queued once per fetch).
+  absl::Status UploadFetched(Sequence& s, int layer);
+  // Issues, for every slot of the step, the fetch due at `point` of
+  // `layer`'s pass (FetchSchedule::DueAt), ranked by x [slots][dim] (null
+  // at the step's start).
+  absl::Status IssueDue(FetchPoint point, int layer, const float* x);
+  const uint16_t* FetchedRows(Sequence& s, int layer) {
+    const int i = layer % 2;
+    return layout_.staged ? s.staged[i].data() : s.buffers[i]->data();
+  }
+  // Attention of the sequence's new token (row `row`) at `layer` over its
+  // fetched rows, decoded by the backend, plus its own.
+  // Init's parts: one sequence slot's policy, fetch buffers and step rows;
+  // the buffers every slot shares; the identity its prefix blocks carry.
+  absl::Status InitSequence(Sequence& s, const KvPolicy::Context& ctx,
+                            bool& pin_warned);
+  absl::Status InitSharedBuffers();
+  void InitPrefixIdentity();
+  // Attention of one query row over the fetched rows where the backend
+  // reads them as stored (AttendStoredRows); false, having done nothing,
+  // where it cannot.
+  bool AttendInPlace(Sequence& s, int layer, const float* q, const float* k_new,
+                     const float* v_new, float* att);
+  // The same after DecodeFetched: Attention over k_rows_ / v_rows_.
+  void DecodedAttention(Sequence& s, int layer, const float* q, float* att);
+  absl::Status FetchedAttention(Sequence& s, int layer, int row,
+                                const float* q, const float* k,
+                                const float* v, float* out);
+  // FetchedAttention's parts: each KV head's fetched rows decoded where
+  // attention reads them, with the new token's exact row after them; each
+  // head's probability row zeroed for the accumulation (H2O).
+  void DecodeFetched(Sequence& s, int layer, const float* k_new,
+                     const float* v_new);
+  absl::Status ZeroProbabilityRows(
+      const kv_memory_service::OwnedFetchPlan& plan);
+  // After the step's last layer's attention is queued: encodes the new
+  // token's rows of every layer (copied to the host) and tells the policy
+  // about them.
+  absl::Status StageStepRows(Sequence& s);
+
+  void AppenderLoop();
+  void StartAppends();
+  absl::Status FinishAppends();
+
+  const model::Weights& weights_;
+  const model::ModelConfig& c_;
+  Backend& backend_;
+  const KvCacheOptions options_;
+  const FetchSchedule schedule_;  // when each layer's fetch leaves
+  const Layout layout_;
+  const int max_seq_;
+  const int stride_;  // rows between KV heads in k_rows_/v_rows_
+  SequenceGeometry geometry_;
+  std::vector<Sequence> sequences_;
+  int64_t bytes_ = 0;
+
+  // Decoded rows attention reads, [kv_head][stride_][head_dim]: a decode
+  // step's fetched rows plus the new token, or one prefill layer's keys and
+  // values.
+  DeviceBuffer<float> k_rows_, v_rows_;
+  // Attention probabilities (h2o), on the backend and their host copies.
+  DeviceBuffer<float> probs_;          // [n_heads][stride_]
+  DeviceBuffer<float> prefill_probs_;  // [n_heads][max_seq]
+  std::vector<float> probs_host_, prefill_probs_host_;
+  // Host copies: a prefill chunk's q, k, v [max_chunk][...] and a step's
+  // new rows [layer][kv_dim].
+  std::vector<float> q_host_, k_host_, v_host_;
+  std::vector<float> new_rows_host_;
+  // One prefill layer's rows for the memory node: [pos][kv_head][width].
+  std::vector<uint16_t> k_stage_, v_stage_;
+
+  // The prefill in progress: positions [prefill_first_, prefill_tokens_)
+  // computed, those before it cached.
+  int prefill_slot_ = -1;
+  int prefill_first_ = 0;
+  int prefill_tokens_ = 0;
+  // Prefix reuse: the identity hashed into the keys (KvCacheOptions::
+  // model_identity plus policy and row format; empty: no reuse) and the
+  // policy's per-layer summary size.
+  std::string identity_;
+  int state_floats_ = 0;
+  // The step in progress.
+  std::vector<int> step_slots_;
+
+  std::thread appender_;
+  absl::Mutex append_mu_;
+  std::vector<int> append_slots_ ABSL_GUARDED_BY(append_mu_);
+  bool append_pending_ ABSL_GUARDED_BY(append_mu_) = false;
+  bool append_done_ ABSL_GUARDED_BY(append_mu_) = false;
+  bool stopping_ ABSL_GUARDED_BY(append_mu_) = false;
+};
+
+}  // namespace offloaded
+}  // namespace infinigen::gpu_worker
+
+#endif  // INFINIGEN_GPU_WORKER_KV_OFFLOADED_KV_CACHE_H_

@@ -1,0 +1,195 @@
+#include "gpu_worker/kv/offloaded_kv_cache.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_format.h"
+#include "common/log.h"
+#include "common/status.h"
+#include "kv_memory_service/prefix_keys.h"
+
+namespace infinigen::gpu_worker {
+namespace offloaded {
+
+// --- Prefill: layer by layer; each layer's rows leave before the next.
+
+absl::StatusOr<int> OffloadedKvCache::BeginPrefill(
+    int slot, int first, absl::Span<const int> tokens, bool reuse) {
+  const int n = static_cast<int>(tokens.size());
+  if (first != 0) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "forward: policy %s prefills a sequence in one call (slot %d holds "
+        "%d tokens already)",
+        PolicyName(options_.kv.policy.kind), slot, first));
+  }
+  IG_RETURN_IF_ERROR(FinishAppends());
+  Sequence& s = sequences_[slot];
+  int cached = 0;
+  if (s.seq == 0) {
+    IG_ASSIGN_OR_RETURN(cached, OpenSequence(s, tokens, reuse));
+  }
+  prefill_slot_ = slot;
+  prefill_first_ = cached;
+  prefill_tokens_ = n;
+  if (cached > 0) IG_RETURN_IF_ERROR(IssuePrefixFetch(s, 0));
+  return cached;
+}
+
+absl::Status OffloadedKvCache::PrefillAttention(int layer, int pos, int rows,
+                                                const float* q,
+                                                const float* k,
+                                                const float* v, float* out) {
+  Sequence& s = sequences_[prefill_slot_];
+  if (rows > options_.max_chunk) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "kv cache: a prefill chunk of %d rows exceeds max_chunk %d", rows,
+        options_.max_chunk));
+  }
+  const int hd = c_.head_dim, kvd = c_.kv_dim();
+  // A reused prefix: the layer's cached rows first, fetched.
+  if (pos == prefill_first_ && s.cached > 0) {
+    IG_RETURN_IF_ERROR(LoadPrefix(s, layer));
+  }
+  // The host encodes the chunk's rows for the memory node and shows the
+  // policy its queries and keys.
+  const size_t kv_values = static_cast<size_t>(rows) * kvd;
+  IG_RETURN_IF_ERROR(backend_.CopyToHost(
+      q_host_.data(), q, static_cast<size_t>(rows) * c_.q_dim() * sizeof(float)));
+  IG_RETURN_IF_ERROR(
+      backend_.CopyToHost(k_host_.data(), k, kv_values * sizeof(float)));
+  IG_RETURN_IF_ERROR(
+      backend_.CopyToHost(v_host_.data(), v, kv_values * sizeof(float)));
+  const size_t at = static_cast<size_t>(pos) * c_.n_kv_heads *
+                    layout_.row_width;
+  s.policy->EncodeRows(k_host_.data(), rows * c_.n_kv_heads, &k_stage_[at]);
+  s.policy->EncodeRows(v_host_.data(), rows * c_.n_kv_heads, &v_stage_[at]);
+  // The layer's keys and values so far, exact, for its attention.
+  for (int i = 0; i < rows; ++i) {
+    for (int g = 0; g < c_.n_kv_heads; ++g) {
+      const size_t dst = (static_cast<size_t>(g) * stride_ + pos + i) * hd;
+      const size_t src = static_cast<size_t>(i) * kvd + g * hd;
+      backend_.Copy(k_rows_.data() + dst, k + src, hd);
+      backend_.Copy(v_rows_.data() + dst, v + src, hd);
+    }
+  }
+  float* probs = nullptr;
+  const size_t prob_values = static_cast<size_t>(c_.n_heads) * (pos + rows);
+  if (layout_.prefill_probs) {
+    // Zeroed through the host copy; CopyToHost below waits for this copy
+    // before the host array changes again.
+    probs = prefill_probs_.data();
+    std::fill(prefill_probs_host_.begin(),
+              prefill_probs_host_.begin() + prob_values, 0.0f);
+    backend_.CopyFromHost(probs, prefill_probs_host_.data(),
+                          prob_values * sizeof(float), backend_.MarkIssued());
+  }
+  QueueAttention(backend_, c_, q, k_rows_.data(), v_rows_.data(), stride_,
+                 rows, pos + 1, out, probs);
+  if (probs != nullptr) {
+    IG_RETURN_IF_ERROR(backend_.CopyToHost(prefill_probs_host_.data(), probs,
+                                           prob_values * sizeof(float)));
+  }
+  s.policy->ObservePrefill(layer, q_host_.data(), k_host_.data(), rows, pos,
+                           probs != nullptr ? prefill_probs_host_.data()
+                                            : nullptr);
+  // Summaries of the whole blocks this sequence will share.
+  if (!s.block_state.empty()) {
+    const int block = options_.kv.prefix_block_tokens;
+    const size_t per_block = static_cast<size_t>(c_.n_layers) * state_floats_;
+    const size_t blocks = s.block_state.size() / per_block;
+    for (int i = 0; i < rows;) {
+      const int b = (pos + i) / block - s.annotated_first;
+      const int run = std::min(rows - i, (b + s.annotated_first + 1) * block -
+                                             (pos + i));
+      if (b >= 0 && static_cast<size_t>(b) < blocks) {
+        s.policy->SummarizePrefill(
+            layer, q_host_.data() + static_cast<size_t>(i) * c_.q_dim(),
+            k_host_.data() + static_cast<size_t>(i) * kvd, run,
+            &s.block_state[b * per_block +
+                           static_cast<size_t>(layer) * state_floats_]);
+      }
+      i += run;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status OffloadedKvCache::EndPrefillLayer(int layer) {
+  Sequence& s = sequences_[prefill_slot_];
+  AppendResult result;
+  const int n = prefill_tokens_ - prefill_first_;
+  const size_t at = static_cast<size_t>(prefill_first_) * c_.n_kv_heads *
+                    layout_.row_width;
+  // With the last layer, the summaries of the blocks to share.
+  std::vector<std::string> meta;
+  if (layer + 1 == c_.n_layers && !s.block_state.empty()) {
+    const size_t per_block = static_cast<size_t>(c_.n_layers) * state_floats_;
+    for (size_t b = 0; b < s.block_state.size() / per_block; ++b) {
+      meta.emplace_back(
+          reinterpret_cast<const char*>(&s.block_state[b * per_block]),
+          per_block * sizeof(float));
+    }
+  }
+  IG_RETURN_IF_ERROR(AppendRows(s, layer, 1, &k_stage_[at], &v_stage_[at], n,
+                                &result, &meta, s.annotated_first));
+  MarkAppended(s, layer, 1, prefill_first_, n, result);
+  return s.policy->FinishPrefillLayer(layer, prefill_tokens_, k_rows_.data(),
+                                      stride_);
+}
+
+absl::Status OffloadedKvCache::EndPrefill() {
+  prefill_slot_ = -1;
+  return absl::OkStatus();
+}
+
+absl::Status OffloadedKvCache::AppendRows(Sequence& s, int first_layer,
+                                          int n_layers, const uint16_t* k,
+                                          const uint16_t* v, int n,
+                                          AppendResult* result,
+                                          const std::vector<std::string>* meta,
+                                          int meta_first_block) {
+  AppendBlock block;
+  if (meta != nullptr && !meta->empty()) {
+    block.prefix_meta = *meta;
+    block.prefix_meta_first_block = meta_first_block;
+  }
+  block.first_layer = first_layer;
+  block.n_layers = n_layers;
+  block.n_tokens = n;
+  const size_t size = static_cast<size_t>(n_layers) * n * c_.n_kv_heads *
+                      layout_.row_width;
+  block.k = absl::MakeConstSpan(k, size);
+  block.v = absl::MakeConstSpan(v, size);
+  IG_ASSIGN_OR_RETURN(*result, options_.kv.kv_client->Append(s.seq, block));
+  return absl::OkStatus();
+}
+
+void OffloadedKvCache::MarkAppended(Sequence& s, int first_layer,
+                                    int n_layers, int first, int n,
+                                    const AppendResult& result) {
+  // The new positions are present; then drop what the pool evicted.
+  for (int l = first_layer; l < first_layer + n_layers; ++l) {
+    for (int g = 0; g < c_.n_kv_heads; ++g) {
+      uint8_t* pr =
+          &s.present[(static_cast<size_t>(l) * c_.n_kv_heads + g) * max_seq_];
+      std::fill(pr + first, pr + first + n, 1);
+    }
+    s.present_count[l] += static_cast<long>(n) * c_.n_kv_heads;
+  }
+  for (const auto& e : result.evicted) {
+    uint8_t& pr =
+        s.present[(static_cast<size_t>(e.layer) * c_.n_kv_heads + e.kv_head) *
+                      max_seq_ +
+                  e.position];
+    if (pr) {
+      pr = 0;
+      --s.present_count[e.layer];
+    }
+  }
+}
+
+}  // namespace offloaded
+}  // namespace infinigen::gpu_worker
