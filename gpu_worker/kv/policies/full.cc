@@ -22,8 +22,7 @@ class FullPolicy final : public KvPolicy {
 const PolicyEntry kFullPolicy = {
     PolicyKind::kFull, "full",
     "offload; every cached row of every layer fetched each step (FlexGen)",
-    {/*offloads=*/true, /*selects=*/false, /*own_input=*/false,
-     /*speculates=*/false, /*adaptive_budgets=*/false},
+    PolicyTraits(),
     /*set_target_fetch=*/nullptr, &FullPolicy::Make, &NoStateBytes,
 };
 

@@ -156,8 +156,7 @@ const PolicyEntry kH2OPolicy = {
     PolicyKind::kH2O, "h2o",
     "heavy hitters plus a recent window, a budget of the sequence, evicted "
     "for good",
-    {/*offloads=*/true, /*selects=*/false, /*own_input=*/false,
-     /*speculates=*/false, /*adaptive_budgets=*/false},
+    PolicyTraits(),
     &H2OPolicy::SetTargetFetch, &H2OPolicy::Make, &H2OPolicy::StateBytes,
 };
 

@@ -496,8 +496,7 @@ const PolicyEntry kInfiniGenPolicy = {
     PolicyKind::kInfiniGen, "infinigen",
     "layer i speculates which tokens layer i + 1 needs (partial query "
     "weight and partial keys after an SVD skew); only those are fetched",
-    {/*offloads=*/true, /*selects=*/true, /*own_input=*/false,
-     /*speculates=*/true, /*adaptive_budgets=*/true},
+    PolicyTraits().Selects().Speculates().AdaptiveBudgets(),
     &SetSelectedLayersTargetFetch, &MakeInfiniGen, &InfiniGenBytes,
 };
 

@@ -31,8 +31,7 @@ class Int4Policy final : public KvPolicy {
 const PolicyEntry kInt4Policy = {
     PolicyKind::kInt4, "int4",
     "rows stored group-wise 4-bit (asymmetric, group 64); every row fetched",
-    {/*offloads=*/true, /*selects=*/false, /*own_input=*/false,
-     /*speculates=*/false, /*adaptive_budgets=*/false},
+    PolicyTraits(),
     /*set_target_fetch=*/nullptr, &Int4Policy::Make, &NoStateBytes,
 };
 

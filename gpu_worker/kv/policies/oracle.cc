@@ -39,8 +39,7 @@ const PolicyEntry kOraclePolicy = {
     PolicyKind::kOracle, "oracle",
     "the exact top budget of each layer's own attention per KV head (a "
     "diagnostic: the fetch cannot leave early)",
-    {/*offloads=*/true, /*selects=*/true, /*own_input=*/true,
-     /*speculates=*/false, /*adaptive_budgets=*/true},
+    PolicyTraits().Selects().OwnInput().AdaptiveBudgets(),
     &SetSelectedLayersTargetFetch, &MakeOracle, &OracleBytes,
 };
 

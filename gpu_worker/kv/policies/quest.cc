@@ -234,8 +234,7 @@ const PolicyEntry kQuestPolicy = {
     PolicyKind::kQuest, "quest",
     "Quest's pages: the top budget of pages per KV head by their key bounds "
     "for the layer's own query",
-    {/*offloads=*/true, /*selects=*/true, /*own_input=*/true,
-     /*speculates=*/false, /*adaptive_budgets=*/false},
+    PolicyTraits().Selects().OwnInput(),
     &SetSelectedLayersTargetFetch, &QuestPolicy::Make, &QuestPolicy::StateBytes,
 };
 

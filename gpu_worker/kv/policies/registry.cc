@@ -13,8 +13,7 @@ namespace {
 const PolicyEntry kIdealPolicy = {
     PolicyKind::kIdeal, "ideal",
     "the whole cache local; nothing is fetched (the bound of every other)",
-    {/*offloads=*/false, /*selects=*/false, /*own_input=*/false,
-     /*speculates=*/false, /*adaptive_budgets=*/false},
+    PolicyTraits().Local(),
     /*set_target_fetch=*/nullptr,
     /*create=*/nullptr,
     /*state_bytes=*/nullptr,

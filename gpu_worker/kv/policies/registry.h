@@ -33,6 +33,30 @@ struct PolicyTraits {
   bool speculates = false;
   // Whether it takes per-(layer, KV head) budgets from a head profile.
   bool adaptive_budgets = false;
+
+  // An entry's traits read as a phrase: PolicyTraits().Selects().OwnInput().
+  constexpr PolicyTraits Local() const {
+    return With(&PolicyTraits::offloads, false);
+  }
+  constexpr PolicyTraits Selects() const {
+    return With(&PolicyTraits::selects, true);
+  }
+  constexpr PolicyTraits OwnInput() const {
+    return With(&PolicyTraits::own_input, true);
+  }
+  constexpr PolicyTraits Speculates() const {
+    return With(&PolicyTraits::speculates, true);
+  }
+  constexpr PolicyTraits AdaptiveBudgets() const {
+    return With(&PolicyTraits::adaptive_budgets, true);
+  }
+
+ private:
+  constexpr PolicyTraits With(bool PolicyTraits::*field, bool value) const {
+    PolicyTraits t = *this;
+    t.*field = value;
+    return t;
+  }
 };
 
 struct PolicyEntry {
