@@ -8,7 +8,7 @@
 #include "kv_memory_service/rdma/rdma_client.h"
 #include "kv_memory_service/sharded/sharded_kv_client.h"
 #include "kv_memory_service/shm/shm_client.h"
-#include "kv_memory_service/tcp/grpc_client.h"
+#include "kv_memory_service/control/grpc_client.h"
 
 namespace infinigen::kv_memory_service {
 namespace {

@@ -2,7 +2,8 @@
 // long-lived fetch connection per client with a reader thread that
 // completes fetches as their responses arrive, over the server's fetch
 // socket (fetch_wire.h, plaintext or TLS) or the gRPC FetchStream. Private
-// to tcp/; grpc_client.cc owns one connection at a time.
+// to the control client (control/grpc_client.cc), which owns one connection
+// at a time.
 #ifndef INFINIGEN_KV_MEMORY_SERVICE_TCP_FETCH_CONNECTION_H_
 #define INFINIGEN_KV_MEMORY_SERVICE_TCP_FETCH_CONNECTION_H_
 

@@ -1,4 +1,4 @@
-#include "kv_memory_service/tcp/grpc_client.h"
+#include "kv_memory_service/control/grpc_client.h"
 
 #include <algorithm>
 #include <atomic>

@@ -29,8 +29,8 @@
 // (expired, or a restarted server) opens a new one and logs a warning.
 // Health() is the last heartbeat's outcome. Destroying the client ends its
 // session at once (CloseSession), closing the sequences it still owns.
-#ifndef INFINIGEN_KV_MEMORY_SERVICE_TCP_GRPC_CLIENT_H_
-#define INFINIGEN_KV_MEMORY_SERVICE_TCP_GRPC_CLIENT_H_
+#ifndef INFINIGEN_KV_MEMORY_SERVICE_CONTROL_GRPC_CLIENT_H_
+#define INFINIGEN_KV_MEMORY_SERVICE_CONTROL_GRPC_CLIENT_H_
 
 #include <memory>
 #include <string>
@@ -53,4 +53,4 @@ std::unique_ptr<KvClient> NewGrpcKvClient(
 
 }  // namespace infinigen::kv_memory_service
 
-#endif  // INFINIGEN_KV_MEMORY_SERVICE_TCP_GRPC_CLIENT_H_
+#endif  // INFINIGEN_KV_MEMORY_SERVICE_CONTROL_GRPC_CLIENT_H_
