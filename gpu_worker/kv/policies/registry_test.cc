@@ -44,7 +44,9 @@ TEST(PolicyRegistry, OnlyIdealStaysLocalAndEveryOtherHasAFactory) {
     EXPECT_EQ(entry->create != nullptr, entry->traits.offloads);
     EXPECT_EQ(entry->state_bytes != nullptr, entry->traits.offloads);
     // A chosen fetch is what a target fetch sets.
-    if (entry->traits.selects) EXPECT_NE(entry->set_target_fetch, nullptr);
+    if (entry->traits.selects) {
+      EXPECT_NE(entry->set_target_fetch, nullptr);
+    }
   }
 }
 
