@@ -278,7 +278,7 @@ TEST_P(KvClientTest, RejectsAnotherClientsBuffer) {
   EXPECT_CODE(client_->NewFetchBuffer(0).status(), kInvalidArgument);
   // In-process, every client shares one store with no sessions; through a
   // server the sequence belongs to this client's session, and another
-  // client holding its id reads nothing (issue 20).
+  // client holding its id reads nothing.
   if (GetParam() == "inproc") {
     ASSERT_OK(other->Fetch(id, 0, plan.view(), foreign->get()));
   } else {

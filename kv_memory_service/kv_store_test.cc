@@ -92,7 +92,7 @@ TEST(KvStoreTest, RejectsBadGeometry) {
   EXPECT_EQ(store.GetStoreStats().open_sequences, 1);
 }
 
-// Issue 18, finding 1: 2^20 layers x 2^10 KV heads x 1 token x dim 1 is
+// 2^20 layers x 2^10 KV heads x 1 token x dim 1 is
 // only 4 GiB of rows but 2^30 (layer, head) bookkeeping entries; it used to
 // throw out of Open (gRPC UNKNOWN) and leave its placeholder and its
 // reservation behind. It is refused before anything is reserved.
@@ -312,7 +312,7 @@ TEST_F(BadInputTest, OversizedAppendIsResourceExhausted) {
   EXPECT_CODE(store_.Append(id_, b.block).status(), kResourceExhausted);
 }
 
-// Issue 20, behaviour 5: an append whose caller's deadline has come, or
+// An append whose caller's deadline has come, or
 // that its caller cancelled, writes nothing (TearDown checks every row).
 TEST_F(BadInputTest, AppendPastItsDeadlineOrCancelledWritesNothing) {
   Block b = MakeBlock(9, g_, 0, 3, 6, 2);
@@ -440,7 +440,7 @@ TEST(KvStoreTest, IdsOfAnotherStoreAreNotFound) {
   EXPECT_CODE(b.GetSequenceStats(ia).status(), kNotFound);
 }
 
-// Issue 20, behaviour 1: ids were sequential (B opened after A got A + 1), so
+// Ids were sequential (B opened after A got A + 1), so
 // any client could reach another's sequence by counting.
 TEST(KvStoreTest, IdsCannotBeGuessedFromOtherIds) {
   KvStore store(KvStoreOptions{});
@@ -464,7 +464,7 @@ TEST(KvStoreTest, IdsCannotBeGuessedFromOtherIds) {
   EXPECT_CODE(store.RenewSession(s2 + 1), kNotFound);
 }
 
-// Issue 20, behaviour 1: a sequence opened in a session answers only to
+// A sequence opened in a session answers only to
 // that session, as if it did not exist.
 TEST(KvStoreTest, ASessionsSequenceAnswersOnlyToItsSession) {
   KvStore store(KvStoreOptions{});
@@ -489,7 +489,7 @@ TEST(KvStoreTest, ASessionsSequenceAnswersOnlyToItsSession) {
   EXPECT_CODE(store.Geometry(owned, mine).status(), kNotFound);
 }
 
-// Issue 20, behaviour 5: picking an LRU victim scanned the whole head, so an
+// Picking an LRU victim scanned the whole head, so an
 // append that evicts 2^16 tokens from a full 2^16-token head took 2^32
 // steps (seconds). Now each eviction is O(log capacity).
 TEST(EvictionTest, EvictingFromALargeHeadIsFast) {

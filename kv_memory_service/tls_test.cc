@@ -1,4 +1,4 @@
-// TLS between the memory node and its client (issue 18): a client that
+// TLS between the memory node and its client: a client that
 // trusts the server's CA and presents a certificate from the CA the server
 // requires gets bit-exact rows, over gRPC and over the fetch socket, which
 // speaks TLS too; every other combination is refused before any call

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""TLS between the binaries as a user deploys it (issue 18): `infinigen`
+"""TLS between the binaries as a user deploys it: `infinigen`
 reaching a kv_memory_server that serves gRPC over mutual TLS (--kv_tls_*),
 and `infinigen serve` answering over TLS itself (--tls_*): gRPC on --listen,
 HTTPS on --http_listen.

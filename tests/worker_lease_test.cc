@@ -392,7 +392,7 @@ TEST(ServeHealthTest, NotServingWhileItsMemoryNodeIsDownServingOnceItIsBack) {
   EXPECT_TRUE(serve->Wait(absl::Seconds(60)));
 }
 
-// Issue 20, behaviour 8: `serve --policy=full` over the shm data plane.
+// `serve --policy=full` over the shm data plane.
 // After its memory node restarted on the same addresses, the next two
 // generations failed (UNAVAILABLE on the old data-plane connection, then
 // FAILED_PRECONDITION from a fetch buffer the failed step left busy). Now

@@ -1,4 +1,4 @@
-// Soak of a running kv_memory_server (issue 18): --clients well-behaved
+// Soak of a running kv_memory_server: --clients well-behaved
 // clients, each on its own connection, open a sequence, append it in steps
 // and after each step fetch a random plan of what it holds, checking every
 // returned value against the reference; every few hundred tokens the

@@ -305,7 +305,7 @@ TEST_F(ShmTest, SlotsRunOutAndComeBack) {
   ASSERT_TRUE(again.ok()) << again.status();
 }
 
-// Issue 20, behaviour 6: a client could map slots of up to 256 x 2^40
+// A client could map slots of up to 256 x 2^40
 // values. Now its slots are capped per client and for all clients, and the
 // server keeps serving what is already mapped.
 TEST_F(ShmTest, SlotBytesAreCappedPerClientAndInTotal) {
@@ -350,7 +350,7 @@ TEST_F(ShmTest, SlotBytesAreCappedPerClientAndInTotal) {
   EXPECT_TRUE(b2.ok()) << b2.status();
 }
 
-// Issue 20, behaviour 7: a second server on the same path took the socket
+// A second server on the same path took the socket
 // over silently. Now it is refused while the first lives, and a socket left
 // by a dead server is taken over.
 TEST_F(ShmTest, ASecondServerOnTheSamePathIsRefused) {

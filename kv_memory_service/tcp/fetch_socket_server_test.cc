@@ -149,7 +149,7 @@ TEST_F(FetchSocketServerTest, ServesAndKeepsServingAfterAFailedFetch) {
   close(fd);
 }
 
-// Issue 20: a sequence opened in a session serves its rows to that session
+// A sequence opened in a session serves its rows to that session
 // alone; another session (or none) holding its id gets NotFound, as for an
 // id never handed out, and the connection goes on serving.
 TEST_F(FetchSocketServerTest, OnlyTheOwningSessionReadsASequence) {
@@ -243,7 +243,7 @@ TEST_F(FetchSocketServerTest, BadFramesCloseOnlyTheirConnection) {
   close(good);
 }
 
-// Issue 18, finding 3: a header announcing a large body is judged before
+// A header announcing a large body is judged before
 // the body arrives. The server used to allocate the announced frame and
 // wait for it; now a frame the sequence cannot need is answered at once.
 TEST_F(FetchSocketServerTest, HeadersAreJudgedBeforeTheirBodies) {
@@ -323,7 +323,7 @@ TEST_F(FetchSocketServerTest, BuffersGrowOnlyAsBytesArrive) {
   close(fd);
 }
 
-// Issue 18, finding 4: silent peers that never say Hello used to hold a
+// Silent peers that never say Hello used to hold a
 // thread and a connection slot each, forever; max_connections of them
 // locked every worker out. Now they wait in a small handshake pool (oldest
 // dropped first) and an authenticated client always gets in.

@@ -1,4 +1,4 @@
-// Issue 20 against the real kv_memory_server: ownership of sequences,
+// Isolation against the real kv_memory_server: ownership of sequences,
 // listening without auth, memory that follows the rows stored (not
 // positions ever appended, not reservations, not clients' slots),
 // eviction cost, the drain, and the shm socket lock. RSS is read from
@@ -68,7 +68,7 @@ int ExitCode(const ServerProcess::Result& r) {
   return WIFEXITED(r.wait_status) ? WEXITSTATUS(r.wait_status) : -1;
 }
 
-// Behaviour 1: ids were sequential, so a second client reached the first
+// Ids were sequential, so a second client reached the first
 // one's sequence by adding one. Now no id near another is open.
 TEST(IsolationTest, AnotherClientCannotReachASequenceByGuessing) {
   auto server = ServerProcess::Start({"--listen=127.0.0.1:0"});
@@ -104,7 +104,7 @@ TEST(IsolationTest, AnotherClientCannotReachASequenceByGuessing) {
   EXPECT_TRUE(std::equal(want.begin(), want.end(), (*mine)->data()));
 }
 
-// Behaviour 1, with the id known (leaked): control calls from another
+// With the id known (leaked): control calls from another
 // client's session get NOT_FOUND and change nothing.
 TEST(IsolationTest, AnotherSessionCannotAppendCloseOrReadStats) {
   auto server = ServerProcess::Start({"--listen=127.0.0.1:0"});
@@ -130,7 +130,7 @@ TEST(IsolationTest, AnotherSessionCannotAppendCloseOrReadStats) {
   EXPECT_TRUE(a->Close(*id).ok());
 }
 
-// Behaviour 1 on the data planes: with A's id leaked, a fetch from another
+// On the data planes: with A's id leaked, a fetch from another
 // session (B, which has one, or C, which has none) used to return A's rows
 // on the TCP fetch socket, the gRPC FetchStream and shared memory, where
 // fetches named only the sequence id. Each now names the caller's session
@@ -185,7 +185,7 @@ TEST(IsolationTest, AnotherSessionCannotFetchALeakedIdOnAnyPlane) {
   }
 }
 
-// Behaviour 2: a bind to every interface without auth started silently.
+// A bind to every interface without auth started silently.
 TEST(IsolationTest, NonLoopbackListenNeedsAuthOrAllowInsecure) {
   for (const char* listen : {"--listen=0.0.0.0:0", "--listen=[::]:0"}) {
     auto refused = ServerProcess::Start({listen});
@@ -214,7 +214,7 @@ TEST(IsolationTest, NonLoopbackListenNeedsAuthOrAllowInsecure) {
   unlink(token_file.c_str());
 }
 
-// Behaviour 3 and the soak: 2^20 positions through a 16-token FIFO pool
+// The soak: 2^20 positions through a 16-token FIFO pool
 // raised RSS by 7 bytes per position and head, and kept it after Close.
 // Now RSS stays flat once the pool is full, and Close returns it.
 TEST(IsolationTest, FifoChurnOfAMillionPositionsKeepsRssFlat) {
@@ -265,7 +265,7 @@ TEST(IsolationTest, FifoChurnOfAMillionPositionsKeepsRssFlat) {
   EXPECT_LT(peak - warm, 40 * kMiB);
 }
 
-// Behaviour 4: an Open that reserves 256 MiB raised RSS to 1.3 GiB. Now the
+// An Open that reserves 256 MiB raised RSS to 1.3 GiB. Now the
 // reservation is accounted, and memory comes as rows arrive.
 TEST(IsolationTest, AReservationCommitsNoMemory) {
   auto server = ServerProcess::Start(
@@ -292,7 +292,7 @@ TEST(IsolationTest, AReservationCommitsNoMemory) {
   ASSERT_TRUE(client->Close(*id).ok());
 }
 
-// Behaviour 5: an LRU append that evicts from a full 2^16-token head
+// An LRU append that evicts from a full 2^16-token head
 // scanned the head once per eviction (seconds per append, tens of seconds
 // for 2^18 tokens), holding the sequence's lock, and SIGTERM waited for it.
 TEST(IsolationTest, LargeLruEvictionsAreFastAndTheDrainIsBounded) {
@@ -337,7 +337,7 @@ TEST(IsolationTest, LargeLruEvictionsAreFastAndTheDrainIsBounded) {
   appender.join();
 }
 
-// Behaviour 6: the server mapped a client's slots with MAP_POPULATE, so
+// The server mapped a client's slots with MAP_POPULATE, so
 // memory the client declared cost the server RSS. Now slots cost the server
 // only what it writes.
 TEST(IsolationTest, ShmSlotsCostTheServerNothingUntilUsed) {
@@ -367,7 +367,7 @@ TEST(IsolationTest, ShmSlotsCostTheServerNothingUntilUsed) {
   EXPECT_TRUE(std::equal(want.begin(), want.end(), (*buffer)->data()));
 }
 
-// Behaviour 6, the caps: a client that asks for more slot memory than
+// The caps: a client that asks for more slot memory than
 // --shm_max_client_bytes gets RESOURCE_EXHAUSTED; smaller buffers work.
 TEST(IsolationTest, ShmSlotsAreCappedPerClient) {
   const std::string shm = ServerProcess::SocketPath("iso_cap");
@@ -387,7 +387,7 @@ TEST(IsolationTest, ShmSlotsAreCappedPerClient) {
   EXPECT_EQ(ExitCode(r), 2);
 }
 
-// Behaviour 7: a second server on the same --shm_listen took the socket
+// A second server on the same --shm_listen took the socket
 // over silently. Now it exits with a reason; the first keeps serving.
 TEST(IsolationTest, ASecondServerCannotTakeTheShmSocket) {
   const std::string shm = ServerProcess::SocketPath("iso_lock");

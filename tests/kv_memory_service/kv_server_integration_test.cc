@@ -368,7 +368,7 @@ TEST_P(BadInputTest, BadGeometryIsInvalidArgument) {
             grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(RawOpen(kv::OpenSequenceRequest()).error_code(),
             grpc::StatusCode::INVALID_ARGUMENT);
-  // Issue 18, finding 1: 2^20 layers x 2^10 KV heads used to escape the
+  // 2^20 layers x 2^10 KV heads used to escape the
   // handler as UNKNOWN and stay open with its bytes reserved; now 1,100 of
   // them (the server allows 3 sequences) leave it as it was.
   kv::OpenSequenceRequest absurd;
