@@ -621,6 +621,27 @@ TEST(ConnectKvClientTest, NoServerIsUnavailable) {
               kUnavailable);
 }
 
+// A refused connection fails at once with its reason, not after
+// connect_timeout (which only an attempt that hangs waits out).
+TEST(ConnectKvClientTest, ARefusedConnectionFailsAtOnce) {
+  for (const std::string address : {"tcp://127.0.0.1:1", "unix:/nonexistent/kv.sock"}) {
+    KvClientOptions options;
+    options.connect_timeout = absl::Seconds(20);
+    const absl::Time start = absl::Now();
+    const absl::Status status = ConnectKvClient(address, options).status();
+    const absl::Duration took = absl::Now() - start;
+    EXPECT_CODE(status, kUnavailable);
+    EXPECT_THAT(std::string(status.message()),
+                ::testing::HasSubstr("cannot connect to the KV memory server at " +
+                                     address))
+        << address;
+    EXPECT_THAT(std::string(status.message()),
+                ::testing::Not(::testing::HasSubstr("within")))
+        << status;
+    EXPECT_LT(took, absl::Seconds(10)) << address << ": " << status;
+  }
+}
+
 TEST(FaultInjectionKvClientTest, FailsTheChosenCalls) {
   auto inner = ConnectKvClient("inproc:");
   ASSERT_TRUE(inner.ok());

@@ -563,8 +563,21 @@ absl::StatusOr<std::unique_ptr<KvClient>> ConnectGrpcKvClient(
   }
   std::shared_ptr<grpc::Channel> channel =
       grpc::CreateCustomChannel(target, credentials, args);
-  if (!channel->WaitForConnected(
-          absl::ToChronoTime(absl::Now() + options.connect_timeout))) {
+  // Connected, or failed: a refused connection or a rejected handshake
+  // fails now, with its reason; only an attempt that hangs waits out
+  // connect_timeout.
+  const auto deadline =
+      absl::ToChronoTime(absl::Now() + options.connect_timeout);
+  grpc_connectivity_state state = channel->GetState(/*try_to_connect=*/true);
+  while (state != GRPC_CHANNEL_READY &&
+         state != GRPC_CHANNEL_TRANSIENT_FAILURE &&
+         state != GRPC_CHANNEL_SHUTDOWN &&
+         channel->WaitForStateChange(state, deadline)) {
+    state = channel->GetState(/*try_to_connect=*/true);
+  }
+  if (state != GRPC_CHANNEL_READY) {
+    const bool timed_out = state != GRPC_CHANNEL_TRANSIENT_FAILURE &&
+                           state != GRPC_CHANNEL_SHUTDOWN;
     // The channel keeps why its last attempt failed (refused, a TLS
     // handshake one side rejected); a fail-fast call reports it.
     grpc::ClientContext probe;
@@ -573,8 +586,10 @@ absl::StatusOr<std::unique_ptr<KvClient>> ConnectGrpcKvClient(
     const grpc::Status why = kv::KvMemory::NewStub(channel)->GetServerInfo(
         &probe, kv::GetServerInfoRequest(), &info);
     return absl::UnavailableError(absl::StrCat(
-        "cannot connect to the KV memory server at ", address, " within ",
-        absl::FormatDuration(options.connect_timeout),
+        "cannot connect to the KV memory server at ", address,
+        timed_out ? absl::StrCat(" within ",
+                                 absl::FormatDuration(options.connect_timeout))
+                  : "",
         options.tls_ca_pem.empty() ? "" : " over TLS",
         why.ok() || why.error_message().empty()
             ? ""
