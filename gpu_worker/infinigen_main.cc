@@ -19,6 +19,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
+#include "common/flag_check.h"
 #include "absl/strings/str_format.h"
 #include "common/log.h"
 #include "gpu_worker/commands/common.h"
@@ -98,6 +99,13 @@ int main(int argc, char** argv) {
   // Parse everything after the command name; positional leftovers are errors.
   std::vector<char*> args = {argv[0]};
   for (int i = 2; i < argc; ++i) args.push_back(argv[i]);
+  if (absl::Status flags =
+          infinigen::CheckFlags(absl::MakeConstSpan(args).subspan(1));
+      !flags.ok()) {
+    std::fprintf(stderr, "infinigen %s: %s\n", command->name,
+                 std::string(flags.message()).c_str());
+    return kExitUsage;
+  }
   std::vector<char*> rest =
       absl::ParseCommandLine(static_cast<int>(args.size()), args.data());
   if (rest.size() > 1) {

@@ -32,6 +32,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/time.h"
+#include "common/flag_check.h"
 #include "common/file.h"
 #include "common/log.h"
 #include "common/metrics.h"
@@ -370,6 +371,11 @@ int main(int argc, char** argv) {
       std::fputs(Usage().c_str(), stdout);
       return 0;
     }
+  }
+  if (absl::Status flags = infinigen::CheckFlags(
+          absl::MakeConstSpan(argv + 1, argv + argc));
+      !flags.ok()) {
+    return UsageError(std::string(flags.message()));
   }
   std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
   if (rest.size() > 1) {

@@ -72,11 +72,34 @@ class Cli(unittest.TestCase):
 
     def test_unknown_flag_and_command(self):
         r = run("generate", "--no_such_flag=1")
-        self.assertNotEqual(r.returncode, 0)
-        self.assertIn("no_such_flag", r.stderr)
+        self.assert_one_line_failure(r, 2, ["unknown flag --no_such_flag"])
         r = run("frobnicate")
         self.assertNotEqual(r.returncode, 0)
         self.assertIn("frobnicate", r.stderr)
+
+    def test_flag_typos_and_bad_values_are_one_line_usage_errors(self):
+        # Both binaries: exit 2, one line, the nearest flag for a typo.
+        r = run("generate", f"--model={MODEL}", "--max_new_tokns=3")
+        self.assert_one_line_failure(
+            r, 2, ["infinigen generate:", "unknown flag --max_new_tokns",
+                   "did you mean --max_new_tokens?"])
+        r = run("perplexity", "--ctx=abc")
+        self.assert_one_line_failure(r, 2, ["--ctx", "abc"])
+        r = run("generate", "--max_new_tokens")
+        self.assert_one_line_failure(r, 2, ["--max_new_tokens needs a value"])
+        for args, words in ((["--listn=127.0.0.1:0"],
+                             ["kv_memory_server:", "unknown flag --listn",
+                              "did you mean --listen?"]),
+                            (["--capacity_bytes=xyz"],
+                             ["--capacity_bytes", "xyz"])):
+            r = subprocess.run([SERVER, *args], capture_output=True,
+                               text=True, timeout=60)
+            self.assert_one_line_failure(r, 2, words)
+        # The forms that stay valid: --flag value, --noflag for a boolean.
+        r = run("generate", "--model", MODEL, f"--tokenizer={TOK}",
+                "--prompt=Once upon a time", "--max_new_tokens", "3",
+                "--nojson")
+        self.assertEqual(r.returncode, 0, r.stderr)
 
     def test_missing_model_file(self):
         r = run("generate", "--model=/nonexistent/model.bin",
