@@ -124,11 +124,18 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
 }
 
 ServerProcess::~ServerProcess() {
+  bool killed = false;
   if (pid_ > 0 && !exited_) {
     kill(pid_, SIGKILL);
     WaitExit();
-    // Still running until now, so these were its own: a SIGKILLed server
-    // leaves its socket files (and the shm socket's lock file) behind.
+    killed = true;
+  } else if (pid_ > 0 && WIFSIGNALED(wait_status_)) {
+    killed = true;  // a test killed it
+  }
+  // A server killed by a signal leaves its socket files (and the shm
+  // socket's lock file) behind; the paths are this process's own (pid and
+  // counter in the name). One that exited removed its own.
+  if (killed) {
     for (const std::string& path : socket_files_) {
       std::remove(path.c_str());
       std::remove((path + ".lock").c_str());
