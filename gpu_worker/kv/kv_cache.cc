@@ -199,6 +199,7 @@ absl::Status KvOptions::Validate() const {
 
 absl::StatusOr<int64_t> KvCache::WorkerBytes(const model::Weights& weights,
                                              const KvCacheOptions& options) {
+  IG_RETURN_IF_ERROR(options.kv.Validate());
   if (!Offloads(options.kv.policy.kind)) {
     return LocalKvCacheBytes(weights.config, options);
   }
@@ -215,7 +216,7 @@ absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(
         "positive",
         options.batch, options.max_seq_len, options.max_chunk));
   }
-  IG_RETURN_IF_ERROR(options.kv.Validate());
+  // WorkerBytes validates the KV options.
   IG_ASSIGN_OR_RETURN(const int64_t need, WorkerBytes(weights, options));
   if (options.kv.max_worker_bytes > 0 && need > options.kv.max_worker_bytes) {
     return absl::ResourceExhaustedError(absl::StrFormat(

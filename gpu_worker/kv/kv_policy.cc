@@ -136,15 +136,26 @@ void KvPolicy::PlanAllPresent(int p, const uint8_t* present,
   }
 }
 
-absl::StatusOr<int64_t> KvPolicy::StateBytes(const PolicyOptions& options,
-                                              const Context& context) {
+namespace {
+
+// The registry entry of a valid offloading policy: the one with a KvPolicy.
+absl::StatusOr<const PolicyEntry*> OffloadingEntry(
+    const PolicyOptions& options) {
   IG_RETURN_IF_ERROR(options.Validate());
   const PolicyEntry& entry = PolicyEntryOf(options.kind);
-  if (entry.state_bytes == nullptr) {
+  if (!entry.traits.offloads) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "%s has no KvPolicy: it stays local", entry.name));
   }
-  return entry.state_bytes(options, context);
+  return &entry;
+}
+
+}  // namespace
+
+absl::StatusOr<int64_t> KvPolicy::StateBytes(const PolicyOptions& options,
+                                              const Context& context) {
+  IG_ASSIGN_OR_RETURN(const PolicyEntry* entry, OffloadingEntry(options));
+  return entry->state_bytes(options, context);
 }
 
 absl::StatusOr<std::unique_ptr<KvPolicy>> KvPolicy::Create(
@@ -157,13 +168,8 @@ absl::StatusOr<std::unique_ptr<KvPolicy>> KvPolicy::Create(
 
 absl::StatusOr<std::unique_ptr<KvPolicy>> KvPolicy::CreateUninitialized(
     const PolicyOptions& options, const Context& context) {
-  IG_RETURN_IF_ERROR(options.Validate());
-  const PolicyEntry& entry = PolicyEntryOf(options.kind);
-  if (entry.create == nullptr) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s has no KvPolicy: it stays local", entry.name));
-  }
-  return entry.create(options, context);
+  IG_ASSIGN_OR_RETURN(const PolicyEntry* entry, OffloadingEntry(options));
+  return entry->create(options, context);
 }
 
 }  // namespace infinigen::gpu_worker

@@ -17,11 +17,6 @@ namespace offloaded {
 absl::StatusOr<Layout> MakeLayout(const model::Weights& weights,
                                   bool operates_on_host,
                                   const KvCacheOptions& options) {
-  if (options.kv.kv_client == nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("engine: policy %s needs a KV memory node",
-                        PolicyName(options.kv.policy.kind)));
-  }
   KvPolicy::Context ctx;
   ctx.weights = &weights;
   ctx.max_seq_len = options.max_seq_len;

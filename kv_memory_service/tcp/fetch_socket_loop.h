@@ -174,6 +174,10 @@ class FetchSocketServer::Loop {
   // time).
   bool SendTls(Connection* c);
 
+  // The reply is all written: closes `c` if it was to be, else moves it to
+  // its next state, reading again. False when `c` is closed.
+  bool Sent(Connection* c);
+
   void Watch(Connection* c, uint32_t events);
 
   const int epoll_fd_;

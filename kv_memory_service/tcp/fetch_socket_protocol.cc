@@ -395,12 +395,16 @@ bool FetchSocketServer::Loop::Send(Connection* c) {
     c->sent += static_cast<size_t>(n);
     Touch(c);
   }
+  return Sent(c);
+}
+
+bool FetchSocketServer::Loop::Sent(Connection* c) {
   if (c->close_after_send) {
     Close(c);
     return false;
   }
   c->state = c->after;
-  if (c->want_write) Watch(c, EPOLLIN | EPOLLRDHUP);
+  WaitFor(c, /*write=*/false);
   return true;
 }
 
@@ -434,13 +438,7 @@ bool FetchSocketServer::Loop::SendTls(Connection* c) {
     c->sent += static_cast<size_t>(n);
     Touch(c);
   }
-  if (c->close_after_send) {
-    Close(c);
-    return false;
-  }
-  c->state = c->after;
-  WaitFor(c, /*write=*/false);
-  return true;
+  return Sent(c);
 }
 
 }  // namespace infinigen::kv_memory_service
