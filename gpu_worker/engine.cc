@@ -179,7 +179,7 @@ absl::StatusOr<absl::Span<const float>> Engine::Forward(
   if (offloaded && position > 0) {
     return absl::FailedPreconditionError(absl::StrFormat(
         "forward: policy %s decodes one token at a time after the prefill",
-        PolicyName(options_.kv.policy.kind)));
+        options_.kv.policy_name()));
   }
   absl::StatusOr<absl::Span<const float>> out =
       ForwardChecked(slot, tokens, all_logits);
@@ -284,7 +284,7 @@ absl::StatusOr<int> Engine::Prefill(int slot, absl::Span<const int> tokens,
   for (int l = 0; l < c.n_layers; ++l) {
     for (int start = 0; start < m; start += max_chunk_) {
       const int len = std::min(max_chunk_, m - start);
-      IG_RETURN_IF_ERROR(RunLayer(l, start, len, /*decode=*/false,
+      IG_RETURN_IF_ERROR(RunLayer(l, start, len, /*step=*/nullptr,
                                   first + start));
     }
     IG_RETURN_IF_ERROR(cache_->EndPrefillLayer(l));
@@ -442,18 +442,20 @@ absl::Status Engine::ObservePrefill(int l, int n, const float* x) {
   return absl::OkStatus();
 }
 
-absl::Status Engine::RunLayer(int l, int first, int n, bool decode, int pos) {
+absl::Status Engine::RunLayer(int l, int first, int n, KvStep* step,
+                              int pos) {
   const ModelConfig& c = weights_.config;
   const LayerWeights& w = weights_.layers[l];
   const bool opt = c.arch == Architecture::kOpt;
   Backend& b = *backend_;
   float* x = x_.data() + static_cast<size_t>(first) * c.dim;
+  const bool decode = step != nullptr;
   AttentionNorm(w, x, n);
-  if (decode) IG_RETURN_IF_ERROR(cache_->LayerInput(l, xb_.data()));
+  if (decode) IG_RETURN_IF_ERROR(step->LayerInput(l, xb_.data()));
   QueryKeyValue(w, n, positions_.data() + first);
   if (decode) {
-    IG_RETURN_IF_ERROR(cache_->DecodeAttention(l, q_.data(), k_.data(),
-                                               v_.data(), att_.data()));
+    IG_RETURN_IF_ERROR(step->DecodeAttention(l, q_.data(), k_.data(),
+                                             v_.data(), att_.data()));
   } else {
     IG_RETURN_IF_ERROR(ObservePrefill(l, n, x));
     IG_RETURN_IF_ERROR(cache_->PrefillAttention(
@@ -462,11 +464,11 @@ absl::Status Engine::RunLayer(int l, int first, int n, bool decode, int pos) {
   b.Linear(att_.data(), n, c.q_dim(), w.wo.data(), opt ? w.bo.data() : nullptr,
            c.dim, proj_.data());
   b.Add(x, proj_.data(), static_cast<long>(n) * c.dim);
-  if (decode && l + 1 < c.n_layers && cache_->WantsPostAttentionInput()) {
+  if (decode && l + 1 < c.n_layers && step->WantsPostAttentionInput()) {
     // xb_ is free until the MLP's norm: the next layer's norm of the
     // residual so far, from which the cache speculates that layer's fetch.
     AttentionNorm(weights_.layers[l + 1], x, n);
-    IG_RETURN_IF_ERROR(cache_->PostAttentionInput(l, xb_.data()));
+    IG_RETURN_IF_ERROR(step->PostAttentionInput(l, xb_.data()));
   }
   if (!decode && options_.observer != nullptr &&
       options_.observer->WantsPostAttention()) {
@@ -476,7 +478,7 @@ absl::Status Engine::RunLayer(int l, int first, int n, bool decode, int pos) {
     options_.observer->OnPostAttention(l, x_host_.data(), n);
   }
   Mlp(w, x, n);
-  if (decode) IG_RETURN_IF_ERROR(cache_->LayerDone(l));
+  if (decode) IG_RETURN_IF_ERROR(step->LayerDone(l));
   return absl::OkStatus();
 }
 
@@ -533,12 +535,13 @@ absl::StatusOr<absl::Span<const float>> Engine::DecodeChecked(
     positions_host_[i] = step_positions_[i];
   }
   Embed(tokens.data(), n);
-  IG_RETURN_IF_ERROR(cache_->BeginStep(slot_ids, step_positions_));
+  IG_ASSIGN_OR_RETURN(std::unique_ptr<KvStep> step,
+                      cache_->BeginStep(slot_ids, step_positions_));
   for (int l = 0; l < c.n_layers; ++l) {
-    IG_RETURN_IF_ERROR(RunLayer(l, 0, n, /*decode=*/true, 0));
+    IG_RETURN_IF_ERROR(RunLayer(l, 0, n, step.get(), 0));
   }
   IG_ASSIGN_OR_RETURN(absl::Span<const float> logits, Logits(0, n));
-  IG_RETURN_IF_ERROR(cache_->EndStep());
+  IG_RETURN_IF_ERROR(step->End());
   for (int i = 0; i < n; ++i) {
     ++positions_of_[slot_ids[i]];
     history_[slot_ids[i]].push_back(tokens[i]);

@@ -124,7 +124,8 @@ class Engine {
   int batch() const { return static_cast<int>(positions_of_.size()); }
   const model::ModelConfig& config() const { return weights_.config; }
   Backend& backend() { return *backend_; }
-  PolicyKind policy() const { return options_.kv.policy.kind; }
+  // "ideal" or the KV policy's name.
+  const char* policy_name() const { return options_.kv.policy_name(); }
   const FetchStats& fetch_stats(int slot = 0) const {
     return cache_->fetch_stats(slot);
   }
@@ -159,8 +160,8 @@ class Engine {
                               bool reuse);
   // One layer over n rows of the residual stream starting at row `first`:
   // a prefill chunk at positions [pos, pos + n) of the slot being
-  // prefilled, or (decode) the step's n sequences.
-  absl::Status RunLayer(int layer, int first, int n, bool decode, int pos);
+  // prefilled (step null), or the decode step's n sequences.
+  absl::Status RunLayer(int layer, int first, int n, KvStep* step, int pos);
   // Prefill diagnostics and calibration: the skew and the observer, on the
   // host.
   // x: the layer's input rows [n, dim] (backend memory).

@@ -163,6 +163,10 @@ class Cli(unittest.TestCase):
         self.assert_one_line_failure(r, 2, ["--target_fetch", "0.4"])
         r = run(*base, "--policy=full", "--target_fetch=0.5")
         self.assert_one_line_failure(r, 2, ["not full"])
+        # ideal is the local cache, not a policy: it fetches nothing.
+        r = run(*base, "--policy=ideal", "--target_fetch=0.5")
+        self.assert_one_line_failure(r, 2, ["ideal fetches nothing",
+                                            "infinigen, h2o, oracle, quest"])
 
     def test_head_budgets_come_from_the_skew_files_profile(self):
         base = ["perplexity", f"--model={MODEL}", f"--tokenizer={TOK}",

@@ -42,7 +42,6 @@ namespace {
 using gpu_worker::Backend;
 using gpu_worker::Engine;
 using gpu_worker::EngineOptions;
-using gpu_worker::PolicyKind;
 
 std::string Root() {
   const char* r = std::getenv("INFINIGEN_ROOT");
@@ -62,9 +61,10 @@ class CudaEngineParity : public ::testing::Test {
 
   // Prefill of `prompt` tokens in two slots, then `steps` batched decode
   // steps, teacher-forced.
-  // `tweak`, when set, adjusts the policy options after kind and skew.
+  // `policy` by its --policy name ("ideal": the local cache); `tweak`, when
+  // set, adjusts the policy options after kind and skew.
   DecodeRun Decode(const model::Weights& w, const std::vector<int>& tokens,
-             std::unique_ptr<Backend> backend, PolicyKind kind,
+             std::unique_ptr<Backend> backend, const std::string& policy,
              const speculator::SkewMatrices* skew, int prompt, int steps,
              const std::function<void(gpu_worker::PolicyOptions&)>& tweak =
                  nullptr) {
@@ -74,9 +74,11 @@ class CudaEngineParity : public ::testing::Test {
     EngineOptions o;
     o.max_seq_len = prompt + steps + 2;
     o.batch = 2;
-    o.kv.policy.kind = kind;
-    o.kv.policy.skew = skew;
-    if (tweak) tweak(o.kv.policy);
+    EXPECT_TRUE(gpu_worker::ChoosePolicy(policy, o.kv).ok()) << policy;
+    if (o.kv.policy) {
+      o.kv.policy->skew = skew;
+      if (tweak) tweak(*o.kv.policy);
+    }
     o.kv.kv_client = client->get();
     auto engine = Engine::Create(w, std::move(backend), o);
     EXPECT_TRUE(engine.ok()) << engine.status();
@@ -163,10 +165,10 @@ TEST_F(CudaEngineParity, Stories260KEveryPolicy) {
   auto skew = gpu_worker::CalibrateSkew(m->weights, tokens);
   ASSERT_TRUE(skew.ok()) << skew.status();
   const int vocab = m->weights.config.vocab_size;
-  for (PolicyKind kind : {PolicyKind::kIdeal, PolicyKind::kFull,
-                          PolicyKind::kH2O, PolicyKind::kInt4,
-                          PolicyKind::kInfiniGen}) {
-    SCOPED_TRACE(gpu_worker::PolicyName(kind));
+  for (std::string kind : {"ideal", "full",
+                          "h2o", "int4",
+                          "infinigen"}) {
+    SCOPED_TRACE(kind);
     const DecodeRun cpu = Decode(m->weights, tokens, gpu_worker::NewCpuBackend(),
                            kind, &*skew, 12, 24);
     gpu_worker::cuda::CudaBackendOptions fp32;
@@ -175,9 +177,9 @@ TEST_F(CudaEngineParity, Stories260KEveryPolicy) {
     ASSERT_TRUE(cuda.ok()) << cuda.status();
     const DecodeRun gpu =
         Decode(m->weights, tokens, std::move(*cuda), kind, &*skew, 12, 24);
-    if (kind == PolicyKind::kInfiniGen) {
+    if (kind == "infinigen") {
       ExpectClose(cpu, gpu, vocab, 0, 0, 0.9);
-    } else if (kind == PolicyKind::kFull || kind == PolicyKind::kH2O) {
+    } else if (kind == "full" || kind == "h2o") {
       ExpectClose(cpu, gpu, vocab, 1e-2, 0, 1.0);
     } else {
       ExpectClose(cpu, gpu, vocab, 2e-3, 0, 1.0);
@@ -190,13 +192,13 @@ TEST_F(CudaEngineParity, Stories260KEveryPolicy) {
   auto tuned =
       gpu_worker::CalibrateSkew(m->weights, tokens, {1.0, true, false, 0});
   ASSERT_TRUE(tuned.ok()) << tuned.status();
-  for (PolicyKind kind : {PolicyKind::kInfiniGen, PolicyKind::kOracle}) {
-    SCOPED_TRACE(std::string("target fetch ") + gpu_worker::PolicyName(kind));
+  for (std::string kind : {"infinigen", "oracle"}) {
+    SCOPED_TRACE("target fetch " + kind);
     auto tweak = [&](gpu_worker::PolicyOptions& p) {
-      if (kind == PolicyKind::kInfiniGen) p.dense_layers = 0;
+      if (kind == "infinigen") p.dense_layers = 0;
       ASSERT_TRUE(gpu_worker::SetTargetFetch(
                       0.6, m->weights.config.n_layers, p).ok());
-      if (kind != PolicyKind::kInfiniGen) return;
+      if (kind != "infinigen") return;
       p.skew = &*tuned;
       p.partial_ratio = 1.0f;
       p.speculation_input =
@@ -217,11 +219,11 @@ TEST_F(CudaEngineParity, Stories260KEveryPolicy) {
   }
   // fp16 weights (the default): looser.
   const DecodeRun cpu = Decode(m->weights, tokens, gpu_worker::NewCpuBackend(),
-                         PolicyKind::kIdeal, nullptr, 12, 24);
+                         "ideal", nullptr, 12, 24);
   auto half = gpu_worker::NewCudaBackend(0);
   ASSERT_TRUE(half.ok());
   const DecodeRun gpu = Decode(m->weights, tokens, std::move(*half),
-                         PolicyKind::kIdeal, nullptr, 12, 24);
+                         "ideal", nullptr, 12, 24);
   ExpectClose(cpu, gpu, vocab, 0, 0.05, 0.9);
 }
 
@@ -242,9 +244,9 @@ TEST_F(CudaEngineParity, SmolLM2DecodeStep) {
   ASSERT_GE(tokens.size(), 40u);
   const int vocab = m->weights.config.vocab_size;
   DecodeRun cpu_full;
-  for (PolicyKind kind :
-       {PolicyKind::kIdeal, PolicyKind::kFull, PolicyKind::kInt4}) {
-    SCOPED_TRACE(gpu_worker::PolicyName(kind));
+  for (std::string kind :
+       {"ideal", "full", "int4"}) {
+    SCOPED_TRACE(kind);
     const DecodeRun cpu = Decode(m->weights, tokens, gpu_worker::NewCpuBackend(),
                            kind, nullptr, 24, 8);
     gpu_worker::cuda::CudaBackendOptions fp32;
@@ -253,8 +255,8 @@ TEST_F(CudaEngineParity, SmolLM2DecodeStep) {
     ASSERT_TRUE(cuda.ok()) << cuda.status();
     const DecodeRun gpu =
         Decode(m->weights, tokens, std::move(*cuda), kind, nullptr, 24, 8);
-    if (kind == PolicyKind::kFull) cpu_full = cpu;
-    if (kind != PolicyKind::kInt4) {
+    if (kind == "full") cpu_full = cpu;
+    if (kind != "int4") {
       ExpectClose(cpu, gpu, vocab, 5e-3, 0, 1.0);
       continue;
     }

@@ -58,8 +58,8 @@ class Disaggregated : public ::testing::Test {
     EngineOptions options;
     options.max_seq_len = 96;
     options.batch = 2;
-    options.kv.policy.kind = kind;
-    options.kv.policy.skew = &skew_;
+    options.kv.policy.emplace().kind = kind;
+    options.kv.policy->skew = &skew_;
     options.kv.kv_client = client->get();
     auto engine = Engine::Create(weights_, gpu_worker::NewCpuBackend(), options);
     EXPECT_TRUE(engine.ok()) << engine.status();
@@ -117,7 +117,7 @@ TEST_F(Disaggregated, ServerDeathIsAClearErrorNotAHang) {
     ASSERT_TRUE(client.ok()) << client.status();
     EngineOptions options;
     options.max_seq_len = 96;
-    options.kv.policy.kind = PolicyKind::kFull;
+    options.kv.policy.emplace().kind = PolicyKind::kFull;
     options.kv.kv_client = client->get();
     auto engine = Engine::Create(weights_, gpu_worker::NewCpuBackend(), options);
     ASSERT_TRUE(engine.ok());

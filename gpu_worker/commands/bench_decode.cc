@@ -142,8 +142,9 @@ int RunBenchDecode() {
   const std::vector<std::string> policies =
       absl::StrSplit(absl::GetFlag(FLAGS_policy), ',');
   for (const std::string& p : policies) {
-    if (auto k = gpu_worker::ParsePolicy(p); !k.ok()) {
-      return Fail(kExitUsage, k.status());
+    gpu_worker::KvOptions chosen;
+    if (absl::Status st = gpu_worker::ChoosePolicy(p, chosen); !st.ok()) {
+      return Fail(kExitUsage, st);
     }
   }
   auto kv_options = KvClientOptionsFromFlags();

@@ -397,9 +397,14 @@ absl::StatusOr<EngineOptions> EngineOptionsFromFlags(const std::string& policy,
   if (absl::GetFlag(FLAGS_prefix_cache_bytes) < 0) {
     return absl::InvalidArgumentError("--prefix_cache_bytes must be >= 0");
   }
-  gpu_worker::PolicyOptions& p = options.kv.policy;
-  IG_ASSIGN_OR_RETURN(p.kind, gpu_worker::ParsePolicy(policy));
-  const bool speculates = gpu_worker::PolicyEntryOf(p.kind).traits.speculates;
+  IG_RETURN_IF_ERROR(gpu_worker::ChoosePolicy(policy, options.kv));
+  // The policy flags are judged under ideal too (the local cache, no
+  // policy), so a bad value never passes unnoticed.
+  const bool local = !options.kv.policy;
+  gpu_worker::PolicyOptions p = options.kv.policy.value_or(
+      gpu_worker::PolicyOptions());
+  const bool speculates =
+      !local && gpu_worker::PolicyEntryOf(p.kind).traits.speculates;
   p.alpha = static_cast<float>(absl::GetFlag(FLAGS_alpha));
   // The --target_fetch defaults of infinigen (auto flags).
   const bool tuned = speculates &&
@@ -442,6 +447,12 @@ absl::StatusOr<EngineOptions> EngineOptionsFromFlags(const std::string& policy,
                         options.kv.max_worker_bytes));
   }
   if (const double target = absl::GetFlag(FLAGS_target_fetch); target != 0) {
+    if (local) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "--target_fetch: %s fetches nothing (the whole cache is local); "
+          "a target fetch applies to %s",
+          gpu_worker::kLocalCacheName, gpu_worker::TargetFetchPolicyNames()));
+    }
     if (absl::Status st = gpu_worker::SetTargetFetch(target, n_layers, p);
         !st.ok()) {
       return absl::InvalidArgumentError(
@@ -460,6 +471,7 @@ absl::StatusOr<EngineOptions> EngineOptionsFromFlags(const std::string& policy,
       budgets == "adaptive" ||
       (budgets == "auto" && speculates &&
        absl::GetFlag(FLAGS_target_fetch) != 0);
+  if (!local) options.kv.policy = p;
   return options;
 }
 
@@ -496,8 +508,8 @@ absl::StatusOr<PolicySetup> SetUpPolicy(
   PolicySetup s;
   IG_ASSIGN_OR_RETURN(s.options, EngineOptionsFromFlags(
                                      policy, weights.config.n_layers, serving));
-  if (!gpu_worker::Offloads(s.options.kv.policy.kind)) return s;
-  gpu_worker::PolicyOptions& p = s.options.kv.policy;
+  if (!s.options.kv.policy) return s;
+  gpu_worker::PolicyOptions& p = *s.options.kv.policy;
   const bool speculates = gpu_worker::PolicyEntryOf(p.kind).traits.speculates;
   if (speculates || p.adaptive_budgets) {
     IG_ASSIGN_OR_RETURN(s.skew, SkewFromFlags(weights, calibration, p));
@@ -533,7 +545,7 @@ absl::StatusOr<PolicySetup> SetUpPolicy(
   IG_ASSIGN_OR_RETURN(s.client, kv_memory_service::ConnectKvClient(
                                     kv_service, client_options));
   s.options.kv.kv_client = s.client.get();
-  IG_LOG(INFO) << "policy " << gpu_worker::PolicyName(s.options.kv.policy.kind)
+  IG_LOG(INFO) << "policy " << s.options.kv.policy_name()
                << " over " << s.client->data_plane() << " (" << kv_service
                << ")";
   return s;

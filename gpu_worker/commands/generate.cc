@@ -88,7 +88,7 @@ void PrintJson(const Engine& e, int prompt_tokens, double prefill_s,
   j["generated_tokens"] = c.tokens;
   j["decode_seconds"] = decode_s;
   j["kv_recoveries"] = e.kv_recoveries();
-  j["policy"] = gpu_worker::PolicyName(e.policy());
+  j["policy"] = e.policy_name();
   j["fetch_fraction_mean"] = e.fetch_stats().fraction_mean();
   // Invalid UTF-8 (a character cut by max_new_tokens) as U+FFFD.
   j["text"] = c.text;

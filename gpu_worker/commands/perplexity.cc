@@ -32,10 +32,13 @@ void PrintProgress(const gpu_worker::PerplexityProgress& p) {
 }
 
 void PrintResult(const gpu_worker::PerplexityOptions& o,
-                 const gpu_worker::PolicyOptions& policy,
+                 const gpu_worker::KvOptions& kv,
                  const gpu_worker::PerplexityResult& r) {
   const std::string text = absl::GetFlag(FLAGS_text);
-  const std::string name = gpu_worker::PolicyName(policy.kind);
+  const std::string name = kv.policy_name();
+  // The local cache's settings print as PolicyOptions' defaults.
+  const gpu_worker::PolicyOptions policy =
+      kv.policy.value_or(gpu_worker::PolicyOptions());
   std::printf("%s: %d windows of %d tokens, %ld predicted tokens, policy %s: "
               "nll %.6f, perplexity %.4f, fetched %.2f%% of cached rows per "
               "step (max %.2f%%) (%.1f s)\n",
@@ -101,9 +104,11 @@ int RunPerplexity() {
                                 absl::GetFlag(FLAGS_text))));
   }
   const std::string policy = absl::GetFlag(FLAGS_policy);
-  auto kind = gpu_worker::ParsePolicy(policy);
-  if (!kind.ok()) return Fail(kExitUsage, kind.status());
-  if (o.prompt_tokens == 0 && gpu_worker::Offloads(*kind)) {
+  gpu_worker::KvOptions chosen;
+  if (absl::Status st = gpu_worker::ChoosePolicy(policy, chosen); !st.ok()) {
+    return Fail(kExitUsage, st);
+  }
+  if (o.prompt_tokens == 0 && chosen.policy) {
     return Fail(kExitUsage,
                 absl::InvalidArgumentError(
                     "--policy needs --prompt_tokens (the dense prefix before "
@@ -118,7 +123,7 @@ int RunPerplexity() {
   auto result =
       gpu_worker::ScorePerplexity(**engine, run->tokens, o, PrintProgress);
   if (!result.ok()) return Fail(kExitFailure, result.status());
-  PrintResult(o, setup->options.kv.policy, *result);
+  PrintResult(o, setup->options.kv, *result);
   return 0;
 }
 

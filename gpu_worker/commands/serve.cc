@@ -118,14 +118,16 @@ absl::Status CheckServeFlags() {
   if (absl::GetFlag(FLAGS_drain_timeout) < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--drain_timeout must not be negative");
   }
-  IG_ASSIGN_OR_RETURN(const gpu_worker::PolicyKind kind,
-                      gpu_worker::ParsePolicy(absl::GetFlag(FLAGS_policy)));
-  if (gpu_worker::PolicyEntryOf(kind).traits.speculates &&
+  gpu_worker::KvOptions chosen;
+  IG_RETURN_IF_ERROR(
+      gpu_worker::ChoosePolicy(absl::GetFlag(FLAGS_policy), chosen));
+  if (chosen.policy &&
+      gpu_worker::PolicyEntryOf(chosen.policy->kind).traits.speculates &&
       absl::GetFlag(FLAGS_skew).empty()) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "serve --policy=%s needs --skew (from 'infinigen skew'): there is no "
         "input to calibrate on",
-        gpu_worker::PolicyName(kind)));
+        chosen.policy_name()));
   }
   return absl::OkStatus();
 }

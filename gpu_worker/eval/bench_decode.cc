@@ -58,7 +58,7 @@ absl::StatusOr<DecodeBenchResult> RunDecodeBench(
         stride));
   }
   DecodeBenchResult r;
-  r.policy = PolicyName(engine.policy());
+  r.policy = engine.policy_name();
   r.backend = engine.backend().name();
   r.ctx = ctx;
   r.batch = batch;

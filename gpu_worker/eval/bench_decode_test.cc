@@ -46,13 +46,13 @@ class RunDecodeBenchTest : public ::testing::Test {
     client_ = *std::move(client);
   }
 
-  std::unique_ptr<Engine> MakeEngine(PolicyKind policy, int batch,
+  std::unique_ptr<Engine> MakeEngine(const std::string& policy, int batch,
                                      int max_seq_len) {
     EngineOptions o;
-    o.kv.policy.kind = policy;
+    EXPECT_TRUE(ChoosePolicy(policy, o.kv).ok());
     o.batch = batch;
     o.max_seq_len = max_seq_len;
-    if (policy != PolicyKind::kIdeal) o.kv.kv_client = client_.get();
+    if (o.kv.policy) o.kv.kv_client = client_.get();
     auto e = Engine::Create(*weights_, NewCpuBackend(), o);
     EXPECT_TRUE(e.ok()) << e.status();
     return e.ok() ? *std::move(e) : nullptr;
@@ -64,7 +64,7 @@ class RunDecodeBenchTest : public ::testing::Test {
 
 TEST_F(RunDecodeBenchTest, TimesEveryStepAndCountsFetchesOfEverySequence) {
   const int ctx = 20, steps = 6, batch = 3;
-  auto engine = MakeEngine(PolicyKind::kFull, batch, ctx + steps);
+  auto engine = MakeEngine("full", batch, ctx + steps);
   ASSERT_NE(engine, nullptr);
   const std::vector<int> source =
       DecodeBenchSource({}, batch * (ctx + steps), 512);
@@ -93,7 +93,7 @@ TEST_F(RunDecodeBenchTest, TimesEveryStepAndCountsFetchesOfEverySequence) {
 }
 
 TEST_F(RunDecodeBenchTest, TooLittleInputOrRoomIsRefused) {
-  auto engine = MakeEngine(PolicyKind::kIdeal, 2, 16);
+  auto engine = MakeEngine("ideal", 2, 16);
   ASSERT_NE(engine, nullptr);
   const std::vector<int> source = DecodeBenchSource({}, 100, 512);
   EXPECT_EQ(RunDecodeBench(*engine, source, 12, 8).status().code(),

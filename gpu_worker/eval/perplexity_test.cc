@@ -37,12 +37,12 @@ class PerplexityTest : public ::testing::Test {
     bos_ = (*tok)->bos_id();
   }
 
-  std::unique_ptr<Engine> MakeEngine(int max_seq_len, PolicyKind policy) {
+  std::unique_ptr<Engine> MakeEngine(int max_seq_len, const std::string& policy) {
     EngineOptions o;
     o.max_seq_len = max_seq_len;
     o.max_chunk = 16;  // several chunks per window
-    o.kv.policy.kind = policy;
-    if (policy != PolicyKind::kIdeal) {
+    EXPECT_TRUE(ChoosePolicy(policy, o.kv).ok());
+    if (o.kv.policy) {
       auto client = kv_memory_service::ConnectKvClient("inproc:");
       EXPECT_TRUE(client.ok());
       client_ = *std::move(client);
@@ -89,7 +89,7 @@ TEST_F(PerplexityTest, OptionsOutOfRangeAreInvalidArguments) {
 }
 
 TEST_F(PerplexityTest, AWindowLongerThanTheEngineOrNoTextIsRefused) {
-  auto engine = MakeEngine(32, PolicyKind::kIdeal);
+  auto engine = MakeEngine(32, "ideal");
   ASSERT_NE(engine, nullptr);
   PerplexityOptions o;
   o.ctx = 64;
@@ -109,7 +109,7 @@ TEST_F(PerplexityTest, DenseAndDecodedScoringAgree) {
   PerplexityOptions o;
   o.ctx = 32;
   o.bos = bos_;
-  auto engine = MakeEngine(32, PolicyKind::kIdeal);
+  auto engine = MakeEngine(32, "ideal");
   ASSERT_NE(engine, nullptr);
   std::vector<PerplexityProgress> progress;
   auto dense = ScorePerplexity(
@@ -142,8 +142,8 @@ TEST_F(PerplexityTest, DecodingThroughAPolicySumsItsFetchesOverWindows) {
   o.bos = bos_;
   o.prompt_tokens = 8;
   o.max_windows = 2;
-  auto ideal = MakeEngine(32, PolicyKind::kIdeal);
-  auto full = MakeEngine(32, PolicyKind::kFull);
+  auto ideal = MakeEngine(32, "ideal");
+  auto full = MakeEngine(32, "full");
   ASSERT_NE(ideal, nullptr);
   ASSERT_NE(full, nullptr);
   auto local = ScorePerplexity(*ideal, tokens_, o);

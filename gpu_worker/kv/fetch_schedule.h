@@ -35,6 +35,8 @@ class FetchSchedule {
  public:
   // The schedule of `options`' policy on a model of n_layers layers.
   static FetchSchedule Of(const PolicyOptions& options, int n_layers);
+  // The local cache's: no layer is fetched (DueAt is always -1).
+  static FetchSchedule None() { return FetchSchedule(); }
 
   // When layer `layer`'s fetch leaves.
   FetchPoint at(int layer) const { return at_[layer]; }

@@ -1,5 +1,5 @@
-// The KvCache factory, the worker-memory limit, and the local cache of the
-// ideal policy.
+// The KvCache factory, the worker-memory limit, and the local cache
+// (--policy=ideal).
 #include "gpu_worker/kv/kv_cache.h"
 
 #include <algorithm>
@@ -9,6 +9,7 @@
 #include "absl/strings/str_format.h"
 #include "common/status.h"
 #include "gpu_worker/kv/kv_cache_impl.h"
+#include "gpu_worker/kv/policies/registry.h"
 
 namespace infinigen::gpu_worker {
 
@@ -69,8 +70,6 @@ class LocalKvCache final : public KvCache {
       k_.push_back(std::move(k));
       v_.push_back(std::move(v));
     }
-    step_slots_.reserve(options_.batch);
-    step_positions_.reserve(options_.batch);
     return absl::OkStatus();
   }
 
@@ -94,32 +93,14 @@ class LocalKvCache final : public KvCache {
   absl::Status EndPrefillLayer(int layer) override { return absl::OkStatus(); }
   absl::Status EndPrefill() override { return absl::OkStatus(); }
 
-  absl::Status BeginStep(absl::Span<const int> slots,
-                         absl::Span<const int> positions) override {
-    step_slots_.assign(slots.begin(), slots.end());
-    step_positions_.assign(positions.begin(), positions.end());
-    return absl::OkStatus();
-  }
-
-  absl::Status LayerInput(int layer, const float* xb) override {
-    return absl::OkStatus();
-  }
-
-  absl::Status DecodeAttention(int layer, const float* q, const float* k,
-                               const float* v, float* out) override {
-    const size_t qd = static_cast<size_t>(config_.q_dim());
-    for (size_t i = 0; i < step_slots_.size(); ++i) {
-      const int slot = step_slots_[i], pos = step_positions_[i];
-      Store(slot, layer, pos, k, v, static_cast<int>(i));
-      QueueAttention(backend_, config_, q + i * qd, Keys(slot, layer),
-                     Values(slot, layer), options_.max_seq_len, 1, pos + 1,
-                     out + i * qd, nullptr);
+  absl::StatusOr<std::unique_ptr<KvStep>> BeginStep(
+      absl::Span<const int> slots, absl::Span<const int> positions) override {
+    if (step_open_) {
+      return absl::FailedPreconditionError(
+          "kv cache: a decode step is already open");
     }
-    return absl::OkStatus();
+    return std::unique_ptr<KvStep>(new Step(*this, slots, positions));
   }
-
-  absl::Status LayerDone(int layer) override { return absl::OkStatus(); }
-  absl::Status EndStep() override { return absl::OkStatus(); }
   absl::Status Reset(int slot) override { return absl::OkStatus(); }
   absl::Status Flush() override { return absl::OkStatus(); }
   bool offloaded() const override { return false; }
@@ -130,6 +111,46 @@ class LocalKvCache final : public KvCache {
   int64_t node_bytes() const override { return 0; }
 
  private:
+  // A step stores each new token's K and V in its slot and attends over
+  // the slot's positions so far.
+  class Step final : public KvStep {
+   public:
+    Step(LocalKvCache& cache, absl::Span<const int> slots,
+         absl::Span<const int> positions)
+        : cache_(cache),
+          slots_(slots.begin(), slots.end()),
+          positions_(positions.begin(), positions.end()) {
+      cache_.step_open_ = true;
+    }
+    ~Step() override { cache_.step_open_ = false; }
+
+    const FetchSchedule& schedule() const override { return schedule_; }
+    absl::Status LayerInput(int layer, const float* xb) override {
+      return absl::OkStatus();
+    }
+    absl::Status DecodeAttention(int layer, const float* q, const float* k,
+                                 const float* v, float* out) override {
+      const model::ModelConfig& c = cache_.config_;
+      const size_t qd = static_cast<size_t>(c.q_dim());
+      for (size_t i = 0; i < slots_.size(); ++i) {
+        const int slot = slots_[i], pos = positions_[i];
+        cache_.Store(slot, layer, pos, k, v, static_cast<int>(i));
+        QueueAttention(cache_.backend_, c, q + i * qd,
+                       cache_.Keys(slot, layer), cache_.Values(slot, layer),
+                       cache_.options_.max_seq_len, 1, pos + 1, out + i * qd,
+                       nullptr);
+      }
+      return absl::OkStatus();
+    }
+    absl::Status LayerDone(int layer) override { return absl::OkStatus(); }
+    absl::Status End() override { return absl::OkStatus(); }
+
+   private:
+    LocalKvCache& cache_;
+    const std::vector<int> slots_, positions_;
+    const FetchSchedule schedule_ = FetchSchedule::None();
+  };
+
   float* Keys(int slot, int layer) {
     return k_[slot].data() + static_cast<size_t>(layer) * layer_size_;
   }
@@ -157,7 +178,7 @@ class LocalKvCache final : public KvCache {
   std::vector<FetchStats> stats_;           // always empty: nothing fetched
   int64_t bytes_ = 0;
   int slot_ = 0;  // the slot being prefilled
-  std::vector<int> step_slots_, step_positions_;
+  bool step_open_ = false;
 };
 
 }  // namespace
@@ -177,10 +198,12 @@ absl::StatusOr<std::unique_ptr<KvCache>> NewLocalKvCache(
 }
 
 absl::Status KvOptions::Validate() const {
-  IG_RETURN_IF_ERROR(policy.Validate());
-  if (Offloads(policy.kind) && kv_client == nullptr) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "policy %s needs a KV memory node (kv_client)", PolicyName(policy.kind)));
+  if (policy) {
+    IG_RETURN_IF_ERROR(policy->Validate());
+    if (kv_client == nullptr) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "policy %s needs a KV memory node (kv_client)", policy_name()));
+    }
   }
   if (!(kv_capacity > 0.0 && kv_capacity <= 1.0)) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -197,10 +220,28 @@ absl::Status KvOptions::Validate() const {
   return absl::OkStatus();
 }
 
+const char* KvOptions::policy_name() const {
+  return policy ? PolicyName(policy->kind) : kLocalCacheName;
+}
+
+absl::Status ChoosePolicy(absl::string_view name, KvOptions& kv) {
+  if (name == kLocalCacheName) {
+    kv.policy.reset();
+    return absl::OkStatus();
+  }
+  if (const PolicyEntry* entry = FindPolicy(name)) {
+    if (!kv.policy) kv.policy.emplace();
+    kv.policy->kind = entry->kind;
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrFormat(
+      "unknown policy '%s' (%s, %s)", name, kLocalCacheName, PolicyNames()));
+}
+
 absl::StatusOr<int64_t> KvCache::WorkerBytes(const model::Weights& weights,
                                              const KvCacheOptions& options) {
   IG_RETURN_IF_ERROR(options.kv.Validate());
-  if (!Offloads(options.kv.policy.kind)) {
+  if (!options.kv.policy) {
     return LocalKvCacheBytes(weights.config, options);
   }
   return OffloadedKvCacheBytes(weights, options);
@@ -222,11 +263,11 @@ absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(
     return absl::ResourceExhaustedError(absl::StrFormat(
         "policy %s needs %.1f MiB of worker KV memory for batch %d x %d "
         "positions, above the limit of %.1f MiB (--max_worker_kv_bytes=%d)",
-        PolicyName(options.kv.policy.kind), need / 1048576.0, options.batch,
+        options.kv.policy_name(), need / 1048576.0, options.batch,
         options.max_seq_len, options.kv.max_worker_bytes / 1048576.0,
         options.kv.max_worker_bytes));
   }
-  if (!Offloads(options.kv.policy.kind)) {
+  if (!options.kv.policy) {
     return NewLocalKvCache(weights, backend, options);
   }
   return NewOffloadedKvCache(weights, backend, options);

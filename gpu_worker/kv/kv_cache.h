@@ -4,9 +4,10 @@
 // per layer; the cache decides where rows live and how they reach attention.
 //
 // Two implementations:
-//  - local (policy `ideal`): every slot's whole cache [layer][kv_head]
-//    [position][head_dim] in the backend's device memory; nothing fetched.
-//  - offloaded (full, infinigen, h2o, int4): the memory node holds every
+//  - local (KvOptions without a policy; --policy=ideal): every slot's whole
+//    cache [layer][kv_head][position][head_dim] in the backend's device
+//    memory; nothing fetched.
+//  - offloaded (a KvPolicy: full, infinigen, h2o, ...): the memory node holds every
 //    row (through a KvClient); the worker holds a bounded working set: each
 //    sequence's policy state (InfiniGen's partial key cache, H2O's scores
 //    and kept set), staging for the rows of the one or two layers in flight,
@@ -34,23 +35,28 @@
 // layer during the prefill instead of computed, and the policy's prompt
 // statistics come with the blocks, so decoding behaves as without reuse.
 // Decode step of several slots (one token each, row i = slots[i]):
-//   BeginStep; for each layer: LayerInput (after the attention norm),
-//   DecodeAttention (after Q, K, V), PostAttentionInput (after the
-//   attention's residual add, where the cache wants it), LayerDone (after
-//   the MLP); EndStep. Which of these points sends each layer's fetch is the
-//   policy's FetchSchedule (kv/fetch_schedule.h), stated once per policy
-//   (docs/design.md, "One decode step").
+//   BeginStep returns the step (a KvStep); for each layer: LayerInput
+//   (after the attention norm), DecodeAttention (after Q, K, V),
+//   PostAttentionInput (after the attention's residual add, where the step
+//   wants it), LayerDone (after the MLP); then End. Which of these points
+//   sends each layer's fetch is the step's FetchSchedule
+//   (kv/fetch_schedule.h), stated once per policy; the offloaded step
+//   issues what is due at each point in one place (docs/design.md, "One
+//   decode step").
 #ifndef INFINIGEN_GPU_WORKER_KV_KV_CACHE_H_
 #define INFINIGEN_GPU_WORKER_KV_KV_CACHE_H_
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "gpu_worker/backend/backend.h"
+#include "gpu_worker/kv/fetch_schedule.h"
 #include "gpu_worker/kv/kv_policy.h"
 #include "kv_memory_service/kv_client.h"
 #include "model/weights.h"
@@ -72,7 +78,10 @@ struct FetchStats {
 // How the KV cache keeps K and V, as its user chooses it (the engine's
 // EngineOptions::kv, copied whole into the cache's options).
 struct KvOptions {
-  PolicyOptions policy;  // ideal: local; anything else: offloaded
+  // What a decode step fetches from the memory node: the cache is offloaded
+  // with this policy. None: the local cache, the whole of it on the worker
+  // (`ideal`, the bound every policy is measured against).
+  std::optional<PolicyOptions> policy;
   // The memory node (offloaded only; not owned, outlives the cache).
   kv_memory_service::KvClient* kv_client = nullptr;
   // Tokens the memory node keeps per (layer, KV head), as a fraction of
@@ -92,8 +101,59 @@ struct KvOptions {
   std::string model_identity;
 
   // InvalidArgument naming the field out of range, an invalid policy, or
-  // an offloading policy without kv_client.
+  // a policy without kv_client.
   absl::Status Validate() const;
+  // "ideal" (no policy) or the policy's name.
+  const char* policy_name() const;
+};
+
+// The name --policy gives the local cache.
+inline constexpr char kLocalCacheName[] = "ideal";
+// Sets kv.policy from a --policy name: "ideal" clears it (the local cache);
+// a registered policy's name sets its kind, keeping the other fields
+// (PolicyOptions' defaults where there was none). InvalidArgument naming
+// every choice.
+absl::Status ChoosePolicy(absl::string_view name, KvOptions& kv);
+
+// One decode step of several slots, from KvCache::BeginStep to End: the
+// points of the step where the cache moves rows. It holds the step's
+// slots and borrows the cache, which must outlive it; one step at a time.
+// A step dropped before End (an error part way) counts none of its
+// fetches.
+class KvStep {
+ public:
+  virtual ~KvStep() = default;
+
+  // When each layer's fetch leaves (every DueAt -1 for the local cache:
+  // nothing is fetched).
+  virtual const FetchSchedule& schedule() const = 0;
+  // Whether the step speculates layer l + 1's fetch from the residual
+  // stream after layer l's attention (PostAttentionInput) rather than from
+  // layer l's input.
+  bool WantsPostAttentionInput() const {
+    return schedule().WantsPostAttentionInput();
+  }
+
+  // `layer`'s attention input xb [rows, dim] is queued.
+  virtual absl::Status LayerInput(int layer, const float* xb) = 0;
+  // With WantsPostAttentionInput, for layer + 1 < n_layers: `layer`'s
+  // attention and its residual add are queued, and xb_next [rows, dim] is
+  // layer + 1's attention norm of the residual stream at this point (before
+  // layer's MLP).
+  virtual absl::Status PostAttentionInput(int layer, const float* xb_next) {
+    return absl::OkStatus();
+  }
+  // q [rows, n_heads, head_dim], k, v [rows, n_kv_heads, head_dim] and out
+  // [rows, n_heads * head_dim] (backend memory), one row per slot of the
+  // step: the new tokens' attention over their cached rows and themselves.
+  virtual absl::Status DecodeAttention(int layer, const float* q,
+                                       const float* k, const float* v,
+                                       float* out) = 0;
+  // `layer`'s attention output projection and MLP are queued.
+  virtual absl::Status LayerDone(int layer) = 0;
+  // After the step's last operation (backend synchronized): counts the
+  // step's fetches into each slot's FetchStats.
+  virtual absl::Status End() = 0;
 };
 
 struct KvCacheOptions {
@@ -105,8 +165,8 @@ struct KvCacheOptions {
 
 class KvCache {
  public:
-  // The local cache for ideal, the offloaded one otherwise. InvalidArgument
-  // for bad options (an offloaded policy without kv_client);
+  // The local cache without a policy, the offloaded one with it.
+  // InvalidArgument for bad options (a policy without kv_client);
   // ResourceExhausted, naming what the configuration needs and the limit,
   // when WorkerBytes(...) > max_worker_bytes, or when the backend is out of
   // memory.
@@ -142,31 +202,12 @@ class KvCache {
   virtual absl::Status EndPrefill() = 0;
 
   // --- Decode step of `slots` (distinct, each prefilled), slot slots[i]'s
-  // new token at positions[i], in row i of the engine's activations.
-  virtual absl::Status BeginStep(absl::Span<const int> slots,
-                                 absl::Span<const int> positions) = 0;
-  // `layer`'s attention input xb [rows, dim] is queued.
-  virtual absl::Status LayerInput(int layer, const float* xb) = 0;
-  // Whether the cache speculates layer l + 1's fetch from the residual
-  // stream after layer l's attention (PostAttentionInput) rather than from
-  // layer l's input.
-  virtual bool WantsPostAttentionInput() const { return false; }
-  // With WantsPostAttentionInput, for layer + 1 < n_layers: `layer`'s
-  // attention and its residual add are queued, and xb_next [rows, dim] is
-  // layer + 1's attention norm of the residual stream at this point (before
-  // layer's MLP).
-  virtual absl::Status PostAttentionInput(int layer, const float* xb_next) {
-    return absl::OkStatus();
-  }
-  // q, k, v, out as in PrefillAttention, one row per slot of the step: the
-  // new tokens' attention over their cached rows and themselves.
-  virtual absl::Status DecodeAttention(int layer, const float* q,
-                                       const float* k, const float* v,
-                                       float* out) = 0;
-  // `layer`'s attention output projection and MLP are queued.
-  virtual absl::Status LayerDone(int layer) = 0;
-  // After the step's last operation (backend synchronized).
-  virtual absl::Status EndStep() = 0;
+  // new token at positions[i], in row i of the engine's activations. The
+  // step's first fetches leave here (FetchPoint::kStepStart). The error of
+  // a slot whose rows were lost (see Flush); FailedPrecondition while
+  // another step of this cache is open.
+  virtual absl::StatusOr<std::unique_ptr<KvStep>> BeginStep(
+      absl::Span<const int> slots, absl::Span<const int> positions) = 0;
 
   // Forgets `slot`'s sequence (closing it on the memory node; the close's
   // error is returned, the slot is clean regardless).

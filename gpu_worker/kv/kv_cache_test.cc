@@ -234,12 +234,13 @@ class KvCacheTest : public ::testing::Test {
       : weights_(ManyLayers(12, 1024)),
         identity_(speculator::SkewMatrices::Identity(12, 2, 8)) {}
 
-  EngineOptions Options(PolicyKind kind, KvClient* client) {
+  // `policy` by its --policy name: "ideal" is the local cache.
+  EngineOptions Options(const std::string& policy, KvClient* client) {
     EngineOptions o;
     o.max_seq_len = 256;
     o.max_chunk = 16;
-    o.kv.policy.kind = kind;
-    o.kv.policy.skew = &identity_;
+    EXPECT_TRUE(ChoosePolicy(policy, o.kv).ok()) << policy;
+    if (o.kv.policy) o.kv.policy->skew = &identity_;
     o.kv.kv_client = client;
     return o;
   }
@@ -251,7 +252,7 @@ class KvCacheTest : public ::testing::Test {
 TEST_F(KvCacheTest, PrefillSendsEachLayerBeforeTheNextAndDecodeFetches) {
   FakeKvClient node;
   auto engine =
-      Engine::Create(weights_, NewCpuBackend(), Options(PolicyKind::kFull, &node));
+      Engine::Create(weights_, NewCpuBackend(), Options("full", &node));
   ASSERT_TRUE(engine.ok()) << engine.status();
   const std::vector<int> t = Tokens(45);
   ASSERT_TRUE((*engine)->Forward(absl::MakeConstSpan(t).subspan(0, 40), false)
@@ -284,9 +285,9 @@ TEST_F(KvCacheTest, PrefillSendsEachLayerBeforeTheNextAndDecodeFetches) {
 TEST_F(KvCacheTest, OffloadedMatchesLocalUpToFp16) {
   FakeKvClient node;
   auto local = Engine::Create(weights_, NewCpuBackend(),
-                              Options(PolicyKind::kIdeal, nullptr));
+                              Options("ideal", nullptr));
   auto full = Engine::Create(weights_, NewCpuBackend(),
-                             Options(PolicyKind::kFull, &node));
+                             Options("full", &node));
   ASSERT_TRUE(local.ok() && full.ok());
   const std::vector<int> t = Tokens(60);
   for (Engine* e : {local->get(), full->get()}) {
@@ -311,11 +312,11 @@ TEST_F(KvCacheTest, OffloadedMatchesLocalUpToFp16) {
 
 TEST_F(KvCacheTest, WorkerHoldsABoundedWorkingSet) {
   FakeKvClient node;
-  std::map<PolicyKind, int64_t> bytes;
-  for (PolicyKind kind : {PolicyKind::kIdeal, PolicyKind::kFull,
-                          PolicyKind::kInfiniGen, PolicyKind::kH2O,
-                          PolicyKind::kInt4}) {
-    SCOPED_TRACE(PolicyName(kind));
+  std::map<std::string, int64_t> bytes;
+  for (std::string kind : {"ideal", "full",
+                          "infinigen", "h2o",
+                          "int4"}) {
+    SCOPED_TRACE(kind);
     EngineOptions o = Options(kind, &node);
     o.max_seq_len = 1024;
     o.batch = 2;
@@ -332,7 +333,7 @@ TEST_F(KvCacheTest, WorkerHoldsABoundedWorkingSet) {
     // The plan is sized for a device backend (with staging); the CPU
     // backend reads fetched rows where they land and holds less.
     EXPECT_LE(bytes[kind], *planned);
-    if (kind == PolicyKind::kIdeal) {
+    if (kind == "ideal") {
       EXPECT_EQ(bytes[kind], *planned);
     }
   }
@@ -340,11 +341,11 @@ TEST_F(KvCacheTest, WorkerHoldsABoundedWorkingSet) {
   // floats. The offloaded caches hold about 2.5 layers' worth on this
   // backend (two fp16 fetch buffers per slot, one layer of decoded fp32
   // rows, one layer of fp16 prefill rows) plus their policy's state.
-  EXPECT_EQ(bytes[PolicyKind::kIdeal], 2LL * 12 * 2 * 1024 * 8 * 2 * 4);
-  EXPECT_LE(bytes[PolicyKind::kFull], bytes[PolicyKind::kIdeal] / 4);
-  EXPECT_LE(bytes[PolicyKind::kInt4], bytes[PolicyKind::kIdeal] / 4);
-  EXPECT_LE(bytes[PolicyKind::kH2O], bytes[PolicyKind::kIdeal] / 4);
-  EXPECT_LE(bytes[PolicyKind::kInfiniGen], bytes[PolicyKind::kIdeal] / 2);
+  EXPECT_EQ(bytes["ideal"], 2LL * 12 * 2 * 1024 * 8 * 2 * 4);
+  EXPECT_LE(bytes["full"], bytes["ideal"] / 4);
+  EXPECT_LE(bytes["int4"], bytes["ideal"] / 4);
+  EXPECT_LE(bytes["h2o"], bytes["ideal"] / 4);
+  EXPECT_LE(bytes["infinigen"], bytes["ideal"] / 2);
 }
 
 // SmolLM2-135M's shape (30 layers, 3 KV heads of 64) at context 4096 and
@@ -364,27 +365,27 @@ TEST(KvCacheSizing, SmolLm2ShapeAtContext4096Batch4) {
   c.max_seq_len = 8192;
   const auto skew = speculator::SkewMatrices::Identity(30, 3, 64);
   FakeKvClient node;
-  auto bytes = [&](PolicyKind kind, int max_seq) {
+  auto bytes = [&](const std::string& policy, int max_seq) {
     KvCacheOptions kv;
     kv.batch = 4;
     kv.max_seq_len = max_seq;
-    kv.kv.policy.kind = kind;
-    kv.kv.policy.skew = &skew;
+    EXPECT_TRUE(ChoosePolicy(policy, kv.kv).ok());
+    if (kv.kv.policy) kv.kv.policy->skew = &skew;
     kv.kv.kv_client = &node;
     auto b = KvCache::WorkerBytes(w, kv);
     EXPECT_TRUE(b.ok()) << b.status();
     return static_cast<double>(b.value_or(0));
   };
-  const double ideal = bytes(PolicyKind::kIdeal, 4096);
+  const double ideal = bytes("ideal", 4096);
   EXPECT_EQ(ideal, 4.0 * 30 * 3 * 4096 * 64 * 2 * 4);
-  EXPECT_LE(bytes(PolicyKind::kFull, 4096), 0.10 * ideal);
-  EXPECT_LE(bytes(PolicyKind::kInt4, 4096), 0.10 * ideal);
-  EXPECT_LE(bytes(PolicyKind::kH2O, 4096), 0.10 * ideal);
-  EXPECT_LE(bytes(PolicyKind::kInfiniGen, 4096), 0.25 * ideal);
+  EXPECT_LE(bytes("full", 4096), 0.10 * ideal);
+  EXPECT_LE(bytes("int4", 4096), 0.10 * ideal);
+  EXPECT_LE(bytes("h2o", 4096), 0.10 * ideal);
+  EXPECT_LE(bytes("infinigen", 4096), 0.25 * ideal);
   // Doubling the context adds a few layers' rows, not thirty.
-  const double ideal_growth = bytes(PolicyKind::kIdeal, 8192) - ideal;
+  const double ideal_growth = bytes("ideal", 8192) - ideal;
   const double full_growth =
-      bytes(PolicyKind::kFull, 8192) - bytes(PolicyKind::kFull, 4096);
+      bytes("full", 8192) - bytes("full", 4096);
   EXPECT_GT(full_growth, 0);
   EXPECT_LE(full_growth, 0.10 * ideal_growth);
 }
@@ -421,7 +422,7 @@ class CountingBackend final : public BackendWrapper {
 TEST_F(KvCacheTest, FullWorkerKvDoesNotGrowWithContext) {
   FakeKvClient node;
   int64_t live = 0;
-  EngineOptions o = Options(PolicyKind::kFull, &node);
+  EngineOptions o = Options("full", &node);
   auto engine =
       Engine::Create(weights_, std::make_unique<CountingBackend>(&live), o);
   ASSERT_TRUE(engine.ok()) << engine.status();
@@ -436,22 +437,49 @@ TEST_F(KvCacheTest, FullWorkerKvDoesNotGrowWithContext) {
 
 }
 
+// A decode step is an object: one at a time per cache, and the local
+// cache's schedule fetches nothing.
+TEST_F(KvCacheTest, OneDecodeStepAtATime) {
+  auto backend = NewCpuBackend();
+  KvCacheOptions kv;
+  kv.batch = 2;
+  kv.max_seq_len = 16;
+  auto cache = KvCache::Create(weights_, backend.get(), kv);
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  const std::vector<int> slots = {0, 1}, positions = {0, 0};
+  auto step = (*cache)->BeginStep(slots, positions);
+  ASSERT_TRUE(step.ok()) << step.status();
+  for (FetchPoint point : {FetchPoint::kStepStart, FetchPoint::kOwnInput,
+                           FetchPoint::kPreviousInput,
+                           FetchPoint::kPreviousAttention}) {
+    EXPECT_EQ((*step)->schedule().DueAt(point, 0), -1);
+  }
+  EXPECT_FALSE((*step)->WantsPostAttentionInput());
+  auto second = (*cache)->BeginStep(slots, positions);
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(second.status().message()),
+              HasSubstr("already open"));
+  ASSERT_TRUE((*step)->End().ok());
+  step->reset();  // the step is over when it is dropped
+  EXPECT_TRUE((*cache)->BeginStep(slots, positions).ok());
+}
+
 TEST_F(KvCacheTest, WorkerKvLimitRefusesIdealAndServesOffloaded) {
   FakeKvClient node;
   KvCacheOptions kv;
   kv.max_seq_len = 256;
   kv.batch = 4;
-  kv.kv.policy = Options(PolicyKind::kIdeal, nullptr).kv.policy;
+  kv.kv.policy = Options("ideal", nullptr).kv.policy;
   const int64_t ideal = *KvCache::WorkerBytes(weights_, kv);
   const int64_t limit = ideal / 2;
-  for (PolicyKind kind :
-       {PolicyKind::kIdeal, PolicyKind::kFull, PolicyKind::kInfiniGen}) {
-    SCOPED_TRACE(PolicyName(kind));
+  for (std::string kind :
+       {"ideal", "full", "infinigen"}) {
+    SCOPED_TRACE(kind);
     EngineOptions o = Options(kind, &node);
     o.batch = 4;
     o.kv.max_worker_bytes = limit;
     auto engine = Engine::Create(weights_, NewCpuBackend(), o);
-    if (kind == PolicyKind::kIdeal) {
+    if (kind == "ideal") {
       ASSERT_EQ(engine.status().code(), absl::StatusCode::kResourceExhausted);
       const std::string message(engine.status().message());
       EXPECT_THAT(message, HasSubstr("policy ideal needs"));
@@ -473,7 +501,7 @@ TEST_F(KvCacheTest, WorkerKvLimitRefusesIdealAndServesOffloaded) {
     // The node holds what the worker does not: every slot's reservation.
     EXPECT_EQ((*engine)->node_kv_bytes(), 4LL * 12 * 2 * 256 * 8 * 2 * 2);
   }
-  EngineOptions negative = Options(PolicyKind::kFull, &node);
+  EngineOptions negative = Options("full", &node);
   negative.kv.max_worker_bytes = -1;
   EXPECT_EQ(Engine::Create(weights_, NewCpuBackend(), negative).status().code(),
             absl::StatusCode::kInvalidArgument);
@@ -482,7 +510,7 @@ TEST_F(KvCacheTest, WorkerKvLimitRefusesIdealAndServesOffloaded) {
 TEST_F(KvCacheTest, OffloadedPrefillIsOneCallAndAFailedOneLeavesTheSlotEmpty) {
   FakeKvClient node;
   node.FailAppendAt(5);  // layer 4's rows of the first prefill
-  EngineOptions o = Options(PolicyKind::kFull, &node);
+  EngineOptions o = Options("full", &node);
   o.recompute_on_kv_loss = false;
   auto engine = Engine::Create(weights_, NewCpuBackend(), o);
   ASSERT_TRUE(engine.ok());
@@ -524,8 +552,8 @@ std::vector<int> Greedy(Engine& e, const std::vector<int>& prompt, int steps,
 // fetched at every step (its column ranking sees the reused tokens' query
 // sums, carried with the blocks).
 TEST_F(KvCacheTest, APrefixReusedFromTheNodeDecodesAsWithoutReuse) {
-  for (PolicyKind kind : {PolicyKind::kFull, PolicyKind::kInfiniGen}) {
-    SCOPED_TRACE(PolicyName(kind));
+  for (std::string kind : {"full", "infinigen"}) {
+    SCOPED_TRACE(kind);
     FakeKvClient node;
     EngineOptions o = Options(kind, &node);
     o.kv.prefix_block_tokens = 8;
@@ -571,7 +599,7 @@ TEST_F(KvCacheTest, APrefixReusedFromTheNodeDecodesAsWithoutReuse) {
 // h2o ranks by the prompt's own attention: it never reuses.
 TEST_F(KvCacheTest, H2ONeverReusesAPrefix) {
   FakeKvClient node;
-  EngineOptions o = Options(PolicyKind::kH2O, &node);
+  EngineOptions o = Options("h2o", &node);
   o.kv.prefix_block_tokens = 8;
   o.kv.model_identity = "test-model";
   const std::vector<int> prompt = Tokens(40);
@@ -611,8 +639,8 @@ ForcedRun Forced(Engine& e, const std::vector<int>& prompt,
 // included: its partial columns rank over the same prompt); without, the
 // step fails with the node's NotFound.
 TEST_F(KvCacheTest, ASequenceTheNodeLostIsRecomputed) {
-  for (PolicyKind kind : {PolicyKind::kFull, PolicyKind::kInfiniGen}) {
-    SCOPED_TRACE(PolicyName(kind));
+  for (std::string kind : {"full", "infinigen"}) {
+    SCOPED_TRACE(kind);
     const std::vector<int> prompt = Tokens(30);
     std::vector<int> next;
     for (int i = 0; i < 16; ++i) next.push_back((i * 13 + 5) % 64);
@@ -806,10 +834,10 @@ class GuardedDeviceBackend final : public Backend {
 };
 
 TEST_F(KvCacheTest, DeviceBackendsReadFetchedRowsFromTheirOwnMemory) {
-  for (PolicyKind kind : {PolicyKind::kIdeal, PolicyKind::kFull,
-                          PolicyKind::kInt4, PolicyKind::kH2O,
-                          PolicyKind::kInfiniGen}) {
-    SCOPED_TRACE(PolicyName(kind));
+  for (std::string kind : {"ideal", "full",
+                          "int4", "h2o",
+                          "infinigen"}) {
+    SCOPED_TRACE(kind);
     FakeKvClient a, b;
     std::vector<std::string> violations;
     auto device = std::make_unique<GuardedDeviceBackend>(&violations);
@@ -832,7 +860,7 @@ TEST_F(KvCacheTest, DeviceBackendsReadFetchedRowsFromTheirOwnMemory) {
       auto got = (*on_device)->Forward({t[i]}, false);
       ASSERT_TRUE(got.ok()) << got.status();
       const std::vector<float> g(got->begin(), got->end());
-      if (kind == PolicyKind::kIdeal || kind == PolicyKind::kInt4) {
+      if (kind == "ideal" || kind == "int4") {
         // Decoded and attended the same way on both: bit for bit.
         EXPECT_EQ(g, w);
       } else {
@@ -847,7 +875,7 @@ TEST_F(KvCacheTest, DeviceBackendsReadFetchedRowsFromTheirOwnMemory) {
     }
     EXPECT_THAT(violations, ::testing::IsEmpty());
     EXPECT_EQ(d->shared_allocations, 0);  // no memory both sides touch
-    if (kind != PolicyKind::kIdeal) {
+    if (kind != "ideal") {
       // At least one copy of fetched rows per layer and step.
       EXPECT_GE(d->copies_in - copies_after_prefill, 10L * 12);
       EXPECT_GE(d->decodes, 2L * 2 * 10 * 12);

@@ -20,8 +20,6 @@ absl::StatusOr<PolicyKind> ParsePolicy(absl::string_view name) {
 
 const char* PolicyName(PolicyKind kind) { return PolicyEntryOf(kind).name; }
 
-bool Offloads(PolicyKind kind) { return PolicyEntryOf(kind).traits.offloads; }
-
 absl::Status SetTargetFetch(double fraction, int n_layers,
                             PolicyOptions& options) {
   if (!(fraction > 0.0 && fraction <= 1.0)) {
@@ -30,13 +28,9 @@ absl::Status SetTargetFetch(double fraction, int n_layers,
   }
   const PolicyEntry& entry = PolicyEntryOf(options.kind);
   if (entry.set_target_fetch == nullptr) {
-    std::vector<std::string> takers;
-    for (const PolicyEntry* e : Policies()) {
-      if (e->set_target_fetch != nullptr) takers.push_back(e->name);
-    }
     return absl::InvalidArgumentError(
         absl::StrFormat("a target fetch applies to %s, not %s",
-                        absl::StrJoin(takers, ", "), entry.name));
+                        TargetFetchPolicyNames(), entry.name));
   }
   return entry.set_target_fetch(fraction, n_layers, options);
 }
@@ -138,23 +132,17 @@ void KvPolicy::PlanAllPresent(int p, const uint8_t* present,
 
 namespace {
 
-// The registry entry of a valid offloading policy: the one with a KvPolicy.
-absl::StatusOr<const PolicyEntry*> OffloadingEntry(
-    const PolicyOptions& options) {
+// The registry entry of valid options.
+absl::StatusOr<const PolicyEntry*> ValidEntry(const PolicyOptions& options) {
   IG_RETURN_IF_ERROR(options.Validate());
-  const PolicyEntry& entry = PolicyEntryOf(options.kind);
-  if (!entry.traits.offloads) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s has no KvPolicy: it stays local", entry.name));
-  }
-  return &entry;
+  return &PolicyEntryOf(options.kind);
 }
 
 }  // namespace
 
 absl::StatusOr<int64_t> KvPolicy::StateBytes(const PolicyOptions& options,
                                               const Context& context) {
-  IG_ASSIGN_OR_RETURN(const PolicyEntry* entry, OffloadingEntry(options));
+  IG_ASSIGN_OR_RETURN(const PolicyEntry* entry, ValidEntry(options));
   return entry->state_bytes(options, context);
 }
 
@@ -168,7 +156,7 @@ absl::StatusOr<std::unique_ptr<KvPolicy>> KvPolicy::Create(
 
 absl::StatusOr<std::unique_ptr<KvPolicy>> KvPolicy::CreateUninitialized(
     const PolicyOptions& options, const Context& context) {
-  IG_ASSIGN_OR_RETURN(const PolicyEntry* entry, OffloadingEntry(options));
+  IG_ASSIGN_OR_RETURN(const PolicyEntry* entry, ValidEntry(options));
   return entry->create(options, context);
 }
 

@@ -2,7 +2,6 @@
 //
 // One engine, many policies, chosen by a flag, so every comparison runs in
 // one process on the same model:
-//   ideal      the whole cache local; nothing is fetched
 //   full       offload; every cached row of every layer is fetched each step
 //              (FlexGen)
 //   infinigen  the first dense_layers layers (2, the paper's; 0 when it
@@ -27,15 +26,16 @@
 //              paper) fetch the top budget of pages per KV head by
 //              that bound for its own query (a peer at equal fetch; like
 //              oracle, chosen from the layer's own input)
-// Every policy but ideal stores rows in the memory node through a KvClient
-// and fetches them with FetchPlans, so the rows moved per step are counted
-// the same way for all.
+// Every policy stores rows in the memory node through a KvClient and
+// fetches them with FetchPlans, so the rows moved per step are counted the
+// same way for all. The bound of them all, the whole cache on the worker
+// with nothing fetched, is not a policy but the local cache (`ideal`,
+// KvOptions without a policy: kv_cache.h).
 //
 // KvPolicy is the offloaded KV cache's internal interface (kv_cache.h),
 // implemented once per policy under kv/policies/: one per sequence, it owns
 // the policy's state (partial key cache, accumulated attention;
-// docs/design.md, "Where each policy's state lives"); ideal has none, it
-// never offloads. Not thread-safe.
+// docs/design.md, "Where each policy's state lives"). Not thread-safe.
 #ifndef INFINIGEN_GPU_WORKER_KV_KV_POLICY_H_
 #define INFINIGEN_GPU_WORKER_KV_KV_POLICY_H_
 
@@ -55,20 +55,18 @@
 namespace infinigen::gpu_worker {
 
 enum class PolicyKind {
-  kIdeal, kFull, kInfiniGen, kH2O, kInt4, kOracle, kQuest
+  kFull, kInfiniGen, kH2O, kInt4, kOracle, kQuest
 };
 
 // Each kind is one file under kv/policies/ and one entry of its registry
 // (kv/policies/registry.h), where its name, traits and factory live.
-// By name ("ideal", "full", ...); InvalidArgument naming the known ones.
+// By name ("full", "infinigen", ...); InvalidArgument naming the known
+// ones. (--policy's "ideal", the local cache, is ChoosePolicy's: kv_cache.h.)
 absl::StatusOr<PolicyKind> ParsePolicy(absl::string_view name);
 const char* PolicyName(PolicyKind kind);
-// Whether the policy's rows go to the memory node (all but ideal, whose
-// whole cache stays local).
-bool Offloads(PolicyKind kind);
 
 struct PolicyOptions {
-  PolicyKind kind = PolicyKind::kIdeal;
+  PolicyKind kind = PolicyKind::kFull;
   // infinigen: a token is a candidate when its speculated score is within
   // alpha of the head's maximum.
   float alpha = 5.0f;
@@ -155,7 +153,7 @@ struct PolicyOptions {
 // off (alpha 1e9: the cap decides) and no score mass; h2o keeps
 // `fraction`. Sink and recent tokens come on top. InvalidArgument for a
 // fraction outside (0, 1], one at or below what the dense layers fetch
-// alone, or a policy whose fetch is not chosen (ideal, full, int4).
+// alone, or a policy whose fetch is not chosen (full, int4).
 absl::Status SetTargetFetch(double fraction, int n_layers,
                             PolicyOptions& options);
 

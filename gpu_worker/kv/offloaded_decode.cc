@@ -16,88 +16,112 @@ namespace offloaded {
 
 // --- Decode.
 
-absl::Status OffloadedKvCache::BeginStep(absl::Span<const int> slots,
-                                         absl::Span<const int> positions) {
+class OffloadedKvCache::Step final : public KvStep {
+ public:
+  Step(OffloadedKvCache& cache, absl::Span<const int> slots)
+      : cache_(cache), slots_(slots.begin(), slots.end()) {
+    cache_.step_open_ = true;
+  }
+  ~Step() override { cache_.step_open_ = false; }
+
+  const FetchSchedule& schedule() const override { return cache_.schedule_; }
+
+  // Issues, for every slot of the step, the fetch due at `point` of
+  // `layer`'s pass (FetchSchedule::DueAt), ranked by x [slots][dim] (null
+  // at the step's start): the one place a step's fetches leave.
+  absl::Status IssueDue(FetchPoint point, int layer, const float* x) {
+    const int due = schedule().DueAt(point, layer);
+    if (due < 0) return absl::OkStatus();
+    const int dim = cache_.c_.dim;
+    for (size_t i = 0; i < slots_.size(); ++i) {
+      IG_RETURN_IF_ERROR(
+          cache_.IssueFetch(cache_.sequences_[slots_[i]], due,
+                            x == nullptr ? nullptr : x + i * dim));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status LayerInput(int layer, const float* xb) override {
+    IG_RETURN_IF_ERROR(IssueDue(FetchPoint::kOwnInput, layer, xb));
+    return IssueDue(FetchPoint::kPreviousInput, layer, xb);
+  }
+
+  absl::Status PostAttentionInput(int layer, const float* xb_next) override {
+    return IssueDue(FetchPoint::kPreviousAttention, layer, xb_next);
+  }
+
+  absl::Status DecodeAttention(int layer, const float* q, const float* k,
+                               const float* v, float* out) override {
+    const model::ModelConfig& c = cache_.c_;
+    const size_t kvd = c.kv_dim();
+    for (size_t i = 0; i < slots_.size(); ++i) {
+      Sequence& s = cache_.sequences_[slots_[i]];
+      // The new token's rows, kept until the step's appends are encoded.
+      float* new_k = s.new_rows.data() + layer * kvd;
+      cache_.backend_.Copy(new_k, k + i * kvd, kvd);
+      cache_.backend_.Copy(new_k + c.n_layers * kvd, v + i * kvd, kvd);
+      IG_RETURN_IF_ERROR(cache_.FetchedAttention(s, layer, static_cast<int>(i),
+                                                 q, k, v, out));
+    }
+    // Every fetch of the step is done: the host encodes the step's new rows
+    // and the appends run while the last layer's MLP and the classifier
+    // compute.
+    if (layer + 1 == c.n_layers) {
+      for (int slot : slots_) {
+        IG_RETURN_IF_ERROR(cache_.StageStepRows(cache_.sequences_[slot]));
+      }
+      cache_.StartAppends(slots_);
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status LayerDone(int layer) override {
+    // The next layer's rows move to the backend while this layer computes
+    // (its fetch left before this layer's end).
+    if (!schedule().UploadsEarly(layer + 1)) return absl::OkStatus();
+    for (int slot : slots_) {
+      IG_RETURN_IF_ERROR(
+          cache_.UploadFetched(cache_.sequences_[slot], layer + 1));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status End() override {
+    for (int slot : slots_) {
+      Sequence& s = cache_.sequences_[slot];
+      long cached = 0;
+      for (long r : s.present_count) cached += r;
+      const double fraction =
+          cached > 0 ? static_cast<double>(s.step_rows) / cached : 0.0;
+      ++s.stats.steps;
+      s.stats.fraction_sum += fraction;
+      s.stats.fraction_max = std::max(s.stats.fraction_max, fraction);
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  OffloadedKvCache& cache_;
+  const std::vector<int> slots_;
+};
+
+absl::StatusOr<std::unique_ptr<KvStep>> OffloadedKvCache::BeginStep(
+    absl::Span<const int> slots, absl::Span<const int> positions) {
+  if (step_open_) {
+    return absl::FailedPreconditionError(
+        "kv cache: a decode step is already open");
+  }
   // The previous step's appends must be in before this step fetches.
   IG_RETURN_IF_ERROR(FinishAppends());
-  step_slots_.assign(slots.begin(), slots.end());
   for (int slot : slots) IG_RETURN_IF_ERROR(sequences_[slot].lost);
   for (size_t i = 0; i < slots.size(); ++i) {
     Sequence& s = sequences_[slots[i]];
     s.position = positions[i];
     s.step_rows = 0;
   }
-  return IssueDue(FetchPoint::kStepStart, 0, nullptr);
-}
-
-absl::Status OffloadedKvCache::LayerInput(int layer, const float* xb) {
-  IG_RETURN_IF_ERROR(IssueDue(FetchPoint::kOwnInput, layer, xb));
-  return IssueDue(FetchPoint::kPreviousInput, layer, xb);
-}
-
-absl::Status OffloadedKvCache::PostAttentionInput(int layer,
-                                                  const float* xb_next) {
-  return IssueDue(FetchPoint::kPreviousAttention, layer, xb_next);
-}
-
-absl::Status OffloadedKvCache::IssueDue(FetchPoint point, int layer,
-                                        const float* x) {
-  const int due = schedule_.DueAt(point, layer);
-  if (due < 0) return absl::OkStatus();
-  for (size_t i = 0; i < step_slots_.size(); ++i) {
-    IG_RETURN_IF_ERROR(IssueFetch(sequences_[step_slots_[i]], due,
-                                  x == nullptr ? nullptr : x + i * c_.dim));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status OffloadedKvCache::DecodeAttention(int layer, const float* q,
-                                               const float* k, const float* v,
-                                               float* out) {
-  const size_t kvd = c_.kv_dim();
-  for (size_t i = 0; i < step_slots_.size(); ++i) {
-    Sequence& s = sequences_[step_slots_[i]];
-    // The new token's rows, kept until the step's appends are encoded.
-    float* new_k = s.new_rows.data() + layer * kvd;
-    backend_.Copy(new_k, k + i * kvd, kvd);
-    backend_.Copy(new_k + c_.n_layers * kvd, v + i * kvd, kvd);
-    IG_RETURN_IF_ERROR(
-        FetchedAttention(s, layer, static_cast<int>(i), q, k, v, out));
-  }
-  // Every fetch of the step is done: the host encodes the step's new rows
-  // and the appends run while the last layer's MLP and the classifier
-  // compute.
-  if (layer + 1 == c_.n_layers) {
-    for (int slot : step_slots_) {
-      IG_RETURN_IF_ERROR(StageStepRows(sequences_[slot]));
-    }
-    StartAppends();
-  }
-  return absl::OkStatus();
-}
-
-absl::Status OffloadedKvCache::LayerDone(int layer) {
-  // The next layer's rows move to the backend while this layer computes
-  // (its fetch left before this layer's end).
-  if (!schedule_.UploadsEarly(layer + 1)) return absl::OkStatus();
-  for (int slot : step_slots_) {
-    IG_RETURN_IF_ERROR(UploadFetched(sequences_[slot], layer + 1));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status OffloadedKvCache::EndStep() {
-  for (int slot : step_slots_) {
-    Sequence& s = sequences_[slot];
-    long cached = 0;
-    for (long r : s.present_count) cached += r;
-    const double fraction =
-        cached > 0 ? static_cast<double>(s.step_rows) / cached : 0.0;
-    ++s.stats.steps;
-    s.stats.fraction_sum += fraction;
-    s.stats.fraction_max = std::max(s.stats.fraction_max, fraction);
-  }
-  return absl::OkStatus();
+  auto step = std::make_unique<Step>(*this, slots);
+  IG_RETURN_IF_ERROR(step->IssueDue(FetchPoint::kStepStart, 0, nullptr));
+  return std::unique_ptr<KvStep>(std::move(step));
 }
 
 absl::Status OffloadedKvCache::IssueFetch(Sequence& s, int layer,
@@ -114,7 +138,7 @@ absl::Status OffloadedKvCache::IssueFetch(Sequence& s, int layer,
     return absl::InternalError(absl::StrFormat(
         "kv cache: policy %s planned %d rows for layer %d, above the %d its "
         "staging holds",
-        PolicyName(options_.kv.policy.kind), plan.indices.size(), layer,
+        PolicyName(options_.kv.policy->kind), plan.indices.size(), layer,
         layout_.plan_rows));
   }
   s.step_rows += static_cast<long>(plan.indices.size());

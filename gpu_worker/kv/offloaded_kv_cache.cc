@@ -21,7 +21,7 @@ absl::StatusOr<Layout> MakeLayout(const model::Weights& weights,
   ctx.weights = &weights;
   ctx.max_seq_len = options.max_seq_len;
   IG_ASSIGN_OR_RETURN(std::unique_ptr<KvPolicy> policy,
-                      KvPolicy::CreateUninitialized(options.kv.policy, ctx));
+                      KvPolicy::CreateUninitialized(*options.kv.policy, ctx));
   Layout z;
   z.row_width = policy->RowWidth();
   z.plan_rows = static_cast<size_t>(weights.config.n_kv_heads) *
@@ -31,7 +31,7 @@ absl::StatusOr<Layout> MakeLayout(const model::Weights& weights,
   z.attention_probs = policy->WantsAttentionProbs();
   z.prefill_probs = policy->WantsPrefillProbs();
   IG_ASSIGN_OR_RETURN(z.policy_bytes,
-                      KvPolicy::StateBytes(options.kv.policy, ctx));
+                      KvPolicy::StateBytes(*options.kv.policy, ctx));
   return z;
 }
 
@@ -50,7 +50,6 @@ absl::Status OffloadedKvCache::Init() {
     IG_RETURN_IF_ERROR(InitSequence(s, ctx, pin_warned));
   }
   IG_RETURN_IF_ERROR(InitSharedBuffers());
-  step_slots_.reserve(sequences_.size());
   InitPrefixIdentity();
   bytes_ = options_.batch * layout_.PerSequence(c_, max_seq_) +
            layout_.Shared(c_, max_seq_, options_.max_chunk);
@@ -65,7 +64,7 @@ absl::Status OffloadedKvCache::Init() {
 absl::Status OffloadedKvCache::InitSequence(Sequence& s,
                                             const KvPolicy::Context& ctx,
                                             bool& pin_warned) {
-  IG_ASSIGN_OR_RETURN(s.policy, KvPolicy::Create(options_.kv.policy, ctx));
+  IG_ASSIGN_OR_RETURN(s.policy, KvPolicy::Create(*options_.kv.policy, ctx));
   for (int i = 0; i < 2; ++i) {
     IG_ASSIGN_OR_RETURN(s.buffers[i], options_.kv.kv_client->NewFetchBuffer(
                                           layout_.fetch_values));
@@ -139,8 +138,8 @@ void OffloadedKvCache::InitPrefixIdentity() {
   identity_ = absl::StrFormat(
       "%s|policy=%s|rank_by_keys=%d|format=%d|layers=%d|kv_heads=%d|"
       "width=%d|dtype=%d",
-      options_.kv.model_identity, PolicyName(options_.kv.policy.kind),
-      options_.kv.policy.rank_columns_by_keys ? 1 : 0,
+      options_.kv.model_identity, PolicyName(options_.kv.policy->kind),
+      options_.kv.policy->rank_columns_by_keys ? 1 : 0,
       static_cast<int>(policy.row_format()), geometry_.n_layers,
       geometry_.n_kv_heads, geometry_.head_dim,
       static_cast<int>(geometry_.dtype));
@@ -188,7 +187,7 @@ absl::StatusOr<int> OffloadedKvCache::OpenSequence(
       bad = absl::DataLossError(absl::StrFormat(
           "kv cache: a reused prefix block's policy summary has %d bytes, "
           "%s expects %d",
-          meta.size(), PolicyName(options_.kv.policy.kind), meta_bytes));
+          meta.size(), PolicyName(options_.kv.policy->kind), meta_bytes));
     }
   }
   if (!bad.ok()) return bad;
@@ -302,9 +301,9 @@ void OffloadedKvCache::AppenderLoop() {
   }
 }
 
-void OffloadedKvCache::StartAppends() {
+void OffloadedKvCache::StartAppends(absl::Span<const int> slots) {
   absl::MutexLock lock(&append_mu_);
-  append_slots_.assign(step_slots_.begin(), step_slots_.end());
+  append_slots_.assign(slots.begin(), slots.end());
   append_pending_ = true;
   append_done_ = false;
 }

@@ -86,7 +86,7 @@ class OffloadedKvCache final : public KvCache {
         c_(weights.config),
         backend_(*backend),
         options_(options),
-        schedule_(FetchSchedule::Of(options.kv.policy, weights.config.n_layers)),
+        schedule_(FetchSchedule::Of(*options.kv.policy, weights.config.n_layers)),
         layout_(layout),
         max_seq_(options.max_seq_len),
         stride_(options.max_seq_len + 1),
@@ -124,17 +124,8 @@ class OffloadedKvCache final : public KvCache {
                                 float* out) override;
   absl::Status EndPrefillLayer(int layer) override;
   absl::Status EndPrefill() override;
-  absl::Status BeginStep(absl::Span<const int> slots,
-                         absl::Span<const int> positions) override;
-  absl::Status LayerInput(int layer, const float* xb) override;
-  bool WantsPostAttentionInput() const override {
-    return schedule_.WantsPostAttentionInput();
-  }
-  absl::Status PostAttentionInput(int layer, const float* xb_next) override;
-  absl::Status DecodeAttention(int layer, const float* q, const float* k,
-                               const float* v, float* out) override;
-  absl::Status LayerDone(int layer) override;
-  absl::Status EndStep() override;
+  absl::StatusOr<std::unique_ptr<KvStep>> BeginStep(
+      absl::Span<const int> slots, absl::Span<const int> positions) override;
   absl::Status Reset(int slot) override;
   absl::Status Flush() override { return FinishAppends(); }
   bool offloaded() const override { return true; }
@@ -151,6 +142,11 @@ class OffloadedKvCache final : public KvCache {
   }
 
  private:
+  // A decode step (offloaded_decode.cc): issues each layer's fetch at the
+  // point the schedule names, attends over the fetched rows, and starts the
+  // step's appends after the last layer's attention.
+  class Step;
+
   // One sequence slot: its memory-node sequence, policy and fetch state.
   struct Sequence {
     std::unique_ptr<KvPolicy> policy;
@@ -213,10 +209,6 @@ class OffloadedKvCache final : public KvCache {
   // Waits for `layer`'s fetch and makes its rows readable by the backend
   // (a copy to its staging, queued once per fetch).
   absl::Status UploadFetched(Sequence& s, int layer);
-  // Issues, for every slot of the step, the fetch due at `point` of
-  // `layer`'s pass (FetchSchedule::DueAt), ranked by x [slots][dim] (null
-  // at the step's start).
-  absl::Status IssueDue(FetchPoint point, int layer, const float* x);
   const uint16_t* FetchedRows(Sequence& s, int layer) {
     const int i = layer % 2;
     return layout_.staged ? s.staged[i].data() : s.buffers[i]->data();
@@ -252,7 +244,8 @@ class OffloadedKvCache final : public KvCache {
   absl::Status StageStepRows(Sequence& s);
 
   void AppenderLoop();
-  void StartAppends();
+  // Hands the step's new rows of `slots` (StageStepRows) to the appender.
+  void StartAppends(absl::Span<const int> slots);
   absl::Status FinishAppends();
 
   const model::Weights& weights_;
@@ -292,8 +285,7 @@ class OffloadedKvCache final : public KvCache {
   // policy's per-layer summary size.
   std::string identity_;
   int state_floats_ = 0;
-  // The step in progress.
-  std::vector<int> step_slots_;
+  bool step_open_ = false;  // a Step of this cache exists
 
   std::thread appender_;
   absl::Mutex append_mu_;

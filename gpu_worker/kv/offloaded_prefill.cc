@@ -23,7 +23,7 @@ absl::StatusOr<int> OffloadedKvCache::BeginPrefill(
     return absl::FailedPreconditionError(absl::StrFormat(
         "forward: policy %s prefills a sequence in one call (slot %d holds "
         "%d tokens already)",
-        PolicyName(options_.kv.policy.kind), slot, first));
+        PolicyName(options_.kv.policy->kind), slot, first));
   }
   IG_RETURN_IF_ERROR(FinishAppends());
   Sequence& s = sequences_[slot];

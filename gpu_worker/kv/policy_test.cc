@@ -6,6 +6,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -53,7 +54,7 @@ class PolicyTest : public ::testing::Test {
     std::vector<std::vector<float>> logits;
     FetchStats stats;
   };
-  Run TeacherForced(PolicyOptions policy, int prefix,
+  Run TeacherForced(std::optional<PolicyOptions> policy, int prefix,
                     double kv_capacity = 1.0,
                     kv_memory_service::EvictionPolicy eviction =
                         kv_memory_service::EvictionPolicy::kLru,
@@ -126,6 +127,9 @@ PolicyOptions Policy(PolicyKind kind) {
   return p;
 }
 
+// The local cache (--policy=ideal): no policy, nothing fetched.
+constexpr std::nullopt_t kLocalCache = std::nullopt;
+
 TEST_F(PolicyTest, SkewingLeavesLogitsUnchanged) {
   EngineOptions skewed;
   skewed.attention_skew = skew_;
@@ -156,7 +160,7 @@ TEST_F(PolicyTest, SkewingLeavesLogitsUnchanged) {
 }
 
 TEST_F(PolicyTest, FullMatchesIdealUpToFp16) {
-  Run ideal = TeacherForced(Policy(PolicyKind::kIdeal), 8);
+  Run ideal = TeacherForced(kLocalCache, 8);
   Run full = TeacherForced(Policy(PolicyKind::kFull), 8);
   ASSERT_EQ(ideal.nll.size(), full.nll.size());
   for (size_t i = 0; i < ideal.nll.size(); ++i) {
@@ -517,8 +521,7 @@ TEST_F(PolicyTest, TargetFetchLandsTheMeanFetchedFraction) {
     EXPECT_EQ(SetTargetFetch(bad, layers, oracle).code(),
               absl::StatusCode::kInvalidArgument) << bad;
   }
-  for (PolicyKind kind : {PolicyKind::kIdeal, PolicyKind::kFull,
-                          PolicyKind::kInt4}) {
+  for (PolicyKind kind : {PolicyKind::kFull, PolicyKind::kInt4}) {
     PolicyOptions other = Policy(kind);
     EXPECT_EQ(SetTargetFetch(0.5, layers, other).code(),
               absl::StatusCode::kInvalidArgument) << PolicyName(kind);
@@ -868,10 +871,12 @@ TEST_F(PolicyTest, FetchedRowsMoveThroughPinnedCopiesInMarkOrder) {
 TEST_F(PolicyTest, BatchedDecodingMatchesSingleSequences) {
   PolicyOptions inf = Policy(PolicyKind::kInfiniGen);
   inf.skew = skew_;
-  for (PolicyOptions policy : {Policy(PolicyKind::kIdeal),
-                               Policy(PolicyKind::kFull), inf,
-                               Policy(PolicyKind::kH2O)}) {
-    SCOPED_TRACE(PolicyName(policy.kind));
+  for (std::optional<PolicyOptions> policy :
+       {std::optional<PolicyOptions>(kLocalCache),
+        std::optional<PolicyOptions>(Policy(PolicyKind::kFull)),
+        std::optional<PolicyOptions>(inf),
+        std::optional<PolicyOptions>(Policy(PolicyKind::kH2O))}) {
+    SCOPED_TRACE(policy ? PolicyName(policy->kind) : kLocalCacheName);
     auto client = kv_memory_service::ConnectKvClient("inproc:");
     ASSERT_TRUE(client.ok());
     EngineOptions options;
@@ -906,7 +911,7 @@ TEST_F(PolicyTest, BatchedDecodingMatchesSingleSequences) {
     const int v = weights_->config.vocab_size;
     // GEMM over the batch rounds differently from GEMV; stored fp16 rows
     // turn that into fp16 ulps (1e-3 relative) of the keys.
-    const float tol = policy.kind == PolicyKind::kIdeal ? 1e-3f : 2e-2f;
+    const float tol = !policy ? 1e-3f : 2e-2f;
     for (int step = 0; step < 12; ++step) {
       std::vector<int> slots = {2, 0, 1};
       std::vector<int> next;
@@ -945,8 +950,8 @@ TEST_F(PolicyTest, BadOptionsAreRejected) {
   o.kv.policy = Policy(PolicyKind::kInfiniGen);
   EXPECT_EQ(Engine::Create(*weights_, NewCpuBackend(), o).status().code(),
             absl::StatusCode::kInvalidArgument);  // no skew
-  o.kv.policy.skew = skew_;
-  o.kv.policy.alpha = -1;
+  o.kv.policy->skew = skew_;
+  o.kv.policy->alpha = -1;
   EXPECT_EQ(Engine::Create(*weights_, NewCpuBackend(), o).status().code(),
             absl::StatusCode::kInvalidArgument);
   o.kv.policy = Policy(PolicyKind::kFull);

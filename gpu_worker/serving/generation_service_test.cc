@@ -136,11 +136,11 @@ class GenerationServiceTest : public ::testing::Test {
   // A scheduler over `batch` slots of the model.
   std::unique_ptr<GenerationScheduler> NewScheduler(
       int batch, const GenerationSchedulerOptions& options = {},
-      PolicyKind policy = PolicyKind::kIdeal) {
+      const std::string& policy = "ideal") {
     EngineOptions engine_options;
     engine_options.batch = batch;
-    engine_options.kv.policy.kind = policy;
-    if (policy != PolicyKind::kIdeal) {
+    EXPECT_TRUE(ChoosePolicy(policy, engine_options.kv).ok());
+    if (engine_options.kv.policy) {
       auto client = kv_memory_service::ConnectKvClient("inproc:");
       EXPECT_TRUE(client.ok()) << client.status();
       if (!client.ok()) return nullptr;
@@ -161,7 +161,7 @@ class GenerationServiceTest : public ::testing::Test {
   // in-process transport may close before a call's status reaches the
   // client).
   void StartServer(int batch, const GenerationSchedulerOptions& options = {},
-                   PolicyKind policy = PolicyKind::kIdeal,
+                   const std::string& policy = "ideal",
                    bool start_scheduler = true, bool unix_socket = false) {
     std::unique_ptr<GenerationScheduler> scheduler =
         NewScheduler(batch, options, policy);
@@ -467,7 +467,7 @@ TEST_F(GenerationServiceTest, FullQueueIsResourceExhausted) {
   GenerationSchedulerOptions options;
   options.max_queue = 2;
   // The scheduler starts later, so the first two requests stay queued.
-  StartServer(/*batch=*/1, options, PolicyKind::kIdeal,
+  StartServer(/*batch=*/1, options, "ideal",
               /*start_scheduler=*/false);
   grpc::ClientContext ctx[3];
   std::unique_ptr<grpc::ClientReaderInterface<worker::GenerateResponse>>
@@ -492,7 +492,7 @@ TEST_F(GenerationServiceTest, FullQueueIsResourceExhausted) {
 }
 
 TEST_F(GenerationServiceTest, ShutdownFinishesStreamsInFlightThenRefuses) {
-  StartServer(/*batch=*/2, {}, PolicyKind::kIdeal, /*start_scheduler=*/true,
+  StartServer(/*batch=*/2, {}, "ideal", /*start_scheduler=*/true,
               /*unix_socket=*/true);
   const std::vector<worker::GenerateRequest> requests = {
       Request(kPrompt, 60), Request("The cat sat", 50, 0.8f, 7),
@@ -527,7 +527,7 @@ TEST_F(GenerationServiceTest, DrainDeadlineEndsStreamsWithUnavailable) {
   options.before_decode_step = [] {
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
   };
-  StartServer(/*batch=*/1, options, PolicyKind::kIdeal,
+  StartServer(/*batch=*/1, options, "ideal",
               /*start_scheduler=*/true, /*unix_socket=*/true);
   grpc::ClientContext ctx[2];
   std::unique_ptr<grpc::ClientReaderInterface<worker::GenerateResponse>>
@@ -648,7 +648,7 @@ TEST_F(GenerationServiceTest, HealthServiceReportsServing) {
 // The offloaded path: K and V go to an in-process memory node and every
 // decode step fetches them back (fp16), per slot.
 TEST_F(GenerationServiceTest, FullPolicyOverInprocKvNode) {
-  StartServer(/*batch=*/4, {}, PolicyKind::kFull);
+  StartServer(/*batch=*/4, {}, "full");
   const Generation g = Generate(*stub_, Request(kPrompt, 60));
   ASSERT_TRUE(g.status.ok()) << g.status.error_message();
   EXPECT_THAT(g.text, StartsWith(", there was a little girl named Lily."));

@@ -2,6 +2,7 @@
 
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_join.h"
 #include "common/log.h"
@@ -10,18 +11,9 @@ namespace infinigen::gpu_worker {
 
 namespace {
 
-const PolicyEntry kIdealPolicy = {
-    PolicyKind::kIdeal, "ideal",
-    "the whole cache local; nothing is fetched (the bound of every other)",
-    PolicyTraits().Local(),
-    /*set_target_fetch=*/nullptr,
-    /*create=*/nullptr,
-    /*state_bytes=*/nullptr,
-};
-
 const PolicyEntry* const kPolicies[] = {
-    &kIdealPolicy, &kFullPolicy,   &kInfiniGenPolicy, &kH2OPolicy,
-    &kInt4Policy,  &kOraclePolicy, &kQuestPolicy,
+    &kFullPolicy,  &kInfiniGenPolicy, &kH2OPolicy,
+    &kInt4Policy,  &kOraclePolicy,    &kQuestPolicy,
 };
 
 }  // namespace
@@ -50,6 +42,14 @@ std::string PolicyNames() {
                        [](std::string* out, const PolicyEntry* entry) {
                          out->append(entry->name);
                        });
+}
+
+std::string TargetFetchPolicyNames() {
+  std::vector<std::string> names;
+  for (const PolicyEntry* entry : kPolicies) {
+    if (entry->set_target_fetch != nullptr) names.push_back(entry->name);
+  }
+  return absl::StrJoin(names, ", ");
 }
 
 }  // namespace infinigen::gpu_worker

@@ -18,9 +18,6 @@
 namespace infinigen::gpu_worker {
 
 struct PolicyTraits {
-  // Whether rows go to the memory node. false only for ideal: the whole
-  // cache stays local and there is no KvPolicy.
-  bool offloads = true;
   // Whether a layer's rows are chosen rather than all read: dense_layers,
   // budget, sink and recent tokens apply, and layer 0 selects when
   // dense_layers is 0.
@@ -35,9 +32,6 @@ struct PolicyTraits {
   bool adaptive_budgets = false;
 
   // An entry's traits read as a phrase: PolicyTraits().Selects().OwnInput().
-  constexpr PolicyTraits Local() const {
-    return With(&PolicyTraits::offloads, false);
-  }
   constexpr PolicyTraits Selects() const {
     return With(&PolicyTraits::selects, true);
   }
@@ -70,17 +64,15 @@ struct PolicyEntry {
   absl::Status (*set_target_fetch)(double fraction, int n_layers,
                                    PolicyOptions& options);
   // The policy, its state not yet allocated (KvPolicy::CreateUninitialized,
-  // options already validated); null for ideal.
+  // options already validated).
   absl::StatusOr<std::unique_ptr<KvPolicy>> (*create)(
       const PolicyOptions& options, const KvPolicy::Context& context);
-  // Bytes of its per-sequence state on the worker (KvPolicy::StateBytes);
-  // null for ideal.
+  // Bytes of its per-sequence state on the worker (KvPolicy::StateBytes).
   absl::StatusOr<int64_t> (*state_bytes)(const PolicyOptions& options,
                                          const KvPolicy::Context& context);
 };
 
-// Each offloading policy's entry, defined in its file (ideal's is in
-// registry.cc: it is the local cache).
+// Each policy's entry, defined in its file.
 extern const PolicyEntry kFullPolicy;
 extern const PolicyEntry kInfiniGenPolicy;
 extern const PolicyEntry kH2OPolicy;
@@ -94,8 +86,10 @@ absl::Span<const PolicyEntry* const> Policies();
 const PolicyEntry& PolicyEntryOf(PolicyKind kind);
 // The entry named `name`; null if none.
 const PolicyEntry* FindPolicy(absl::string_view name);
-// "ideal, full, ...": the names, for messages.
+// "full, infinigen, ...": the names, for messages.
 std::string PolicyNames();
+// The names of those that take a target fetch (set_target_fetch).
+std::string TargetFetchPolicyNames();
 
 }  // namespace infinigen::gpu_worker
 

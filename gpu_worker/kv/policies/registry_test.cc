@@ -4,6 +4,7 @@
 #include <string>
 
 #include "gmock/gmock.h"
+#include "gpu_worker/kv/kv_cache.h"
 #include "gtest/gtest.h"
 #include "model/llama2c.h"
 
@@ -13,9 +14,8 @@ namespace {
 using ::testing::HasSubstr;
 
 const PolicyKind kEveryKind[] = {
-    PolicyKind::kIdeal, PolicyKind::kFull,   PolicyKind::kInfiniGen,
-    PolicyKind::kH2O,   PolicyKind::kInt4,   PolicyKind::kOracle,
-    PolicyKind::kQuest,
+    PolicyKind::kFull, PolicyKind::kInfiniGen, PolicyKind::kH2O,
+    PolicyKind::kInt4, PolicyKind::kOracle,    PolicyKind::kQuest,
 };
 
 TEST(PolicyRegistry, EveryKindHasOneEntryWhoseNameParsesBack) {
@@ -33,16 +33,36 @@ TEST(PolicyRegistry, EveryKindHasOneEntryWhoseNameParsesBack) {
   const absl::Status unknown = ParsePolicy("bogus").status();
   EXPECT_EQ(unknown.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(unknown.message()),
-              HasSubstr("'bogus' (ideal, full, infinigen, h2o, int4, oracle, "
-                        "quest)"));
+              HasSubstr("'bogus' (full, infinigen, h2o, int4, oracle, quest)"));
 }
 
-TEST(PolicyRegistry, OnlyIdealStaysLocalAndEveryOtherHasAFactory) {
+// "ideal" is no policy: --policy's name for the local cache.
+TEST(PolicyRegistry, IdealIsTheLocalCacheNotAPolicy) {
+  EXPECT_EQ(FindPolicy(kLocalCacheName), nullptr);
+  KvOptions kv;
+  ASSERT_TRUE(ChoosePolicy("infinigen", kv).ok());
+  ASSERT_TRUE(kv.policy.has_value());
+  EXPECT_EQ(kv.policy->kind, PolicyKind::kInfiniGen);
+  EXPECT_STREQ(kv.policy_name(), "infinigen");
+  kv.policy->budget = 0.5f;
+  ASSERT_TRUE(ChoosePolicy("h2o", kv).ok());  // keeps the other fields
+  EXPECT_EQ(kv.policy->budget, 0.5f);
+  ASSERT_TRUE(ChoosePolicy("ideal", kv).ok());
+  EXPECT_FALSE(kv.policy.has_value());
+  EXPECT_STREQ(kv.policy_name(), "ideal");
+  const absl::Status unknown = ChoosePolicy("bogus", kv);
+  EXPECT_EQ(unknown.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(unknown.message()),
+              HasSubstr("'bogus' (ideal, full, infinigen, h2o, int4, oracle, "
+                        "quest)"));
+  EXPECT_FALSE(kv.policy.has_value());  // unchanged
+}
+
+TEST(PolicyRegistry, EveryPolicyHasAFactory) {
   for (const PolicyEntry* entry : Policies()) {
     SCOPED_TRACE(entry->name);
-    EXPECT_EQ(Offloads(entry->kind), entry->kind != PolicyKind::kIdeal);
-    EXPECT_EQ(entry->create != nullptr, entry->traits.offloads);
-    EXPECT_EQ(entry->state_bytes != nullptr, entry->traits.offloads);
+    EXPECT_NE(entry->create, nullptr);
+    EXPECT_NE(entry->state_bytes, nullptr);
     // A chosen fetch is what a target fetch sets.
     if (entry->traits.selects) {
       EXPECT_NE(entry->set_target_fetch, nullptr);
@@ -74,11 +94,6 @@ TEST_F(PolicyFactoryTest, EveryOffloadingPolicyBuildsAndSizesItsState) {
     options.skew = &skew_;
     absl::StatusOr<int64_t> bytes = KvPolicy::StateBytes(options, context);
     auto policy = KvPolicy::CreateUninitialized(options, context);
-    if (!entry->traits.offloads) {
-      EXPECT_EQ(bytes.status().code(), absl::StatusCode::kInvalidArgument);
-      EXPECT_EQ(policy.status().code(), absl::StatusCode::kInvalidArgument);
-      continue;
-    }
     ASSERT_TRUE(bytes.ok()) << bytes.status();
     ASSERT_TRUE(policy.ok()) << policy.status();
     // Policies that keep per-token state say so; full and int4 keep none.
