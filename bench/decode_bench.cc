@@ -23,7 +23,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_format.h"
 #include "gpu_worker/backend/backend.h"
-#include "gpu_worker/cpu/cpu_backend.h"
+#include "gpu_worker/backend/cpu/cpu_backend.h"
 #include "gpu_worker/engine.h"
 #include "gpu_worker/serving/sampler.h"
 #include "model/loader.h"

@@ -58,7 +58,7 @@ COPY . .
 RUN --mount=type=cache,target=/root/.cache/bazel \
     bazel build --jobs="$(nproc)" //gpu_worker:infinigen && \
     install -D -m 0755 bazel-bin/gpu_worker/infinigen /out/bin/infinigen && \
-    install -m 0755 bazel-bin/gpu_worker/cuda/libinfinigen_cuda.so \
+    install -m 0755 bazel-bin/gpu_worker/backend/cuda/libinfinigen_cuda.so \
         /out/bin/libinfinigen_cuda.so && \
     mkdir -p /out/lib /out/models/stories260K && \
     ldd /out/bin/infinigen /out/bin/libinfinigen_cuda.so | \

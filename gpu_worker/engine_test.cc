@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "gmock/gmock.h"
-#include "gpu_worker/cpu/cpu_backend.h"
+#include "gpu_worker/backend/cpu/cpu_backend.h"
 #include "gtest/gtest.h"
 #include "gpu_worker/serving/sampler.h"
 #include "model/llama2c.h"

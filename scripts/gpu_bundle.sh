@@ -44,11 +44,11 @@ fi
 
 TARGETS=(
   //gpu_worker:infinigen
-  //gpu_worker/cuda:libinfinigen_cuda.so
+  //gpu_worker/backend/cuda:libinfinigen_cuda.so
   //kv_memory_service:kv_memory_server
   //bench/h2d:h2d_bandwidth
-  //gpu_worker/cuda:kernels_test
-  //gpu_worker/cuda:cuda_backend_test
+  //gpu_worker/backend/cuda:kernels_test
+  //gpu_worker/backend/cuda:cuda_backend_test
   //tests:cuda_engine_parity_test
 )
 echo "gpu_bundle.sh: building ${TARGETS[*]}" >&2

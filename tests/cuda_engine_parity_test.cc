@@ -29,8 +29,8 @@
 
 #include "gpu_worker/backend/backend.h"
 #include "gpu_worker/eval/calibrate.h"
-#include "gpu_worker/cpu/cpu_backend.h"
-#include "gpu_worker/cuda/cuda_backend.h"
+#include "gpu_worker/backend/cpu/cpu_backend.h"
+#include "gpu_worker/backend/cuda/cuda_backend.h"
 #include "gpu_worker/engine.h"
 #include "gtest/gtest.h"
 #include "kv_memory_service/kv_client.h"

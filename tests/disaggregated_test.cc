@@ -12,7 +12,7 @@
 
 #include "gmock/gmock.h"
 #include "gpu_worker/eval/calibrate.h"
-#include "gpu_worker/cpu/cpu_backend.h"
+#include "gpu_worker/backend/cpu/cpu_backend.h"
 #include "gpu_worker/engine.h"
 #include "gtest/gtest.h"
 #include "kv_memory_service/kv_client.h"

@@ -8,7 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "gpu_worker/backend/backend.h"
-#include "gpu_worker/cpu/cpu_backend.h"
+#include "gpu_worker/backend/cpu/cpu_backend.h"
 #include "gpu_worker/engine.h"
 #include "gtest/gtest.h"
 #include "model/loader.h"

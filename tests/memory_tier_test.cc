@@ -16,7 +16,7 @@
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gpu_worker/eval/calibrate.h"
-#include "gpu_worker/cpu/cpu_backend.h"
+#include "gpu_worker/backend/cpu/cpu_backend.h"
 #include "gpu_worker/engine.h"
 #include "gtest/gtest.h"
 #include "kv_memory_service/kv_client.h"

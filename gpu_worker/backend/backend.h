@@ -317,7 +317,8 @@ class DeviceBuffer {
   size_t count_ = 0;
 };
 
-// The CUDA backend on `device` (cuBLAS and the kernels of gpu_worker/cuda/).
+// The CUDA backend on `device` (cuBLAS and the kernels of
+// gpu_worker/backend/cuda/).
 // Unavailable when the binary was built without CUDA or no device answers,
 // with the reason.
 absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(int device = 0);

@@ -1,7 +1,6 @@
 // The backend factory: CPU, or CUDA when the build has it and a device
-// answers. The CUDA backend is a plugin (gpu_worker/cuda/cuda_plugin.cc)
-// loaded on first use, so that CPU-only processes never load cudart and
-// cuBLAS.
+// answers. The CUDA backend is a plugin (cuda/cuda_plugin.cc) loaded on
+// first use, so that CPU-only processes never load cudart and cuBLAS.
 #include <dlfcn.h>
 #include <unistd.h>
 
@@ -14,7 +13,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/log.h"
 #include "gpu_worker/backend/backend.h"
-#include "gpu_worker/cpu/cpu_backend.h"
+#include "gpu_worker/backend/cpu/cpu_backend.h"
 
 namespace infinigen::gpu_worker {
 namespace {
@@ -38,10 +37,11 @@ std::vector<std::string> PluginCandidates() {
     const size_t slash = exe.rfind('/');
     c.push_back(exe.substr(0, slash == std::string::npos ? 0 : slash + 1) +
                 kPlugin);
-    c.push_back(exe + ".runfiles/infinigen/gpu_worker/cuda/" + kPlugin);
+    c.push_back(exe + ".runfiles/infinigen/gpu_worker/backend/cuda/" + kPlugin);
   }
   if (const char* srcdir = std::getenv("TEST_SRCDIR"); srcdir != nullptr) {
-    c.push_back(std::string(srcdir) + "/infinigen/gpu_worker/cuda/" + kPlugin);
+    c.push_back(std::string(srcdir) +
+                "/infinigen/gpu_worker/backend/cuda/" + kPlugin);
   }
   return c;
 }

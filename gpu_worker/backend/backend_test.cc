@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "gpu_worker/backend/backend.h"
-#include "gpu_worker/cpu/cpu_backend.h"
+#include "gpu_worker/backend/cpu/cpu_backend.h"
 #include "gpu_worker/backend/kv_rows.h"
 #include "gpu_worker/backend/shared_vector.h"
 #include "gtest/gtest.h"

@@ -2,7 +2,7 @@
 // fetch: the row formats of the KV policies, encoded and decoded on the
 // host. Backends decode fetched rows where attention reads them
 // (PolicyOps::DecodeKvRows); the CUDA kernels follow these loops formula for
-// formula. Plain C++: nvcc includes it through gpu_worker/cuda/kernels.h.
+// formula. Plain C++: nvcc includes it through cuda/kernels.h.
 #ifndef INFINIGEN_GPU_WORKER_BACKEND_KV_ROWS_H_
 #define INFINIGEN_GPU_WORKER_BACKEND_KV_ROWS_H_
 

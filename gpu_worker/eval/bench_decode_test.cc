@@ -3,7 +3,7 @@
 #include <memory>
 #include <vector>
 
-#include "gpu_worker/cpu/cpu_backend.h"
+#include "gpu_worker/backend/cpu/cpu_backend.h"
 #include "gtest/gtest.h"
 #include "kv_memory_service/kv_client.h"
 #include "model/llama2c.h"

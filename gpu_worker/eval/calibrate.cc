@@ -7,7 +7,7 @@
 
 #include "absl/strings/str_format.h"
 #include "common/status.h"
-#include "gpu_worker/cpu/cpu_backend.h"
+#include "gpu_worker/backend/cpu/cpu_backend.h"
 #include "gpu_worker/engine.h"
 #include "speculator/partial_keys.h"
 

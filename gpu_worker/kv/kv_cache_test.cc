@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "gmock/gmock.h"
-#include "gpu_worker/cpu/cpu_backend.h"
+#include "gpu_worker/backend/cpu/cpu_backend.h"
 #include "gpu_worker/engine.h"
 #include "gtest/gtest.h"
 #include "absl/synchronization/mutex.h"

@@ -13,7 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gpu_worker/eval/calibrate.h"
-#include "gpu_worker/cpu/cpu_backend.h"
+#include "gpu_worker/backend/cpu/cpu_backend.h"
 #include "gpu_worker/engine.h"
 #include "gpu_worker/serving/sampler.h"
 #include "gtest/gtest.h"

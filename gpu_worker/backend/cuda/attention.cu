@@ -14,7 +14,7 @@
 #include <cuda_runtime.h>
 #include <math_constants.h>
 
-#include "gpu_worker/cuda/kernels.h"
+#include "gpu_worker/backend/cuda/kernels.h"
 
 namespace infinigen::gpu_worker::cuda {
 namespace {

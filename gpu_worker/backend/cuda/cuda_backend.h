@@ -17,8 +17,8 @@
 // asynchronous fault) is recorded, every later operation is skipped, and
 // every Synchronize() returns it. Not thread-safe (one engine drives one
 // backend); it may share a process with other backends on other devices.
-#ifndef INFINIGEN_GPU_WORKER_CUDA_CUDA_BACKEND_H_
-#define INFINIGEN_GPU_WORKER_CUDA_CUDA_BACKEND_H_
+#ifndef INFINIGEN_GPU_WORKER_BACKEND_CUDA_CUDA_BACKEND_H_
+#define INFINIGEN_GPU_WORKER_BACKEND_CUDA_CUDA_BACKEND_H_
 
 #include <memory>
 
@@ -47,4 +47,4 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(
 
 }  // namespace infinigen::gpu_worker::cuda
 
-#endif  // INFINIGEN_GPU_WORKER_CUDA_CUDA_BACKEND_H_
+#endif  // INFINIGEN_GPU_WORKER_BACKEND_CUDA_CUDA_BACKEND_H_

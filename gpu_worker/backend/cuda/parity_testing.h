@@ -1,8 +1,8 @@
 // Test helpers shared by the CUDA parity tests (kernels_test,
 // cuda_backend_test): random inputs, the device check every fixture makes,
 // and one attention problem with its CPU-backend reference and tolerances.
-#ifndef INFINIGEN_GPU_WORKER_CUDA_PARITY_TESTING_H_
-#define INFINIGEN_GPU_WORKER_CUDA_PARITY_TESTING_H_
+#ifndef INFINIGEN_GPU_WORKER_BACKEND_CUDA_PARITY_TESTING_H_
+#define INFINIGEN_GPU_WORKER_BACKEND_CUDA_PARITY_TESTING_H_
 
 #include <random>
 #include <string>
@@ -46,4 +46,4 @@ void ExpectAttentionMatches(const AttentionProblem& p, const float* out,
 
 }  // namespace infinigen::gpu_worker::cuda
 
-#endif  // INFINIGEN_GPU_WORKER_CUDA_PARITY_TESTING_H_
+#endif  // INFINIGEN_GPU_WORKER_BACKEND_CUDA_PARITY_TESTING_H_

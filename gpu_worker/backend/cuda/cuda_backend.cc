@@ -1,4 +1,4 @@
-#include "gpu_worker/cuda/cuda_backend.h"
+#include "gpu_worker/backend/cuda/cuda_backend.h"
 
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -13,7 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_format.h"
 #include "common/log.h"
-#include "gpu_worker/cuda/kernels.h"
+#include "gpu_worker/backend/cuda/kernels.h"
 #include "speculator/partial_keys.h"
 
 namespace infinigen::gpu_worker::cuda {

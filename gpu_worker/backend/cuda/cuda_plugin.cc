@@ -7,7 +7,7 @@
 #include <memory>
 #include <string>
 
-#include "gpu_worker/cuda/cuda_backend.h"
+#include "gpu_worker/backend/cuda/cuda_backend.h"
 
 // Returns a new CUDA backend on `device` (the caller owns it), or null with
 // the status code and message in *code and *message.

@@ -5,7 +5,7 @@
 
 #include <cmath>
 
-#include "gpu_worker/cuda/kernels.h"
+#include "gpu_worker/backend/cuda/kernels.h"
 #include "speculator/partial_keys.h"
 
 namespace infinigen::gpu_worker::cuda {

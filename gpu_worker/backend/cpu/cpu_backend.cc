@@ -1,7 +1,7 @@
 // The CPU reference backend. Reads top to bottom like llama2.c's run.c:
 // every operation is the textbook formula; matrix products go to OpenBLAS
 // (which threads them).
-#include "gpu_worker/cpu/cpu_backend.h"
+#include "gpu_worker/backend/cpu/cpu_backend.h"
 
 #include <cblas.h>
 

@@ -1,4 +1,4 @@
-#include "gpu_worker/cuda/parity_testing.h"
+#include "gpu_worker/backend/cuda/parity_testing.h"
 
 #include <cuda_runtime.h>
 

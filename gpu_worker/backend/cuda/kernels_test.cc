@@ -4,7 +4,7 @@
 // tests skip with the reason when no CUDA device answers (CI machines have
 // none); the argument checks run everywhere, since the launchers reject
 // before touching CUDA.
-#include "gpu_worker/cuda/kernels.h"
+#include "gpu_worker/backend/cuda/kernels.h"
 
 #include <cuda_runtime.h>
 
@@ -18,8 +18,8 @@
 
 #include "common/half.h"
 #include "gpu_worker/backend/backend.h"
-#include "gpu_worker/cpu/cpu_backend.h"
-#include "gpu_worker/cuda/parity_testing.h"
+#include "gpu_worker/backend/cpu/cpu_backend.h"
+#include "gpu_worker/backend/cuda/parity_testing.h"
 #include "gpu_worker/kv/kv_policy.h"
 #include "gtest/gtest.h"
 #include "model/weights.h"

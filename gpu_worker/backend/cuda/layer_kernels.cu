@@ -2,7 +2,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include "gpu_worker/cuda/kernels.h"
+#include "gpu_worker/backend/cuda/kernels.h"
 
 namespace infinigen::gpu_worker::cuda {
 namespace {

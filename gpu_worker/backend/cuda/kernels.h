@@ -7,15 +7,15 @@
 // success), so that this header needs no CUDA headers. Empty or
 // inconsistent shapes and missing pointers are rejected before anything is
 // launched with cudaErrorInvalidValue (1). The arithmetic follows the CPU
-// reference (gpu_worker/cpu/cpu_backend.cc), speculator::SpeculateScores and
-// the int4 row format (KvRowFormat::kInt4: EncodeKvRows and DecodeKvRows in
-// gpu_worker/backend/kv_rows.h) formula for formula; only the order of float
-// additions differs.
+// reference (gpu_worker/backend/cpu/cpu_backend.cc),
+// speculator::SpeculateScores and the int4 row format (KvRowFormat::kInt4:
+// EncodeKvRows and DecodeKvRows in gpu_worker/backend/kv_rows.h) formula for
+// formula; only the order of float additions differs.
 //
 // Sources: layer_kernels.cu (norms, RoPE, pointwise, conversions),
 // attention.cu, speculation.cu.
-#ifndef INFINIGEN_GPU_WORKER_CUDA_KERNELS_H_
-#define INFINIGEN_GPU_WORKER_CUDA_KERNELS_H_
+#ifndef INFINIGEN_GPU_WORKER_BACKEND_CUDA_KERNELS_H_
+#define INFINIGEN_GPU_WORKER_BACKEND_CUDA_KERNELS_H_
 
 #include <cstdint>
 
@@ -208,4 +208,4 @@ int LaunchSelectTopK(const SelectTopKParams& p, void* stream);
 
 }  // namespace infinigen::gpu_worker::cuda
 
-#endif  // INFINIGEN_GPU_WORKER_CUDA_KERNELS_H_
+#endif  // INFINIGEN_GPU_WORKER_BACKEND_CUDA_KERNELS_H_

@@ -5,7 +5,7 @@
 // errors, devices that do not exist. Skips with the reason when no CUDA
 // device answers, except CudaBackendWithoutDevice, which checks that
 // creation fails cleanly for a missing device.
-#include "gpu_worker/cuda/cuda_backend.h"
+#include "gpu_worker/backend/cuda/cuda_backend.h"
 
 #include <algorithm>
 #include <cmath>
@@ -16,8 +16,8 @@
 #include <vector>
 
 #include "gpu_worker/backend/backend.h"
-#include "gpu_worker/cpu/cpu_backend.h"
-#include "gpu_worker/cuda/parity_testing.h"
+#include "gpu_worker/backend/cpu/cpu_backend.h"
+#include "gpu_worker/backend/cuda/parity_testing.h"
 #include "gpu_worker/backend/shared_vector.h"
 #include "gtest/gtest.h"
 #include "speculator/partial_keys.h"
