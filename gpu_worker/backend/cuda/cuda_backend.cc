@@ -13,6 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_format.h"
 #include "common/log.h"
+#include "gpu_worker/backend/cuda/cuda_backend_impl.h"
 #include "gpu_worker/backend/cuda/kernels.h"
 #include "speculator/partial_keys.h"
 
@@ -27,65 +28,6 @@ constexpr long kMinRowsPerSplit = 256;
 constexpr int kMaxHeadDim = 256;  // the attention kernel's limit
 // Offset of the weight's fp16 copy in the Linear scratch, when it has one.
 constexpr size_t kScratchAlign = 256;
-// Events MarkIssued records round-robin on the compute stream.
-constexpr int kMarkEvents = 64;
-
-std::string CudaError(cudaError_t err) {
-  return absl::StrFormat("%s (%s)", cudaGetErrorName(err),
-                         cudaGetErrorString(err));
-}
-
-// A registered weight range's device copy.
-struct ConstantRange {
-  size_t bytes;
-  char* device;  // the copy of the host range
-};
-
-size_t RangeBytes(size_t bytes) { return bytes; }
-size_t RangeBytes(const ConstantRange& range) { return range.bytes; }
-
-// The entry of `ranges` (keyed by first address) that contains address a,
-// or ranges.end().
-template <typename Map>
-typename Map::const_iterator FindRange(const Map& ranges, uintptr_t a) {
-  auto it = ranges.upper_bound(a);
-  if (it == ranges.begin()) return ranges.end();
-  --it;
-  return a < it->first + RangeBytes(it->second) ? it : ranges.end();
-}
-
-// Device memory that only grows: reused by every call once large enough.
-// Growing waits for the stream, as queued kernels may still read the old
-// buffer; contents do not survive growth.
-class DeviceScratch {
- public:
-  DeviceScratch() = default;
-  DeviceScratch(const DeviceScratch&) = delete;
-  DeviceScratch& operator=(const DeviceScratch&) = delete;
-  ~DeviceScratch() { cudaFree(data_); }
-
-  cudaError_t Reserve(size_t bytes, cudaStream_t stream) {
-    if (bytes <= capacity_) return cudaSuccess;
-    const size_t grown = std::max(bytes, capacity_ + capacity_ / 2);
-    cudaError_t err = cudaStreamSynchronize(stream);
-    if (err != cudaSuccess) return err;
-    cudaFree(data_);
-    data_ = nullptr;
-    capacity_ = 0;
-    err = cudaMalloc(&data_, grown);
-    if (err != cudaSuccess) {
-      data_ = nullptr;
-      return err;
-    }
-    capacity_ = grown;
-    return cudaSuccess;
-  }
-  char* data() const { return static_cast<char*>(data_); }
-
- private:
-  void* data_ = nullptr;
-  size_t capacity_ = 0;
-};
 
 class CudaBackend final : public Backend {
  public:
@@ -769,86 +711,14 @@ class CudaBackend final : public Backend {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(
-    int device, const CudaBackendOptions& options) {
-  int count = 0;
-  cudaError_t err = cudaGetDeviceCount(&count);
-  if (err != cudaSuccess) {
-    cudaGetLastError();
-    return absl::UnavailableError("no CUDA device: cudaGetDeviceCount: " +
-                                  CudaError(err));
-  }
-  if (count == 0) {
-    return absl::UnavailableError(
-        "no CUDA device: cudaGetDeviceCount reports 0 devices");
-  }
-  if (device < 0 || device >= count) {
-    return absl::UnavailableError(absl::StrFormat(
-        "CUDA device %d is out of range: %d device(s) answer", device, count));
-  }
-  cudaDeviceProp prop;
-  if ((err = cudaSetDevice(device)) != cudaSuccess ||
-      (err = cudaGetDeviceProperties(&prop, device)) != cudaSuccess) {
-    cudaGetLastError();
-    return absl::UnavailableError(
-        absl::StrFormat("CUDA device %d: %s", device, CudaError(err)));
-  }
-  if (!prop.managedMemory) {
-    return absl::UnavailableError(absl::StrFormat(
-        "CUDA device %d (%s) has no managed memory", device, prop.name));
-  }
-  cudaStream_t stream = nullptr;
-  if ((err = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking)) !=
-      cudaSuccess) {
-    cudaGetLastError();
-    return absl::UnavailableError(absl::StrFormat(
-        "CUDA device %d: cudaStreamCreate: %s", device, CudaError(err)));
-  }
-  cudaStream_t copy_stream = nullptr;
-  std::vector<cudaEvent_t> marks;
-  cudaEvent_t copied = nullptr;
-  auto destroy_events = [&] {
-    for (cudaEvent_t e : marks) cudaEventDestroy(e);
-    if (copied != nullptr) cudaEventDestroy(copied);
-    if (copy_stream != nullptr) cudaStreamDestroy(copy_stream);
-  };
-  err = cudaStreamCreateWithFlags(&copy_stream, cudaStreamNonBlocking);
-  for (int i = 0; err == cudaSuccess && i <= kMarkEvents; ++i) {
-    cudaEvent_t e = nullptr;
-    err = cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
-    if (err != cudaSuccess) break;
-    if (i < kMarkEvents) {
-      marks.push_back(e);
-    } else {
-      copied = e;
-    }
-  }
-  if (err != cudaSuccess) {
-    cudaGetLastError();
-    destroy_events();
-    cudaStreamDestroy(stream);
-    return absl::UnavailableError(absl::StrFormat(
-        "CUDA device %d: copy stream and events: %s", device, CudaError(err)));
-  }
-  cublasHandle_t cublas = nullptr;
-  cublasStatus_t status = cublasCreate(&cublas);
-  if (status == CUBLAS_STATUS_SUCCESS) {
-    status = cublasSetStream(cublas, stream);
-    if (status != CUBLAS_STATUS_SUCCESS) cublasDestroy(cublas);
-  }
-  if (status != CUBLAS_STATUS_SUCCESS) {
-    destroy_events();
-    cudaStreamDestroy(stream);
-    return absl::UnavailableError(absl::StrFormat(
-        "CUDA device %d: cuBLAS: %s", device, cublasGetStatusString(status)));
-  }
-  IG_LOG(INFO) << "cuda backend: device " << device << " " << prop.name << ", "
-               << prop.multiProcessorCount << " SMs, "
-               << (prop.totalGlobalMem >> 20) << " MiB, "
-               << (options.half_weights ? "fp16" : "fp32") << " weights";
-  return std::unique_ptr<Backend>(
-      new CudaBackend(device, prop, options, stream, copy_stream,
-                      std::move(marks), copied, cublas));
+std::unique_ptr<Backend> NewCudaBackendOver(
+    int device, const cudaDeviceProp& prop, const CudaBackendOptions& options,
+    cudaStream_t stream, cudaStream_t copy_stream,
+    std::vector<cudaEvent_t> marks, cudaEvent_t copied,
+    cublasHandle_t cublas) {
+  return std::make_unique<CudaBackend>(device, prop, options, stream,
+                                       copy_stream, std::move(marks), copied,
+                                       cublas);
 }
 
 }  // namespace infinigen::gpu_worker::cuda
