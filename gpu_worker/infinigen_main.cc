@@ -21,8 +21,11 @@
 #include "absl/flags/usage.h"
 #include "common/flag_check.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "common/log.h"
 #include "gpu_worker/commands/common.h"
+#include "gpu_worker/kv/kv_cache.h"
+#include "gpu_worker/kv/policies/registry.h"
 #include "grpc/support/log.h"
 
 namespace infinigen::commands {
@@ -53,14 +56,34 @@ std::string MainUsage() {
   return s;
 }
 
+// The --policy choices from the registry: each policy's summary and the
+// flags that set its options.
+std::string PolicyUsage() {
+  std::string s = absl::StrFormat(
+      "\nPolicies (--policy):\n  %-10s the whole cache on the worker; "
+      "nothing is fetched (the bound of every other)\n",
+      gpu_worker::kLocalCacheName);
+  for (const gpu_worker::PolicyEntry* entry : gpu_worker::Policies()) {
+    s += absl::StrFormat("  %-10s %s\n", entry->name, entry->summary);
+    if (entry->flags.empty()) continue;
+    s += absl::StrFormat(
+        "             flags: --%s\n",
+        absl::StrJoin(entry->flags.begin(), entry->flags.end(), " --"));
+  }
+  return s;
+}
+
 std::string CommandUsage(const Command& cmd) {
   std::string s = absl::StrFormat(
       "Usage: infinigen %s [flags]\n\n%s\n\nFlags:\n", cmd.name, cmd.summary);
+  bool takes_policy = false;
   for (const char* f : cmd.flags) {
     absl::CommandLineFlag* flag = absl::FindCommandLineFlag(f);
     s += absl::StrFormat("  --%s (default: \"%s\")\n      %s\n", f,
                          flag->DefaultValue(), flag->Help());
+    takes_policy = takes_policy || std::string(f) == "policy";
   }
+  if (takes_policy) s += PolicyUsage();
   return s;
 }
 

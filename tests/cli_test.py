@@ -59,6 +59,39 @@ class Cli(unittest.TestCase):
         self.assertEqual(r.returncode, 0)
         self.assertIn("generate", r.stdout + r.stderr)
 
+    def test_help_lists_the_policies_with_their_flags(self):
+        r = run("generate", "--help")
+        self.assertEqual(r.returncode, 0)
+        policies = r.stdout[r.stdout.index("Policies (--policy):"):]
+        for name in ["ideal", "full", "infinigen", "h2o", "int4", "oracle",
+                     "quest"]:
+            self.assertRegex(policies, rf"\n  {name} +\S", name)
+        quest = policies[policies.index("  quest "):]
+        self.assertIn("flags: --budget --target_fetch", quest)
+        self.assertIn("--page_tokens", quest)
+        # A command without --policy lists none.
+        self.assertNotIn("Policies (--policy):", run("skew", "--help").stdout)
+
+    def test_flags_the_policy_ignores_are_warned_about(self):
+        base = ["generate", f"--model={MODEL}", f"--tokenizer={TOK}",
+                "--prompt=Once upon a time", "--max_new_tokens=4",
+                "--temperature=0", "--backend=cpu"]
+        r = run(*base, "--policy=h2o", "--page_tokens=8", "--budget=0.5")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("--page_tokens has no effect on h2o: it sets options "
+                      "of quest", r.stderr)
+        self.assertNotIn("--budget has no effect", r.stderr)
+        r = run(*base, "--kv_service=tcp://127.0.0.1:1", "--alpha=2")
+        self.assertEqual(r.returncode, 0, r.stderr)  # ideal: nothing to reach
+        self.assertIn("--kv_service has no effect on ideal", r.stderr)
+        self.assertIn("--alpha has no effect on ideal: it sets options of "
+                      "infinigen", r.stderr)
+        r = run("bench-decode", f"--model={MODEL}", "--ctx=16",
+                "--decode_tokens=2", "--policy=full,quest", "--page_tokens=8",
+                "--backend=cpu")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertNotIn("has no effect", r.stderr)  # quest reads it
+
     def assert_one_line_failure(self, r, code, words):
         self.assertEqual(r.returncode, code, r.stderr)
         self.assertEqual(r.stdout, "")

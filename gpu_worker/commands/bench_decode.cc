@@ -159,6 +159,7 @@ int RunBenchDecode() {
   }
   auto source = SourceFromFlags(*m, static_cast<size_t>(batch) * (ctx + steps));
   if (!source.ok()) return Fail(kExitUsage, source.status());
+  WarnIgnoredPolicyFlags(policies);
   std::vector<DecodeBenchResult> results;
   for (const std::string& policy : policies) {
     if (int code = BenchPolicy(policy, *m, *source, *kv_options, ctx, batch,

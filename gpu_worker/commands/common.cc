@@ -7,6 +7,8 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "absl/flags/reflection.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -43,11 +45,9 @@ ABSL_FLAG(std::string, backend, "auto",
           "answers) or auto (CUDA when a device answers, else CPU).");
 ABSL_FLAG(int, threads, 0, "CPU threads for the matrix work; 0: all cores.");
 ABSL_FLAG(std::string, policy, "ideal",
-          "How K and V reach attention when decoding: ideal (all local), full "
-          "(fetch every row), infinigen, h2o, int4, oracle (a diagnostic: "
-          "each layer's exact top --budget of its own scores, layers 0 and 1 "
-          "whole), quest (pages of --page_tokens ranked by their key bounds, "
-          "the top --budget of pages per head).");
+          "How K and V reach attention when decoding: ideal (the whole cache "
+          "on the worker) or one of the policies that offload it to a memory "
+          "node, listed below with the flags each reads.");
 ABSL_FLAG(double, alpha, 5.0,
           "infinigen: fetch tokens whose speculated score is within alpha of "
           "the head's maximum.");
@@ -500,6 +500,42 @@ absl::StatusOr<std::unique_ptr<speculator::SkewMatrices>> SkewFromFlags(
 }
 
 }  // namespace
+
+void WarnIgnoredPolicyFlags(absl::Span<const std::string> policies) {
+  // Set to something other than its default (this Abseil does not say
+  // whether a flag was given).
+  auto set = [](absl::string_view name) {
+    const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
+    return flag != nullptr && flag->CurrentValue() != flag->DefaultValue();
+  };
+  bool all_local = true;
+  for (const std::string& name : policies) {
+    all_local = all_local && name == gpu_worker::kLocalCacheName;
+  }
+  for (const std::string& flag : gpu_worker::PolicyFlagNames()) {
+    // A target fetch a policy cannot take is refused (SetTargetFetch).
+    if (flag == "target_fetch" || !set(flag)) continue;
+    bool read = false;
+    for (const std::string& name : policies) {
+      const gpu_worker::PolicyEntry* entry = gpu_worker::FindPolicy(name);
+      if (entry == nullptr) continue;  // ideal reads none
+      for (const char* f : entry->flags) read = read || flag == f;
+    }
+    if (read) continue;
+    IG_LOG(WARNING) << "--" << flag << " has no effect on "
+                    << absl::StrJoin(policies, ", ") << ": it sets options of "
+                    << gpu_worker::PoliciesReadingFlag(flag);
+  }
+  if (!all_local) return;
+  for (const char* flag : {"kv_service", "kv_capacity", "eviction"}) {
+    if (set(flag)) {
+      IG_LOG(WARNING) << "--" << flag << " has no effect on "
+                      << gpu_worker::kLocalCacheName
+                      << ": the whole cache stays on the worker (pick an "
+                         "offloading --policy to use a memory node)";
+    }
+  }
+}
 
 absl::StatusOr<PolicySetup> SetUpPolicy(
     const std::string& policy, const model::Weights& weights,

@@ -105,6 +105,12 @@ absl::StatusOr<TextRun> LoadTextRun();
 // naming the flag for an unreadable file or half a TLS configuration.
 absl::StatusOr<kv_memory_service::KvClientOptions> KvClientOptionsFromFlags();
 
+// Warns (one line each; the run goes on) about every policy flag set to a
+// value other than its default that none of `policies` (--policy names)
+// reads, as their registry entries list them, and under ideal alone about
+// the memory-node flags, which the local cache ignores.
+void WarnIgnoredPolicyFlags(absl::Span<const std::string> policies);
+
 // The KV memory node, the skew and the engine options a policy needs; the
 // engine options point at `client` and `skew`, which must outlive it.
 struct PolicySetup {

@@ -106,6 +106,7 @@ int GenerateEngine(const model::LoadedModel& m, const std::vector<int>& tokens,
   auto s = SetUpPolicy(absl::GetFlag(FLAGS_policy), m.weights, tokens,
                        kv_options, /*serving=*/true);
   if (!s.ok()) return SetupFailure(s.status());
+  WarnIgnoredPolicyFlags({absl::GetFlag(FLAGS_policy)});
   setup = *std::move(s);
   EngineOptions& options = setup.options;
   options.max_seq_len = absl::GetFlag(FLAGS_max_seq_len);

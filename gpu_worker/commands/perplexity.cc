@@ -117,6 +117,7 @@ int RunPerplexity() {
   auto setup = SetUpPolicy(policy, run->model.weights, run->tokens,
                            *kv_options, /*serving=*/false);
   if (!setup.ok()) return SetupFailure(setup.status());
+  WarnIgnoredPolicyFlags({policy});
   setup->options.max_seq_len = o.ctx;
   auto engine = CreateEngine(run->model.weights, setup->options);
   if (!engine.ok()) return EngineFailure(engine.status());

@@ -177,6 +177,7 @@ int StartScheduler(const model::LoadedModel& m,
   auto s = SetUpPolicy(absl::GetFlag(FLAGS_policy), m.weights, {}, kv_options,
                        /*serving=*/true);
   if (!s.ok()) return SetupFailure(s.status());
+  WarnIgnoredPolicyFlags({absl::GetFlag(FLAGS_policy)});
   setup = *std::move(s);
   setup.options.max_seq_len = absl::GetFlag(FLAGS_max_seq_len);
   setup.options.batch = absl::GetFlag(FLAGS_max_batch);

@@ -48,52 +48,10 @@ bool PolicyOptions::SelectsLayerZero() const {
   return dense_layers == 0 && PolicyEntryOf(kind).traits.selects;
 }
 
-absl::Status PolicyOptions::Validate() const {
-  if (!(alpha >= 0.0f)) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("alpha must be >= 0, got %g", alpha));
-  }
-  if (!(partial_ratio > 0.0f && partial_ratio <= 1.0f)) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "partial_ratio must be in (0, 1], got %g", partial_ratio));
-  }
+absl::Status SelectionOptions::Validate() const {
   if (!(budget > 0.0f && budget <= 1.0f)) {
     return absl::InvalidArgumentError(
         absl::StrFormat("budget must be in (0, 1], got %g", budget));
-  }
-  const PolicyEntry& entry = PolicyEntryOf(kind);
-  if (entry.traits.speculates && skew == nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("the %s policy needs a skew", entry.name));
-  }
-  if (!(score_mass >= 0.0f && score_mass <= 1.0f)) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "score_mass must be in [0, 1] (0: the alpha rule), got %g",
-        score_mass));
-  }
-  if (adaptive_budgets) {
-    if (!entry.traits.adaptive_budgets) {
-      std::vector<std::string> takers;
-      for (const PolicyEntry* e : Policies()) {
-        if (e->traits.adaptive_budgets) takers.push_back(e->name);
-      }
-      return absl::InvalidArgumentError(
-          absl::StrFormat("adaptive budgets apply to %s, not %s",
-                          absl::StrJoin(takers, " and "), entry.name));
-    }
-    if (profile == nullptr || profile->empty()) {
-      return absl::InvalidArgumentError(
-          "adaptive budgets need a head profile (written by 'infinigen "
-          "skew' since the profile was added)");
-    }
-    if (!(budget_floor >= 0.0f && budget_floor <= 1.0f)) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "budget_floor must be in [0, 1], got %g", budget_floor));
-    }
-  }
-  if (page_tokens < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("page_tokens must be >= 1, got %d", page_tokens));
   }
   if (dense_layers < 0) {
     return absl::InvalidArgumentError(
@@ -105,6 +63,60 @@ absl::Status PolicyOptions::Validate() const {
         sink_tokens, recent_tokens));
   }
   return absl::OkStatus();
+}
+
+absl::Status InfiniGenOptions::Validate() const {
+  if (!(alpha >= 0.0f)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("alpha must be >= 0, got %g", alpha));
+  }
+  if (!(partial_ratio > 0.0f && partial_ratio <= 1.0f)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "partial_ratio must be in (0, 1], got %g", partial_ratio));
+  }
+  if (!(score_mass >= 0.0f && score_mass <= 1.0f)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "score_mass must be in [0, 1] (0: the alpha rule), got %g",
+        score_mass));
+  }
+  if (adaptive_budgets) {
+    if (profile == nullptr || profile->empty()) {
+      return absl::InvalidArgumentError(
+          "adaptive budgets need a head profile (written by 'infinigen "
+          "skew' since the profile was added)");
+    }
+    if (!(budget_floor >= 0.0f && budget_floor <= 1.0f)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "budget_floor must be in [0, 1], got %g", budget_floor));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status QuestOptions::Validate() const {
+  if (page_tokens < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("page_tokens must be >= 1, got %d", page_tokens));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PolicyOptions::Validate() const {
+  const PolicyEntry& entry = PolicyEntryOf(kind);
+  if (entry.traits.speculates && skew == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("the %s policy needs a skew", entry.name));
+  }
+  if (adaptive_budgets && !entry.traits.adaptive_budgets) {
+    std::vector<std::string> takers;
+    for (const PolicyEntry* e : Policies()) {
+      if (e->traits.adaptive_budgets) takers.push_back(e->name);
+    }
+    return absl::InvalidArgumentError(
+        absl::StrFormat("adaptive budgets apply to %s, not %s",
+                        absl::StrJoin(takers, " and "), entry.name));
+  }
+  return entry.validate == nullptr ? absl::OkStatus() : entry.validate(*this);
 }
 
 int KvPolicy::RowWidth() const {

@@ -65,47 +65,66 @@ enum class PolicyKind {
 absl::StatusOr<PolicyKind> ParsePolicy(absl::string_view name);
 const char* PolicyName(PolicyKind kind);
 
-struct PolicyOptions {
-  PolicyKind kind = PolicyKind::kFull;
-  // infinigen: a token is a candidate when its speculated score is within
-  // alpha of the head's maximum.
-  float alpha = 5.0f;
-  // infinigen: fraction of each head's columns kept in the partial query
-  // weight and partial key cache (4-bit rows, speculator/partial_keys.h).
-  float partial_ratio = 0.3f;
+// Each policy's options are a struct of its own; PolicyOptions carries
+// them all, and a policy reads only its own (its registry entry validates
+// those and names the flags that set them).
+
+// What the policies that choose their rows read (infinigen, oracle, quest;
+// h2o its budget).
+struct SelectionOptions {
   // infinigen: cap on the tokens fetched per head, as a fraction of the
-  // cached tokens. h2o: the kept fraction (half heavy hitters, half recent).
+  // cached tokens; oracle, quest: the fraction (of tokens, of pages) each
+  // head takes. h2o: the kept fraction (half heavy hitters, half recent).
   float budget = 0.2f;
-  // infinigen: how partial columns are ranked over the prompt. false: by
-  // the summed |q A| (the reference); true: by summed |q A| times summed
-  // |k A|, the columns whose products carry the scores (our variant).
-  bool rank_columns_by_keys = false;
-  // Diagnostic (accuracy only): speculate each layer's selection from that
-  // layer's own attention input instead of the previous layer's, so the
-  // fetch cannot leave early. Separates the loss of attending to a subset
-  // from the error of speculating one layer ahead.
-  bool same_layer_input = false;
-  // infinigen: where layer l + 1's query is speculated from. kLayerInput
-  // (the paper): layer l's attention input (its norm of the residual
-  // stream), so the fetch overlaps layer l's attention and MLP.
-  // kPostAttention: layer l + 1's attention norm of the residual stream
-  // after layer l's attention, the input layer l + 1 would see if layer l's
-  // MLP added nothing; the fetch overlaps layer l's MLP only.
-  enum class SpeculationInput { kLayerInput, kPostAttention };
-  SpeculationInput speculation_input = SpeculationInput::kLayerInput;
-  // infinigen, diagnostic: fp32 partial key rows instead of 4-bit ones
-  // (speculator/partial_keys.h), to measure what the 4 bits cost. The
-  // oracle and same_layer_input always rank by fp32 keys.
-  bool exact_partial_keys = false;
-  // infinigen: the skew matrices (not owned; must outlive the engine).
-  // Required for infinigen.
-  const speculator::SkewMatrices* skew = nullptr;
   // infinigen, oracle and quest: the first sink_tokens positions (attention
   // sinks) and the last recent_tokens before the new token are fetched at
   // every speculated layer, besides the speculated selection (quest: the
   // pages that hold them).
   int sink_tokens = 0;
   int recent_tokens = 0;
+  // infinigen, oracle and quest: the first dense_layers layers read every
+  // row (the paper's InfiniGen and Quest: 2). With 0, layer 0 ranks its
+  // rows by its own attention input (exact for its query; its fetch leaves
+  // at the start of the layer, where the whole layer's left at the start
+  // of the step) and every layer shares the budget.
+  int dense_layers = 2;
+
+  // InvalidArgument naming the field out of range.
+  absl::Status Validate() const;
+};
+
+// InfiniGen's own options (the oracle ranks with the same machinery and
+// reads those of its ranking: alpha, score_mass, adaptive budgets).
+struct InfiniGenOptions {
+  // A token is a candidate when its speculated score is within alpha of the
+  // head's maximum.
+  float alpha = 5.0f;
+  // Fraction of each head's columns kept in the partial query weight and
+  // partial key cache (4-bit rows, speculator/partial_keys.h).
+  float partial_ratio = 0.3f;
+  // How partial columns are ranked over the prompt. false: by the summed
+  // |q A| (the reference); true: by summed |q A| times summed |k A|, the
+  // columns whose products carry the scores (our variant).
+  bool rank_columns_by_keys = false;
+  // Diagnostic (accuracy only): speculate each layer's selection from that
+  // layer's own attention input instead of the previous layer's, so the
+  // fetch cannot leave early. Separates the loss of attending to a subset
+  // from the error of speculating one layer ahead.
+  bool same_layer_input = false;
+  // Where layer l + 1's query is speculated from. kLayerInput (the paper):
+  // layer l's attention input (its norm of the residual stream), so the
+  // fetch overlaps layer l's attention and MLP. kPostAttention: layer l +
+  // 1's attention norm of the residual stream after layer l's attention,
+  // the input layer l + 1 would see if layer l's MLP added nothing; the
+  // fetch overlaps layer l's MLP only.
+  enum class SpeculationInput { kLayerInput, kPostAttention };
+  SpeculationInput speculation_input = SpeculationInput::kLayerInput;
+  // Diagnostic: fp32 partial key rows instead of 4-bit ones
+  // (speculator/partial_keys.h), to measure what the 4 bits cost. The
+  // oracle and same_layer_input always rank by fp32 keys.
+  bool exact_partial_keys = false;
+  // The skew matrices (not owned; must outlive the engine). Required.
+  const speculator::SkewMatrices* skew = nullptr;
   // infinigen and oracle: 0 selects by alpha (the paper's rule, one k per
   // layer); in (0, 1], each KV head takes its top tokens until they carry
   // this share of its speculated attention, at most `budget` of the cached
@@ -123,14 +142,20 @@ struct PolicyOptions {
   // The calibration's head profile (not owned; must outlive the engine).
   // Required with adaptive_budgets.
   const speculator::HeadProfile* profile = nullptr;
-  // quest: tokens per page.
-  int page_tokens = 16;
-  // infinigen, oracle and quest: the first dense_layers layers read every
-  // row (the paper's InfiniGen and Quest: 2). With 0, layer 0 ranks its
-  // rows by its own attention input (exact for its query; its fetch leaves
-  // at the start of the layer, where the whole layer's left at the start
-  // of the step) and every layer shares the budget.
-  int dense_layers = 2;
+
+  // InvalidArgument naming the field out of range or what is missing.
+  absl::Status Validate() const;
+};
+
+// Quest's own options.
+struct QuestOptions {
+  int page_tokens = 16;  // tokens per page
+
+  absl::Status Validate() const;
+};
+
+struct PolicyOptions : SelectionOptions, InfiniGenOptions, QuestOptions {
+  PolicyKind kind = PolicyKind::kFull;
 
   // Whether a layer's fetch is chosen from that layer's own input
   // (same_layer_input, oracle, quest) rather than the previous layer's.
@@ -141,7 +166,9 @@ struct PolicyOptions {
   // the start of the layer) rather than all fetched at the step's start.
   bool SelectsLayerZero() const;
 
-  // InvalidArgument for values out of range or a missing skew.
+  // The options `kind` reads (its registry entry's validate): InvalidArgument
+  // for values out of range, a missing skew, or adaptive budgets asked of a
+  // policy without them.
   absl::Status Validate() const;
 };
 

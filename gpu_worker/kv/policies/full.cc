@@ -19,11 +19,13 @@ class FullPolicy final : public KvPolicy {
 
 }  // namespace
 
-const PolicyEntry kFullPolicy = {
+// extern: registry.cc lists it.
+extern const PolicyEntry kFullPolicy = {
     PolicyKind::kFull, "full",
     "offload; every cached row of every layer fetched each step (FlexGen)",
     PolicyTraits(),
     /*set_target_fetch=*/nullptr, &FullPolicy::Make, &NoStateBytes,
+    /*validate=*/nullptr, /*flags=*/{},
 };
 
 }  // namespace infinigen::gpu_worker

@@ -2,6 +2,7 @@
 #include <memory>
 #include <vector>
 
+#include "gpu_worker/kv/policies/policy_util.h"
 #include "gpu_worker/kv/policies/registry.h"
 
 namespace infinigen::gpu_worker {
@@ -152,12 +153,16 @@ class H2OPolicy final : public KvPolicy {
 
 }  // namespace
 
-const PolicyEntry kH2OPolicy = {
+constexpr const char* kH2OFlags[] = {"budget", "target_fetch"};
+
+// extern: registry.cc lists it.
+extern const PolicyEntry kH2OPolicy = {
     PolicyKind::kH2O, "h2o",
     "heavy hitters plus a recent window, a budget of the sequence, evicted "
     "for good",
     PolicyTraits(),
     &H2OPolicy::SetTargetFetch, &H2OPolicy::Make, &H2OPolicy::StateBytes,
+    &ValidateSelection, kH2OFlags,
 };
 
 }  // namespace infinigen::gpu_worker

@@ -492,12 +492,21 @@ absl::StatusOr<int64_t> InfiniGenBytes(const PolicyOptions& o,
 
 }  // namespace
 
-const PolicyEntry kInfiniGenPolicy = {
+constexpr const char* kInfiniGenFlags[] = {
+    "budget", "target_fetch", "dense_layers", "sink_tokens", "recent_tokens",
+    "alpha", "partial_ratio", "partial_key_bits", "speculate_from",
+    "partial_rank", "same_layer_input", "score_mass", "head_budgets",
+    "budget_floor", "skew", "calibration_tokens",
+};
+
+// extern: registry.cc lists it.
+extern const PolicyEntry kInfiniGenPolicy = {
     PolicyKind::kInfiniGen, "infinigen",
     "layer i speculates which tokens layer i + 1 needs (partial query "
     "weight and partial keys after an SVD skew); only those are fetched",
     PolicyTraits().Selects().Speculates().AdaptiveBudgets(),
     &SetSelectedLayersTargetFetch, &MakeInfiniGen, &InfiniGenBytes,
+    &ValidateSelectionAndInfiniGen, kInfiniGenFlags,
 };
 
 }  // namespace infinigen::gpu_worker

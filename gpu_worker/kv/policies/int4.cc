@@ -28,11 +28,13 @@ class Int4Policy final : public KvPolicy {
 
 }  // namespace
 
-const PolicyEntry kInt4Policy = {
+// extern: registry.cc lists it.
+extern const PolicyEntry kInt4Policy = {
     PolicyKind::kInt4, "int4",
     "rows stored group-wise 4-bit (asymmetric, group 64); every row fetched",
     PolicyTraits(),
     /*set_target_fetch=*/nullptr, &Int4Policy::Make, &NoStateBytes,
+    /*validate=*/nullptr, /*flags=*/{},
 };
 
 }  // namespace infinigen::gpu_worker

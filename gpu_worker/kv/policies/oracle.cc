@@ -35,12 +35,22 @@ absl::StatusOr<int64_t> OracleBytes(const PolicyOptions& o,
 
 }  // namespace
 
-const PolicyEntry kOraclePolicy = {
+// Its ranking's own settings are fixed (OracleOptions): of InfiniGen's
+// flags only those of the budgets apply; the skew file and calibration give
+// adaptive budgets their head profile.
+constexpr const char* kOracleFlags[] = {
+    "budget", "target_fetch", "dense_layers", "sink_tokens", "recent_tokens",
+    "score_mass", "head_budgets", "budget_floor", "skew", "calibration_tokens",
+};
+
+// extern: registry.cc lists it.
+extern const PolicyEntry kOraclePolicy = {
     PolicyKind::kOracle, "oracle",
     "the exact top budget of each layer's own attention per KV head (a "
     "diagnostic: the fetch cannot leave early)",
     PolicyTraits().Selects().OwnInput().AdaptiveBudgets(),
     &SetSelectedLayersTargetFetch, &MakeOracle, &OracleBytes,
+    &ValidateSelectionAndInfiniGen, kOracleFlags,
 };
 
 }  // namespace infinigen::gpu_worker

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_format.h"
+#include "common/status.h"
 
 namespace infinigen::gpu_worker {
 
@@ -38,6 +39,20 @@ absl::Status SetSelectedLayersTargetFetch(double fraction, int n_layers,
   options.alpha = 1e9f;
   options.score_mass = 0.0f;
   return absl::OkStatus();
+}
+
+absl::Status ValidateSelection(const PolicyOptions& options) {
+  return options.SelectionOptions::Validate();
+}
+
+absl::Status ValidateSelectionAndInfiniGen(const PolicyOptions& options) {
+  IG_RETURN_IF_ERROR(options.SelectionOptions::Validate());
+  return options.InfiniGenOptions::Validate();
+}
+
+absl::Status ValidateSelectionAndQuest(const PolicyOptions& options) {
+  IG_RETURN_IF_ERROR(options.SelectionOptions::Validate());
+  return options.QuestOptions::Validate();
 }
 
 absl::StatusOr<int64_t> NoStateBytes(const PolicyOptions&,

@@ -28,6 +28,12 @@ void ProjectQuery(Backend& b, const model::ModelConfig& m,
 absl::Status SetSelectedLayersTargetFetch(double fraction, int n_layers,
                                           PolicyOptions& options);
 
+// PolicyEntry::validate of the selecting policies: SelectionOptions, and
+// with it InfiniGenOptions (infinigen, oracle) or QuestOptions (quest).
+absl::Status ValidateSelection(const PolicyOptions& options);
+absl::Status ValidateSelectionAndInfiniGen(const PolicyOptions& options);
+absl::Status ValidateSelectionAndQuest(const PolicyOptions& options);
+
 // PolicyEntry::state_bytes of a policy that keeps no per-token state.
 absl::StatusOr<int64_t> NoStateBytes(const PolicyOptions& options,
                                      const KvPolicy::Context& context);

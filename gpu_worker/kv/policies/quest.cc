@@ -230,12 +230,19 @@ class QuestPolicy final : public KvPolicy {
 
 }  // namespace
 
-const PolicyEntry kQuestPolicy = {
+constexpr const char* kQuestFlags[] = {
+    "budget", "target_fetch", "dense_layers", "sink_tokens", "recent_tokens",
+    "page_tokens",
+};
+
+// extern: registry.cc lists it.
+extern const PolicyEntry kQuestPolicy = {
     PolicyKind::kQuest, "quest",
     "Quest's pages: the top budget of pages per KV head by their key bounds "
     "for the layer's own query",
     PolicyTraits().Selects().OwnInput(),
     &SetSelectedLayersTargetFetch, &QuestPolicy::Make, &QuestPolicy::StateBytes,
+    &ValidateSelectionAndQuest, kQuestFlags,
 };
 
 }  // namespace infinigen::gpu_worker

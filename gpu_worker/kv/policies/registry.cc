@@ -1,13 +1,23 @@
 #include "gpu_worker/kv/policies/registry.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/log.h"
 
 namespace infinigen::gpu_worker {
+
+// Each policy's entry, defined in its file.
+extern const PolicyEntry kFullPolicy;
+extern const PolicyEntry kInfiniGenPolicy;
+extern const PolicyEntry kH2OPolicy;
+extern const PolicyEntry kInt4Policy;
+extern const PolicyEntry kOraclePolicy;
+extern const PolicyEntry kQuestPolicy;
 
 namespace {
 
@@ -50,6 +60,31 @@ std::string TargetFetchPolicyNames() {
     if (entry->set_target_fetch != nullptr) names.push_back(entry->name);
   }
   return absl::StrJoin(names, ", ");
+}
+
+std::vector<std::string> PolicyFlagNames() {
+  std::vector<std::string> names;
+  for (const PolicyEntry* entry : kPolicies) {
+    for (const char* flag : entry->flags) {
+      if (std::find(names.begin(), names.end(), flag) == names.end()) {
+        names.push_back(flag);
+      }
+    }
+  }
+  return names;
+}
+
+std::string PoliciesReadingFlag(absl::string_view flag) {
+  std::vector<std::string> readers;
+  for (const PolicyEntry* entry : kPolicies) {
+    for (const char* f : entry->flags) {
+      if (flag == f) readers.push_back(entry->name);
+    }
+  }
+  if (readers.size() <= 1) return absl::StrJoin(readers, "");
+  const std::string last = readers.back();
+  readers.pop_back();
+  return absl::StrCat(absl::StrJoin(readers, ", "), " and ", last);
 }
 
 }  // namespace infinigen::gpu_worker

@@ -1,14 +1,17 @@
 // The registry of KV policies: for each policy its name, what the rest of
 // the worker asks of it before it exists (its traits, its target-fetch rule,
-// its state size) and its factory. A policy is one file in this directory
-// (its KvPolicy subclass and its PolicyEntry) plus its line in registry.cc
-// and its PolicyKind; the cache, the engine and the commands ask the
-// registry, never a switch over kinds.
+// its state size, the options it checks and the flags that set them) and
+// its factory. A policy is one file in this directory (its KvPolicy
+// subclass and its PolicyEntry) plus its lines in registry.cc and its
+// PolicyKind; the cache, the engine and the commands ask the registry,
+// never a switch over kinds.
 #ifndef INFINIGEN_GPU_WORKER_KV_POLICIES_REGISTRY_H_
 #define INFINIGEN_GPU_WORKER_KV_POLICIES_REGISTRY_H_
 
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -70,15 +73,15 @@ struct PolicyEntry {
   // Bytes of its per-sequence state on the worker (KvPolicy::StateBytes).
   absl::StatusOr<int64_t> (*state_bytes)(const PolicyOptions& options,
                                          const KvPolicy::Context& context);
+  // Checks the options structs it reads (SelectionOptions, InfiniGenOptions,
+  // QuestOptions: PolicyOptions::Validate calls it); null where it reads
+  // none.
+  absl::Status (*validate)(const PolicyOptions& options);
+  // The command-line flags that set the options it reads (without "--"),
+  // for --help and for the warning when a flag set on the command line
+  // has no effect on the chosen policy.
+  absl::Span<const char* const> flags;
 };
-
-// Each policy's entry, defined in its file.
-extern const PolicyEntry kFullPolicy;
-extern const PolicyEntry kInfiniGenPolicy;
-extern const PolicyEntry kH2OPolicy;
-extern const PolicyEntry kInt4Policy;
-extern const PolicyEntry kOraclePolicy;
-extern const PolicyEntry kQuestPolicy;
 
 // Every policy, in the order --help lists them.
 absl::Span<const PolicyEntry* const> Policies();
@@ -90,6 +93,11 @@ const PolicyEntry* FindPolicy(absl::string_view name);
 std::string PolicyNames();
 // The names of those that take a target fetch (set_target_fetch).
 std::string TargetFetchPolicyNames();
+// Every policy's flags (PolicyEntry::flags), each once, in the order the
+// policies list them.
+std::vector<std::string> PolicyFlagNames();
+// The names of the policies whose options `flag` sets, "a, b and c".
+std::string PoliciesReadingFlag(absl::string_view flag);
 
 }  // namespace infinigen::gpu_worker
 

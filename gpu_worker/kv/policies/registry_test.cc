@@ -1,7 +1,9 @@
 #include "gpu_worker/kv/policies/registry.h"
 
+#include <algorithm>
 #include <set>
 #include <string>
+#include <vector>
 
 #include "gmock/gmock.h"
 #include "gpu_worker/kv/kv_cache.h"
@@ -129,6 +131,64 @@ TEST(PolicyRegistry, TraitsDecideTheOptionChecks) {
   EXPECT_FALSE(options.SelectsLayerZero());
   ASSERT_TRUE(SetTargetFetch(0.25, 8, options).ok());
   EXPECT_FLOAT_EQ(options.budget, 0.25f);
+}
+
+// Each policy checks the options structs it reads, and no other's.
+TEST(PolicyRegistry, EachPolicyChecksItsOwnOptions) {
+  const auto skew = speculator::SkewMatrices::Identity(2, 1, 8);
+  auto check = [&](PolicyKind kind, void (*set)(PolicyOptions&)) {
+    PolicyOptions options;
+    options.kind = kind;
+    options.skew = &skew;
+    set(options);
+    return options.Validate();
+  };
+  auto no_pages = [](PolicyOptions& o) { o.page_tokens = 0; };
+  EXPECT_THAT(std::string(check(PolicyKind::kQuest, no_pages).message()),
+              HasSubstr("page_tokens must be >= 1"));
+  EXPECT_TRUE(check(PolicyKind::kInfiniGen, no_pages).ok());
+  EXPECT_TRUE(check(PolicyKind::kFull, no_pages).ok());
+  auto bad_alpha = [](PolicyOptions& o) { o.alpha = -1; };
+  EXPECT_THAT(std::string(check(PolicyKind::kInfiniGen, bad_alpha).message()),
+              HasSubstr("alpha must be >= 0"));
+  EXPECT_TRUE(check(PolicyKind::kQuest, bad_alpha).ok());
+  EXPECT_TRUE(check(PolicyKind::kH2O, bad_alpha).ok());
+  auto bad_budget = [](PolicyOptions& o) { o.budget = 2; };
+  for (PolicyKind kind : {PolicyKind::kH2O, PolicyKind::kQuest,
+                          PolicyKind::kOracle, PolicyKind::kInfiniGen}) {
+    EXPECT_THAT(std::string(check(kind, bad_budget).message()),
+                HasSubstr("budget must be in (0, 1]"))
+        << PolicyName(kind);
+  }
+  EXPECT_TRUE(check(PolicyKind::kFull, bad_budget).ok());
+  EXPECT_TRUE(check(PolicyKind::kInt4, bad_budget).ok());
+}
+
+// The flags an entry lists are those of the options it reads: a budget and
+// a target fetch wherever the fetch is chosen, the selection's flags where
+// layers select, page size only for quest; no flag listed twice.
+TEST(PolicyRegistry, EachPolicyListsTheFlagsOfItsOptions) {
+  auto lists = [](const PolicyEntry& e, absl::string_view flag) {
+    return std::count(e.flags.begin(), e.flags.end(), flag);
+  };
+  for (const PolicyEntry* entry : Policies()) {
+    SCOPED_TRACE(entry->name);
+    std::set<std::string> unique(entry->flags.begin(), entry->flags.end());
+    EXPECT_EQ(unique.size(), entry->flags.size());
+    EXPECT_EQ(lists(*entry, "target_fetch"),
+              entry->set_target_fetch != nullptr ? 1 : 0);
+    EXPECT_EQ(lists(*entry, "budget"), entry->set_target_fetch != nullptr);
+    EXPECT_EQ(lists(*entry, "dense_layers"), entry->traits.selects ? 1 : 0);
+    EXPECT_EQ(lists(*entry, "head_budgets"),
+              entry->traits.adaptive_budgets ? 1 : 0);
+    EXPECT_EQ(lists(*entry, "page_tokens"), entry->kind == PolicyKind::kQuest);
+    EXPECT_EQ(entry->validate == nullptr, entry->flags.empty());
+  }
+  EXPECT_EQ(PoliciesReadingFlag("page_tokens"), "quest");
+  EXPECT_EQ(PoliciesReadingFlag("budget"), "infinigen, h2o, oracle and quest");
+  const std::vector<std::string> all = PolicyFlagNames();
+  EXPECT_EQ(std::set<std::string>(all.begin(), all.end()).size(), all.size());
+  EXPECT_NE(std::find(all.begin(), all.end(), "page_tokens"), all.end());
 }
 
 }  // namespace
