@@ -22,7 +22,8 @@ using model::Weights;
 constexpr char kModel[] = "models/stories260K/stories260K.bin";
 constexpr char kTokenizer[] = "models/stories260K/tok512.bin";
 
-// ../shared/README.md: stories260K's greedy continuation of the prompt.
+// stories260K's greedy (temperature 0) continuation of the prompt, a fact
+// of the model.
 constexpr char kOnceUponATime[] =
     "Once upon a time, there was a little girl named Lily. She loved to play "
     "outside in the park. One day, she saw a big, red ball. She wanted to "

@@ -42,7 +42,8 @@ using ::testing::StartsWith;
 constexpr char kModel[] = "models/stories260K/stories260K.bin";
 constexpr char kTokenizer[] = "models/stories260K/tok512.bin";
 
-// ../shared/README.md: stories260K's greedy continuation of the prompt.
+// stories260K's greedy (temperature 0) continuation of the prompt, a fact
+// of the model.
 constexpr char kPrompt[] = "Once upon a time";
 constexpr char kOnceUponATime[] =
     "Once upon a time, there was a little girl named Lily. She loved to play "
