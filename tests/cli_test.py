@@ -92,6 +92,36 @@ class Cli(unittest.TestCase):
         self.assertEqual(r.returncode, 0, r.stderr)
         self.assertNotIn("has no effect", r.stderr)  # quest reads it
 
+    def test_dummy_weights_need_no_model_file(self):
+        tiny = os.path.join(os.path.dirname(TEXT), "hf_tiny_llama")
+        r = run("bench-decode", "--load_format=dummy", f"--model_config={tiny}",
+                "--ctx=32", "--decode_tokens=4", "--policy=ideal,full",
+                "--backend=cpu", "--json")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        runs = [json.loads(l) for l in r.stdout.splitlines()
+                if l.startswith("{")]
+        self.assertEqual([j["policy"] for j in runs], ["ideal", "full"])
+        for j in runs:
+            self.assertEqual(j["model"], f"dummy:{tiny}")
+            self.assertGreater(j["tokens_per_s"], 0)
+            self.assertGreater(j["prefill_tokens_per_s"], 0)
+        self.assertGreater(runs[1]["fetch_gbps"], 0)
+        for args, words in [
+                (["generate", "--load_format=dummy",
+                  "--model_config=llama-2-7b", "--prompt=x"],
+                 ["dummy has no tokenizer"]),
+                (["bench-decode", "--load_format=dummy", "--ctx=8"],
+                 ["needs --model_config", "llama-2-7b, llama-3-8b, opt-13b"]),
+                (["bench-decode", "--load_format=dummy",
+                  "--model_config=llama-9b", "--ctx=8"],
+                 ["'llama-9b' is neither a known model"]),
+                (["bench-decode", f"--model={MODEL}",
+                  "--model_config=llama-2-7b", "--ctx=8"],
+                 ["--model_config applies to --load_format=dummy"]),
+                (["bench-decode", "--load_format=gguf", f"--model={MODEL}"],
+                 ["--load_format must be auto or dummy"])]:
+            self.assert_one_line_failure(run(*args), 2, words)
+
     def assert_one_line_failure(self, r, code, words):
         self.assertEqual(r.returncode, code, r.stderr)
         self.assertEqual(r.stdout, "")

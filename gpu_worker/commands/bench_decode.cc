@@ -52,7 +52,7 @@ void PrintTable(const std::vector<DecodeBenchResult>& results) {
   const DecodeBenchResult& first = results[0];
   std::printf(
       "bench-decode: %s, ctx %d, batch %d, %d steps, KV node %s, backend %s\n",
-      absl::GetFlag(FLAGS_model).c_str(), first.ctx, first.batch, first.steps,
+      ModelNameFromFlags().c_str(), first.ctx, first.batch, first.steps,
       absl::GetFlag(FLAGS_kv_service).c_str(), first.backend.c_str());
   std::printf("| policy | tokens/s | p50 ms/step | p99 ms/step | KV bytes "
               "fetched/token | rows fetched | fetch wait | prefill s | "
@@ -78,6 +78,7 @@ void PrintTable(const std::vector<DecodeBenchResult>& results) {
 
 void PrintJson(const DecodeBenchResult& r) {
   nlohmann::json j;
+  j["model"] = ModelNameFromFlags();
   j["policy"] = r.policy;
   j["backend"] = r.backend;
   j["kv_service"] = absl::GetFlag(FLAGS_kv_service);
@@ -93,6 +94,17 @@ void PrintJson(const DecodeBenchResult& r) {
   j["fetch_wait_fraction"] = r.fetch.wait_seconds / r.seconds;
   j["compute_fraction"] = 1.0 - r.fetch.wait_seconds / r.seconds;
   j["prefill_seconds"] = r.prefill_seconds;
+  // Prompt tokens computed per second of prefill (reused ones excluded).
+  j["prefill_tokens_per_s"] =
+      r.prefill_seconds > 0
+          ? (static_cast<double>(r.ctx) * r.batch - r.cached_tokens) /
+                r.prefill_seconds
+          : 0.0;
+  // Bytes fetched per second spent waiting for fetches: a lower bound of
+  // the fetch path's rate where fetches overlap compute.
+  j["fetch_gbps"] = r.fetch.wait_seconds > 0
+                        ? r.fetch.bytes_fetched / r.fetch.wait_seconds / 1e9
+                        : 0.0;
   j["worker_kv_bytes"] = r.worker_kv_bytes;
   j["memory_node_bytes"] = r.memory_node_bytes;
   j["peak_rss_bytes"] = r.peak_rss_bytes;

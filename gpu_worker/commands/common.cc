@@ -22,10 +22,20 @@
 #include "gpu_worker/kv/kv_policy.h"
 #include "gpu_worker/kv/model_identity.h"
 #include "kv_memory_service/kv_store.h"
+#include "model/dummy.h"
 
 ABSL_FLAG(std::string, model, "",
           "Model file: a llama2.c checkpoint (.bin), a GGUF file, or a Hugging "
           "Face safetensors directory / file with config.json beside it.");
+ABSL_FLAG(std::string, load_format, "auto",
+          "auto: read --model; dummy: no file, deterministic random weights "
+          "at the shape --model_config names (for speed measurements: the "
+          "text is noise, and there is no tokenizer, so only bench-decode's "
+          "synthetic context runs).");
+ABSL_FLAG(std::string, model_config, "",
+          "With --load_format=dummy: the model whose shape to build, "
+          "llama-2-7b, llama-3-8b, opt-13b (their Hugging Face config.json; "
+          "the Llama ones take contexts up to 131072) or a config.json path.");
 ABSL_FLAG(std::string, tokenizer, "",
           "Tokenizer file for models that carry none (llama2.c tok*.bin, or a "
           "GGUF file whose vocabulary to use).");
@@ -234,7 +244,8 @@ std::vector<const char*> WithEngineFlags(std::vector<const char*> own) {
         "budget_floor", "page_tokens", "target_fetch", "skew",
         "kv_service", "kv_auth_token_file", "kv_tls_ca", "kv_tls_cert",
         "kv_tls_key", "kv_tls_server_name", "kv_capacity", "eviction",
-        "max_worker_kv_bytes", "backend", "threads"}) {
+        "max_worker_kv_bytes", "backend", "threads", "load_format",
+        "model_config"}) {
     own.push_back(f);
   }
   return own;
@@ -280,7 +291,55 @@ int LoadFailure(const absl::Status& status) {
               status);
 }
 
+// --load_format=dummy: weights at --model_config's shape, no file.
+absl::StatusOr<model::LoadedModel> DummyFromFlags(bool need_tokenizer) {
+  const std::string name = absl::GetFlag(FLAGS_model_config);
+  if (name.empty()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--load_format=dummy needs --model_config (%s, or a config.json)",
+        absl::StrJoin(model::DummyModelPresets(), ", ")));
+  }
+  if (need_tokenizer) {
+    return absl::InvalidArgumentError(
+        "--load_format=dummy has no tokenizer: it serves speed measurements "
+        "(bench-decode without --text); load a real --model for text");
+  }
+  if (!absl::GetFlag(FLAGS_model).empty()) {
+    return absl::InvalidArgumentError(
+        "--model and --load_format=dummy exclude each other");
+  }
+  IG_ASSIGN_OR_RETURN(model::HfModelConfig config,
+                      model::DummyModelConfig(name));
+  const auto start = std::chrono::steady_clock::now();
+  model::LoadedModel m;
+  m.weights = model::DummyWeights(config);
+  IG_LOG(INFO) << "dummy weights at the shape of " << name << " ("
+               << m.weights.config.DebugString() << ") made in "
+               << absl::StrFormat("%.2f", std::chrono::duration<double>(
+                                              std::chrono::steady_clock::now() -
+                                              start)
+                                              .count())
+               << " s";
+  return m;
+}
+
+std::string ModelNameFromFlags() {
+  return absl::GetFlag(FLAGS_load_format) == "dummy"
+             ? "dummy:" + absl::GetFlag(FLAGS_model_config)
+             : absl::GetFlag(FLAGS_model);
+}
+
 absl::StatusOr<model::LoadedModel> LoadFromFlags(bool need_tokenizer) {
+  const std::string format = absl::GetFlag(FLAGS_load_format);
+  if (format == "dummy") return DummyFromFlags(need_tokenizer);
+  if (format != "auto") {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--load_format must be auto or dummy, got '%s'", format));
+  }
+  if (!absl::GetFlag(FLAGS_model_config).empty()) {
+    return absl::InvalidArgumentError(
+        "--model_config applies to --load_format=dummy only");
+  }
   const std::string path = absl::GetFlag(FLAGS_model);
   if (path.empty()) {
     return absl::InvalidArgumentError("--model is required");

@@ -91,6 +91,9 @@ absl::StatusOr<std::unique_ptr<gpu_worker::Engine>> CreateEngine(
 // --model (and --tokenizer); InvalidArgument when need_tokenizer and the
 // model carries none.
 absl::StatusOr<model::LoadedModel> LoadFromFlags(bool need_tokenizer);
+// What the flags load, for reports: --model's path, or "dummy:NAME" under
+// --load_format=dummy.
+std::string ModelNameFromFlags();
 
 // The scored text of a perplexity or skew run: the model, and --text's
 // tokens (encoded as the model's own tokenizer does, without BOS).
