@@ -9,9 +9,13 @@
 # h2d_bandwidth and the CUDA test binaries), lib/ (every
 # shared library they load that is not part of the C library or the NVIDIA
 # driver), models/stories260K, the SmolLM2 GGUF when the fetch script has
-# cached it, and run.sh (scripts/gpu_host_run.sh). On the GPU host:
+# cached it, run.sh (scripts/gpu_host_run.sh) and gpu_bench.sh
+# (scripts/gpu_bench.sh, with bench/hf_baseline.py and its report). On the
+# GPU host:
 #
-#   DIR/run.sh OUT_DIR
+#   DIR/run.sh OUT_DIR          the CUDA tests and the SmolLM2 benchmarks
+#   DIR/gpu_bench.sh OUT_DIR    the llama-2-7b-shaped benchmark against
+#                               Hugging Face Transformers (8 minutes)
 #
 # --archive also writes DIR.tar.xz (for hosts reached through a size-limited
 # copy, such as the device machine's 64 MiB carry): unpack it there with
@@ -84,6 +88,10 @@ done | sort -u | while read -r lib; do
 done
 cp scripts/gpu_host_run.sh "${OUT}/run.sh"
 chmod +x "${OUT}/run.sh"
+cp scripts/gpu_bench.sh "${OUT}/gpu_bench.sh"
+mkdir -p "${OUT}/bench"
+cp bench/hf_baseline.py bench/gpu_bench_report.py "${OUT}/bench/"
+git rev-parse HEAD > "${OUT}/COMMIT" 2>/dev/null || echo unknown > "${OUT}/COMMIT"
 du -sh "${OUT}" >&2
 if [ "${ARCHIVE}" = 1 ]; then
   tar -C "$(dirname "${OUT}")" -cJf "${OUT}.tar.xz" "$(basename "${OUT}")"

@@ -23,6 +23,7 @@
 
 ABSL_DECLARE_FLAG(std::string, model);
 ABSL_DECLARE_FLAG(std::string, tokenizer);
+ABSL_DECLARE_FLAG(std::string, load_format);
 ABSL_DECLARE_FLAG(std::string, text);
 ABSL_DECLARE_FLAG(int, ctx);
 ABSL_DECLARE_FLAG(bool, json);

@@ -6,6 +6,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_format.h"
+#include "gpu_worker/eval/bench_decode.h"
 #include "gpu_worker/eval/calibrate.h"
 #include "gpu_worker/commands/common.h"
 
@@ -19,7 +20,22 @@ int RunSkew() {
   if (out.empty()) {
     return Fail(kExitUsage, absl::InvalidArgumentError("--out is required"));
   }
-  auto run = LoadTextRun();
+  // Dummy weights have no tokenizer: they calibrate on bench-decode's
+  // synthetic tokens (a skew for speed measurements, not for accuracy).
+  const bool synthetic = absl::GetFlag(FLAGS_load_format) == "dummy" &&
+                         absl::GetFlag(FLAGS_text).empty();
+  absl::StatusOr<TextRun> run;
+  if (synthetic) {
+    auto m = LoadFromFlags(/*need_tokenizer=*/false);
+    if (!m.ok()) return LoadFailure(m.status());
+    run.emplace();
+    run->model = *std::move(m);
+    run->tokens = gpu_worker::DecodeBenchSource(
+        {}, absl::GetFlag(FLAGS_calibration_tokens),
+        run->model.weights.config.vocab_size);
+  } else {
+    run = LoadTextRun();
+  }
   if (!run.ok()) return LoadFailure(run.status());
   const int n = std::min<int>({static_cast<int>(run->tokens.size()),
                                absl::GetFlag(FLAGS_calibration_tokens),
@@ -52,8 +68,10 @@ const Command& SkewCommand() {
       "--head_budgets=adaptive, measured with --partial_ratio, "
       "--speculate_from, --partial_key_bits and --dense_layers, by default as "
       "infinigen speculates under --target_fetch) from calibration text and "
-      "writes them to --out.",
-      {"model", "tokenizer", "text", "calibration_tokens", "partial_ratio",
+      "writes them to --out. With --load_format=dummy and no --text, from "
+      "synthetic tokens (for speed measurements).",
+      {"model", "load_format", "model_config", "tokenizer", "text",
+       "calibration_tokens", "partial_ratio",
        "speculate_from", "partial_key_bits", "dense_layers", "out", "threads"},
       RunSkew};
   return *command;

@@ -1,0 +1,183 @@
+"""scripts/gpu_bench.sh and its report, on the CPU: the same commands the GPU
+host runs, at a tiny shape, end to end; the report's rows and goals from
+made-up runs; the Transformers baseline's model presets against infinigen's.
+
+Usage: gpu_bench_test.py GPU_BENCH_SH INFINIGEN TINY_CONFIG_DIR DUMMY_CC
+"""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import unittest
+
+SCRIPT, INFINIGEN, TINY, DUMMY_CC = [os.path.abspath(a) for a in sys.argv[1:5]]
+BENCH = os.path.join(os.path.dirname(os.path.dirname(SCRIPT)), "bench")
+sys.path.insert(0, BENCH)
+import gpu_bench_report  # noqa: E402
+import hf_baseline  # noqa: E402
+
+
+class GpuBench(unittest.TestCase):
+    def setUp(self):
+        self.out = tempfile.mkdtemp(prefix="gpu_bench_test_")
+
+    def tearDown(self):
+        shutil.rmtree(self.out, ignore_errors=True)
+
+    def load(self, name):
+        with open(os.path.join(self.out, name)) as f:
+            return json.load(f) if name.endswith(".json") else f.read()
+
+    @staticmethod
+    def write(path, text):
+        with open(path, "w") as f:
+            f.write(text)
+
+    def test_the_presets_are_infinigens(self):
+        with open(DUMMY_CC) as f:
+            text = f.read()
+        presets = dict(re.findall(r'\{"([a-z0-9.-]+)",\s*R"\((\{.*?\})\)"\}',
+                                  text, re.S))
+        self.assertEqual(set(presets), {"llama-2-7b", "llama-3-8b",
+                                        "opt-13b"})
+        for name, config in hf_baseline.PRESETS.items():
+            self.assertEqual(json.loads(presets[name]), config, name)
+
+    def test_cpu_run_of_every_command(self):
+        r = subprocess.run(
+            [SCRIPT, self.out, "--backend=cpu", f"--infinigen={INFINIGEN}",
+             f"--model_config={TINY}", "--shapes=32x1,16x2", "--big=48x2",
+             "--decode_tokens=4", "--budget_s=300"],
+            capture_output=True, text=True, timeout=600)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        report = self.load("gpu_bench.json")
+        self.assertTrue(os.path.exists(os.path.join(self.out,
+                                                    "gpu_bench.md")))
+        rows = {(x["system"], x["policy"], x["ctx"], x["batch"]): x
+                for x in report["runs"]}
+        for ctx, batch in [(32, 1), (16, 2)]:
+            for policy in ["ideal", "full", "h2o", "int4", "infinigen"]:
+                row = rows[("infinigen", policy, ctx, batch)]
+                self.assertFalse(row["refused"], row)
+                self.assertGreater(row["decode_tokens_per_s"], 0)
+                self.assertGreater(row["prefill_tokens_per_s"], 0)
+            self.assertIsNone(rows[("infinigen", "ideal", ctx, batch)]
+                              ["fetch_gbps"])
+            self.assertEqual(rows[("infinigen", "full", ctx, batch)]
+                             ["fetch_fraction"], 1.0)
+            # --target_fetch=0.1 with the skew the script calibrated once.
+            self.assertLess(rows[("infinigen", "infinigen", ctx, batch)]
+                            ["fetch_fraction"], 0.5)
+            for cache in ["dynamic", "offloaded"]:
+                row = rows[("hf-transformers", cache, ctx, batch)]
+                # Without torch here the run says so; with it, it ran.
+                if row["refused"]:
+                    self.assertIn("needs torch and transformers",
+                                  row["reason"])
+                else:
+                    self.assertGreater(row["decode_tokens_per_s"], 0)
+        for policy in ["ideal", "full", "infinigen"]:
+            self.assertIn(("infinigen", policy, 48, 2), rows)
+        self.assertEqual(len(report["goals"]), 7)
+
+    def test_bad_arguments_are_usage_errors(self):
+        for args in [[], ["--budget_s=ten", self.out],
+                     ["--shapes=4096", self.out], ["--bogus", self.out],
+                     [self.out, self.out + "2"]]:
+            r = subprocess.run([SCRIPT, *args], capture_output=True,
+                               text=True, timeout=60)
+            self.assertEqual(r.returncode, 2, args)
+            self.assertEqual(len(r.stderr.strip().splitlines()), 1, r.stderr)
+            self.assertIn("gpu_bench.sh:", r.stderr)
+
+    def test_report_rows_and_goals(self):
+        runs = os.path.join(self.out, "runs")
+        os.makedirs(runs)
+        self.write(os.path.join(self.out, "device.csv"),
+                   "NVIDIA H100 80GB HBM3, 570.1, 81559\n")
+
+        def put(name, cmd, out="", err="", rc=0, timed_out=False):
+            base = os.path.join(runs, name)
+            self.write(base + ".cmd", "\n".join(cmd) + "\n")
+            self.write(base + ".out", out)
+            self.write(base + ".err", err)
+            self.write(base + ".meta.json", json.dumps(
+                {"name": name, "rc": rc, "timed_out": timed_out,
+                 "skipped": False, "seconds": 1.0}))
+
+        def ig(policy, ctx, batch, tps, gbps=0, frac=1.0, prefill=100.0):
+            return json.dumps({"policy": policy, "tokens_per_s": tps,
+                               "prefill_tokens_per_s": prefill,
+                               "fetch_gbps": gbps,
+                               "fetch_fraction_mean": frac})
+
+        put("h2d", ["h2d_bandwidth"],
+            '{"pinned_gbps": 50.0}\n{"pinned_gbps": 55.0}\n')
+        put("ig_full", ["infinigen", "--ctx=32768", "--batch=1",
+                        "--policy=full,h2o"],
+            ig("full", 32768, 1, 2.0, gbps=45.0) + "\n" +
+            ig("h2o", 32768, 1, 3.0, frac=0.1) + "\n")
+        put("ig_inf", ["infinigen", "--ctx=32768", "--batch=1",
+                       "--policy=infinigen"],
+            ig("infinigen", 32768, 1, 7.0, frac=0.1) + "\n")
+        put("ig_ideal", ["infinigen", "--ctx=32768", "--batch=6",
+                         "--policy=ideal"], "",
+            "I loaded\ninfinigen: policy ideal needs 96.0 GiB\n", rc=1)
+        put("hf_off", ["python3", "hf_baseline.py", "--ctx=32768",
+                       "--batch=1", "--cache=offloaded"],
+            json.dumps({"system": "hf-transformers", "policy": "offloaded",
+                        "decode_tokens_per_s": 1.0,
+                        "prefill_tokens_per_s": 10.0}) + "\n")
+        put("hf_dyn", ["python3", "hf_baseline.py", "--ctx=4096",
+                       "--batch=1", "--cache=dynamic"], "", "", rc=124,
+            timed_out=True)
+        r = subprocess.run([sys.executable,
+                            os.path.join(BENCH, "gpu_bench_report.py"),
+                            self.out], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        report = self.load("gpu_bench.json")
+        self.assertEqual(report["device"], "NVIDIA H100 80GB HBM3")
+        self.assertEqual(report["driver"], "570.1")
+        self.assertEqual(report["h2d_pinned_gbps"], 55.0)
+        rows = {(x["system"], x["policy"], x["ctx"], x["batch"]): x
+                for x in report["runs"]}
+        ideal = rows[("infinigen", "ideal", 32768, 6)]
+        self.assertTrue(ideal["refused"])
+        self.assertEqual(ideal["reason"],
+                         "infinigen: policy ideal needs 96.0 GiB")
+        # llama-2-7b at 32768 x 6: 96 GiB of fp16 KV > 80 GB.
+        self.assertTrue(ideal["kv_exceeds_gpu"])
+        self.assertFalse(rows[("infinigen", "full", 32768, 1)]
+                         ["kv_exceeds_gpu"])
+        self.assertTrue(rows[("hf-transformers", "dynamic", 4096, 1)]
+                        ["timed_out"])
+        goals = {g["goal"]: g for g in report["goals"]}
+        fetch = goals["full's fetch >= 0.8x pinned host-to-device "
+                      "(ctx 32768, batch 1)"]
+        self.assertAlmostEqual(fetch["ratio"], 45.0 / 55.0)
+        self.assertTrue(fetch["met"])
+        vs_full = goals["infinigen >= 3x full (ctx 32768, batch 1)"]
+        self.assertAlmostEqual(vs_full["ratio"], 3.5)
+        self.assertTrue(vs_full["met"])
+        vs_hf = goals["infinigen >= 3x Transformers' offloaded cache "
+                      "(ctx 32768, batch 1)"]
+        self.assertAlmostEqual(vs_hf["ratio"], 7.0)
+        self.assertIsNone(goals["infinigen >= 3x full (ctx 8192, batch 8)"]
+                          ["met"])
+        md = self.load("gpu_bench.md")
+        self.assertIn("| infinigen | full | 32768 | 1 | 2.00 |", md)
+        self.assertIn("refused: infinigen: policy ideal needs 96.0 GiB", md)
+
+    def test_kv_bytes_of_the_presets(self):
+        cfg = hf_baseline.PRESETS["llama-2-7b"]
+        self.assertEqual(gpu_bench_report.kv_bytes(cfg, 32768, 6),
+                         96 * 2**30)
+        self.assertEqual(gpu_bench_report.kv_bytes(
+            hf_baseline.PRESETS["llama-3-8b"], 8192, 1), 2**30)
+
+
+if __name__ == "__main__":
+    unittest.main(argv=sys.argv[:1], verbosity=2)
