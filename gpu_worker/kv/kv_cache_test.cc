@@ -20,6 +20,7 @@
 #include "gmock/gmock.h"
 #include "gpu_worker/backend/cpu/cpu_backend.h"
 #include "gpu_worker/engine.h"
+#include "gpu_worker/eval/calibrate.h"
 #include "gtest/gtest.h"
 #include "absl/synchronization/mutex.h"
 #include "kv_memory_service/kv_store.h"
@@ -596,18 +597,22 @@ TEST_F(KvCacheTest, APrefixReusedFromTheNodeDecodesAsWithoutReuse) {
   }
 }
 
-// h2o ranks by the prompt's own attention: it never reuses.
-TEST_F(KvCacheTest, H2ONeverReusesAPrefix) {
-  FakeKvClient node;
-  EngineOptions o = Options("h2o", &node);
-  o.kv.prefix_block_tokens = 8;
-  o.kv.model_identity = "test-model";
-  const std::vector<int> prompt = Tokens(40);
-  for (int i = 0; i < 2; ++i) {
-    auto e = Engine::Create(weights_, NewCpuBackend(), o);
-    ASSERT_TRUE(e.ok());
-    ASSERT_TRUE((*e)->Forward(prompt, false).ok());
-    EXPECT_EQ((*e)->cached_tokens(), 0);
+// h2o ranks by the prompt's own attention, and int4's stored rows are far
+// from the exact ones its prefill attends over: neither reuses.
+TEST_F(KvCacheTest, H2OAndInt4NeverReuseAPrefix) {
+  for (std::string kind : {"h2o", "int4"}) {
+    SCOPED_TRACE(kind);
+    FakeKvClient node;
+    EngineOptions o = Options(kind, &node);
+    o.kv.prefix_block_tokens = 8;
+    o.kv.model_identity = "test-model";
+    const std::vector<int> prompt = Tokens(40);
+    for (int i = 0; i < 2; ++i) {
+      auto e = Engine::Create(weights_, NewCpuBackend(), o);
+      ASSERT_TRUE(e.ok());
+      ASSERT_TRUE((*e)->Forward(prompt, false).ok());
+      EXPECT_EQ((*e)->cached_tokens(), 0);
+    }
   }
 }
 
@@ -631,6 +636,63 @@ ForcedRun Forced(Engine& e, const std::vector<int>& prompt,
   }
   run.status = logits.status();
   return run;
+}
+
+// Reuse never changes an answer: every policy that reuses a prefix gives,
+// when its prompt's rows come from the node (twice, from two workers), the
+// logits it gives when it computes them, bit for bit, at every step; a
+// prefill attends over its rows as stored, as a reused prefix's are.
+// InfiniGen both with a given skew (as from a --skew file) and with one
+// calibrated on the prompt (as without one).
+TEST_F(KvCacheTest, EveryPolicyGivesTheSameLogitsWithAndWithoutReuse) {
+  const std::vector<int> shared = Tokens(70);
+  std::vector<int> prompt = shared;
+  prompt.push_back(5);
+  prompt.push_back(9);
+  const std::vector<int> next = {3, 17, 40, 2, 57, 12, 6, 33};
+  auto calibrated = CalibrateSkew(weights_, prompt);
+  ASSERT_TRUE(calibrated.ok()) << calibrated.status();
+  struct Config {
+    std::string policy;
+    const speculator::SkewMatrices* skew;
+  };
+  for (const Config& config :
+       {Config{"full", &identity_},
+        Config{"quest", &identity_}, Config{"oracle", &identity_},
+        Config{"infinigen", &identity_}, Config{"infinigen", &*calibrated}}) {
+    SCOPED_TRACE(config.policy + (config.skew == &identity_
+                                      ? " (given skew)"
+                                      : " (skew calibrated on the prompt)"));
+    FakeKvClient node;
+    EngineOptions o = Options(config.policy, &node);
+    o.kv.policy->skew = config.skew;
+    o.kv.prefix_block_tokens = 8;
+    o.kv.model_identity = "test-model";
+    EngineOptions plain = o;
+    plain.kv.prefix_block_tokens = 0;
+    auto computed = Engine::Create(weights_, NewCpuBackend(), plain);
+    ASSERT_TRUE(computed.ok()) << computed.status();
+    const ForcedRun want = Forced(**computed, prompt, next);
+    ASSERT_TRUE(want.status.ok()) << want.status;
+    // The first worker computes and publishes the shared prefix.
+    auto first = Engine::Create(weights_, NewCpuBackend(), o);
+    ASSERT_TRUE(first.ok());
+    const ForcedRun published = Forced(**first, shared, {});
+    ASSERT_TRUE(published.status.ok()) << published.status;
+    EXPECT_EQ((*first)->cached_tokens(), 0);
+    for (int worker = 0; worker < 2; ++worker) {
+      auto e = Engine::Create(weights_, NewCpuBackend(), o);
+      ASSERT_TRUE(e.ok());
+      const ForcedRun got = Forced(**e, prompt, next);
+      ASSERT_TRUE(got.status.ok()) << got.status;
+      EXPECT_EQ((*e)->cached_tokens(), 64) << worker;
+      ASSERT_EQ(got.logits.size(), want.logits.size());
+      for (size_t i = 0; i < want.logits.size(); ++i) {
+        EXPECT_EQ(got.logits[i], want.logits[i])
+            << "worker " << worker << ", step " << i;
+      }
+    }
+  }
 }
 
 // The node loses the sequence mid-generation: with recompute the engine

@@ -233,7 +233,10 @@ class KvPolicy {
 
   // Prefix reuse (kv_cache.h): a sequence may start from the rows of a
   // prompt prefix another sequence computed. Whether this policy can:
-  // false where it needs the whole prompt's attention itself (h2o).
+  // false where it needs the whole prompt's attention itself (h2o) or
+  // where its stored rows are far from the exact ones (int4). A policy that
+  // reuses attends, in its prefill, over its rows as stored (as it does
+  // over a reused prefix's), so that reuse never changes an answer.
   virtual bool ReusesPrefix() const { return true; }
   // What the policy derives from prefill queries and keys beyond the
   // stored rows, per layer, as floats that add up over tokens (InfiniGen:

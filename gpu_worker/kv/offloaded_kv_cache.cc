@@ -102,6 +102,17 @@ absl::Status OffloadedKvCache::InitSharedBuffers() {
                                                          "decoded K rows"));
   IG_ASSIGN_OR_RETURN(v_rows_, DeviceBuffer<float>::Make(&backend_, decoded,
                                                          "decoded V rows"));
+  const size_t chunk = static_cast<size_t>(options_.max_chunk);
+  IG_ASSIGN_OR_RETURN(
+      chunk_rows_, DeviceBuffer<float>::Make(&backend_, 2 * chunk * c_.kv_dim(),
+                                             "prefill chunk rows"));
+  if (layout_.staged) {
+    IG_ASSIGN_OR_RETURN(
+        chunk_stage_,
+        DeviceBuffer<uint16_t>::Make(
+            &backend_, 2 * chunk * c_.n_kv_heads * layout_.row_width,
+            "prefill chunk staging"));
+  }
   if (layout_.attention_probs) {
     const size_t n = static_cast<size_t>(c_.n_heads) * stride_;
     IG_ASSIGN_OR_RETURN(probs_, DeviceBuffer<float>::Make(
@@ -115,7 +126,6 @@ absl::Status OffloadedKvCache::InitSharedBuffers() {
                                                   "attention probabilities"));
     prefill_probs_host_.assign(n, 0.0f);
   }
-  const size_t chunk = options_.max_chunk;
   q_host_.resize(chunk * c_.q_dim());
   k_host_.resize(chunk * c_.kv_dim());
   v_host_.resize(chunk * c_.kv_dim());

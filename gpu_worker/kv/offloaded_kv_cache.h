@@ -64,8 +64,13 @@ struct Layout {
     const int64_t host_rows =  // prefill chunk and step rows, read here
         int64_t{max_chunk} * (c.q_dim() + 2 * c.kv_dim()) * 4 +
         int64_t{2} * c.n_layers * c.kv_dim() * 4;
+    // A prefill chunk's rows decoded from their stored form, and (device
+    // backends) that form staged on the device.
+    const int64_t chunk_rows =
+        int64_t{2} * max_chunk * c.kv_dim() * 4 +
+        (staged ? int64_t{2} * max_chunk * c.n_kv_heads * row_width * 2 : 0);
     // Probabilities (h2o): on the backend and their host copies.
-    return decoded + stage + host_rows +
+    return decoded + stage + host_rows + chunk_rows +
            (attention_probs ? int64_t{2} * c.n_heads * (max_seq + 1) * 4 : 0) +
            (prefill_probs ? int64_t{2} * c.n_heads * max_seq * 4 : 0);
   }
@@ -264,6 +269,13 @@ class OffloadedKvCache final : public KvCache {
   // step's fetched rows plus the new token, or one prefill layer's keys and
   // values.
   DeviceBuffer<float> k_rows_, v_rows_;
+  // A prefill chunk's K then V rows [2][max_chunk][kv_dim] as the memory
+  // node will hold them (encoded, then decoded on the backend), and on
+  // device backends their encoded form copied there [2][max_chunk][kv_head]
+  // [row_width]; chunk_stage_free_ marks the decode that last read it.
+  DeviceBuffer<float> chunk_rows_;
+  DeviceBuffer<uint16_t> chunk_stage_;
+  Backend::Mark chunk_stage_free_ = 0;
   // Attention probabilities (h2o), on the backend and their host copies.
   DeviceBuffer<float> probs_;          // [n_heads][stride_]
   DeviceBuffer<float> prefill_probs_;  // [n_heads][max_seq]

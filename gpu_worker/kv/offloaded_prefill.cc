@@ -66,13 +66,42 @@ absl::Status OffloadedKvCache::PrefillAttention(int layer, int pos, int rows,
                     layout_.row_width;
   s.policy->EncodeRows(k_host_.data(), rows * c_.n_kv_heads, &k_stage_[at]);
   s.policy->EncodeRows(v_host_.data(), rows * c_.n_kv_heads, &v_stage_[at]);
-  // The layer's keys and values so far, exact, for its attention.
+  // A policy that reuses prefixes attends over the chunk's rows as the
+  // memory node will hold them (encoded, then decoded on the backend), as it
+  // reads a reused prefix's and as decode steps read every row: a prefill
+  // computed here and one that attaches another sequence's stored rows give
+  // the same result, bit for bit. The others attend over the exact rows.
+  const float* k_att = k;
+  const float* v_att = v;
+  if (s.policy->ReusesPrefix()) {
+    const size_t row_values = static_cast<size_t>(rows) * c_.n_kv_heads *
+                              layout_.row_width;
+    const uint16_t* k_stored = &k_stage_[at];
+    const uint16_t* v_stored = &v_stage_[at];
+    if (layout_.staged) {
+      backend_.CopyFromHost(chunk_stage_.data(), k_stored,
+                            row_values * sizeof(uint16_t), chunk_stage_free_);
+      backend_.CopyFromHost(chunk_stage_.data() + row_values, v_stored,
+                            row_values * sizeof(uint16_t), chunk_stage_free_);
+      k_stored = chunk_stage_.data();
+      v_stored = chunk_stage_.data() + row_values;
+    }
+    float* k_dec = chunk_rows_.data();
+    float* v_dec = k_dec + static_cast<size_t>(rows) * kvd;
+    const KvRowFormat format = s.policy->row_format();
+    backend_.DecodeKvRows(k_stored, rows * c_.n_kv_heads, hd, format, k_dec);
+    backend_.DecodeKvRows(v_stored, rows * c_.n_kv_heads, hd, format, v_dec);
+    chunk_stage_free_ = backend_.MarkIssued();
+    k_att = k_dec;
+    v_att = v_dec;
+  }
+  // The layer's keys and values so far, for its attention.
   for (int i = 0; i < rows; ++i) {
     for (int g = 0; g < c_.n_kv_heads; ++g) {
       const size_t dst = (static_cast<size_t>(g) * stride_ + pos + i) * hd;
       const size_t src = static_cast<size_t>(i) * kvd + g * hd;
-      backend_.Copy(k_rows_.data() + dst, k + src, hd);
-      backend_.Copy(v_rows_.data() + dst, v + src, hd);
+      backend_.Copy(k_rows_.data() + dst, k_att + src, hd);
+      backend_.Copy(v_rows_.data() + dst, v_att + src, hd);
     }
   }
   float* probs = nullptr;

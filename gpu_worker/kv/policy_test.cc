@@ -845,10 +845,13 @@ TEST_F(PolicyTest, FetchedRowsMoveThroughPinnedCopiesInMarkOrder) {
       } else {
         // The CPU attends over fp16 rows where they lie (AttendStoredRows),
         // the staged path over decoded rows: the same values summed in
-        // another order.
+        // another order (1e-4 apart). Each step's new rows are stored in
+        // fp16 from each engine's own activations, so such a difference
+        // can flip an fp16 rounding (1e-3 of the value) and carry into the
+        // later steps.
         ASSERT_EQ(g.size(), w.size());
         for (size_t j = 0; j < w.size(); ++j) {
-          ASSERT_NEAR(g[j], w[j], 1e-3f * (1.0f + std::fabs(w[j]))) << j;
+          ASSERT_NEAR(g[j], w[j], 5e-3f * (1.0f + std::fabs(w[j]))) << j;
         }
       }
     }
