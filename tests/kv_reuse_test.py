@@ -121,6 +121,29 @@ class KvReuse(unittest.TestCase):
                                       "--policy=int4")
                 self.assertEqual(int4["cached_tokens"], 0)
 
+    def test_reuse_never_changes_the_text_of_any_policy(self):
+        kv = self.node.address("tcp")
+        for policy, extra in [("full", ()), ("quest", ()), ("oracle", ()),
+                              ("infinigen", ()),  # skew from the prompt
+                              ("infinigen", ("--target_fetch=0.5",)),
+                              ("int4", ()), ("h2o", ())]:
+            with self.subTest(policy=policy, extra=extra):
+                prompt = f"({policy} {' '.join(extra)}) " + STORY
+                first, j1, _ = generate(self.stories, prompt, kv,
+                                        f"--policy={policy}", *extra)
+                self.assertEqual(j1["cached_tokens"], 0)
+                again, j2, log = generate(self.stories, prompt, kv,
+                                          f"--policy={policy}", *extra)
+                plain, j3, _ = generate(self.stories, prompt, kv,
+                                        f"--policy={policy}", *extra,
+                                        "--prefix_block_tokens=0")
+                if policy in ("int4", "h2o"):
+                    self.assertEqual(j2["cached_tokens"], 0, log)
+                else:
+                    self.assertGreaterEqual(j2["cached_tokens"], 32, log)
+                self.assertEqual(again, plain)
+                self.assertEqual(first, plain)
+
     def restart_mid_generation(self, *extra):
         """Runs a long generation, freezes it after its first tokens, kills
         and restarts the node, lets it go on; returns (returncode, stdout,
