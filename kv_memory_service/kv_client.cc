@@ -5,9 +5,19 @@
 #include <cstdlib>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 
 namespace infinigen::kv_memory_service {
+
+absl::Status AtNode(absl::string_view address, const absl::Status& status) {
+  if (status.ok() || address == "inproc:" ||
+      absl::StartsWith(status.message(), "memory node ")) {
+    return status;
+  }
+  return absl::Status(status.code(), absl::StrCat("memory node ", address,
+                                                  ": ", status.message()));
+}
 
 absl::StatusOr<uint16_t*> AllocateFetchMemory(size_t elements) {
   constexpr size_t kPage = 4096;

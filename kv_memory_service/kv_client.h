@@ -87,10 +87,11 @@ struct KvClientOptions {
   // Sent as "authorization: Bearer <token>" with every request when not
   // empty; a server started with --auth_token_file needs it.
   std::string auth_token;
-  // Deadline of each control call (Open, Append, Close, statistics).
+  // Deadline of each control call (Open, Close, statistics).
   absl::Duration rpc_timeout = absl::Seconds(10);
-  // Longest a fetch may take from FetchAsync to the end of Wait; then
-  // DeadlineExceeded.
+  // Longest a fetch may take from FetchAsync to the end of Wait, and an
+  // Append (the data path, where a hung node must be found out soonest);
+  // then DeadlineExceeded.
   absl::Duration fetch_timeout = absl::Seconds(5);
   // How long ConnectKvClient waits for a remote server to accept the
   // connection; Unavailable after that.
@@ -281,6 +282,9 @@ class KvClient {
 
   // The data plane, for logs: "inproc", "tcp", "shm", "rdma".
   virtual std::string data_plane() const = 0;
+  // The node's address as the client was given it (tcp://HOST:PORT,
+  // shm:unix:PATH, a tier's list, ...), for messages that name the node.
+  virtual std::string address() const { return "inproc:"; }
 
   // OK while the memory node answers; for a remote node, the outcome of the
   // last heartbeat (Unavailable, DeadlineExceeded, Unauthenticated, ...)
@@ -293,7 +297,22 @@ class KvClient {
   // first sequence). A data plane beside a control client names it in each
   // fetch: the node serves a sequence's rows only to its owner.
   virtual SessionId session() const { return 0; }
+
+  // A data plane beside this client's control path (shm) reports a fetch
+  // the node left unanswered for `timeout`. A remote client then takes the
+  // node as unresponsive, as when a call of its own times out: its calls
+  // fail at once until the node answers a heartbeat (asked for at once).
+  // Default (in-process): nothing.
+  virtual void NoteUnanswered(absl::Duration timeout) {}
+  // Unavailable, saying why, while the node is taken as unresponsive; OK
+  // otherwise. Never calls the node.
+  virtual absl::Status Unanswered() const { return absl::OkStatus(); }
 };
+
+// `status` naming the node it came from: "memory node ADDRESS: MESSAGE".
+// Unchanged when OK, when it names a node already (a tier's) or for the
+// in-process store.
+absl::Status AtNode(absl::string_view address, const absl::Status& status);
 
 // Forwards every call to another client. Data planes that reuse another
 // client's control path derive from it and override only what they change
@@ -327,8 +346,13 @@ class KvClientWrapper : public KvClient {
     return target_->GetStoreStats();
   }
   std::string data_plane() const override { return target_->data_plane(); }
+  std::string address() const override { return target_->address(); }
   absl::Status Health() const override { return target_->Health(); }
   SessionId session() const override { return target_->session(); }
+  void NoteUnanswered(absl::Duration timeout) override {
+    target_->NoteUnanswered(timeout);
+  }
+  absl::Status Unanswered() const override { return target_->Unanswered(); }
 
   KvClient* target() const { return target_.get(); }
 

@@ -1,5 +1,6 @@
 #include "kv_memory_service/proto_convert.h"
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 
 namespace infinigen::kv_memory_service {
@@ -12,8 +13,22 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
 
 absl::Status FromGrpcStatus(const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();
+  std::string message = status.error_message();
+  // gRPC's words for a transport the peer ended, in the user's.
+  if (status.error_code() == grpc::StatusCode::UNAVAILABLE) {
+    for (absl::string_view closed :
+         {"Socket closed", "Connection reset by peer", "Broken pipe",
+          "Stream removed", "GOAWAY received"}) {
+      if (absl::StrContains(message, closed)) {
+        message = absl::StrCat("the connection closed (the node stopped or "
+                               "restarted; gRPC: ",
+                               message, ")");
+        break;
+      }
+    }
+  }
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
-                      status.error_message());
+                      message);
 }
 
 void ToProto(const SequenceGeometry& g, kv::Geometry* out) {

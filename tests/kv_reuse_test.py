@@ -190,6 +190,64 @@ class KvReuse(unittest.TestCase):
         self.assertTrue(last.startswith("infinigen: "), last)
         self.assertNotIn("recomputing", err)
 
+    def lose_node_mid_generation(self, plane, sig):
+        """A long generation with --on_kv_loss=fail; `sig` to the node once
+        tokens flow. Returns (exit status, seconds from the signal to the
+        worker's last line, to its exit, that line)."""
+        args = [BIN, "generate", *self.stories, "--prompt=Once upon a time",
+                "--max_new_tokens=100000", "--max_seq_len=512",
+                "--temperature=0", "--backend=cpu", "--policy=full",
+                f"--kv_service={self.node.address(plane)}",
+                "--on_kv_loss=fail"]
+        worker = subprocess.Popen(args, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE)
+        try:
+            self.assertTrue(os.read(worker.stdout.fileno(), 64))
+            start = time.monotonic()
+            self.node.proc.send_signal(sig)
+            last, last_at = "", None
+            for line in worker.stderr:
+                last, last_at = line.decode().strip(), time.monotonic()
+            worker.wait(timeout=60)
+            return (worker.returncode, last_at - start,
+                    time.monotonic() - start, last)
+        finally:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait()
+            if sig == signal.SIGSTOP:
+                self.node.proc.send_signal(signal.SIGCONT)
+
+    def test_a_lost_node_is_named_in_the_last_line(self):
+        for plane in ("tcp", "shm"):
+            with self.subTest(plane=plane, node="hung"):
+                code, line_s, exit_s, last = self.lose_node_mid_generation(
+                    plane, signal.SIGSTOP)
+                self.assertEqual(code, 1, last)
+                # Declared lost within the fetch timeout (5 s).
+                self.assertLess(line_s, 6.5, last)
+                self.assertLess(exit_s, 8.0, last)
+                self.assertTrue(last.startswith(
+                    f"infinigen: memory node {self.node.address(plane)}: "),
+                    last)
+                self.assertIn("within 5s", last)
+            self.node.kill()
+            self.node.start()
+            with self.subTest(plane=plane, node="killed"):
+                code, line_s, _, last = self.lose_node_mid_generation(
+                    plane, signal.SIGKILL)
+                self.assertEqual(code, 1, last)
+                # An opening sequence waits connect_timeout (5 s) for a
+                # restarting node; any other call fails at once.
+                self.assertLess(line_s, 6.5, last)
+                self.assertTrue(last.startswith(
+                    f"infinigen: memory node {self.node.address(plane)}: "),
+                    last)
+                self.assertRegex(last, "connection closed|closed the shm|"
+                                 "not come back")
+            self.node.proc.wait(timeout=30)
+            self.node.start()
+
     def test_bad_reuse_flags_are_usage_errors(self):
         for flag in ("--on_kv_loss=sometimes", "--prefix_block_tokens=-1",
                      "--prefix_cache_bytes=-5"):

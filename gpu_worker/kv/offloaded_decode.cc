@@ -158,7 +158,7 @@ absl::Status OffloadedKvCache::UploadFetched(Sequence& s, int layer) {
   s.stats.wait_seconds += std::chrono::duration<double>(
                               std::chrono::steady_clock::now() - t0)
                               .count();
-  IG_RETURN_IF_ERROR(fetched);
+  IG_RETURN_IF_ERROR(AtNode(fetched));
   if (layout_.staged) {
     // K rows of every head, then V rows, as stored.
     const size_t values = 2 * s.plans[i].indices.size() * layout_.row_width;

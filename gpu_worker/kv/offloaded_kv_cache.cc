@@ -174,8 +174,10 @@ absl::StatusOr<int> OffloadedKvCache::OpenSequence(
       prefix.keys = kv_memory_service::PrefixKeys(identity_, block, ids);
     }
   }
-  IG_ASSIGN_OR_RETURN(kv_memory_service::OpenedSequence opened,
-                      options_.kv.kv_client->OpenSequence(geometry_, prefix));
+  absl::StatusOr<kv_memory_service::OpenedSequence> opened_or =
+      options_.kv.kv_client->OpenSequence(geometry_, prefix);
+  if (!opened_or.ok()) return AtNode(opened_or.status());
+  const kv_memory_service::OpenedSequence& opened = *opened_or;
   s.seq = opened.id;
   const int cached = opened.cached_tokens;
   const int blocks = block > 0 ? cached / block : 0;
@@ -277,7 +279,7 @@ absl::Status OffloadedKvCache::Reset(int slot) {
   if (s.seq != 0) {
     const kv_memory_service::SequenceId seq = s.seq;
     s.seq = 0;
-    IG_RETURN_IF_ERROR(options_.kv.kv_client->Close(seq));
+    IG_RETURN_IF_ERROR(AtNode(options_.kv.kv_client->Close(seq)));
   }
   return absl::OkStatus();
 }

@@ -91,6 +91,7 @@ class OffloadedKvCache final : public KvCache {
         c_(weights.config),
         backend_(*backend),
         options_(options),
+        node_address_(options.kv.kv_client->address()),
         schedule_(FetchSchedule::Of(*options.kv.policy, weights.config.n_layers)),
         layout_(layout),
         max_seq_(options.max_seq_len),
@@ -248,6 +249,11 @@ class OffloadedKvCache final : public KvCache {
   // about them.
   absl::Status StageStepRows(Sequence& s);
 
+  // `status` from the memory node, naming it (kv_memory_service::AtNode).
+  absl::Status AtNode(const absl::Status& status) const {
+    return kv_memory_service::AtNode(node_address_, status);
+  }
+
   void AppenderLoop();
   // Hands the step's new rows of `slots` (StageStepRows) to the appender.
   void StartAppends(absl::Span<const int> slots);
@@ -257,6 +263,7 @@ class OffloadedKvCache final : public KvCache {
   const model::ModelConfig& c_;
   Backend& backend_;
   const KvCacheOptions options_;
+  const std::string node_address_;  // the KvClient's, for messages
   const FetchSchedule schedule_;  // when each layer's fetch leaves
   const Layout layout_;
   const int max_seq_;

@@ -192,7 +192,10 @@ absl::Status OffloadedKvCache::AppendRows(Sequence& s, int first_layer,
                       layout_.row_width;
   block.k = absl::MakeConstSpan(k, size);
   block.v = absl::MakeConstSpan(v, size);
-  IG_ASSIGN_OR_RETURN(*result, options_.kv.kv_client->Append(s.seq, block));
+  absl::StatusOr<AppendResult> appended =
+      options_.kv.kv_client->Append(s.seq, block);
+  if (!appended.ok()) return AtNode(appended.status());
+  *result = *std::move(appended);
   return absl::OkStatus();
 }
 

@@ -34,8 +34,9 @@ class GrpcKvClient final : public KvClient, public FetchWaiter {
   // plaintext, and takes only a plaintext one).
   GrpcKvClient(std::shared_ptr<grpc::Channel> channel,
                const KvClientOptions& options, std::string fetch_host,
-               std::shared_ptr<SSL_CTX> fetch_tls)
-      : channel_(std::move(channel)),
+               std::shared_ptr<SSL_CTX> fetch_tls, std::string address)
+      : address_(std::move(address)),
+        channel_(std::move(channel)),
         stub_(kv::KvMemory::NewStub(channel_)),
         options_(options),
         auth_(options.auth_token.empty() ? "" : "Bearer " + options.auth_token),
@@ -85,24 +86,31 @@ class GrpcKvClient final : public KvClient, public FetchWaiter {
     IG_RETURN_IF_ERROR(Unresponsive());
     IG_ASSIGN_OR_RETURN(SessionId session, CurrentSession());
     absl::Status status;
+    // A generation waits on this call: the data path's timeout.
+    absl::Duration timeout = options_.fetch_timeout;
     for (int attempt = 0; attempt < 2; ++attempt) {
       req.set_session_id(session);
       kv::OpenSequenceResponse resp;
       grpc::ClientContext ctx;
-      Prepare(&ctx);
+      Prepare(&ctx, timeout);
       status = FromGrpcStatus(stub_->OpenSequence(&ctx, req, &resp));
       if (absl::IsUnavailable(status)) {
         // The channel is down, e.g. the server just restarted and gRPC is
         // between reconnect attempts: a new generation starts here, so
         // wait (up to connect_timeout) for it to come back rather than
         // fail the generation at once.
+        const absl::Status down = status;
+        const absl::Duration wait =
+            std::min(options_.rpc_timeout, options_.connect_timeout);
         grpc::ClientContext retry;
-        Prepare(&retry);
+        Prepare(&retry, wait);
         retry.set_wait_for_ready(true);
-        retry.set_deadline(absl::ToChronoTime(
-            absl::Now() + std::min(options_.rpc_timeout,
-                                   options_.connect_timeout)));
         status = FromGrpcStatus(stub_->OpenSequence(&retry, req, &resp));
+        if (absl::IsDeadlineExceeded(status)) {
+          status = absl::UnavailableError(absl::StrCat(
+              down.message(), "; it did not come back within ",
+              absl::FormatDuration(wait)));
+        }
       }
       if (status.ok()) {
         OpenedSequence opened{resp.sequence_id(), resp.cached_tokens(), {}};
@@ -116,8 +124,7 @@ class GrpcKvClient final : public KvClient, public FetchWaiter {
       if (!absl::IsNotFound(status)) break;
       IG_ASSIGN_OR_RETURN(session, NewSession(session, options_.rpc_timeout));
     }
-    NoteOutcome(status, options_.rpc_timeout);
-    return status;
+    return NoteOutcome(status, timeout);
   }
 
   absl::StatusOr<AppendResult> Append(SequenceId seq,
@@ -137,9 +144,10 @@ class GrpcKvClient final : public KvClient, public FetchWaiter {
     IG_RETURN_IF_ERROR(Unresponsive());
     kv::AppendResponse resp;
     grpc::ClientContext ctx;
-    Prepare(&ctx);
-    IG_RETURN_IF_ERROR(NoteOutcome(
-        FromGrpcStatus(stub_->Append(&ctx, req, &resp)), options_.rpc_timeout));
+    Prepare(&ctx, options_.fetch_timeout);  // the data path: see options
+    IG_RETURN_IF_ERROR(
+        NoteOutcome(FromGrpcStatus(stub_->Append(&ctx, req, &resp)),
+                    options_.fetch_timeout));
     return FromProto(resp);
   }
 
@@ -230,6 +238,11 @@ class GrpcKvClient final : public KvClient, public FetchWaiter {
   }
 
   std::string data_plane() const override { return "tcp"; }
+  std::string address() const override { return address_; }
+  void NoteUnanswered(absl::Duration timeout) override {
+    NoteTimeout("a fetch", timeout);
+  }
+  absl::Status Unanswered() const override { return Unresponsive(); }
 
   absl::Status Health() const override {
     absl::MutexLock lock(&session_mu_);
@@ -262,7 +275,10 @@ class GrpcKvClient final : public KvClient, public FetchWaiter {
 
  private:
   void Prepare(grpc::ClientContext* ctx) const {
-    ctx->set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
+    Prepare(ctx, options_.rpc_timeout);
+  }
+  void Prepare(grpc::ClientContext* ctx, absl::Duration timeout) const {
+    ctx->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
     if (!auth_.empty()) ctx->AddMetadata("authorization", auth_);
   }
 
@@ -277,17 +293,22 @@ class GrpcKvClient final : public KvClient, public FetchWaiter {
 
   // Returns `status`, first noting a timeout: the node becomes unresponsive.
   absl::Status NoteOutcome(absl::Status status, absl::Duration timeout) {
-    if (absl::IsDeadlineExceeded(status)) {
-      absl::MutexLock lock(&session_mu_);
-      if (unresponsive_.ok()) {
-        unresponsive_ = absl::UnavailableError(absl::StrCat(
-            "not answering (a call timed out after ",
-            absl::FormatDuration(timeout),
-            "); calls fail until it answers a heartbeat"));
-        beat_now_ = true;
-      }
+    if (!absl::IsDeadlineExceeded(status)) return status;
+    NoteTimeout("a call", timeout);
+    // gRPC says only "Deadline Exceeded".
+    return absl::DeadlineExceededError(absl::StrCat(
+        "no answer to a call within ", absl::FormatDuration(timeout)));
+  }
+  // `what` (a call, a fetch) timed out after `timeout`.
+  void NoteTimeout(absl::string_view what, absl::Duration timeout) {
+    absl::MutexLock lock(&session_mu_);
+    if (unresponsive_.ok()) {
+      unresponsive_ = absl::UnavailableError(absl::StrCat(
+          "not answering (", what, " timed out after ",
+          absl::FormatDuration(timeout),
+          "); calls fail until it answers a heartbeat"));
+      beat_now_ = true;
     }
-    return status;
   }
 
   // The session sequences are opened in, opened if there is none.
@@ -460,6 +481,7 @@ class GrpcKvClient final : public KvClient, public FetchWaiter {
     }
   }
 
+  const std::string address_;  // as given: tcp://HOST:PORT or unix:PATH
   const std::shared_ptr<grpc::Channel> channel_;
   const std::unique_ptr<kv::KvMemory::StubInterface> stub_;
   const KvClientOptions options_;
@@ -514,7 +536,7 @@ grpc::ChannelArguments ChannelArgs(const KvClientOptions& options) {
 std::unique_ptr<KvClient> NewGrpcKvClient(
     std::shared_ptr<grpc::Channel> channel, const KvClientOptions& options) {
   return std::make_unique<GrpcKvClient>(std::move(channel), options, "",
-                                        nullptr);
+                                        nullptr, "grpc:");
 }
 
 absl::StatusOr<std::unique_ptr<KvClient>> ConnectGrpcKvClient(
@@ -595,8 +617,9 @@ absl::StatusOr<std::unique_ptr<KvClient>> ConnectGrpcKvClient(
             ? ""
             : absl::StrCat(": ", why.error_message())));
   }
-  return std::make_unique<GrpcKvClient>(
-      std::move(channel), options, std::move(fetch_host), std::move(fetch_tls));
+  return std::make_unique<GrpcKvClient>(std::move(channel), options,
+                                        std::move(fetch_host),
+                                        std::move(fetch_tls), address);
 }
 
 }  // namespace infinigen::kv_memory_service

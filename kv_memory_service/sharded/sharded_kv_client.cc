@@ -15,6 +15,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "common/address.h"
@@ -22,12 +23,6 @@
 
 namespace infinigen::kv_memory_service {
 namespace {
-
-absl::Status AtNode(const std::string& address, const absl::Status& status) {
-  if (status.ok()) return status;
-  return absl::Status(status.code(), absl::StrCat("memory node ", address,
-                                                  ": ", status.message()));
-}
 
 // A sequence's ids on every node (0 where the node holds no head).
 struct Shards {
@@ -336,6 +331,11 @@ class ShardedKvClient final : public KvClient {
 
   std::string data_plane() const override {
     return absl::StrCat(nodes_[0].client->data_plane(), " x", nodes_.size());
+  }
+  std::string address() const override {
+    return absl::StrJoin(nodes_, ",", [](std::string* out, const MemoryNode& n) {
+      out->append(n.address);
+    });
   }
 
   absl::Status Health() const override {

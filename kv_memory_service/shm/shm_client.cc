@@ -162,7 +162,9 @@ class ShmFetchBuffer final : public FetchBuffer {
  private:
   absl::Status AwaitServer();
   absl::Status TakeServerStatus();
-  absl::Status GiveUp();
+  // Ends the fetch the server did not finish: `why` unless the server
+  // finished it meanwhile (then its outcome).
+  absl::Status GiveUp(absl::Status why);
 
   ShmKvClient* const client_;
   const uint32_t slot_;
@@ -217,6 +219,9 @@ class ShmKvClient final : public KvClientWrapper {
 
   FetchHandle FetchAsync(SequenceId seq, int32_t layer, const FetchPlan& plan,
                          FetchBuffer* dest) override {
+    // A node that left a fetch unanswered gets none until it answers a
+    // heartbeat again.
+    if (absl::Status down = Unanswered(); !down.ok()) return FetchHandle(down);
     auto buffer = FetchBuffer::Claim<ShmFetchBuffer>(this, dest);
     if (!buffer.ok()) return FetchHandle(buffer.status());
     return (*buffer)->Start(seq, layer, plan,
@@ -224,6 +229,8 @@ class ShmKvClient final : public KvClientWrapper {
   }
 
   std::string data_plane() const override { return "shm"; }
+  std::string address() const override { return "shm:unix:" + path_; }
+  absl::Duration fetch_timeout() const { return options_.fetch_timeout; }
 
   // For ShmFetchBuffer.
 
@@ -266,7 +273,9 @@ class ShmKvClient final : public KvClientWrapper {
   }
   // Unmaps the slot on the server and frees its index for reuse.
   void ReleaseSlot(uint32_t slot) {
-    if (health_.load() == kHealthy) {
+    // A node taken as unresponsive would not answer: closing the socket
+    // (the client's end) unmaps its slots there all the same.
+    if (health_.load() == kHealthy && Unanswered().ok()) {
       shm::SocketMessage unmap;
       unmap.type = shm::MessageType::kUnmapSlot;
       unmap.slot = slot;
@@ -514,7 +523,17 @@ absl::Status ShmFetchBuffer::AwaitServer() {
       return client_->GoneStatus();  // reconnected since: this one is lost
     }
     const absl::Time now = absl::Now();
-    if (now >= deadline_) return GiveUp();
+    if (now >= deadline_) {
+      // The node is taken as unresponsive: the fetches after this one, and
+      // those in flight on other buffers, fail at once.
+      client_->NoteUnanswered(client_->fetch_timeout());
+      return GiveUp(absl::DeadlineExceededError(absl::StrCat(
+          "no answer to a shm fetch within ",
+          absl::FormatDuration(client_->fetch_timeout()))));
+    }
+    if (absl::Status down = client_->Unanswered(); !down.ok()) {
+      return GiveUp(down);  // another fetch of this client timed out
+    }
     // Announce the sleep before the last look, so that the server, which
     // stores kDone and then reads client_waiting, cannot miss us.
     control_->client_waiting.store(1);
@@ -544,19 +563,14 @@ absl::Status ShmFetchBuffer::TakeServerStatus() {
   return status;
 }
 
-absl::Status ShmFetchBuffer::GiveUp() {
+absl::Status ShmFetchBuffer::GiveUp(absl::Status why) {
   uint32_t expected = shm::kRequested;
   if (control_->state.compare_exchange_strong(expected, shm::kCancelled)) {
     // The server never started it and now never will.
-    return absl::DeadlineExceededError(
-        "the KV memory server did not start a shm fetch within the fetch "
-        "timeout");
+    return why;
   }
   if (expected == shm::kDone) return TakeServerStatus();
-  if (expected != shm::kServing) {
-    return absl::DeadlineExceededError(
-        "a shm fetch did not finish within the fetch timeout");
-  }
+  if (expected != shm::kServing) return why;
   // The server is writing into the slot right now and may go on after we
   // return: swap the buffer's pages for private ones at the same address,
   // so that the caller's memory stays valid and the server's late writes
@@ -569,8 +583,7 @@ absl::Status ShmFetchBuffer::GiveUp() {
        MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
   abandoned_ = true;
   client_->Abandon();
-  return absl::DeadlineExceededError(
-      "a shm fetch did not finish within the fetch timeout");
+  return why;
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kv_memory_service/kv_client.h"
 #include "kv_memory_service/testing/kv_test_data.h"
@@ -336,8 +337,11 @@ TEST(ShmServerProcessTest, ClientReconnectsToARestartedServer) {
 }
 
 // A stopped (SIGSTOP) server: the fetch ends at the fetch timeout with
-// DeadlineExceeded; the request was never taken, so once the server runs
-// again the same client and buffer work.
+// DeadlineExceeded, naming nothing it cannot know; the node is then taken
+// as unresponsive, so the next fetch fails at once (Unavailable, "not
+// answering") instead of waiting out another timeout. The request was
+// never taken: once the server runs again and answers a heartbeat, the same
+// client and buffer work.
 TEST(ShmServerProcessTest, StoppedServerTimesOutThenRecovers) {
   ShmServer server = StartServer();
   ASSERT_NE(server.process, nullptr);
@@ -356,9 +360,28 @@ TEST(ShmServerProcessTest, StoppedServerTimesOutThenRecovers) {
   ASSERT_TRUE((*client)->Fetch(*id, 0, plan.view(), buffer->get()).ok());
 
   server.process->Stop();
-  EXPECT_EQ((*client)->Fetch(*id, 0, plan.view(), buffer->get()).code(),
-            absl::StatusCode::kDeadlineExceeded);
+  absl::Time start = absl::Now();
+  const absl::Status timed_out =
+      (*client)->Fetch(*id, 0, plan.view(), buffer->get());
+  EXPECT_EQ(timed_out.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(std::string(timed_out.message()),
+              ::testing::HasSubstr("no answer to a shm fetch within 500ms"));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+  start = absl::Now();
+  const absl::Status next =
+      (*client)->Fetch(*id, 0, plan.view(), buffer->get());
+  EXPECT_EQ(next.code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(next.message()),
+              ::testing::HasSubstr("not answering (a fetch timed out after "
+                                   "500ms)"));
+  EXPECT_LT(absl::Now() - start, absl::Milliseconds(100));
   server.process->Continue();
+  // The heartbeat asked for at the timeout is answered now.
+  const absl::Time limit = absl::Now() + absl::Seconds(15);
+  while (!(*client)->Unanswered().ok() && absl::Now() < limit) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  ASSERT_TRUE((*client)->Unanswered().ok()) << (*client)->Unanswered();
   ASSERT_TRUE((*client)->Fetch(*id, 0, plan.view(), buffer->get()).ok());
   const auto want = ExpectedRows(3, g, 0, plan.view());
   EXPECT_TRUE(std::equal(want.begin(), want.end(), (*buffer)->data()));
