@@ -197,6 +197,12 @@ absl::StatusOr<absl::Span<const float>> Engine::Forward(
 
 bool Engine::RecoverableKvLoss(const absl::Status& status) const {
   if (!options_.recompute_on_kv_loss || !cache_->offloaded()) return false;
+  // A node known to be down (timed out, or failing its heartbeats) would
+  // fail the recomputation too, one more timeout later.
+  const kv_memory_service::KvClient* kv = options_.kv.kv_client;
+  if (kv != nullptr && (!kv->Unanswered().ok() || !kv->Health().ok())) {
+    return false;
+  }
   switch (status.code()) {
     case absl::StatusCode::kNotFound:            // the sequence is gone
     case absl::StatusCode::kFailedPrecondition:  // rows gone, buffer stuck

@@ -723,6 +723,76 @@ class Reuse(unittest.TestCase):
                         node.wait(timeout=60)
                     shutil.rmtree(d, ignore_errors=True)
 
+    def test_a_dead_node_fails_the_queue_together_and_serving_resumes(self):
+        """The node dies and four requests arrive at a one-slot worker: the
+        first fails in its prefill, the three queued ones together once the
+        node has been down --kv_down_wait (1 s), not one timeout after
+        another (5 s apiece); new requests then get 503 at once, naming the
+        node, until it is back."""
+        d = tempfile.mkdtemp(prefix="http_api_dead_node_")
+        port = free_port()
+        ready = os.path.join(d, "ready")
+
+        def start_node():
+            if os.path.exists(ready):
+                os.remove(ready)
+            p = subprocess.Popen(
+                [KV_SERVER, f"--listen=127.0.0.1:{port}",
+                 f"--ready_file={ready}"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            deadline = time.time() + 30
+            while not (os.path.exists(ready) and read(ready).strip()):
+                self.assertIsNone(p.poll(), "kv_memory_server exited")
+                self.assertLess(time.time(), deadline)
+                time.sleep(0.025)
+            return p
+
+        node = start_node()
+        server = None
+        kv = f"tcp://127.0.0.1:{port}"
+        try:
+            server = Server("--policy=full", "--max_batch=1",
+                            "--kv_down_wait=1s", f"--kv_service={kv}")
+            url = server.base + "/v1/completions"
+            body = {"prompt": "Once upon a time", "max_tokens": 40,
+                    "temperature": 0}
+            code, want = post(url, body)
+            self.assertEqual(code, 200, want)
+            node.kill()
+            node.wait(timeout=30)
+            node = None
+            killed = time.monotonic()
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                codes = list(pool.map(lambda _: post(url, body), range(4)))
+            took = time.monotonic() - killed
+            for code, answer in codes:
+                self.assertEqual(code, 503, answer)
+                self.assertIn(f"memory node {kv}",
+                              answer["error"]["message"])
+            # Together: before, 5 s apiece, one after another.
+            self.assertLess(took, 8.0)
+            start = time.monotonic()
+            code, body = post(url, {"prompt": "Hi", "max_tokens": 2})
+            self.assertEqual(code, 503, body)
+            self.assertLess(time.monotonic() - start, 1.0)
+            self.assertIn(f"memory node {kv}", body["error"]["message"])
+            node = start_node()
+            deadline = time.monotonic() + 20
+            while True:
+                code, body = post(url, {"prompt": "Once upon a time",
+                                        "max_tokens": 8, "temperature": 0})
+                if code == 200 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            self.assertEqual(code, 200, body)
+        finally:
+            if server is not None:
+                server.stop()
+            if node is not None:
+                node.send_signal(signal.SIGTERM)
+                node.wait(timeout=60)
+            shutil.rmtree(d, ignore_errors=True)
+
 @unittest.skipUnless(os.path.exists(SMOLLM2), f"no {SMOLLM2}")
 class SmolLM2(unittest.TestCase):
     """The instruct model with the template from its own GGUF."""

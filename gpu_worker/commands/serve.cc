@@ -61,6 +61,11 @@ ABSL_FLAG(int, max_prefills_per_step, 1,
 ABSL_FLAG(int, max_queue, 64,
           "serve: requests waiting for a slot; beyond it requests get "
           "RESOURCE_EXHAUSTED.");
+ABSL_FLAG(absl::Duration, kv_down_wait, absl::Seconds(5),
+          "serve: how long queued requests wait for a memory node that stopped "
+          "answering (timed out, or its heartbeats fail) to come back, as "
+          "after a restart; after that they fail at once and new requests "
+          "get UNAVAILABLE (HTTP 503) naming the node, until it answers.");
 ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(30),
           "serve: on SIGTERM or SIGINT, how long queued and active "
           "generations may take to finish before they are cut short.");
@@ -117,6 +122,9 @@ absl::Status CheckServeFlags() {
   }
   if (absl::GetFlag(FLAGS_drain_timeout) < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--drain_timeout must not be negative");
+  }
+  if (absl::GetFlag(FLAGS_kv_down_wait) < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--kv_down_wait must not be negative");
   }
   gpu_worker::KvOptions chosen;
   IG_RETURN_IF_ERROR(
@@ -189,6 +197,18 @@ int StartScheduler(const model::LoadedModel& m,
   options.on_sequence_done = [metrics](const gpu_worker::SequenceRecord& r) {
     metrics->OnSequenceDone(r);
   };
+  options.kv_down_wait = absl::GetFlag(FLAGS_kv_down_wait);
+  if (const kv_memory_service::KvClient* kv = setup.client.get();
+      kv != nullptr) {
+    // A node that timed out, or whose heartbeats fail, is down: requests
+    // wait for it kv_down_wait, then fail at once, naming it, until it
+    // answers again.
+    options.kv_health = [kv] {
+      absl::Status down = kv->Unanswered();
+      if (down.ok()) down = kv->Health();
+      return kv_memory_service::AtNode(kv->address(), down);
+    };
+  }
   auto scheduler = gpu_worker::GenerationScheduler::Create(
       std::move(*engine), *m.tokenizer, options);
   if (!scheduler.ok()) return Fail(kExitUsage, scheduler.status());
@@ -294,7 +314,9 @@ int RunServe() {
   if (const kv_memory_service::KvClient* kv = setup.client.get();
       kv != nullptr) {
     // Readiness follows the memory node's heartbeats (KvClient::Health).
-    server_options.dependency_health = [kv] { return kv->Health(); };
+    server_options.dependency_health = [kv] {
+      return kv_memory_service::AtNode(kv->address(), kv->Health());
+    };
   }
   Servers servers;
   auto grpc = gpu_worker::GenerationServer::Start(std::move(scheduler),
@@ -329,7 +351,8 @@ const Command& ServeCommand() {
                         "tls_cert", "tls_key", "tls_client_ca",
                         "served_model_name", "api_key_file", "chat_template",
                         "metrics_listen", "max_batch", "max_queue",
-                        "max_prefills_per_step", "drain_timeout",
+                        "max_prefills_per_step", "kv_down_wait",
+                        "drain_timeout",
                         "max_seq_len"}),
       RunServe};
   return *command;

@@ -269,6 +269,8 @@ absl::StatusOr<std::shared_ptr<GenerationStream>> GenerationScheduler::Enqueue(
     absl::MutexLock lock(&mu_);
     if (stopping_) return stopping;
   }
+  bool hold = false;
+  IG_RETURN_IF_ERROR(KvGate(&hold));
   IG_ASSIGN_OR_RETURN(std::unique_ptr<Sequence> seq, NewSequence(request));
   absl::MutexLock lock(&mu_);
   if (stopping_) return stopping;
@@ -327,10 +329,60 @@ SchedulerStats GenerationScheduler::stats() const {
   return s;
 }
 
+void GenerationScheduler::NoteKvDownSince(absl::Time start) {
+  if (!options_.kv_health || options_.kv_health().ok()) return;
+  // The call that failed on the node already waited for it since `start`.
+  absl::MutexLock lock(&mu_);
+  kv_down_since_ = std::min(kv_down_since_, start);
+}
+
+absl::Status GenerationScheduler::KvGate(bool* hold) {
+  *hold = false;
+  if (!options_.kv_health) return absl::OkStatus();
+  const absl::Status health = options_.kv_health();
+  const absl::Time now = absl::Now();
+  absl::MutexLock lock(&mu_);
+  if (health.ok()) {
+    kv_down_since_ = absl::InfiniteFuture();
+    return health;
+  }
+  if (kv_down_since_ == absl::InfiniteFuture()) kv_down_since_ = now;
+  if (now - kv_down_since_ < options_.kv_down_wait) {
+    *hold = true;
+    return absl::OkStatus();
+  }
+  return absl::UnavailableError(absl::StrCat(
+      "not taking requests: ", health.message(), " (down for ",
+      absl::FormatDuration(absl::Trunc(now - kv_down_since_,
+                                       absl::Milliseconds(100))),
+      ")"));
+}
+
 void GenerationScheduler::Loop() {
   std::vector<std::unique_ptr<Sequence>> admitted;
   while (true) {
     admitted.clear();
+    // A node known to be down: the waiting requests wait for it a while
+    // (hold), then fail together, not one timeout after another.
+    bool hold = false;
+    if (absl::Status down = KvGate(&hold); !down.ok()) {
+      std::deque<std::unique_ptr<Sequence>> queued;
+      {
+        absl::MutexLock lock(&mu_);
+        queued.swap(queue_);
+      }
+      if (!queued.empty()) {
+        IG_LOG(WARNING) << "failing " << queued.size()
+                        << " queued generations: " << down;
+      }
+      for (std::unique_ptr<Sequence>& seq : queued) {
+        if (seq->stream->cancelled()) {
+          Drop(*seq);
+        } else {
+          Fail(*seq, down);
+        }
+      }
+    }
     {
       absl::MutexLock lock(&mu_);
       if (active_.empty()) {
@@ -341,8 +393,14 @@ void GenerationScheduler::Loop() {
         mu_.Await(absl::Condition(&work));
       }
       if (abort_) break;
-      const int limit = options_.max_prefills_per_step;
-      while (!free_slots_.empty() && !queue_.empty() &&
+      if (hold && active_.empty()) {
+        // Nothing to step: look at the node again shortly.
+        mu_.AwaitWithTimeout(absl::Condition(&abort_), absl::Milliseconds(20));
+        if (abort_) break;
+        continue;
+      }
+      const int limit = hold ? 0 : options_.max_prefills_per_step;
+      while (!hold && !free_slots_.empty() && !queue_.empty() &&
              (limit == 0 || static_cast<int>(admitted.size()) < limit)) {
         std::unique_ptr<Sequence> seq = std::move(queue_.front());
         queue_.pop_front();
@@ -384,6 +442,7 @@ void GenerationScheduler::Prefill(Sequence& seq) {
       engine_->Forward(seq.slot, seq.prompt, /*all_logits=*/false);
   NoteRecoveries();
   if (!logits.ok()) {
+    NoteKvDownSince(seq.prefill_start);
     const absl::Status error = EngineError("prefill", logits.status());
     IG_LOG(WARNING) << "generation " << Where(seq) << ": " << error;
     Fail(seq, error);
@@ -401,10 +460,12 @@ void GenerationScheduler::DecodeStep() {
     step_slots_.push_back(seq->slot);
     step_tokens_.push_back(seq->next);
   }
+  const absl::Time step_start = absl::Now();
   absl::StatusOr<absl::Span<const float>> logits =
       engine_->DecodeBatch(step_slots_, step_tokens_);
   NoteRecoveries();
   if (!logits.ok()) {
+    NoteKvDownSince(step_start);
     const absl::Status error = EngineError("decode step", logits.status());
     IG_LOG(WARNING) << active_.size() << " generations: " << error;
     for (std::unique_ptr<Sequence>& seq : active_) Fail(*seq, error);

@@ -145,6 +145,15 @@ struct GenerationSchedulerOptions {
   std::function<void(const SequenceRecord&)> on_sequence_done;
   // Tests: called on the scheduler thread before every decode step.
   std::function<void()> before_decode_step;
+  // The memory node's state (serve: its heartbeats and timeouts), cheap to
+  // call; null: always OK. While it is not OK the queued requests wait, at
+  // most kv_down_wait from when it went down, for it to come back (a
+  // restart); after that they fail at once, and Submit refuses new ones at
+  // once (Unavailable, with its message), instead of each waiting out a
+  // timeout on a node known to be down. Once it is OK again requests run
+  // as before.
+  std::function<absl::Status()> kv_health;
+  absl::Duration kv_down_wait = absl::Seconds(5);
 };
 
 // Counters since the scheduler was created, and its state now.
@@ -246,6 +255,13 @@ class GenerationScheduler {
   void Record(Sequence& seq);  // on_sequence_done, once
   static std::string Where(const Sequence& seq);  // for logs
   // Ends every queued and active request with `status` (shutdown).
+  // Where kv_health stands: OK (up), or the Unavailable a request gets
+  // once the node has been down longer than kv_down_wait; *hold: down, but
+  // within that wait (queued requests wait).
+  absl::Status KvGate(bool* hold) ABSL_LOCKS_EXCLUDED(mu_);
+  // After an engine call begun at `start` failed: if the node is down, it
+  // has been since then at the latest (the call waited on it).
+  void NoteKvDownSince(absl::Time start) ABSL_LOCKS_EXCLUDED(mu_);
   void AbortAll(const absl::Status& status);
 
   const std::unique_ptr<Engine> engine_;
@@ -265,6 +281,8 @@ class GenerationScheduler {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;  // no new requests
   bool abort_ ABSL_GUARDED_BY(mu_) = false;     // grace over: end all now
   bool idle_ ABSL_GUARDED_BY(mu_) = true;       // nothing queued or active
+  // When kv_health last turned from OK to failing; InfiniteFuture: OK.
+  absl::Time kv_down_since_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
   SchedulerStats stats_ ABSL_GUARDED_BY(mu_);
 
   absl::Mutex shutdown_mu_;  // one Shutdown at a time; Start vs Shutdown

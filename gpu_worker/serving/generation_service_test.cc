@@ -693,6 +693,107 @@ TEST_F(GenerationServiceTest, AFinishedSequenceIsRecordedBeforeItsEnd) {
   EXPECT_EQ(records.size(), 2u);  // leaving the slot records nothing more
 }
 
+// A memory node known to be down: once it has been down longer than
+// kv_down_wait, queued requests fail at once and new ones are refused at
+// once (Unavailable, naming it), not one timeout after another; once it is
+// up again, requests run without a restart.
+TEST_F(GenerationServiceTest, ANodeKnownDownFailsTheQueueAtOnceUntilItIsBack) {
+  absl::Mutex mu;
+  absl::Status node = absl::OkStatus();
+  bool release = false;
+  GenerationSchedulerOptions options;
+  options.kv_down_wait = absl::ZeroDuration();
+  options.kv_health = [&] {
+    absl::MutexLock lock(&mu);
+    return node;
+  };
+  // Holds the running request inside its decode steps until released.
+  options.before_decode_step = [&] {
+    absl::MutexLock lock(&mu);
+    mu.Await(absl::Condition(&release));
+  };
+  std::unique_ptr<GenerationScheduler> scheduler = NewScheduler(1, options);
+  ASSERT_NE(scheduler, nullptr);
+  scheduler->Start();
+  auto running = scheduler->Submit({kPrompt, {}, 3});
+  ASSERT_TRUE(running.ok()) << running.status();
+  std::vector<std::shared_ptr<GenerationStream>> queued;
+  for (int i = 0; i < 3; ++i) {
+    auto q = scheduler->Submit({kPrompt, {}, 3});
+    ASSERT_TRUE(q.ok()) << q.status();
+    queued.push_back(*q);
+  }
+  {
+    absl::MutexLock lock(&mu);
+    node = absl::UnavailableError("memory node tcp://n:1: not answering");
+    release = true;  // the loop comes round and sees the node down
+  }
+  const absl::Time start = absl::Now();
+  for (auto& q : queued) {
+    GenerationEvent event;
+    do {
+      ASSERT_TRUE(q->Next(absl::Seconds(30), &event));
+    } while (event.kind == GenerationEvent::Kind::kToken);
+    ASSERT_EQ(event.kind, GenerationEvent::Kind::kError);
+    EXPECT_EQ(event.status.code(), absl::StatusCode::kUnavailable);
+    EXPECT_THAT(std::string(event.status.message()),
+                HasSubstr("not taking requests: memory node tcp://n:1: not "
+                          "answering"));
+  }
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  auto refused = scheduler->Submit({kPrompt, {}, 3});
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(refused.status().message()),
+              HasSubstr("memory node tcp://n:1"));
+  {
+    absl::MutexLock lock(&mu);
+    node = absl::OkStatus();
+  }
+  auto again = scheduler->Submit({kPrompt, {}, 3});
+  ASSERT_TRUE(again.ok()) << again.status();
+  GenerationEvent event;
+  do {
+    ASSERT_TRUE((*again)->Next(absl::Seconds(60), &event));
+  } while (event.kind == GenerationEvent::Kind::kToken);
+  EXPECT_EQ(event.kind, GenerationEvent::Kind::kFinished);
+  scheduler->Shutdown(absl::Seconds(10));
+}
+
+// Within kv_down_wait the queued requests wait for the node (a restart)
+// and run once it is back; none fails.
+TEST_F(GenerationServiceTest, QueuedRequestsWaitForANodeThatComesBack) {
+  absl::Mutex mu;
+  absl::Status node = absl::UnavailableError("memory node tcp://n:1: down");
+  GenerationSchedulerOptions options;
+  options.kv_down_wait = absl::Seconds(30);
+  options.kv_health = [&] {
+    absl::MutexLock lock(&mu);
+    return node;
+  };
+  std::unique_ptr<GenerationScheduler> scheduler = NewScheduler(2, options);
+  ASSERT_NE(scheduler, nullptr);
+  scheduler->Start();
+  std::vector<std::shared_ptr<GenerationStream>> streams;
+  for (int i = 0; i < 3; ++i) {
+    auto q = scheduler->Submit({kPrompt, {}, 3});
+    ASSERT_TRUE(q.ok()) << q.status();  // down, but within the wait
+    streams.push_back(*q);
+  }
+  GenerationEvent event;
+  EXPECT_FALSE(streams[0]->Next(absl::Milliseconds(200), &event));  // held
+  {
+    absl::MutexLock lock(&mu);
+    node = absl::OkStatus();
+  }
+  for (auto& q : streams) {
+    do {
+      ASSERT_TRUE(q->Next(absl::Seconds(60), &event));
+    } while (event.kind == GenerationEvent::Kind::kToken);
+    EXPECT_EQ(event.kind, GenerationEvent::Kind::kFinished);
+  }
+  scheduler->Shutdown(absl::Seconds(10));
+}
+
 TEST(Utf8Assembler, HoldsBackSplitCharactersAndReplacesBadBytes) {
   Utf8Assembler a;
   EXPECT_EQ(a.Add("ab"), "ab");

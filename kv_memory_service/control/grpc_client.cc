@@ -94,11 +94,12 @@ class GrpcKvClient final : public KvClient, public FetchWaiter {
       grpc::ClientContext ctx;
       Prepare(&ctx, timeout);
       status = FromGrpcStatus(stub_->OpenSequence(&ctx, req, &resp));
-      if (absl::IsUnavailable(status)) {
+      if (absl::IsUnavailable(status) && Health().ok()) {
         // The channel is down, e.g. the server just restarted and gRPC is
         // between reconnect attempts: a new generation starts here, so
         // wait (up to connect_timeout) for it to come back rather than
-        // fail the generation at once.
+        // fail the generation at once. Not for a node the heartbeats
+        // already find down: its callers decide how long to wait.
         const absl::Status down = status;
         const absl::Duration wait =
             std::min(options_.rpc_timeout, options_.connect_timeout);
