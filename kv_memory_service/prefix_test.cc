@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kv_memory_service/kv_store.h"
 #include "kv_memory_service/prefix_cache.h"
@@ -156,6 +157,47 @@ TEST_F(PrefixStoreTest, AnnotationsTravelWithTheirBlocks) {
   auto stats = store_->GetSequenceStats(d->id);
   ASSERT_TRUE(stats.ok());
   EXPECT_EQ(stats->present_rows, 0);
+}
+
+// Annotations waiting for their blocks are bounded by the rows the
+// sequence holds: none larger than twice its block's rows, none kept for
+// a block whose rows are not in, so a sequence with many prefix keys cannot
+// park unbounded memory on the node.
+TEST_F(PrefixStoreTest, WaitingAnnotationsAreBoundedByTheRowsHeld) {
+  const SequenceGeometry g = MakeGeometry(kLayers, kHeads, kDim, 64);
+  const size_t block_bytes =
+      size_t{2} * kLayers * kHeads * kBlock * kDim * sizeof(uint16_t);
+  const std::vector<int32_t> tokens = Tokens(64);  // 16 blocks of keys
+  PrefixRequest p;
+  p.block_tokens = kBlock;
+  p.keys = PrefixKeys("bounded", kBlock, tokens);
+  auto a = store_->Open(g, 0, p);
+  ASSERT_TRUE(a.ok());
+  auto rows = MakeTestBlock(1, g, 0, kLayers, 0, 4);  // block 0's rows only
+  // Larger than a block's rows: refused, nothing appended.
+  const std::vector<std::string> big = {std::string(2 * block_bytes + 1, 'x')};
+  rows.block.prefix_meta = big;
+  const absl::Status refused = store_->Append(a->id, rows.block).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(refused.message()),
+              ::testing::HasSubstr("exceeds twice its block's"));
+  EXPECT_EQ(store_->GetSequenceStats(a->id)->present_rows, 0);
+  // Annotations for all 16 blocks with only block 0's rows in: only block
+  // 0's is kept.
+  std::vector<std::string> all;
+  for (int i = 0; i < 16; ++i) all.push_back(std::string(block_bytes, 'a' + i));
+  rows.block.prefix_meta = all;
+  ASSERT_TRUE(store_->Append(a->id, rows.block).ok());
+  auto rest = MakeTestBlock(1, g, 0, kLayers, 4, 60);
+  ASSERT_TRUE(store_->Append(a->id, rest.block).ok());  // no annotations
+  auto b = store_->Open(g, 0, p);
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ(b->cached_tokens, 64);
+  ASSERT_FALSE(b->prefix_meta.empty());
+  EXPECT_EQ(b->prefix_meta[0], all[0]);
+  for (size_t i = 1; i < b->prefix_meta.size(); ++i) {
+    EXPECT_EQ(b->prefix_meta[i], "") << i;
+  }
 }
 
 TEST_F(PrefixStoreTest, AnotherModelOrOtherTokensMiss) {

@@ -77,6 +77,19 @@ absl::StatusOr<AppendResult> StoredSequence::Append(
         g_.head_dim, " dims needs ", want));
   }
   absl::MutexLock lock(&mu_);
+  // An annotation says something of its block's rows: at most twice the
+  // bytes they hold (InfiniGen's column sums of one-token blocks, ranked by
+  // q and k, are that), so that what waits to be published stays within
+  // twice what the sequence's reservation covers.
+  const size_t block_bytes = 2 * static_cast<size_t>(g_.n_layers) *
+                             g_.n_kv_heads * block_tokens_ * row_bytes_;
+  for (const std::string& meta : b.prefix_meta) {
+    if (meta.size() > 2 * block_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a prefix block annotation of ", meta.size(),
+          " bytes exceeds twice its block's ", block_bytes, " bytes of rows"));
+    }
+  }
   // Judged once the sequence is ours: an append queued behind others on
   // the same sequence whose caller has gone writes nothing.
   if (b.cancelled && b.cancelled()) {
@@ -131,11 +144,17 @@ absl::StatusOr<AppendResult> StoredSequence::Append(
   evicted_rows_ += static_cast<int64_t>(result.evicted.size());
   present_rows_ += int64_t{b.n_layers} * b.n_tokens * g_.n_kv_heads -
                    static_cast<int64_t>(result.evicted.size());
-  // Annotations of blocks still to publish are kept until then.
+  // Annotations of blocks still to publish are kept until then, only for
+  // blocks whose rows are in (the longest layer covers them): at most one
+  // per whole block of rows held.
   const size_t first_pending = attached_.size() + next_pending_;
+  int32_t longest = 0;
+  for (int32_t len : layer_length_) longest = std::max(longest, len);
+  const size_t covered = static_cast<size_t>(longest / block_tokens_);
   for (size_t i = 0; i < b.prefix_meta.size(); ++i) {
     const size_t block = static_cast<size_t>(b.prefix_meta_first_block) + i;
-    if (block < first_pending || block >= attached_.size() + pending_.size()) {
+    if (block < first_pending || block >= attached_.size() + pending_.size() ||
+        block >= covered) {
       continue;
     }
     pending_meta_.resize(pending_.size());

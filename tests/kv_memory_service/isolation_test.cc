@@ -22,6 +22,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kv_memory_service/kv_client.h"
+#include "kv_memory_service/prefix_keys.h"
 #include "kv_memory_service/testing/kv_test_data.h"
 #include "tests/kv_memory_service/server_process.h"
 
@@ -290,6 +291,52 @@ TEST(IsolationTest, AReservationCommitsNoMemory) {
             << after / kMiB << " MiB after\n";
   EXPECT_LT(after - before, 16 * kMiB);
   ASSERT_TRUE(client->Close(*id).ok());
+}
+
+// Prefix annotations waiting for their blocks cannot park memory on the
+// node: one larger than twice its block's rows is refused (a 1 MiB one on
+// a block of 512 bytes), and those for blocks whose rows are not in are not
+// kept, so 25 one-token appends carrying 60 annotations each for blocks
+// ahead of the rows leave the server's RSS where it was.
+TEST(IsolationTest, WaitingPrefixAnnotationsAreBoundedByTheRowsHeld) {
+  auto server = ServerProcess::Start(
+      {"--listen=127.0.0.1:0", "--capacity_bytes=16777216",
+       "--prefix_cache_bytes=16777216"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto client = Connect((*server)->address());
+  ASSERT_NE(client, nullptr);
+  // 2 bytes x 1 layer x 1 head x 8 dims x 2^18 tokens x (K, V) = 8 MiB;
+  // blocks of 16 tokens: 16384 usable prefix keys, 512 bytes of rows each.
+  const SequenceGeometry g = MakeGeometry(1, 1, 8, 1 << 18);
+  constexpr int kBlock = 16;
+  constexpr size_t kBlockBytes = 2 * kBlock * 8 * sizeof(uint16_t);
+  std::vector<int32_t> tokens(1 << 18);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = i % 1000;
+  PrefixRequest prefix;
+  prefix.block_tokens = kBlock;
+  prefix.keys = PrefixKeys("annotations", kBlock, tokens);
+  auto opened = client->OpenSequence(g, prefix);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  const int64_t before = RssBytes((*server)->pid());
+  testdata::TestBlock one = MakeTestBlock(7, g, 0, 1, 0, 1);
+  const std::vector<std::string> big = {std::string(1 << 20, 'x')};
+  one.block.prefix_meta = big;
+  const absl::Status refused = client->Append(opened->id, one.block).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(refused.message()),
+              HasSubstr("exceeds twice its block's 512 bytes of rows"));
+  for (int i = 0; i < 25; ++i) {
+    testdata::TestBlock b = MakeTestBlock(7, g, 0, 1, i, 1);
+    std::vector<std::string> meta(60, std::string(kBlockBytes, 'a' + i % 26));
+    b.block.prefix_meta = meta;
+    b.block.prefix_meta_first_block = 1 + i * 60;  // ahead of the rows
+    ASSERT_TRUE(client->Append(opened->id, b.block).ok()) << i;
+  }
+  const int64_t after = RssBytes((*server)->pid());
+  std::cout << "server RSS " << before / kMiB << " MiB before, "
+            << after / kMiB << " MiB after the annotated appends\n";
+  EXPECT_LT(after - before, 8 * kMiB);
+  ASSERT_TRUE(client->Close(opened->id).ok());
 }
 
 // An LRU append that evicts from a full 2^16-token head
