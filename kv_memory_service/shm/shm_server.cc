@@ -30,6 +30,8 @@ using shm::SlotControl;
 
 constexpr absl::Duration kIdleCheck = absl::Milliseconds(50);
 constexpr absl::Duration kAttachTimeout = absl::Seconds(10);
+// Connections in their handshake at once (ShmServer::AcceptLoop).
+constexpr int kMaxHandshakes = 64;
 
 // Compares in time independent of where the strings differ.
 bool SameToken(absl::string_view a, absl::string_view b) {
@@ -151,6 +153,8 @@ class ShmServer::Connection {
   }
 
   bool done() const { return done_.load(); }
+  // Past its handshake: authenticated, its control region mapped.
+  bool attached() const { return header_.load() != nullptr; }
 
  private:
   struct MappedSlot {
@@ -165,8 +169,11 @@ class ShmServer::Connection {
   void Run() {
     absl::Status attached = Attach();
     if (!attached.ok()) {
-      IG_LOG(WARNING) << "shm data plane: a client failed to attach: "
-                      << attached;
+      // A handshake dropped for a newer one (admission) is no news.
+      if (!stop_.load()) {
+        IG_LOG(WARNING) << "shm data plane: a client failed to attach: "
+                        << attached;
+      }
       return;
     }
     const int flags = fcntl(socket_, F_GETFL);
@@ -593,7 +600,28 @@ void ShmServer::AcceptLoop() {
     if (n <= 0 || (fds[0].revents & POLLIN) == 0) continue;
     const int socket = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
     if (socket < 0) continue;
-    if (static_cast<int>(connections_.size()) >= options_.max_connections) {
+    // Admission: attached clients up to max_connections; those still in
+    // their handshake (not yet authenticated, perhaps silent) apart, at
+    // most kMaxHandshakes, the oldest dropped for a newer one. A peer
+    // without the token, or one that says nothing, never holds a place a
+    // client with the token needs, and is dropped at the handshake timeout
+    // anyway.
+    int attached = 0, handshaking = 0;
+    Connection* oldest_handshake = nullptr;
+    for (const auto& c : connections_) {
+      if (c->done()) continue;
+      if (c->attached()) {
+        ++attached;
+      } else {
+        ++handshaking;
+        if (oldest_handshake == nullptr) oldest_handshake = c.get();
+      }
+    }
+    if (handshaking >= kMaxHandshakes && oldest_handshake != nullptr) {
+      oldest_handshake->Stop();  // its Attach fails now; reaped when done
+      ++dropped_handshakes_;
+    }
+    if (attached >= options_.max_connections) {
       shm::SendMessage(socket, shm::ReplyFor(absl::ResourceExhaustedError(
                                    absl::StrCat("the shm data plane already "
                                                 "serves its limit of ",

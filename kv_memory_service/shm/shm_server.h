@@ -74,6 +74,11 @@ class ShmServer {
   // The address a client connects to: "shm:unix:PATH".
   std::string client_address() const;
   int active_connections() const;
+  // Handshakes dropped for newer ones (admission, AcceptLoop), life total.
+  int64_t dropped_handshakes() const {
+    absl::MutexLock lock(&mu_);
+    return dropped_handshakes_;
+  }
 
  private:
   class Connection;
@@ -94,6 +99,7 @@ class ShmServer {
 
   mutable absl::Mutex mu_;
   std::list<std::unique_ptr<Connection>> connections_ ABSL_GUARDED_BY(mu_);
+  int64_t dropped_handshakes_ ABSL_GUARDED_BY(mu_) = 0;
   std::thread accept_thread_;
 };
 

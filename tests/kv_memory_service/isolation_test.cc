@@ -5,10 +5,14 @@
 // /proc/PID/status of the server process; bounds are loose (tens of MiB)
 // where the old behaviour was hundreds.
 #include <signal.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -416,6 +420,52 @@ TEST(IsolationTest, ShmSlotsCostTheServerNothingUntilUsed) {
 
 // The caps: a client that asks for more slot memory than
 // --shm_max_client_bytes gets RESOURCE_EXHAUSTED; smaller buffers work.
+// 300 peers that connect to the shm socket and never say who they are (no
+// token, no Attach) do not fill its 256 client places: those in their
+// handshake are counted apart and the oldest dropped for newer ones, so a
+// client with the token still attaches and fetches.
+TEST(IsolationTest, SilentShmPeersDoNotHoldTheClientPlaces) {
+  const std::string shm = ServerProcess::SocketPath("iso_silent");
+  const std::string token_file = ServerProcess::TempPath("iso_token");
+  std::ofstream(token_file) << "s3cret\n";
+  auto server = ServerProcess::Start({"--listen=127.0.0.1:0",
+                                      "--shm_listen=unix:" + shm,
+                                      "--auth_token_file=" + token_file});
+  ASSERT_TRUE(server.ok()) << server.status();
+  std::vector<int> silent;
+  for (int i = 0; i < 300; ++i) {
+    const int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    ASSERT_GE(fd, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::snprintf(addr.sun_path, sizeof(addr.sun_path), "%s", shm.c_str());
+    // A full listen backlog says EAGAIN: wait for the accept loop.
+    int rc = -1;
+    for (int attempt = 0; attempt < 200 && rc != 0; ++attempt) {
+      rc = connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+      if (rc != 0) absl::SleepFor(absl::Milliseconds(5));
+    }
+    ASSERT_EQ(rc, 0) << i << ": " << std::strerror(errno);
+    silent.push_back(fd);
+  }
+  absl::SleepFor(absl::Milliseconds(300));  // all accepted by now
+  KvClientOptions options;
+  options.auth_token = "s3cret";
+  auto client = ConnectKvClient("shm:unix:" + shm, options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  const SequenceGeometry g = MakeGeometry(1, 1, 8, 16);
+  auto id = (*client)->Open(g);
+  ASSERT_TRUE(id.ok()) << id.status();
+  testdata::TestBlock b = MakeTestBlock(3, g, 0, 1, 0, 4);
+  ASSERT_TRUE((*client)->Append(*id, b.block).ok());
+  auto buffer = (*client)->NewFetchBuffer(64);
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  const OwnedFetchPlan plan = OwnedFetchPlan::SameForAllHeads(1, {2});
+  EXPECT_TRUE((*client)->Fetch(*id, 0, plan.view(), buffer->get()).ok());
+  for (int fd : silent) close(fd);
+  std::remove(token_file.c_str());
+}
+
 TEST(IsolationTest, ShmSlotsAreCappedPerClient) {
   const std::string shm = ServerProcess::SocketPath("iso_cap");
   auto server = ServerProcess::Start({"--listen=127.0.0.1:0",
