@@ -723,6 +723,37 @@ class Reuse(unittest.TestCase):
                         node.wait(timeout=60)
                     shutil.rmtree(d, ignore_errors=True)
 
+    def test_a_thousand_idle_connections_cost_a_request_nothing(self):
+        """1,000 connections that never send a request: each waits on its
+        own thread until the keep-alive timeout (5 s) closes it, so a normal
+        completion meanwhile is answered at once (it took 30 s with a
+        fixed pool of threads the idle peers held)."""
+        server = Server()
+        idle = []
+        try:
+            body = {"prompt": "Once upon a time", "max_tokens": 8,
+                    "temperature": 0}
+            code, want = post(server.base + "/v1/completions", body)
+            self.assertEqual(code, 200, want)
+            for _ in range(1000):
+                idle.append(socket.create_connection(
+                    ("127.0.0.1", server.port), timeout=10))
+            time.sleep(0.5)  # all accepted
+            start = time.monotonic()
+            code, got = post(server.base + "/v1/completions", body)
+            took = time.monotonic() - start
+            self.assertEqual(code, 200, got)
+            self.assertEqual(got["choices"][0]["text"],
+                             want["choices"][0]["text"])
+            self.assertLess(took, 2.0)
+            # The idle ones are closed at the keep-alive timeout.
+            idle[0].settimeout(15)
+            self.assertEqual(idle[0].recv(1), b"")
+        finally:
+            for s in idle:
+                s.close()
+            server.stop()
+
     def test_a_dead_node_fails_the_queue_together_and_serving_resumes(self):
         """The node dies and four requests arrive at a one-slot worker: the
         first fails in its prefill, the three queued ones together once the

@@ -61,6 +61,10 @@ ABSL_FLAG(int, max_prefills_per_step, 1,
 ABSL_FLAG(int, max_queue, 64,
           "serve: requests waiting for a slot; beyond it requests get "
           "RESOURCE_EXHAUSTED.");
+ABSL_FLAG(int, http_max_connections, 1024,
+          "serve --http_listen: connections served at once, each on its own "
+          "thread (idle ones close after 5 s without a request); beyond it "
+          "new ones wait.");
 ABSL_FLAG(absl::Duration, kv_down_wait, absl::Seconds(5),
           "serve: how long queued requests wait for a memory node that stopped "
           "answering (timed out, or its heartbeats fail) to come back, as "
@@ -123,6 +127,9 @@ absl::Status CheckServeFlags() {
   if (absl::GetFlag(FLAGS_drain_timeout) < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--drain_timeout must not be negative");
   }
+  if (absl::GetFlag(FLAGS_http_max_connections) < 2) {
+    return absl::InvalidArgumentError("--http_max_connections must be >= 2");
+  }
   if (absl::GetFlag(FLAGS_kv_down_wait) < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--kv_down_wait must not be negative");
   }
@@ -169,8 +176,7 @@ absl::StatusOr<gpu_worker::HttpApiOptions> HttpOptionsFromFlags(
   }
   http.tls = tls;
   http.metrics = [metrics] { return MetricsText(metrics->collectables()); };
-  http.threads = absl::GetFlag(FLAGS_max_batch) + absl::GetFlag(FLAGS_max_queue) +
-                 4;  // + idle keep-alives
+  http.max_connections = absl::GetFlag(FLAGS_http_max_connections);
   return http;
 }
 
@@ -352,6 +358,7 @@ const Command& ServeCommand() {
                         "served_model_name", "api_key_file", "chat_template",
                         "metrics_listen", "max_batch", "max_queue",
                         "max_prefills_per_step", "kv_down_wait",
+                        "http_max_connections",
                         "drain_timeout",
                         "max_seq_len"}),
       RunServe};

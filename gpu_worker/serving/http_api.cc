@@ -3,12 +3,17 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <thread>
 #include <optional>
 #include <random>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/api_key.h"
 #include "common/address.h"
@@ -41,6 +46,65 @@ std::string RandomId(absl::string_view prefix) {
 }
 
 int64_t UnixNow() { return absl::ToUnixSeconds(absl::Now()); }
+
+// httplib's task queue: each connection on a thread of its own, at most
+// `limit` at once (beyond that, connections wait for one to end). An idle
+// or slow peer holds only its own thread, until the keep-alive or read
+// timeout closes it, and never delays another client's request, as one
+// thread of a fixed pool it would.
+class ConnectionThreads final : public httplib::TaskQueue {
+ public:
+  explicit ConnectionThreads(int limit)
+      : state_(std::make_shared<State>()), limit_(limit) {}
+
+  void enqueue(std::function<void()> fn) override {
+    absl::MutexLock lock(&state_->mu);
+    if (state_->running >= limit_) {
+      state_->waiting.push_back(std::move(fn));
+      return;
+    }
+    ++state_->running;
+    // The thread keeps the state alive: it may still be unlocking it when
+    // shutdown has returned and the queue is gone.
+    std::thread([state = state_, fn = std::move(fn)]() mutable {
+      Run(*state, std::move(fn));
+    }).detach();
+  }
+
+  // Waits for every connection to end (httplib calls it once it stopped
+  // accepting).
+  void shutdown() override {
+    absl::MutexLock lock(&state_->mu);
+    state_->mu.Await(absl::Condition(
+        +[](State* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu) {
+          return s->running == 0;
+        },
+        state_.get()));
+  }
+
+ private:
+  struct State {
+    absl::Mutex mu;
+    int running ABSL_GUARDED_BY(mu) = 0;
+    std::deque<std::function<void()>> waiting ABSL_GUARDED_BY(mu);
+  };
+
+  static void Run(State& state, std::function<void()> fn) {
+    while (true) {
+      fn();
+      absl::MutexLock lock(&state.mu);
+      if (state.waiting.empty()) {
+        --state.running;
+        return;
+      }
+      fn = std::move(state.waiting.front());
+      state.waiting.pop_front();
+    }
+  }
+
+  const std::shared_ptr<State> state_;
+  const int limit_;
+};
 
 // Sends a generation's text minus its stop sequences: text that could be the
 // start of a stop sequence is held back until it cannot.
@@ -427,10 +491,14 @@ absl::StatusOr<std::unique_ptr<HttpApiServer>> HttpApiServer::Start(
   } else {
     s->server_ = std::make_unique<httplib::Server>();
   }
-  const int threads = std::max(options.threads, 2);
-  s->server_->new_task_queue = [threads] {
-    return new httplib::ThreadPool(threads);
+  const int limit = std::max(options.max_connections, 2);
+  s->server_->new_task_queue = [limit] {
+    return new ConnectionThreads(limit);
   };
+  // Idle and slow peers are bounded: a connection waits at most this long
+  // for its next request or the next piece of one.
+  s->server_->set_keep_alive_timeout(5);
+  s->server_->set_read_timeout(10, 0);
   auto api = std::make_shared<Api>(scheduler, tokenizer, std::move(options));
   api->Install(*s->server_);
   if (port == 0) {

@@ -23,8 +23,8 @@
 // client that disconnects cancels its GenerationStream, which frees its
 // slot.
 //
-// Thread-safe; requests are served by a pool of threads, each blocking on
-// one GenerationStream.
+// Thread-safe; each connection is served on a thread of its own (at most
+// max_connections), a request blocking on one GenerationStream.
 #ifndef INFINIGEN_GPU_WORKER_SERVING_HTTP_API_H_
 #define INFINIGEN_GPU_WORKER_SERVING_HTTP_API_H_
 
@@ -67,8 +67,10 @@ struct HttpApiOptions {
   // Not null: GET /metrics answers its Prometheus text (no key needed, as
   // for /health).
   std::function<std::string()> metrics;
-  // Connections served at once (each streaming request holds one).
-  int threads = 16;
+  // Connections served at once, each on its own thread (a streaming
+  // request holds one; an idle one until the 5 s keep-alive timeout);
+  // beyond it, new connections wait for one to end.
+  int max_connections = 1024;
   // HTTPS when tls.enabled(); with tls.mutual(), clients must present a
   // certificate tls.client_ca signed.
   ServerTlsPem tls;
