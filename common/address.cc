@@ -1,6 +1,13 @@
 #include "common/address.h"
 
+#include <netdb.h>
+#include <sys/socket.h>
 #include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
@@ -84,6 +91,35 @@ absl::StatusOr<ListenAddress> ParseListenAddress(const std::string& listen) {
         "listen address '", listen, "' is not HOST:PORT or unix:PATH"));
   }
   return out;
+}
+
+std::string WhyNotListening(const std::string& listen) {
+  absl::StatusOr<ListenAddress> address = ParseListenAddress(listen);
+  if (!address.ok()) return std::string(address.status().message());
+  if (address->is_unix() || address->host_port.port == 0) return "";
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE;
+  addrinfo* found = nullptr;
+  const std::string port = std::to_string(address->host_port.port);
+  const std::string& host = address->host_port.host;
+  if (const int rc = getaddrinfo(host.empty() ? nullptr : host.c_str(),
+                                 port.c_str(), &hints, &found);
+      rc != 0) {
+    return absl::StrCat("cannot resolve '", host, "': ", gai_strerror(rc));
+  }
+  std::string why;
+  for (addrinfo* a = found; a != nullptr && why.empty(); a = a->ai_next) {
+    const int fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, 0);
+    if (fd < 0) continue;
+    const int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (bind(fd, a->ai_addr, a->ai_addrlen) != 0) why = std::strerror(errno);
+    close(fd);
+  }
+  freeaddrinfo(found);
+  return why;
 }
 
 }  // namespace infinigen

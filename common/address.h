@@ -42,6 +42,12 @@ struct ListenAddress {
 };
 absl::StatusOr<ListenAddress> ParseListenAddress(const std::string& listen);
 
+// Why a server could not listen on HOST:PORT, as the kernel says when a
+// socket tries ("address already in use", "cannot assign requested
+// address"); empty when a trial bind succeeds or the address is a unix one
+// or port 0. For messages after a server library failed without a reason.
+std::string WhyNotListening(const std::string& listen);
+
 }  // namespace infinigen
 
 #endif  // INFINIGEN_COMMON_ADDRESS_H_

@@ -20,6 +20,7 @@
 #include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
 #include "common/flag_check.h"
+#include "common/grpc_log.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/log.h"
@@ -144,6 +145,11 @@ int main(int argc, char** argv) {
   // client's failed handshake is news to its operator).
   if (std::string(command->name) != "serve") {
     gpr_set_log_function(GrpcLogAsDebug);
+  } else {
+    // serve: one line per gRPC error (a client's failed handshake is news
+    // to its operator), none while the servers start (a failed bind is
+    // serve's own one line).
+    infinigen::RouteGrpcLogs(/*starting=*/true);
   }
   return command->run();
 }

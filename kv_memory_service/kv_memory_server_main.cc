@@ -33,6 +33,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/time.h"
 #include "common/flag_check.h"
+#include "common/grpc_log.h"
+#include "common/address.h"
 #include "common/file.h"
 #include "common/log.h"
 #include "common/metrics.h"
@@ -271,6 +273,10 @@ int Run() {
   options.tls_cert_pem = std::move(tls->cert);
   options.tls_key_pem = std::move(tls->key);
   options.tls_client_ca_pem = std::move(tls->client_ca);
+  if (absl::StatusOr<ListenAddress> listen = ParseListenAddress(options.listen);
+      !listen.ok()) {
+    return UsageError(absl::StrCat("--listen: ", listen.status().message()));
+  }
   if (options.auth_token.empty() && options.tls_client_ca_pem.empty() &&
       !absl::GetFlag(FLAGS_allow_insecure) && !LoopbackOnly(options.listen)) {
     return UsageError(absl::StrCat(
@@ -288,7 +294,10 @@ int Run() {
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
+  // A failed start is this binary's one line, not gRPC's dump before it.
+  RouteGrpcLogs(/*starting=*/true);
   absl::StatusOr<std::unique_ptr<KvServer>> server = KvServer::Start(options);
+  SetGrpcLogStarting(false);
   if (!server.ok()) {
     const bool usage = server.status().code() == absl::StatusCode::kInvalidArgument;
     std::fprintf(stderr, "kv_memory_server: %s\n",

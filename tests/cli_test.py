@@ -7,6 +7,7 @@ Usage: cli_test.py INFINIGEN STORIES260K.bin TOK512.bin TEXT KV_MEMORY_SERVER
 import json
 import os
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -121,6 +122,20 @@ class Cli(unittest.TestCase):
                 (["bench-decode", "--load_format=gguf", f"--model={MODEL}"],
                  ["--load_format must be auto or dummy"])]:
             self.assert_one_line_failure(run(*args), 2, words)
+
+    def test_a_taken_port_is_one_line_with_the_reason(self):
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            base = ["serve", f"--model={MODEL}", f"--tokenizer={TOK}",
+                    "--backend=cpu"]
+            for flags in ([f"--listen=127.0.0.1:{port}"],
+                          ["--listen=127.0.0.1:0",
+                           f"--http_listen=127.0.0.1:{port}"]):
+                r = run(*base, *flags, timeout=60)
+                self.assert_one_line_failure(
+                    r, 1, [f"127.0.0.1:{port}", "Address already in use"])
 
     def assert_one_line_failure(self, r, code, words):
         self.assertEqual(r.returncode, code, r.stderr)

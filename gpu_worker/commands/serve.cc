@@ -17,6 +17,7 @@
 #include "common/metrics.h"
 #include "common/server_tls.h"
 #include "gpu_worker/serving/chat_template.h"
+#include "common/grpc_log.h"
 #include "gpu_worker/commands/common.h"
 #include "gpu_worker/serving/generation_scheduler.h"
 #include "gpu_worker/serving/generation_service.h"
@@ -336,6 +337,7 @@ int RunServe() {
     servers.Abort();
     return UsageOrFailure(ok);
   }
+  SetGrpcLogStarting(false);  // started: gRPC's errors are news now
   ServeUntilStopped(servers, *metrics);
   return 0;
 }

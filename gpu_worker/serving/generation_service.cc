@@ -146,9 +146,10 @@ absl::StatusOr<std::unique_ptr<GenerationServer>> GenerationServer::Start(
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr || (!listen.empty() && port == 0)) {
     server->server_.reset();
-    return absl::UnavailableError(
-        absl::StrCat("cannot listen on '", listen,
-                     "' (address in use, or not allowed)"));
+    const std::string why = WhyNotListening(listen);
+    return absl::UnavailableError(absl::StrCat(
+        "cannot listen on '", listen, "': ",
+        why.empty() ? "the address is taken or not allowed" : why));
   }
   server->port_ = unix_socket ? 0 : port;
   server->dependency_health_ = options.dependency_health;

@@ -507,8 +507,10 @@ absl::StatusOr<std::unique_ptr<HttpApiServer>> HttpApiServer::Start(
     port = -1;
   }
   if (port <= 0) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot listen for HTTP on ", listen));
+    const std::string why = WhyNotListening(listen);
+    return absl::UnavailableError(absl::StrCat(
+        "cannot listen for HTTP on ", listen, ": ",
+        why.empty() ? "the address is taken or not allowed" : why));
   }
   s->port_ = port;
   // `api` lives as long as the handlers that captured its pointer: the

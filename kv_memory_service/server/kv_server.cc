@@ -120,9 +120,10 @@ absl::StatusOr<std::unique_ptr<KvServer>> KvServer::Start(
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr || port == 0) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot listen on '", options.listen,
-                     "' (address in use, or not allowed)"));
+    const std::string why = WhyNotListening(options.listen);
+    return absl::UnavailableError(absl::StrCat(
+        "cannot listen on '", options.listen, "': ",
+        why.empty() ? "the address is taken or not allowed" : why));
   }
   server->server_->GetHealthCheckService()->SetServingStatus(true);
   if (unix_socket) {

@@ -291,7 +291,15 @@ TEST(FlagsTest, PortInUseFails) {
   ServerProcess::Result r = ServerProcess::Run(
       {"--listen=" + address.substr(6), "--ready_file=/dev/null"});
   EXPECT_EQ(ExitCode(r), 1);
-  EXPECT_THAT(r.err, HasSubstr("cannot listen"));
+  // One line, the kernel's reason, no gRPC dump before it.
+  EXPECT_EQ(Lines(r.err).size(), 1u) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("cannot listen on '" + address.substr(6) +
+                               "': Address already in use"));
+  // Not an address at all: a usage error, not "non-loopback".
+  ServerProcess::Result garbage = ServerProcess::Run({"--listen=garbage"});
+  EXPECT_EQ(ExitCode(garbage), 2);
+  EXPECT_THAT(garbage.err, HasSubstr("--listen: listen address 'garbage' is "
+                                     "not HOST:PORT or unix:PATH"));
 }
 
 }  // namespace
