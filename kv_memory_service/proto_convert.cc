@@ -26,6 +26,11 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
         break;
       }
     }
+    if (absl::StrContains(message, "Connection refused")) {
+      message = absl::StrCat("connection refused (is the node running?; "
+                             "gRPC: ",
+                             message, ")");
+    }
   }
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
                       message);

@@ -244,7 +244,7 @@ class KvReuse(unittest.TestCase):
                     f"infinigen: memory node {self.node.address(plane)}: "),
                     last)
                 self.assertRegex(last, "connection closed|closed the shm|"
-                                 "not come back")
+                                 "not come back|connection refused")
             self.node.proc.wait(timeout=30)
             self.node.start()
 
