@@ -1,8 +1,8 @@
 // What the commands of `infinigen` share: the flags more than one command
-// reads (declared here, defined in common.cc with the engine's policy and
-// memory-node flags), the exit codes and how a failure becomes one line on
-// stderr, model loading, and the KV policy and memory node set up from the
-// flags. Each command lives in its own file (generate.cc, perplexity.cc,
+// reads (declared here; defined in common.cc with the memory-node flags,
+// and in policy_setup.cc, the policies' flags), the exit codes and how a
+// failure becomes one line on stderr, model loading, and the KV policy and
+// memory node set up from the flags (policy_setup.cc). Each command lives in its own file (generate.cc, perplexity.cc,
 // bench_decode.cc, skew.cc, serve.cc) and returns its exit status.
 #ifndef INFINIGEN_GPU_WORKER_COMMANDS_COMMON_H_
 #define INFINIGEN_GPU_WORKER_COMMANDS_COMMON_H_

@@ -1,0 +1,367 @@
+// The KV policy's side of the commands: the flags that set a policy's
+// options (each policy's registry entry names the ones it reads), the
+// engine options and skew they give, and the memory node a policy needs
+// (SetUpPolicy, declared in common.h).
+#include <algorithm>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/reflection.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "common/log.h"
+#include "common/status.h"
+#include "gpu_worker/commands/common.h"
+#include "gpu_worker/eval/calibrate.h"
+#include "gpu_worker/kv/kv_policy.h"
+#include "gpu_worker/kv/model_identity.h"
+#include "gpu_worker/kv/policies/registry.h"
+#include "kv_memory_service/kv_store.h"
+
+ABSL_FLAG(double, alpha, 5.0,
+          "infinigen: fetch tokens whose speculated score is within alpha of "
+          "the head's maximum.");
+ABSL_FLAG(std::string, partial_ratio, "auto",
+          "infinigen: fraction of each head's columns, in (0, 1], in the "
+          "partial query weight and partial key cache; auto: 1 for "
+          "infinigen with --target_fetch (and for the profile 'skew' "
+          "writes), else 0.3 (the paper's).");
+ABSL_FLAG(int, partial_key_bits, 4,
+          "infinigen: bits per value in the partial key cache: 4 (rows "
+          "quantized against their own range) or 32 (fp32, a diagnostic of "
+          "what the 4 bits cost).");
+ABSL_FLAG(std::string, speculate_from, "auto",
+          "infinigen: where layer l + 1's fetch is speculated from: "
+          "layer_input (the paper: layer l's attention input; the fetch "
+          "overlaps layer l's attention and MLP) or post_attention (layer "
+          "l + 1's norm of the residual stream after layer l's attention; "
+          "the fetch overlaps layer l's MLP); auto: post_attention for "
+          "infinigen with --target_fetch (and for the profile 'skew' "
+          "writes), else layer_input.");
+ABSL_FLAG(std::string, dense_layers, "auto",
+          "infinigen, oracle, quest: how many first layers read every row; "
+          "with 0, layer 0 ranks its rows by its own attention input and "
+          "every layer shares the budget; auto: 0 where infinigen "
+          "speculates after the attention (--speculate_from), else 2 (the "
+          "paper's InfiniGen and Quest).");
+ABSL_FLAG(double, budget, 0.2,
+          "infinigen: cap on tokens fetched per head as a fraction of the "
+          "cached tokens; oracle: the fraction each head takes; quest: the "
+          "fraction of pages each head takes; h2o: fraction kept (half heavy "
+          "hitters, half recent).");
+ABSL_FLAG(int, sink_tokens, 0,
+          "infinigen, oracle, quest (the pages holding them): the first N "
+          "positions (attention sinks) are fetched at every speculated layer "
+          "besides the selection.");
+ABSL_FLAG(int, recent_tokens, 0,
+          "infinigen, oracle, quest (the pages holding them): the last N "
+          "positions before the new token are fetched at every speculated "
+          "layer besides the selection.");
+ABSL_FLAG(int, page_tokens, 16, "quest: tokens per page.");
+ABSL_FLAG(double, score_mass, 0.0,
+          "infinigen, oracle: in (0, 1], each KV head fetches its top "
+          "speculated tokens until they carry this share of its speculated "
+          "attention (at most --budget of the tokens), so budgets adapt "
+          "across layers and heads; 0: the alpha rule.");
+ABSL_FLAG(std::string, head_budgets, "auto",
+          "infinigen, oracle: uniform (every KV head of a selecting layer "
+          "takes --budget of the tokens) or adaptive (each takes its own "
+          "share, allocated from the calibration's head profile, in the "
+          "--skew file or measured with the calibration, so that the mean "
+          "is --budget and the calibrated attention-output error is least; "
+          "replaces the alpha rule and --score_mass); auto: adaptive for "
+          "infinigen with --target_fetch, else uniform.");
+ABSL_FLAG(double, budget_floor, 0.25,
+          "adaptive head budgets: the least share of a head, as a fraction "
+          "of --budget.");
+ABSL_FLAG(double, target_fetch, 0.0,
+          "infinigen, oracle, quest, h2o: in (0, 1], set --budget (and for "
+          "the first three --alpha=1e9 and --score_mass=0) so that the mean "
+          "fraction of cached KV rows fetched per decode step lands at this "
+          "value, counting layers 0 and 1, which read every row; "
+          "--sink_tokens and --recent_tokens come on top; 0: off.");
+ABSL_FLAG(bool, same_layer_input, false,
+          "infinigen, diagnostic: speculate each layer's selection from its "
+          "own attention input instead of the previous layer's (no "
+          "prefetch): measures the cost of the subset apart from the "
+          "speculation error.");
+ABSL_FLAG(std::string, partial_rank, "q",
+          "infinigen: rank partial columns by the prompt's summed |q| (q, "
+          "the reference) or by |q| times |k| (qk).");
+ABSL_FLAG(std::string, skew, "",
+          "infinigen: skew file from 'infinigen skew'; empty: calibrate on "
+          "the first tokens of the input.");
+ABSL_FLAG(int, calibration_tokens, 1024,
+          "skew (and infinigen without --skew): tokens of calibration text.");
+
+// Defined in common.cc with the memory-node and recovery flags.
+ABSL_DECLARE_FLAG(int64_t, max_worker_kv_bytes);
+ABSL_DECLARE_FLAG(int, prefix_block_tokens);
+ABSL_DECLARE_FLAG(int64_t, prefix_cache_bytes);
+ABSL_DECLARE_FLAG(std::string, on_kv_loss);
+
+namespace infinigen::commands {
+
+using gpu_worker::EngineOptions;
+
+// --dense_layers: its number, or auto: 0 where infinigen speculates after
+// the attention, else 2.
+absl::StatusOr<int> DenseLayersFromFlags(bool speculates_after_attention) {
+  const std::string flag = absl::GetFlag(FLAGS_dense_layers);
+  if (flag == "auto") return speculates_after_attention ? 0 : 2;
+  int n = 0;
+  if (!absl::SimpleAtoi(flag, &n) || n < 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--dense_layers must be auto or a number of layers >= 0, got '%s'",
+        flag));
+  }
+  return n;
+}
+
+absl::StatusOr<gpu_worker::SpeculationOptions> SpeculationFromFlags(
+    bool tuned) {
+  gpu_worker::SpeculationOptions o;
+  const std::string ratio = absl::GetFlag(FLAGS_partial_ratio);
+  if (ratio == "auto") {
+    o.partial_ratio = tuned ? 1.0 : 0.3;
+  } else if (!absl::SimpleAtod(ratio, &o.partial_ratio) ||
+             !(o.partial_ratio > 0.0 && o.partial_ratio <= 1.0)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--partial_ratio must be auto or in (0, 1], got '%s'", ratio));
+  }
+  const std::string from = absl::GetFlag(FLAGS_speculate_from);
+  if (from != "auto" && from != "layer_input" && from != "post_attention") {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--speculate_from must be auto, layer_input or post_attention, got "
+        "'%s'", from));
+  }
+  o.post_attention = from == "post_attention" || (from == "auto" && tuned);
+  const int bits = absl::GetFlag(FLAGS_partial_key_bits);
+  if (bits != 4 && bits != 32) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--partial_key_bits must be 4 or 32, got %d", bits));
+  }
+  o.exact_keys = bits == 32;
+  IG_ASSIGN_OR_RETURN(o.dense_layers, DenseLayersFromFlags(o.post_attention));
+  return o;
+}
+
+namespace {
+
+// The engine options of `policy` from the policy flags (--alpha, --budget,
+// --target_fetch, ...), the pool and the recovery flags: InvalidArgument
+// naming the flag that is out of range.
+absl::StatusOr<EngineOptions> EngineOptionsFromFlags(const std::string& policy,
+                                                     int n_layers,
+                                                     bool serving) {
+  EngineOptions options;
+  const std::string on_loss = absl::GetFlag(FLAGS_on_kv_loss);
+  if (on_loss != "recompute" && on_loss != "fail") {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--on_kv_loss must be recompute or fail, got '%s'", on_loss));
+  }
+  options.recompute_on_kv_loss = serving && on_loss == "recompute";
+  const int block = absl::GetFlag(FLAGS_prefix_block_tokens);
+  if (block < 0 || block > kv_memory_service::KvStore::kMaxBlockTokens) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--prefix_block_tokens must be in [0, %d], got %d",
+        kv_memory_service::KvStore::kMaxBlockTokens, block));
+  }
+  if (absl::GetFlag(FLAGS_prefix_cache_bytes) < 0) {
+    return absl::InvalidArgumentError("--prefix_cache_bytes must be >= 0");
+  }
+  IG_RETURN_IF_ERROR(gpu_worker::ChoosePolicy(policy, options.kv));
+  // The policy flags are judged under ideal too (the local cache, no
+  // policy), so a bad value never passes unnoticed.
+  const bool local = !options.kv.policy;
+  gpu_worker::PolicyOptions p = options.kv.policy.value_or(
+      gpu_worker::PolicyOptions());
+  const bool speculates =
+      !local && gpu_worker::PolicyEntryOf(p.kind).traits.speculates;
+  p.alpha = static_cast<float>(absl::GetFlag(FLAGS_alpha));
+  // The --target_fetch defaults of infinigen (auto flags).
+  const bool tuned = speculates &&
+                     absl::GetFlag(FLAGS_target_fetch) != 0;
+  IG_ASSIGN_OR_RETURN(const gpu_worker::SpeculationOptions speculation,
+                      SpeculationFromFlags(tuned));
+  p.partial_ratio = static_cast<float>(speculation.partial_ratio);
+  p.speculation_input =
+      speculation.post_attention
+          ? gpu_worker::PolicyOptions::SpeculationInput::kPostAttention
+          : gpu_worker::PolicyOptions::SpeculationInput::kLayerInput;
+  p.exact_partial_keys = speculation.exact_keys;
+  IG_ASSIGN_OR_RETURN(
+      p.dense_layers,
+      DenseLayersFromFlags(speculates &&
+                           speculation.post_attention));
+  if (p.dense_layers > n_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--dense_layers is %d, the model has %d layers",
+                        p.dense_layers, n_layers));
+  }
+  p.budget = static_cast<float>(absl::GetFlag(FLAGS_budget));
+  const std::string rank = absl::GetFlag(FLAGS_partial_rank);
+  if (rank != "q" && rank != "qk") {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--partial_rank must be q or qk, got '%s'", rank));
+  }
+  p.rank_columns_by_keys = rank == "qk";
+  p.same_layer_input = absl::GetFlag(FLAGS_same_layer_input);
+  p.sink_tokens = absl::GetFlag(FLAGS_sink_tokens);
+  p.recent_tokens = absl::GetFlag(FLAGS_recent_tokens);
+  p.page_tokens = absl::GetFlag(FLAGS_page_tokens);
+  p.score_mass = static_cast<float>(absl::GetFlag(FLAGS_score_mass));
+  p.budget_floor = static_cast<float>(absl::GetFlag(FLAGS_budget_floor));
+  options.kv.kv_capacity = absl::GetFlag(FLAGS_kv_capacity);
+  options.kv.max_worker_bytes = absl::GetFlag(FLAGS_max_worker_kv_bytes);
+  if (options.kv.max_worker_bytes < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--max_worker_kv_bytes must be >= 0, got %d",
+                        options.kv.max_worker_bytes));
+  }
+  if (const double target = absl::GetFlag(FLAGS_target_fetch); target != 0) {
+    if (local) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "--target_fetch: %s fetches nothing (the whole cache is local); "
+          "a target fetch applies to %s",
+          gpu_worker::kLocalCacheName, gpu_worker::TargetFetchPolicyNames()));
+    }
+    if (absl::Status st = gpu_worker::SetTargetFetch(target, n_layers, p);
+        !st.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--target_fetch: ", st.message()));
+    }
+    IG_LOG(INFO) << "--target_fetch=" << target << ": --budget=" << p.budget
+                 << " for " << gpu_worker::PolicyName(p.kind);
+  }
+  const std::string budgets = absl::GetFlag(FLAGS_head_budgets);
+  if (budgets != "auto" && budgets != "uniform" && budgets != "adaptive") {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--head_budgets must be auto, uniform or adaptive, got '%s'",
+        budgets));
+  }
+  p.adaptive_budgets =
+      budgets == "adaptive" ||
+      (budgets == "auto" && speculates &&
+       absl::GetFlag(FLAGS_target_fetch) != 0);
+  if (!local) options.kv.policy = p;
+  return options;
+}
+
+// InfiniGen's skew: --skew's file (checked against the model), else
+// calibrated on the first --calibration_tokens of `calibration`.
+absl::StatusOr<std::unique_ptr<speculator::SkewMatrices>> SkewFromFlags(
+    const model::Weights& weights, absl::Span<const int> calibration,
+    const gpu_worker::PolicyOptions& options) {
+  const model::ModelConfig& c = weights.config;
+  const std::string path = absl::GetFlag(FLAGS_skew);
+  if (!path.empty()) {
+    IG_ASSIGN_OR_RETURN(auto skew, speculator::SkewMatrices::Load(path));
+    IG_RETURN_IF_ERROR(skew.CheckShape(c.n_layers, c.n_kv_heads, c.head_dim));
+    return std::make_unique<speculator::SkewMatrices>(std::move(skew));
+  }
+  const int n = std::min<int>(calibration.size(),
+                              absl::GetFlag(FLAGS_calibration_tokens));
+  IG_LOG(INFO) << "no --skew: calibrating on the first " << n
+               << " tokens of the input";
+  IG_ASSIGN_OR_RETURN(
+      auto skew, gpu_worker::CalibrateSkew(
+                     weights, calibration.subspan(0, n),
+                     {options.partial_ratio, options.SpeculatesAfterAttention(),
+                      options.exact_partial_keys, options.dense_layers}));
+  return std::make_unique<speculator::SkewMatrices>(std::move(skew));
+}
+
+}  // namespace
+
+void WarnIgnoredPolicyFlags(absl::Span<const std::string> policies) {
+  // Set to something other than its default (this Abseil does not say
+  // whether a flag was given).
+  auto set = [](absl::string_view name) {
+    const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
+    return flag != nullptr && flag->CurrentValue() != flag->DefaultValue();
+  };
+  bool all_local = true;
+  for (const std::string& name : policies) {
+    all_local = all_local && name == gpu_worker::kLocalCacheName;
+  }
+  for (const std::string& flag : gpu_worker::PolicyFlagNames()) {
+    // A target fetch a policy cannot take is refused (SetTargetFetch).
+    if (flag == "target_fetch" || !set(flag)) continue;
+    bool read = false;
+    for (const std::string& name : policies) {
+      const gpu_worker::PolicyEntry* entry = gpu_worker::FindPolicy(name);
+      if (entry == nullptr) continue;  // ideal reads none
+      for (const char* f : entry->flags) read = read || flag == f;
+    }
+    if (read) continue;
+    IG_LOG(WARNING) << "--" << flag << " has no effect on "
+                    << absl::StrJoin(policies, ", ") << ": it sets options of "
+                    << gpu_worker::PoliciesReadingFlag(flag);
+  }
+  if (!all_local) return;
+  for (const char* flag : {"kv_service", "kv_capacity", "eviction"}) {
+    if (set(flag)) {
+      IG_LOG(WARNING) << "--" << flag << " has no effect on "
+                      << gpu_worker::kLocalCacheName
+                      << ": the whole cache stays on the worker (pick an "
+                         "offloading --policy to use a memory node)";
+    }
+  }
+}
+
+absl::StatusOr<PolicySetup> SetUpPolicy(
+    const std::string& policy, const model::Weights& weights,
+    absl::Span<const int> calibration,
+    const kv_memory_service::KvClientOptions& kv_options, bool serving) {
+  PolicySetup s;
+  IG_ASSIGN_OR_RETURN(s.options, EngineOptionsFromFlags(
+                                     policy, weights.config.n_layers, serving));
+  if (!s.options.kv.policy) return s;
+  gpu_worker::PolicyOptions& p = *s.options.kv.policy;
+  const bool speculates = gpu_worker::PolicyEntryOf(p.kind).traits.speculates;
+  if (speculates || p.adaptive_budgets) {
+    IG_ASSIGN_OR_RETURN(s.skew, SkewFromFlags(weights, calibration, p));
+    if (speculates) p.skew = s.skew.get();
+  }
+  if (p.adaptive_budgets && s.skew->profile.empty()) {
+    if (absl::GetFlag(FLAGS_head_budgets) == "adaptive") {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "--head_budgets=adaptive needs the calibration's head profile, and "
+          "--skew=%s has none (written before it existed): rerun 'infinigen "
+          "skew' to make a new file",
+          absl::GetFlag(FLAGS_skew)));
+    }
+    IG_LOG(WARNING) << "--skew=" << absl::GetFlag(FLAGS_skew)
+                    << " has no head profile (written before it existed): "
+                       "uniform head budgets; rerun 'infinigen skew' for "
+                       "adaptive ones";
+    p.adaptive_budgets = false;
+  }
+  if (p.adaptive_budgets) p.profile = &s.skew->profile;
+  kv_memory_service::KvClientOptions client_options = kv_options;
+  IG_ASSIGN_OR_RETURN(
+      client_options.inproc_store_options.eviction,
+      kv_memory_service::ParseEvictionPolicy(absl::GetFlag(FLAGS_eviction)));
+  client_options.inproc_store_options.prefix_cache_bytes =
+      absl::GetFlag(FLAGS_prefix_cache_bytes);
+  if (const int block = absl::GetFlag(FLAGS_prefix_block_tokens);
+      serving && block > 0) {
+    s.options.kv.prefix_block_tokens = block;
+    s.options.kv.model_identity = gpu_worker::ModelIdentity(weights, s.skew.get());
+  }
+  const std::string kv_service = absl::GetFlag(FLAGS_kv_service);
+  IG_ASSIGN_OR_RETURN(s.client, kv_memory_service::ConnectKvClient(
+                                    kv_service, client_options));
+  s.options.kv.kv_client = s.client.get();
+  IG_LOG(INFO) << "policy " << s.options.kv.policy_name()
+               << " over " << s.client->data_plane() << " (" << kv_service
+               << ")";
+  return s;
+}
+
+}  // namespace infinigen::commands
