@@ -90,15 +90,8 @@ cd "${HERE}"
 # ../bench).
 BENCH="${HERE}/bench"
 [ -f "${BENCH}/hf_baseline.py" ] || BENCH="${HERE}/../bench"
-export LD_LIBRARY_PATH="${HERE}/lib${LD_LIBRARY_PATH:+:${LD_LIBRARY_PATH}}"
-if [ ! -e "${HERE}/lib/libcublas.so.13" ]; then
-  wheels="$(python3 -c 'import glob, os, site
-print(" ".join(sorted({os.path.dirname(p) for s in site.getsitepackages()
-    for p in glob.glob(s + "/nvidia/**/libcu*.so*", recursive=True)})))' 2>/dev/null)"
-  for d in /usr/local/cuda/lib64 ${wheels}; do
-    [ -d "${d}" ] && LD_LIBRARY_PATH="${LD_LIBRARY_PATH}:${d}"
-  done
-fi
+# The bundle's libraries, and the CUDA runtime where it has none.
+source "${HERE}/gpu_libs.sh"
 START=$(date +%s)
 DEADLINE=$((START + BUDGET))
 IG=("${INFINIGEN}")

@@ -89,6 +89,7 @@ done
 cp scripts/gpu_host_run.sh "${OUT}/run.sh"
 chmod +x "${OUT}/run.sh"
 cp scripts/gpu_bench.sh "${OUT}/gpu_bench.sh"
+cp scripts/gpu_libs.sh "${OUT}/gpu_libs.sh"
 mkdir -p "${OUT}/bench"
 cp bench/hf_baseline.py bench/gpu_bench_report.py "${OUT}/bench/"
 git rev-parse HEAD > "${OUT}/COMMIT" 2>/dev/null || echo unknown > "${OUT}/COMMIT"

@@ -24,17 +24,8 @@ if [ -z "${OUT}" ] || [ "${OUT}" = "-h" ] || [ "${OUT}" = "--help" ]; then
 fi
 mkdir -p "${OUT}/tests"
 OUT="$(cd "${OUT}" && pwd)"
-export LD_LIBRARY_PATH="${HERE}/lib${LD_LIBRARY_PATH:+:${LD_LIBRARY_PATH}}"
-# CUDA runtime libraries the bundle left out: the host's toolkit or the
-# nvidia wheels of its Python.
-if [ ! -e "${HERE}/lib/libcublas.so.13" ]; then
-  wheels="$(python3 -c 'import glob, os, site
-print(" ".join(sorted({os.path.dirname(p) for s in site.getsitepackages()
-    for p in glob.glob(s + "/nvidia/**/libcu*.so*", recursive=True)})))' 2>/dev/null)"
-  for d in /usr/local/cuda/lib64 ${wheels}; do
-    [ -d "${d}" ] && LD_LIBRARY_PATH="${LD_LIBRARY_PATH}:${d}"
-  done
-fi
+# The bundle's libraries, and the CUDA runtime where it has none.
+source "${HERE}/gpu_libs.sh"
 cd "${HERE}"
 export INFINIGEN_ROOT="${HERE}"
 SUMMARY="${OUT}/summary.txt"

@@ -118,6 +118,26 @@ def post(url, body, key=KEY):
         return e.code, json.loads(e.read())
 
 
+def start_kv_node(port, ready, *flags):
+    """A kv_memory_server on 127.0.0.1:`port` (and `flags`), ready when it
+    wrote `ready`; stopped by the caller."""
+    if os.path.exists(ready):
+        os.remove(ready)
+    p = subprocess.Popen(
+        [KV_SERVER, f"--listen=127.0.0.1:{port}", f"--ready_file={ready}",
+         *flags],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 30
+    while not (os.path.exists(ready) and read(ready).strip()):
+        if p.poll() is not None:
+            raise RuntimeError("kv_memory_server exited")
+        if time.time() > deadline:
+            p.kill()
+            raise RuntimeError("kv_memory_server never became ready")
+        time.sleep(0.025)
+    return p
+
+
 class Stories260K(unittest.TestCase):
     """One server with a key and the chatml template for most tests."""
 
@@ -612,18 +632,7 @@ class Reuse(unittest.TestCase):
         node = None
 
         def start_node():
-            if os.path.exists(ready):
-                os.remove(ready)
-            p = subprocess.Popen(
-                [KV_SERVER, f"--listen=127.0.0.1:{port}",
-                 f"--ready_file={ready}"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            deadline = time.time() + 30
-            while not (os.path.exists(ready) and read(ready).strip()):
-                self.assertIsNone(p.poll(), "kv_memory_server exited")
-                self.assertLess(time.time(), deadline)
-                time.sleep(0.025)
-            return p
+            return start_kv_node(port, ready)
 
         node = start_node()
         mport = free_port()
@@ -682,19 +691,8 @@ class Reuse(unittest.TestCase):
                 ready = os.path.join(d, "ready")
 
                 def start_node():
-                    if os.path.exists(ready):
-                        os.remove(ready)
-                    p = subprocess.Popen(
-                        [KV_SERVER, f"--listen=127.0.0.1:{port}",
-                         f"--shm_listen=unix:{sock}",
-                         f"--ready_file={ready}"],
-                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                    deadline = time.time() + 30
-                    while not (os.path.exists(ready) and read(ready).strip()):
-                        self.assertIsNone(p.poll(), "kv_memory_server exited")
-                        self.assertLess(time.time(), deadline)
-                        time.sleep(0.025)
-                    return p
+                    return start_kv_node(port, ready,
+                                         f"--shm_listen=unix:{sock}")
 
                 node = start_node()
                 server = None
@@ -765,18 +763,7 @@ class Reuse(unittest.TestCase):
         ready = os.path.join(d, "ready")
 
         def start_node():
-            if os.path.exists(ready):
-                os.remove(ready)
-            p = subprocess.Popen(
-                [KV_SERVER, f"--listen=127.0.0.1:{port}",
-                 f"--ready_file={ready}"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            deadline = time.time() + 30
-            while not (os.path.exists(ready) and read(ready).strip()):
-                self.assertIsNone(p.poll(), "kv_memory_server exited")
-                self.assertLess(time.time(), deadline)
-                time.sleep(0.025)
-            return p
+            return start_kv_node(port, ready)
 
         node = start_node()
         server = None
