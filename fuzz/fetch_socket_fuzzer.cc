@@ -60,7 +60,7 @@ struct Fixture {
     block.v = v;
     if (!store->Append(seq, block).ok()) std::abort();
     kv::FetchSocketServerOptions options;
-    options.auth_token = "fuzz";
+    options.credentials = kv::Credentials::Single("fuzz");
     options.max_message_bytes = 1 << 16;
     options.threads = 1;
     options.handshake_timeout = absl::Seconds(2);

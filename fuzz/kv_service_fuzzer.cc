@@ -35,7 +35,8 @@ struct Node {
     store = std::make_shared<kvm::KvStore>(o);
     // 4 MiB responses: big enough for any row the open sequence holds.
     service =
-        std::make_unique<kvm::KvMemoryService>(store, "", 4 << 20, 0, false);
+        std::make_unique<kvm::KvMemoryService>(store, kvm::Credentials(), 4 << 20,
+                                              0, false);
     kvm::SequenceGeometry g;
     g.n_layers = 2;
     g.n_kv_heads = 2;

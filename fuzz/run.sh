@@ -42,7 +42,8 @@ fi
 store_srcs=(kv_memory_service/kv_store.cc kv_memory_service/stored_sequence.cc
             kv_memory_service/head_slots.cc kv_memory_service/kv_types.cc
             kv_memory_service/gather_pool.cc
-            kv_memory_service/prefix_cache.cc kv_memory_service/prefix_keys.cc)
+            kv_memory_service/prefix_cache.cc kv_memory_service/prefix_keys.cc
+            kv_memory_service/server/credentials.cc)
 model_srcs=(common/file.cc common/log.cc model/gguf.cc model/ggml_quants.cc
             model/gguf_llama.cc model/bpe_tokenizer.cc
             model/tokenizer.cc model/config.cc model/weights.cc

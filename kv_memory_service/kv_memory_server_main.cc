@@ -62,8 +62,12 @@ ABSL_FLAG(std::string, eviction, "lru",
           "What a full (layer, KV head) of a sequence drops before taking a "
           "new token: fifo, lru or counter.");
 ABSL_FLAG(std::string, auth_token_file, "",
-          "File holding the token clients must send (authorization: Bearer "
-          "TOKEN); requests without it get UNAUTHENTICATED. Empty = no auth.");
+          "File holding the tokens clients may send (authorization: Bearer "
+          "TOKEN), one per line as 'TOKEN [NAMESPACE [read-only]]': prefix "
+          "blocks published under a credential are attached only under one "
+          "of the same namespace (a bare token: the default one), and a "
+          "read-only credential attaches and never publishes. Requests "
+          "without a listed token get UNAUTHENTICATED. Empty = no auth.");
 ABSL_FLAG(int32_t, max_message_bytes, 64 << 20,
           "Largest gRPC message either way (appends, fetch responses).");
 ABSL_FLAG(int32_t, max_sequences, 1024, "Most sequences open at once.");
@@ -259,12 +263,15 @@ int Run() {
   }
   const std::string token_file = absl::GetFlag(FLAGS_auth_token_file);
   if (!token_file.empty()) {
-    absl::StatusOr<std::string> token = ReadTokenFile(token_file);
-    if (!token.ok()) {
+    absl::StatusOr<std::string> text = ReadFileToString(token_file);
+    absl::StatusOr<Credentials> credentials =
+        text.ok() ? Credentials::Parse(*text, token_file)
+                  : absl::StatusOr<Credentials>(text.status());
+    if (!credentials.ok()) {
       return UsageError(absl::StrCat("--auth_token_file: ",
-                                     token.status().message()));
+                                     credentials.status().message()));
     }
-    options.auth_token = *std::move(token);
+    options.credentials = *std::move(credentials);
   }
   absl::StatusOr<ServerTlsPem> tls = ReadServerTlsFiles(
       absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key),
@@ -277,7 +284,7 @@ int Run() {
       !listen.ok()) {
     return UsageError(absl::StrCat("--listen: ", listen.status().message()));
   }
-  if (options.auth_token.empty() && options.tls_client_ca_pem.empty() &&
+  if (options.credentials.empty() && options.tls_client_ca_pem.empty() &&
       !absl::GetFlag(FLAGS_allow_insecure) && !LoopbackOnly(options.listen)) {
     return UsageError(absl::StrCat(
         "refusing to listen on non-loopback '", options.listen,

@@ -12,6 +12,7 @@
 #include "common/status.h"
 #include "kv_memory_service/gather_pool.h"
 #include "kv_memory_service/prefix_cache.h"
+#include "kv_memory_service/prefix_keys.h"
 #include "kv_memory_service/stored_sequence.h"
 
 namespace infinigen::kv_memory_service {
@@ -270,13 +271,30 @@ absl::StatusOr<OpenedSequence> KvStore::Open(const SequenceGeometry& geometry,
   const size_t usable = std::min(
       prefix.keys.size(),
       static_cast<size_t>(geometry.max_tokens / prefix.block_tokens));
-  absl::Span<const PrefixKey> keys(prefix.keys.data(), usable);
+  // Another namespace's blocks are other keys: key' = XXH3_128(namespace |
+  // key), so no sequence attaches a block published under another
+  // credential's namespace.
+  std::vector<PrefixKey> scoped;
+  if (!prefix.prefix_namespace.empty()) {
+    scoped.reserve(usable);
+    for (size_t i = 0; i < usable; ++i) {
+      const PrefixKey& k = prefix.keys[i];
+      std::string bytes = prefix.prefix_namespace;
+      bytes.push_back('\0');
+      bytes.append(reinterpret_cast<const char*>(&k.lo), sizeof(k.lo));
+      bytes.append(reinterpret_cast<const char*>(&k.hi), sizeof(k.hi));
+      scoped.push_back(HashBytes(bytes));
+    }
+  }
+  absl::Span<const PrefixKey> keys =
+      scoped.empty() ? absl::Span<const PrefixKey>(prefix.keys.data(), usable)
+                     : absl::Span<const PrefixKey>(scoped);
   std::vector<std::shared_ptr<const PrefixBlock>> blocks =
       prefix_cache_->capacity_bytes() > 0
           ? prefix_cache_->Attach(geometry, prefix.block_tokens, keys)
           : std::vector<std::shared_ptr<const PrefixBlock>>();
   std::vector<PrefixKey> pending;
-  if (prefix_cache_->capacity_bytes() > 0) {
+  if (prefix_cache_->capacity_bytes() > 0 && prefix.may_publish) {
     pending.assign(keys.begin() + blocks.size(), keys.end());
   }
   for (const auto& b : blocks) opened.prefix_meta.push_back(b->meta);

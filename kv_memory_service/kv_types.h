@@ -113,6 +113,11 @@ struct PrefixKey {
 struct PrefixRequest {
   int32_t block_tokens = 0;  // > 0 when keys is not empty
   std::vector<PrefixKey> keys;
+  // Set by the node from the caller's credential, never sent: blocks are
+  // attached and published only within one namespace ("" the default),
+  // and a read-only credential's sequences publish none.
+  std::string prefix_namespace;
+  bool may_publish = true;
 };
 
 // An opened sequence: its id and how many leading tokens (a multiple of

@@ -33,13 +33,6 @@ constexpr absl::Duration kIdleWait = absl::Milliseconds(50);
 constexpr absl::Duration kCompletionTimeout = absl::Seconds(10);
 constexpr uint64_t kMaxBufferBytes = uint64_t{1} << 30;
 
-bool SameToken(absl::string_view a, absl::string_view b) {
-  if (a.size() != b.size()) return false;
-  unsigned char diff = 0;
-  for (size_t i = 0; i < a.size(); ++i) diff |= a[i] ^ b[i];
-  return diff == 0;
-}
-
 // One client's queue pair, registered memory and serving thread.
 class Connection {
  public:
@@ -328,8 +321,7 @@ class RdmaServer::Impl final : public kv::KvRdma::Service {
        std::unique_ptr<rdma::RdmaDevice> device)
       : store_(std::move(store)),
         options_(options),
-        expected_auth_(options.auth_token.empty() ? ""
-                                                  : "Bearer " + options.auth_token),
+        credentials_(options.credentials),
         device_(std::move(device)) {}
 
   ~Impl() override {
@@ -386,17 +378,11 @@ class RdmaServer::Impl final : public kv::KvRdma::Service {
 
  private:
   absl::Status Authorize(const grpc::ServerContext& ctx) const {
-    if (expected_auth_.empty()) return absl::OkStatus();
     const auto& md = ctx.client_metadata();
     auto it = md.find("authorization");
-    if (it == md.end()) {
-      return absl::UnauthenticatedError("missing authorization token");
-    }
-    if (!SameToken(absl::string_view(it->second.data(), it->second.size()),
-                   expected_auth_)) {
-      return absl::UnauthenticatedError("wrong authorization token");
-    }
-    return absl::OkStatus();
+    if (it == md.end()) return credentials_.Authenticate(nullptr).status();
+    const absl::string_view presented(it->second.data(), it->second.size());
+    return credentials_.Authenticate(&presented).status();
   }
 
   absl::Status DoConnect(const grpc::ServerContext& ctx,
@@ -441,7 +427,7 @@ class RdmaServer::Impl final : public kv::KvRdma::Service {
 
   const std::shared_ptr<KvStore> store_;
   const RdmaServerOptions options_;
-  const std::string expected_auth_;
+  const Credentials credentials_;
   const std::unique_ptr<rdma::RdmaDevice> device_;
 
   absl::Mutex mu_;

@@ -22,6 +22,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "grpcpp/impl/service_type.h"
+#include "kv_memory_service/server/credentials.h"
 #include "kv_memory_service/kv_store.h"
 #include "kv_memory_service/request_metrics.h"
 
@@ -32,8 +33,9 @@ struct RdmaServerOptions {
   std::string device;
   int port = 0;        // 0 = the device's first active port
   int gid_index = -1;  // -1 = chosen from the GID table (rdma_device.h)
-  // Clients must send "authorization: Bearer <auth_token>"; empty = no check.
-  std::string auth_token;
+  // Clients must send "authorization: Bearer TOKEN" of one of these;
+  // empty = no check.
+  Credentials credentials;
   int max_connections = 64;
   // How long a connection thread polls for the next request before it
   // sleeps on its completion channel.

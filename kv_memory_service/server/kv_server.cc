@@ -68,7 +68,7 @@ absl::StatusOr<std::unique_ptr<KvServer>> KvServer::Start(
           fetch_options.host.substr(1, fetch_options.host.size() - 2);
     }
     fetch_options.port = options.fetch_port;
-    fetch_options.auth_token = options.auth_token;
+    fetch_options.credentials = options.credentials;
     fetch_options.max_message_bytes = options.max_message_bytes;
     fetch_options.threads = options.fetch_threads;
     fetch_options.max_connections = options.fetch_max_connections;
@@ -87,13 +87,13 @@ absl::StatusOr<std::unique_ptr<KvServer>> KvServer::Start(
     server->fetch_port_ = server->fetch_server_->port();
   }
   server->service_ = std::make_unique<KvMemoryService>(
-      server->store_, options.auth_token, options.max_message_bytes,
+      server->store_, options.credentials, options.max_message_bytes,
       server->fetch_port_, tls, server->request_metrics_.get());
 
   if (!options.rdma_device.empty()) {
     RdmaServerOptions rdma_options;
     rdma_options.device = options.rdma_device == "any" ? "" : options.rdma_device;
-    rdma_options.auth_token = options.auth_token;
+    rdma_options.credentials = options.credentials;
     rdma_options.metrics = server->request_metrics_.get();
     absl::StatusOr<std::unique_ptr<RdmaServer>> rdma =
         RdmaServer::Start(server->store_, rdma_options);
@@ -139,7 +139,7 @@ absl::StatusOr<std::unique_ptr<KvServer>> KvServer::Start(
     ShmServerOptions shm_options;
     shm_options.listen_address = options.shm_listen;
     shm_options.control_address = server->client_address_;
-    shm_options.auth_token = options.auth_token;
+    shm_options.credentials = options.credentials;
     shm_options.max_client_slot_bytes = options.shm_max_client_bytes;
     shm_options.max_total_slot_bytes = options.shm_max_total_bytes;
     shm_options.metrics = server->request_metrics_.get();
@@ -159,7 +159,11 @@ absl::StatusOr<std::unique_ptr<KvServer>> KvServer::Start(
                << (options.store.capacity_bytes == 0
                        ? std::string("unlimited")
                        : absl::StrCat(options.store.capacity_bytes, " bytes"))
-               << ", auth " << (options.auth_token.empty() ? "off" : "on")
+               << ", auth "
+               << (options.credentials.empty()
+                       ? std::string("off")
+                       : absl::StrCat("on (", options.credentials.size(),
+                                      " credentials)"))
                << ", TLS "
                << (!tls                                ? "off"
                    : options.tls_client_ca_pem.empty() ? "on"

@@ -23,6 +23,7 @@
 #include "grpcpp/channel.h"
 #include "grpcpp/server.h"
 #include "kv_memory_service/kv_store.h"
+#include "kv_memory_service/server/credentials.h"
 #include "kv_memory_service/request_metrics.h"
 #include "kv_memory_service/tcp/fetch_socket_server.h"
 
@@ -38,9 +39,10 @@ struct KvServerOptions {
   // "unix:PATH".
   std::string listen = "127.0.0.1:7070";
   KvStoreOptions store;
-  // Requests must carry "authorization: Bearer <auth_token>"; empty = no
-  // check. Health checks never need it.
-  std::string auth_token;
+  // Requests must carry "authorization: Bearer TOKEN" of one of these
+  // (each its prefix namespace; credentials.h); empty = no check. Health
+  // checks never need it.
+  Credentials credentials;
   // Largest gRPC message either way. Larger requests are rejected by gRPC
   // with RESOURCE_EXHAUSTED, fetches whose rows would not fit by the
   // service with the same code.

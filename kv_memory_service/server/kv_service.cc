@@ -19,11 +19,11 @@ constexpr int64_t kResponseOverhead = 1024;
 }  // namespace
 
 KvMemoryService::KvMemoryService(std::shared_ptr<KvStore> store,
-                                 const std::string& auth_token,
+                                 Credentials credentials,
                                  int32_t max_message_bytes, int32_t fetch_port,
                                  bool fetch_tls, RequestMetrics* metrics)
     : store_(std::move(store)),
-      expected_auth_(auth_token.empty() ? "" : "Bearer " + auth_token),
+      credentials_(std::move(credentials)),
       max_message_bytes_(max_message_bytes),
       fetch_port_(fetch_port),
       fetch_tls_(fetch_tls),
@@ -79,8 +79,9 @@ grpc::Status KvMemoryService::CloseSession(grpc::ServerContext* ctx,
 grpc::Status KvMemoryService::OpenSequence(grpc::ServerContext* ctx,
                                            const kv::OpenSequenceRequest* req,
                                            kv::OpenSequenceResponse* resp) {
-  absl::Status status = Authorize(*ctx);
-  if (status.ok()) status = DoOpen(*req, resp);
+  absl::StatusOr<const Credential*> credential = Authenticate(*ctx);
+  absl::Status status = credential.status();
+  if (status.ok()) status = DoOpen(*credential, *req, resp);
   return Reply(status);
 }
 
@@ -170,21 +171,28 @@ grpc::Status KvMemoryService::GetServerInfo(grpc::ServerContext* ctx,
   return Reply(status);
 }
 
-absl::Status KvMemoryService::Authorize(const grpc::ServerContext& ctx) const {
+absl::StatusOr<const Credential*> KvMemoryService::Authenticate(
+    const grpc::ServerContext& ctx) const {
   const auto& md = ctx.client_metadata();
   auto it = md.find("authorization");
-  if (it == md.end()) return CheckAuthorization(nullptr, expected_auth_);
+  if (it == md.end()) return credentials_.Authenticate(nullptr);
   const absl::string_view presented(it->second.data(), it->second.size());
-  return CheckAuthorization(&presented, expected_auth_);
+  return credentials_.Authenticate(&presented);
 }
 
-absl::Status KvMemoryService::DoOpen(const kv::OpenSequenceRequest& req,
+absl::Status KvMemoryService::DoOpen(const Credential* credential,
+                                     const kv::OpenSequenceRequest& req,
                                      kv::OpenSequenceResponse* resp) {
   if (!req.has_geometry()) {
     return absl::InvalidArgumentError("OpenSequence needs a geometry");
   }
   IG_ASSIGN_OR_RETURN(SequenceGeometry g, FromProto(req.geometry()));
-  IG_ASSIGN_OR_RETURN(const PrefixRequest prefix, PrefixFromProto(req));
+  IG_ASSIGN_OR_RETURN(PrefixRequest prefix, PrefixFromProto(req));
+  // The caller's namespace, never the wire's.
+  if (credential != nullptr) {
+    prefix.prefix_namespace = credential->prefix_namespace;
+    prefix.may_publish = !credential->read_only_prefixes;
+  }
   IG_ASSIGN_OR_RETURN(const OpenedSequence opened,
                       store_->Open(g, req.session_id(), prefix));
   resp->set_sequence_id(opened.id);

@@ -18,6 +18,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "kv_memory_service/kv_store.h"
+#include "kv_memory_service/server/credentials.h"
 #include "kv_memory_service/request_metrics.h"
 #include "proto/kv_memory.grpc.pb.h"
 
@@ -25,14 +26,15 @@ namespace infinigen::kv_memory_service {
 
 class KvMemoryService final : public kv::KvMemory::Service {
  public:
-  // `auth_token` empty: no check. Fetches whose rows exceed
+  // `credentials` empty: no check; a sequence opens in its credential's
+  // prefix namespace (credentials.h). Fetches whose rows exceed
   // max_message_bytes (less room for the rest of the response) are
   // RESOURCE_EXHAUSTED.
   // fetch_port: what GetServerInfo advertises (0: no fetch socket), as
   // fetch_tls_port when `fetch_tls`. `metrics` (not owned, outlives the
   // service; null: none) records every fetch and append served and every
   // call refused.
-  KvMemoryService(std::shared_ptr<KvStore> store, const std::string& auth_token,
+  KvMemoryService(std::shared_ptr<KvStore> store, Credentials credentials,
                   int32_t max_message_bytes, int32_t fetch_port, bool fetch_tls,
                   RequestMetrics* metrics = nullptr);
 
@@ -71,10 +73,17 @@ class KvMemoryService final : public kv::KvMemory::Service {
                              kv::GetServerInfoResponse* resp) override;
 
  private:
-  absl::Status Authorize(const grpc::ServerContext& ctx) const;
+  // The caller's credential (null: no check configured), or
+  // Unauthenticated.
+  absl::StatusOr<const Credential*> Authenticate(
+      const grpc::ServerContext& ctx) const;
+  absl::Status Authorize(const grpc::ServerContext& ctx) const {
+    return Authenticate(ctx).status();
+  }
   // The call's reply; a refusal is counted.
   grpc::Status Reply(const absl::Status& status);
-  absl::Status DoOpen(const kv::OpenSequenceRequest& req,
+  absl::Status DoOpen(const Credential* credential,
+                      const kv::OpenSequenceRequest& req,
                       kv::OpenSequenceResponse* resp);
   // `ctx`'s deadline and cancellation travel with the block (AppendBlock).
   absl::Status DoAppend(const grpc::ServerContext& ctx,
@@ -86,7 +95,7 @@ class KvMemoryService final : public kv::KvMemory::Service {
                           kv::GetStatsResponse* resp);
 
   const std::shared_ptr<KvStore> store_;
-  const std::string expected_auth_;  // "Bearer TOKEN", or empty: no check
+  const Credentials credentials_;
   const int64_t max_message_bytes_;
   const int32_t fetch_port_;
   const bool fetch_tls_;

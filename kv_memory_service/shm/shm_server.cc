@@ -33,14 +33,6 @@ constexpr absl::Duration kAttachTimeout = absl::Seconds(10);
 // Connections in their handshake at once (ShmServer::AcceptLoop).
 constexpr int kMaxHandshakes = 64;
 
-// Compares in time independent of where the strings differ.
-bool SameToken(absl::string_view a, absl::string_view b) {
-  if (a.size() != b.size()) return false;
-  unsigned char diff = 0;
-  for (size_t i = 0; i < a.size(); ++i) diff |= a[i] ^ b[i];
-  return diff == 0;
-}
-
 // Maps [offset, offset + bytes) of a client's memfd. The client must have
 // sealed it against shrinking: a file truncated under our mapping would
 // make the gather fault.
@@ -242,8 +234,10 @@ class ShmServer::Connection {
     if (attach.type != shm::MessageType::kAttach) {
       return absl::InvalidArgumentError("shm data plane: expected Attach");
     }
-    const std::string& token = server_->options_.auth_token;
-    if (!token.empty() && !SameToken(attach.text, token)) {
+    // The Attach carries the bare token.
+    const std::string bearer = "Bearer " + attach.text;
+    const absl::string_view presented(bearer);
+    if (!server_->options_.credentials.Authenticate(&presented).ok()) {
       return absl::UnauthenticatedError(
           "shm data plane: missing or wrong auth token");
     }

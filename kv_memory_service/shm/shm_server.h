@@ -27,6 +27,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "kv_memory_service/server/credentials.h"
 #include "kv_memory_service/kv_store.h"
 #include "kv_memory_service/request_metrics.h"
 
@@ -41,7 +42,7 @@ struct ShmServerOptions {
   // "unix:/run/kv.sock" or "tcp://127.0.0.1:7070".
   std::string control_address;
   // When not empty, a client must present this token when it attaches.
-  std::string auth_token;
+  Credentials credentials;
   // How long a connection thread keeps polling for the next fetch before it
   // sleeps. Longer: lower latency for fetches spaced by up to this much, at
   // the price of a busy core.

@@ -74,7 +74,7 @@ class ShmTest : public ::testing::Test {
     options.listen_address =
         "unix:" + (path.empty() ? SocketPath("shm_test") : path);
     options.control_address = "inproc:";
-    options.auth_token = token;
+    options.credentials = Credentials::Single(token);
     auto server = ShmServer::Start(store_, options);
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = *std::move(server);

@@ -228,7 +228,7 @@ bool FetchSocketServer::Loop::Advance(Connection* c) {
     case Connection::State::kToken: {
       const absl::string_view presented(c->token);
       absl::Status status =
-          CheckAuthorization(&presented, server_->expected_token_);
+          server_->credentials_.Authenticate(&presented).status();
       if (!status.ok()) {
         server_->CountRefused();
       } else {

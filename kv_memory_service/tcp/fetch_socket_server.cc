@@ -112,9 +112,7 @@ FetchSocketServer::FetchSocketServer(std::shared_ptr<KvStore> store,
                                      int listen_fd, int port)
     : store_(std::move(store)),
       options_(options),
-      expected_token_(options.auth_token.empty()
-                          ? ""
-                          : "Bearer " + options.auth_token),
+      credentials_(options.credentials),
       listen_fd_(listen_fd),
       port_(port) {}
 

@@ -45,6 +45,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "kv_memory_service/server/credentials.h"
 #include "kv_memory_service/kv_store.h"
 #include "kv_memory_service/request_metrics.h"
 #include "openssl/ssl.h"
@@ -54,7 +55,7 @@ namespace infinigen::kv_memory_service {
 struct FetchSocketServerOptions {
   std::string host = "127.0.0.1";  // to bind; "0.0.0.0" / "::" for all
   int port = 0;                    // 0: any free port
-  std::string auth_token;          // empty: no check
+  Credentials credentials;         // empty: no check
   // Largest request frame and largest response rows.
   int32_t max_message_bytes = 64 << 20;
   // Event-loop threads serving all connections.
@@ -128,7 +129,7 @@ class FetchSocketServer {
 
   const std::shared_ptr<KvStore> store_;
   const FetchSocketServerOptions options_;
-  const std::string expected_token_;  // "Bearer TOKEN", or empty
+  const Credentials credentials_;
   const int listen_fd_;
   const int port_;
   std::vector<std::unique_ptr<Loop>> loops_;

@@ -39,7 +39,7 @@ class FetchSocketServerTest : public ::testing::Test {
     testdata::TestBlock b = MakeTestBlock(3, g_, 0, 2, 0, 8);
     ASSERT_TRUE(store_->Append(seq_, b.block).ok());
     FetchSocketServerOptions options;
-    options.auth_token = "tok";
+    options.credentials = Credentials::Single("tok");
     options.max_message_bytes = 1 << 16;
     Configure(&options);
     auto server = FetchSocketServer::Start(store_, options);
@@ -333,7 +333,7 @@ TEST(FetchSocketLimitsTest, SilentPeersCannotLockOutAClient) {
   const SequenceId seq = *store->Open(g);
   ASSERT_TRUE(store->Append(seq, MakeTestBlock(4, g, 0, 1, 0, 4).block).ok());
   FetchSocketServerOptions options;
-  options.auth_token = "tok";
+  options.credentials = Credentials::Single("tok");
   options.max_connections = 4;
   options.max_handshakes = 4;
   auto server = FetchSocketServer::Start(store, options);

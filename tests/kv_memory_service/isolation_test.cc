@@ -297,6 +297,70 @@ TEST(IsolationTest, AReservationCommitsNoMemory) {
   ASSERT_TRUE(client->Close(*id).ok());
 }
 
+// Prefix blocks cannot be planted for another credential: a node with
+// several tokens gives each its namespace. Rows published under team-a's
+// token are attached by another client with that token (and by team-a's
+// read-only one), never by team-b's; what the read-only token appends is
+// never published.
+TEST(IsolationTest, PrefixBlocksStayInTheirCredentialsNamespace) {
+  const std::string token_file = ServerProcess::TempPath("iso_namespaces");
+  std::ofstream(token_file) << "# token namespace [read-only]\n"
+                            << "tok-a team-a\n"
+                            << "tok-b team-b\n"
+                            << "tok-r team-a read-only\n";
+  auto server = ServerProcess::Start(
+      {"--listen=127.0.0.1:0", "--auth_token_file=" + token_file});
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto client = [&](const std::string& token) {
+    KvClientOptions options = Options();
+    options.auth_token = token;
+    auto c = ConnectKvClient((*server)->address(), options);
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? *std::move(c) : nullptr;
+  };
+  auto a1 = client("tok-a"), a2 = client("tok-a"), b = client("tok-b"),
+       r = client("tok-r");
+  ASSERT_TRUE(a1 && a2 && b && r);
+  const SequenceGeometry g = MakeGeometry(2, 1, 8, 16);
+  std::vector<int32_t> tokens(16), other(16);
+  for (int i = 0; i < 16; ++i) {
+    tokens[i] = i;
+    other[i] = 100 + i;
+  }
+  auto open = [&](KvClient& c, const std::vector<int32_t>& t) {
+    PrefixRequest p;
+    p.block_tokens = 4;
+    p.keys = PrefixKeys("model", 4, t);
+    return c.OpenSequence(g, p);
+  };
+  // team-a publishes four blocks.
+  auto published = open(*a1, tokens);
+  ASSERT_TRUE(published.ok()) << published.status();
+  EXPECT_EQ(published->cached_tokens, 0);
+  testdata::TestBlock rows = MakeTestBlock(9, g, 0, 2, 0, 16);
+  ASSERT_TRUE(a1->Append(published->id, rows.block).ok());
+  // team-b computes the same keys and attaches nothing.
+  auto planted_for = open(*b, tokens);
+  ASSERT_TRUE(planted_for.ok());
+  EXPECT_EQ(planted_for->cached_tokens, 0);
+  // Another team-a client, and team-a's read-only one, attach them.
+  auto same_team = open(*a2, tokens);
+  ASSERT_TRUE(same_team.ok());
+  EXPECT_EQ(same_team->cached_tokens, 16);
+  auto reader = open(*r, tokens);
+  ASSERT_TRUE(reader.ok());
+  EXPECT_EQ(reader->cached_tokens, 16);
+  // The read-only token's own rows are never published.
+  auto unpublished = open(*r, other);
+  ASSERT_TRUE(unpublished.ok());
+  testdata::TestBlock more = MakeTestBlock(10, g, 0, 2, 0, 16);
+  ASSERT_TRUE(r->Append(unpublished->id, more.block).ok());
+  auto after = open(*a1, other);
+  ASSERT_TRUE(after.ok());
+  EXPECT_EQ(after->cached_tokens, 0);
+  std::remove(token_file.c_str());
+}
+
 // Prefix annotations waiting for their blocks cannot park memory on the
 // node: one larger than twice its block's rows is refused (a 1 MiB one on
 // a block of 512 bytes), and those for blocks whose rows are not in are not
