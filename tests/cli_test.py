@@ -137,6 +137,12 @@ class Cli(unittest.TestCase):
                 self.assert_one_line_failure(
                     r, 1, [f"127.0.0.1:{port}", "Address already in use"])
 
+    def test_a_prompt_too_short_to_calibrate_on_says_what_to_do(self):
+        r = run("generate", f"--model={MODEL}", f"--tokenizer={TOK}",
+                "--prompt=Once", "--policy=infinigen", "--backend=cpu")
+        self.assert_one_line_failure(
+            r, 2, ["too few to calibrate", "infinigen skew", "--skew="])
+
     def assert_one_line_failure(self, r, code, words):
         self.assertEqual(r.returncode, code, r.stderr)
         self.assertEqual(r.stdout, "")

@@ -266,6 +266,15 @@ absl::StatusOr<std::unique_ptr<speculator::SkewMatrices>> SkewFromFlags(
   }
   const int n = std::min<int>(calibration.size(),
                               absl::GetFlag(FLAGS_calibration_tokens));
+  if (n < c.head_dim) {
+    // Too short an input to calibrate on: say what to do instead.
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "no --skew, and the input's %d tokens are too few to calibrate "
+        "InfiniGen's skew on (it needs at least head_dim = %d): make a skew "
+        "file once with 'infinigen skew --model=... --text=FILE "
+        "--out=model.skew' and pass --skew=model.skew",
+        n, c.head_dim));
+  }
   IG_LOG(INFO) << "no --skew: calibrating on the first " << n
                << " tokens of the input";
   IG_ASSIGN_OR_RETURN(
