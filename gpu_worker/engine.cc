@@ -541,7 +541,7 @@ absl::StatusOr<absl::Span<const float>> Engine::DecodeChecked(
     positions_host_[i] = step_positions_[i];
   }
   Embed(tokens.data(), n);
-  IG_ASSIGN_OR_RETURN(std::unique_ptr<KvStep> step,
+  IG_ASSIGN_OR_RETURN(KvStepPtr step,
                       cache_->BeginStep(slot_ids, step_positions_));
   for (int l = 0; l < c.n_layers; ++l) {
     IG_RETURN_IF_ERROR(RunLayer(l, 0, n, step.get(), 0));

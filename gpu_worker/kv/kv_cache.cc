@@ -93,13 +93,15 @@ class LocalKvCache final : public KvCache {
   absl::Status EndPrefillLayer(int layer) override { return absl::OkStatus(); }
   absl::Status EndPrefill() override { return absl::OkStatus(); }
 
-  absl::StatusOr<std::unique_ptr<KvStep>> BeginStep(
+  absl::StatusOr<KvStepPtr> BeginStep(
       absl::Span<const int> slots, absl::Span<const int> positions) override {
     if (step_open_) {
       return absl::FailedPreconditionError(
           "kv cache: a decode step is already open");
     }
-    return std::unique_ptr<KvStep>(new Step(*this, slots, positions));
+    step_.Open(slots, positions);
+    step_open_ = true;
+    return KvStepPtr(&step_);
   }
   absl::Status Reset(int slot) override { return absl::OkStatus(); }
   absl::Status Flush() override { return absl::OkStatus(); }
@@ -115,14 +117,14 @@ class LocalKvCache final : public KvCache {
   // the slot's positions so far.
   class Step final : public KvStep {
    public:
-    Step(LocalKvCache& cache, absl::Span<const int> slots,
-         absl::Span<const int> positions)
-        : cache_(cache),
-          slots_(slots.begin(), slots.end()),
-          positions_(positions.begin(), positions.end()) {
-      cache_.step_open_ = true;
+    explicit Step(LocalKvCache& cache) : cache_(cache) {
+      slots_.reserve(cache.options_.batch);
+      positions_.reserve(cache.options_.batch);
     }
-    ~Step() override { cache_.step_open_ = false; }
+    void Open(absl::Span<const int> slots, absl::Span<const int> positions) {
+      slots_.assign(slots.begin(), slots.end());
+      positions_.assign(positions.begin(), positions.end());
+    }
 
     const FetchSchedule& schedule() const override { return schedule_; }
     absl::Status LayerInput(int layer, const float* xb) override {
@@ -146,8 +148,10 @@ class LocalKvCache final : public KvCache {
     absl::Status End() override { return absl::OkStatus(); }
 
    private:
+    void Close() override { cache_.step_open_ = false; }
+
     LocalKvCache& cache_;
-    const std::vector<int> slots_, positions_;
+    std::vector<int> slots_, positions_;
     const FetchSchedule schedule_ = FetchSchedule::None();
   };
 
@@ -179,6 +183,7 @@ class LocalKvCache final : public KvCache {
   int64_t bytes_ = 0;
   int slot_ = 0;  // the slot being prefilled
   bool step_open_ = false;
+  Step step_{*this};  // the decode step, reused
 };
 
 }  // namespace

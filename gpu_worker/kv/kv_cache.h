@@ -116,14 +116,13 @@ inline constexpr char kLocalCacheName[] = "ideal";
 absl::Status ChoosePolicy(absl::string_view name, KvOptions& kv);
 
 // One decode step of several slots, from KvCache::BeginStep to End: the
-// points of the step where the cache moves rows. It holds the step's
-// slots and borrows the cache, which must outlive it; one step at a time.
-// A step dropped before End (an error part way) counts none of its
+// points of the step where the cache moves rows. The cache owns it and
+// reuses it step after step (nothing is allocated per step); BeginStep
+// hands it out as a KvStepPtr, whose dropping ends the step: one step at a
+// time. A step dropped before End (an error part way) counts none of its
 // fetches.
 class KvStep {
  public:
-  virtual ~KvStep() = default;
-
   // When each layer's fetch leaves (every DueAt -1 for the local cache:
   // nothing is fetched).
   virtual const FetchSchedule& schedule() const = 0;
@@ -154,7 +153,22 @@ class KvStep {
   // After the step's last operation (backend synchronized): counts the
   // step's fetches into each slot's FetchStats.
   virtual absl::Status End() = 0;
+
+ protected:
+  ~KvStep() = default;  // its cache's, never deleted through this
+
+ private:
+  friend struct KvStepCloser;
+  // The step was dropped: its cache may open the next.
+  virtual void Close() = 0;
 };
+
+// Closes, rather than deletes, the step it holds.
+struct KvStepCloser {
+  void operator()(KvStep* step) const { step->Close(); }
+};
+// The open step of a cache; dropping it ends the step.
+using KvStepPtr = std::unique_ptr<KvStep, KvStepCloser>;
 
 struct KvCacheOptions {
   int batch = 1;        // sequence slots
@@ -206,7 +220,7 @@ class KvCache {
   // step's first fetches leave here (FetchPoint::kStepStart). The error of
   // a slot whose rows were lost (see Flush); FailedPrecondition while
   // another step of this cache is open.
-  virtual absl::StatusOr<std::unique_ptr<KvStep>> BeginStep(
+  virtual absl::StatusOr<KvStepPtr> BeginStep(
       absl::Span<const int> slots, absl::Span<const int> positions) = 0;
 
   // Forgets `slot`'s sequence (closing it on the memory node; the close's

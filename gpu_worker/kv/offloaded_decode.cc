@@ -16,96 +16,93 @@ namespace offloaded {
 
 // --- Decode.
 
-class OffloadedKvCache::Step final : public KvStep {
- public:
-  Step(OffloadedKvCache& cache, absl::Span<const int> slots)
-      : cache_(cache), slots_(slots.begin(), slots.end()) {
-    cache_.step_open_ = true;
+OffloadedKvCache::Step::Step(OffloadedKvCache& cache) : cache_(cache) {
+  slots_.reserve(cache.options_.batch);
+}
+
+void OffloadedKvCache::Step::Close() { cache_.step_open_ = false; }
+
+const FetchSchedule& OffloadedKvCache::Step::schedule() const {
+  return cache_.schedule_;
+}
+
+absl::Status OffloadedKvCache::Step::IssueDue(FetchPoint point, int layer,
+                                              const float* x) {
+  const int due = schedule().DueAt(point, layer);
+  if (due < 0) return absl::OkStatus();
+  const int dim = cache_.c_.dim;
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    IG_RETURN_IF_ERROR(
+        cache_.IssueFetch(cache_.sequences_[slots_[i]], due,
+                          x == nullptr ? nullptr : x + i * dim));
   }
-  ~Step() override { cache_.step_open_ = false; }
+  return absl::OkStatus();
+}
 
-  const FetchSchedule& schedule() const override { return cache_.schedule_; }
+absl::Status OffloadedKvCache::Step::LayerInput(int layer, const float* xb) {
+  IG_RETURN_IF_ERROR(IssueDue(FetchPoint::kOwnInput, layer, xb));
+  return IssueDue(FetchPoint::kPreviousInput, layer, xb);
+}
 
-  // Issues, for every slot of the step, the fetch due at `point` of
-  // `layer`'s pass (FetchSchedule::DueAt), ranked by x [slots][dim] (null
-  // at the step's start): the one place a step's fetches leave.
-  absl::Status IssueDue(FetchPoint point, int layer, const float* x) {
-    const int due = schedule().DueAt(point, layer);
-    if (due < 0) return absl::OkStatus();
-    const int dim = cache_.c_.dim;
-    for (size_t i = 0; i < slots_.size(); ++i) {
-      IG_RETURN_IF_ERROR(
-          cache_.IssueFetch(cache_.sequences_[slots_[i]], due,
-                            x == nullptr ? nullptr : x + i * dim));
-    }
-    return absl::OkStatus();
+absl::Status OffloadedKvCache::Step::PostAttentionInput(int layer,
+                                                        const float* xb_next) {
+  return IssueDue(FetchPoint::kPreviousAttention, layer, xb_next);
+}
+
+absl::Status OffloadedKvCache::Step::DecodeAttention(int layer,
+                                                     const float* q,
+                                                     const float* k,
+                                                     const float* v,
+                                                     float* out) {
+  const model::ModelConfig& c = cache_.c_;
+  const size_t kvd = c.kv_dim();
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    Sequence& s = cache_.sequences_[slots_[i]];
+    // The new token's rows, kept until the step's appends are encoded.
+    float* new_k = s.new_rows.data() + layer * kvd;
+    cache_.backend_.Copy(new_k, k + i * kvd, kvd);
+    cache_.backend_.Copy(new_k + c.n_layers * kvd, v + i * kvd, kvd);
+    IG_RETURN_IF_ERROR(cache_.FetchedAttention(s, layer, static_cast<int>(i),
+                                               q, k, v, out));
   }
-
-  absl::Status LayerInput(int layer, const float* xb) override {
-    IG_RETURN_IF_ERROR(IssueDue(FetchPoint::kOwnInput, layer, xb));
-    return IssueDue(FetchPoint::kPreviousInput, layer, xb);
-  }
-
-  absl::Status PostAttentionInput(int layer, const float* xb_next) override {
-    return IssueDue(FetchPoint::kPreviousAttention, layer, xb_next);
-  }
-
-  absl::Status DecodeAttention(int layer, const float* q, const float* k,
-                               const float* v, float* out) override {
-    const model::ModelConfig& c = cache_.c_;
-    const size_t kvd = c.kv_dim();
-    for (size_t i = 0; i < slots_.size(); ++i) {
-      Sequence& s = cache_.sequences_[slots_[i]];
-      // The new token's rows, kept until the step's appends are encoded.
-      float* new_k = s.new_rows.data() + layer * kvd;
-      cache_.backend_.Copy(new_k, k + i * kvd, kvd);
-      cache_.backend_.Copy(new_k + c.n_layers * kvd, v + i * kvd, kvd);
-      IG_RETURN_IF_ERROR(cache_.FetchedAttention(s, layer, static_cast<int>(i),
-                                                 q, k, v, out));
-    }
-    // Every fetch of the step is done: the host encodes the step's new rows
-    // and the appends run while the last layer's MLP and the classifier
-    // compute.
-    if (layer + 1 == c.n_layers) {
-      for (int slot : slots_) {
-        IG_RETURN_IF_ERROR(cache_.StageStepRows(cache_.sequences_[slot]));
-      }
-      cache_.StartAppends(slots_);
-    }
-    return absl::OkStatus();
-  }
-
-  absl::Status LayerDone(int layer) override {
-    // The next layer's rows move to the backend while this layer computes
-    // (its fetch left before this layer's end).
-    if (!schedule().UploadsEarly(layer + 1)) return absl::OkStatus();
+  // Every fetch of the step is done: the host encodes the step's new rows
+  // and the appends run while the last layer's MLP and the classifier
+  // compute.
+  if (layer + 1 == c.n_layers) {
     for (int slot : slots_) {
-      IG_RETURN_IF_ERROR(
-          cache_.UploadFetched(cache_.sequences_[slot], layer + 1));
+      IG_RETURN_IF_ERROR(cache_.StageStepRows(cache_.sequences_[slot]));
     }
-    return absl::OkStatus();
+    cache_.StartAppends(slots_);
   }
+  return absl::OkStatus();
+}
 
-  absl::Status End() override {
-    for (int slot : slots_) {
-      Sequence& s = cache_.sequences_[slot];
-      long cached = 0;
-      for (long r : s.present_count) cached += r;
-      const double fraction =
-          cached > 0 ? static_cast<double>(s.step_rows) / cached : 0.0;
-      ++s.stats.steps;
-      s.stats.fraction_sum += fraction;
-      s.stats.fraction_max = std::max(s.stats.fraction_max, fraction);
-    }
-    return absl::OkStatus();
+absl::Status OffloadedKvCache::Step::LayerDone(int layer) {
+  // The next layer's rows move to the backend while this layer computes
+  // (its fetch left before this layer's end).
+  if (!schedule().UploadsEarly(layer + 1)) return absl::OkStatus();
+  for (int slot : slots_) {
+    IG_RETURN_IF_ERROR(
+        cache_.UploadFetched(cache_.sequences_[slot], layer + 1));
   }
+  return absl::OkStatus();
+}
 
- private:
-  OffloadedKvCache& cache_;
-  const std::vector<int> slots_;
-};
+absl::Status OffloadedKvCache::Step::End() {
+  for (int slot : slots_) {
+    Sequence& s = cache_.sequences_[slot];
+    long cached = 0;
+    for (long r : s.present_count) cached += r;
+    const double fraction =
+        cached > 0 ? static_cast<double>(s.step_rows) / cached : 0.0;
+    ++s.stats.steps;
+    s.stats.fraction_sum += fraction;
+    s.stats.fraction_max = std::max(s.stats.fraction_max, fraction);
+  }
+  return absl::OkStatus();
+}
 
-absl::StatusOr<std::unique_ptr<KvStep>> OffloadedKvCache::BeginStep(
+absl::StatusOr<KvStepPtr> OffloadedKvCache::BeginStep(
     absl::Span<const int> slots, absl::Span<const int> positions) {
   if (step_open_) {
     return absl::FailedPreconditionError(
@@ -119,9 +116,11 @@ absl::StatusOr<std::unique_ptr<KvStep>> OffloadedKvCache::BeginStep(
     s.position = positions[i];
     s.step_rows = 0;
   }
-  auto step = std::make_unique<Step>(*this, slots);
-  IG_RETURN_IF_ERROR(step->IssueDue(FetchPoint::kStepStart, 0, nullptr));
-  return std::unique_ptr<KvStep>(std::move(step));
+  step_.slots_.assign(slots.begin(), slots.end());
+  step_open_ = true;
+  KvStepPtr step(&step_);  // closes the step if the first fetches fail
+  IG_RETURN_IF_ERROR(step_.IssueDue(FetchPoint::kStepStart, 0, nullptr));
+  return step;
 }
 
 absl::Status OffloadedKvCache::IssueFetch(Sequence& s, int layer,

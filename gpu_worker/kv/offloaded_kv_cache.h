@@ -130,7 +130,7 @@ class OffloadedKvCache final : public KvCache {
                                 float* out) override;
   absl::Status EndPrefillLayer(int layer) override;
   absl::Status EndPrefill() override;
-  absl::StatusOr<std::unique_ptr<KvStep>> BeginStep(
+  absl::StatusOr<KvStepPtr> BeginStep(
       absl::Span<const int> slots, absl::Span<const int> positions) override;
   absl::Status Reset(int slot) override;
   absl::Status Flush() override { return FinishAppends(); }
@@ -148,10 +148,32 @@ class OffloadedKvCache final : public KvCache {
   }
 
  private:
-  // A decode step (offloaded_decode.cc): issues each layer's fetch at the
-  // point the schedule names, attends over the fetched rows, and starts the
-  // step's appends after the last layer's attention.
-  class Step;
+  // The decode step (offloaded_decode.cc), one per cache, reused: issues
+  // each layer's fetch at the point the schedule names, attends over the
+  // fetched rows, and starts the step's appends after the last layer's
+  // attention.
+  class Step final : public KvStep {
+   public:
+    explicit Step(OffloadedKvCache& cache);
+    const FetchSchedule& schedule() const override;
+    absl::Status LayerInput(int layer, const float* xb) override;
+    absl::Status PostAttentionInput(int layer, const float* xb_next) override;
+    absl::Status DecodeAttention(int layer, const float* q, const float* k,
+                                 const float* v, float* out) override;
+    absl::Status LayerDone(int layer) override;
+    absl::Status End() override;
+    // Issues, for every slot of the step, the fetch due at `point` of
+    // `layer`'s pass (FetchSchedule::DueAt), ranked by x [slots][dim]
+    // (null at the step's start): the one place a step's fetches leave.
+    absl::Status IssueDue(FetchPoint point, int layer, const float* x);
+
+   private:
+    friend class OffloadedKvCache;
+    void Close() override;
+
+    OffloadedKvCache& cache_;
+    std::vector<int> slots_;  // the step's, capacity for every slot
+  };
 
   // One sequence slot: its memory-node sequence, policy and fetch state.
   struct Sequence {
@@ -304,7 +326,9 @@ class OffloadedKvCache final : public KvCache {
   // policy's per-layer summary size.
   std::string identity_;
   int state_floats_ = 0;
-  bool step_open_ = false;  // a Step of this cache exists
+  bool step_open_ = false;  // step_ is handed out
+
+  Step step_{*this};
 
   std::thread appender_;
   absl::Mutex append_mu_;

@@ -1,6 +1,6 @@
 // What the gRPC service and the fetch socket share, so that both check the
-// same things in the same order with the same codes: the auth token, and
-// the server side of one fetch. Thread-safe as KvStore.
+// same things in the same order with the same codes: the server side of
+// one fetch (their tokens: credentials.h). Thread-safe as KvStore.
 #ifndef INFINIGEN_KV_MEMORY_SERVICE_SERVER_SERVE_FETCH_H_
 #define INFINIGEN_KV_MEMORY_SERVICE_SERVER_SERVE_FETCH_H_
 
@@ -14,23 +14,6 @@
 #include "kv_memory_service/kv_store.h"
 
 namespace infinigen::kv_memory_service {
-
-// OK when `expected` ("Bearer TOKEN") is empty or `presented` equals it,
-// compared in time independent of where they differ; Unauthenticated
-// otherwise. `presented` null: the client sent none.
-inline absl::Status CheckAuthorization(const absl::string_view* presented,
-                                       absl::string_view expected) {
-  if (expected.empty()) return absl::OkStatus();
-  if (presented == nullptr || presented->empty()) {
-    return absl::UnauthenticatedError("missing authorization token");
-  }
-  unsigned char diff = presented->size() == expected.size() ? 0 : 1;
-  for (size_t i = 0; i < expected.size(); ++i) {
-    diff |= (i < presented->size() ? (*presented)[i] : 0) ^ expected[i];
-  }
-  if (diff != 0) return absl::UnauthenticatedError("wrong authorization token");
-  return absl::OkStatus();
-}
 
 // Sizes `rows` (a std::string or std::vector<uint16_t>, resized in place:
 // no allocation once it has grown) to the plan's rows and gathers them.
