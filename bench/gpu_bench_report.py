@@ -62,7 +62,7 @@ def collect(out_dir, config, gpu_bytes):
         name = meta.get("name", "")
         base = meta_path[: -len(".meta.json")]
         cmd = read(base + ".cmd").splitlines()
-        if name in ("h2d", "skew"):
+        if name in ("h2d", "skew", "gather"):
             continue
         system = "hf-transformers" if "hf_baseline.py" in " ".join(cmd) \
             else "infinigen"
@@ -81,7 +81,10 @@ def collect(out_dir, config, gpu_bytes):
             row = {"system": system, "policy": policy, "ctx": ctx,
                    "batch": batch,
                    "decode_tokens_per_s": None, "prefill_tokens_per_s": None,
-                   "fetch_gbps": None, "fetch_fraction": None,
+                   "fetch_gbps": None, "decode_fetch_gbps": None,
+                   "fetch_fraction": None,
+                   "direct_reads": flag(cmd, "kv_direct_reads", "false")
+                   in ("true", "1"),
                    "kv_exceeds_gpu": bool(gpu_bytes) and
                    kv_bytes(config, ctx, batch) > gpu_bytes,
                    "refused": False}
@@ -90,6 +93,7 @@ def collect(out_dir, config, gpu_bytes):
                     row["decode_tokens_per_s"] = j.get("tokens_per_s")
                     if policy != "ideal":  # nothing fetched
                         row["fetch_gbps"] = j.get("fetch_gbps")
+                        row["decode_fetch_gbps"] = j.get("decode_fetch_gbps")
                         row["fetch_fraction"] = j.get("fetch_fraction_mean")
                 else:
                     row["decode_tokens_per_s"] = j.get("decode_tokens_per_s")
@@ -106,11 +110,13 @@ def collect(out_dir, config, gpu_bytes):
 
 
 def find(runs, system, policy, ctx, batch):
-    for r in runs:
-        if (r["system"], r["policy"], r["ctx"], r["batch"]) == \
-                (system, policy, ctx, batch):
-            return r
-    return None
+    """The run of that shape, the fastest decode where there are several
+    (one-sided reads on and off)."""
+    match = [r for r in runs
+             if (r["system"], r["policy"], r["ctx"], r["batch"]) ==
+             (system, policy, ctx, batch)]
+    match.sort(key=lambda r: r["decode_tokens_per_s"] or 0, reverse=True)
+    return match[0] if match else None
 
 
 def ratio(a, b):
@@ -124,8 +130,9 @@ def goals(runs, h2d):
     pre = "prefill_tokens_per_s"
     big = max([r["batch"] for r in runs if r["ctx"] == 32768] or [0])
     g = [
-        ("full's fetch >= 0.8x pinned host-to-device (ctx 32768, batch 1)",
-         ratio(ig("full", 32768, 1).get("fetch_gbps"), h2d), 0.8),
+        ("full's fetch >= 0.8x pinned host-to-device (ctx 32768, batch 1; "
+         "bytes fetched per second of decoding)",
+         ratio(ig("full", 32768, 1).get("decode_fetch_gbps"), h2d), 0.8),
         ("infinigen >= 3x full (ctx 32768, batch 1)",
          ratio(ig("infinigen", 32768, 1).get(dec),
                ig("full", 32768, 1).get(dec)), 3.0),
@@ -166,18 +173,28 @@ def markdown(report):
              "pinned host-to-device " +
              (f"{fmt(report['h2d_pinned_gbps'])} GB/s."
               if report["h2d_pinned_gbps"] else "not measured."),
-             "", "| system | policy | ctx | batch | decode tok/s | "
-             "prefill tok/s | fetch GB/s | fetched | KV > GPU | status |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             ] + [
+        f"One-sided gather from mapped host memory ({g['fraction']:g} of "
+        f"the rows): {fmt(g['gather_gbps'])} GB/s against a pinned copy's "
+        f"{fmt(g['pinned_copy_gbps'])} GB/s."
+        for g in report.get("gather", [])] + [
+             "", "| system | policy | reads | ctx | batch | decode tok/s | "
+             "prefill tok/s | fetch GB/s (wait) | fetch GB/s (decode) | "
+             "fetched | KV > GPU | status |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["runs"]:
         status = ("refused: " + r.get("reason", "") if r["refused"] else
                   "timed out" if r.get("timed_out") else
                   "skipped" if r.get("skipped") else "ok")
         frac = r["fetch_fraction"]
+        reads = ("" if r["system"] != "infinigen" or r["policy"] == "ideal"
+                 else "one-sided" if r.get("direct_reads") else "gather")
         lines.append(
-            f"| {r['system']} | {r['policy']} | {r['ctx']} | {r['batch']} | "
-            f"{fmt(r['decode_tokens_per_s'], 2)} | "
-            f"{fmt(r['prefill_tokens_per_s'], 0)} | {fmt(r['fetch_gbps'], 2)} "
+            f"| {r['system']} | {r['policy']} | {reads} | {r['ctx']} | "
+            f"{r['batch']} | {fmt(r['decode_tokens_per_s'], 2)} | "
+            f"{fmt(r['prefill_tokens_per_s'], 0)} | "
+            f"{'' if r.get('direct_reads') else fmt(r['fetch_gbps'], 2)} | "
+            f"{fmt(r.get('decode_fetch_gbps'), 2)} "
             f"| {'' if frac is None else f'{100 * frac:.1f}%'} | "
             f"{'yes' if r['kv_exceeds_gpu'] else 'no'} | {status} |")
     lines += ["", "| goal | ratio | met |", "|---|---|---|"]
@@ -207,6 +224,8 @@ def main(argv):
               "commit": read(os.path.join(args.out_dir, "commit.txt")).strip(),
               "model": args.model_config,
               "h2d_pinned_gbps": max([x for x in h2d if x] or [0]) or None,
+              "gather": json_lines(read(os.path.join(args.out_dir, "runs",
+                                                     "gather.out"))),
               "runs": runs}
     report["goals"] = goals(runs, report["h2d_pinned_gbps"])
     with open(os.path.join(args.out_dir, "gpu_bench.json"), "w") as f:

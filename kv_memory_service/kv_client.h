@@ -274,6 +274,21 @@ class KvClient {
     return FetchAsync(seq, layer, plan, dest).Wait();
   }
 
+  // One-sided reads, where the node shares this process's memory: `seq`'s
+  // rows where the caller can read a plan's rows itself (DirectRows,
+  // kv_types.h) instead of asking for a gather. Unimplemented for a node
+  // elsewhere (the default); KvStore::GetDirectRows' errors otherwise.
+  virtual absl::StatusOr<DirectRows> GetDirectRows(SequenceId seq) {
+    return absl::UnimplementedError(
+        "the node's rows are not in this process: fetches gather them");
+  }
+  // Tells the node the caller read `plan`'s rows of `layer` itself, so that
+  // its fetch statistics and eviction see the fetch (KvStore::NoteFetched).
+  virtual absl::Status NoteFetched(SequenceId seq, int32_t layer,
+                                   const FetchPlan& plan) {
+    return absl::UnimplementedError("no one-sided reads on this data plane");
+  }
+
   // Frees the sequence on the memory node.
   virtual absl::Status Close(SequenceId seq) = 0;
 

@@ -316,6 +316,35 @@ absl::Status KvStore::Gather(SequenceId seq, int32_t layer,
   return s->Gather(layer, plan, dest, *totals_, gather_pool_.get());
 }
 
+absl::StatusOr<DirectRows> KvStore::GetDirectRows(
+    SequenceId seq) const {
+  IG_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(seq));
+  if (s->attached()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "sequence ", seq, " starts with an attached prefix: its rows are "
+        "read through Gather"));
+  }
+  const SequenceGeometry& g = s->geometry();
+  DirectRows rows;
+  rows.k = s->k_rows();
+  rows.v = s->v_rows();
+  rows.layer_values = static_cast<size_t>(g.n_kv_heads) * g.max_tokens *
+                      g.head_dim;
+  rows.max_tokens = g.max_tokens;
+  return rows;
+}
+
+absl::Status KvStore::NoteFetched(SequenceId seq, int32_t layer,
+                                  const FetchPlan& plan) {
+  if (static_cast<int64_t>(plan.indices.size()) > options_.max_fetch_indices) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "plan of ", plan.indices.size(), " indices exceeds the limit of ",
+        options_.max_fetch_indices));
+  }
+  IG_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(seq));
+  return s->NoteFetched(layer, plan, *totals_);
+}
+
 absl::StatusOr<std::shared_ptr<KvStore::Sequence>> KvStore::FindOwned(
     SequenceId seq, SessionId session) const {
   absl::ReaderMutexLock lock(&mu_);

@@ -164,6 +164,21 @@ class KvStore {
   absl::Status Gather(SequenceId seq, int32_t layer, const FetchPlan& plan,
                       absl::Span<uint16_t> dest);
 
+  // One-sided reads, for a reader on this host (the in-process client): the
+  // sequence's rows (DirectRows, kv_types.h). FailedPrecondition for a
+  // sequence with an attached prefix (those rows live in shared blocks);
+  // NotFound if unknown.
+  absl::StatusOr<DirectRows> GetDirectRows(SequenceId seq) const;
+
+  // Records a fetch of `plan` from `layer` that its reader did itself
+  // (GetDirectRows), as Gather records its own: the fetch statistics and
+  // eviction candidates learn of it. Checks the plan as Gather does, and
+  // FailedPrecondition for a position not at its own slot (its head evicts,
+  // or it belongs to an attached prefix): what the reader read there was
+  // not that position's row.
+  absl::Status NoteFetched(SequenceId seq, int32_t layer,
+                           const FetchPlan& plan);
+
   // OK if `seq` is open and `session` may use it: the session that opened
   // it, or any caller for a sequence opened without a session. NotFound
   // otherwise, the same answer as for an id never handed out, so that a

@@ -1218,3 +1218,79 @@ TEST(LeaseTest, ConcurrentOpensRenewalsAndExpiriesKeepTheAccountsStraight) {
 
 }  // namespace
 }  // namespace infinigen::kv_memory_service
+
+namespace infinigen::kv_memory_service {
+namespace {
+
+// One-sided reads: GetDirectRows shows the rows where Gather finds them
+// ([layer][kv_head][slot][head_dim], a position at its own slot), and a
+// fetch noted with NoteFetched leaves the store exactly as the same
+// gather does (statistics, token counts); bad plans change nothing.
+TEST(KvStoreDirectRows, ReadInPlaceAndNotedLikeAGather) {
+  const SequenceGeometry g = Geo(3, 2, 8, 20);
+  KvStore gathered(KvStoreOptions{}), noted(KvStoreOptions{});
+  auto a = gathered.Open(g);
+  auto b = noted.Open(g);
+  ASSERT_OK(a.status());
+  ASSERT_OK(b.status());
+  Block block = MakeBlock(5, g, 0, 3, 0, 12);
+  ASSERT_TRUE(gathered.Append(*a, block.block).ok());
+  ASSERT_TRUE(noted.Append(*b, block.block).ok());
+
+  auto rows = noted.GetDirectRows(*b);
+  ASSERT_OK(rows.status());
+  EXPECT_EQ(rows->max_tokens, 20);
+  EXPECT_EQ(rows->layer_values, size_t{2} * 20 * 8);
+  for (int l = 0; l < 3; ++l) {
+    for (int h = 0; h < 2; ++h) {
+      for (int pos = 0; pos < 12; ++pos) {
+        for (int d = 0; d < 8; ++d) {
+          const size_t at = l * rows->layer_values + (h * 20 + pos) * 8 + d;
+          ASSERT_EQ(rows->k[at], testdata::RowValue(5, l, h, pos, d, 0));
+          ASSERT_EQ(rows->v[at], testdata::RowValue(5, l, h, pos, d, 1));
+        }
+      }
+    }
+  }
+
+  const OwnedFetchPlan plans[] = {
+      OwnedFetchPlan::SameForAllHeads(2, {3, 0, 7, 7}),
+      OwnedFetchPlan::SameForAllHeads(2, {11}),
+      OwnedFetchPlan{{1, 2, 5}, {0, 0, 3}},  // head 0 reads nothing
+  };
+  for (int l = 0; l < 3; ++l) {
+    for (const OwnedFetchPlan& plan : plans) {
+      std::vector<uint16_t> dest(FetchElements(plan.view(), g.head_dim));
+      ASSERT_OK(gathered.Gather(*a, l, plan.view(), absl::MakeSpan(dest)));
+      ASSERT_OK(noted.NoteFetched(*b, l, plan.view()));
+    }
+  }
+  ExpectSame(Take(gathered, *a, g), Take(noted, *b, g));
+
+  // Bad plans are refused and change nothing.
+  const Snapshot before = Take(noted, *b, g);
+  EXPECT_CODE(noted.NoteFetched(*b, 0, OwnedFetchPlan::SameForAllHeads(2, {12})
+                                           .view()),
+              kOutOfRange);
+  EXPECT_CODE(noted.NoteFetched(*b, 0, OwnedFetchPlan::SameForAllHeads(2, {-1})
+                                           .view()),
+              kInvalidArgument);
+  EXPECT_CODE(noted.NoteFetched(*b, 3, plans[0].view()), kInvalidArgument);
+  EXPECT_CODE(noted.NoteFetched(*b, 0, OwnedFetchPlan{{1}, {0, 1}}.view()),
+              kInvalidArgument);  // one head's offsets for two heads
+  ExpectSame(before, Take(noted, *b, g));
+
+  // Once a head evicts, positions leave their slots: not readable in place.
+  Block more = MakeBlock(5, g, 0, 3, 12, 10);
+  ASSERT_TRUE(noted.Append(*b, more.block).ok());
+  EXPECT_CODE(noted.NoteFetched(*b, 0, OwnedFetchPlan::SameForAllHeads(2, {21})
+                                           .view()),
+              kFailedPrecondition);
+
+  ASSERT_OK(noted.Close(*b));
+  EXPECT_CODE(noted.GetDirectRows(*b).status(), kNotFound);
+  EXPECT_CODE(noted.NoteFetched(*b, 0, plans[0].view()), kNotFound);
+}
+
+}  // namespace
+}  // namespace infinigen::kv_memory_service

@@ -225,6 +225,18 @@ absl::Status ValidatePlanShape(const FetchPlan& plan, int32_t n_kv_heads);
 // request by its header (n_offsets head offsets) before its body arrives.
 absl::Status ValidatePlanHeadCount(size_t n_offsets, int32_t n_kv_heads);
 
+// A sequence's rows where a reader on the memory node's host can read them
+// itself (one-sided reads): [layer][kv_head][slot][head_dim] uint16_t
+// values, layer_values a layer and max_tokens slots a head. Until a head
+// evicts, position p of a (layer, head) is at slot p. The memory stays at
+// this address until the sequence is closed.
+struct DirectRows {
+  const uint16_t* k = nullptr;
+  const uint16_t* v = nullptr;
+  size_t layer_values = 0;
+  int32_t max_tokens = 0;
+};
+
 // A plan that owns its arrays; handy for tests and for callers that build
 // a plan once and reuse it.
 struct OwnedFetchPlan {

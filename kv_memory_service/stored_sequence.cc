@@ -214,19 +214,77 @@ absl::Status StoredSequence::Gather(int32_t layer, const FetchPlan& plan,
     }
     // Nothing is recorded for a gather that failed.
     if (!status.ok()) return status;
-    absl::MutexLock log_lock(&log_mu_);
-    LogFetchLocked(layer, plan);
-    // A sequence fetched without appends applies its log here.
-    apply = log_positions_.size() >
-            std::max<size_t>(size_t{1} << 16, 4 * present_rows_);
+    apply = LogFetch(layer, plan);
   }
+  FinishFetch(n, apply, totals);
+  return absl::OkStatus();
+}
+
+bool StoredSequence::attached() const {
+  absl::ReaderMutexLock lock(&mu_);
+  return attached_tokens_ > 0;
+}
+
+bool StoredSequence::LogFetch(int32_t layer, const FetchPlan& plan) {
+  absl::MutexLock log_lock(&log_mu_);
+  LogFetchLocked(layer, plan);
+  // A sequence fetched without appends applies its log here.
+  return log_positions_.size() >
+         std::max<size_t>(size_t{1} << 16, 4 * present_rows_);
+}
+
+void StoredSequence::FinishFetch(size_t rows, bool apply,
+                                 StoreTotals& totals) {
   totals.fetches.fetch_add(1, std::memory_order_relaxed);
-  totals.fetched_rows.fetch_add(static_cast<int64_t>(n),
+  totals.fetched_rows.fetch_add(static_cast<int64_t>(rows),
                                 std::memory_order_relaxed);
   if (apply) {
     absl::MutexLock lock(&mu_);
     ApplyLogLocked();
   }
+}
+
+absl::Status StoredSequence::NoteFetched(int32_t layer, const FetchPlan& plan,
+                                         StoreTotals& totals) {
+  if (layer < 0 || layer >= g_.n_layers) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layer ", layer, " is not within the sequence's ", g_.n_layers,
+        " layers"));
+  }
+  IG_RETURN_IF_ERROR(ValidatePlanShape(plan, g_.n_kv_heads));
+  bool apply = false;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    const int32_t length = layer_length_[layer];
+    // The reader addressed position p of head h at slot p of the
+    // sequence's own rows: true while the head has not evicted and p is
+    // past the attached prefix.
+    for (int32_t h = 0; h < g_.n_kv_heads; ++h) {
+      const bool moved = HeadAt(layer, h).evicting();
+      for (int32_t j = plan.head_offsets[h]; j < plan.head_offsets[h + 1];
+           ++j) {
+        const int32_t pos = plan.indices[j];
+        if (pos < 0) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "negative position ", pos, " for layer ", layer, " head ", h));
+        }
+        if (pos >= length) {
+          return absl::OutOfRangeError(absl::StrCat(
+              "position ", pos, " is beyond layer ", layer, "'s length ",
+              length));
+        }
+        if (moved || pos < attached_tokens_) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "position ", pos, " of layer ", layer, " head ", h,
+              " is not at its slot of the sequence's rows (",
+              moved ? "the head evicts" : "an attached prefix block",
+              "): it cannot be read in place"));
+        }
+      }
+    }
+    apply = LogFetch(layer, plan);
+  }
+  FinishFetch(plan.indices.size(), apply, totals);
   return absl::OkStatus();
 }
 

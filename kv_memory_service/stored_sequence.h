@@ -94,6 +94,17 @@ class StoredSequence {
                       absl::Span<uint16_t> dest, StoreTotals& totals,
                       GatherPool* pool);
 
+  // KvStore::NoteFetched on this sequence.
+  absl::Status NoteFetched(int32_t layer, const FetchPlan& plan,
+                           StoreTotals& totals);
+
+  // The rows, [layer][kv_head][slot][head_dim] (KvStore::DirectRows).
+  const uint16_t* k_rows() const { return k_.get(); }
+  const uint16_t* v_rows() const { return v_.get(); }
+  // Whether every position appended from now on is addressable in place:
+  // no prefix block attached (its rows live in the block).
+  bool attached() const;
+
   // Makes the attached blocks the sequence's first tokens (a fresh
   // sequence: nothing appended yet) and remembers `pending` (the keys of
   // the blocks after them) to publish each of those blocks once every
@@ -146,6 +157,14 @@ class StoredSequence {
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void Prefetch(const uint16_t* p) const;
   void CopyRow(uint16_t* dst, const uint16_t* src) const;
+
+  // Logs a fetch of `plan` (a gather's, or one read in place) under the
+  // sequence's reader lock; true when the log should then be applied.
+  bool LogFetch(int32_t layer, const FetchPlan& plan)
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // After LogFetch, the lock released: counts the fetch and applies the log
+  // when LogFetch asked for it.
+  void FinishFetch(size_t rows, bool apply, StoreTotals& totals);
 
   size_t LogPositions() const;
   void LogFetchLocked(int32_t layer, const FetchPlan& plan)

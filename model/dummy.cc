@@ -1,6 +1,7 @@
 #include "model/dummy.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -56,35 +57,59 @@ uint64_t Mix(uint64_t x) {
   return x ^ (x >> 31);
 }
 
-// Fills `out` uniform in [-r, r] (standard deviation 0.02), value i from
-// hash(seed, tensor, i), on several threads for the large tensors.
-void FillUniform(std::vector<float>& out, size_t count, uint64_t seed,
-                 uint64_t tensor) {
-  out.resize(count);
-  const float r = 0.02f * std::sqrt(3.0f);
-  const uint64_t base = Mix(seed ^ Mix(tensor));
-  auto fill = [&](size_t begin, size_t end) {
-    for (size_t i = begin; i < end; ++i) {
-      // The top 24 bits as a float in [0, 1).
-      const float u = static_cast<float>(Mix(base + i) >> 40) * 0x1p-24f;
-      out[i] = (2.0f * u - 1.0f) * r;
-    }
-  };
-  constexpr size_t kPerThread = size_t{1} << 22;
+// A random tensor to fill: `count` values of tensor number `tensor`.
+struct RandomTensor {
+  std::vector<float>* out;
+  size_t count;
+  uint64_t tensor;
+};
+
+// Runs body(i) for i in [0, n) on every hardware thread, each taking the
+// next i as it finishes one.
+template <typename Body>
+void ParallelFor(size_t n, const Body& body) {
   const size_t threads = std::min<size_t>(
-      std::max(1u, std::thread::hardware_concurrency()),
-      (count + kPerThread - 1) / kPerThread);
-  if (threads <= 1) {
-    fill(0, count);
-    return;
-  }
+      std::max(1u, std::thread::hardware_concurrency()), n);
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t i = next++; i < n; i = next++) body(i);
+  };
   std::vector<std::thread> pool;
-  const size_t per = (count + threads - 1) / threads;
-  for (size_t t = 0; t < threads; ++t) {
-    const size_t begin = t * per, end = std::min(count, begin + per);
-    if (begin < end) pool.emplace_back(fill, begin, end);
-  }
+  for (size_t t = 1; t < threads; ++t) pool.emplace_back(work);
+  work();
   for (std::thread& th : pool) th.join();
+}
+
+// Fills every tensor uniform in [-r, r] (standard deviation 0.02), value i
+// of tensor t from hash(seed, t, i). All tensors at once: first each is
+// allocated (and zeroed by the allocation) on its own thread, then the
+// values are written in chunks on every thread, so that a 7B model's 27 GB
+// are touched in parallel rather than one tensor after another.
+void FillUniform(const std::vector<RandomTensor>& tensors, uint64_t seed) {
+  ParallelFor(tensors.size(),
+              [&](size_t t) { tensors[t].out->resize(tensors[t].count); });
+  constexpr size_t kChunk = size_t{1} << 22;
+  struct Chunk {
+    const RandomTensor* tensor;
+    size_t begin, end;
+  };
+  std::vector<Chunk> chunks;
+  for (const RandomTensor& t : tensors) {
+    for (size_t b = 0; b < t.count; b += kChunk) {
+      chunks.push_back({&t, b, std::min(t.count, b + kChunk)});
+    }
+  }
+  const float r = 0.02f * std::sqrt(3.0f);
+  ParallelFor(chunks.size(), [&](size_t i) {
+    const Chunk& c = chunks[i];
+    const uint64_t base = Mix(seed ^ Mix(c.tensor->tensor));
+    float* out = c.tensor->out->data();
+    for (size_t j = c.begin; j < c.end; ++j) {
+      // The top 24 bits as a float in [0, 1).
+      const float u = static_cast<float>(Mix(base + j) >> 40) * 0x1p-24f;
+      out[j] = (2.0f * u - 1.0f) * r;
+    }
+  });
 }
 
 }  // namespace
@@ -120,9 +145,10 @@ Weights DummyWeights(const HfModelConfig& hf, uint64_t seed) {
   const ModelConfig& c = hf.config;
   Weights w;
   w.config = c;
-  uint64_t tensor = 0;
+  // Numbered in this order; filled together at the end.
+  std::vector<RandomTensor> tensors;
   auto random = [&](std::vector<float>& v, size_t count) {
-    FillUniform(v, count, seed, tensor++);
+    tensors.push_back({&v, count, tensors.size()});
   };
   auto ones = [](std::vector<float>& v, size_t count) { v.assign(count, 1.0f); };
   auto zeros = [](std::vector<float>& v, size_t count) {
@@ -164,6 +190,7 @@ Weights DummyWeights(const HfModelConfig& hf, uint64_t seed) {
   if (!hf.tie_word_embeddings) {
     random(w.lm_head, static_cast<size_t>(c.vocab_size) * dim);
   }
+  FillUniform(tensors, seed);
   return w;
 }
 

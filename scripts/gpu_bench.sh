@@ -4,19 +4,23 @@
 #
 #   gpu_bench.sh OUT_DIR [--budget_s=480] [--model_config=llama-2-7b]
 #                [--decode_tokens=16] [--shapes=4096x1,8192x8,16384x1,32768x1]
-#                [--big=32768x6] [--backend=cuda] [--infinigen=bin/infinigen]
+#                [--big=32768x6|none] [--backend=cuda]
+#                [--infinigen=bin/infinigen]
 #                [--dry_run]
 #
 # Runs, cheapest first, each under what is left of the budget (default 480 s;
 # a run the budget cuts short is recorded as timed out, later ones as
 # skipped):
 #   h2d_bandwidth                 pinned and pageable host-to-device copies
+#   gather_bandwidth              one-sided reads of a layer's rows from
+#                                 mapped host memory (all, and 10%)
 #   infinigen skew                once, on dummy weights and synthetic tokens
 #   infinigen bench-decode        --load_format=dummy at --model_config's
 #                                 shape, fp16 weights on the GPU: ideal, full,
 #                                 h2o, int4, and infinigen at
 #                                 --target_fetch=0.1, at each of --shapes
-#                                 (CTXxBATCH)
+#                                 (CTXxBATCH); full and infinigen also with
+#                                 --kv_direct_reads
 #   bench/hf_baseline.py          Hugging Face Transformers at the same shapes:
 #                                 DynamicCache (KV on the GPU) and its
 #                                 offloaded cache (KV in host memory)
@@ -68,7 +72,7 @@ case "${BUDGET}${STEPS}" in
   *[!0-9]*) echo "gpu_bench.sh: --budget_s and --decode_tokens take whole numbers" >&2
             exit 2 ;;
 esac
-for shape in ${SHAPES//,/ } ${BIG}; do
+for shape in ${SHAPES//,/ } $([ "${BIG}" = none ] || echo "${BIG}"); do
   case "${shape}" in
     [0-9]*x[0-9]*) ;;
     *) echo "gpu_bench.sh: a shape is CTXxBATCH, got '${shape}'" >&2; exit 2 ;;
@@ -129,6 +133,7 @@ run() {
 [ -f COMMIT ] && cp COMMIT "${OUT}/commit.txt"
 
 run h2d "$(dirname "${INFINIGEN}")/h2d_bandwidth" --sizes=192K,3M,48M --json
+run gather "$(dirname "${INFINIGEN}")/gather_bandwidth" --fractions=1,0.1 --json
 SKEW="${OUT}/runs/dummy.skew"
 run skew "${IG[@]}" skew "${DUMMY[@]}" --calibration_tokens=256 "--out=${SKEW}"
 
@@ -150,17 +155,27 @@ for shape in ${SHAPES//,/ }; do
   ctx="${shape%x*}"; batch="${shape#*x}"; tag="ctx${ctx}_b${batch}"
   # ideal alone: where its KV does not fit it is refused, and the others run.
   bench "ig_ideal_${tag}" "${ctx}" "${batch}" ideal
-  bench "ig_${tag}" "${ctx}" "${batch}" full,h2o,int4
-  bench "ig_infinigen_${tag}" "${ctx}" "${batch}" infinigen \
-    --target_fetch=0.1 "--skew=${SKEW}"
   hf "hf_dynamic_${tag}" "${ctx}" "${batch}" dynamic
   hf "hf_offloaded_${tag}" "${ctx}" "${batch}" offloaded
+  # The offloading policies with one-sided reads (the GPU reads the rows
+  # from the node's memory), then with the node's gather.
+  bench "ig_infinigen_direct_${tag}" "${ctx}" "${batch}" infinigen \
+    --target_fetch=0.1 "--skew=${SKEW}" --kv_direct_reads=true
+  bench "ig_full_direct_${tag}" "${ctx}" "${batch}" full \
+    --kv_direct_reads=true
+  bench "ig_full_${tag}" "${ctx}" "${batch}" full
+  bench "ig_infinigen_${tag}" "${ctx}" "${batch}" infinigen \
+    --target_fetch=0.1 "--skew=${SKEW}"
+  bench "ig_${tag}" "${ctx}" "${batch}" h2o,int4
 done
-# KV larger than the GPU's memory, smaller than the host's.
-ctx="${BIG%x*}"; batch="${BIG#*x}"
-bench big_ideal "${ctx}" "${batch}" ideal
-bench big_full "${ctx}" "${batch}" full
-bench big_infinigen "${ctx}" "${batch}" infinigen --target_fetch=0.1 \
-  "--skew=${SKEW}"
+# KV larger than the GPU's memory, smaller than the host's (--big=none: not
+# run).
+if [ "${BIG}" != none ]; then
+  ctx="${BIG%x*}"; batch="${BIG#*x}"
+  bench big_ideal "${ctx}" "${batch}" ideal
+  bench big_full "${ctx}" "${batch}" full
+  bench big_infinigen "${ctx}" "${batch}" infinigen --target_fetch=0.1 \
+    "--skew=${SKEW}"
+fi
 
 python3 "${BENCH}/gpu_bench_report.py" "${OUT}" --model_config="${MODEL}"

@@ -3,7 +3,7 @@
 // fetch script has cached it), every policy. Skips with the reason when no
 // CUDA device answers.
 //
-// Tolerances: with fp32 GEMMs (CudaBackendOptions::half_weights = false) the
+// Tolerances: with fp32 GEMMs (CudaBackendOptions::half_precision = false) the
 // two backends differ only in summation order, so logits agree to 2e-3
 // absolute (logits are O(10)); with fp16 weights and activations they agree
 // to 5% of the logit range, and the greedy token agrees on at least 90% of
@@ -172,7 +172,7 @@ TEST_F(CudaEngineParity, Stories260KEveryPolicy) {
     const DecodeRun cpu = Decode(m->weights, tokens, gpu_worker::NewCpuBackend(),
                            kind, &*skew, 12, 24);
     gpu_worker::cuda::CudaBackendOptions fp32;
-    fp32.half_weights = false;
+    fp32.half_precision = false;
     auto cuda = gpu_worker::cuda::CreateCudaBackend(0, fp32);
     ASSERT_TRUE(cuda.ok()) << cuda.status();
     const DecodeRun gpu =
@@ -210,7 +210,7 @@ TEST_F(CudaEngineParity, Stories260KEveryPolicy) {
                                  gpu_worker::NewCpuBackend(), kind, nullptr,
                                  12, 24, tweak);
     gpu_worker::cuda::CudaBackendOptions fp32;
-    fp32.half_weights = false;
+    fp32.half_precision = false;
     auto cuda = gpu_worker::cuda::CreateCudaBackend(0, fp32);
     ASSERT_TRUE(cuda.ok()) << cuda.status();
     const DecodeRun gpu = Decode(m->weights, tokens, std::move(*cuda), kind,
@@ -250,7 +250,7 @@ TEST_F(CudaEngineParity, SmolLM2DecodeStep) {
     const DecodeRun cpu = Decode(m->weights, tokens, gpu_worker::NewCpuBackend(),
                            kind, nullptr, 24, 8);
     gpu_worker::cuda::CudaBackendOptions fp32;
-    fp32.half_weights = false;
+    fp32.half_precision = false;
     auto cuda = gpu_worker::cuda::CreateCudaBackend(0, fp32);
     ASSERT_TRUE(cuda.ok()) << cuda.status();
     const DecodeRun gpu =

@@ -108,18 +108,27 @@ class GpuBench(unittest.TestCase):
                 {"name": name, "rc": rc, "timed_out": timed_out,
                  "skipped": False, "seconds": 1.0}))
 
-        def ig(policy, ctx, batch, tps, gbps=0, frac=1.0, prefill=100.0):
+        def ig(policy, ctx, batch, tps, gbps=0, frac=1.0, prefill=100.0,
+               decode_gbps=0):
             return json.dumps({"policy": policy, "tokens_per_s": tps,
                                "prefill_tokens_per_s": prefill,
                                "fetch_gbps": gbps,
+                               "decode_fetch_gbps": decode_gbps,
                                "fetch_fraction_mean": frac})
 
         put("h2d", ["h2d_bandwidth"],
             '{"pinned_gbps": 50.0}\n{"pinned_gbps": 55.0}\n')
+        put("gather", ["gather_bandwidth"],
+            '{"fraction": 1, "gather_gbps": 40.0, '
+            '"pinned_copy_gbps": 50.0}\n')
         put("ig_full", ["infinigen", "--ctx=32768", "--batch=1",
                         "--policy=full,h2o"],
-            ig("full", 32768, 1, 2.0, gbps=45.0) + "\n" +
+            ig("full", 32768, 1, 1.0, gbps=45.0, decode_gbps=20.0) + "\n" +
             ig("h2o", 32768, 1, 3.0, frac=0.1) + "\n")
+        # One-sided reads: the faster of the two full runs counts.
+        put("ig_full_direct", ["infinigen", "--ctx=32768", "--batch=1",
+                               "--policy=full", "--kv_direct_reads=true"],
+            ig("full", 32768, 1, 2.0, gbps=900.0, decode_gbps=45.0) + "\n")
         put("ig_inf", ["infinigen", "--ctx=32768", "--batch=1",
                        "--policy=infinigen"],
             ig("infinigen", 32768, 1, 7.0, frac=0.1) + "\n")
@@ -142,8 +151,11 @@ class GpuBench(unittest.TestCase):
         self.assertEqual(report["device"], "NVIDIA H100 80GB HBM3")
         self.assertEqual(report["driver"], "570.1")
         self.assertEqual(report["h2d_pinned_gbps"], 55.0)
-        rows = {(x["system"], x["policy"], x["ctx"], x["batch"]): x
-                for x in report["runs"]}
+        rows = {(x["system"], x["policy"], x["ctx"], x["batch"],
+                 x["direct_reads"]): x for x in report["runs"]}
+        self.assertEqual(rows[("infinigen", "full", 32768, 1, True)]
+                         ["decode_fetch_gbps"], 45.0)
+        rows = {k[:4]: v for k, v in rows.items()}
         ideal = rows[("infinigen", "ideal", 32768, 6)]
         self.assertTrue(ideal["refused"])
         self.assertEqual(ideal["reason"],
@@ -156,7 +168,8 @@ class GpuBench(unittest.TestCase):
                         ["timed_out"])
         goals = {g["goal"]: g for g in report["goals"]}
         fetch = goals["full's fetch >= 0.8x pinned host-to-device "
-                      "(ctx 32768, batch 1)"]
+                      "(ctx 32768, batch 1; bytes fetched per second of "
+                      "decoding)"]
         self.assertAlmostEqual(fetch["ratio"], 45.0 / 55.0)
         self.assertTrue(fetch["met"])
         vs_full = goals["infinigen >= 3x full (ctx 32768, batch 1)"]
@@ -168,7 +181,12 @@ class GpuBench(unittest.TestCase):
         self.assertIsNone(goals["infinigen >= 3x full (ctx 8192, batch 8)"]
                           ["met"])
         md = self.load("gpu_bench.md")
-        self.assertIn("| infinigen | full | 32768 | 1 | 2.00 |", md)
+        self.assertIn("| infinigen | full | one-sided | 32768 | 1 | 2.00 |",
+                      md)
+        self.assertIn("| infinigen | full | gather | 32768 | 1 | 1.00 |", md)
+        self.assertIn("One-sided gather from mapped host memory (1 of the "
+                      "rows): 40.0 GB/s against a pinned copy's 50.0 GB/s.",
+                      md)
         self.assertIn("refused: infinigen: policy ideal needs 96.0 GiB", md)
 
     def test_kv_bytes_of_the_presets(self):

@@ -25,6 +25,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "gpu_worker/backend/gather_rows.h"
 #include "gpu_worker/backend/kv_rows.h"
 #include "gpu_worker/backend/speculation_params.h"
 
@@ -96,6 +97,15 @@ class PolicyOps {
   // memory): the caller then decodes them (DecodeKvRows) and runs
   // Attention. Default: false.
   virtual bool AttendStoredRows(const StoredRowsAttention& p) { return false; }
+  // One-sided reads (gather_rows.h): the plan's K and V rows read from
+  // p.k_rows and p.v_rows, which lie in host memory pinned with PinHost
+  // (a device reads it over the bus), into backend memory p.out, queued
+  // with the operations (an operation issued after it sees the rows).
+  // p.indices and p.head_offsets are backend memory. Returns false, doing
+  // nothing, where the backend cannot (no such reads, or the rows not in
+  // one pinned range): the caller then has the node gather them. Default:
+  // false.
+  virtual bool GatherRows(const GatherRowsParams& p) { return false; }
 };
 
 // The layer arithmetic and the memory it runs on, with the policies'
@@ -244,6 +254,9 @@ class BackendWrapper : public Backend {
   }
   bool AttendStoredRows(const StoredRowsAttention& p) override {
     return target_->AttendStoredRows(p);
+  }
+  bool GatherRows(const GatherRowsParams& p) override {
+    return target_->GatherRows(p);
   }
   Mark MarkIssued() override { return target_->MarkIssued(); }
   void CopyFromHost(void* dst, const void* src, size_t bytes,

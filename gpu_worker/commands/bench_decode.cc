@@ -105,6 +105,11 @@ void PrintJson(const DecodeBenchResult& r) {
   j["fetch_gbps"] = r.fetch.wait_seconds > 0
                         ? r.fetch.bytes_fetched / r.fetch.wait_seconds / 1e9
                         : 0.0;
+  // Bytes fetched per second of decoding: what the fetch path sustained
+  // at least (one-sided reads leave no wait on the host to time).
+  j["decode_fetch_gbps"] =
+      r.seconds > 0 ? r.fetch.bytes_fetched / r.seconds / 1e9 : 0.0;
+  j["kv_direct_reads"] = absl::GetFlag(FLAGS_kv_direct_reads);
   j["worker_kv_bytes"] = r.worker_kv_bytes;
   j["memory_node_bytes"] = r.memory_node_bytes;
   j["peak_rss_bytes"] = r.peak_rss_bytes;

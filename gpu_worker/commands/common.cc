@@ -54,6 +54,10 @@ ABSL_FLAG(std::string, backend, "auto",
           "Where the model runs: cpu, cuda (fails if no CUDA device "
           "answers) or auto (CUDA when a device answers, else CPU).");
 ABSL_FLAG(int, threads, 0, "CPU threads for the matrix work; 0: all cores.");
+ABSL_FLAG(int, prefill_chunk, 0,
+          "Prompt tokens each layer computes at once while prefilling; 0: "
+          "256 on the CPU, 2048 on a GPU (larger matrix products and "
+          "attention tiles for its tensor cores).");
 ABSL_FLAG(std::string, policy, "ideal",
           "How K and V reach attention when decoding: ideal (the whole cache "
           "on the worker) or one of the policies that offload it to a memory "
@@ -94,6 +98,14 @@ ABSL_FLAG(std::string, kv_tls_server_name, "",
 ABSL_FLAG(double, kv_capacity, 1.0,
           "Tokens the memory pool keeps per layer and KV head, as a fraction "
           "of the context; below 1 it evicts by --eviction.");
+ABSL_FLAG(bool, kv_direct_reads, false,
+          "One-sided reads for --kv_service=inproc: on a GPU, the device "
+          "reads the rows each step selects straight from the memory node's "
+          "pinned memory instead of the node gathering them for a copy. "
+          "Each sequence's reserved rows are pinned when it opens (about the "
+          "time it takes to touch them once), which pays off for long "
+          "generations. Other data planes, reused prefixes and "
+          "--kv_capacity < 1 keep the node's gather.");
 ABSL_FLAG(int, prefix_block_tokens, 16,
           "Prefix reuse: a prompt's leading tokens whose KV rows the memory "
           "node already holds (from any earlier request of any worker with "
@@ -126,9 +138,10 @@ std::vector<const char*> WithEngineFlags(std::vector<const char*> own) {
         "sink_tokens", "recent_tokens", "score_mass", "head_budgets",
         "budget_floor", "page_tokens", "target_fetch", "skew",
         "kv_service", "kv_auth_token_file", "kv_tls_ca", "kv_tls_cert",
-        "kv_tls_key", "kv_tls_server_name", "kv_capacity", "eviction",
-        "max_worker_kv_bytes", "backend", "threads", "load_format",
-        "model_config"}) {
+        "kv_tls_key", "kv_tls_server_name", "kv_capacity", "kv_direct_reads",
+        "eviction",
+        "max_worker_kv_bytes", "backend", "threads", "prefill_chunk",
+        "load_format", "model_config"}) {
     own.push_back(f);
   }
   return own;
@@ -159,12 +172,26 @@ int UsageOrFailure(const absl::Status& status) {
 
 int EngineFailure(const absl::Status& status) { return UsageOrFailure(status); }
 
-// The engine over `weights` on the --backend device.
+// The engine over `weights` on the --backend device, prefilling
+// --prefill_chunk tokens at a time.
+constexpr int kDevicePrefillChunk = 2048;
 absl::StatusOr<std::unique_ptr<Engine>> CreateEngine(
     const model::Weights& weights, const EngineOptions& options) {
+  const int chunk = absl::GetFlag(FLAGS_prefill_chunk);
+  if (chunk < 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--prefill_chunk must be >= 0 (0: the backend's default), got %d",
+        chunk));
+  }
   IG_ASSIGN_OR_RETURN(auto backend,
                       gpu_worker::NewBackend(absl::GetFlag(FLAGS_backend)));
-  return Engine::Create(weights, std::move(backend), options);
+  EngineOptions o = options;
+  if (chunk > 0) {
+    o.max_chunk = chunk;
+  } else if (!backend->OperatesOnHostMemory()) {
+    o.max_chunk = kDevicePrefillChunk;
+  }
+  return Engine::Create(weights, std::move(backend), o);
 }
 
 // Model loading errors caused by the user's paths are usage errors.

@@ -34,6 +34,7 @@ ABSL_DECLARE_FLAG(std::string, policy);
 ABSL_DECLARE_FLAG(std::string, skew);
 ABSL_DECLARE_FLAG(std::string, kv_service);
 ABSL_DECLARE_FLAG(double, kv_capacity);
+ABSL_DECLARE_FLAG(bool, kv_direct_reads);
 ABSL_DECLARE_FLAG(std::string, eviction);
 ABSL_DECLARE_FLAG(int, calibration_tokens);
 ABSL_DECLARE_FLAG(std::string, partial_ratio);

@@ -217,6 +217,7 @@ absl::StatusOr<EngineOptions> EngineOptionsFromFlags(const std::string& policy,
   p.score_mass = static_cast<float>(absl::GetFlag(FLAGS_score_mass));
   p.budget_floor = static_cast<float>(absl::GetFlag(FLAGS_budget_floor));
   options.kv.kv_capacity = absl::GetFlag(FLAGS_kv_capacity);
+  options.kv.direct_reads = absl::GetFlag(FLAGS_kv_direct_reads);
   options.kv.max_worker_bytes = absl::GetFlag(FLAGS_max_worker_kv_bytes);
   if (options.kv.max_worker_bytes < 0) {
     return absl::InvalidArgumentError(
@@ -277,11 +278,14 @@ absl::StatusOr<std::unique_ptr<speculator::SkewMatrices>> SkewFromFlags(
   }
   IG_LOG(INFO) << "no --skew: calibrating on the first " << n
                << " tokens of the input";
+  IG_ASSIGN_OR_RETURN(auto backend,
+                      gpu_worker::NewBackend(absl::GetFlag(FLAGS_backend)));
   IG_ASSIGN_OR_RETURN(
       auto skew, gpu_worker::CalibrateSkew(
                      weights, calibration.subspan(0, n),
                      {options.partial_ratio, options.SpeculatesAfterAttention(),
-                      options.exact_partial_keys, options.dense_layers}));
+                      options.exact_partial_keys, options.dense_layers},
+                     std::move(backend)));
   return std::make_unique<speculator::SkewMatrices>(std::move(skew));
 }
 
@@ -313,7 +317,8 @@ void WarnIgnoredPolicyFlags(absl::Span<const std::string> policies) {
                     << gpu_worker::PoliciesReadingFlag(flag);
   }
   if (!all_local) return;
-  for (const char* flag : {"kv_service", "kv_capacity", "eviction"}) {
+  for (const char* flag :
+       {"kv_service", "kv_capacity", "kv_direct_reads", "eviction"}) {
     if (set(flag)) {
       IG_LOG(WARNING) << "--" << flag << " has no effect on "
                       << gpu_worker::kLocalCacheName

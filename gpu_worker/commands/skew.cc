@@ -45,9 +45,11 @@ int RunSkew() {
   // --target_fetch: measured with that mode's speculation by default.
   const auto speculation = SpeculationFromFlags(true);
   if (!speculation.ok()) return Fail(kExitUsage, speculation.status());
+  auto backend = gpu_worker::NewBackend(absl::GetFlag(FLAGS_backend));
+  if (!backend.ok()) return Fail(kExitUsage, backend.status());
   auto skew = gpu_worker::CalibrateSkew(
       run->model.weights, absl::MakeConstSpan(run->tokens).subspan(0, n),
-      *speculation);
+      *speculation, *std::move(backend));
   if (!skew.ok()) return Fail(kExitUsage, skew.status());
   if (absl::Status s = skew->Save(out); !s.ok()) return Fail(kExitFailure, s);
   std::printf("wrote %s: %d layers x %d KV heads, head_dim %d, from %d "
@@ -72,7 +74,8 @@ const Command& SkewCommand() {
       "synthetic tokens (for speed measurements).",
       {"model", "load_format", "model_config", "tokenizer", "text",
        "calibration_tokens", "partial_ratio",
-       "speculate_from", "partial_key_bits", "dense_layers", "out", "threads"},
+       "speculate_from", "partial_key_bits", "dense_layers", "out", "threads",
+       "backend"},
       RunSkew};
   return *command;
 }

@@ -128,7 +128,7 @@ class SpeculatedRanking {
 
 absl::StatusOr<speculator::SkewMatrices> CalibrateSkew(
     const model::Weights& weights, absl::Span<const int> tokens,
-    const SpeculationOptions& speculation) {
+    const SpeculationOptions& speculation, std::unique_ptr<Backend> backend) {
   const double partial_ratio = speculation.partial_ratio;
   const bool post_attention = speculation.post_attention;
   const model::ModelConfig& c = weights.config;
@@ -184,9 +184,12 @@ absl::StatusOr<speculator::SkewMatrices> CalibrateSkew(
   EngineOptions options;
   options.max_seq_len = n;
   options.observer = &recorder;
-  IG_ASSIGN_OR_RETURN(auto engine,
-                      Engine::Create(weights, NewCpuBackend(), options));
-  IG_RETURN_IF_ERROR(engine->Forward(tokens, false).status());
+  {
+    if (backend == nullptr) backend = NewCpuBackend();
+    IG_ASSIGN_OR_RETURN(auto engine,
+                        Engine::Create(weights, std::move(backend), options));
+    IG_RETURN_IF_ERROR(engine->Forward(tokens, false).status());
+  }  // the engine and its backend's memory are given back here
 
   speculator::SkewMatrices skew;
   skew.n_layers = c.n_layers;

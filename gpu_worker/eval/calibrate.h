@@ -1,10 +1,13 @@
 // CalibrateSkew: InfiniGen's offline skewing pass (Lee et al., OSDI 2024) over
-// calibration tokens, with the reference CPU engine.
+// calibration tokens, with the reference CPU engine or another backend's.
 #ifndef INFINIGEN_GPU_WORKER_EVAL_CALIBRATE_H_
 #define INFINIGEN_GPU_WORKER_EVAL_CALIBRATE_H_
 
+#include <memory>
+
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "gpu_worker/backend/backend.h"
 #include "model/weights.h"
 #include "speculator/speculator.h"
 
@@ -15,8 +18,10 @@ namespace infinigen::gpu_worker {
 // group's stacked queries and the head's keys (speculator::ComputeSkew),
 // and measures the head profile (speculator::HeadProfile) with the exact
 // ranking and with InfiniGen's, speculated one layer ahead as `speculation`
-// says. InvalidArgument when there are fewer tokens than head_dim or more
-// than the model's context.
+// says. The dense pass runs on `backend` (the CPU backend when null; a
+// device backend is given back before this returns, so that the engine
+// made next has its memory). InvalidArgument when there are fewer tokens
+// than head_dim or more than the model's context.
 struct SpeculationOptions {
   double partial_ratio = 0.3;  // of each head's columns
   // From the residual after the previous layer's attention
@@ -32,7 +37,8 @@ struct SpeculationOptions {
 };
 absl::StatusOr<speculator::SkewMatrices> CalibrateSkew(
     const model::Weights& weights, absl::Span<const int> tokens,
-    const SpeculationOptions& speculation = {});
+    const SpeculationOptions& speculation = {},
+    std::unique_ptr<Backend> backend = nullptr);
 
 }  // namespace infinigen::gpu_worker
 

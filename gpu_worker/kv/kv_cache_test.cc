@@ -137,6 +137,22 @@ class FakeKvClient final : public KvClient {
     buffer->Complete(store_.Gather(seq, layer, plan, buffer->span()));
     return FetchHandle(buffer);
   }
+  absl::StatusOr<kv_memory_service::DirectRows> GetDirectRows(
+      SequenceId seq) override {
+    return store_.GetDirectRows(seq);
+  }
+  absl::Status NoteFetched(SequenceId seq, int32_t layer,
+                           const FetchPlan& plan) override {
+    {
+      absl::MutexLock lock(&mu_);
+      notes_.push_back({layer, plan.indices.size()});
+    }
+    return store_.NoteFetched(seq, layer, plan);
+  }
+  std::vector<FetchCall> notes() const {
+    absl::MutexLock lock(&mu_);
+    return notes_;
+  }
   absl::Status Close(SequenceId seq) override {
     {
       absl::MutexLock lock(&mu_);
@@ -179,6 +195,7 @@ class FakeKvClient final : public KvClient {
   int opens_ = 0, closes_ = 0, fail_append_at_ = 0, append_count_ = 0;
   std::vector<AppendCall> appends_;
   std::vector<FetchCall> fetches_;
+  std::vector<FetchCall> notes_ ABSL_GUARDED_BY(mu_);
   std::vector<SequenceId> opened_;
 };
 
@@ -866,7 +883,36 @@ class GuardedDeviceBackend final : public Backend {
     std::memcpy(dst, src, bytes);
     return absl::OkStatus();
   }
+  // One-sided reads: rows read from pinned host memory into device memory.
+  bool GatherRows(const GatherRowsParams& p) override {
+    if (!gathers_rows_) return false;
+    Open open(this);
+    ++gathers;
+    const long span = static_cast<long>(p.n_heads) * p.head_stride *
+                      p.row_bytes;
+    if (!Pinned(p.k_rows, span) || !Pinned(p.v_rows, span)) {
+      violations_->push_back("rows read in place outside pinned memory");
+    }
+    if (!InDevice(p.indices) || !InDevice(p.head_offsets) ||
+        !InDevice(p.out)) {
+      violations_->push_back("a one-sided read's plan or destination is "
+                             "not in device memory");
+    }
+    GatherRowsOnHost(p);
+    return true;
+  }
+  absl::Status PinHost(void* p, size_t bytes) override {
+    pinned_[static_cast<char*>(p)] = bytes;
+    ++pins;
+    return absl::OkStatus();
+  }
+  void UnpinHost(void* p) override {
+    if (pinned_.erase(static_cast<char*>(p)) > 0) ++unpins;
+  }
+  // false: GatherRows refuses, as a backend without one-sided reads.
+  void set_gathers_rows(bool on) { gathers_rows_ = on; }
   long copies_in = 0, decodes = 0, shared_allocations = 0;
+  long gathers = 0, pins = 0, unpins = 0;
 
  private:
   // Device memory readable and writable for the life of this object.
@@ -883,6 +929,13 @@ class GuardedDeviceBackend final : public Backend {
       mprotect(p, size, open ? PROT_READ | PROT_WRITE : PROT_NONE);
     }
   }
+  bool Pinned(const void* p, long bytes) const {
+    const char* c = static_cast<const char*>(p);
+    auto it = pinned_.upper_bound(const_cast<char*>(c));
+    if (it == pinned_.begin()) return false;
+    --it;
+    return c + bytes <= it->first + it->second;
+  }
   bool InDevice(const void* p) const {
     const char* c = static_cast<const char*>(p);
     auto it = device_.upper_bound(const_cast<char*>(c));
@@ -893,6 +946,8 @@ class GuardedDeviceBackend final : public Backend {
   std::unique_ptr<Backend> cpu_;
   std::vector<std::string>* violations_;
   std::map<char*, size_t> device_;
+  std::map<char*, size_t> pinned_;
+  bool gathers_rows_ = true;
 };
 
 TEST_F(KvCacheTest, DeviceBackendsReadFetchedRowsFromTheirOwnMemory) {
@@ -942,6 +997,105 @@ TEST_F(KvCacheTest, DeviceBackendsReadFetchedRowsFromTheirOwnMemory) {
       EXPECT_GE(d->copies_in - copies_after_prefill, 10L * 12);
       EXPECT_GE(d->decodes, 2L * 2 * 10 * 12);
     }
+  }
+}
+
+// One-sided reads give exactly the node's gather: the same rows reach the
+// same decode, so the logits agree bit for bit; the node is told of every
+// read (its fetch counts match the gather's) and gathers nothing; the rows
+// are pinned while the sequence is open. Where the backend cannot read in
+// place, or the node may evict, the node gathers as before.
+TEST_F(KvCacheTest, OneSidedReadsGiveTheGathersAnswers) {
+  for (std::string kind : {"full", "int4", "h2o", "infinigen"}) {
+    SCOPED_TRACE(kind);
+    FakeKvClient direct_node, gather_node;
+    std::vector<std::string> violations;
+    auto direct_backend = std::make_unique<GuardedDeviceBackend>(&violations);
+    auto gather_backend = std::make_unique<GuardedDeviceBackend>(&violations);
+    GuardedDeviceBackend* d = direct_backend.get();
+    EngineOptions direct_options = Options(kind, &direct_node);
+    direct_options.kv.direct_reads = true;
+    auto direct = Engine::Create(weights_, std::move(direct_backend),
+                                 direct_options);
+    auto gather = Engine::Create(weights_, std::move(gather_backend),
+                                 Options(kind, &gather_node));
+    ASSERT_TRUE(direct.ok()) << direct.status();
+    ASSERT_TRUE(gather.ok()) << gather.status();
+    const std::vector<int> t = Tokens(40);
+    for (Engine* e : {direct->get(), gather->get()}) {
+      ASSERT_TRUE(e->Forward(absl::MakeConstSpan(t).subspan(0, 30), false).ok());
+    }
+    // The two fetch buffers, and the K and V rows of the one sequence.
+    EXPECT_EQ(d->pins, 4);
+    for (int i = 30; i < 40; ++i) {
+      auto want = (*gather)->Forward({t[i]}, false);
+      ASSERT_TRUE(want.ok()) << want.status();
+      const std::vector<float> w(want->begin(), want->end());
+      auto got = (*direct)->Forward({t[i]}, false);
+      ASSERT_TRUE(got.ok()) << got.status();
+      EXPECT_EQ(std::vector<float>(got->begin(), got->end()), w) << i;
+    }
+    EXPECT_THAT(violations, ::testing::IsEmpty());
+    EXPECT_TRUE(direct_node.fetches().empty());  // the node gathered nothing
+    const auto notes = direct_node.notes();
+    const auto fetches = gather_node.fetches();
+    ASSERT_EQ(notes.size(), fetches.size());
+    for (size_t j = 0; j < notes.size(); ++j) {
+      EXPECT_EQ(notes[j].layer, fetches[j].layer);
+      EXPECT_EQ(notes[j].rows, fetches[j].rows);
+    }
+    EXPECT_GT(d->gathers, 0);
+    auto direct_stats = direct_node.GetStoreStats();
+    auto gather_stats = gather_node.GetStoreStats();
+    ASSERT_TRUE(direct_stats.ok() && gather_stats.ok());
+    EXPECT_EQ(direct_stats->fetched_rows, gather_stats->fetched_rows);
+    EXPECT_EQ(d->unpins, 0);  // all pinned while the sequence is open
+  }
+}
+
+TEST_F(KvCacheTest, OneSidedReadsFallBackToTheNodesGather) {
+  const std::vector<int> t = Tokens(36);
+  // A backend that cannot read host memory in place: the node gathers.
+  {
+    FakeKvClient node;
+    std::vector<std::string> violations;
+    auto backend = std::make_unique<GuardedDeviceBackend>(&violations);
+    GuardedDeviceBackend* d = backend.get();
+    d->set_gathers_rows(false);
+    EngineOptions o = Options("full", &node);
+    o.kv.direct_reads = true;
+    auto engine = Engine::Create(weights_, std::move(backend), o);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    ASSERT_TRUE((*engine)->Forward(absl::MakeConstSpan(t).subspan(0, 30),
+                                   false).ok());
+    for (int i = 30; i < 36; ++i) {
+      ASSERT_TRUE((*engine)->Forward({t[i]}, false).ok());
+    }
+    EXPECT_FALSE(node.fetches().empty());
+    EXPECT_TRUE(node.notes().empty());
+    // The node's rows were given back once refused; the fetch buffers stay.
+    EXPECT_EQ(d->pins, 4);
+    EXPECT_EQ(d->unpins, 2);
+    EXPECT_THAT(violations, ::testing::IsEmpty());
+  }
+  // A node that may evict (a pool smaller than the context): positions
+  // move, so the node gathers, and nothing is pinned.
+  {
+    FakeKvClient node;
+    std::vector<std::string> violations;
+    auto backend = std::make_unique<GuardedDeviceBackend>(&violations);
+    GuardedDeviceBackend* d = backend.get();
+    EngineOptions o = Options("full", &node);
+    o.kv.direct_reads = true;
+    o.kv.kv_capacity = 0.5;
+    auto engine = Engine::Create(weights_, std::move(backend), o);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    ASSERT_TRUE((*engine)->Forward(absl::MakeConstSpan(t).subspan(0, 30),
+                                   false).ok());
+    ASSERT_TRUE((*engine)->Forward({t[30]}, false).ok());
+    EXPECT_FALSE(node.fetches().empty());
+    EXPECT_TRUE(node.notes().empty());
+    EXPECT_EQ(d->pins, 2);  // the fetch buffers alone
   }
 }
 

@@ -144,14 +144,68 @@ absl::Status OffloadedKvCache::IssueFetch(Sequence& s, int layer,
   s.stats.rows_fetched += static_cast<long>(plan.indices.size());
   s.stats.bytes_fetched +=
       static_cast<long>(plan.indices.size()) * 2 * layout_.row_width * 2;
-  s.handles[layer % 2] = options_.kv.kv_client->FetchAsync(
-      s.seq, layer, plan.view(), s.buffers[layer % 2].get());
+  s.direct_plan[layer % 2] = s.direct;
+  if (!s.direct) {
+    s.handles[layer % 2] = options_.kv.kv_client->FetchAsync(
+        s.seq, layer, plan.view(), s.buffers[layer % 2].get());
+  }
   return absl::OkStatus();
+}
+
+bool OffloadedKvCache::ReadDirect(Sequence& s, int layer) {
+  const int i = layer % 2;
+  const kv_memory_service::OwnedFetchPlan& plan = s.plans[i];
+  const size_t n = plan.indices.size();
+  // The plan reaches the device on the copy queue once the rows staged[i]
+  // last held (and so this plan buffer's last reader) were used.
+  int32_t* indices = s.plan_dev[i].data();
+  int32_t* offsets = indices + layout_.plan_rows;
+  if (n > 0) {
+    backend_.CopyFromHost(indices, plan.indices.data(), n * sizeof(int32_t),
+                          s.staged_free[i]);
+  }
+  backend_.CopyFromHost(offsets, plan.head_offsets.data(),
+                        plan.head_offsets.size() * sizeof(int32_t),
+                        s.staged_free[i]);
+  if (n == 0) return true;  // nothing to read
+  const size_t at = static_cast<size_t>(layer) * s.rows.layer_values;
+  GatherRowsParams p;
+  p.k_rows = s.rows.k + at;
+  p.v_rows = s.rows.v + at;
+  p.head_stride = s.rows.max_tokens;
+  p.indices = indices;
+  p.head_offsets = offsets;
+  p.n_heads = c_.n_kv_heads;
+  p.n_rows = static_cast<long>(n);
+  p.row_bytes = layout_.row_width * static_cast<int>(sizeof(uint16_t));
+  p.out = s.staged[i].data();
+  return backend_.GatherRows(p);
 }
 
 absl::Status OffloadedKvCache::UploadFetched(Sequence& s, int layer) {
   const int i = layer % 2;
   if (s.uploaded[i]) return absl::OkStatus();
+  if (s.direct_plan[i]) {
+    s.direct_plan[i] = false;
+    const auto t0 = std::chrono::steady_clock::now();
+    if (ReadDirect(s, layer)) {
+      // The node learns of the fetch (statistics, eviction candidates) and
+      // checks that every position was at its own slot.
+      const absl::Status noted = options_.kv.kv_client->NoteFetched(
+          s.seq, layer, s.plans[i].view());
+      s.stats.wait_seconds += std::chrono::duration<double>(
+                                  std::chrono::steady_clock::now() - t0)
+                                  .count();
+      IG_RETURN_IF_ERROR(AtNode(noted));
+      s.uploaded[i] = true;
+      return absl::OkStatus();
+    }
+    // The backend cannot read the node's memory: the node gathers, from
+    // now on.
+    EndDirect(s);
+    s.handles[i] = options_.kv.kv_client->FetchAsync(
+        s.seq, layer, s.plans[i].view(), s.buffers[i].get());
+  }
   const auto t0 = std::chrono::steady_clock::now();
   absl::Status fetched = s.handles[i].Wait();
   s.stats.wait_seconds += std::chrono::duration<double>(

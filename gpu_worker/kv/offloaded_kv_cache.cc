@@ -81,6 +81,12 @@ absl::Status OffloadedKvCache::InitSequence(Sequence& s,
                                            &backend_, layout_.fetch_values,
                                            "fetch staging"));
     }
+    if (layout_.staged && options_.kv.direct_reads) {
+      IG_ASSIGN_OR_RETURN(
+          s.plan_dev[i],
+          DeviceBuffer<int32_t>::Make(
+              &backend_, layout_.plan_rows + c_.n_kv_heads + 1, "fetch plan"));
+    }
   }
   s.present.assign(
       static_cast<size_t>(c_.n_layers) * c_.n_kv_heads * max_seq_, 0);
@@ -223,7 +229,48 @@ absl::StatusOr<int> OffloadedKvCache::OpenSequence(
     AppendResult none;
     MarkAppended(s, 0, c_.n_layers, 0, cached, none);
   }
+  BeginDirect(s);
   return cached;
+}
+
+void OffloadedKvCache::BeginDirect(Sequence& s) {
+  s.direct = false;
+  // Positions stay at their own slots only without an attached prefix and
+  // without eviction.
+  if (!options_.kv.direct_reads || !layout_.staged || s.cached > 0 ||
+      geometry_.max_tokens < max_seq_) {
+    return;
+  }
+  absl::StatusOr<kv_memory_service::DirectRows> rows =
+      options_.kv.kv_client->GetDirectRows(s.seq);
+  if (!rows.ok()) return;  // a node elsewhere: the node gathers
+  const size_t bytes =
+      static_cast<size_t>(c_.n_layers) * rows->layer_values * sizeof(uint16_t);
+  // The rows never move while the sequence is open; PinHost takes them
+  // read-only in effect (nothing here writes through them).
+  auto* k = const_cast<uint16_t*>(rows->k);
+  auto* v = const_cast<uint16_t*>(rows->v);
+  absl::Status pinned = backend_.PinHost(k, bytes);
+  if (pinned.ok()) {
+    pinned = backend_.PinHost(v, bytes);
+    if (!pinned.ok()) backend_.UnpinHost(k);
+  }
+  if (!pinned.ok()) {
+    IG_LOG(WARNING) << "kv cache: the node's rows could not be pinned for "
+                       "one-sided reads; the node gathers them: "
+                    << pinned.message();
+    return;
+  }
+  s.rows = *rows;
+  s.direct = true;
+}
+
+void OffloadedKvCache::EndDirect(Sequence& s) {
+  if (!s.direct) return;
+  backend_.UnpinHost(const_cast<uint16_t*>(s.rows.k));
+  backend_.UnpinHost(const_cast<uint16_t*>(s.rows.v));
+  s.direct = false;
+  s.direct_plan[0] = s.direct_plan[1] = false;
 }
 
 absl::Status OffloadedKvCache::IssuePrefixFetch(Sequence& s, int layer) {
@@ -276,6 +323,7 @@ absl::Status OffloadedKvCache::Reset(int slot) {
   s.policy->Reset();
   std::fill(s.present.begin(), s.present.end(), 0);
   std::fill(s.present_count.begin(), s.present_count.end(), 0);
+  EndDirect(s);
   if (s.seq != 0) {
     const kv_memory_service::SequenceId seq = s.seq;
     s.seq = 0;

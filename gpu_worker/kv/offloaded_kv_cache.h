@@ -108,6 +108,7 @@ class OffloadedKvCache final : public KvCache {
       appender_.join();
     }
     for (Sequence& s : sequences_) {
+      EndDirect(s);
       if (s.seq != 0) options_.kv.kv_client->Close(s.seq).IgnoreError();
     }
     // Copies may still read the fetch buffers; unpin them before they go.
@@ -211,6 +212,14 @@ class OffloadedKvCache final : public KvCache {
     int cached = 0;
     int annotated_first = 0;
     std::vector<float> block_state;
+    // One-sided reads (KvOptions::direct_reads): the node's rows of this
+    // sequence, pinned for the device, while `direct` is set; a fetch then
+    // only plans (direct_plan[i]) and UploadFetched has the backend read
+    // the rows. plan_dev[i]: plans[i]'s indices, then its head offsets.
+    kv_memory_service::DirectRows rows;
+    bool direct = false;
+    bool direct_plan[2] = {false, false};
+    DeviceBuffer<int32_t> plan_dev[2];
   };
 
   // Opens the slot's sequence with the prefix keys of `tokens` (none
@@ -234,6 +243,14 @@ class OffloadedKvCache final : public KvCache {
   void MarkAppended(Sequence& s, int first_layer, int n_layers, int first,
                     int n, const AppendResult& result);
   absl::Status IssueFetch(Sequence& s, int layer, const float* xb_prev);
+  // One-sided reads: after the sequence opened, pins its rows on the node
+  // and turns `direct` on where KvOptions::direct_reads allows; EndDirect
+  // unpins them (before the sequence closes).
+  void BeginDirect(Sequence& s);
+  void EndDirect(Sequence& s);
+  // The backend reads plans[i]'s rows of `layer` from the node's memory
+  // into staged[i]; false (nothing done) where it cannot.
+  bool ReadDirect(Sequence& s, int layer);
   // Waits for `layer`'s fetch and makes its rows readable by the backend
   // (a copy to its staging, queued once per fetch).
   absl::Status UploadFetched(Sequence& s, int layer);

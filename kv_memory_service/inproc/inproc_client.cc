@@ -62,6 +62,13 @@ class InprocKvClient final : public KvClient {
     IG_ASSIGN_OR_RETURN(uint16_t* data, AllocateFetchMemory(elements));
     return std::make_unique<InprocFetchBuffer>(this, data, elements);
   }
+  absl::StatusOr<DirectRows> GetDirectRows(SequenceId seq) override {
+    return store_->GetDirectRows(seq);
+  }
+  absl::Status NoteFetched(SequenceId seq, int32_t layer,
+                           const FetchPlan& plan) override {
+    return store_->NoteFetched(seq, layer, plan);
+  }
   FetchHandle FetchAsync(SequenceId seq, int32_t layer, const FetchPlan& plan,
                          FetchBuffer* dest) override {
     auto claimed = FetchBuffer::Claim<InprocFetchBuffer>(this, dest);

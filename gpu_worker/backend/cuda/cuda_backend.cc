@@ -51,7 +51,7 @@ class CudaBackend final : public Backend {
     cudaSetDevice(device_);
     cudaStreamSynchronize(copy_stream_);
     cudaStreamSynchronize(stream_);
-    for (auto& [begin, bytes] : pinned_) {
+    for (auto& [begin, range] : pinned_) {
       cudaHostUnregister(reinterpret_cast<void*>(begin));
     }
     for (auto& [begin, range] : constants_) cudaFree(range.device);
@@ -239,7 +239,8 @@ class CudaBackend final : public Backend {
       return absl::InvalidArgumentError("PinHost: empty range");
     }
     cudaSetDevice(device_);
-    const cudaError_t err = cudaHostRegister(p, bytes, cudaHostRegisterDefault);
+    // Mapped as well, so that kernels can read it in place (GatherRows).
+    cudaError_t err = cudaHostRegister(p, bytes, cudaHostRegisterMapped);
     if (err == cudaErrorHostMemoryAlreadyRegistered) {
       // Pinned already (the shm and RDMA data planes pin their slots):
       // usable as is, and not ours to unpin.
@@ -252,7 +253,14 @@ class CudaBackend final : public Backend {
           "cudaHostRegister of %zu bytes at %p: %s", bytes, p,
           CudaError(err)));
     }
-    pinned_[reinterpret_cast<uintptr_t>(p)] = bytes;
+    void* device = nullptr;
+    err = cudaHostGetDevicePointer(&device, p, 0);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      device = nullptr;  // pinned for copies; kernels do not read it
+    }
+    pinned_[reinterpret_cast<uintptr_t>(p)] =
+        PinnedRange{bytes, static_cast<char*>(device)};
     return absl::OkStatus();
   }
 
@@ -260,10 +268,41 @@ class CudaBackend final : public Backend {
     auto it = pinned_.find(reinterpret_cast<uintptr_t>(p));
     if (it == pinned_.end()) return;
     cudaSetDevice(device_);
-    // A copy still queued may read it.
+    // A copy or a kernel (GatherRows) still queued may read it.
     cudaStreamSynchronize(copy_stream_);
+    cudaStreamSynchronize(stream_);
     if (cudaHostUnregister(p) != cudaSuccess) cudaGetLastError();
     pinned_.erase(it);
+  }
+
+  bool GatherRows(const GatherRowsParams& g) override {
+    constexpr const char* kOp = "GatherRows";
+    // The rows must lie in one range PinHost mapped; else the caller
+    // gathers through the node.
+    const long span = static_cast<long>(g.n_heads) * g.head_stride *
+                      g.row_bytes;
+    auto mapped = [&](const void* rows) -> const char* {
+      const uintptr_t a = reinterpret_cast<uintptr_t>(rows);
+      auto it = FindRange(pinned_, a);
+      if (it == pinned_.end() || it->second.device == nullptr ||
+          a + span > it->first + it->second.bytes) {
+        return nullptr;
+      }
+      return it->second.device + (a - it->first);
+    };
+    const char* k = mapped(g.k_rows);
+    const char* v = mapped(g.v_rows);
+    if (k == nullptr || v == nullptr || g.n_rows <= 0) return false;
+    if (!Begin()) return true;  // an earlier error: skipped, and sticky
+    GatherRowsParams p = g;
+    p.k_rows = k;
+    p.v_rows = v;
+    p.indices = In(g.indices, g.n_rows, kOp, "indices");
+    p.head_offsets = In(g.head_offsets, g.n_heads + 1L, kOp, "head_offsets");
+    p.out = Out(static_cast<char*>(g.out), 2 * g.n_rows * g.row_bytes, kOp,
+                "out");
+    if (ok()) Launched(LaunchGatherRows(p, stream_), kOp);
+    return true;
   }
 
   void Linear(const float* x, int n, int in, const float* w, const float* bias,
@@ -285,7 +324,7 @@ class CudaBackend final : public Backend {
     // Row-major y[n, out] = x[n, in] . w[out, in]^T is, column-major,
     // y^T[out, n] = w^T . x^T with w read as a column-major [in, out].
     cublasStatus_t status;
-    if (options_.half_weights) {
+    if (options_.half_precision) {
       const size_t w_offset = (x_count * sizeof(uint16_t) + kScratchAlign - 1) /
                               kScratchAlign * kScratchAlign;
       const size_t need =
@@ -417,6 +456,11 @@ class CudaBackend final : public Backend {
     p.kv_stride = a.kv_stride;
     p.kv_len0 = a.kv_len0;
     p.scale = a.scale;
+    if (options_.half_precision && a.n >= kMinFlashQueries &&
+        FlashAttentionSupports(p)) {
+      Launched(LaunchFlashAttention(p, stream_), kOp);
+      return;
+    }
     // Few (query, head) rows over a long cache (decoding): split the cache
     // so that every SM has blocks to run.
     const long rows = static_cast<long>(a.n) * a.n_heads;
@@ -702,7 +746,7 @@ class CudaBackend final : public Backend {
   std::map<uintptr_t, ConstantRange> constants_;  // by host address
   // AllocateShared (managed) and AllocateDevice (device): bytes.
   std::map<uintptr_t, size_t> shared_;
-  std::map<uintptr_t, size_t> pinned_;            // PinHost: bytes
+  std::map<uintptr_t, PinnedRange> pinned_;       // PinHost
   // fp16 copies of registered matrices, by (device address, floats).
   std::map<std::pair<const float*, long>, uint16_t*> half_weights_;
   DeviceScratch linear_scratch_;     // fp16 x, and w when not registered

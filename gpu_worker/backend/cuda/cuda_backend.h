@@ -8,9 +8,10 @@
 // events) and CopyToHost; buffers from AllocateShared are CUDA managed
 // memory, which host code reads after Synchronize(). RegisterConstant copies a weight range to the
 // device once (fp32); operations given a host pointer inside a registered
-// range use the device copy at the same offset. With half_weights, the
+// range use the device copy at the same offset. With half_precision, the
 // first Linear over a matrix also makes an fp16 copy of it, kept for the
-// backend's lifetime (weights then take 1.5x their fp32 size on the device).
+// backend's lifetime (weights then take 1.5x their fp32 size on the device),
+// and attention over many queries (prefill chunks) runs on tensor cores.
 //
 // Errors are sticky: the first one (an invalid shape, a pointer that is
 // neither managed nor registered, a failed launch or cuBLAS call, an
@@ -30,10 +31,17 @@ namespace infinigen::gpu_worker::cuda {
 struct CudaBackendOptions {
   // true: Linear converts weights (once) and activations (per call) to fp16
   // and runs cublasGemmEx with fp32 output and CUBLAS_COMPUTE_32F (tensor
-  // cores; about 1e-3 relative error per product). false: fp32
-  // cublasSgemm, for tight parity with the CPU backend.
-  bool half_weights = true;
+  // cores; about 1e-3 relative error per product), and Attention of
+  // kMinFlashQueries or more queries runs LaunchFlashAttention (q, k, v in
+  // fp16 on tensor cores, softmax in fp32). false: fp32 cublasSgemm and the
+  // fp32 attention kernel, for tight parity with the CPU backend.
+  bool half_precision = true;
 };
+
+// From this many queries in one Attention call on, half_precision runs the
+// tensor-core kernel: below it (decoding) the rows are read once per query
+// anyway and the fp32 kernel, split over the KV rows, fills the device.
+inline constexpr int kMinFlashQueries = 16;
 
 // The backend on CUDA device `device`. Unavailable, with the CUDA error
 // string, when no device answers (cudaGetDeviceCount fails or reports 0),

@@ -30,8 +30,15 @@ struct ConstantRange {
   char* device;  // the copy of the host range
 };
 
+// A host range PinHost pinned, mapped for the device.
+struct PinnedRange {
+  size_t bytes;
+  char* device;  // where kernels read it (cudaHostGetDevicePointer)
+};
+
 inline size_t RangeBytes(size_t bytes) { return bytes; }
 inline size_t RangeBytes(const ConstantRange& range) { return range.bytes; }
+inline size_t RangeBytes(const PinnedRange& range) { return range.bytes; }
 
 // The entry of `ranges` (keyed by first address) that contains address a,
 // or ranges.end().

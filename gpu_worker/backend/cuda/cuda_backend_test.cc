@@ -25,9 +25,9 @@
 namespace infinigen::gpu_worker::cuda {
 namespace {
 
-std::unique_ptr<Backend> NewGpu(bool half_weights) {
+std::unique_ptr<Backend> NewGpu(bool half_precision) {
   CudaBackendOptions options;
-  options.half_weights = half_weights;
+  options.half_precision = half_precision;
   auto backend = CreateCudaBackend(0, options);
   EXPECT_TRUE(backend.ok()) << backend.status();
   return backend.ok() ? std::move(*backend) : nullptr;
@@ -43,7 +43,7 @@ class CudaBackendTest : public ::testing::Test {
     if (const std::string why = NoDeviceReason(); !why.empty()) {
       GTEST_SKIP() << why;
     }
-    gpu_ = NewGpu(/*half_weights=*/false);
+    gpu_ = NewGpu(/*half_precision=*/false);
     ASSERT_NE(gpu_, nullptr);
   }
 
@@ -272,6 +272,50 @@ TEST_F(CudaBackendTest, AttentionMatchesCpu) {
     ASSERT_TRUE(gpu_->Synchronize().ok()) << gpu_->Synchronize();
     ASSERT_NO_FATAL_FAILURE(
         ExpectAttentionMatches(prob, gout.data(), gsums.data()));
+  }
+}
+
+// With half precision a prefill chunk (kMinFlashQueries queries or more)
+// runs on tensor cores, within the flash kernel's 5e-3 * (1 + |want|)
+// (kernels_test); decode steps, and chunks with H2O's probability sums,
+// keep the fp32 kernel and its 1e-4.
+TEST_F(CudaBackendTest, HalfPrecisionPrefillAttentionMatchesCpu) {
+  std::unique_ptr<Backend> half = NewGpu(/*half_precision=*/true);
+  ASSERT_NE(half, nullptr);
+  const AttentionCase cases[] = {
+      {kMinFlashQueries, 8, 2, 64, 1, 0, false},
+      {300, 8, 8, 128, 40, 0, false},
+      {100, 9, 3, 72, 5, 0, false},  // head_dim 72: the fp32 kernel
+      {64, 4, 4, 64, 10, 0, true},   // prob_sums: the fp32 kernel
+      {1, 9, 3, 128, 5000, 0, false},
+  };
+  for (const AttentionCase& c : cases) {
+    const AttentionProblem prob = MakeAttentionProblem(c, rng_, *cpu_);
+    SharedVector<float> gq = Shared(half.get(), prob.q),
+                        gk = Shared(half.get(), prob.k),
+                        gv = Shared(half.get(), prob.v),
+                        gsums = Shared(half.get(), prob.sums);
+    SharedVector<float> gout(prob.want.size(), 0.0f,
+                             SharedAllocator<float>(half.get()));
+    AttentionParams a = prob.shape;
+    a.q = gq.data();
+    a.k = gk.data();
+    a.v = gv.data();
+    a.out = gout.data();
+    a.prob_sums = c.prob_sums ? gsums.data() : nullptr;
+    half->Attention(a);
+    ASSERT_TRUE(half->Synchronize().ok()) << half->Synchronize();
+    const bool tensor_cores = c.n >= kMinFlashQueries && !c.prob_sums &&
+                              c.head_dim % 16 == 0;
+    if (!tensor_cores) {
+      ASSERT_NO_FATAL_FAILURE(
+          ExpectAttentionMatches(prob, gout.data(), gsums.data()));
+      continue;
+    }
+    for (size_t i = 0; i < prob.want.size(); ++i) {
+      ASSERT_NEAR(gout[i], prob.want[i], 5e-3f * (1 + std::abs(prob.want[i])))
+          << "n=" << c.n << " head_dim=" << c.head_dim << " i=" << i;
+    }
   }
 }
 

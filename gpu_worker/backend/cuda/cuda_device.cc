@@ -95,7 +95,7 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(
   IG_LOG(INFO) << "cuda backend: device " << device << " " << prop.name << ", "
                << prop.multiProcessorCount << " SMs, "
                << (prop.totalGlobalMem >> 20) << " MiB, "
-               << (options.half_weights ? "fp16" : "fp32") << " weights";
+               << (options.half_precision ? "fp16" : "fp32") << " weights";
   return NewCudaBackendOver(device, prop, options, stream, copy_stream,
                             std::move(marks), copied, cublas);
 }

@@ -13,12 +13,14 @@
 // formula; only the order of float additions differs.
 //
 // Sources: layer_kernels.cu (norms, RoPE, pointwise, conversions),
-// attention.cu, speculation.cu.
+// attention.cu, flash_attention.cu, gather.cu, speculation.cu.
 #ifndef INFINIGEN_GPU_WORKER_BACKEND_CUDA_KERNELS_H_
 #define INFINIGEN_GPU_WORKER_BACKEND_CUDA_KERNELS_H_
 
+#include <cstddef>
 #include <cstdint>
 
+#include "gpu_worker/backend/gather_rows.h"
 #include "gpu_worker/backend/kv_rows.h"
 #include "gpu_worker/backend/speculation_params.h"
 
@@ -172,6 +174,38 @@ inline long AttentionWorkspaceFloats(const AttentionKernelParams& p) {
 }
 
 int LaunchAttention(const AttentionKernelParams& p, void* stream);
+
+// The largest head_dim LaunchFlashAttention takes.
+constexpr int kMaxFlashHeadDim = 256;
+
+// Whether LaunchFlashAttention computes `p`: no prob_sums, head_dim a
+// multiple of 16 up to kMaxFlashHeadDim, q, k, v and out 16-byte aligned
+// (kv_splits is ignored).
+bool FlashAttentionSupports(const AttentionKernelParams& p);
+
+// Dynamic shared memory a flash attention block takes at head_dim.
+size_t FlashAttentionSharedBytes(int head_dim);
+
+// LaunchAttention's result for many queries (a prefill chunk), on tensor
+// cores: q, k and v rounded to fp16 (about 5e-4 relative error each),
+// scores, softmax and sums in fp32. One block of 4 warps per 64 queries
+// and query head walks the KV rows in tiles of 64 (FlashAttention's
+// tiling and online softmax), so each K and V row is read once per 64
+// queries instead of once per query. Rejects (cudaErrorInvalidValue) what
+// FlashAttentionSupports does not take and LaunchAttention's bad shapes.
+int LaunchFlashAttention(const AttentionKernelParams& p, void* stream);
+
+// --------------------------------------------------------- one-sided reads
+
+// GatherRowsOnHost (gather_rows.h) on the device: the plan's K and V rows
+// read from k_rows and v_rows (host memory mapped for the device, or
+// device memory) into out (device memory), with no gather on the host.
+// indices and head_offsets must be device-accessible, and every index
+// below head_stride (the caller checked the plan against the store).
+// Moves the widest word (16 to 2 bytes) dividing row_bytes and the three
+// base addresses; rejects (cudaErrorInvalidValue) an odd row, an empty
+// plan and missing pointers.
+int LaunchGatherRows(const GatherRowsParams& p, void* stream);
 
 // ----------------------------------------------------------- speculation
 

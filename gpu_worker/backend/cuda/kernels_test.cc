@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <random>
@@ -322,6 +323,130 @@ TEST_F(CudaKernels, AttentionMatchesCpu) {
   }
 }
 
+// The tensor-core kernel rounds q, k and v to fp16 (a relative 5e-4 each)
+// and its probabilities too: outputs within 5e-3 * (1 + |want|) of the CPU
+// backend's fp32. A masking or tiling error moves an output by O(0.1).
+TEST_F(CudaKernels, FlashAttentionMatchesCpu) {
+  // {n, heads, kv_heads, head_dim, kv_len0, extra_stride}: odd lengths,
+  // tiles cut short, GQA, the first query seeing one row, long prefixes.
+  const AttentionCase cases[] = {
+      {16, 4, 4, 16, 1, 0, false},     {65, 9, 3, 48, 1, 3, false},
+      {130, 8, 2, 128, 1, 0, false},   {200, 9, 3, 128, 57, 0, false},
+      {64, 4, 1, 256, 300, 5, false},  {1, 2, 2, 64, 10, 0, false},
+      {257, 2, 1, 64, 4000, 0, false}, {100, 32, 32, 128, 1, 0, false},
+      {63, 6, 6, 80, 2, 1, false},
+  };
+  for (const AttentionCase& c : cases) {
+    const AttentionProblem prob = MakeAttentionProblem(c, rng_, *cpu_);
+    DeviceArray<float> dq(prob.q), dk(prob.k), dv(prob.v),
+        dout(prob.want.size());
+    AttentionKernelParams p;
+    p.q = dq.get();
+    p.k = dk.get();
+    p.v = dv.get();
+    p.out = dout.get();
+    p.n = c.n;
+    p.n_heads = c.n_heads;
+    p.n_kv_heads = c.n_kv_heads;
+    p.head_dim = c.head_dim;
+    p.kv_stride = prob.shape.kv_stride;
+    p.kv_len0 = c.kv_len0;
+    p.scale = prob.shape.scale;
+    ASSERT_TRUE(FlashAttentionSupports(p)) << "head_dim " << c.head_dim;
+    ExpectRan(LaunchFlashAttention(p, nullptr));
+    const std::vector<float> got = dout.ToHost();
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_NEAR(got[i], prob.want[i], 5e-3f * (1 + std::abs(prob.want[i])))
+          << "n=" << c.n << " heads=" << c.n_heads << "/" << c.n_kv_heads
+          << " head_dim=" << c.head_dim << " kv_len0=" << c.kv_len0
+          << " query " << i / (c.n_heads * c.head_dim) << " head "
+          << i / c.head_dim % c.n_heads << " dim " << i % c.head_dim;
+    }
+  }
+}
+
+// One-sided reads: the kernel copies exactly GatherRowsOnHost's bytes, from
+// host memory mapped for the device (the node's rows) and from device
+// memory, for fp16 rows (256 bytes), int4 rows (72 bytes: 8-byte words) and
+// odd widths (2-byte words); plans with empty heads, repeats and the last
+// slot.
+TEST_F(CudaKernels, GatherRowsMatchesHostGather) {
+  struct Case {
+    int n_heads, head_stride, row_bytes;
+    bool mapped;
+  };
+  const Case cases[] = {{8, 1000, 256, true},  {8, 1000, 256, false},
+                        {4, 513, 72, true},    {3, 64, 6, true},
+                        {32, 4096, 256, true}, {1, 10, 512, false}};
+  for (const Case& c : cases) {
+    const size_t bytes =
+        static_cast<size_t>(c.n_heads) * c.head_stride * c.row_bytes;
+    std::vector<uint8_t> k(bytes), v(bytes);
+    std::uniform_int_distribution<int> byte(0, 255);
+    for (auto& x : k) x = static_cast<uint8_t>(byte(rng_));
+    for (auto& x : v) x = static_cast<uint8_t>(byte(rng_));
+    std::vector<int32_t> indices, offsets{0};
+    std::uniform_int_distribution<int> slot(0, c.head_stride - 1),
+        count(0, 300);
+    for (int h = 0; h < c.n_heads; ++h) {
+      const int n = h % 3 == 1 ? 0 : count(rng_);
+      for (int i = 0; i < n; ++i) indices.push_back(slot(rng_));
+      if (n > 0) indices.back() = c.head_stride - 1;
+      offsets.push_back(static_cast<int32_t>(indices.size()));
+    }
+    if (indices.empty()) indices.push_back(0), offsets.back() = 1;
+    GatherRowsParams host;
+    host.k_rows = k.data();
+    host.v_rows = v.data();
+    host.head_stride = c.head_stride;
+    host.indices = indices.data();
+    host.head_offsets = offsets.data();
+    host.n_heads = c.n_heads;
+    host.n_rows = static_cast<long>(indices.size());
+    host.row_bytes = c.row_bytes;
+    std::vector<uint8_t> want(2 * indices.size() * c.row_bytes);
+    host.out = want.data();
+    GatherRowsOnHost(host);
+
+    // The rows where the kernel reads them: pinned host memory mapped for
+    // the device, or device memory.
+    void* k_src = nullptr;
+    void* v_src = nullptr;
+    if (c.mapped) {
+      ASSERT_EQ(cudaHostAlloc(&k_src, bytes, cudaHostAllocMapped), cudaSuccess);
+      ASSERT_EQ(cudaHostAlloc(&v_src, bytes, cudaHostAllocMapped), cudaSuccess);
+      std::memcpy(k_src, k.data(), bytes);
+      std::memcpy(v_src, v.data(), bytes);
+    } else {
+      ASSERT_EQ(cudaMalloc(&k_src, bytes), cudaSuccess);
+      ASSERT_EQ(cudaMalloc(&v_src, bytes), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(k_src, k.data(), bytes, cudaMemcpyHostToDevice),
+                cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(v_src, v.data(), bytes, cudaMemcpyHostToDevice),
+                cudaSuccess);
+    }
+    DeviceArray<int32_t> dindices(indices), doffsets(offsets);
+    DeviceArray<uint8_t> dout(std::vector<uint8_t>(want.size(), 0xee));
+    GatherRowsParams p = host;
+    p.k_rows = k_src;
+    p.v_rows = v_src;
+    p.indices = dindices.get();
+    p.head_offsets = doffsets.get();
+    p.out = dout.get();
+    ExpectRan(LaunchGatherRows(p, nullptr));
+    EXPECT_EQ(dout.ToHost(), want)
+        << c.n_heads << " heads, " << c.row_bytes << "-byte rows, "
+        << (c.mapped ? "mapped host" : "device") << " memory";
+    if (c.mapped) {
+      cudaFreeHost(k_src);
+      cudaFreeHost(v_src);
+    } else {
+      cudaFree(k_src);
+      cudaFree(v_src);
+    }
+  }
+}
+
 // Sorted random partial columns per KV head, as SelectPartialColumns gives.
 std::vector<int32_t> RandomColumns(int n_kv_heads, int d, int n_cols,
                                    std::mt19937& rng) {
@@ -508,6 +633,52 @@ TEST(CudaKernelArguments, RejectedBeforeLaunch) {
   b = a;
   b.out = nullptr;
   EXPECT_EQ(LaunchAttention(b, nullptr), bad);
+  // The tensor-core kernel: what it does not take, and the same bad shapes.
+  EXPECT_TRUE(FlashAttentionSupports(a));
+  b = a;
+  b.head_dim = 72;  // not a multiple of 16
+  EXPECT_FALSE(FlashAttentionSupports(b));
+  EXPECT_EQ(LaunchFlashAttention(b, nullptr), bad);
+  b = a;
+  b.head_dim = kMaxFlashHeadDim + 16;
+  EXPECT_EQ(LaunchFlashAttention(b, nullptr), bad);
+  b = a;
+  b.prob_sums = f;  // H2O's sums: the fp32 kernel's
+  EXPECT_FALSE(FlashAttentionSupports(b));
+  EXPECT_EQ(LaunchFlashAttention(b, nullptr), bad);
+  b = a;
+  b.q = f + 1;  // not 16-byte aligned
+  EXPECT_FALSE(FlashAttentionSupports(b));
+  b = a;
+  b.n = 2;  // needs kv_stride >= 11
+  EXPECT_EQ(LaunchFlashAttention(b, nullptr), bad);
+  b = a;
+  b.kv_len0 = 0;
+  EXPECT_EQ(LaunchFlashAttention(b, nullptr), bad);
+  b = a;
+  b.n_kv_heads = 2;
+  EXPECT_EQ(LaunchFlashAttention(b, nullptr), bad);
+
+  GatherRowsParams g;
+  g.k_rows = g.v_rows = f;
+  g.indices = g.head_offsets = i32;
+  g.out = f;
+  g.n_heads = 2;
+  g.n_rows = 4;
+  g.head_stride = 8;
+  g.row_bytes = 256;
+  GatherRowsParams bad_g = g;
+  bad_g.row_bytes = 255;  // rows are uint16_t values
+  EXPECT_EQ(LaunchGatherRows(bad_g, nullptr), bad);
+  bad_g = g;
+  bad_g.n_rows = 0;
+  EXPECT_EQ(LaunchGatherRows(bad_g, nullptr), bad);
+  bad_g = g;
+  bad_g.indices = nullptr;
+  EXPECT_EQ(LaunchGatherRows(bad_g, nullptr), bad);
+  bad_g = g;
+  bad_g.head_stride = 0;
+  EXPECT_EQ(LaunchGatherRows(bad_g, nullptr), bad);
 
   uint8_t* u8 = reinterpret_cast<uint8_t*>(0x1000);
   SpeculationParams s{f, u8, i32, f, 9, 3, 64, 100, 100, 19};

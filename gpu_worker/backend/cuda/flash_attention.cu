@@ -1,0 +1,294 @@
+// Causal prefill attention on tensor cores (kernels.h, LaunchFlashAttention):
+// the tiling of FlashAttention (Dao et al., 2022) with WMMA fragments.
+//
+// One block of kWarps warps per (tile of kTileQ queries, query head). The
+// block converts its queries to fp16 in shared memory once, then walks the
+// KV rows its last query sees in tiles of kTileK: it loads the tile's K and
+// V rows (fp32 in global memory) as fp16 into shared memory, and each warp,
+// for its own kRowsPerWarp queries,
+//   1. computes the scores S = Q K^T on tensor cores (fp16 in, fp32 out),
+//   2. runs the online softmax over S's rows in fp32 (scale, causal mask,
+//      running max m and sum l; P = exp(S - m) as fp16; the output rows so
+//      far scaled by exp(m_old - m)),
+//   3. adds P V to its output rows on tensor cores (fp32 accumulators kept
+//      in shared memory, since the online softmax rescales them by row).
+// Tiles past a warp's last visible row are skipped by that warp. At the end
+// each output row is divided by its sum and written as fp32. Shared memory
+// holds Q, K, V and P in fp16 and S and O in fp32, each row padded by a few
+// elements against bank conflicts.
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <math_constants.h>
+#include <mma.h>
+
+#include "gpu_worker/backend/cuda/kernels.h"
+
+namespace infinigen::gpu_worker::cuda {
+namespace {
+
+namespace wmma = nvcuda::wmma;
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kRowsPerWarp = 16;                  // one WMMA tile of rows
+constexpr int kTileQ = kWarps * kRowsPerWarp;     // queries per block
+constexpr int kTileK = 64;                        // KV rows per tile
+constexpr int kFrag = 16;                         // WMMA m = n = k
+constexpr int kHalfPad = 8;                       // fp16 row padding
+constexpr int kFloatPad = 4;                      // fp32 row padding
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// Shared-memory layout for head_dim d (a multiple of 16).
+struct Layout {
+  int ldh;      // fp16 row stride of Q, K, V: d + kHalfPad
+  int lds;      // fp32 row stride of S: kTileK + kFloatPad
+  int ldp;      // fp16 row stride of P: kTileK + kHalfPad
+  int ldo;      // fp32 row stride of O: d + kFloatPad
+  size_t q, k, v, s, p, o, m, l, bytes;  // byte offsets, total
+};
+
+__host__ __device__ inline Layout MakeLayout(int d) {
+  Layout L;
+  L.ldh = d + kHalfPad;
+  L.lds = kTileK + kFloatPad;
+  L.ldp = kTileK + kHalfPad;
+  L.ldo = d + kFloatPad;
+  // Every region starts 32-byte aligned (WMMA loads need 256-bit alignment
+  // of each fragment's first element; the strides keep the rest aligned).
+  auto align = [](size_t b) { return (b + 31) / 32 * 32; };
+  size_t at = 0;
+  L.q = at;
+  at = align(at + sizeof(__half) * kTileQ * L.ldh);
+  L.k = at;
+  at = align(at + sizeof(__half) * kTileK * L.ldh);
+  L.v = at;
+  at = align(at + sizeof(__half) * kTileK * L.ldh);
+  L.s = at;
+  at = align(at + sizeof(float) * kTileQ * L.lds);
+  L.p = at;
+  at = align(at + sizeof(__half) * kTileQ * L.ldp);
+  L.o = at;
+  at = align(at + sizeof(float) * kTileQ * L.ldo);
+  L.m = at;
+  at = align(at + sizeof(float) * kTileQ);
+  L.l = at;
+  at = align(at + sizeof(float) * kTileQ);
+  L.bytes = at;
+  return L;
+}
+
+__device__ float WarpMax(float v) {
+  for (int off = 16; off > 0; off >>= 1)
+    v = fmaxf(v, __shfl_xor_sync(kFullMask, v, off));
+  return v;
+}
+
+__device__ float WarpSum(float v) {
+  for (int off = 16; off > 0; off >>= 1)
+    v += __shfl_xor_sync(kFullMask, v, off);
+  return v;
+}
+
+// rows [count, d] of fp32 global memory (consecutive rows `stride` floats
+// apart) into fp16 shared memory rows of ldh; rows past `count` are zero.
+__device__ void LoadRowsAsHalf(const float* src, long stride, int count,
+                               int rows, int d, __half* dst, int ldh) {
+  const int per_row = d / 4;  // float4 per row (d is a multiple of 16)
+  for (int e = threadIdx.x; e < rows * per_row; e += kThreads) {
+    const int r = e / per_row, c = (e % per_row) * 4;
+    float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (r < count) {
+      x = *reinterpret_cast<const float4*>(src + r * stride + c);
+    }
+    __half2* out = reinterpret_cast<__half2*>(dst + r * ldh + c);
+    out[0] = __floats2half2_rn(x.x, x.y);
+    out[1] = __floats2half2_rn(x.z, x.w);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads)
+    FlashAttentionKernel(AttentionKernelParams p) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int d = p.head_dim;
+  const Layout L = MakeLayout(d);
+  __half* qs = reinterpret_cast<__half*>(smem + L.q);
+  __half* ks = reinterpret_cast<__half*>(smem + L.k);
+  __half* vs = reinterpret_cast<__half*>(smem + L.v);
+  float* ss = reinterpret_cast<float*>(smem + L.s);
+  __half* ps = reinterpret_cast<__half*>(smem + L.p);
+  float* os = reinterpret_cast<float*>(smem + L.o);
+  float* ms = reinterpret_cast<float*>(smem + L.m);
+  float* ls = reinterpret_cast<float*>(smem + L.l);
+
+  const int q0 = blockIdx.x * kTileQ;
+  const int h = blockIdx.y;
+  const int g = h / (p.n_heads / p.n_kv_heads);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int q_count = min(kTileQ, p.n - q0);
+  const long q_stride = static_cast<long>(p.n_heads) * d;
+  const float* kg = p.k + static_cast<long>(g) * p.kv_stride * d;
+  const float* vg = p.v + static_cast<long>(g) * p.kv_stride * d;
+
+  LoadRowsAsHalf(p.q + q0 * q_stride + static_cast<long>(h) * d, q_stride,
+                 q_count, kTileQ, d, qs, L.ldh);
+  for (int e = threadIdx.x; e < kTileQ * L.ldo; e += kThreads) os[e] = 0.0f;
+  for (int r = threadIdx.x; r < kTileQ; r += kThreads) {
+    ms[r] = -CUDART_INF_F;
+    ls[r] = 0.0f;
+  }
+  __syncthreads();
+
+  // Query i sees rows [0, kv_len0 + i); the block's last query sees the
+  // most, the warp's last query the most of the warp's.
+  const int block_rows = p.kv_len0 + q0 + q_count - 1;
+  const int warp_first = q0 + warp * kRowsPerWarp;
+  const int warp_rows =
+      warp_first < p.n
+          ? p.kv_len0 + min(warp_first + kRowsPerWarp, p.n) - 1
+          : 0;
+  const int row0 = warp * kRowsPerWarp;  // the warp's first row in the tile
+  float* s_w = ss + row0 * L.lds;
+  __half* p_w = ps + row0 * L.ldp;
+  float* o_w = os + row0 * L.ldo;
+  const int d_frags = d / kFrag;
+
+  for (int t0 = 0; t0 < block_rows; t0 += kTileK) {
+    const int t_count = min(kTileK, block_rows - t0);
+    LoadRowsAsHalf(kg + static_cast<long>(t0) * d, d, t_count, kTileK, d, ks,
+                   L.ldh);
+    LoadRowsAsHalf(vg + static_cast<long>(t0) * d, d, t_count, kTileK, d, vs,
+                   L.ldh);
+    __syncthreads();
+    if (t0 < warp_rows) {
+      // 1. S[16, kTileK] = Q_w[16, d] . K^T.
+      for (int j = 0; j < kTileK / kFrag; ++j) {
+        wmma::fragment<wmma::accumulator, kFrag, kFrag, kFrag, float> acc;
+        wmma::fill_fragment(acc, 0.0f);
+        for (int kk = 0; kk < d_frags; ++kk) {
+          wmma::fragment<wmma::matrix_a, kFrag, kFrag, kFrag, __half,
+                         wmma::row_major>
+              a;
+          wmma::fragment<wmma::matrix_b, kFrag, kFrag, kFrag, __half,
+                         wmma::col_major>
+              b;
+          wmma::load_matrix_sync(a, qs + row0 * L.ldh + kk * kFrag, L.ldh);
+          wmma::load_matrix_sync(b, ks + j * kFrag * L.ldh + kk * kFrag,
+                                 L.ldh);
+          wmma::mma_sync(acc, a, b, acc);
+        }
+        wmma::store_matrix_sync(s_w + j * kFrag, acc, L.lds,
+                                wmma::mem_row_major);
+      }
+      __syncwarp();
+      // 2. The online softmax, one row at a time, lanes over its columns.
+      for (int r = 0; r < kRowsPerWarp; ++r) {
+        const int i = warp_first + r;  // the query
+        const int visible = i < p.n ? p.kv_len0 + i : 0;
+        float s[kTileK / 32];
+        float row_max = -CUDART_INF_F;
+#pragma unroll
+        for (int u = 0; u < kTileK / 32; ++u) {
+          const int c = lane + 32 * u;
+          s[u] = t0 + c < visible ? s_w[r * L.lds + c] * p.scale
+                                  : -CUDART_INF_F;
+          row_max = fmaxf(row_max, s[u]);
+        }
+        row_max = WarpMax(row_max);
+        const float m_old = ms[row0 + r];
+        const float m_new = fmaxf(m_old, row_max);
+        float sum = 0.0f;
+#pragma unroll
+        for (int u = 0; u < kTileK / 32; ++u) {
+          const float e =
+              s[u] == -CUDART_INF_F ? 0.0f : __expf(s[u] - m_new);
+          sum += e;
+          p_w[r * L.ldp + lane + 32 * u] = __float2half_rn(e);
+        }
+        sum = WarpSum(sum);
+        const float alpha =
+            m_old == -CUDART_INF_F ? 0.0f : __expf(m_old - m_new);
+        for (int c = lane; c < d; c += 32) o_w[r * L.ldo + c] *= alpha;
+        __syncwarp();
+        if (lane == 0) {
+          ms[row0 + r] = m_new;
+          ls[row0 + r] = ls[row0 + r] * alpha + sum;
+        }
+      }
+      __syncwarp();
+      // 3. O_w[16, d] += P_w[16, kTileK] . V[kTileK, d].
+      for (int j = 0; j < d_frags; ++j) {
+        wmma::fragment<wmma::accumulator, kFrag, kFrag, kFrag, float> acc;
+        wmma::load_matrix_sync(acc, o_w + j * kFrag, L.ldo,
+                               wmma::mem_row_major);
+        for (int kk = 0; kk < kTileK / kFrag; ++kk) {
+          wmma::fragment<wmma::matrix_a, kFrag, kFrag, kFrag, __half,
+                         wmma::row_major>
+              a;
+          wmma::fragment<wmma::matrix_b, kFrag, kFrag, kFrag, __half,
+                         wmma::row_major>
+              b;
+          wmma::load_matrix_sync(a, p_w + kk * kFrag, L.ldp);
+          wmma::load_matrix_sync(b, vs + kk * kFrag * L.ldh + j * kFrag,
+                                 L.ldh);
+          wmma::mma_sync(acc, a, b, acc);
+        }
+        wmma::store_matrix_sync(o_w + j * kFrag, acc, L.ldo,
+                                wmma::mem_row_major);
+      }
+    }
+    __syncthreads();  // K and V are overwritten by the next tile
+  }
+
+  // Normalise and write this block's rows.
+  const int per_row = d / 4;
+  for (int e = threadIdx.x; e < q_count * per_row; e += kThreads) {
+    const int r = e / per_row, c = (e % per_row) * 4;
+    const float l = ls[r];
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    const float* o = os + r * L.ldo + c;
+    *reinterpret_cast<float4*>(p.out + (q0 + r) * q_stride +
+                               static_cast<long>(h) * d + c) =
+        make_float4(o[0] * inv, o[1] * inv, o[2] * inv, o[3] * inv);
+  }
+}
+
+}  // namespace
+
+bool FlashAttentionSupports(const AttentionKernelParams& p) {
+  // float4 loads and stores: every row starts 16-byte aligned.
+  const auto aligned = [](const void* q) {
+    return reinterpret_cast<uintptr_t>(q) % 16 == 0;
+  };
+  return p.prob_sums == nullptr && p.head_dim > 0 && p.head_dim % 16 == 0 &&
+         p.head_dim <= kMaxFlashHeadDim && aligned(p.q) && aligned(p.k) &&
+         aligned(p.v) && aligned(p.out);
+}
+
+size_t FlashAttentionSharedBytes(int head_dim) {
+  return MakeLayout(head_dim).bytes;
+}
+
+int LaunchFlashAttention(const AttentionKernelParams& p, void* stream) {
+  const int invalid = static_cast<int>(cudaErrorInvalidValue);
+  if (!p.q || !p.k || !p.v || !p.out || !FlashAttentionSupports(p)) {
+    return invalid;
+  }
+  if (p.n <= 0 || p.n_heads <= 0 || p.n_kv_heads <= 0 ||
+      p.n_heads % p.n_kv_heads != 0 || p.kv_len0 <= 0 ||
+      static_cast<long>(p.kv_stride) < static_cast<long>(p.kv_len0) + p.n - 1 ||
+      p.n_heads > 65535) {
+    return invalid;
+  }
+  const size_t bytes = FlashAttentionSharedBytes(p.head_dim);
+  // Above 48 KiB a kernel must opt in; setting it again is cheap.
+  cudaError_t err = cudaFuncSetAttribute(
+      FlashAttentionKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+      static_cast<int>(bytes));
+  if (err != cudaSuccess) return static_cast<int>(err);
+  const dim3 grid((p.n + kTileQ - 1) / kTileQ, p.n_heads);
+  FlashAttentionKernel<<<grid, kThreads, bytes,
+                         static_cast<cudaStream_t>(stream)>>>(p);
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace infinigen::gpu_worker::cuda
