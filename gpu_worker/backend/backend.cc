@@ -34,6 +34,13 @@ void PolicyOps::QuantizePartialKeys(const float* keys, int n_rows,
   speculator::QuantizePartialKeys(keys, n_rows, n_cols, rows);
 }
 
+void Backend::CopyRows(float* dst, long dst_stride, const float* src,
+                       long src_stride, int rows, long width) {
+  for (int r = 0; r < rows; ++r) {
+    Copy(dst + r * dst_stride, src + r * src_stride, width);
+  }
+}
+
 void Backend::CopyFromHost(void* dst, const void* src, size_t bytes,
                            Mark after) {
   std::memcpy(dst, src, bytes);

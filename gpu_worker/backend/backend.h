@@ -161,6 +161,12 @@ class Backend : public PolicyOps {
   virtual void Add(float* x, const float* y, long count) = 0;
   // dst[i] = src[i] (the ranges do not overlap).
   virtual void Copy(float* dst, const float* src, long count) = 0;
+  // `rows` rows of `width` floats: row r from src + r * src_stride to
+  // dst + r * dst_stride (strides >= width; the ranges do not overlap), as
+  // one operation: K and V rows between a chunk's [token][head] layout and
+  // a cache's [head][position] one. Default: one Copy per row.
+  virtual void CopyRows(float* dst, long dst_stride, const float* src,
+                        long src_stride, int rows, long width);
   // --- Host memory to the backend, beside the operations.
   // A point in the order of the operations issued so far (0: none).
   using Mark = uint64_t;
@@ -244,6 +250,10 @@ class BackendWrapper : public Backend {
   }
   void Copy(float* dst, const float* src, long count) override {
     target_->Copy(dst, src, count);
+  }
+  void CopyRows(float* dst, long dst_stride, const float* src,
+                long src_stride, int rows, long width) override {
+    target_->CopyRows(dst, dst_stride, src, src_stride, rows, width);
   }
   void DecodeKvRows(const uint16_t* in, int n_rows, int head_dim,
                     KvRowFormat format, float* rows) override {

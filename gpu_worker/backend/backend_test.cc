@@ -173,6 +173,32 @@ TEST(CpuBackend, CopiesFromHostAtOnce) {
 
 // A wrapper forwards every call: its results are the wrapped backend's,
 // and an override changes only what it overrides.
+// A chunk's K rows [token][head][dim] into a cache's [head][position][dim]:
+// each row lands at its stride, and nothing between rows is touched.
+TEST(CpuBackend, CopiesStridedRows) {
+  auto cpu = NewCpuBackend();
+  const int tokens = 5, heads = 3, dim = 4;
+  std::vector<float> chunk(tokens * heads * dim);
+  for (size_t i = 0; i < chunk.size(); ++i) chunk[i] = static_cast<float>(i);
+  const int max_seq = 8;
+  std::vector<float> cache(heads * max_seq * dim, -1.0f);
+  for (int g = 0; g < heads; ++g) {
+    cpu->CopyRows(cache.data() + (g * max_seq + 2) * dim, dim,
+                  chunk.data() + g * dim, heads * dim, tokens, dim);
+  }
+  for (int g = 0; g < heads; ++g) {
+    for (int p = 0; p < max_seq; ++p) {
+      for (int d = 0; d < dim; ++d) {
+        const float got = cache[(g * max_seq + p) * dim + d];
+        const int t = p - 2;
+        const float want =
+            t >= 0 && t < tokens ? chunk[(t * heads + g) * dim + d] : -1.0f;
+        ASSERT_EQ(got, want) << g << " " << p << " " << d;
+      }
+    }
+  }
+}
+
 TEST(BackendWrapper, ForwardsEveryCallButTheOverridden) {
   class CountingLinear final : public BackendWrapper {
    public:

@@ -83,7 +83,16 @@ class LocalKvCache final : public KvCache {
   absl::Status PrefillAttention(int layer, int pos, int rows, const float* q,
                                 const float* k, const float* v,
                                 float* out) override {
-    for (int i = 0; i < rows; ++i) Store(slot_, layer, pos + i, k, v, i);
+    // Each KV head's rows of the chunk, [token][head] to [head][position].
+    const int hd = config_.head_dim, kvd = config_.kv_dim();
+    for (int g = 0; g < config_.n_kv_heads; ++g) {
+      const size_t dst =
+          (static_cast<size_t>(g) * options_.max_seq_len + pos) * hd;
+      backend_.CopyRows(Keys(slot_, layer) + dst, hd, k + g * hd, kvd, rows,
+                        hd);
+      backend_.CopyRows(Values(slot_, layer) + dst, hd, v + g * hd, kvd, rows,
+                        hd);
+    }
     QueueAttention(backend_, config_, q, Keys(slot_, layer),
                    Values(slot_, layer), options_.max_seq_len, rows, pos + 1,
                    out, nullptr);
@@ -162,16 +171,18 @@ class LocalKvCache final : public KvCache {
     return v_[slot].data() + static_cast<size_t>(layer) * layer_size_;
   }
   // Row `row` of k and v [rows, n_kv_heads, head_dim] -> position pos.
+  // Row `row` of k and v ([row][kv_head][head_dim]) as position `pos` of
+  // every KV head: one copy each, heads max_seq_len rows apart.
   void Store(int slot, int layer, int pos, const float* k, const float* v,
              int row) {
     const int hd = config_.head_dim, kvd = config_.kv_dim();
-    for (int g = 0; g < config_.n_kv_heads; ++g) {
-      const size_t dst =
-          (static_cast<size_t>(g) * options_.max_seq_len + pos) * hd;
-      const size_t src = static_cast<size_t>(row) * kvd + g * hd;
-      backend_.Copy(Keys(slot, layer) + dst, k + src, hd);
-      backend_.Copy(Values(slot, layer) + dst, v + src, hd);
-    }
+    const size_t dst = static_cast<size_t>(pos) * hd;
+    const size_t src = static_cast<size_t>(row) * kvd;
+    const long head_stride = static_cast<long>(options_.max_seq_len) * hd;
+    backend_.CopyRows(Keys(slot, layer) + dst, head_stride, k + src, hd,
+                      config_.n_kv_heads, hd);
+    backend_.CopyRows(Values(slot, layer) + dst, head_stride, v + src, hd,
+                      config_.n_kv_heads, hd);
   }
 
   const model::ModelConfig& config_;

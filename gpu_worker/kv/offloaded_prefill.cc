@@ -96,13 +96,10 @@ absl::Status OffloadedKvCache::PrefillAttention(int layer, int pos, int rows,
     v_att = v_dec;
   }
   // The layer's keys and values so far, for its attention.
-  for (int i = 0; i < rows; ++i) {
-    for (int g = 0; g < c_.n_kv_heads; ++g) {
-      const size_t dst = (static_cast<size_t>(g) * stride_ + pos + i) * hd;
-      const size_t src = static_cast<size_t>(i) * kvd + g * hd;
-      backend_.Copy(k_rows_.data() + dst, k_att + src, hd);
-      backend_.Copy(v_rows_.data() + dst, v_att + src, hd);
-    }
+  for (int g = 0; g < c_.n_kv_heads; ++g) {
+    const size_t dst = (static_cast<size_t>(g) * stride_ + pos) * hd;
+    backend_.CopyRows(k_rows_.data() + dst, hd, k_att + g * hd, kvd, rows, hd);
+    backend_.CopyRows(v_rows_.data() + dst, hd, v_att + g * hd, kvd, rows, hd);
   }
   float* probs = nullptr;
   const size_t prob_values = static_cast<size_t>(c_.n_heads) * (pos + rows);

@@ -600,6 +600,27 @@ class CudaBackend final : public Backend {
               kOp);
   }
 
+  void CopyRows(float* dst, long dst_stride, const float* src,
+                long src_stride, int rows, long width) override {
+    constexpr const char* kOp = "CopyRows";
+    if (!Begin() || rows == 0 || width == 0) return;
+    if (rows < 0 || width < 0 || dst_stride < width || src_stride < width) {
+      return FailShape(kOp, absl::StrFormat(
+                                "rows=%d width=%d dst_stride=%d src_stride=%d",
+                                rows, width, dst_stride, src_stride));
+    }
+    // Every row lies in the span from the first row's start to the last
+    // row's end.
+    float* d = Out(dst, (rows - 1L) * dst_stride + width, kOp, "dst");
+    const float* s = In(src, (rows - 1L) * src_stride + width, kOp, "src");
+    if (!ok()) return;
+    CheckCuda(cudaMemcpy2DAsync(d, dst_stride * sizeof(float), s,
+                                src_stride * sizeof(float),
+                                width * sizeof(float), rows,
+                                cudaMemcpyDefault, stream_),
+              kOp);
+  }
+
  private:
   bool ok() const { return error_.ok(); }
 

@@ -319,6 +319,33 @@ TEST_F(CudaBackendTest, HalfPrecisionPrefillAttentionMatchesCpu) {
   }
 }
 
+// One strided copy moves what a Copy per row moves (the local cache's
+// prefill and decode store K and V rows this way); a stride below the
+// width is an invalid shape.
+TEST_F(CudaBackendTest, CopyRowsMatchesACopyPerRow) {
+  const int rows = 37, width = 128, src_stride = 4096, dst_stride = 160;
+  const std::vector<float> host = Normal(rows * src_stride, rng_);
+  SharedVector<float> src = Shared(gpu_.get(), host);
+  SharedVector<float> dst(rows * dst_stride, -7.0f,
+                          SharedAllocator<float>(gpu_.get()));
+  gpu_->CopyRows(dst.data(), dst_stride, src.data() + 16, src_stride, rows,
+                 width);
+  ASSERT_TRUE(gpu_->Synchronize().ok()) << gpu_->Synchronize();
+  for (int r = 0; r < rows; ++r) {
+    for (int j = 0; j < dst_stride; ++j) {
+      const float want =
+          j < width ? host[r * src_stride + 16 + j] : -7.0f;
+      ASSERT_EQ(dst[r * dst_stride + j], want) << r << " " << j;
+    }
+  }
+  auto fresh = NewGpu(false);
+  SharedVector<float> a(256, 0.0f, SharedAllocator<float>(fresh.get()));
+  fresh->CopyRows(a.data(), 4, a.data() + 128, 8, 2, 16);  // stride < width
+  const absl::Status status = fresh->Synchronize();
+  EXPECT_TRUE(absl::IsInvalidArgument(status)) << status;
+  EXPECT_TRUE(Contains(status, "CopyRows")) << status;
+}
+
 TEST_F(CudaBackendTest, EmptyOperationsAreNoOps) {
   SharedVector<float> x(8, 1.0f, SharedAllocator<float>(gpu_.get()));
   gpu_->Linear(x.data(), 0, 8, x.data(), nullptr, 1, x.data());
