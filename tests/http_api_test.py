@@ -298,6 +298,13 @@ class Stories260K(unittest.TestCase):
                 ({"prompt": "x", "temperature": -1}, "temperature"),
                 ({"prompt": "x", "top_p": 0}, "top_p"),
                 ({"prompt": "x", "n": 2}, "n"),
+                ({"prompt": "x", "logprobs": 1}, "logprobs"),
+                ({"prompt": "x", "echo": True}, "echo"),
+                ({"prompt": "x", "frequency_penalty": 0.5},
+                 "frequency_penalty"),
+                ({"prompt": "x", "presence_penalty": -1}, "presence_penalty"),
+                ({"prompt": "x", "best_of": 3}, "best_of"),
+                ({"prompt": "x", "logit_bias": {"5": 10}}, "logit_bias"),
                 ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
                 ({"prompt": "x", "stream": "yes"}, "stream"),
                 ({}, "prompt"),
@@ -312,6 +319,27 @@ class Stories260K(unittest.TestCase):
         code, body = post(self.server.base + "/v1/chat/completions",
                           {"messages": []})
         self.assert_error(code, body, 400, ["messages"])
+        hello = [{"role": "user", "content": "hi"}]
+        for bad, param in [({"logprobs": True}, "logprobs"),
+                           ({"top_logprobs": 3}, "top_logprobs"),
+                           ({"tools": [{"type": "function"}]}, "tools"),
+                           ({"response_format": {"type": "json_object"}},
+                            "response_format")]:
+            code, body = post(self.server.base + "/v1/chat/completions",
+                              {"messages": hello, "max_tokens": 2, **bad})
+            self.assert_error(code, body, 400, ["not supported", param])
+            self.assertEqual(body["error"]["param"], param, bad)
+        # Their "off" values are what every client sends by default.
+        for off in [{"logprobs": False, "top_logprobs": 0},
+                    {"frequency_penalty": 0, "presence_penalty": 0.0,
+                     "logit_bias": {}, "tools": [], "tool_choice": "none"}]:
+            code, body = post(self.server.base + "/v1/chat/completions",
+                              {"messages": hello, "max_tokens": 2, **off})
+            self.assertEqual(code, 200, (off, body))
+        code, body = post(url, {"prompt": "x", "max_tokens": 2,
+                                "logprobs": None, "echo": False,
+                                "best_of": 1, "suffix": ""})
+        self.assertEqual(code, 200, body)
         with self.assertRaises(openai.BadRequestError):
             self.client.completions.create(model="stories260K", prompt="x",
                                            max_tokens=5, n=3)

@@ -93,6 +93,44 @@ std::optional<ApiError> GetBool(const json& body, const char* name,
   return std::nullopt;
 }
 
+// OpenAI fields this server does not implement: absent, null or their
+// "off" value (false, 0, empty) are accepted; anything else is a 400 that
+// names the field, so that no client believes it got what it asked for.
+constexpr const char* kUnsupported[] = {
+    "logprobs",          "top_logprobs",     "echo",
+    "frequency_penalty", "presence_penalty", "logit_bias",
+    "best_of",           "suffix",           "tools",
+    "tool_choice",       "functions",        "function_call",
+    "response_format"};
+
+bool IsOff(const json& v) {
+  if (v.is_null()) return true;
+  if (v.is_boolean()) return !v.get<bool>();
+  if (v.is_number()) return v.get<double>() == 0;
+  if (v.is_string()) return v.get<std::string>().empty();
+  if (v.is_array() || v.is_object()) return v.empty();
+  return false;
+}
+
+std::optional<ApiError> RejectUnsupported(const json& body) {
+  for (const char* name : kUnsupported) {
+    auto it = body.find(name);
+    if (it == body.end() || IsOff(*it)) continue;
+    // best_of: 1 is the default (one candidate).
+    if (std::string(name) == "best_of" && it->is_number_integer() &&
+        it->get<int64_t>() == 1) {
+      continue;
+    }
+    if (std::string(name) == "tool_choice" && it->is_string() &&
+        it->get<std::string>() == "none") {
+      continue;
+    }
+    return BadParam(name, absl::StrCat("'", name,
+                                       "' is not supported by this server"));
+  }
+  return std::nullopt;
+}
+
 // One request's parsing against the server's context.
 class RequestParser {
  public:
@@ -114,6 +152,7 @@ class RequestParser {
     int64_t n = 1;
     if (auto e = GetInt(body, "n", &n)) return e;
     if (n != 1) return BadParam("n", "only n=1 is supported");
+    if (auto e = RejectUnsupported(body)) return e;
 
     if (auto e = chat ? ParseChatPrompt(body, p)
                       : ParseCompletionPrompt(body, p)) {
