@@ -94,7 +94,7 @@ COPY --from=build /out/models/ /opt/infinigen/models/
 # keeps the base image's /usr/local/nvidia paths (driver libraries).
 ENV LD_LIBRARY_PATH=/opt/infinigen/lib:${LD_LIBRARY_PATH}
 USER 10001:10001
-EXPOSE 8080 9090
+EXPOSE 8000 8080 9090
 STOPSIGNAL SIGTERM
 # Docker-only health check: the worker has no health subcommand or ready
 # file and the image carries no gRPC client, so this only checks that the

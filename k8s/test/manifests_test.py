@@ -368,6 +368,21 @@ def listen_port(c, ctx):
         return None
 
 
+def http_port(c, ctx):
+    """The worker's --http_listen port (the OpenAI API), or None (not a
+    flag of the binary, not set, not HOST:PORT, or 0)."""
+    defaults = ctx.flags[c.binary]
+    if "http_listen" not in defaults:
+        return None
+    listen = c.flag("http_listen", defaults)
+    if ":" not in listen:
+        return None
+    try:
+        return int(listen.rsplit(":", 1)[1]) or None
+    except ValueError:
+        return None
+
+
 def metrics_port(c, ctx):
     """The --metrics_listen port, or None (not set, not HOST:PORT, or 0)."""
     listen = c.flag("metrics_listen", ctx.flags[c.binary])
@@ -485,6 +500,15 @@ def check_ports_and_probes(m, ctx):
                               "set it (or -1 for none)" % c.where())
             elif fetch and fetch > 0:
                 wanted[fetch] = "--fetch_port"
+        http = c.flag("http_listen", defaults) if "http_listen" in defaults \
+            else ""
+        hport = http_port(c, ctx)
+        if http:
+            if not hport:
+                errors.append("%s: --http_listen=%s is not a fixed TCP port: "
+                              "nothing to probe or to reach" % (c.where(), http))
+            else:
+                wanted[hport] = "--http_listen"
         metrics = c.flag("metrics_listen", defaults)
         if metrics:
             mport = metrics_port(c, ctx)
@@ -510,6 +534,34 @@ def check_ports_and_probes(m, ctx):
             if spec is None:
                 continue
             grpc = spec.get("grpc")
+            get = spec.get("httpGet")
+            if get is not None and c.binary == WORKER and \
+                    probe == "readinessProbe":
+                # The OpenAI API's /health: 503 while the memory node is
+                # down, like gRPC's server-wide status.
+                names = {n: p for p, n in declared.items()}
+                target = names.get(get.get("port"), get.get("port"))
+                scheme = (get.get("scheme") or "HTTP").upper()
+                if not hport:
+                    errors.append("%s: readinessProbe is an HTTP probe but "
+                                  "the worker has no --http_listen"
+                                  % c.where())
+                elif target != hport:
+                    errors.append("%s: readinessProbe checks HTTP port %r, "
+                                  "--http_listen is %d"
+                                  % (c.where(), get.get("port"), hport))
+                elif get.get("path") != "/health":
+                    errors.append("%s: readinessProbe reads %r; the API's "
+                                  "health is /health (503 while the memory "
+                                  "node is down)" % (c.where(), get.get("path")))
+                elif tls and scheme != "HTTPS":
+                    errors.append("%s: readinessProbe speaks HTTP to an API "
+                                  "that serves HTTPS under --tls_cert"
+                                  % c.where())
+                elif not tls and scheme != "HTTP":
+                    errors.append("%s: readinessProbe speaks %s to a "
+                                  "plaintext API" % (c.where(), scheme))
+                continue
             if tls:
                 # The kubelet's gRPC probes do not speak TLS: each would
                 # fail its handshake and restart the pod forever.
@@ -607,6 +659,22 @@ def check_services(m, ctx):
             if not covered:
                 errors.append("%s/%s: no PodDisruptionBudget covers the memory "
                               "server" % (w.kind, w.name))
+    for c in m.containers(WORKER):
+        hport = http_port(c, ctx)
+        if not hport:
+            continue
+        exposed = False
+        for svc in m.services:
+            spec = svc.get("spec") or {}
+            if c.workload not in m.selected(spec.get("selector") or {}):
+                continue
+            for port in spec.get("ports") or []:
+                target = port.get("targetPort", port.get("port"))
+                if hport in _target_ports(c.workload, target):
+                    exposed = True
+        if not exposed:
+            errors.append("%s: no Service exposes the OpenAI API's port %d "
+                          "(--http_listen)" % (c.where(), hport))
     errors += _check_network_policies(m, ctx)
     return errors
 
@@ -656,6 +724,10 @@ def _check_network_policies(m, ctx):
         if port and not _allows(m, c.workload, None, port):
             errors.append("%s: NetworkPolicy lets no client reach the worker's "
                           "port %d" % (c.where(), port))
+        hport = http_port(c, ctx)
+        if hport and not _allows(m, c.workload, None, hport):
+            errors.append("%s: NetworkPolicy lets no client reach the OpenAI "
+                          "API's port %d" % (c.where(), hport))
         server = _resolve_server(m, c, ctx)[0]
         if server is None or server.workload is c.workload:
             continue
@@ -1009,6 +1081,24 @@ def check_auth(m, ctx):
     return errors
 
 
+def check_api_key(m, ctx):
+    """A worker serving the OpenAI API (--http_listen) reads its key
+    (--api_key_file) from a Secret volume that is not optional: without a
+    key, anyone who reaches the port generates."""
+    errors = []
+    for c in m.containers(WORKER):
+        if "api_key_file" not in ctx.flags[WORKER]:
+            continue
+        hport = http_port(c, ctx)
+        path, name, key, errs = _token_source(c, "api_key_file", ctx)
+        errors += errs
+        if hport and not path:
+            errors.append("%s: the OpenAI API on port %d has no "
+                          "--api_key_file: it answers anyone who reaches it"
+                          % (c.where(), hport))
+    return errors
+
+
 def _documented_secrets():
     """Secret names k8s/README.md tells the user to create."""
     with open(README) as f:
@@ -1281,7 +1371,8 @@ def check_metrics(m, ctx):
 
 ALL_CHECKS = (check_structure, check_flags, check_resources,
               check_ports_and_probes, check_services, check_kv_service,
-              check_single_node, check_auth, check_secrets, check_tls,
+              check_single_node, check_auth, check_api_key, check_secrets,
+              check_tls,
               check_grace, check_images,
               check_worker_paths, check_sizes, check_metrics)
 
@@ -1540,10 +1631,73 @@ class BrokenManifestsTest(unittest.TestCase):
 
     def test_worker_readiness_ignores_the_memory_node(self):
         def fn(docs):
-            pod_containers(docs, "Deployment")[0]["readinessProbe"]["grpc"][
-                "service"] = WORKER_LIVENESS_SERVICE
+            pod_containers(docs, "Deployment")[0]["readinessProbe"] = {
+                "grpc": {"port": 8080, "service": WORKER_LIVENESS_SERVICE}}
         self.assertReports(check_ports_and_probes, mutate(self.DG, fn),
                            "readinessProbe reads service")
+
+    def test_readiness_on_another_http_path(self):
+        def fn(docs):
+            pod_containers(docs, "Deployment")[0]["readinessProbe"][
+                "httpGet"]["path"] = "/v1/models"
+        self.assertReports(check_ports_and_probes, mutate(self.DG, fn),
+                           "the API's health is /health")
+
+    def test_readiness_on_another_http_port(self):
+        def fn(docs):
+            pod_containers(docs, "Deployment")[0]["readinessProbe"][
+                "httpGet"]["port"] = 8080
+        self.assertReports(check_ports_and_probes, mutate(self.DG, fn),
+                           "readinessProbe checks HTTP port 8080")
+
+    def test_http_port_not_declared(self):
+        def fn(docs):
+            c = pod_containers(docs, "Deployment")[0]
+            c["ports"] = [p for p in c["ports"] if p["name"] != "http"]
+        m = mutate(self.DG, fn)
+        self.assertReports(check_ports_and_probes, m,
+                           "--http_listen port 8000 is not a containerPort")
+
+    def test_service_without_the_api_port(self):
+        def fn(docs):
+            svc = find(docs, "Service", "infinigen-worker")
+            svc["spec"]["ports"] = [p for p in svc["spec"]["ports"]
+                                    if p["name"] != "http"]
+        self.assertReports(check_services, mutate(self.DG, fn),
+                           "no Service exposes the OpenAI API's port 8000")
+
+    def test_network_policy_blocks_the_api(self):
+        def fn(docs):
+            pol = find(docs, "NetworkPolicy", "infinigen-worker")
+            for rule in pol["spec"]["ingress"]:
+                rule["ports"] = [p for p in rule["ports"] if p["port"] != 8000]
+        self.assertReports(check_services, mutate(self.DG, fn),
+                           "lets no client reach the OpenAI API's port 8000")
+
+    def test_api_without_a_key(self):
+        def fn(docs):
+            args = pod_containers(docs, "Deployment")[0]["args"]
+            args.remove("--api_key_file=$(WORKER_API_KEY_FILE)")
+        self.assertReports(check_api_key, mutate(self.DG, fn),
+                           "has no --api_key_file")
+
+    def test_api_key_optional(self):
+        def fn(docs):
+            for v in find(docs, "Deployment")["spec"]["template"]["spec"][
+                    "volumes"]:
+                if v["name"] == "api-key":
+                    v["secret"]["optional"] = True
+        self.assertReports(check_api_key, mutate(self.DG, fn),
+                           "Secret volume api-key is optional")
+
+    def test_api_key_on_a_non_secret_volume(self):
+        def fn(docs):
+            args = pod_containers(docs, "Deployment")[0]["args"]
+            i = args.index("--api_key_file=$(WORKER_API_KEY_FILE)")
+            args[i] = "--api_key_file=/tmp/key"
+        self.assertReports(check_api_key, mutate(self.DG, fn),
+                           "--api_key_file=/tmp/key is on volume tmp, which is "
+                           "not a Secret")
 
     def test_listen_port_not_declared(self):
         def fn(docs):
