@@ -4,6 +4,7 @@
 and SmolLM2-135M-Instruct (when $INFINIGEN_ROOT/models_cache has it).
 
 Usage: http_api_test.py INFINIGEN STORIES260K.bin TOK512.bin KV_MEMORY_SERVER
+                        [GRAFANA_DASHBOARD.json]
 """
 import concurrent.futures
 import json
@@ -24,6 +25,7 @@ import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 BIN, MODEL, TOK, KV_SERVER = sys.argv[1:5]
+DASHBOARD = sys.argv[5] if len(sys.argv) > 5 else None
 SMOLLM2 = os.path.join(os.environ.get("INFINIGEN_ROOT", ""), "models_cache",
                        "smollm2-135m", "SmolLM2-135M-Instruct.Q4_1.gguf")
 # A request that runs to max_tokens=500 (about 0.2 s on one core): this seed
@@ -523,6 +525,72 @@ class Metrics(unittest.TestCase):
         finally:
             server.stop()
 
+
+    @unittest.skipUnless(DASHBOARD, "no dashboard given")
+    def test_the_dashboard_reads_only_series_the_servers_export(self):
+        """Every series k8s/grafana/infinigen.json queries is on the
+        worker's or the memory node's /metrics after one request, with the
+        labels its `by (...)` groups by."""
+        import re
+        with open(DASHBOARD) as f:
+            dash = json.load(f)
+        exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets",
+                                                                   [])]
+        self.assertGreater(len(exprs), 20)
+        for p in dash["panels"]:
+            if p["type"] != "row":
+                self.assertEqual(p["datasource"]["uid"], "${datasource}",
+                                 p["title"])
+        d = tempfile.mkdtemp(prefix="http_api_dash_")
+        ready = os.path.join(d, "ready")
+        nport, wport, fport = free_port(), free_port(), free_port()
+        node = subprocess.Popen(
+            [KV_SERVER, "--listen=127.0.0.1:0", f"--ready_file={ready}",
+             f"--metrics_listen=127.0.0.1:{nport}", f"--fetch_port={fport}",
+             "--capacity_bytes=100000000"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        server = None
+        try:
+            deadline = time.time() + 30
+            while not (os.path.exists(ready) and read(ready).strip()):
+                self.assertIsNone(node.poll(), "kv_memory_server exited")
+                self.assertLess(time.time(), deadline)
+                time.sleep(0.025)
+            server = Server("--policy=full",
+                            f"--kv_service={read(ready).strip()}",
+                            f"--metrics_listen=127.0.0.1:{wport}")
+            code, body = post(server.base + "/v1/completions",
+                              {"prompt": "Once upon a time", "max_tokens": 8})
+            self.assertEqual(code, 200, body)
+            # A refused handshake, for the refused-requests series.
+            with socket.create_connection(("127.0.0.1", fport),
+                                          timeout=10) as sock:
+                sock.sendall(b"\0" * 256)
+                sock.recv(4096)
+            samples = {}
+            for port in (wport, nport):
+                for (name, labels), _ in scrape(
+                        f"http://127.0.0.1:{port}/metrics").items():
+                    samples.setdefault(name, set()).update(
+                        k for k, _ in labels)
+            for expr in exprs:
+                names = re.findall(r"\b(infinigen_[a-z_]+)", expr)
+                self.assertTrue(names, expr)
+                grouped = set()
+                for g in re.findall(r"by \(([^)]*)\)", expr):
+                    grouped |= {x.strip() for x in g.split(",")} - {"le"}
+                for name in names:
+                    self.assertIn(name, samples,
+                                  f"{name} (in {expr}) is on neither /metrics")
+                    self.assertLessEqual(grouped, samples[name],
+                                         f"{expr}: {name} has labels "
+                                         f"{samples[name]}")
+        finally:
+            if server is not None:
+                server.stop()
+            node.send_signal(signal.SIGTERM)
+            node.wait(timeout=30)
+            shutil.rmtree(d, ignore_errors=True)
 
     def test_memory_node_series_move_after_a_request(self):
         d = tempfile.mkdtemp(prefix="http_api_kv_")
