@@ -254,8 +254,10 @@ def main():
     if a.sweep:
         sweep(a, common, skew)
         return
+    # The alpha rule with its cap (--target_fetch=0: not the binary's
+    # default fetch target).
     inf = [f"--alpha={a.alpha}", f"--partial_ratio={a.partial_ratio}",
-           f"--budget={a.budget}", f"--skew={skew}"]
+           f"--budget={a.budget}", f"--skew={skew}", "--target_fetch=0"]
     configs = [
         ("ideal", ["--policy=ideal"]),
         ("full", ["--policy=full"]),

@@ -114,8 +114,8 @@ def main():
     ap.add_argument("--fetch", default="0.1",
                     help="comma-separated target fetched fractions")
     ap.add_argument("--skew", default="",
-                    help="infinigen's skew file (default: calibrate on each "
-                    "prompt)")
+                    help="infinigen's skew file (default: the binary's own "
+                    "calibration, on the text it carries)")
     ap.add_argument("--partial_ratio", default="auto",
                     help="infinigen --partial_ratio (auto: the binary's)")
     ap.add_argument("--page_tokens", type=int, default=16)

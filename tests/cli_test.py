@@ -6,6 +6,7 @@ Usage: cli_test.py INFINIGEN STORIES260K.bin TOK512.bin TEXT KV_MEMORY_SERVER
 """
 import json
 import os
+import shutil
 import signal
 import socket
 import struct
@@ -137,11 +138,46 @@ class Cli(unittest.TestCase):
                 self.assert_one_line_failure(
                     r, 1, [f"127.0.0.1:{port}", "Address already in use"])
 
-    def test_a_prompt_too_short_to_calibrate_on_says_what_to_do(self):
-        r = run("generate", f"--model={MODEL}", f"--tokenizer={TOK}",
-                "--prompt=Once", "--policy=infinigen", "--backend=cpu")
-        self.assert_one_line_failure(
-            r, 2, ["too few to calibrate", "infinigen skew", "--skew="])
+    def test_infinigen_needs_no_skew_and_calibrates_once_per_model(self):
+        """--policy=infinigen alone, on a one-word prompt: calibrated on
+        the text the binary carries, kept in --skew_cache_dir and read from
+        there the next time, with the same continuation."""
+        d = tempfile.mkdtemp(prefix="cli_skew_cache_")
+        try:
+            args = ["generate", f"--model={MODEL}", f"--tokenizer={TOK}",
+                    "--prompt=Once", "--policy=infinigen", "--backend=cpu",
+                    "--max_new_tokens=12", "--temperature=0",
+                    f"--skew_cache_dir={d}"]
+            first = run(*args)
+            self.assertEqual(first.returncode, 0, first.stderr)
+            self.assertIn("calibrating InfiniGen on", first.stderr)
+            self.assertIn("--target_fetch=0.1", first.stderr)
+            kept = [f for f in os.listdir(d) if f.endswith(".skew")]
+            self.assertEqual(len(kept), 1, os.listdir(d))
+            again = run(*args)
+            self.assertEqual(again.returncode, 0, again.stderr)
+            self.assertIn("calibration from " + os.path.join(d, kept[0]),
+                          again.stderr)
+            self.assertEqual(again.stdout, first.stdout)
+            self.assertTrue(first.stdout.startswith("Once"), first.stdout)
+            # Other speculation settings are another calibration.
+            run(*args, "--partial_ratio=0.5")
+            self.assertEqual(
+                len([f for f in os.listdir(d) if f.endswith(".skew")]), 2)
+            # Too little calibration text says what to do.
+            r = run(*args, "--calibration_tokens=4")
+            self.assert_one_line_failure(
+                r, 2, ["too few to calibrate", "--calibration_tokens",
+                       "--skew="])
+            # A cache directory that cannot be written: calibrated anyway.
+            blocked = os.path.join(d, "file")
+            open(blocked, "w").close()
+            r = run(*args[:-1], f"--skew_cache_dir={blocked}/sub")
+            self.assertEqual(r.returncode, 0, r.stderr)
+            self.assertIn("could not keep the calibration", r.stderr)
+            self.assertEqual(r.stdout, first.stdout)
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
 
     def assert_one_line_failure(self, r, code, words):
         self.assertEqual(r.returncode, code, r.stderr)
@@ -312,10 +348,13 @@ class Cli(unittest.TestCase):
             r = run("skew", f"--model={MODEL}", f"--tokenizer={TOK}",
                     f"--text={TEXT}", "--out=/dev/null", f"{flag}={value}")
             self.assert_one_line_failure(r, 2, [flag, value])
-        # auto: the paper's speculation with layers 0 and 1 whole, or
-        # under --target_fetch all columns from after the attention and no
-        # dense layer; 4-bit partial keys either way.
-        want = {(): (0.3, "layer_input", 4, 2),
+        # auto: under a fetch target (infinigen's default, 0.1) all columns
+        # from after the attention and no dense layer, else the paper's
+        # speculation with layers 0 and 1 whole; 4-bit partial keys either
+        # way.
+        want = {(): (1.0, "post_attention", 4, 0),
+                ("--target_fetch=0",): (0.3, "layer_input", 4, 2),
+                ("--budget=0.3",): (0.3, "layer_input", 4, 2),
                 ("--target_fetch=0.7",): (1.0, "post_attention", 4, 0),
                 ("--target_fetch=0.7", "--partial_ratio=0.5",
                  "--speculate_from=layer_input", "--partial_key_bits=32"):
@@ -379,7 +418,12 @@ class Cli(unittest.TestCase):
         r = run("bench-decode", *common, "--policy=ideal", limit)
         self.assert_one_line_failure(
             r, 1, ["policy ideal needs", "--max_worker_kv_bytes"])
-        r = run("bench-decode", *common, "--policy=full,infinigen", limit)
+        # infinigen with the paper's partial keys (30% of the columns):
+        # under the default fetch target it keeps every column's 4-bit
+        # partial key, which on this 8-dimension model is about ideal's
+        # size.
+        r = run("bench-decode", *common, "--policy=full,infinigen", limit,
+                "--target_fetch=0")
         self.assertEqual(r.returncode, 0, r.stderr)
         served = [json.loads(l) for l in r.stdout.splitlines()
                   if l.startswith("{")]

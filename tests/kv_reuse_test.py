@@ -124,7 +124,8 @@ class KvReuse(unittest.TestCase):
     def test_reuse_never_changes_the_text_of_any_policy(self):
         kv = self.node.address("tcp")
         for policy, extra in [("full", ()), ("quest", ()), ("oracle", ()),
-                              ("infinigen", ()),  # skew from the prompt
+                              # skew calibrated on the carried text
+                              ("infinigen", ()),
                               ("infinigen", ("--target_fetch=0.5",)),
                               ("int4", ()), ("h2o", ())]:
             with self.subTest(policy=policy, extra=extra):

@@ -123,8 +123,7 @@ int BenchPolicy(const std::string& policy, const model::LoadedModel& m,
                 const std::vector<int>& source,
                 const kv_memory_service::KvClientOptions& kv_options, int ctx,
                 int batch, int steps, std::vector<DecodeBenchResult>& results) {
-  auto setup = SetUpPolicy(policy, m.weights, source, kv_options,
-                           /*serving=*/true);
+  auto setup = SetUpPolicy(policy, m, kv_options, /*serving=*/true);
   if (!setup.ok()) return SetupFailure(setup.status());
   setup->options.max_seq_len = ctx + steps;
   setup->options.batch = batch;

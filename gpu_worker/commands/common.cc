@@ -137,6 +137,7 @@ std::vector<const char*> WithEngineFlags(std::vector<const char*> own) {
         "speculate_from", "dense_layers", "partial_rank", "budget",
         "sink_tokens", "recent_tokens", "score_mass", "head_budgets",
         "budget_floor", "page_tokens", "target_fetch", "skew",
+        "skew_cache_dir",
         "kv_service", "kv_auth_token_file", "kv_tls_ca", "kv_tls_cert",
         "kv_tls_key", "kv_tls_server_name", "kv_capacity", "kv_direct_reads",
         "eviction",

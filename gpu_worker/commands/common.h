@@ -124,16 +124,19 @@ struct PolicySetup {
   gpu_worker::EngineOptions options;
 };
 
-// `policy` (a --policy name) with the policy and memory-node flags.
-// Failures are usage errors (bad flags or files) unless the memory node
-// fails (SetupFailure). `calibration`: the input InfiniGen calibrates its
-// skew on when there is no --skew. `kv_options`: KvClientOptionsFromFlags.
-// `serving`: the commands that take the reuse and recovery flags
-// (generate, serve, bench-decode); scoring runs neither.
+// `policy` (a --policy name) with the policy and memory-node flags, for
+// model `m` (whose tokenizer reads the calibration text InfiniGen's skew
+// is calibrated on when there is no --skew). Failures are usage errors (bad
+// flags or files) unless the memory node fails (SetupFailure).
+// `kv_options`: KvClientOptionsFromFlags. `serving`: the commands that take
+// the reuse and recovery flags (generate, serve, bench-decode); scoring
+// runs neither.
 absl::StatusOr<PolicySetup> SetUpPolicy(
-    const std::string& policy, const model::Weights& weights,
-    absl::Span<const int> calibration,
+    const std::string& policy, const model::LoadedModel& m,
     const kv_memory_service::KvClientOptions& kv_options, bool serving);
+
+// The fetch fraction --target_fetch=auto gives infinigen.
+inline constexpr double kInfinigenTargetFetch = 0.1;
 
 // The commands, each defined in its own file.
 const Command& GenerateCommand();

@@ -103,8 +103,8 @@ int GenerateEngine(const model::LoadedModel& m, const std::vector<int>& tokens,
                    int max_new,
                    const kv_memory_service::KvClientOptions& kv_options,
                    PolicySetup& setup, std::unique_ptr<Engine>& engine) {
-  auto s = SetUpPolicy(absl::GetFlag(FLAGS_policy), m.weights, tokens,
-                       kv_options, /*serving=*/true);
+  auto s = SetUpPolicy(absl::GetFlag(FLAGS_policy), m, kv_options,
+                       /*serving=*/true);
   if (!s.ok()) return SetupFailure(s.status());
   WarnIgnoredPolicyFlags({absl::GetFlag(FLAGS_policy)});
   setup = *std::move(s);

@@ -114,8 +114,8 @@ int RunPerplexity() {
                     "--policy needs --prompt_tokens (the dense prefix before "
                     "decoding through the policy)"));
   }
-  auto setup = SetUpPolicy(policy, run->model.weights, run->tokens,
-                           *kv_options, /*serving=*/false);
+  auto setup = SetUpPolicy(policy, run->model, *kv_options,
+                           /*serving=*/false);
   if (!setup.ok()) return SetupFailure(setup.status());
   WarnIgnoredPolicyFlags({policy});
   setup->options.max_seq_len = o.ctx;

@@ -3,9 +3,17 @@
 // engine options and skew they give, and the memory node a policy needs
 // (SetUpPolicy, declared in common.h).
 #include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
+
+#include <unistd.h>
+#include <xxhash.h>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/reflection.h"
@@ -16,11 +24,13 @@
 #include "common/log.h"
 #include "common/status.h"
 #include "gpu_worker/commands/common.h"
+#include "gpu_worker/eval/bench_decode.h"
 #include "gpu_worker/eval/calibrate.h"
 #include "gpu_worker/kv/kv_policy.h"
 #include "gpu_worker/kv/model_identity.h"
 #include "gpu_worker/kv/policies/registry.h"
 #include "kv_memory_service/kv_store.h"
+#include "models/calibration/calibration_text.h"
 
 ABSL_FLAG(double, alpha, 5.0,
           "infinigen: fetch tokens whose speculated score is within alpha of "
@@ -78,12 +88,14 @@ ABSL_FLAG(std::string, head_budgets, "auto",
 ABSL_FLAG(double, budget_floor, 0.25,
           "adaptive head budgets: the least share of a head, as a fraction "
           "of --budget.");
-ABSL_FLAG(double, target_fetch, 0.0,
+ABSL_FLAG(std::string, target_fetch, "auto",
           "infinigen, oracle, quest, h2o: in (0, 1], set --budget (and for "
           "the first three --alpha=1e9 and --score_mass=0) so that the mean "
           "fraction of cached KV rows fetched per decode step lands at this "
           "value, counting layers 0 and 1, which read every row; "
-          "--sink_tokens and --recent_tokens come on top; 0: off.");
+          "--sink_tokens and --recent_tokens come on top; 0: off; auto: 0.1 "
+          "for infinigen (its best measured setting) unless --alpha, "
+          "--budget or --score_mass is given, else off.");
 ABSL_FLAG(bool, same_layer_input, false,
           "infinigen, diagnostic: speculate each layer's selection from its "
           "own attention input instead of the previous layer's (no "
@@ -93,10 +105,18 @@ ABSL_FLAG(std::string, partial_rank, "q",
           "infinigen: rank partial columns by the prompt's summed |q| (q, "
           "the reference) or by |q| times |k| (qk).");
 ABSL_FLAG(std::string, skew, "",
-          "infinigen: skew file from 'infinigen skew'; empty: calibrate on "
-          "the first tokens of the input.");
+          "infinigen: skew file from 'infinigen skew'; empty: calibrated on "
+          "the calibration text the binary carries (a chapter of "
+          "Moby-Dick; synthetic tokens for a model without a tokenizer), "
+          "once per model and speculation settings, and kept in "
+          "--skew_cache_dir.");
 ABSL_FLAG(int, calibration_tokens, 1024,
           "skew (and infinigen without --skew): tokens of calibration text.");
+ABSL_FLAG(std::string, skew_cache_dir, "auto",
+          "infinigen without --skew: where calibrated skews are kept, one "
+          "file per model (a hash of its weights) and speculation settings; "
+          "auto: $XDG_CACHE_HOME/infinigen, else $HOME/.cache/infinigen; "
+          "none: calibrate at every start.");
 
 // Defined in common.cc with the memory-node and recovery flags.
 ABSL_DECLARE_FLAG(int64_t, max_worker_kv_bytes);
@@ -152,6 +172,29 @@ absl::StatusOr<gpu_worker::SpeculationOptions> SpeculationFromFlags(
 
 namespace {
 
+// The fetch fraction --target_fetch asks of `policy` (0: none): its value,
+// or under auto 0.1 for infinigen unless the user chose its selection rule
+// (--alpha, --budget, --score_mass). InvalidArgument for a value that is
+// neither auto nor a number.
+absl::StatusOr<double> TargetFetchFromFlags(const std::string& policy) {
+  const std::string flag = absl::GetFlag(FLAGS_target_fetch);
+  if (flag != "auto") {
+    double target = 0;
+    if (!absl::SimpleAtod(flag, &target)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "--target_fetch must be auto or a fraction in (0, 1] (0: off), "
+          "got '%s'", flag));
+    }
+    return target;
+  }
+  if (policy != "infinigen") return 0.0;
+  for (const char* rule : {"alpha", "budget", "score_mass"}) {
+    const absl::CommandLineFlag* f = absl::FindCommandLineFlag(rule);
+    if (f != nullptr && f->CurrentValue() != f->DefaultValue()) return 0.0;
+  }
+  return kInfinigenTargetFetch;
+}
+
 // The engine options of `policy` from the policy flags (--alpha, --budget,
 // --target_fetch, ...), the pool and the recovery flags: InvalidArgument
 // naming the flag that is out of range.
@@ -183,9 +226,9 @@ absl::StatusOr<EngineOptions> EngineOptionsFromFlags(const std::string& policy,
   const bool speculates =
       !local && gpu_worker::PolicyEntryOf(p.kind).traits.speculates;
   p.alpha = static_cast<float>(absl::GetFlag(FLAGS_alpha));
+  IG_ASSIGN_OR_RETURN(const double target, TargetFetchFromFlags(policy));
   // The --target_fetch defaults of infinigen (auto flags).
-  const bool tuned = speculates &&
-                     absl::GetFlag(FLAGS_target_fetch) != 0;
+  const bool tuned = speculates && target != 0;
   IG_ASSIGN_OR_RETURN(const gpu_worker::SpeculationOptions speculation,
                       SpeculationFromFlags(tuned));
   p.partial_ratio = static_cast<float>(speculation.partial_ratio);
@@ -224,7 +267,7 @@ absl::StatusOr<EngineOptions> EngineOptionsFromFlags(const std::string& policy,
         absl::StrFormat("--max_worker_kv_bytes must be >= 0, got %d",
                         options.kv.max_worker_bytes));
   }
-  if (const double target = absl::GetFlag(FLAGS_target_fetch); target != 0) {
+  if (target != 0) {
     if (local) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "--target_fetch: %s fetches nothing (the whole cache is local); "
@@ -247,17 +290,46 @@ absl::StatusOr<EngineOptions> EngineOptionsFromFlags(const std::string& policy,
   }
   p.adaptive_budgets =
       budgets == "adaptive" ||
-      (budgets == "auto" && speculates &&
-       absl::GetFlag(FLAGS_target_fetch) != 0);
+      (budgets == "auto" && speculates && target != 0);
   if (!local) options.kv.policy = p;
   return options;
 }
 
-// InfiniGen's skew: --skew's file (checked against the model), else
-// calibrated on the first --calibration_tokens of `calibration`.
+// The directory --skew_cache_dir names ("" for none).
+std::string SkewCacheDir() {
+  const std::string flag = absl::GetFlag(FLAGS_skew_cache_dir);
+  if (flag == "none") return "";
+  if (flag != "auto") return flag;
+  if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg && *xdg) {
+    return absl::StrCat(xdg, "/infinigen");
+  }
+  if (const char* home = std::getenv("HOME"); home && *home) {
+    return absl::StrCat(home, "/.cache/infinigen");
+  }
+  return "";
+}
+
+// The first --calibration_tokens tokens of the calibration text the binary
+// carries, in the model's tokenizer; synthetic ids (as bench-decode's) for
+// a model without one.
+std::vector<int> CalibrationTokens(const model::LoadedModel& m) {
+  const int n = std::max(0, std::min(absl::GetFlag(FLAGS_calibration_tokens),
+                                     m.weights.config.max_seq_len));
+  if (m.tokenizer == nullptr) {
+    return gpu_worker::DecodeBenchSource({}, n, m.weights.config.vocab_size);
+  }
+  std::vector<int> tokens =
+      m.tokenizer->Encode(model::kCalibrationText, /*add_bos=*/true);
+  if (static_cast<int>(tokens.size()) > n) tokens.resize(n);
+  return tokens;
+}
+
+// InfiniGen's skew: --skew's file (checked against the model), else the
+// calibration on the carried text, read from --skew_cache_dir when it was
+// made before for this model and these settings, and kept there when not.
 absl::StatusOr<std::unique_ptr<speculator::SkewMatrices>> SkewFromFlags(
-    const model::Weights& weights, absl::Span<const int> calibration,
-    const gpu_worker::PolicyOptions& options) {
+    const model::LoadedModel& m, const gpu_worker::PolicyOptions& options) {
+  const model::Weights& weights = m.weights;
   const model::ModelConfig& c = weights.config;
   const std::string path = absl::GetFlag(FLAGS_skew);
   if (!path.empty()) {
@@ -265,27 +337,68 @@ absl::StatusOr<std::unique_ptr<speculator::SkewMatrices>> SkewFromFlags(
     IG_RETURN_IF_ERROR(skew.CheckShape(c.n_layers, c.n_kv_heads, c.head_dim));
     return std::make_unique<speculator::SkewMatrices>(std::move(skew));
   }
-  const int n = std::min<int>(calibration.size(),
-                              absl::GetFlag(FLAGS_calibration_tokens));
+  const std::vector<int> tokens = CalibrationTokens(m);
+  const int n = static_cast<int>(tokens.size());
   if (n < c.head_dim) {
-    // Too short an input to calibrate on: say what to do instead.
     return absl::InvalidArgumentError(absl::StrFormat(
-        "no --skew, and the input's %d tokens are too few to calibrate "
-        "InfiniGen's skew on (it needs at least head_dim = %d): make a skew "
-        "file once with 'infinigen skew --model=... --text=FILE "
-        "--out=model.skew' and pass --skew=model.skew",
+        "no --skew, and %d calibration tokens are too few to calibrate "
+        "InfiniGen's skew on (it needs at least head_dim = %d): raise "
+        "--calibration_tokens, or make a skew file once with 'infinigen "
+        "skew --model=... --text=FILE --out=model.skew' and pass "
+        "--skew=model.skew",
         n, c.head_dim));
   }
-  IG_LOG(INFO) << "no --skew: calibrating on the first " << n
-               << " tokens of the input";
+  const gpu_worker::SpeculationOptions speculation = {
+      options.partial_ratio, options.SpeculatesAfterAttention(),
+      options.exact_partial_keys, options.dense_layers};
+  // One file per model, calibration and speculation settings.
+  const std::string dir = SkewCacheDir();
+  std::string cached;
+  if (!dir.empty()) {
+    const std::string key = absl::StrFormat(
+        "%s|tokens=%s|partial=%.6f|post=%d|exact=%d|dense=%d",
+        gpu_worker::ModelIdentity(weights, nullptr),
+        absl::StrJoin(tokens, ","), speculation.partial_ratio,
+        speculation.post_attention, speculation.exact_keys,
+        speculation.dense_layers);
+    const XXH128_hash_t h = XXH3_128bits(key.data(), key.size());
+    cached = absl::StrFormat("%s/skew-%016x%016x.skew", dir, h.high64,
+                             h.low64);
+    absl::StatusOr<speculator::SkewMatrices> loaded =
+        speculator::SkewMatrices::Load(cached);
+    if (loaded.ok() &&
+        loaded->CheckShape(c.n_layers, c.n_kv_heads, c.head_dim).ok()) {
+      IG_LOG(INFO) << "no --skew: InfiniGen's calibration from " << cached;
+      return std::make_unique<speculator::SkewMatrices>(*std::move(loaded));
+    }
+  }
+  IG_LOG(INFO) << "no --skew: calibrating InfiniGen on " << n << " tokens of "
+               << (m.tokenizer != nullptr ? "the carried calibration text"
+                                          : "synthetic ids (no tokenizer)")
+               << (cached.empty() ? "" : ", kept in " + cached);
   IG_ASSIGN_OR_RETURN(auto backend,
                       gpu_worker::NewBackend(absl::GetFlag(FLAGS_backend)));
-  IG_ASSIGN_OR_RETURN(
-      auto skew, gpu_worker::CalibrateSkew(
-                     weights, calibration.subspan(0, n),
-                     {options.partial_ratio, options.SpeculatesAfterAttention(),
-                      options.exact_partial_keys, options.dense_layers},
-                     std::move(backend)));
+  IG_ASSIGN_OR_RETURN(auto skew,
+                      gpu_worker::CalibrateSkew(weights, tokens, speculation,
+                                                std::move(backend)));
+  if (!cached.empty()) {
+    // Written aside and renamed: processes starting together never read a
+    // half-written file.
+    std::error_code error;
+    std::filesystem::create_directories(dir, error);
+    const std::string tmp =
+        absl::StrFormat("%s.%d.tmp", cached, static_cast<int>(getpid()));
+    absl::Status saved = skew.Save(tmp);
+    if (saved.ok() && std::rename(tmp.c_str(), cached.c_str()) != 0) {
+      saved = absl::InternalError(std::strerror(errno));
+    }
+    if (!saved.ok()) {
+      std::remove(tmp.c_str());
+      IG_LOG(WARNING) << "no --skew: could not keep the calibration in "
+                      << dir << " (" << saved.message()
+                      << "); it is made again at the next start";
+    }
+  }
   return std::make_unique<speculator::SkewMatrices>(std::move(skew));
 }
 
@@ -329,9 +442,9 @@ void WarnIgnoredPolicyFlags(absl::Span<const std::string> policies) {
 }
 
 absl::StatusOr<PolicySetup> SetUpPolicy(
-    const std::string& policy, const model::Weights& weights,
-    absl::Span<const int> calibration,
+    const std::string& policy, const model::LoadedModel& m,
     const kv_memory_service::KvClientOptions& kv_options, bool serving) {
+  const model::Weights& weights = m.weights;
   PolicySetup s;
   IG_ASSIGN_OR_RETURN(s.options, EngineOptionsFromFlags(
                                      policy, weights.config.n_layers, serving));
@@ -339,7 +452,7 @@ absl::StatusOr<PolicySetup> SetUpPolicy(
   gpu_worker::PolicyOptions& p = *s.options.kv.policy;
   const bool speculates = gpu_worker::PolicyEntryOf(p.kind).traits.speculates;
   if (speculates || p.adaptive_budgets) {
-    IG_ASSIGN_OR_RETURN(s.skew, SkewFromFlags(weights, calibration, p));
+    IG_ASSIGN_OR_RETURN(s.skew, SkewFromFlags(m, p));
     if (speculates) p.skew = s.skew.get();
   }
   if (p.adaptive_budgets && s.skew->profile.empty()) {

@@ -137,14 +137,6 @@ absl::Status CheckServeFlags() {
   gpu_worker::KvOptions chosen;
   IG_RETURN_IF_ERROR(
       gpu_worker::ChoosePolicy(absl::GetFlag(FLAGS_policy), chosen));
-  if (chosen.policy &&
-      gpu_worker::PolicyEntryOf(chosen.policy->kind).traits.speculates &&
-      absl::GetFlag(FLAGS_skew).empty()) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "serve --policy=%s needs --skew (from 'infinigen skew'): there is no "
-        "input to calibrate on",
-        chosen.policy_name()));
-  }
   return absl::OkStatus();
 }
 
@@ -189,7 +181,7 @@ int StartScheduler(const model::LoadedModel& m,
                    std::shared_ptr<gpu_worker::WorkerMetrics> metrics,
                    PolicySetup& setup,
                    std::unique_ptr<gpu_worker::GenerationScheduler>& out) {
-  auto s = SetUpPolicy(absl::GetFlag(FLAGS_policy), m.weights, {}, kv_options,
+  auto s = SetUpPolicy(absl::GetFlag(FLAGS_policy), m, kv_options,
                        /*serving=*/true);
   if (!s.ok()) return SetupFailure(s.status());
   WarnIgnoredPolicyFlags({absl::GetFlag(FLAGS_policy)});
@@ -361,7 +353,7 @@ const Command& ServeCommand() {
                         "metrics_listen", "max_batch", "max_queue",
                         "max_prefills_per_step", "kv_down_wait",
                         "http_max_connections",
-                        "drain_timeout",
+                        "drain_timeout", "calibration_tokens",
                         "max_seq_len"}),
       RunServe};
   return *command;
