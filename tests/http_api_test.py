@@ -544,18 +544,11 @@ class Metrics(unittest.TestCase):
         d = tempfile.mkdtemp(prefix="http_api_dash_")
         ready = os.path.join(d, "ready")
         nport, wport, fport = free_port(), free_port(), free_port()
-        node = subprocess.Popen(
-            [KV_SERVER, "--listen=127.0.0.1:0", f"--ready_file={ready}",
-             f"--metrics_listen=127.0.0.1:{nport}", f"--fetch_port={fport}",
-             "--capacity_bytes=100000000"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        node = start_kv_node(0, ready, f"--metrics_listen=127.0.0.1:{nport}",
+                             f"--fetch_port={fport}",
+                             "--capacity_bytes=100000000")
         server = None
         try:
-            deadline = time.time() + 30
-            while not (os.path.exists(ready) and read(ready).strip()):
-                self.assertIsNone(node.poll(), "kv_memory_server exited")
-                self.assertLess(time.time(), deadline)
-                time.sleep(0.025)
             server = Server("--policy=full",
                             f"--kv_service={read(ready).strip()}",
                             f"--metrics_listen=127.0.0.1:{wport}")
