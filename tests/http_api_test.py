@@ -526,6 +526,36 @@ class Metrics(unittest.TestCase):
             server.stop()
 
 
+    def test_serve_logs_its_throughput_while_busy_and_each_request(self):
+        server = Server("--policy=full", "--log_interval=100ms",
+                        "--log_requests")
+        try:
+            code, body = post(server.base + "/v1/completions", LONG)
+            self.assertEqual(code, 200, body)
+            code, body = post(server.base + "/v1/completions",
+                              {"prompt": "Once upon a time", "max_tokens": 4})
+            self.assertEqual(code, 200, body)
+            time.sleep(0.3)  # a period after the last request
+        finally:
+            log = server.stop()
+        busy = [l for l in log.splitlines()
+                if "infinigen serve: generation" in l]
+        self.assertTrue(busy, log)
+        self.assertRegex(busy[-1], r"generation [0-9.]+ tokens/s, prompt "
+                         r"[0-9.]+ tokens/s, \d+ running, \d+ waiting, "
+                         r"\d+ finished, KV [0-9.]+ KiB fetched per token")
+        self.assertTrue(any(float(l.split("generation ")[1].split(" ")[0]) > 0
+                            for l in busy), busy)
+        done = [l for l in log.splitlines() if "request done:" in l]
+        self.assertEqual(len(done), 2, log)
+        self.assertIn("prompt 5 tokens", done[1])
+        self.assertIn("4 generated", done[1])
+        self.assertIn("ms per token", done[1])
+        # Idle: no line once the requests are done.
+        quiet = Server("--policy=full", "--log_interval=100ms")
+        time.sleep(0.5)
+        self.assertNotIn("infinigen serve: generation", quiet.stop())
+
     @unittest.skipUnless(DASHBOARD, "no dashboard given")
     def test_the_dashboard_reads_only_series_the_servers_export(self):
         """Every series k8s/grafana/infinigen.json queries is on the

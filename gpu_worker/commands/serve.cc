@@ -22,6 +22,7 @@
 #include "gpu_worker/serving/generation_scheduler.h"
 #include "gpu_worker/serving/generation_service.h"
 #include "gpu_worker/serving/http_api.h"
+#include "gpu_worker/serving/serve_log.h"
 #include "gpu_worker/kv/policies/registry.h"
 #include "gpu_worker/kv/kv_policy.h"
 #include "gpu_worker/serving/worker_metrics.h"
@@ -29,6 +30,13 @@
 ABSL_FLAG(std::string, listen, "",
           "serve: HOST:PORT to listen on (port 0 picks a free one), or "
           "unix:PATH.");
+ABSL_FLAG(absl::Duration, log_interval, absl::Seconds(10),
+          "serve: while busy, log generation and prompt tokens per second, "
+          "running and waiting requests and the KV fetched per token this "
+          "often; 0: never.");
+ABSL_FLAG(bool, log_requests, false,
+          "serve: log one line per finished request (prompt and generated "
+          "tokens, time to first token, time per token, rows fetched).");
 ABSL_FLAG(std::string, http_listen, "",
           "serve: HOST:PORT for the OpenAI-compatible HTTP API "
           "(/v1/completions, /v1/chat/completions, /v1/models, /health) "
@@ -131,6 +139,9 @@ absl::Status CheckServeFlags() {
   if (absl::GetFlag(FLAGS_http_max_connections) < 2) {
     return absl::InvalidArgumentError("--http_max_connections must be >= 2");
   }
+  if (absl::GetFlag(FLAGS_log_interval) < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--log_interval must not be negative");
+  }
   if (absl::GetFlag(FLAGS_kv_down_wait) < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--kv_down_wait must not be negative");
   }
@@ -179,6 +190,7 @@ absl::StatusOr<gpu_worker::HttpApiOptions> HttpOptionsFromFlags(
 int StartScheduler(const model::LoadedModel& m,
                    const kv_memory_service::KvClientOptions& kv_options,
                    std::shared_ptr<gpu_worker::WorkerMetrics> metrics,
+                   std::shared_ptr<gpu_worker::ServeLog> serve_log,
                    PolicySetup& setup,
                    std::unique_ptr<gpu_worker::GenerationScheduler>& out) {
   auto s = SetUpPolicy(absl::GetFlag(FLAGS_policy), m, kv_options,
@@ -193,8 +205,10 @@ int StartScheduler(const model::LoadedModel& m,
   gpu_worker::GenerationSchedulerOptions options;
   options.max_queue = absl::GetFlag(FLAGS_max_queue);
   options.max_prefills_per_step = absl::GetFlag(FLAGS_max_prefills_per_step);
-  options.on_sequence_done = [metrics](const gpu_worker::SequenceRecord& r) {
+  options.on_sequence_done = [metrics, serve_log](
+                                 const gpu_worker::SequenceRecord& r) {
     metrics->OnSequenceDone(r);
+    serve_log->OnSequenceDone(r);
   };
   options.kv_down_wait = absl::GetFlag(FLAGS_kv_down_wait);
   if (const kv_memory_service::KvClient* kv = setup.client.get();
@@ -293,9 +307,12 @@ int RunServe() {
   auto m = LoadFromFlags(/*need_tokenizer=*/true);
   if (!m.ok()) return LoadFailure(m.status());
   auto metrics = std::make_shared<gpu_worker::WorkerMetrics>();
+  auto serve_log = std::make_shared<gpu_worker::ServeLog>(
+      absl::GetFlag(FLAGS_log_interval), absl::GetFlag(FLAGS_log_requests));
   PolicySetup setup;
   std::unique_ptr<gpu_worker::GenerationScheduler> scheduler;
-  if (int code = StartScheduler(*m, *kv_options, metrics, setup, scheduler);
+  if (int code = StartScheduler(*m, *kv_options, metrics, serve_log, setup,
+                                scheduler);
       code != 0) {
     return code;
   }
@@ -330,7 +347,9 @@ int RunServe() {
     return UsageOrFailure(ok);
   }
   SetGrpcLogStarting(false);  // started: gRPC's errors are news now
+  serve_log->Start(&servers.grpc->scheduler());
   ServeUntilStopped(servers, *metrics);
+  serve_log->Stop();  // before the scheduler it reads goes
   return 0;
 }
 
@@ -354,6 +373,7 @@ const Command& ServeCommand() {
                         "max_prefills_per_step", "kv_down_wait",
                         "http_max_connections",
                         "drain_timeout", "calibration_tokens",
+                        "log_interval", "log_requests",
                         "max_seq_len"}),
       RunServe};
   return *command;

@@ -326,6 +326,8 @@ SchedulerStats GenerationScheduler::stats() const {
   absl::MutexLock lock(&mu_);
   SchedulerStats s = stats_;
   s.queued = static_cast<int>(queue_.size());
+  s.prompt_tokens = prompt_tokens_.load(std::memory_order_relaxed);
+  s.generated_tokens = generated_tokens_.load(std::memory_order_relaxed);
   return s;
 }
 
@@ -449,6 +451,8 @@ void GenerationScheduler::Prefill(Sequence& seq) {
     return;
   }
   seq.cached = engine_->cached_tokens(seq.slot);
+  prompt_tokens_.fetch_add(static_cast<long>(seq.prompt.size()),
+                           std::memory_order_relaxed);
   Advance(seq, *logits);
 }
 
@@ -494,6 +498,7 @@ void GenerationScheduler::Advance(Sequence& seq,
   seq.stream->Push(std::move(event));
   seq.prev = next;
   ++seq.generated;
+  generated_tokens_.fetch_add(1, std::memory_order_relaxed);
   if (seq.generated >= seq.max_new_tokens) {
     Finish(seq, FinishReason::kLength);
   } else if (engine_->position(seq.slot) >= engine_->max_seq_len()) {

@@ -166,6 +166,8 @@ struct SchedulerStats {
   int queued = 0;      // waiting for a slot now
   int active = 0;      // in a slot now
   long kv_recoveries = 0;  // engine calls that recomputed a lost KV
+  long prompt_tokens = 0;     // prompt tokens prefilled (reused ones too)
+  long generated_tokens = 0;  // tokens generated, as they came
 };
 
 // UTF-8 text from a token stream: token pieces may end inside a character
@@ -284,6 +286,9 @@ class GenerationScheduler {
   // When kv_health last turned from OK to failing; InfiniteFuture: OK.
   absl::Time kv_down_since_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
   SchedulerStats stats_ ABSL_GUARDED_BY(mu_);
+  // Counted on the scheduler thread as tokens come, outside mu_.
+  std::atomic<long> prompt_tokens_{0};
+  std::atomic<long> generated_tokens_{0};
 
   absl::Mutex shutdown_mu_;  // one Shutdown at a time; Start vs Shutdown
   std::thread thread_ ABSL_GUARDED_BY(shutdown_mu_);
