@@ -31,6 +31,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "common/flag_check.h"
 #include "common/grpc_log.h"
@@ -39,6 +40,7 @@
 #include "common/log.h"
 #include "common/metrics.h"
 #include "common/server_tls.h"
+#include "kv_memory_service/node_log.h"
 #include "kv_memory_service/server/kv_server.h"
 #include "kv_memory_service/store_metrics.h"
 
@@ -94,6 +96,10 @@ ABSL_FLAG(absl::Duration, fetch_handshake_timeout, absl::Seconds(5),
 ABSL_FLAG(absl::Duration, fetch_idle_timeout, absl::Minutes(10),
           "A fetch connection silent either way this long is closed (the "
           "client reconnects); 0 = never.");
+ABSL_FLAG(absl::Duration, log_interval, absl::Seconds(10),
+          "While serving, log the sequences, sessions and bytes held and the "
+          "fetch and append bandwidth this often (only when something "
+          "changed); 0: never.");
 ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(5),
           "On SIGTERM, how long calls in flight may take to finish.");
 ABSL_FLAG(std::string, shm_listen, "",
@@ -157,6 +163,7 @@ std::string Usage() {
         "fetch_threads",
         "fetch_max_connections", "fetch_max_connections_per_peer",
         "fetch_handshake_timeout", "fetch_idle_timeout", "drain_timeout",
+        "log_interval",
         "shm_listen", "shm_max_client_bytes", "shm_max_total_bytes",
         "rdma_device", "lease_timeout", "tls_cert", "tls_key",
         "tls_client_ca", "allow_insecure",
@@ -258,6 +265,9 @@ int Run() {
   if (options.store.lease_timeout < absl::ZeroDuration()) {
     return UsageError("--lease_timeout must not be negative");
   }
+  if (absl::GetFlag(FLAGS_log_interval) < absl::ZeroDuration()) {
+    return UsageError("--log_interval must not be negative");
+  }
   if (absl::GetFlag(FLAGS_drain_timeout) < absl::ZeroDuration()) {
     return UsageError("--drain_timeout must not be negative");
   }
@@ -347,8 +357,38 @@ int Run() {
     }
   }
 
+  // The periodic line, until the stop signal.
+  absl::Notification stop_logging;
+  std::thread logger;
+  if (const absl::Duration every = absl::GetFlag(FLAGS_log_interval);
+      every > absl::ZeroDuration()) {
+    KvServer* s = server->get();
+    logger = std::thread([s, every, &stop_logging] {
+      StoreStats before = s->store().GetStoreStats();
+      ServedBytes total{s->ServedBytes(RequestOp::kFetch),
+                        s->ServedBytes(RequestOp::kAppend)};
+      absl::Time since = absl::Now();
+      while (!stop_logging.WaitForNotificationWithTimeout(every)) {
+        const StoreStats now = s->store().GetStoreStats();
+        const ServedBytes now_total{s->ServedBytes(RequestOp::kFetch),
+                                    s->ServedBytes(RequestOp::kAppend)};
+        const ServedBytes served{now_total.fetched - total.fetched,
+                                 now_total.appended - total.appended};
+        const absl::Time t = absl::Now();
+        if (NodeWasBusy(now, before, served)) {
+          IG_LOG(INFO) << NodeSummaryLine(now, before, served,
+                                          absl::ToDoubleSeconds(t - since));
+        }
+        before = now;
+        total = now_total;
+        since = t;
+      }
+    });
+  }
   int signal = 0;
   sigwait(&signals, &signal);
+  stop_logging.Notify();
+  if (logger.joinable()) logger.join();
   IG_LOG(INFO) << "kv_memory_server: " << (signal == SIGTERM ? "SIGTERM" : "SIGINT")
                << ", draining for up to "
                << absl::FormatDuration(absl::GetFlag(FLAGS_drain_timeout));

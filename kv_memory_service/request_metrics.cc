@@ -64,6 +64,14 @@ RequestMetrics::RequestMetrics()
   }
 }
 
+double RequestMetrics::ServedBytes(RequestOp op) const {
+  double bytes = 0;
+  for (int p = 0; p < kPlanes; ++p) {
+    bytes += bytes_[p][static_cast<int>(op)]->Value();
+  }
+  return bytes;
+}
+
 void RequestMetrics::Served(Plane plane, RequestOp op, absl::Duration elapsed,
                             int64_t row_bytes) {
   const int p = static_cast<int>(plane);

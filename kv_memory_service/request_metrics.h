@@ -52,6 +52,9 @@ class RequestMetrics {
     }
   }
 
+  // Bytes of K/V rows served by `op` so far, every plane together.
+  double ServedBytes(RequestOp op) const;
+
   // What a /metrics endpoint serves.
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
 

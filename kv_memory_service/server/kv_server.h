@@ -107,6 +107,10 @@ class KvServer {
   std::shared_ptr<prometheus::Collectable> request_metrics() const {
     return request_metrics_->registry();
   }
+  // Bytes of K/V rows every plane served by `op` so far.
+  double ServedBytes(RequestOp op) const {
+    return request_metrics_->ServedBytes(op);
+  }
 
   // Stops accepting calls, marks the health service NOT_SERVING, ends the
   // fetch streams (their clients see UNAVAILABLE), lets unary calls in
