@@ -4,6 +4,7 @@
 // (SetUpPolicy, declared in common.h).
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -380,7 +381,8 @@ absl::StatusOr<std::unique_ptr<speculator::SkewMatrices>> SkewFromFlags(
                       gpu_worker::NewBackend(absl::GetFlag(FLAGS_backend)));
   IG_ASSIGN_OR_RETURN(auto skew,
                       gpu_worker::CalibrateSkew(weights, tokens, speculation,
-                                                std::move(backend)));
+                                                std::move(backend),
+                                                CalibrationProgress()));
   if (!cached.empty()) {
     // Written aside and renamed: processes starting together never read a
     // half-written file.
@@ -403,6 +405,21 @@ absl::StatusOr<std::unique_ptr<speculator::SkewMatrices>> SkewFromFlags(
 }
 
 }  // namespace
+
+std::function<void(int done, int total)> CalibrationProgress() {
+  const auto start = std::chrono::steady_clock::now();
+  auto last = std::make_shared<double>(-1.0);
+  return [start, last](int done, int total) {
+    const double s = std::chrono::duration<double>(
+                         std::chrono::steady_clock::now() - start)
+                         .count();
+    if (done < total && s - *last < 1.0) return;
+    *last = s;
+    std::fprintf(stderr,
+                 "calibrating InfiniGen: %d%% (%.0f s, about %.0f s left)\n",
+                 100 * done / total, s, s / done * (total - done));
+  };
+}
 
 void WarnIgnoredPolicyFlags(absl::Span<const std::string> policies) {
   // Set to something other than its default (this Abseil does not say

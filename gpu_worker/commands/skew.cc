@@ -49,7 +49,7 @@ int RunSkew() {
   if (!backend.ok()) return Fail(kExitUsage, backend.status());
   auto skew = gpu_worker::CalibrateSkew(
       run->model.weights, absl::MakeConstSpan(run->tokens).subspan(0, n),
-      *speculation, *std::move(backend));
+      *speculation, *std::move(backend), CalibrationProgress());
   if (!skew.ok()) return Fail(kExitUsage, skew.status());
   if (absl::Status s = skew->Save(out); !s.ok()) return Fail(kExitFailure, s);
   std::printf("wrote %s: %d layers x %d KV heads, head_dim %d, from %d "

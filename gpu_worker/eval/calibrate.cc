@@ -128,7 +128,8 @@ class SpeculatedRanking {
 
 absl::StatusOr<speculator::SkewMatrices> CalibrateSkew(
     const model::Weights& weights, absl::Span<const int> tokens,
-    const SpeculationOptions& speculation, std::unique_ptr<Backend> backend) {
+    const SpeculationOptions& speculation, std::unique_ptr<Backend> backend,
+    const std::function<void(int done, int total)>& progress) {
   const double partial_ratio = speculation.partial_ratio;
   const bool post_attention = speculation.post_attention;
   const model::ModelConfig& c = weights.config;
@@ -143,9 +144,11 @@ absl::StatusOr<speculator::SkewMatrices> CalibrateSkew(
   // layer [n, dim], and (post_attention) after its attention.
   class Recorder final : public EngineObserver {
    public:
-    Recorder(const model::ModelConfig& c, bool post_attention)
+    Recorder(const model::ModelConfig& c, bool post_attention,
+             std::function<void()> layer_done)
         : c_(c),
           post_attention_(post_attention),
+          layer_done_(std::move(layer_done)),
           lq(c.n_layers),
           lk(c.n_layers),
           lv(c.n_layers),
@@ -153,6 +156,12 @@ absl::StatusOr<speculator::SkewMatrices> CalibrateSkew(
           lx_attended(c.n_layers) {}
     void OnLayer(int layer, const float* qs, const float* ks, const float* vs,
                  const float* xs, int m) override {
+      // The prefill goes layer by layer, each in chunks: a new layer is a
+      // step of the dense pass.
+      if (layer != last_layer_) {
+        last_layer_ = layer;
+        layer_done_();
+      }
       Append(lq[layer], qs, m, c_.q_dim());
       Append(lk[layer], ks, m, c_.kv_dim());
       Append(lv[layer], vs, m, c_.kv_dim());
@@ -171,11 +180,20 @@ absl::StatusOr<speculator::SkewMatrices> CalibrateSkew(
     }
     const model::ModelConfig& c_;
     const bool post_attention_;
+    const std::function<void()> layer_done_;
+    int last_layer_ = -1;
 
    public:
     std::vector<std::vector<float>> lq, lk, lv, lx, lx_attended;
   };
-  Recorder recorder(c, post_attention);
+  // Steps: each layer of the dense pass, then each layer's skews, then
+  // each layer's profile.
+  const int steps = 3 * c.n_layers;
+  int done = 0;
+  auto step = [&] {
+    if (progress) progress(++done, steps);
+  };
+  Recorder recorder(c, post_attention, step);
   const auto& lq = recorder.lq;
   const auto& lk = recorder.lk;
   const auto& lv = recorder.lv;
@@ -218,6 +236,7 @@ absl::StatusOr<speculator::SkewMatrices> CalibrateSkew(
                                                   head_k.data(), n, d));
       std::memcpy(skew.at(l, g), a.data(), a.size() * sizeof(float));
     }
+    step();
   }
   // The head profile: queries from the second half of the text, 64 of
   // them, attending causally over everything before them, ranked exactly
@@ -256,6 +275,7 @@ absl::StatusOr<speculator::SkewMatrices> CalibrateSkew(
       std::copy(profile.at(l, 0), profile.at(l, 0) + c.n_kv_heads * n_f,
                 profile.speculated_at(l, 0));
     }
+    step();
   }
   return skew;
 }

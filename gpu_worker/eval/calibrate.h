@@ -3,6 +3,7 @@
 #ifndef INFINIGEN_GPU_WORKER_EVAL_CALIBRATE_H_
 #define INFINIGEN_GPU_WORKER_EVAL_CALIBRATE_H_
 
+#include <functional>
 #include <memory>
 
 #include "absl/status/statusor.h"
@@ -20,8 +21,10 @@ namespace infinigen::gpu_worker {
 // ranking and with InfiniGen's, speculated one layer ahead as `speculation`
 // says. The dense pass runs on `backend` (the CPU backend when null; a
 // device backend is given back before this returns, so that the engine
-// made next has its memory). InvalidArgument when there are fewer tokens
-// than head_dim or more than the model's context.
+// made next has its memory). `progress`, when given, hears after the dense
+// pass and after each layer's skews and profile how many of the total
+// steps are done. InvalidArgument when there are fewer tokens than head_dim
+// or more than the model's context.
 struct SpeculationOptions {
   double partial_ratio = 0.3;  // of each head's columns
   // From the residual after the previous layer's attention
@@ -38,7 +41,8 @@ struct SpeculationOptions {
 absl::StatusOr<speculator::SkewMatrices> CalibrateSkew(
     const model::Weights& weights, absl::Span<const int> tokens,
     const SpeculationOptions& speculation = {},
-    std::unique_ptr<Backend> backend = nullptr);
+    std::unique_ptr<Backend> backend = nullptr,
+    const std::function<void(int done, int total)>& progress = nullptr);
 
 }  // namespace infinigen::gpu_worker
 
