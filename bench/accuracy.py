@@ -37,6 +37,8 @@ import subprocess
 import sys
 import time
 
+import benchutil
+
 
 def run(binary, args):
     cmd = [binary, "perplexity", "--json"] + args
@@ -190,7 +192,7 @@ def sweep(a, common, skew):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = benchutil.parser(__doc__.split("\n")[0])
     ap.add_argument("--binary", default="bazel-bin/gpu_worker/infinigen")
     ap.add_argument("--model", required=True)
     ap.add_argument("--tokenizer", default="")
@@ -207,7 +209,7 @@ def main():
     ap.add_argument("--calibration_tokens", type=int, default=2048)
     ap.add_argument("--pool", action=argparse.BooleanOptionalAction,
                     default=True, help="also run the 80%% pool experiment")
-    ap.add_argument("--out", required=True, help="output path without suffix")
+    ap.add_argument("--out", help="output path without suffix (default: a new directory under ./bench_out)")
     ap.add_argument("--sweep", default="",
                     help="comma-separated target fetch fractions (see above)")
     ap.add_argument("--n_layers", type=int, default=30,
@@ -228,6 +230,9 @@ def main():
     ap.add_argument("--plot_only", action="store_true",
                     help="only redraw OUT.png from an earlier OUT.csv")
     a = ap.parse_args()
+    a.binary = benchutil.repo_path(a.binary)
+    if a.out is None:
+        a.out = benchutil.fresh_out("accuracy")
     if a.plot_only:
         with open(a.out + ".csv") as f:
             rows = [{**r, "ppl": float(r["ppl"]),

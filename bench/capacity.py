@@ -29,6 +29,8 @@ import sys
 import tempfile
 import time
 
+import benchutil
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode_sweep import start_server  # noqa: E402
 
@@ -105,7 +107,7 @@ def plot(rows, out):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = benchutil.parser(__doc__.split("\n")[0])
     ap.add_argument("--binary", default="bazel-bin/gpu_worker/infinigen")
     ap.add_argument("--server",
                     default="bazel-bin/kv_memory_service/kv_memory_server")
@@ -120,10 +122,14 @@ def main():
                     help="worker KV limit of the headline table, MiB")
     ap.add_argument("--max_batch", type=int, default=1024,
                     help="largest batch the headline search tries")
-    ap.add_argument("--out", required=True, help="output path without suffix")
+    ap.add_argument("--out", help="output path without suffix (default: a new directory under ./bench_out)")
     ap.add_argument("--plot_only", action="store_true",
                     help="only redraw OUT.png from an earlier OUT.csv")
     a = ap.parse_args()
+    a.binary = benchutil.repo_path(a.binary)
+    a.server = benchutil.repo_path(a.server)
+    if a.out is None:
+        a.out = benchutil.fresh_out("capacity")
     if a.plot_only:
         with open(a.out + ".csv") as f:
             plot(list(csv.DictReader(l for l in f if not l.startswith("#"))),

@@ -23,6 +23,8 @@ import sys
 import tempfile
 import time
 
+import benchutil
+
 
 def start_server(server, plane, tmp):
     ready = os.path.join(tmp, f"ready_{plane}")
@@ -94,7 +96,7 @@ def plot(rows, out):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = benchutil.parser(__doc__.split("\n")[0])
     ap.add_argument("--binary", default="bazel-bin/gpu_worker/infinigen")
     ap.add_argument("--server",
                     default="bazel-bin/kv_memory_service/kv_memory_server")
@@ -110,10 +112,14 @@ def main():
                     help="skew file (default: calibrate on the context)")
     ap.add_argument("--extra", default="",
                     help="more flags for bench-decode, space-separated")
-    ap.add_argument("--out", required=True, help="output path without suffix")
+    ap.add_argument("--out", help="output path without suffix (default: a new directory under ./bench_out)")
     ap.add_argument("--plot_only", action="store_true",
                     help="only redraw OUT.png from an earlier OUT.csv")
     a = ap.parse_args()
+    a.binary = benchutil.repo_path(a.binary)
+    a.server = benchutil.repo_path(a.server)
+    if a.out is None:
+        a.out = benchutil.fresh_out("decode")
     if a.plot_only:
         with open(a.out + ".csv") as f:
             plot(list(csv.DictReader(f)), a.out)

@@ -206,9 +206,12 @@ def markdown(report):
 
 
 def main(argv):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("out_dir")
-    ap.add_argument("--model_config", default="llama-2-7b")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("out_dir", help="gpu_bench.sh's OUT_DIR")
+    ap.add_argument("--model_config", default="llama-2-7b",
+                    help="the model shape the runs used")
     args = ap.parse_args(argv)
     if not os.path.isdir(args.out_dir):
         ap.error(f"{args.out_dir} is not a directory")

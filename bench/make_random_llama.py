@@ -11,13 +11,13 @@ transformers (the device machine has both); builds on the GPU when one
 answers.
 """
 import argparse
+import sys
 
-import torch
-import transformers
+import benchutil
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = benchutil.parser(__doc__.split("\n\n")[0])
     ap.add_argument("out_dir")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=2048)
@@ -26,6 +26,13 @@ def main():
     ap.add_argument("--kv_heads", type=int, default=8)
     ap.add_argument("--ctx", type=int, default=32768)
     args = ap.parse_args()
+    try:
+        import torch
+        import transformers
+    except ImportError as e:
+        print(f"make_random_llama.py: needs torch and transformers: {e}",
+              file=sys.stderr)
+        return 2
     cfg = transformers.LlamaConfig(
         hidden_size=args.hidden, intermediate_size=args.ffn,
         num_hidden_layers=args.layers, num_attention_heads=args.heads,
@@ -42,4 +49,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

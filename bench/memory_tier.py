@@ -27,7 +27,9 @@ import sys
 import tempfile
 import time
 
-BIN = "bazel-bin"
+import benchutil
+
+BIN = benchutil.repo_path("bazel-bin")
 SERVER = BIN + "/kv_memory_service/kv_memory_server"
 FETCH = BIN + "/bench/kv_fetch_bench/kv_fetch_bench"
 WORKER = BIN + "/gpu_worker/infinigen"
@@ -126,16 +128,19 @@ def svg(rows, path):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawTextHelpFormatter)
+    ap = benchutil.parser(__doc__, raw=True)
     ap.add_argument("--nodes", default="1,2,4")
     ap.add_argument("--model",
                     default="models_cache/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf")
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--decode_tokens", type=int, default=16)
     ap.add_argument("--min_time", type=float, default=0.3)
-    ap.add_argument("--out", default="bench/results/memory_tier")
+    ap.add_argument("--out", default=None,
+                    help="output path without suffix (default: a new "
+                    "directory under ./bench_out)")
     a = ap.parse_args()
+    if a.out is None:
+        a.out = benchutil.fresh_out("memory_tier")
     rows = []
     tmp = tempfile.mkdtemp(prefix="memory_tier.")
     try:

@@ -33,6 +33,8 @@ import subprocess
 import sys
 import time
 
+import benchutil
+
 QUESTION = "\n\nWhat is the pass key? The pass key is"
 INTRO = "There is a pass key hidden in this text. Find it and remember it.\n\n"
 
@@ -102,7 +104,7 @@ def trials(a, text, chars_per_token):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = benchutil.parser(__doc__.split("\n")[0])
     ap.add_argument("--binary", default="bazel-bin/gpu_worker/infinigen")
     ap.add_argument("--model", required=True)
     ap.add_argument("--tokenizer", default="")
@@ -134,8 +136,11 @@ def main():
                     help="the engine's backend (cpu, cuda, auto)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                     help="generate processes at once (one thread each)")
-    ap.add_argument("--out", required=True, help="output path without suffix")
+    ap.add_argument("--out", help="output path without suffix (default: a new directory under ./bench_out)")
     a = ap.parse_args()
+    a.binary = benchutil.repo_path(a.binary)
+    if a.out is None:
+        a.out = benchutil.fresh_out("passkey")
     if a.trials < 1:
         sys.exit("passkey.py: --trials must be >= 1")
 

@@ -30,7 +30,9 @@ import sys
 import tempfile
 import time
 
-BIN = "bazel-bin"
+import benchutil
+
+BIN = benchutil.repo_path("bazel-bin")
 SERVER = BIN + "/kv_memory_service/kv_memory_server"
 WORKER = BIN + "/gpu_worker/infinigen"
 CLIENT = BIN + "/bench/ttft_client"
@@ -158,8 +160,7 @@ def svg(summary, path):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawTextHelpFormatter)
+    ap = benchutil.parser(__doc__, raw=True)
     ap.add_argument("--counts", default="1,2,4,8,16")
     ap.add_argument("--planes", default="shm,tcp")
     ap.add_argument("--model",
@@ -172,8 +173,14 @@ def main():
     ap.add_argument("--binary", default=WORKER)
     ap.add_argument("--server", default=SERVER)
     ap.add_argument("--client", default=CLIENT)
-    ap.add_argument("--out", default="bench/results/prefix_reuse")
+    ap.add_argument("--out", default=None,
+                    help="output path without suffix (default: a new "
+                    "directory under ./bench_out)")
     a = ap.parse_args()
+    a.binary = benchutil.repo_path(a.binary)
+    a.server = benchutil.repo_path(a.server)
+    if a.out is None:
+        a.out = benchutil.fresh_out("prefix_reuse")
     counts = [int(c) for c in a.counts.split(",")]
     planes = a.planes.split(",")
     with open(a.text, encoding="utf-8") as f:

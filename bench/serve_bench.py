@@ -30,9 +30,11 @@ import threading
 import time
 import urllib.request
 
+import benchutil
+
 import openai
 
-WORKER = "bazel-bin/gpu_worker/infinigen"
+WORKER = benchutil.repo_path("bazel-bin/gpu_worker/infinigen")
 PROMPTS = ["Once upon a time", "The little dog", "Tom and his friend",
            "One day, a girl named Sue", "The sun was hot and"]
 
@@ -125,8 +127,9 @@ def run_level(url, model, n, args):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="models/stories260K/stories260K.bin")
+    p = benchutil.parser(__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="models/stories260K/stories260K.bin",
+                   help="relative paths: from here, else from the repository")
     p.add_argument("--tokenizer", default="models/stories260K/tok512.bin")
     p.add_argument("--url", default="", help="a running serve's HTTP API")
     p.add_argument("--concurrency", default="1,4,8")
@@ -136,8 +139,14 @@ def main():
     p.add_argument("--max_batch", type=int, default=8)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--backend", default="cpu")
-    p.add_argument("--out", default="bench/results/serve_stories260K")
+    p.add_argument("--out", default=None,
+                   help="output path without suffix (default: a new "
+                   "directory under ./bench_out)")
     args = p.parse_args()
+    args.model = benchutil.repo_path(args.model)
+    args.tokenizer = benchutil.repo_path(args.tokenizer)
+    if args.out is None:
+        args.out = benchutil.fresh_out("serve")
 
     proc, command = None, "(--url " + args.url + ")"
     url = args.url
@@ -201,9 +210,9 @@ def main():
         f.write(md)
     print(md)
 
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = benchutil.pyplot("serve_bench.py")
+    if plt is None:
+        return 0
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     xs = [lv["concurrency"] for lv in levels]
     a.plot(xs, [lv["tokens_per_s"] for lv in levels], marker="o")
