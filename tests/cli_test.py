@@ -151,6 +151,7 @@ class Cli(unittest.TestCase):
             first = run(*args)
             self.assertEqual(first.returncode, 0, first.stderr)
             self.assertIn("calibrating InfiniGen on", first.stderr)
+            self.assertIn("calibrating InfiniGen: 100% (", first.stderr)
             self.assertIn("--target_fetch=0.1", first.stderr)
             kept = [f for f in os.listdir(d) if f.endswith(".skew")]
             self.assertEqual(len(kept), 1, os.listdir(d))
@@ -401,6 +402,11 @@ class Cli(unittest.TestCase):
                   "--backend=cpu"]
         r = run("bench-decode", *common, "--policy=ideal,full,infinigen")
         self.assertEqual(r.returncode, 0, r.stderr)
+        # Progress with the time left: every prefilled sequence, and the
+        # decode steps (at least their end).
+        self.assertIn("bench-decode full: prefilled sequence 4/4 (", r.stderr)
+        self.assertIn("bench-decode infinigen: step 4/4 (", r.stderr)
+        self.assertIn("s left)", r.stderr)
         rows = {x["policy"]: x for x in
                 (json.loads(l) for l in r.stdout.splitlines()
                  if l.startswith("{"))}

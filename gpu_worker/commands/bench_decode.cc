@@ -1,5 +1,6 @@
 // infinigen bench-decode: decode latency, fetches and memory per policy
 // (gpu_worker/eval/bench_decode.h).
+#include <chrono>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -136,10 +137,35 @@ int BenchPolicy(const std::string& policy, const model::LoadedModel& m,
                 static_cast<long long>((*engine)->worker_kv_bytes()));
     return 0;
   }
+  // Progress on stderr: each prefilled sequence, and the decode steps at
+  // most once a second, each with the time left.
+  const auto start = std::chrono::steady_clock::now();
+  auto since = [](std::chrono::steady_clock::time_point t) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t)
+        .count();
+  };
+  auto decode_start = start;
+  double last_line = 0;
   auto r = gpu_worker::RunDecodeBench(
-      **engine, source, ctx, steps, [&](int prefilled) {
-        std::fprintf(stderr, "bench-decode %s: prefilled sequence %d/%d\n",
-                     policy.c_str(), prefilled, batch);
+      **engine, source, ctx, steps,
+      [&](int prefilled) {
+        const double s = since(start);
+        std::fprintf(stderr,
+                     "bench-decode %s: prefilled sequence %d/%d (%.1f s, "
+                     "about %.0f s left)\n",
+                     policy.c_str(), prefilled, batch, s,
+                     s / prefilled * (batch - prefilled));
+        decode_start = std::chrono::steady_clock::now();
+      },
+      [&](int step) {
+        const double s = since(decode_start);
+        if (step < steps && s - last_line < 1.0) return;
+        last_line = s;
+        std::fprintf(stderr,
+                     "bench-decode %s: step %d/%d (%.2f tokens/s, about %.0f "
+                     "s left)\n",
+                     policy.c_str(), step, steps, step * batch / s,
+                     s / step * (steps - step));
       });
   if (!r.ok()) return Fail(kExitFailure, r.status());
   results.push_back(*std::move(r));

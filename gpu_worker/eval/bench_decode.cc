@@ -41,7 +41,8 @@ std::vector<int> DecodeBenchSource(absl::Span<const int> text, size_t need,
 
 absl::StatusOr<DecodeBenchResult> RunDecodeBench(
     Engine& engine, absl::Span<const int> source, int ctx, int steps,
-    const std::function<void(int prefilled)>& on_prefilled) {
+    const std::function<void(int prefilled)>& on_prefilled,
+    const std::function<void(int step)>& on_step) {
   const int batch = engine.batch();
   if (ctx < 1 || steps < 1) {
     return absl::InvalidArgumentError("ctx and steps must be >= 1");
@@ -79,6 +80,7 @@ absl::StatusOr<DecodeBenchResult> RunDecodeBench(
     const auto s0 = std::chrono::steady_clock::now();
     IG_RETURN_IF_ERROR(engine.DecodeBatch(slots, next).status());
     r.step_seconds.push_back(SecondsSince(s0));
+    if (on_step) on_step(step + 1);
   }
   r.seconds = SecondsSince(t0);
   for (int b = 0; b < batch; ++b) r.fetch.Add(engine.fetch_stats(b));

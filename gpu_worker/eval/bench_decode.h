@@ -46,10 +46,12 @@ std::vector<int> DecodeBenchSource(absl::Span<const int> text, size_t need,
 // one step at a time with every other sequence. The engine's slots must be
 // empty and hold ctx + steps positions; `source` must hold
 // batch * (ctx + steps) tokens (InvalidArgument otherwise). `on_prefilled`,
-// when set, runs after each sequence's prefill.
+// when set, runs after each sequence's prefill, `on_step` after each decode
+// step (steps done so far).
 absl::StatusOr<DecodeBenchResult> RunDecodeBench(
     Engine& engine, absl::Span<const int> source, int ctx, int steps,
-    const std::function<void(int prefilled)>& on_prefilled = nullptr);
+    const std::function<void(int prefilled)>& on_prefilled = nullptr,
+    const std::function<void(int step)>& on_step = nullptr);
 
 // The p-th percentile (0..100) of `v` (nearest rank); 0 for an empty v.
 double Percentile(std::vector<double> v, double p);
