@@ -9,9 +9,8 @@
 #                [--dry_run]
 #
 # Runs, the goals' shapes first, each under what is left of the budget
-# (default 480 s;
-# a run the budget cuts short is recorded as timed out, later ones as
-# skipped):
+# (default 480 s; a run the budget cuts short is recorded as timed out,
+# later ones as skipped):
 #   h2d_bandwidth                 pinned and pageable host-to-device copies
 #   gather_bandwidth              one-sided reads of a layer's rows from
 #                                 mapped host memory (all, and 10%)
