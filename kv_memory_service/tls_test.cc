@@ -23,6 +23,7 @@
 #include "common/server_tls.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kv_memory_service/kv_client.h"
 #include "kv_memory_service/server/kv_server.h"
@@ -270,7 +271,12 @@ TEST_F(TlsTest, EveryOtherClientIsRefused) {
   const std::string address = server_->client_address();
   KvClientOptions plaintext;
   plaintext.connect_timeout = absl::Seconds(3);
-  EXPECT_FALSE(ConnectKvClient(address, plaintext).ok()) << "plaintext";
+  const absl::Status refused = ConnectKvClient(address, plaintext).status();
+  EXPECT_FALSE(refused.ok()) << "plaintext";
+  // The reason says what to do.
+  EXPECT_THAT(std::string(refused.message()),
+              ::testing::HasSubstr("TLS server closes plaintext connections"))
+      << refused;
 
   KvClientOptions no_certificate = Trusting();
   no_certificate.tls_cert_pem.clear();

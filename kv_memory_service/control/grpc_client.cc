@@ -608,15 +608,29 @@ absl::StatusOr<std::unique_ptr<KvClient>> ConnectGrpcKvClient(
     kv::GetServerInfoResponse info;
     const grpc::Status why = kv::KvMemory::NewStub(channel)->GetServerInfo(
         &probe, kv::GetServerInfoRequest(), &info);
+    // A closed socket during the handshake is how a TLS server answers a
+    // plaintext client, and a TLS handshake error how a plaintext server
+    // (or one that does not trust this client) answers a TLS one: say so.
+    const std::string reason = why.ok() ? "" : why.error_message();
+    std::string hint;
+    if (!timed_out && options.tls_ca_pem.empty() &&
+        absl::StrContains(reason, "Socket closed")) {
+      hint = " (a TLS server closes plaintext connections: if it uses TLS, "
+             "connect with its CA, --kv_tls_ca)";
+    } else if (!timed_out && !options.tls_ca_pem.empty() &&
+               (absl::StrContains(reason, "Handshake") ||
+                absl::StrContains(reason, "SSL") ||
+                absl::StrContains(reason, "Socket closed"))) {
+      hint = " (the TLS handshake failed: the server may not speak TLS, or "
+             "may not trust this client's certificate)";
+    }
     return absl::UnavailableError(absl::StrCat(
         "cannot connect to the KV memory server at ", address,
         timed_out ? absl::StrCat(" within ",
                                  absl::FormatDuration(options.connect_timeout))
                   : "",
         options.tls_ca_pem.empty() ? "" : " over TLS",
-        why.ok() || why.error_message().empty()
-            ? ""
-            : absl::StrCat(": ", why.error_message())));
+        reason.empty() ? "" : absl::StrCat(": ", reason), hint));
   }
   return std::make_unique<GrpcKvClient>(std::move(channel), options,
                                         std::move(fetch_host),
