@@ -169,6 +169,25 @@ absl::StatusOr<AppendResult> StoredSequence::Append(
   return result;
 }
 
+namespace {
+
+// A plan's position against its layer's length: InvalidArgument when
+// negative, OutOfRange past the end (what Gather and NoteFetched answer).
+absl::Status CheckPosition(int32_t pos, int32_t layer, int32_t h,
+                           int32_t length) {
+  if (pos < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "negative position ", pos, " for layer ", layer, " head ", h));
+  }
+  if (pos >= length) {
+    return absl::OutOfRangeError(absl::StrCat(
+        "position ", pos, " is beyond layer ", layer, "'s length ", length));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status StoredSequence::Gather(int32_t layer, const FetchPlan& plan,
                                     absl::Span<uint16_t> dest,
                                     StoreTotals& totals, GatherPool* pool) {
@@ -264,15 +283,7 @@ absl::Status StoredSequence::NoteFetched(int32_t layer, const FetchPlan& plan,
       for (int32_t j = plan.head_offsets[h]; j < plan.head_offsets[h + 1];
            ++j) {
         const int32_t pos = plan.indices[j];
-        if (pos < 0) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "negative position ", pos, " for layer ", layer, " head ", h));
-        }
-        if (pos >= length) {
-          return absl::OutOfRangeError(absl::StrCat(
-              "position ", pos, " is beyond layer ", layer, "'s length ",
-              length));
-        }
+        IG_RETURN_IF_ERROR(CheckPosition(pos, layer, h, length));
         if (moved || pos < attached_tokens_) {
           return absl::FailedPreconditionError(absl::StrCat(
               "position ", pos, " of layer ", layer, " head ", h,
@@ -423,15 +434,7 @@ absl::Status StoredSequence::CopyHead(int32_t layer, int32_t h,
   const bool arithmetic = head.arithmetic();
   while (j < end) {
     const int32_t pos = indices[j];
-    if (pos < 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "negative position ", pos, " for layer ", layer, " head ", h));
-    }
-    if (pos >= length) {
-      return absl::OutOfRangeError(absl::StrCat("position ", pos,
-                                                " is beyond layer ", layer,
-                                                "'s length ", length));
-    }
+    IG_RETURN_IF_ERROR(CheckPosition(pos, layer, h, length));
     const RowRef r = Locate(head, layer, h, pos, length);
     if (r.k == nullptr) {
       return absl::FailedPreconditionError(

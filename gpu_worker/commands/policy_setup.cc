@@ -173,6 +173,13 @@ absl::StatusOr<gpu_worker::SpeculationOptions> SpeculationFromFlags(
 
 namespace {
 
+// Whether flag `name` is set to something other than its default (this
+// Abseil does not say whether a flag was given).
+bool FlagChanged(absl::string_view name) {
+  const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
+  return flag != nullptr && flag->CurrentValue() != flag->DefaultValue();
+}
+
 // The fetch fraction --target_fetch asks of `policy` (0: none): its value,
 // or under auto 0.1 for infinigen unless the user chose its selection rule
 // (--alpha, --budget, --score_mass). InvalidArgument for a value that is
@@ -190,8 +197,7 @@ absl::StatusOr<double> TargetFetchFromFlags(const std::string& policy) {
   }
   if (policy != "infinigen") return 0.0;
   for (const char* rule : {"alpha", "budget", "score_mass"}) {
-    const absl::CommandLineFlag* f = absl::FindCommandLineFlag(rule);
-    if (f != nullptr && f->CurrentValue() != f->DefaultValue()) return 0.0;
+    if (FlagChanged(rule)) return 0.0;
   }
   return kInfinigenTargetFetch;
 }
@@ -328,8 +334,12 @@ std::vector<int> CalibrationTokens(const model::LoadedModel& m) {
 // InfiniGen's skew: --skew's file (checked against the model), else the
 // calibration on the carried text, read from --skew_cache_dir when it was
 // made before for this model and these settings, and kept there when not.
+// `weights_identity`: WeightsIdentity(m.weights), computed here when the
+// cache needs it and empty before (it reads every weight), for the caller
+// to reuse.
 absl::StatusOr<std::unique_ptr<speculator::SkewMatrices>> SkewFromFlags(
-    const model::LoadedModel& m, const gpu_worker::PolicyOptions& options) {
+    const model::LoadedModel& m, const gpu_worker::PolicyOptions& options,
+    std::string& weights_identity) {
   const model::Weights& weights = m.weights;
   const model::ModelConfig& c = weights.config;
   const std::string path = absl::GetFlag(FLAGS_skew);
@@ -356,9 +366,12 @@ absl::StatusOr<std::unique_ptr<speculator::SkewMatrices>> SkewFromFlags(
   const std::string dir = SkewCacheDir();
   std::string cached;
   if (!dir.empty()) {
+    if (weights_identity.empty()) {
+      weights_identity = gpu_worker::WeightsIdentity(weights);
+    }
     const std::string key = absl::StrFormat(
         "%s|tokens=%s|partial=%.6f|post=%d|exact=%d|dense=%d",
-        gpu_worker::ModelIdentity(weights, nullptr),
+        weights_identity,
         absl::StrJoin(tokens, ","), speculation.partial_ratio,
         speculation.post_attention, speculation.exact_keys,
         speculation.dense_layers);
@@ -422,12 +435,7 @@ std::function<void(int done, int total)> CalibrationProgress() {
 }
 
 void WarnIgnoredPolicyFlags(absl::Span<const std::string> policies) {
-  // Set to something other than its default (this Abseil does not say
-  // whether a flag was given).
-  auto set = [](absl::string_view name) {
-    const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
-    return flag != nullptr && flag->CurrentValue() != flag->DefaultValue();
-  };
+  const auto set = FlagChanged;
   bool all_local = true;
   for (const std::string& name : policies) {
     all_local = all_local && name == gpu_worker::kLocalCacheName;
@@ -462,6 +470,9 @@ absl::StatusOr<PolicySetup> SetUpPolicy(
     const std::string& policy, const model::LoadedModel& m,
     const kv_memory_service::KvClientOptions& kv_options, bool serving) {
   const model::Weights& weights = m.weights;
+  // Hashed at most once (every weight read), for the skew cache and for
+  // prefix reuse.
+  std::string weights_identity;
   PolicySetup s;
   IG_ASSIGN_OR_RETURN(s.options, EngineOptionsFromFlags(
                                      policy, weights.config.n_layers, serving));
@@ -469,7 +480,7 @@ absl::StatusOr<PolicySetup> SetUpPolicy(
   gpu_worker::PolicyOptions& p = *s.options.kv.policy;
   const bool speculates = gpu_worker::PolicyEntryOf(p.kind).traits.speculates;
   if (speculates || p.adaptive_budgets) {
-    IG_ASSIGN_OR_RETURN(s.skew, SkewFromFlags(m, p));
+    IG_ASSIGN_OR_RETURN(s.skew, SkewFromFlags(m, p, weights_identity));
     if (speculates) p.skew = s.skew.get();
   }
   if (p.adaptive_budgets && s.skew->profile.empty()) {
@@ -496,7 +507,11 @@ absl::StatusOr<PolicySetup> SetUpPolicy(
   if (const int block = absl::GetFlag(FLAGS_prefix_block_tokens);
       serving && block > 0) {
     s.options.kv.prefix_block_tokens = block;
-    s.options.kv.model_identity = gpu_worker::ModelIdentity(weights, s.skew.get());
+    if (weights_identity.empty()) {
+      weights_identity = gpu_worker::WeightsIdentity(weights);
+    }
+    s.options.kv.model_identity =
+        gpu_worker::ModelIdentity(weights_identity, s.skew.get());
   }
   const std::string kv_service = absl::GetFlag(FLAGS_kv_service);
   IG_ASSIGN_OR_RETURN(s.client, kv_memory_service::ConnectKvClient(

@@ -22,8 +22,7 @@ std::string Hex(XXH128_hash_t h) {
 
 }  // namespace
 
-std::string ModelIdentity(const model::Weights& weights,
-                          const speculator::SkewMatrices* skew) {
+std::string WeightsIdentity(const model::Weights& weights) {
   std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state(
       XXH3_createState(), &XXH3_freeState);
   XXH3_128bits_reset(state.get());
@@ -42,12 +41,22 @@ std::string ModelIdentity(const model::Weights& weights,
       Add(state.get(), *v);
     }
   }
-  std::string id = "model=" + Hex(XXH3_128bits_digest(state.get()));
+  return "model=" + Hex(XXH3_128bits_digest(state.get()));
+}
+
+std::string ModelIdentity(const std::string& weights_identity,
+                          const speculator::SkewMatrices* skew) {
+  std::string id = weights_identity;
   if (skew != nullptr) {
     id += "|skew=" + Hex(XXH3_128bits(skew->a.data(),
                                       skew->a.size() * sizeof(float)));
   }
   return id;
+}
+
+std::string ModelIdentity(const model::Weights& weights,
+                          const speculator::SkewMatrices* skew) {
+  return ModelIdentity(WeightsIdentity(weights), skew);
 }
 
 }  // namespace infinigen::gpu_worker

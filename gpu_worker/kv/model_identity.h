@@ -18,6 +18,13 @@ namespace infinigen::gpu_worker {
 std::string ModelIdentity(const model::Weights& weights,
                           const speculator::SkewMatrices* skew);
 
+// The same in two parts, for a caller that needs the weights' part alone
+// too (reading every weight once): WeightsIdentity(weights), then
+// ModelIdentity(that, skew) == ModelIdentity(weights, skew).
+std::string WeightsIdentity(const model::Weights& weights);
+std::string ModelIdentity(const std::string& weights_identity,
+                          const speculator::SkewMatrices* skew);
+
 }  // namespace infinigen::gpu_worker
 
 #endif  // INFINIGEN_GPU_WORKER_KV_MODEL_IDENTITY_H_
