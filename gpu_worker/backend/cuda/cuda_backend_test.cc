@@ -37,6 +37,32 @@ bool Contains(const absl::Status& status, const std::string& text) {
   return std::string(status.message()).find(text) != std::string::npos;
 }
 
+// `prob` on `backend`: its inputs copied to shared memory, one Attention
+// call (with the problem's prob_sums when it has them), synchronized.
+struct AttentionRun {
+  AttentionRun(Backend* backend, const AttentionProblem& prob)
+      : out(prob.want.size(), 0.0f, SharedAllocator<float>(backend)),
+        sums(prob.sums.begin(), prob.sums.end(),
+             SharedAllocator<float>(backend)) {
+    SharedVector<float> q(prob.q.begin(), prob.q.end(),
+                          SharedAllocator<float>(backend));
+    SharedVector<float> k(prob.k.begin(), prob.k.end(),
+                          SharedAllocator<float>(backend));
+    SharedVector<float> v(prob.v.begin(), prob.v.end(),
+                          SharedAllocator<float>(backend));
+    AttentionParams a = prob.shape;
+    a.q = q.data();
+    a.k = k.data();
+    a.v = v.data();
+    a.out = out.data();
+    a.prob_sums = prob.c.prob_sums ? sums.data() : nullptr;
+    backend->Attention(a);
+    status = backend->Synchronize();
+  }
+  SharedVector<float> out, sums;
+  absl::Status status;
+};
+
 class CudaBackendTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -256,22 +282,10 @@ TEST_F(CudaBackendTest, AttentionMatchesCpu) {
   };
   for (const AttentionCase& c : cases) {
     const AttentionProblem prob = MakeAttentionProblem(c, rng_, *cpu_);
-    SharedVector<float> gq = Shared(gpu_.get(), prob.q),
-                        gk = Shared(gpu_.get(), prob.k),
-                        gv = Shared(gpu_.get(), prob.v),
-                        gsums = Shared(gpu_.get(), prob.sums);
-    SharedVector<float> gout(prob.want.size(), 0.0f,
-                             SharedAllocator<float>(gpu_.get()));
-    AttentionParams a = prob.shape;
-    a.q = gq.data();
-    a.k = gk.data();
-    a.v = gv.data();
-    a.out = gout.data();
-    a.prob_sums = c.prob_sums ? gsums.data() : nullptr;
-    gpu_->Attention(a);
-    ASSERT_TRUE(gpu_->Synchronize().ok()) << gpu_->Synchronize();
+    AttentionRun run(gpu_.get(), prob);
+    ASSERT_TRUE(run.status.ok()) << run.status;
     ASSERT_NO_FATAL_FAILURE(
-        ExpectAttentionMatches(prob, gout.data(), gsums.data()));
+        ExpectAttentionMatches(prob, run.out.data(), run.sums.data()));
   }
 }
 
@@ -291,20 +305,10 @@ TEST_F(CudaBackendTest, HalfPrecisionPrefillAttentionMatchesCpu) {
   };
   for (const AttentionCase& c : cases) {
     const AttentionProblem prob = MakeAttentionProblem(c, rng_, *cpu_);
-    SharedVector<float> gq = Shared(half.get(), prob.q),
-                        gk = Shared(half.get(), prob.k),
-                        gv = Shared(half.get(), prob.v),
-                        gsums = Shared(half.get(), prob.sums);
-    SharedVector<float> gout(prob.want.size(), 0.0f,
-                             SharedAllocator<float>(half.get()));
-    AttentionParams a = prob.shape;
-    a.q = gq.data();
-    a.k = gk.data();
-    a.v = gv.data();
-    a.out = gout.data();
-    a.prob_sums = c.prob_sums ? gsums.data() : nullptr;
-    half->Attention(a);
-    ASSERT_TRUE(half->Synchronize().ok()) << half->Synchronize();
+    AttentionRun run(half.get(), prob);
+    ASSERT_TRUE(run.status.ok()) << run.status;
+    const SharedVector<float>& gout = run.out;
+    const SharedVector<float>& gsums = run.sums;
     const bool tensor_cores = c.n >= kMinFlashQueries && !c.prob_sums &&
                               c.head_dim % 16 == 0;
     if (!tensor_cores) {

@@ -285,6 +285,25 @@ TEST_F(CudaKernels, Int4DequantMatchesInt4Policy) {
   }
 }
 
+// The kernel's parameters for `prob` over device copies of its arrays.
+AttentionKernelParams KernelParams(const AttentionProblem& prob,
+                                   const float* q, const float* k,
+                                   const float* v, float* out) {
+  AttentionKernelParams p;
+  p.q = q;
+  p.k = k;
+  p.v = v;
+  p.out = out;
+  p.n = prob.c.n;
+  p.n_heads = prob.c.n_heads;
+  p.n_kv_heads = prob.c.n_kv_heads;
+  p.head_dim = prob.c.head_dim;
+  p.kv_stride = prob.shape.kv_stride;
+  p.kv_len0 = prob.c.kv_len0;
+  p.scale = prob.shape.scale;
+  return p;
+}
+
 // Tolerances: ExpectAttentionMatches (parity_testing.h).
 TEST_F(CudaKernels, AttentionMatchesCpu) {
   // {n, heads, kv_heads, head_dim, kv_len0, extra_stride, prob_sums, splits}
@@ -300,18 +319,8 @@ TEST_F(CudaKernels, AttentionMatchesCpu) {
     const AttentionProblem prob = MakeAttentionProblem(c, rng_, *cpu_);
     DeviceArray<float> dq(prob.q), dk(prob.k), dv(prob.v),
         dout(prob.want.size()), dsums(prob.sums);
-    AttentionKernelParams p;
-    p.q = dq.get();
-    p.k = dk.get();
-    p.v = dv.get();
-    p.out = dout.get();
-    p.n = c.n;
-    p.n_heads = c.n_heads;
-    p.n_kv_heads = c.n_kv_heads;
-    p.head_dim = c.head_dim;
-    p.kv_stride = prob.shape.kv_stride;
-    p.kv_len0 = c.kv_len0;
-    p.scale = prob.shape.scale;
+    AttentionKernelParams p =
+        KernelParams(prob, dq.get(), dk.get(), dv.get(), dout.get());
     p.prob_sums = c.prob_sums ? dsums.get() : nullptr;
     p.kv_splits = c.kv_splits;
     DeviceArray<float> workspace(
@@ -340,18 +349,8 @@ TEST_F(CudaKernels, FlashAttentionMatchesCpu) {
     const AttentionProblem prob = MakeAttentionProblem(c, rng_, *cpu_);
     DeviceArray<float> dq(prob.q), dk(prob.k), dv(prob.v),
         dout(prob.want.size());
-    AttentionKernelParams p;
-    p.q = dq.get();
-    p.k = dk.get();
-    p.v = dv.get();
-    p.out = dout.get();
-    p.n = c.n;
-    p.n_heads = c.n_heads;
-    p.n_kv_heads = c.n_kv_heads;
-    p.head_dim = c.head_dim;
-    p.kv_stride = prob.shape.kv_stride;
-    p.kv_len0 = c.kv_len0;
-    p.scale = prob.shape.scale;
+    const AttentionKernelParams p =
+        KernelParams(prob, dq.get(), dk.get(), dv.get(), dout.get());
     ASSERT_TRUE(FlashAttentionSupports(p)) << "head_dim " << c.head_dim;
     ExpectRan(LaunchFlashAttention(p, nullptr));
     const std::vector<float> got = dout.ToHost();
