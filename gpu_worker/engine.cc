@@ -151,6 +151,17 @@ absl::Status Engine::Reset(int slot) {
 
 absl::StatusOr<absl::Span<const float>> Engine::Forward(
     int slot, absl::Span<const int> tokens, bool all_logits) {
+  return ForwardWith(slot, tokens, all_logits, /*row=*/nullptr);
+}
+
+absl::StatusOr<absl::Span<const float>> Engine::ForwardEachRow(
+    int slot, absl::Span<const int> tokens, const RowLogits& row) {
+  return ForwardWith(slot, tokens, /*all_logits=*/false, &row);
+}
+
+absl::StatusOr<absl::Span<const float>> Engine::ForwardWith(
+    int slot, absl::Span<const int> tokens, bool all_logits,
+    const RowLogits* row) {
   IG_RETURN_IF_ERROR(CheckSlot(slot));
   const ModelConfig& c = weights_.config;
   const int n = static_cast<int>(tokens.size());
@@ -174,7 +185,10 @@ absl::StatusOr<absl::Span<const float>> Engine::Forward(
   }
   const bool offloaded = cache_->offloaded();
   if (offloaded && position > 0 && n == 1) {
-    return DecodeBatch({slot}, tokens);
+    absl::StatusOr<absl::Span<const float>> logits =
+        DecodeBatch({slot}, tokens);
+    if (logits.ok() && row != nullptr) (*row)(0, *logits);
+    return logits;
   }
   if (offloaded && position > 0) {
     return absl::FailedPreconditionError(absl::StrFormat(
@@ -182,7 +196,7 @@ absl::StatusOr<absl::Span<const float>> Engine::Forward(
         options_.kv.policy_name()));
   }
   absl::StatusOr<absl::Span<const float>> out =
-      ForwardChecked(slot, tokens, all_logits);
+      ForwardChecked(slot, tokens, all_logits, row);
   if (out.ok() || position > 0 || !RecoverableKvLoss(out.status())) {
     return out;
   }
@@ -192,7 +206,7 @@ absl::StatusOr<absl::Span<const float>> Engine::Forward(
                   << "'s prefill (" << out.status().message()
                   << "); prefilling again";
   ++kv_recoveries_;
-  return ForwardChecked(slot, tokens, all_logits);
+  return ForwardChecked(slot, tokens, all_logits, row);
 }
 
 bool Engine::RecoverableKvLoss(const absl::Status& status) const {
@@ -240,12 +254,14 @@ absl::Status Engine::Recompute(absl::Span<const int> slots,
 }
 
 absl::StatusOr<absl::Span<const float>> Engine::ForwardChecked(
-    int slot, absl::Span<const int> tokens, bool all_logits) {
+    int slot, absl::Span<const int> tokens, bool all_logits,
+    const RowLogits* row) {
   const ModelConfig& c = weights_.config;
   const int n = static_cast<int>(tokens.size());
   const bool offloaded = cache_->offloaded();
-  const size_t logit_values =
-      static_cast<size_t>(all_logits ? n : 1) * c.vocab_size;
+  const int logit_rows =
+      all_logits ? n : (row != nullptr ? std::min(n, max_chunk_) : 1);
+  const size_t logit_values = static_cast<size_t>(logit_rows) * c.vocab_size;
   if (logits_.size() < logit_values) {
     IG_RETURN_IF_ERROR(backend_->Synchronize());
     logits_ = DeviceBuffer<float>();
@@ -253,8 +269,10 @@ absl::StatusOr<absl::Span<const float>> Engine::ForwardChecked(
                                      backend_.get(), logit_values, "logits"));
     logits_host_.resize(logit_values);
   }
-  // Reuse needs only the last token's logits: all_logits computes all.
-  absl::StatusOr<int> cached = Prefill(slot, tokens, /*reuse=*/!all_logits);
+  // Reuse needs only the last token's logits: all_logits and row compute
+  // all.
+  absl::StatusOr<int> cached =
+      Prefill(slot, tokens, /*reuse=*/!all_logits && row == nullptr);
   if (!cached.ok()) {
     // An offloaded cache cannot resume a prefill cut short: start over.
     if (offloaded) Reset(slot).IgnoreError();
@@ -264,6 +282,19 @@ absl::StatusOr<absl::Span<const float>> Engine::ForwardChecked(
   history_[slot].insert(history_[slot].end(), tokens.begin(), tokens.end());
   // Final norm and classifier: every computed row, or just the last one.
   const int computed = n - *cached;
+  if (row != nullptr) {
+    absl::Span<const float> last;
+    for (int first = 0; first < computed; first += max_chunk_) {
+      const int rows = std::min(max_chunk_, computed - first);
+      IG_ASSIGN_OR_RETURN(absl::Span<const float> logits, Logits(first, rows));
+      for (int r = 0; r < rows; ++r) {
+        last = logits.subspan(static_cast<size_t>(r) * c.vocab_size,
+                              c.vocab_size);
+        (*row)(first + r, last);
+      }
+    }
+    return last;
+  }
   const int first = all_logits ? 0 : computed - 1;
   return Logits(first, computed - first);
 }

@@ -16,6 +16,7 @@
 #define INFINIGEN_GPU_WORKER_ENGINE_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -101,6 +102,17 @@ class Engine {
                                                   bool all_logits) {
     return Forward(0, tokens, all_logits);
   }
+  // The logits of one row of a Forward call: row i predicts the call's
+  // token i + 1 (the last row, the token after the call).
+  using RowLogits =
+      std::function<void(int row, absl::Span<const float> logits)>;
+  // Forward(slot, tokens, /*all_logits=*/false) that also hands `row` the
+  // logits of every row in order (a prompt's log-probabilities), for any
+  // number of tokens up to max_seq_len: they are computed max_chunk rows at
+  // a time. A prefill through it reuses no prefix (every row is computed).
+  // Returns the last row's logits.
+  absl::StatusOr<absl::Span<const float>> ForwardEachRow(
+      int slot, absl::Span<const int> tokens, const RowLogits& row);
 
   // One decode step of every slot in `slots` (distinct, each already
   // prefilled), with token tokens[i] for slots[i]. Returns logits
@@ -141,9 +153,14 @@ class Engine {
   // Declares every weight tensor to the backend as a constant.
   absl::Status RegisterWeights();
   absl::Status CheckSlot(int slot) const;
+  // Forward and ForwardEachRow (row non-null).
+  absl::StatusOr<absl::Span<const float>> ForwardWith(
+      int slot, absl::Span<const int> tokens, bool all_logits,
+      const RowLogits* row);
   // Forward and DecodeBatch after their arguments were checked.
   absl::StatusOr<absl::Span<const float>> ForwardChecked(
-      int slot, absl::Span<const int> tokens, bool all_logits);
+      int slot, absl::Span<const int> tokens, bool all_logits,
+      const RowLogits* row = nullptr);
   absl::StatusOr<absl::Span<const float>> DecodeChecked(
       absl::Span<const int> slots, absl::Span<const int> tokens);
   // Whether `status` from the KV path means the memory node lost what the

@@ -83,6 +83,41 @@ TEST(Engine, ChunkedPrefillMatchesTokenByToken) {
   EXPECT_EQ((*single)->position(), 40);
 }
 
+// ForwardEachRow hands over every row of a prompt longer than one chunk,
+// the rows Forward(all_logits) gives, and returns the last one.
+TEST(Engine, ForwardEachRowGivesEveryRowOfALongPrompt) {
+  auto w = model::LoadLlama2cWeights(kModel);
+  ASSERT_TRUE(w.ok());
+  std::vector<int> ids;
+  std::mt19937 rng(5);
+  for (int i = 0; i < 30; ++i) ids.push_back(3 + rng() % 500);
+  EngineOptions small;
+  small.max_chunk = 7;
+  auto whole = Engine::Create(*w, NewCpuBackend());
+  auto rows = Engine::Create(*w, NewCpuBackend(), small);
+  ASSERT_TRUE(whole.ok() && rows.ok());
+  auto all = (*whole)->Forward(ids, /*all_logits=*/true);
+  ASSERT_TRUE(all.ok());
+  const int v = w->config.vocab_size;
+  std::vector<int> seen;
+  auto last = (*rows)->ForwardEachRow(
+      0, ids, [&](int row, absl::Span<const float> logits) {
+        seen.push_back(row);
+        ASSERT_EQ(logits.size(), static_cast<size_t>(v));
+        for (int j = 0; j < v; j += 13) {
+          EXPECT_NEAR(logits[j], (*all)[row * v + j], 1e-4) << row;
+        }
+      });
+  ASSERT_TRUE(last.ok()) << last.status();
+  ASSERT_EQ(seen.size(), ids.size());
+  for (size_t i = 0; i < seen.size(); ++i) EXPECT_EQ(seen[i], i);
+  for (int j = 0; j < v; ++j) EXPECT_NEAR((*last)[j], (*all)[29 * v + j], 1e-4);
+  EXPECT_EQ((*rows)->position(), 30);
+  // The sequence goes on as after Forward.
+  auto next = (*rows)->Forward({ids[0]}, false);
+  ASSERT_TRUE(next.ok());
+}
+
 TEST(Engine, RejectsBadInputWithoutChangingTheSequence) {
   auto w = model::LoadLlama2cWeights(kModel);
   ASSERT_TRUE(w.ok());
@@ -368,6 +403,40 @@ TEST(Sampler, LogProbIsNormalised) {
   for (int i = 0; i < 4; ++i) total += std::exp(LogProb(logits, i));
   EXPECT_NEAR(total, 1.0, 1e-9);
   EXPECT_NEAR(LogProb(logits, 3), 0.0, 1e-9);
+}
+
+TEST(Sampler, ScoreTokenGivesTheLogProbAndTheMostLikely) {
+  std::vector<float> logits = {1.0f, 3.0f, 2.0f, 3.0f, -1.0f};
+  const TokenLogProb scored = ScoreToken(logits, 2, 3);
+  EXPECT_EQ(scored.token, 2);
+  EXPECT_NEAR(scored.logprob, LogProb(logits, 2), 1e-6);
+  ASSERT_EQ(scored.top.size(), 3u);
+  // Most likely first, lowest id on ties.
+  EXPECT_EQ(scored.top[0].first, 1);
+  EXPECT_EQ(scored.top[1].first, 3);
+  EXPECT_EQ(scored.top[2].first, 2);
+  EXPECT_NEAR(scored.top[0].second, LogProb(logits, 1), 1e-6);
+  EXPECT_TRUE(ScoreToken(logits, 0, 0).top.empty());
+  EXPECT_EQ(ScoreToken(logits, 0, 99).top.size(), logits.size());
+}
+
+TEST(Sampler, PenaltiesLowerWhatWasGenerated) {
+  std::vector<float> logits = {5.0f, 4.5f, 0.0f};
+  Penalties none(0.0f, 0.0f);
+  none.Add(0);
+  EXPECT_EQ(none.Apply(logits).data(), logits.data());
+  Penalties p(0.5f, 0.25f);
+  EXPECT_EQ(p.Apply(logits)[0], 5.0f);  // nothing generated yet
+  p.Add(0);
+  p.Add(0);
+  p.Add(2);
+  absl::Span<const float> out = p.Apply(logits);
+  EXPECT_FLOAT_EQ(out[0], 5.0f - 2 * 0.5f - 0.25f);
+  EXPECT_FLOAT_EQ(out[1], 4.5f);
+  EXPECT_FLOAT_EQ(out[2], 0.0f - 0.5f - 0.25f);
+  // Greedy now picks the token not yet said.
+  EXPECT_EQ(Argmax(out), 1);
+  EXPECT_EQ(logits[0], 5.0f);  // the input is untouched
 }
 
 }  // namespace

@@ -80,3 +80,8 @@ fi
 if ! python3 -c 'import prometheus_client' >/dev/null 2>&1; then
   pip_install prometheus_client
 fi
+# lm-evaluation-harness (its API models only: no torch) scores a local task
+# through the HTTP API's logprobs and tokenizer routes.
+if ! python3 -c 'import lm_eval' >/dev/null 2>&1; then
+  pip_install 'lm_eval[api]==0.4.13'
+fi

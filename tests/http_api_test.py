@@ -300,11 +300,13 @@ class Stories260K(unittest.TestCase):
                 ({"prompt": "x", "temperature": -1}, "temperature"),
                 ({"prompt": "x", "top_p": 0}, "top_p"),
                 ({"prompt": "x", "n": 2}, "n"),
-                ({"prompt": "x", "logprobs": 1}, "logprobs"),
-                ({"prompt": "x", "echo": True}, "echo"),
-                ({"prompt": "x", "frequency_penalty": 0.5},
+                ({"prompt": "x", "logprobs": 21}, "logprobs"),
+                ({"prompt": "x", "logprobs": True}, "logprobs"),
+                ({"prompt": "x", "top_logprobs": 2}, "top_logprobs"),
+                ({"prompt": "x", "echo": "yes"}, "echo"),
+                ({"prompt": "x", "frequency_penalty": 2.5},
                  "frequency_penalty"),
-                ({"prompt": "x", "presence_penalty": -1}, "presence_penalty"),
+                ({"prompt": "x", "presence_penalty": -3}, "presence_penalty"),
                 ({"prompt": "x", "best_of": 3}, "best_of"),
                 ({"prompt": "x", "logit_bias": {"5": 10}}, "logit_bias"),
                 ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
@@ -322,9 +324,16 @@ class Stories260K(unittest.TestCase):
                           {"messages": []})
         self.assert_error(code, body, 400, ["messages"])
         hello = [{"role": "user", "content": "hi"}]
-        for bad, param in [({"logprobs": True}, "logprobs"),
-                           ({"top_logprobs": 3}, "top_logprobs"),
-                           ({"tools": [{"type": "function"}]}, "tools"),
+        for bad, param, words in [
+                ({"top_logprobs": 3}, "top_logprobs", ["'logprobs': true"]),
+                ({"logprobs": True, "top_logprobs": 21}, "top_logprobs",
+                 ["[0, 20]"]),
+                ({"echo": True}, "echo", ["completions"])]:
+            code, body = post(self.server.base + "/v1/chat/completions",
+                              {"messages": hello, "max_tokens": 2, **bad})
+            self.assert_error(code, body, 400, words)
+            self.assertEqual(body["error"]["param"], param, bad)
+        for bad, param in [({"tools": [{"type": "function"}]}, "tools"),
                            ({"response_format": {"type": "json_object"}},
                             "response_format")]:
             code, body = post(self.server.base + "/v1/chat/completions",
@@ -348,6 +357,227 @@ class Stories260K(unittest.TestCase):
         # The server keeps serving.
         self.assertEqual(post(url, {"prompt": "Once", "max_tokens": 2})[0],
                          200)
+
+    def test_echo_logprobs_equal_the_perplexity_commands(self):
+        # The same text scored by `infinigen perplexity` (BOS, then the
+        # text's tokens, densely) and by an echo with logprobs.
+        text = ("Once upon a time, there was a little girl named Lily. She "
+                "liked to play with her red ball in the park.")
+        with tempfile.TemporaryDirectory(prefix="http_api_ppl_") as d:
+            path = os.path.join(d, "text.txt")
+            scores = os.path.join(d, "tokens.jsonl")
+            with open(path, "w") as f:
+                f.write(text)
+            r = subprocess.run(
+                [BIN, "perplexity", f"--model={MODEL}", f"--tokenizer={TOK}",
+                 f"--text={path}", "--ctx=256", "--backend=cpu",
+                 f"--token_logprobs={scores}"],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                timeout=120)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            with open(scores) as f:
+                expected = [json.loads(line) for line in f]
+        r = self.client.completions.create(
+            model="stories260K", prompt=text, max_tokens=1, temperature=0,
+            echo=True, logprobs=2)
+        lp = r.choices[0].logprobs
+        self.assertTrue(r.choices[0].text.startswith(text))
+        # BOS (unscored), the text's tokens, the generated token.
+        self.assertEqual(len(lp.token_logprobs), len(expected) + 2)
+        self.assertIsNone(lp.token_logprobs[0])
+        self.assertIsNone(lp.top_logprobs[0])
+        for got, want in zip(lp.token_logprobs[1:-1], expected):
+            self.assertAlmostEqual(got, want["logprob"], places=5)
+        self.assertEqual("".join(lp.tokens), r.choices[0].text)
+        self.assertEqual(lp.text_offset[1:],
+                         [sum(len(t) for t in lp.tokens[:i])
+                          for i in range(1, len(lp.tokens))])
+        for token, value, top in zip(lp.tokens[1:], lp.token_logprobs[1:],
+                                     lp.top_logprobs[1:]):
+            self.assertEqual(top[token], value)
+            self.assertLessEqual(len(top), 3)
+            self.assertGreaterEqual(max(top.values()), value)
+
+    def test_logprobs_of_generated_tokens_chat_and_streams(self):
+        r = self.client.completions.create(
+            model="stories260K", prompt="Once upon a time", max_tokens=12,
+            temperature=0, logprobs=3)
+        lp = r.choices[0].logprobs
+        self.assertEqual("".join(lp.tokens), r.choices[0].text)
+        self.assertEqual(len(lp.tokens), r.usage.completion_tokens)
+        for value, top in zip(lp.token_logprobs, lp.top_logprobs):
+            # Greedy: each token is its row's most likely one.
+            self.assertEqual(value, max(top.values()))
+            self.assertLess(value, 0)
+        chunks = list(self.client.completions.create(
+            model="stories260K", prompt="Once upon a time", max_tokens=12,
+            temperature=0, logprobs=3, stream=True))
+        streamed = [(t, v) for c in chunks if c.choices[0].logprobs
+                    for t, v in zip(c.choices[0].logprobs.tokens,
+                                    c.choices[0].logprobs.token_logprobs)]
+        self.assertEqual(streamed, list(zip(lp.tokens, lp.token_logprobs)))
+        hello = [{"role": "user", "content": "Tell me a story"}]
+        c = self.client.chat.completions.create(
+            model="stories260K", messages=hello, max_tokens=8, temperature=0,
+            logprobs=True, top_logprobs=2)
+        content = c.choices[0].logprobs.content
+        self.assertEqual(len(content), c.usage.completion_tokens)
+        self.assertEqual("".join(e.token for e in content),
+                         c.choices[0].message.content)
+        for e in content:
+            self.assertEqual(len(e.top_logprobs), 2)
+            self.assertEqual(e.logprob, e.top_logprobs[0].logprob)
+            self.assertEqual(bytes(e.bytes).decode(errors="replace"), e.token)
+        plain = self.client.chat.completions.create(
+            model="stories260K", messages=hello, max_tokens=8, temperature=0)
+        self.assertIsNone(plain.choices[0].logprobs)
+
+    def test_penalties_change_what_repeats(self):
+        def tokens(**penalty):
+            r = self.client.completions.create(
+                model="stories260K", prompt="Once upon a time",
+                max_tokens=60, temperature=0, logprobs=0, **penalty)
+            return r.choices[0].logprobs.tokens
+        plain = tokens()
+        for penalty in ({"presence_penalty": 2.0},
+                        {"frequency_penalty": 2.0}):
+            penalized = tokens(**penalty)
+            self.assertNotEqual(penalized, plain, penalty)
+            # Fewer repeats: more distinct tokens in as many.
+            self.assertGreater(len(set(penalized)), len(set(plain)), penalty)
+        # A negative penalty favours what was said.
+        self.assertLess(len(set(tokens(presence_penalty=-2.0))),
+                        len(set(plain)))
+
+    def test_the_requests_of_an_evaluation_harness(self):
+        # lm-evaluation-harness's local-completions with the server's
+        # tokenizer: /tokenize, then a batch of one token-id prompt with
+        # echo, logprobs 1 and max_tokens 1; it reads token_logprobs[ctxlen:-1].
+        base = self.server.base
+        code, info = curl("-H", f"Authorization: Bearer {KEY}",
+                          base + "/tokenizer_info")
+        self.assertEqual(code, 200)
+        info = json.loads(info)
+        self.assertIn("eos_token", info)
+        self.assertEqual(info["eos_token_id"], 2)
+        context, continuation = "Once upon a time, there was a", " little"
+        code, ctx = post(base + "/tokenize",
+                         {"prompt": context, "add_special_tokens": False})
+        self.assertEqual(code, 200, ctx)
+        code, whole = post(base + "/tokenize",
+                           {"prompt": context + continuation,
+                            "add_special_tokens": False})
+        self.assertEqual(whole["count"], len(whole["tokens"]))
+        self.assertEqual(whole["tokens"][:len(ctx["tokens"])], ctx["tokens"])
+        self.assertNotEqual(whole["tokens"][0], 1)  # no BOS
+        code, bos = post(base + "/tokenize", {"prompt": "Once"})
+        self.assertEqual(bos["tokens"][0], 1)
+        code, text = post(base + "/detokenize", {"tokens": whole["tokens"]})
+        self.assertEqual(code, 200)
+        self.assertEqual(text["prompt"].strip(),
+                         (context + continuation).strip())
+        for route, bad, param in [("/tokenize", {"prompt": 5}, "prompt"),
+                                  ("/detokenize", {"tokens": [1, 99999]},
+                                   "tokens"),
+                                  ("/detokenize", {"tokens": "abc"},
+                                   "tokens")]:
+            code, body = post(base + route, bad)
+            self.assert_error(code, body, 400)
+            self.assertEqual(body["error"]["param"], param)
+        code, body = post(base + "/v1/completions",
+                          {"model": "stories260K", "prompt": [whole["tokens"]],
+                           "temperature": 0, "max_tokens": 1, "logprobs": 1,
+                           "echo": True, "seed": 1234})
+        self.assertEqual(code, 200, body)
+        lp = body["choices"][0]["logprobs"]
+        n = len(whole["tokens"])
+        self.assertEqual(len(lp["token_logprobs"]), n + 1)
+        self.assertIsNone(lp["token_logprobs"][0])
+        scored = lp["token_logprobs"][len(ctx["tokens"]):-1]
+        self.assertEqual(len(scored), n - len(ctx["tokens"]))
+        # " little" is stories260K's greedy choice here.
+        for value, top in zip(scored,
+                              lp["top_logprobs"][len(ctx["tokens"]):-1]):
+            self.assertEqual(value, max(top.values()))
+
+    @unittest.skipUnless(shutil.which("python3") and
+                         subprocess.run(["python3", "-c", "import lm_eval"],
+                                        stderr=subprocess.DEVNULL).returncode
+                         == 0, "lm_eval is not installed")
+    def test_lm_evaluation_harness_scores_a_local_task(self):
+        # The real harness, offline, with the server's own tokenizer, on a
+        # two-item multiple-choice task where stories260K knows the answer.
+        items = [
+            {"context": "Once upon a time, there was a little",
+             "choices": [" girl", " table", " seven"], "gold": 0},
+            {"context": "Lily went to the park. She saw a big",
+             "choices": [" dog", " was", " the"], "gold": 0}]
+        with tempfile.TemporaryDirectory(prefix="http_api_lm_eval_") as d:
+            with open(os.path.join(d, "items.jsonl"), "w") as f:
+                for item in items:
+                    f.write(json.dumps(item) + "\n")
+            with open(os.path.join(d, "infinigen_local.yaml"), "w") as f:
+                f.write(
+                    "task: infinigen_local\n"
+                    "dataset_path: json\n"
+                    "dataset_kwargs:\n"
+                    "  data_files:\n"
+                    f"    test: {d}/items.jsonl\n"
+                    "test_split: test\n"
+                    "output_type: multiple_choice\n"
+                    "doc_to_text: '{{context}}'\n"
+                    "doc_to_choice: '{{choices}}'\n"
+                    "doc_to_target: gold\n"
+                    "target_delimiter: ''\n"
+                    "metric_list:\n"
+                    "  - metric: acc\n"
+                    "    aggregation: mean\n"
+                    "    higher_is_better: true\n")
+            env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
+                       HF_HOME=os.path.join(d, "hf"), OPENAI_API_KEY=KEY)
+            r = subprocess.run(
+                ["python3", "-m", "lm_eval", "--model", "local-completions",
+                 "--model_args",
+                 f"base_url={self.server.base}/v1/completions,"
+                 "model=stories260K,tokenizer_backend=remote,"
+                 f"auth_token={KEY},num_concurrent=1,max_retries=1",
+                 "--tasks", "infinigen_local", "--include_path", d,
+                 "--output_path", os.path.join(d, "out"), "--log_samples"],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                env=env, timeout=300)
+            self.assertEqual(r.returncode, 0, r.stdout[-3000:])
+            results = samples = None
+            for root, _, files in os.walk(os.path.join(d, "out")):
+                for name in files:
+                    path = os.path.join(root, name)
+                    if name.startswith("results"):
+                        with open(path) as f:
+                            results = json.load(f)
+                    elif name.startswith("samples"):
+                        with open(path) as f:
+                            samples = [json.loads(line) for line in f]
+        self.assertIsNotNone(results, r.stdout[-3000:])
+        self.assertEqual(
+            results["results"]["infinigen_local"]["acc,none"], 1.0)
+        # Each choice's log-likelihood is what the server gives for it.
+        self.assertEqual(len(samples), len(items))
+        for sample in samples:
+            item = sample["doc"]
+            for choice, resp in zip(item["choices"], sample["resps"]):
+                _, ctx = post(self.server.base + "/tokenize",
+                              {"prompt": item["context"],
+                               "add_special_tokens": False})
+                _, whole = post(self.server.base + "/tokenize",
+                                {"prompt": item["context"] + choice,
+                                 "add_special_tokens": False})
+                _, body = post(self.server.base + "/v1/completions",
+                               {"prompt": whole["tokens"], "max_tokens": 1,
+                                "logprobs": 1, "echo": True,
+                                "temperature": 0})
+                lp = body["choices"][0]["logprobs"]["token_logprobs"]
+                self.assertAlmostEqual(float(resp[0][0]),
+                                       sum(lp[len(ctx["tokens"]):-1]),
+                                       places=6)
 
     def test_unknown_model_and_route_are_404(self):
         with self.assertRaises(openai.NotFoundError) as e:

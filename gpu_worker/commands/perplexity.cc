@@ -1,6 +1,8 @@
 // infinigen perplexity: scores a text file in windows (gpu_worker/eval/perplexity.h).
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -17,6 +19,11 @@ ABSL_FLAG(int, prompt_tokens, 0,
           "perplexity: dense prefix per window; later tokens are decoded one "
           "at a time through --policy and scored. 0: score every position "
           "densely (no policy).");
+
+ABSL_FLAG(std::string, token_logprobs, "",
+          "perplexity: also write every scored token's log-probability to "
+          "this file, a JSON line each: {\"window\", \"position\" (in the "
+          "window, BOS at 0), \"token\", \"logprob\"}. Empty: none.");
 
 namespace infinigen::commands {
 namespace {
@@ -121,8 +128,31 @@ int RunPerplexity() {
   setup->options.max_seq_len = o.ctx;
   auto engine = CreateEngine(run->model.weights, setup->options);
   if (!engine.ok()) return EngineFailure(engine.status());
+  std::FILE* token_file = nullptr;
+  if (const std::string path = absl::GetFlag(FLAGS_token_logprobs);
+      !path.empty()) {
+    token_file = std::fopen(path.c_str(), "w");
+    if (token_file == nullptr) {
+      return Fail(kExitUsage,
+                  absl::InvalidArgumentError(absl::StrFormat(
+                      "--token_logprobs: cannot write %s: %s", path,
+                      std::strerror(errno))));
+    }
+    o.on_token = [token_file](int window, int position, int token,
+                              double logprob) {
+      std::fprintf(token_file,
+                   "{\"window\": %d, \"position\": %d, \"token\": %d, "
+                   "\"logprob\": %.9g}\n",
+                   window, position, token, logprob);
+    };
+  }
   auto result =
       gpu_worker::ScorePerplexity(**engine, run->tokens, o, PrintProgress);
+  if (token_file != nullptr && std::fclose(token_file) != 0 && result.ok()) {
+    return Fail(kExitFailure, absl::DataLossError(absl::StrFormat(
+                                  "--token_logprobs: writing failed: %s",
+                                  std::strerror(errno))));
+  }
   if (!result.ok()) return Fail(kExitFailure, result.status());
   PrintResult(o, setup->options.kv, *result);
   return 0;
@@ -138,7 +168,8 @@ const Command& PerplexityCommand() {
       "decodes through a KV policy and reports the rows it fetched; with "
       "--json, then a JSON line with the run's settings and figures.",
       WithEngineFlags({"model", "tokenizer", "text", "ctx", "max_windows",
-                       "json", "prompt_tokens", "same_layer_input",
+                       "json", "prompt_tokens", "token_logprobs",
+                       "same_layer_input",
                        "calibration_tokens"}),
       RunPerplexity};
   return *command;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <functional>
 #include <vector>
 
 #include "absl/strings/str_format.h"
@@ -26,17 +27,22 @@ int TextPerWindow(const PerplexityOptions& o) {
   return o.bos >= 0 ? o.ctx - 1 : o.ctx;
 }
 
+// One scored token of a window: its position, the token, its log-prob.
+using TokenScored = std::function<void(int position, int token, double lp)>;
+
 // Scores one window teacher-forced: a dense prefix, then one token at a
 // time; position i's logits predict token i + 1, for i >= prefix - 1.
 absl::Status ScoreDecoded(Engine& engine, absl::Span<const int> window,
-                          int prompt_tokens, double& nll_sum,
-                          long& predicted) {
+                          int prompt_tokens, const TokenScored& scored,
+                          double& nll_sum, long& predicted) {
   const int len = static_cast<int>(window.size());
   const int prefix = std::min(prompt_tokens, len - 1);
   auto logits = engine.Forward(window.subspan(0, prefix), /*all_logits=*/false);
   for (int i = prefix - 1; i + 1 < len; ++i) {
     if (!logits.ok()) return logits.status();
-    nll_sum -= LogProb(*logits, window[i + 1]);
+    const double lp = LogProb(*logits, window[i + 1]);
+    if (scored) scored(i + 1, window[i + 1], lp);
+    nll_sum -= lp;
     ++predicted;
     if (i + 2 < len) logits = engine.Forward({window[i + 1]}, false);
   }
@@ -45,7 +51,8 @@ absl::Status ScoreDecoded(Engine& engine, absl::Span<const int> window,
 
 // Scores every position of one window densely, in the engine's chunks.
 absl::Status ScoreDense(Engine& engine, absl::Span<const int> window,
-                        double& nll_sum, long& predicted) {
+                        const TokenScored& scored, double& nll_sum,
+                        long& predicted) {
   const int len = static_cast<int>(window.size());
   const int vocab = engine.config().vocab_size;
   for (int start = 0; start + 1 < len; start += engine.max_chunk()) {
@@ -54,8 +61,11 @@ absl::Status ScoreDense(Engine& engine, absl::Span<const int> window,
                         engine.Forward(window.subspan(start, n),
                                        /*all_logits=*/true));
     for (int i = 0; i < n; ++i) {
-      nll_sum -= LogProb(logits.subspan(static_cast<size_t>(i) * vocab, vocab),
-                         window[start + i + 1]);
+      const int target = window[start + i + 1];
+      const double lp =
+          LogProb(logits.subspan(static_cast<size_t>(i) * vocab, vocab), target);
+      if (scored) scored(start + i + 1, target, lp);
+      nll_sum -= lp;
     }
     predicted += n;
   }
@@ -100,12 +110,19 @@ absl::StatusOr<PerplexityResult> ScorePerplexity(
     const size_t end = std::min(tokens.size(), begin + text_per_window);
     window.insert(window.end(), tokens.begin() + begin, tokens.begin() + end);
     IG_RETURN_IF_ERROR(engine.Reset());
+    TokenScored scored;
+    if (options.on_token) {
+      scored = [&options, w](int position, int token, double lp) {
+        options.on_token(w, position, token, lp);
+      };
+    }
     if (options.prompt_tokens > 0) {
       IG_RETURN_IF_ERROR(ScoreDecoded(engine, window, options.prompt_tokens,
-                                      nll_sum, r.predicted));
+                                      scored, nll_sum, r.predicted));
       r.fetch.Add(engine.fetch_stats());
     } else {
-      IG_RETURN_IF_ERROR(ScoreDense(engine, window, nll_sum, r.predicted));
+      IG_RETURN_IF_ERROR(
+          ScoreDense(engine, window, scored, nll_sum, r.predicted));
     }
     r.seconds = std::chrono::duration<double>(
                     std::chrono::steady_clock::now() - t0)

@@ -24,6 +24,10 @@ struct PerplexityOptions {
   int max_windows = 0;    // score at most this many windows; 0: all
   int prompt_tokens = 0;  // dense prefix per window; 0: all dense
   int bos = -1;           // prepended to every window when >= 0
+  // Called for every scored token in order: its window (0-based), its
+  // position in the window (BOS at 0), the token and its log-probability.
+  std::function<void(int window, int position, int token, double logprob)>
+      on_token;
 };
 
 // Where a run stands after a window, for progress lines.

@@ -216,6 +216,23 @@ GenerationScheduler::NewSequence(const GenerationRequest& r) const {
     return absl::InvalidArgumentError(
         absl::StrCat("top_p must be in (0, 1], got ", r.top_p));
   }
+  for (const auto& [name, value] :
+       {std::pair{"frequency_penalty", r.frequency_penalty},
+        std::pair{"presence_penalty", r.presence_penalty}}) {
+    if (!(value >= -2.0f && value <= 2.0f)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, " must be in [-2, 2], got ", value));
+    }
+  }
+  if (r.logprobs < -1 || r.logprobs > kMaxTopLogprobs) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("top logprobs must be in [0, ", kMaxTopLogprobs,
+                     "], got ", r.logprobs));
+  }
+  if (r.prompt_logprobs && r.logprobs < 0) {
+    return absl::InvalidArgumentError(
+        "prompt log-probabilities need logprobs >= 0");
+  }
   std::vector<int> prompt;
   if (!r.prompt.empty()) {
     prompt = tokenizer_.Encode(r.prompt, /*add_bos=*/true);
@@ -242,7 +259,10 @@ GenerationScheduler::NewSequence(const GenerationRequest& r) const {
   }
   IG_ASSIGN_OR_RETURN(Sampler sampler,
                       Sampler::Create({r.temperature, r.top_p, r.seed}));
-  auto seq = std::make_unique<Sequence>(std::move(sampler));
+  auto seq = std::make_unique<Sequence>(
+      std::move(sampler), Penalties(r.frequency_penalty, r.presence_penalty));
+  seq->logprobs = r.logprobs;
+  seq->prompt_logprobs = r.prompt_logprobs;
   seq->stream = std::make_shared<GenerationStream>();
   seq->prompt = std::move(prompt);
   seq->prev = seq->prompt.back();
@@ -440,8 +460,23 @@ void GenerationScheduler::Prefill(Sequence& seq) {
     return;
   }
   seq.prefill_start = absl::Now();
-  absl::StatusOr<absl::Span<const float>> logits =
-      engine_->Forward(seq.slot, seq.prompt, /*all_logits=*/false);
+  absl::StatusOr<absl::Span<const float>> logits;
+  if (seq.prompt_logprobs) {
+    // Row i scores prompt token i + 1; the last row is the first new
+    // token's, scored by Advance.
+    const int n = static_cast<int>(seq.prompt.size());
+    seq.prompt_scores.clear();
+    seq.prompt_scores.reserve(n - 1);
+    logits = engine_->ForwardEachRow(
+        seq.slot, seq.prompt, [&seq, n](int i, absl::Span<const float> row) {
+          if (i + 1 < n) {
+            seq.prompt_scores.push_back(
+                ScoreToken(row, seq.prompt[i + 1], seq.logprobs));
+          }
+        });
+  } else {
+    logits = engine_->Forward(seq.slot, seq.prompt, /*all_logits=*/false);
+  }
   NoteRecoveries();
   if (!logits.ok()) {
     NoteKvDownSince(seq.prefill_start);
@@ -483,11 +518,14 @@ void GenerationScheduler::DecodeStep() {
 
 void GenerationScheduler::Advance(Sequence& seq,
                                   absl::Span<const float> logits) {
-  const int next = seq.sampler.Sample(logits);
+  const int next = seq.sampler.Sample(seq.penalties.Apply(logits));
+  seq.penalties.Add(next);
   seq.last_token = absl::Now();
   if (seq.first_token == absl::InfinitePast()) seq.first_token = seq.last_token;
+  std::optional<TokenLogProb> scored;
+  if (seq.logprobs >= 0) scored = ScoreToken(logits, next, seq.logprobs);
   if (next == engine_->config().eos_id || tokenizer_.IsControl(next)) {
-    Finish(seq, FinishReason::kEndToken);
+    Finish(seq, FinishReason::kEndToken, std::move(scored));
     return;
   }
   GenerationEvent event;
@@ -495,6 +533,9 @@ void GenerationScheduler::Advance(Sequence& seq,
   event.token = next;
   event.text = seq.text.Add(tokenizer_.DecodeToken(seq.prev, next));
   event.cached_tokens = seq.cached;
+  event.logprob = std::move(scored);
+  event.prompt_logprobs = std::move(seq.prompt_scores);
+  seq.prompt_scores.clear();
   seq.stream->Push(std::move(event));
   seq.prev = next;
   ++seq.generated;
@@ -512,9 +553,13 @@ std::string GenerationScheduler::Where(const Sequence& seq) {
   return seq.slot < 0 ? "(queued)" : absl::StrCat("in slot ", seq.slot);
 }
 
-void GenerationScheduler::Finish(Sequence& seq, FinishReason reason) {
+void GenerationScheduler::Finish(Sequence& seq, FinishReason reason,
+                                 std::optional<TokenLogProb> end_logprob) {
   GenerationEvent event;
   event.kind = GenerationEvent::Kind::kFinished;
+  event.logprob = std::move(end_logprob);
+  event.prompt_logprobs = std::move(seq.prompt_scores);
+  seq.prompt_scores.clear();
   GenerationSummary& s = event.summary;
   s.reason = reason;
   s.prompt_tokens = static_cast<int>(seq.prompt.size());

@@ -32,6 +32,7 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -59,7 +60,19 @@ struct GenerationRequest {
   float temperature = 0.0f;  // 0: greedy
   float top_p = 1.0f;        // in (0, 1]
   uint64_t seed = 0;
+  // OpenAI's penalties on tokens already generated, each in [-2, 2].
+  float frequency_penalty = 0.0f;
+  float presence_penalty = 0.0f;
+  // -1: no log-probabilities; k >= 0: each chosen token's (the end token's
+  // too) with the k most likely tokens of its row, k at most kMaxTopLogprobs.
+  int logprobs = -1;
+  // The prompt's tokens' log-probabilities too (each but the first, with
+  // the same k; needs logprobs >= 0). The prompt is then computed whole:
+  // no prefix reuse.
+  bool prompt_logprobs = false;
 };
+// The most alternatives a request may ask for per token.
+inline constexpr int kMaxTopLogprobs = 20;
 
 enum class FinishReason {
   kLength,       // max_new_tokens generated
@@ -92,6 +105,12 @@ struct GenerationEvent {
   int token = -1;            // kToken
   std::string text;          // kToken: whole UTF-8 characters, maybe empty
   int cached_tokens = 0;     // kToken: prompt tokens whose KV was reused
+  // With GenerationRequest::logprobs >= 0: kToken's token, or on kFinished
+  // by kEndToken the end token the model chose.
+  std::optional<TokenLogProb> logprob;
+  // With prompt_logprobs, on the first event (kToken or kFinished): prompt
+  // tokens 1, 2, ... (the first has no logits to be scored by).
+  std::vector<TokenLogProb> prompt_logprobs;
   GenerationSummary summary;  // kFinished
   absl::Status status;       // kError
 };
@@ -217,11 +236,17 @@ class GenerationScheduler {
  private:
   // One request, from Submit to its last event.
   struct Sequence {
-    explicit Sequence(Sampler s) : sampler(std::move(s)) {}
+    Sequence(Sampler s, Penalties p)
+        : sampler(std::move(s)), penalties(std::move(p)) {}
     std::shared_ptr<GenerationStream> stream;
     std::vector<int> prompt;
     int max_new_tokens = 0;
     Sampler sampler;
+    Penalties penalties;
+    int logprobs = -1;             // GenerationRequest's
+    bool prompt_logprobs = false;  // GenerationRequest's
+    // Scored by the prefill; sent with the first event.
+    std::vector<TokenLogProb> prompt_scores;
     int slot = -1;
     int prev = -1;       // last token of the sequence so far
     int next = -1;       // sampled, to be fed at the next decode step
@@ -250,7 +275,9 @@ class GenerationScheduler {
   void DecodeStep();
   // End a sequence (done = true); ReleaseDone frees the slots after the
   // engine's logits have been read.
-  void Finish(Sequence& seq, FinishReason reason);
+  // end_logprob: the end token's log-probability, when asked for.
+  void Finish(Sequence& seq, FinishReason reason,
+              std::optional<TokenLogProb> end_logprob = std::nullopt);
   void Fail(Sequence& seq, const absl::Status& status);
   void Drop(Sequence& seq);  // cancelled by its consumer
   void ReleaseDone();

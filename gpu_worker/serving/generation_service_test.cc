@@ -693,6 +693,81 @@ TEST_F(GenerationServiceTest, AFinishedSequenceIsRecordedBeforeItsEnd) {
   EXPECT_EQ(records.size(), 2u);  // leaving the slot records nothing more
 }
 
+// Log-probabilities are the same whatever the policy: the prompt's come
+// from the dense prefill (every row computed), the generated tokens' from
+// the logits the sampler saw; bad logprob and penalty settings are refused.
+TEST_F(GenerationServiceTest, LogprobsOfThePromptAndEachToken) {
+  auto run = [](GenerationScheduler& scheduler, const GenerationRequest& r) {
+    std::vector<GenerationEvent> events;
+    auto stream = scheduler.Submit(r);
+    EXPECT_TRUE(stream.ok()) << stream.status();
+    if (!stream.ok()) return events;
+    GenerationEvent event;
+    do {
+      EXPECT_TRUE((*stream)->Next(absl::Seconds(60), &event));
+      events.push_back(event);
+    } while (event.kind == GenerationEvent::Kind::kToken);
+    return events;
+  };
+  GenerationRequest r{kPrompt, {}, 6};
+  r.logprobs = 2;
+  r.prompt_logprobs = true;
+  std::vector<std::vector<GenerationEvent>> runs;
+  for (const char* policy : {"ideal", "full", "h2o"}) {
+    std::unique_ptr<GenerationScheduler> scheduler = NewScheduler(2, {}, policy);
+    ASSERT_NE(scheduler, nullptr) << policy;
+    scheduler->Start();
+    runs.push_back(run(*scheduler, r));
+    if (std::string(policy) == "ideal") {
+      GenerationRequest bad = r;
+      bad.logprobs = kMaxTopLogprobs + 1;
+      EXPECT_EQ(scheduler->Submit(bad).status().code(),
+                absl::StatusCode::kInvalidArgument);
+      bad = r;
+      bad.logprobs = -1;
+      EXPECT_EQ(scheduler->Submit(bad).status().code(),
+                absl::StatusCode::kInvalidArgument);
+      bad = r;
+      bad.presence_penalty = 2.5f;
+      EXPECT_EQ(scheduler->Submit(bad).status().code(),
+                absl::StatusCode::kInvalidArgument);
+    }
+    scheduler->Shutdown(absl::Seconds(10));
+  }
+  const std::vector<GenerationEvent>& ideal = runs[0];
+  ASSERT_GE(ideal.size(), 2u);
+  ASSERT_EQ(ideal[0].kind, GenerationEvent::Kind::kToken);
+  const std::vector<int> prompt = tokenizer_->Encode(kPrompt, true);
+  ASSERT_EQ(ideal[0].prompt_logprobs.size(), prompt.size() - 1);
+  for (size_t i = 0; i + 1 < prompt.size(); ++i) {
+    const TokenLogProb& p = ideal[0].prompt_logprobs[i];
+    EXPECT_EQ(p.token, prompt[i + 1]);
+    EXPECT_LE(p.logprob, 0.0f);
+    ASSERT_EQ(p.top.size(), 2u);
+    EXPECT_GE(p.top[0].second, p.logprob);
+  }
+  for (const GenerationEvent& e : ideal) {
+    if (e.kind != GenerationEvent::Kind::kToken) continue;
+    ASSERT_TRUE(e.logprob.has_value());
+    EXPECT_EQ(e.logprob->token, e.token);
+    // Greedy: the chosen token is the row's most likely.
+    EXPECT_EQ(e.logprob->top[0].first, e.token);
+  }
+  EXPECT_TRUE(ideal[1].prompt_logprobs.empty());  // only on the first event
+  for (size_t run = 1; run < runs.size(); ++run) {
+    ASSERT_FALSE(runs[run].empty());
+    const auto& a = ideal[0].prompt_logprobs;
+    const auto& b = runs[run][0].prompt_logprobs;
+    ASSERT_EQ(a.size(), b.size()) << run;
+    for (size_t i = 0; i < a.size(); ++i) {
+      EXPECT_NEAR(a[i].logprob, b[i].logprob, 1e-4) << run << " " << i;
+    }
+    ASSERT_TRUE(runs[run][0].logprob.has_value());
+    EXPECT_NEAR(runs[run][0].logprob->logprob, ideal[0].logprob->logprob,
+                1e-4);
+  }
+}
+
 // A memory node known to be down: once it has been down longer than
 // kv_down_wait, queued requests fail at once and new ones are refused at
 // once (Unavailable, naming it), not one timeout after another; once it is

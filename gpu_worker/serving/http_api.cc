@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <thread>
 #include <optional>
@@ -149,6 +150,113 @@ class StopMatcher {
   bool stopped_ = false;
 };
 
+// A token of the answer with its log-probability; `prompt`: a prompt token
+// (echo), the first of which has no score (logprob.token set, top empty,
+// logprob NaN).
+struct ScoredToken {
+  TokenLogProb logprob;
+  bool prompt = false;
+};
+
+// Valid UTF-8 (a byte token's lone byte becomes U+FFFD), for JSON.
+std::string Utf8(std::string_view bytes) {
+  Utf8Assembler a;
+  std::string out = a.Add(bytes);
+  return out + a.Flush();
+}
+
+json Bytes(absl::string_view piece) {
+  json out = json::array();
+  for (unsigned char c : piece) out.push_back(static_cast<int>(c));
+  return out;
+}
+
+// OpenAI's logprobs objects from scored tokens: completions' {tokens,
+// token_logprobs, top_logprobs, text_offset}, chat's {content: [{token,
+// logprob, bytes, top_logprobs}]}. Keeps the text offsets of the tokens it
+// has seen, so a stream's chunks continue them.
+class LogprobsJson {
+ public:
+  LogprobsJson(const CompletionParams& p, const model::Tokenizer& tokenizer)
+      : p_(p), tokenizer_(tokenizer) {}
+
+  // The object for scored[begin, end). completion_bytes: the answer's
+  // generated text, after a stop sequence cut it (npos: not cut); tokens
+  // that begin at or after it are left out.
+  json Build(const std::vector<ScoredToken>& scored, size_t begin,
+             size_t end, size_t completion_bytes) {
+    json tokens = json::array(), token_logprobs = json::array(),
+         top_logprobs = json::array(), offsets = json::array(),
+         content = json::array();
+    for (size_t i = begin; i < end; ++i) {
+      const ScoredToken& t = scored[i];
+      const int token = t.logprob.token;
+      const std::string piece = Piece(prev_, token);
+      if (!t.prompt && completion_bytes != std::string::npos &&
+          completion_offset_ >= completion_bytes) {
+        break;
+      }
+      const bool unscored = t.prompt && prev_ < 0;
+      if (p_.chat) {
+        json entry{{"token", Utf8(piece)},
+                   {"logprob", t.logprob.logprob},
+                   {"bytes", Bytes(piece)}};
+        json top = json::array();
+        for (const auto& [id, lp] : t.logprob.top) {
+          const std::string alt = Piece(prev_, id);
+          top.push_back(
+              json{{"token", Utf8(alt)}, {"logprob", lp}, {"bytes", Bytes(alt)}});
+        }
+        entry["top_logprobs"] = std::move(top);
+        content.push_back(std::move(entry));
+      } else {
+        tokens.push_back(Utf8(piece));
+        offsets.push_back(text_offset_);
+        if (unscored) {
+          token_logprobs.push_back(nullptr);
+          top_logprobs.push_back(nullptr);
+        } else {
+          token_logprobs.push_back(t.logprob.logprob);
+          // The chosen token is listed beside the k most likely, as
+          // OpenAI's and vLLM's servers do.
+          json top = json::object();
+          for (const auto& [id, lp] : t.logprob.top) {
+            top[Utf8(Piece(prev_, id))] = lp;
+          }
+          top[Utf8(piece)] = t.logprob.logprob;
+          top_logprobs.push_back(std::move(top));
+        }
+      }
+      text_offset_ += piece.size();
+      if (!t.prompt) completion_offset_ += piece.size();
+      prev_ = token;
+    }
+    if (p_.chat) return json{{"content", std::move(content)}, {"refusal", nullptr}};
+    return json{{"tokens", std::move(tokens)},
+                {"token_logprobs", std::move(token_logprobs)},
+                {"top_logprobs", std::move(top_logprobs)},
+                {"text_offset", std::move(offsets)}};
+  }
+
+ private:
+  // A token's text after `prev`; the first generated token follows the
+  // prompt's last.
+  std::string Piece(int prev, int token) const {
+    if (prev < 0 && !p_.prompt_tokens.empty() &&
+        !(p_.echo && p_.logprobs >= 0)) {
+      prev = p_.prompt_tokens.back();
+    }
+    if (tokenizer_.IsControl(token)) return "";
+    return tokenizer_.DecodeToken(prev, token);
+  }
+
+  const CompletionParams& p_;
+  const model::Tokenizer& tokenizer_;
+  int prev_ = -1;
+  size_t text_offset_ = 0;
+  size_t completion_offset_ = 0;
+};
+
 class Api {
  public:
   Api(GenerationScheduler* scheduler, const model::Tokenizer* tokenizer,
@@ -214,6 +322,30 @@ class Api {
                  }
                  res.set_content(ModelJson().dump(), "application/json");
                });
+    // vLLM's tokenizer routes (lm-evaluation-harness's remote tokenizer).
+    server.Post("/tokenize",
+                [this](const httplib::Request& req, httplib::Response& res) {
+                  Tokenize(req, res);
+                });
+    server.Post("/detokenize",
+                [this](const httplib::Request& req, httplib::Response& res) {
+                  Detokenize(req, res);
+                });
+    server.Get("/tokenizer_info",
+               [this](const httplib::Request&, httplib::Response& res) {
+                 // Control tokens have no text here, so their strings are
+                 // null; their ids are given.
+                 json info{{"tokenizer_class", "infinigen"},
+                           {"model_max_length", scheduler_->max_seq_len()},
+                           {"vocab_size", tokenizer_->vocab_size()},
+                           {"add_bos_token", tokenizer_->adds_bos()},
+                           {"bos_token", nullptr},
+                           {"eos_token", nullptr},
+                           {"pad_token", nullptr},
+                           {"bos_token_id", IdOrNull(tokenizer_->bos_id())},
+                           {"eos_token_id", IdOrNull(tokenizer_->eos_id())}};
+                 res.set_content(info.dump(), "application/json");
+               });
     server.Post("/v1/completions",
                 [this](const httplib::Request& req, httplib::Response& res) {
                   Complete(req, res, /*chat=*/false);
@@ -240,6 +372,65 @@ class Api {
     return httplib::Server::HandlerResponse::Handled;
   }
 
+  static json IdOrNull(int id) { return id < 0 ? json(nullptr) : json(id); }
+
+  // {"prompt": text, "add_special_tokens": true} -> {"tokens", "count",
+  // "max_model_len"}: add_special_tokens puts BOS first where the model's
+  // text starts with one.
+  void Tokenize(const httplib::Request& req, httplib::Response& res) const {
+    const json body = json::parse(req.body, nullptr, false);
+    if (!body.is_object()) {
+      SetError(res, ApiError{400, "the request body must be a JSON object"});
+      return;
+    }
+    auto it = body.find("prompt");
+    if (it == body.end() || !it->is_string()) {
+      SetError(res, openai::BadParam("prompt", "'prompt' must be a string"));
+      return;
+    }
+    bool special = true;
+    if (auto s = body.find("add_special_tokens"); s != body.end()) {
+      if (!s->is_boolean()) {
+        SetError(res, openai::BadParam("add_special_tokens",
+                                       "'add_special_tokens' must be true or "
+                                       "false"));
+        return;
+      }
+      special = s->get<bool>();
+    }
+    const std::vector<int> tokens =
+        tokenizer_->Encode(it->get<std::string>(), special);
+    res.set_content(json{{"tokens", tokens},
+                         {"count", tokens.size()},
+                         {"max_model_len", scheduler_->max_seq_len()}}
+                        .dump(),
+                    "application/json");
+  }
+
+  // {"tokens": [ids]} -> {"prompt": their text}.
+  void Detokenize(const httplib::Request& req, httplib::Response& res) const {
+    const json body = json::parse(req.body, nullptr, false);
+    auto it = body.is_object() ? body.find("tokens") : body.end();
+    if (it == body.end() || !it->is_array()) {
+      SetError(res, openai::BadParam("tokens",
+                                     "'tokens' must be an array of token ids"));
+      return;
+    }
+    std::vector<int> tokens;
+    for (const json& t : *it) {
+      if (!t.is_number_integer() || t.get<int64_t>() < 0 ||
+          t.get<int64_t>() >= tokenizer_->vocab_size()) {
+        SetError(res, openai::BadParam(
+                          "tokens", absl::StrCat("'tokens' must hold ids in [0, ",
+                                                 tokenizer_->vocab_size(), ")")));
+        return;
+      }
+      tokens.push_back(t.get<int>());
+    }
+    res.set_content(json{{"prompt", Utf8(tokenizer_->Decode(tokens))}}.dump(),
+                    "application/json");
+  }
+
   json ModelJson() const {
     return json{{"id", options_.model_id},
                 {"object", "model"},
@@ -251,13 +442,14 @@ class Api {
   // One completion's chunk or whole answer. `text` and `finish` (may be
   // empty: null) fill the one choice.
   json Choice(const CompletionParams& p, const std::string& text,
-              const std::string& finish, bool delta, bool first) const {
+              const std::string& finish, bool delta, bool first,
+              json logprobs = nullptr) const {
     json choice{{"index", 0},
                 {"finish_reason",
-                 finish.empty() ? json(nullptr) : json(finish)}};
+                 finish.empty() ? json(nullptr) : json(finish)},
+                {"logprobs", std::move(logprobs)}};
     if (!p.chat) {
       choice["text"] = text;
-      choice["logprobs"] = nullptr;
     } else if (!delta) {
       choice["message"] = {{"role", "assistant"}, {"content", text}};
     } else {
@@ -288,12 +480,24 @@ class Api {
 
   // The generation's progress as the handlers see it.
   struct Progress {
-    explicit Progress(const std::vector<std::string>& stop) : matcher(stop) {}
+    explicit Progress(const CompletionParams& p) : matcher(p.stop) {
+      if (p.echo && p.logprobs >= 0) {  // the prompt's first token: no score
+        TokenLogProb first;
+        first.token = p.prompt_tokens.front();
+        first.logprob = std::numeric_limits<float>::quiet_NaN();
+        scored.push_back({std::move(first), /*prompt=*/true});
+      }
+    }
     StopMatcher matcher;
     int completion_tokens = 0;
     int cached_tokens = 0;  // prompt tokens whose KV was reused
     std::string finish;  // set once the generation ended
     absl::Status error;  // the stream's kError
+    // With logprobs: the tokens scored so far, prompt tokens first when
+    // echoed (the first prompt token unscored), in order; `sent` of them
+    // are in chunks already (streaming).
+    std::vector<ScoredToken> scored;
+    size_t sent = 0;
   };
 
   // Waits for the stream's next event and returns the text it frees to
@@ -302,6 +506,12 @@ class Api {
   static std::string Step(GenerationStream& stream, Progress* progress) {
     GenerationEvent ev;
     if (!stream.Next(absl::Milliseconds(100), &ev)) return "";
+    for (TokenLogProb& lp : ev.prompt_logprobs) {
+      progress->scored.push_back({std::move(lp), /*prompt=*/true});
+    }
+    if (ev.logprob.has_value()) {
+      progress->scored.push_back({*std::move(ev.logprob), /*prompt=*/false});
+    }
     switch (ev.kind) {
       case GenerationEvent::Kind::kToken: {
         ++progress->completion_tokens;
@@ -355,6 +565,10 @@ class Api {
     request.temperature = params->temperature;
     request.top_p = params->top_p;
     request.seed = params->seed;
+    request.frequency_penalty = params->frequency_penalty;
+    request.presence_penalty = params->presence_penalty;
+    request.logprobs = params->logprobs;
+    request.prompt_logprobs = params->echo && params->logprobs >= 0;
     auto stream = scheduler_->Submit(request);
     if (!stream.ok()) {
       SetError(res, FromStatus(stream.status()));
@@ -377,6 +591,12 @@ class Api {
         });
   }
 
+  // The prompt an echo repeats: as given, or its tokens' text.
+  std::string EchoText(const CompletionParams& p) const {
+    return p.prompt_text.empty() ? tokenizer_->Decode(p.prompt_tokens)
+                                 : p.prompt_text;
+  }
+
   // What every part of one answer carries.
   struct Answer {
     std::shared_ptr<const CompletionParams> params;
@@ -391,16 +611,27 @@ class Api {
   void AnswerWhole(GenerationStream& stream, const Answer& a,
                    httplib::Response& res) {
     const CompletionParams& p = *a.params;
-    Progress progress(p.stop);
+    Progress progress(p);
     std::string text;
     while (progress.finish.empty()) text += Step(stream, &progress);
     if (!progress.error.ok()) {
       SetError(res, FromStatus(progress.error));
       return;
     }
+    json logprobs = nullptr;
+    if (p.logprobs >= 0) {
+      LogprobsJson builder(p, *tokenizer_);
+      // A stop sequence cut the text: the tokens that begin after the
+      // cut are not part of the answer.
+      logprobs = builder.Build(
+          progress.scored, 0, progress.scored.size(),
+          progress.matcher.stopped() ? text.size() : std::string::npos);
+    }
+    if (p.echo) text = EchoText(p) + text;
     json out = Envelope(p, a.id, a.created, /*chunk=*/false);
-    out["choices"] = json::array(
-        {Choice(p, text, progress.finish, /*delta=*/false, false)});
+    out["choices"] = json::array({Choice(p, text, progress.finish,
+                                         /*delta=*/false, false,
+                                         std::move(logprobs))});
     out["usage"] = Usage(a.prompt_tokens(), progress.completion_tokens,
                          progress.cached_tokens);
     res.set_content(out.dump(), "application/json");
@@ -416,21 +647,30 @@ class Api {
       const std::string event = absl::StrCat("data: ", j.dump(), "\n\n");
       return sink.write(event.data(), event.size());
     };
-    Progress progress(p.stop);
+    Progress progress(p);
+    LogprobsJson builder(p, *tokenizer_);
     bool first = true;
     while (progress.finish.empty()) {
-      const std::string text = Step(s, &progress);
+      std::string text = Step(s, &progress);
       if (!progress.error.ok()) break;
-      if (text.empty() && !first) {
+      const bool new_scores = progress.sent < progress.scored.size();
+      if (text.empty() && !first && !new_scores) {
         if (!sink.is_writable()) {  // the client went away
           s.Cancel();
           return false;
         }
         continue;
       }
+      if (first && p.echo) text = EchoText(p) + text;
+      json logprobs = nullptr;
+      if (p.logprobs >= 0) {
+        logprobs = builder.Build(progress.scored, progress.sent,
+                                 progress.scored.size(), std::string::npos);
+        progress.sent = progress.scored.size();
+      }
       json chunk = Envelope(p, a.id, a.created, /*chunk=*/true);
-      chunk["choices"] =
-          json::array({Choice(p, text, "", /*delta=*/true, first)});
+      chunk["choices"] = json::array(
+          {Choice(p, text, "", /*delta=*/true, first, std::move(logprobs))});
       first = false;
       if (!send(chunk)) {
         s.Cancel();
@@ -440,9 +680,16 @@ class Api {
     if (!progress.error.ok()) {
       send(ErrorBody(FromStatus(progress.error)));
     } else {
+      json logprobs = nullptr;
+      if (p.logprobs >= 0 && progress.sent < progress.scored.size()) {
+        // The end token's, or the last token's when it ended the stream.
+        logprobs = builder.Build(progress.scored, progress.sent,
+                                 progress.scored.size(), std::string::npos);
+      }
       json chunk = Envelope(p, a.id, a.created, /*chunk=*/true);
-      chunk["choices"] = json::array(
-          {Choice(p, "", progress.finish, /*delta=*/true, false)});
+      chunk["choices"] =
+          json::array({Choice(p, "", progress.finish, /*delta=*/true, false,
+                              std::move(logprobs))});
       send(chunk);
       if (p.include_usage) {
         json usage = Envelope(p, a.id, a.created, /*chunk=*/true);

@@ -5,10 +5,21 @@
 //   POST /v1/completions        prompt -> text
 //   POST /v1/chat/completions   messages -> the model's chat template -> text
 //   GET  /v1/models, /v1/models/{id}, /health, /metrics (when given)
+//   POST /tokenize, /detokenize, GET /tokenizer_info (vLLM's routes: text
+//        <-> token ids with the model's tokenizer)
 //
-// Both POST routes take model, max_tokens (chat: or max_completion_tokens),
-// temperature, top_p, seed, stop (a string or up to 4), n (only 1), stream
-// and stream_options.include_usage; other OpenAI fields are ignored. A
+// Both completion routes take model, max_tokens (chat: or
+// max_completion_tokens), temperature, top_p, seed, stop (a string or up to
+// 4), n (only 1), stream and stream_options.include_usage,
+// frequency_penalty and presence_penalty, and log-probabilities: chat's
+// logprobs and top_logprobs, completions' logprobs (k) and echo (the
+// prompt's text first; with logprobs, its tokens scored too, the first
+// null, as lm-evaluation-harness's local-completions reads them). A
+// log-probability is the model's (log softmax of its logits, before
+// temperature, top_p and penalties); an end token the model chose is
+// scored as the last token. A completions prompt is a string, token ids,
+// or a batch of one of either. Other OpenAI fields are a 400 naming the
+// field unless off (absent, null, false, 0). A
 // non-streaming answer carries usage (prompt and completion tokens) and
 // finish_reason "stop" (end token or a stop sequence) or "length"
 // (max_tokens, or the context is full). A streaming answer is server-sent

@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "gpu_worker/serving/generation_scheduler.h"
 
 namespace infinigen::gpu_worker::openai {
 
@@ -97,11 +98,8 @@ std::optional<ApiError> GetBool(const json& body, const char* name,
 // "off" value (false, 0, empty) are accepted; anything else is a 400 that
 // names the field, so that no client believes it got what it asked for.
 constexpr const char* kUnsupported[] = {
-    "logprobs",          "top_logprobs",     "echo",
-    "frequency_penalty", "presence_penalty", "logit_bias",
-    "best_of",           "suffix",           "tools",
-    "tool_choice",       "functions",        "function_call",
-    "response_format"};
+    "logit_bias", "best_of",       "suffix",          "tools",
+    "tool_choice", "functions",    "function_call",   "response_format"};
 
 bool IsOff(const json& v) {
   if (v.is_null()) return true;
@@ -151,7 +149,12 @@ class RequestParser {
     }
     int64_t n = 1;
     if (auto e = GetInt(body, "n", &n)) return e;
-    if (n != 1) return BadParam("n", "only n=1 is supported");
+    if (n != 1) {
+      return BadParam("n",
+                      "'n' must be 1: this server returns one choice per "
+                      "request (send n requests, with different seeds, for "
+                      "n samples)");
+    }
     if (auto e = RejectUnsupported(body)) return e;
 
     if (auto e = chat ? ParseChatPrompt(body, p)
@@ -160,7 +163,51 @@ class RequestParser {
     }
     if (auto e = ParseMaxTokens(body, chat, p)) return e;
     if (auto e = ParseSampling(body, p)) return e;
+    if (auto e = ParseLogprobs(body, chat, p)) return e;
     return ParseStopAndStream(body, p);
+  }
+
+  // logprobs and top_logprobs (chat), logprobs and echo (completions).
+  static std::optional<ApiError> ParseLogprobs(const json& body, bool chat,
+                                               CompletionParams* p) {
+    const int max_top = kMaxTopLogprobs;
+    if (chat) {
+      bool logprobs = false;
+      if (auto e = GetBool(body, "logprobs", &logprobs)) return e;
+      int64_t top = 0;
+      if (auto e = GetInt(body, "top_logprobs", &top)) return e;
+      if (top != 0 && !logprobs) {
+        return BadParam("top_logprobs",
+                        "'top_logprobs' needs 'logprobs': true");
+      }
+      if (top < 0 || top > max_top) {
+        return BadParam("top_logprobs",
+                        absl::StrCat("'top_logprobs' must be in [0, ",
+                                     max_top, "]"));
+      }
+      if (logprobs) p->logprobs = static_cast<int>(top);
+      if (body.contains("echo") && !IsOff(body["echo"])) {
+        return BadParam("echo", "'echo' is a completions field, not chat's");
+      }
+      return std::nullopt;
+    }
+    if (auto it = body.find("logprobs"); it != body.end() && !it->is_null()) {
+      if (!it->is_number_integer() || it->get<int64_t>() < 0 ||
+          it->get<int64_t>() > max_top) {
+        return BadParam("logprobs",
+                        absl::StrCat("'logprobs' must be an integer in [0, ",
+                                     max_top,
+                                     "]: how many likely tokens to list with "
+                                     "each token's log-probability"));
+      }
+      p->logprobs = it->get<int>();
+    }
+    if (body.contains("top_logprobs") && !IsOff(body["top_logprobs"])) {
+      return BadParam("top_logprobs",
+                      "'top_logprobs' is chat's; completions take "
+                      "'logprobs': k");
+    }
+    return GetBool(body, "echo", &p->echo);
   }
 
   // A chat request's messages in the model's chat template, tokenized.
@@ -222,12 +269,14 @@ class RequestParser {
       return BadParam("prompt", "'prompt' is required");
     }
     const json* one = &*it;
-    if (it->is_array() && it->size() == 1 && (*it)[0].is_string()) {
-      one = &(*it)[0];  // ["text"]
+    if (it->is_array() && it->size() == 1 &&
+        ((*it)[0].is_string() || (*it)[0].is_array())) {
+      one = &(*it)[0];  // ["text"] or [[token ids]]: a batch of one
     }
     if (one->is_string()) {
+      p->prompt_text = one->get<std::string>();
       p->prompt_tokens =
-          context_.tokenizer->Encode(one->get<std::string>(), /*add_bos=*/true);
+          context_.tokenizer->Encode(p->prompt_text, /*add_bos=*/true);
     } else if (one->is_array() && !one->empty() &&
                std::all_of(one->begin(), one->end(),
                            [](const json& t) {
@@ -286,6 +335,16 @@ class RequestParser {
     }
     p->temperature = static_cast<float>(temperature);
     p->top_p = static_cast<float>(top_p);
+    for (const char* name : {"frequency_penalty", "presence_penalty"}) {
+      double penalty = 0.0;
+      if (auto e = GetNumber(body, name, &penalty)) return e;
+      if (!(penalty >= -2 && penalty <= 2)) {
+        return BadParam(name, absl::StrCat("'", name, "' must be in [-2, 2]"));
+      }
+      (std::string(name) == "frequency_penalty" ? p->frequency_penalty
+                                                : p->presence_penalty) =
+          static_cast<float>(penalty);
+    }
     int64_t seed = 0;
     if (body.contains("seed") && !body["seed"].is_null()) {
       if (auto e = GetInt(body, "seed", &seed)) return e;

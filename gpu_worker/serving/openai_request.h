@@ -29,6 +29,17 @@ struct CompletionParams {
   std::vector<std::string> stop;
   bool stream = false;
   bool include_usage = false;
+  float frequency_penalty = 0.0f;
+  float presence_penalty = 0.0f;
+  // -1: no logprobs; k >= 0: each token's log-probability with its row's k
+  // most likely tokens (completions: logprobs = k; chat: logprobs = true,
+  // top_logprobs = k).
+  int logprobs = -1;
+  // Completions: the answer's text starts with the prompt, and with
+  // logprobs the prompt's tokens are scored too.
+  bool echo = false;
+  // Completions: the prompt as given, when it was a string (echo).
+  std::string prompt_text;
 };
 
 // An HTTP status and OpenAI's error fields.

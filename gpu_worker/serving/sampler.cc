@@ -35,6 +35,52 @@ double LogProb(absl::Span<const float> logits, int target) {
   return static_cast<double>(logits[target]) - mx - std::log(sum);
 }
 
+TokenLogProb ScoreToken(absl::Span<const float> logits, int token,
+                       int top_k) {
+  const int n = static_cast<int>(logits.size());
+  float mx = logits[0];
+  for (float v : logits) mx = std::max(mx, v);
+  double sum = 0.0;
+  for (float v : logits) sum += std::exp(static_cast<double>(v) - mx);
+  const double log_z = mx + std::log(sum);
+  TokenLogProb out;
+  out.token = token;
+  out.logprob = static_cast<float>(logits[token] - log_z);
+  top_k = std::clamp(top_k, 0, n);
+  if (top_k == 0) return out;
+  std::vector<int> ids(n);
+  for (int i = 0; i < n; ++i) ids[i] = i;
+  const auto more_likely = [&logits](int a, int b) {
+    return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+  };
+  std::partial_sort(ids.begin(), ids.begin() + top_k, ids.end(), more_likely);
+  out.top.reserve(top_k);
+  for (int i = 0; i < top_k; ++i) {
+    out.top.emplace_back(ids[i], static_cast<float>(logits[ids[i]] - log_z));
+  }
+  return out;
+}
+
+void Penalties::Add(int token) {
+  if (!active()) return;
+  auto it = std::lower_bound(counts_.begin(), counts_.end(),
+                             std::make_pair(token, 0));
+  if (it != counts_.end() && it->first == token) {
+    ++it->second;
+  } else {
+    counts_.insert(it, {token, 1});
+  }
+}
+
+absl::Span<const float> Penalties::Apply(absl::Span<const float> logits) {
+  if (!active() || counts_.empty()) return logits;
+  scratch_.assign(logits.begin(), logits.end());
+  for (const auto& [token, times] : counts_) {
+    scratch_[token] -= static_cast<float>(times) * frequency_ + presence_;
+  }
+  return scratch_;
+}
+
 int Sampler::Sample(absl::Span<const float> logits) {
   if (options_.temperature == 0.0f) return Argmax(logits);
   const int n = static_cast<int>(logits.size());
