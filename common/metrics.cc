@@ -30,8 +30,10 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
     port = -1;
   }
   if (port <= 0) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot serve metrics on ", listen));
+    const std::string why = WhyNotListening(listen);
+    return absl::UnavailableError(absl::StrCat(
+        "cannot serve metrics on ", listen, ": ",
+        why.empty() ? "the address is taken or not allowed" : why));
   }
   s->port_ = port;
   s->thread_ =

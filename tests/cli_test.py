@@ -137,6 +137,40 @@ class Cli(unittest.TestCase):
                 r = run(*base, *flags, timeout=60)
                 self.assert_one_line_failure(
                     r, 1, [f"127.0.0.1:{port}", "Address already in use"])
+            # The metrics port of both binaries, and the memory node's own.
+            for args in ([SERVER, f"--listen=127.0.0.1:{port}"],
+                         [SERVER, "--listen=127.0.0.1:0",
+                          f"--metrics_listen=127.0.0.1:{port}"],
+                         [BIN, *base, "--listen=127.0.0.1:0",
+                          f"--metrics_listen=127.0.0.1:{port}"]):
+                r = subprocess.run(args, capture_output=True, text=True,
+                                   timeout=60)
+                self.assert_one_line_failure(
+                    r, 1, [f"127.0.0.1:{port}", "Address already in use"])
+
+    def test_a_refused_connection_fails_at_once_naming_the_node(self):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))  # two ports nobody listens on
+            b.bind(("127.0.0.1", 0))
+            port, other = a.getsockname()[1], b.getsockname()[1]
+        missing = os.path.join(tempfile.gettempdir(),
+                               f"cli_test_no_node_{os.getpid()}.sock")
+        for address, words in (
+                (f"tcp://127.0.0.1:{port}", ["refused"]),
+                (f"unix:{missing}", ["No such file"]),
+                (f"shm:unix:{missing}", ["shm data plane", "No such file"]),
+                (f"tcp://127.0.0.1:{port},tcp://127.0.0.1:{other}",
+                 ["memory node", "refused"])):
+            start = time.monotonic()
+            r = run("generate", f"--model={MODEL}", f"--tokenizer={TOK}",
+                    "--prompt=Once", "--policy=full", "--backend=cpu",
+                    f"--kv_service={address}", "--max_new_tokens=3")
+            elapsed = time.monotonic() - start
+            node = address.split(",")[0].replace("shm:unix:", "")
+            self.assert_one_line_failure(r, 1, [node, *words])
+            # No connect timeout waited out (the process itself takes
+            # tens of milliseconds).
+            self.assertLess(elapsed, 1.0, address)
 
     def test_infinigen_needs_no_skew_and_calibrates_once_per_model(self):
         """--policy=infinigen alone, on a one-word prompt: calibrated on
