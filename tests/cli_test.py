@@ -185,7 +185,7 @@ class Cli(unittest.TestCase):
             first = run(*args)
             self.assertEqual(first.returncode, 0, first.stderr)
             self.assertIn("calibrating InfiniGen on", first.stderr)
-            self.assertIn("calibrating InfiniGen: 100% (", first.stderr)
+            self.assertIn("calibrating InfiniGen 100% 15/15 steps (", first.stderr)
             self.assertIn("--target_fetch=0.1", first.stderr)
             kept = [f for f in os.listdir(d) if f.endswith(".skew")]
             self.assertEqual(len(kept), 1, os.listdir(d))
@@ -302,6 +302,17 @@ class Cli(unittest.TestCase):
         self.assertGreater(last["ppl"], 1.0)
         self.assertAlmostEqual(last["ppl"], 2.718281828 ** last["nll"],
                                delta=1e-3 * last["ppl"])
+        # Progress over the tokens scored (plain lines: stderr is a pipe),
+        # and each window's running perplexity.
+        self.assertIn("perplexity 100% 254/254 tokens (", r.stderr)
+        self.assertNotIn("\r", r.stderr)
+        self.assertIn("perplexity: window 2/2  tokens 254  ppl ", r.stderr)
+        # Teacher-forced: only the tokens after the dense prefix count.
+        r = run("perplexity", f"--model={MODEL}", f"--tokenizer={TOK}",
+                f"--text={TEXT}", "--ctx=128", "--max_windows=1",
+                "--prompt_tokens=28", "--policy=full", "--backend=cpu")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("perplexity 100% 100/100 tokens (", r.stderr)
 
     def test_target_fetch_sets_the_budget_or_says_why_not(self):
         base = ["perplexity", f"--model={MODEL}", f"--tokenizer={TOK}",
@@ -439,7 +450,7 @@ class Cli(unittest.TestCase):
         # Progress with the time left: every prefilled sequence, and the
         # decode steps (at least their end).
         self.assertIn("bench-decode full: prefilled sequence 4/4 (", r.stderr)
-        self.assertIn("bench-decode infinigen: step 4/4 (", r.stderr)
+        self.assertIn("bench-decode infinigen 100% 4/4 steps (", r.stderr)
         self.assertIn("s left)", r.stderr)
         rows = {x["policy"]: x for x in
                 (json.loads(l) for l in r.stdout.splitlines()

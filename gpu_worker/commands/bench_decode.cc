@@ -2,19 +2,22 @@
 // (gpu_worker/eval/bench_decode.h).
 #include <chrono>
 #include <cstdio>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "common/file.h"
 #include "common/log.h"
+#include "common/progress.h"
 #include "common/status.h"
-#include "gpu_worker/eval/bench_decode.h"
 #include "gpu_worker/commands/common.h"
+#include "gpu_worker/eval/bench_decode.h"
 #include "gpu_worker/kv/kv_policy.h"
 
 ABSL_FLAG(int, batch, 1, "bench-decode: sequences decoding together.");
@@ -137,35 +140,27 @@ int BenchPolicy(const std::string& policy, const model::LoadedModel& m,
                 static_cast<long long>((*engine)->worker_kv_bytes()));
     return 0;
   }
-  // Progress on stderr: each prefilled sequence, and the decode steps at
-  // most once a second, each with the time left.
+  // Progress on stderr: each prefilled sequence, then the decode steps.
   const auto start = std::chrono::steady_clock::now();
-  auto since = [](std::chrono::steady_clock::time_point t) {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t)
-        .count();
-  };
-  auto decode_start = start;
-  double last_line = 0;
+  std::unique_ptr<Progress> decoding;
   auto r = gpu_worker::RunDecodeBench(
       **engine, source, ctx, steps,
       [&](int prefilled) {
-        const double s = since(start);
+        const double s = std::chrono::duration<double>(
+                             std::chrono::steady_clock::now() - start)
+                             .count();
         std::fprintf(stderr,
                      "bench-decode %s: prefilled sequence %d/%d (%.1f s, "
                      "about %.0f s left)\n",
                      policy.c_str(), prefilled, batch, s,
                      s / prefilled * (batch - prefilled));
-        decode_start = std::chrono::steady_clock::now();
+        if (prefilled == batch) {  // decoding starts
+          decoding = std::make_unique<Progress>(
+              absl::StrCat("bench-decode ", policy), steps, "steps");
+        }
       },
       [&](int step) {
-        const double s = since(decode_start);
-        if (step < steps && s - last_line < 1.0) return;
-        last_line = s;
-        std::fprintf(stderr,
-                     "bench-decode %s: step %d/%d (%.2f tokens/s, about %.0f "
-                     "s left)\n",
-                     policy.c_str(), step, steps, step * batch / s,
-                     s / step * (steps - step));
+        if (decoding != nullptr) decoding->Update(step);
       });
   if (!r.ok()) return Fail(kExitFailure, r.status());
   results.push_back(*std::move(r));

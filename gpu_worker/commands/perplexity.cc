@@ -1,6 +1,8 @@
 // infinigen perplexity: scores a text file in windows (gpu_worker/eval/perplexity.h).
 #include <cerrno>
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -9,6 +11,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_format.h"
+#include "common/progress.h"
 #include "gpu_worker/commands/common.h"
 #include "gpu_worker/kv/kv_policy.h"
 #include "gpu_worker/eval/perplexity.h"
@@ -28,14 +31,30 @@ ABSL_FLAG(std::string, token_logprobs, "",
 namespace infinigen::commands {
 namespace {
 
-void PrintProgress(const gpu_worker::PerplexityProgress& p) {
-  std::fprintf(stderr,
-               "perplexity: window %d/%d  tokens %ld  ppl %.4f  fetched %.1f%%  "
-               "(%.0f tokens/s, %.0f s left)\n",
-               p.window, p.windows, p.predicted,
-               std::exp(p.nll_sum / p.predicted),
-               100.0 * p.fetch_fraction_mean, p.predicted / p.seconds,
-               p.seconds / p.window * (p.windows - p.window));
+// Each window's running perplexity, a line of its own beside the bar.
+std::string WindowLine(const gpu_worker::PerplexityProgress& p) {
+  return absl::StrFormat(
+      "perplexity: window %d/%d  tokens %ld  ppl %.4f  fetched %.1f%%",
+      p.window, p.windows, p.predicted, std::exp(p.nll_sum / p.predicted),
+      100.0 * p.fetch_fraction_mean);
+}
+
+// The tokens a run scores: every window's but its dense prefix's.
+int64_t TokensToScore(size_t text_tokens, const gpu_worker::PerplexityOptions& o,
+                      int windows) {
+  const int per_window = o.bos >= 0 ? o.ctx - 1 : o.ctx;
+  int64_t total = 0;
+  for (int w = 0; w < windows; ++w) {
+    const int64_t text = std::min<int64_t>(
+        per_window, static_cast<int64_t>(text_tokens) -
+                        static_cast<int64_t>(w) * per_window);
+    const int64_t len = text + (o.bos >= 0 ? 1 : 0);
+    const int64_t prefix =
+        o.prompt_tokens > 0 ? std::min<int64_t>(o.prompt_tokens, len - 1) - 1
+                            : 0;
+    total += len - 1 - prefix;
+  }
+  return total;
 }
 
 void PrintResult(const gpu_worker::PerplexityOptions& o,
@@ -128,6 +147,11 @@ int RunPerplexity() {
   setup->options.max_seq_len = o.ctx;
   auto engine = CreateEngine(run->model.weights, setup->options);
   if (!engine.ok()) return EngineFailure(engine.status());
+  // Progress over the tokens scored, with each window's line beside it.
+  const int windows = *gpu_worker::PerplexityWindows(run->tokens.size(), o);
+  Progress progress("perplexity", TokensToScore(run->tokens.size(), o, windows),
+                    "tokens");
+  int64_t scored = 0;
   std::FILE* token_file = nullptr;
   if (const std::string path = absl::GetFlag(FLAGS_token_logprobs);
       !path.empty()) {
@@ -138,16 +162,21 @@ int RunPerplexity() {
                       "--token_logprobs: cannot write %s: %s", path,
                       std::strerror(errno))));
     }
-    o.on_token = [token_file](int window, int position, int token,
-                              double logprob) {
-      std::fprintf(token_file,
-                   "{\"window\": %d, \"position\": %d, \"token\": %d, "
-                   "\"logprob\": %.9g}\n",
-                   window, position, token, logprob);
-    };
   }
-  auto result =
-      gpu_worker::ScorePerplexity(**engine, run->tokens, o, PrintProgress);
+  o.on_token = [token_file, &progress, &scored](int window, int position,
+                                                int token, double logprob) {
+    progress.Update(++scored);
+    if (token_file == nullptr) return;
+    std::fprintf(token_file,
+                 "{\"window\": %d, \"position\": %d, \"token\": %d, "
+                 "\"logprob\": %.9g}\n",
+                 window, position, token, logprob);
+  };
+  auto result = gpu_worker::ScorePerplexity(
+      **engine, run->tokens, o,
+      [&progress](const gpu_worker::PerplexityProgress& p) {
+        progress.Note(WindowLine(p));
+      });
   if (token_file != nullptr && std::fclose(token_file) != 0 && result.ok()) {
     return Fail(kExitFailure, absl::DataLossError(absl::StrFormat(
                                   "--token_logprobs: writing failed: %s",

@@ -23,6 +23,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/log.h"
+#include "common/progress.h"
 #include "common/status.h"
 #include "gpu_worker/commands/common.h"
 #include "gpu_worker/eval/bench_decode.h"
@@ -420,17 +421,16 @@ absl::StatusOr<std::unique_ptr<speculator::SkewMatrices>> SkewFromFlags(
 }  // namespace
 
 std::function<void(int done, int total)> CalibrationProgress() {
+  // Made at the first call, when the total is known; shared by the copies
+  // of the function.
+  auto progress = std::make_shared<std::unique_ptr<Progress>>();
   const auto start = std::chrono::steady_clock::now();
-  auto last = std::make_shared<double>(-1.0);
-  return [start, last](int done, int total) {
-    const double s = std::chrono::duration<double>(
-                         std::chrono::steady_clock::now() - start)
-                         .count();
-    if (done < total && s - *last < 1.0) return;
-    *last = s;
-    std::fprintf(stderr,
-                 "calibrating InfiniGen: %d%% (%.0f s, about %.0f s left)\n",
-                 100 * done / total, s, s / done * (total - done));
+  return [progress, start](int done, int total) {
+    if (*progress == nullptr) {
+      *progress = std::make_unique<Progress>("calibrating InfiniGen", total,
+                                             "steps", stderr, -1, 1.0, start);
+    }
+    (*progress)->Update(done);
   };
 }
 
