@@ -1,7 +1,7 @@
 // Progress: a long run's progress on stderr, with its rate and the time
 // left. On a terminal one line is redrawn in place with a bar; otherwise
 // (a log file, a pipe) a plain line is written at most once per interval,
-// and at the end.
+// and at the end; a run shorter than one interval shows only its end.
 //
 //   calibrating InfiniGen [=========>          ] 48% 2950/6144 tokens
 //     (98.2 tokens/s, 33 s left)
@@ -50,7 +50,7 @@ class Progress {
   const bool terminal_;
   const double interval_;
   const std::chrono::steady_clock::time_point start_;
-  double last_ = -1e9;  // seconds of the last line
+  double last_ = 0;  // seconds of the last line (the first after one interval)
   int64_t drawn_ = -1;  // done at the last line
   bool open_line_ = false;  // a bar is on screen without its line end
 };

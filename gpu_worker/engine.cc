@@ -325,6 +325,7 @@ absl::StatusOr<int> Engine::Prefill(int slot, absl::Span<const int> tokens,
                                   first + start));
     }
     IG_RETURN_IF_ERROR(cache_->EndPrefillLayer(l));
+    if (options_.on_prefill_layer) options_.on_prefill_layer(l + 1, c.n_layers, m);
   }
   IG_RETURN_IF_ERROR(cache_->EndPrefill());
   positions_of_[slot] += n;

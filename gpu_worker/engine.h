@@ -72,6 +72,11 @@ struct EngineOptions {
   // Calibration: what a prefill computes, layer by layer (not owned;
   // outlives the engine; null: nothing observed).
   EngineObserver* observer = nullptr;
+  // Progress of a prefill: called after each layer with the layers done,
+  // the model's layers and the tokens computed (a long prompt's progress
+  // display). Null: nothing.
+  std::function<void(int layers_done, int layers, int tokens)>
+      on_prefill_layer;
 };
 
 class Engine {
