@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -11,22 +12,101 @@
 #include "common/log.h"
 #include "common/server_tls.h"
 #include "common/status.h"
+#include "grpc/grpc.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
+#include "grpcpp/support/server_interceptor.h"
 #include "kv_memory_service/tcp/fetch_socket_server.h"
 #include "kv_memory_service/server/kv_service.h"
 #include "kv_memory_service/rdma/rdma_server.h"
 #include "kv_memory_service/shm/shm_server.h"
 
 namespace infinigen::kv_memory_service {
+
+// The unary calls running now. A call counts from when its handler thread
+// takes it up until its reply is sent. The drain waits for none to be
+// running, and none to start for kQuiet after that: a call the server took
+// just before the drain began may still be on its way to a handler thread.
+class InFlightCalls {
+ public:
+  static constexpr absl::Duration kQuiet = absl::Milliseconds(50);
+
+  void Enter() {
+    absl::MutexLock lock(&mu_);
+    ++running_;
+  }
+  void Leave() {
+    absl::MutexLock lock(&mu_);
+    --running_;
+  }
+
+  // True once none is running and none started for kQuiet; false at
+  // `deadline` with calls still running.
+  bool AwaitNone(absl::Time deadline) {
+    absl::MutexLock lock(&mu_);
+    auto none = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+      return running_ == 0;
+    };
+    auto some = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+      return running_ > 0;
+    };
+    while (true) {
+      if (!mu_.AwaitWithDeadline(absl::Condition(&none), deadline)) {
+        return false;
+      }
+      if (!mu_.AwaitWithDeadline(absl::Condition(&some),
+                                 std::min(deadline, absl::Now() + kQuiet))) {
+        return true;
+      }
+    }
+  }
+
+ private:
+  absl::Mutex mu_;
+  int64_t running_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
 namespace {
 
-std::chrono::system_clock::time_point Deadline(absl::Duration d) {
-  return absl::ToChronoTime(absl::Now() + d);
-}
+// Counts each unary call, every service's, in an InFlightCalls while it
+// lives (gRPC destroys a call's interceptors once its reply is sent).
+// Streams are not counted: the drain ends them.
+class CountingInterceptor : public grpc::experimental::Interceptor {
+ public:
+  explicit CountingInterceptor(InFlightCalls* calls) : calls_(calls) {
+    calls_->Enter();
+  }
+  ~CountingInterceptor() override { calls_->Leave(); }
+
+  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+    methods->Proceed();
+  }
+
+ private:
+  InFlightCalls* const calls_;
+};
+
+class CountingInterceptorFactory
+    : public grpc::experimental::ServerInterceptorFactoryInterface {
+ public:
+  explicit CountingInterceptorFactory(InFlightCalls* calls) : calls_(calls) {}
+
+  grpc::experimental::Interceptor* CreateServerInterceptor(
+      grpc::experimental::ServerRpcInfo* info) override {
+    if (info->type() != grpc::experimental::ServerRpcInfo::Type::UNARY) {
+      return nullptr;
+    }
+    return new CountingInterceptor(calls_);
+  }
+
+ private:
+  InFlightCalls* const calls_;
+};
 
 }  // namespace
+
+KvServer::KvServer() : calls_(std::make_unique<InFlightCalls>()) {}
 
 absl::StatusOr<std::unique_ptr<KvServer>> KvServer::Start(
     const KvServerOptions& options) {
@@ -118,6 +198,12 @@ absl::StatusOr<std::unique_ptr<KvServer>> KvServer::Start(
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
                              1000);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
+  std::vector<std::unique_ptr<
+      grpc::experimental::ServerInterceptorFactoryInterface>>
+      interceptors;
+  interceptors.push_back(
+      std::make_unique<CountingInterceptorFactory>(server->calls_.get()));
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr || port == 0) {
     const std::string why = WhyNotListening(options.listen);
@@ -231,6 +317,12 @@ std::shared_ptr<grpc::Channel> KvServer::InProcessChannel() {
 }
 
 void KvServer::Shutdown(absl::Duration grace) {
+  const absl::Time deadline = absl::Now() + grace;
+  {
+    absl::MutexLock lock(&shutdown_mu_);
+    if (shut_down_) return;
+    shut_down_ = true;
+  }
   // Clients cannot renew while the server drains; nothing expires now.
   StopLeases();
   // Shared-memory clients see their socket close: waits fail Unavailable.
@@ -238,7 +330,31 @@ void KvServer::Shutdown(absl::Duration grace) {
   server_->GetHealthCheckService()->SetServingStatus(false);
   service_->CancelStreams();
   if (fetch_server_ != nullptr) fetch_server_->Stop();
-  server_->Shutdown(Deadline(grace));
+  // No new call or connection from here (gRPC's own shutdown, begun
+  // without waiting; grpc::Server::Shutdown below joins it): clients get a
+  // GOAWAY, new calls UNAVAILABLE.
+  grpc_completion_queue* shutdown_cq =
+      grpc_completion_queue_create_for_pluck(nullptr);
+  int shutdown_tag = 0;
+  grpc_server_shutdown_and_notify(server_->c_server(), shutdown_cq,
+                                  &shutdown_tag);
+  // The unary calls in flight finish (up to the grace). Then nothing is
+  // left but what idles: open channels, whose clients would read the
+  // GOAWAY only at their next call (a heartbeat, up to a second away; a
+  // client that calls nothing, never), and streams such as a health Watch.
+  // grpc::Server::Shutdown waits for those until its deadline, so its
+  // deadline is now: it cancels them and closes every connection.
+  if (!calls_->AwaitNone(deadline) && grace > absl::ZeroDuration()) {
+    IG_LOG(WARNING) << "kv_memory_server: calls still running after the "
+                    << absl::FormatDuration(grace)
+                    << " drain; cancelling them";
+  }
+  server_->Shutdown(std::chrono::system_clock::now());
+  // Done: our notification is in (gRPC notifies every shutdown at once).
+  grpc_completion_queue_pluck(shutdown_cq, &shutdown_tag,
+                              gpr_inf_future(GPR_CLOCK_REALTIME), nullptr);
+  grpc_completion_queue_shutdown(shutdown_cq);
+  grpc_completion_queue_destroy(shutdown_cq);
 }
 
 void KvServer::Wait() { server_->Wait(); }

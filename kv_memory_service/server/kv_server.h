@@ -31,6 +31,7 @@ namespace infinigen::kv_memory_service {
 
 class KvMemoryService;  // kv_service.h
 
+class InFlightCalls;  // kv_server.cc
 class ShmServer;   // kv_memory_service/shm/shm_server.h
 class RdmaServer;  // kv_memory_service/rdma/rdma_server.h
 
@@ -112,15 +113,23 @@ class KvServer {
     return request_metrics_->ServedBytes(op);
   }
 
-  // Stops accepting calls, marks the health service NOT_SERVING, ends the
-  // fetch streams (their clients see UNAVAILABLE), lets unary calls in
-  // flight finish for up to `grace`, then cancels the rest.
+  // The drain. Stops accepting calls and connections (new calls get
+  // UNAVAILABLE), marks the health service NOT_SERVING, disconnects the
+  // shared-memory clients, closes the fetch socket's connections and ends
+  // the fetch streams (their clients see UNAVAILABLE); lets the unary calls
+  // in flight finish for up to `grace`; then, as soon as none is running
+  // (or at `grace`), cancels whatever is left and closes every connection.
+  // What is left then is idle: a client's open channel, a health Watch
+  // stream. An idle node is down at once, whatever its clients keep open:
+  // a gRPC client reads the server's GOAWAY only when it next calls, so
+  // waiting for idle channels to go by themselves would wait on clients.
+  // Returns once the server is down. A second call does nothing.
   void Shutdown(absl::Duration grace);
   // Blocks until the server has shut down.
   void Wait();
 
  private:
-  KvServer() = default;
+  KvServer();
 
   // The lease thread: expires sessions until StopLeases.
   void ExpireLeases();
@@ -129,6 +138,9 @@ class KvServer {
   // First, so that every plane holding a pointer to it is gone before it.
   const std::unique_ptr<RequestMetrics> request_metrics_ =
       std::make_unique<RequestMetrics>();
+  // The unary gRPC calls running now, every service (counted by a server
+  // interceptor; kv_server.cc), for the drain. Outlives server_.
+  const std::unique_ptr<InFlightCalls> calls_;
   std::shared_ptr<KvStore> store_;
   std::unique_ptr<KvMemoryService> service_;
   std::unique_ptr<RdmaServer> rdma_server_;  // its service outlives server_
@@ -139,6 +151,9 @@ class KvServer {
   std::string client_address_;
   std::string shm_client_address_;
   std::unique_ptr<ShmServer> shm_server_;
+
+  absl::Mutex shutdown_mu_;
+  bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
 
   absl::Mutex lease_mu_;
   bool leases_stopped_ ABSL_GUARDED_BY(lease_mu_) = false;
