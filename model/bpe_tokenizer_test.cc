@@ -276,13 +276,13 @@ TEST(LoadGgufTokenizerTest, ReadsTheGgufKeys) {
 
 TEST(LoadGgufTokenizerTest, RejectsOtherTokenizerModels) {
   GgufWriter w;
-  w.AddString("tokenizer.ggml.model", "llama");
-  const std::string path = TempPath("spm.gguf");
+  w.AddString("tokenizer.ggml.model", "t5");  // Unigram: not implemented
+  const std::string path = TempPath("t5.gguf");
   ASSERT_TRUE(w.WriteFile(path).ok());
   absl::Status s = LoadGgufTokenizer(path).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), HasSubstr(path));
-  EXPECT_THAT(s.message(), HasSubstr("unsupported tokenizer model llama"));
+  EXPECT_THAT(s.message(), HasSubstr("unsupported tokenizer model t5"));
 
   GgufWriter no_model;
   const std::string empty = TempPath("nomodel.gguf");

@@ -13,6 +13,7 @@
 #include "common/status.h"
 #include "model/bpe_tokenizer.h"
 #include "model/gguf.h"
+#include "model/spm_tokenizer.h"
 
 namespace infinigen::model {
 
@@ -185,14 +186,79 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadGgufTokenizer(
   return LoadGgufTokenizer(f);
 }
 
+namespace {
+
+// tokenizer.ggml.token_type, empty when absent.
+absl::StatusOr<std::vector<TokenType>> ReadTokenTypes(const GgufFile& f) {
+  std::vector<TokenType> out;
+  if (f.Find("tokenizer.ggml.token_type") == nullptr) return out;
+  IG_ASSIGN_OR_RETURN(const std::vector<int64_t>* types,
+                      f.GetIntArray("tokenizer.ggml.token_type"));
+  out.reserve(types->size());
+  for (int64_t t : *types) {
+    if (t < 0 || t > static_cast<int64_t>(TokenType::kByte)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s: tokenizer.ggml.token_type holds unknown type %d", f.path(), t));
+    }
+    out.push_back(static_cast<TokenType>(t));
+  }
+  return out;
+}
+
+// A SentencePiece vocabulary (tokenizer.ggml.model == "llama"). Absent keys
+// take llama.cpp's defaults for this model: bos 1, eos 2, unk 0, BOS added,
+// a dummy space prefix, all scores 0.
+absl::StatusOr<std::unique_ptr<Tokenizer>> LoadSpmTokenizer(
+    const GgufFile& f) {
+  const std::string& path = f.path();
+  SpmVocabulary vocab;
+  IG_ASSIGN_OR_RETURN(const std::vector<std::string>* tokens,
+                      f.GetStringArray("tokenizer.ggml.tokens"));
+  vocab.tokens = *tokens;
+  if (const GgufValue* scores = f.Find("tokenizer.ggml.scores")) {
+    if (scores->type != GgufValueType::kArray ||
+        (scores->element_type != GgufValueType::kFloat32 &&
+         scores->element_type != GgufValueType::kFloat64)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s: tokenizer.ggml.scores is not an array of floats", path));
+    }
+    vocab.scores.assign(scores->float_array.begin(),
+                        scores->float_array.end());
+  }
+  IG_ASSIGN_OR_RETURN(vocab.types, ReadTokenTypes(f));
+  IG_ASSIGN_OR_RETURN(int64_t bos,
+                      f.GetIntOr("tokenizer.ggml.bos_token_id", 1));
+  IG_ASSIGN_OR_RETURN(int64_t eos,
+                      f.GetIntOr("tokenizer.ggml.eos_token_id", 2));
+  IG_ASSIGN_OR_RETURN(int64_t unk,
+                      f.GetIntOr("tokenizer.ggml.unknown_token_id", 0));
+  vocab.bos_id = static_cast<int>(bos);
+  vocab.eos_id = static_cast<int>(eos);
+  vocab.unk_id = static_cast<int>(unk);
+  IG_ASSIGN_OR_RETURN(vocab.add_bos,
+                      f.GetBoolOr("tokenizer.ggml.add_bos_token", true));
+  IG_ASSIGN_OR_RETURN(vocab.add_space_prefix,
+                      f.GetBoolOr("tokenizer.ggml.add_space_prefix", true));
+  absl::StatusOr<std::unique_ptr<SpmTokenizer>> t =
+      SpmTokenizer::Create(std::move(vocab));
+  if (!t.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: %s", path, t.status().message()));
+  }
+  return std::unique_ptr<Tokenizer>(std::move(t).value());
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<Tokenizer>> LoadGgufTokenizer(
     const GgufFile& f) {
   const std::string& path = f.path();
   IG_ASSIGN_OR_RETURN(std::string model, f.GetString("tokenizer.ggml.model"));
+  if (model == "llama") return LoadSpmTokenizer(f);
   if (model != "gpt2") {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "unsupported tokenizer model %s in %s (only gpt2 byte-level BPE is "
-        "supported)",
+        "unsupported tokenizer model %s in %s (supported: gpt2 byte-level "
+        "BPE, llama SentencePiece)",
         model, path));
   }
   BpeVocabulary vocab;
@@ -202,17 +268,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadGgufTokenizer(
   IG_ASSIGN_OR_RETURN(const std::vector<std::string>* merges,
                       f.GetStringArray("tokenizer.ggml.merges"));
   vocab.merges = *merges;
-  if (f.Find("tokenizer.ggml.token_type") != nullptr) {
-    IG_ASSIGN_OR_RETURN(const std::vector<int64_t>* types,
-                        f.GetIntArray("tokenizer.ggml.token_type"));
-    for (int64_t t : *types) {
-      if (t < 0 || t > static_cast<int64_t>(TokenType::kByte)) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "%s: tokenizer.ggml.token_type holds unknown type %d", path, t));
-      }
-      vocab.types.push_back(static_cast<TokenType>(t));
-    }
-  }
+  IG_ASSIGN_OR_RETURN(vocab.types, ReadTokenTypes(f));
   IG_ASSIGN_OR_RETURN(int64_t bos,
                       f.GetIntOr("tokenizer.ggml.bos_token_id", -1));
   IG_ASSIGN_OR_RETURN(int64_t eos,
