@@ -36,6 +36,12 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
     return absl::InvalidArgumentError(absl::StrFormat(
         "engine: batch must be in [1, 1024], got %d", options.batch));
   }
+  if (c.sliding_window > 0 && options.kv.policy.has_value()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "engine: %s mixes sliding-window and global layers, which only the "
+        "local cache serves so far: use --policy=ideal",
+        model::ArchitectureName(c.arch)));
+  }
   // The KV options are the cache's to check (KvCache::Create, first in
   // Init, before anything large is allocated).
   if (options.attention_skew != nullptr) {
@@ -119,7 +125,8 @@ absl::Status Engine::RegisterWeights() {
     for (const std::vector<float>* v :
          {&w.attn_norm, &w.attn_norm_bias, &w.wq, &w.wk, &w.wv, &w.wo, &w.bq,
           &w.bk, &w.bv, &w.bo, &w.ffn_norm, &w.ffn_norm_bias, &w.w1, &w.w3,
-          &w.w2, &w.b1, &w.b2}) {
+          &w.w2, &w.b1, &w.b2, &w.q_norm, &w.k_norm, &w.post_attn_norm,
+          &w.post_ffn_norm}) {
       IG_RETURN_IF_ERROR(reg(*v));
     }
   }
@@ -354,6 +361,9 @@ void Engine::Embed(const int* tokens, int n) {
             dim);
     }
   }
+  if (c.embedding_scale != 1.0f) {
+    b.Scale(x_.data(), static_cast<long>(n) * dim, c.embedding_scale);
+  }
 }
 
 void Engine::AttentionNorm(const LayerWeights& w, const float* x, int n) {
@@ -367,9 +377,9 @@ void Engine::AttentionNorm(const LayerWeights& w, const float* x, int n) {
   }
 }
 
-void Engine::QueryKeyValue(const LayerWeights& w, int n,
-                           const int* positions) {
+void Engine::QueryKeyValue(int l, int n, const int* positions) {
   const ModelConfig& c = weights_.config;
+  const LayerWeights& w = weights_.layers[l];
   Backend& b = *backend_;
   const bool opt = c.arch == Architecture::kOpt;
   auto bias = [opt](const std::vector<float>& v) {
@@ -380,9 +390,18 @@ void Engine::QueryKeyValue(const LayerWeights& w, int n,
            k_.data());
   b.Linear(xb_.data(), n, c.dim, w.wv.data(), bias(w.bv), c.kv_dim(),
            v_.data());
+  if (c.arch == Architecture::kGemma3) {
+    // Each head's query and key normalized (in place: a row is read whole
+    // before it is written).
+    b.RmsNorm(q_.data(), n * c.n_heads, c.head_dim, w.q_norm.data(),
+              c.norm_eps, q_.data());
+    b.RmsNorm(k_.data(), n * c.n_kv_heads, c.head_dim, w.k_norm.data(),
+              c.norm_eps, k_.data());
+  }
   if (!opt) {
-    b.Rope(q_.data(), n, c.n_heads, c.head_dim, positions, c.rope_theta);
-    b.Rope(k_.data(), n, c.n_kv_heads, c.head_dim, positions, c.rope_theta);
+    const float theta = c.RopeTheta(l);
+    b.Rope(q_.data(), n, c.n_heads, c.head_dim, positions, theta);
+    b.Rope(k_.data(), n, c.n_kv_heads, c.head_dim, positions, theta);
   }
 }
 
@@ -399,14 +418,25 @@ void Engine::Mlp(const LayerWeights& w, float* x, int n) {
     b.Linear(h1_.data(), n, c.hidden_dim, w.w2.data(), w.b2.data(), dim,
              proj_.data());
   } else {
+    const bool gemma = c.arch == Architecture::kGemma3;
     b.RmsNorm(x, n, dim, w.ffn_norm.data(), c.norm_eps, xb_.data());
     b.Linear(xb_.data(), n, dim, w.w1.data(), nullptr, c.hidden_dim,
              h1_.data());
     b.Linear(xb_.data(), n, dim, w.w3.data(), nullptr, c.hidden_dim,
              h3_.data());
-    b.SwiGlu(h1_.data(), h3_.data(), static_cast<long>(n) * c.hidden_dim);
+    const long count = static_cast<long>(n) * c.hidden_dim;
+    if (gemma) {
+      b.GeluTanhGate(h1_.data(), h3_.data(), count);
+    } else {
+      b.SwiGlu(h1_.data(), h3_.data(), count);
+    }
     b.Linear(h1_.data(), n, c.hidden_dim, w.w2.data(), nullptr, dim,
              proj_.data());
+    if (gemma) {
+      // The MLP's output normalized before the residual add.
+      b.RmsNorm(proj_.data(), n, dim, w.post_ffn_norm.data(), c.norm_eps,
+                proj_.data());
+    }
   }
   b.Add(x, proj_.data(), static_cast<long>(n) * dim);
 }
@@ -490,7 +520,7 @@ absl::Status Engine::RunLayer(int l, int first, int n, KvStep* step,
   const bool decode = step != nullptr;
   AttentionNorm(w, x, n);
   if (decode) IG_RETURN_IF_ERROR(step->LayerInput(l, xb_.data()));
-  QueryKeyValue(w, n, positions_.data() + first);
+  QueryKeyValue(l, n, positions_.data() + first);
   if (decode) {
     IG_RETURN_IF_ERROR(step->DecodeAttention(l, q_.data(), k_.data(),
                                              v_.data(), att_.data()));
@@ -501,6 +531,11 @@ absl::Status Engine::RunLayer(int l, int first, int n, KvStep* step,
   }
   b.Linear(att_.data(), n, c.q_dim(), w.wo.data(), opt ? w.bo.data() : nullptr,
            c.dim, proj_.data());
+  if (c.arch == Architecture::kGemma3) {
+    // The attention's output normalized before the residual add.
+    b.RmsNorm(proj_.data(), n, c.dim, w.post_attn_norm.data(), c.norm_eps,
+              proj_.data());
+  }
   b.Add(x, proj_.data(), static_cast<long>(n) * c.dim);
   if (decode && l + 1 < c.n_layers && step->WantsPostAttentionInput()) {
     // xb_ is free until the MLP's norm: the next layer's norm of the

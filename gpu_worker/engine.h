@@ -196,8 +196,7 @@ class Engine {
   // xb_ = the layer's attention norm of x [n, dim]; q_, k_, v_ = its
   // projections, rotated at positions (Llama).
   void AttentionNorm(const model::LayerWeights& w, const float* x, int n);
-  void QueryKeyValue(const model::LayerWeights& w, int n,
-                     const int* positions);
+  void QueryKeyValue(int layer, int n, const int* positions);
   void Mlp(const model::LayerWeights& w, float* x, int n);
 
   const model::Weights& weights_;

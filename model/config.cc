@@ -10,6 +10,8 @@ const char* ArchitectureName(Architecture arch) {
       return "llama";
     case Architecture::kOpt:
       return "opt";
+    case Architecture::kGemma3:
+      return "gemma3";
   }
   return "unknown";
 }
@@ -35,7 +37,12 @@ absl::Status ModelConfig::Validate() const {
         "model config: n_heads (%d) is not a multiple of n_kv_heads (%d)",
         n_heads, n_kv_heads));
   }
-  if (arch == Architecture::kLlama && head_dim % 2 != 0) {
+  if (sliding_window < 0 || sliding_window_pattern < 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "model config: sliding_window %d and its pattern %d must be >= 0",
+        sliding_window, sliding_window_pattern));
+  }
+  if (arch != Architecture::kOpt && head_dim % 2 != 0) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "model config: rotary embedding needs an even head_dim, got %d",
         head_dim));
@@ -53,7 +60,11 @@ std::string ModelConfig::DebugString() const {
       "%s dim=%d hidden=%d layers=%d heads=%d kv_heads=%d head_dim=%d "
       "vocab=%d ctx=%d",
       ArchitectureName(arch), dim, hidden_dim, n_layers, n_heads, n_kv_heads,
-      head_dim, vocab_size, max_seq_len);
+      head_dim, vocab_size, max_seq_len) +
+         (sliding_window > 0
+              ? absl::StrFormat(" window=%d every %d layers global",
+                                sliding_window, sliding_window_pattern)
+              : "");
 }
 
 }  // namespace infinigen::model

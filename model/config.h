@@ -17,6 +17,12 @@ enum class Architecture {
   // OPT: pre-LayerNorm with bias, learned positions (offset 2), multi-head
   // attention with biases, ReLU MLP with biases.
   kOpt,
+  // Gemma 3: Llama's layout plus RMSNorm on each head's query and key,
+  // norms after the attention and after the MLP (before their residual
+  // adds), a GELU-gated MLP (tanh form), embeddings scaled by sqrt(dim),
+  // and sliding-window (local) layers between global ones, each kind with
+  // its own RoPE base. Norm gains are stored as used (1 + w).
+  kGemma3,
 };
 
 const char* ArchitectureName(Architecture arch);
@@ -32,7 +38,14 @@ struct ModelConfig {
   int vocab_size = 0;
   int max_seq_len = 0;  // context length the model was trained for
   float norm_eps = 1e-5f;
-  float rope_theta = 10000.0f;  // Llama only
+  float rope_theta = 10000.0f;  // Llama and Gemma 3 (its global layers)
+  // Gemma 3: layer l is local (sliding window) unless (l + 1) is a multiple
+  // of sliding_window_pattern; a local layer's query at position p sees
+  // the keys at positions (p - sliding_window, p]. 0: every layer global.
+  int sliding_window = 0;
+  int sliding_window_pattern = 0;
+  float rope_theta_local = 10000.0f;  // the local layers' RoPE base
+  float embedding_scale = 1.0f;       // token embeddings are multiplied by it
   // OPT only: learned position table has max_seq_len + kOptPositionOffset
   // rows; position p reads row p + 2.
   static constexpr int kOptPositionOffset = 2;
@@ -40,6 +53,19 @@ struct ModelConfig {
   int bos_id = 1;
   int eos_id = 2;
 
+  // Whether layer l attends over a sliding window (Gemma 3's local layers).
+  bool IsLocalLayer(int l) const {
+    return sliding_window > 0 && sliding_window_pattern > 0 &&
+           (l + 1) % sliding_window_pattern != 0;
+  }
+  // The positions layer l's attention sees back from a query (the query
+  // included); 0: all.
+  int AttentionWindow(int l) const {
+    return IsLocalLayer(l) ? sliding_window : 0;
+  }
+  float RopeTheta(int l) const {
+    return IsLocalLayer(l) ? rope_theta_local : rope_theta;
+  }
   int kv_dim() const { return n_kv_heads * head_dim; }
   int q_dim() const { return n_heads * head_dim; }
 

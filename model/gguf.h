@@ -151,16 +151,20 @@ class GgufFile {
   std::unordered_map<std::string, size_t> tensor_index_;
 };
 
-// A Llama GGUF checkpoint (general.architecture == "llama") as fp32 Weights:
-// config from the llama.* metadata, every tensor dequantized, wq / wk
-// permuted from GGUF's interleaved rotary rows to the half-split layout, and
-// lm_head left empty when the file has no output.weight (tied embeddings).
+// A Llama or Gemma 3 GGUF checkpoint (general.architecture "llama" or
+// "gemma3") as fp32 Weights: config from the ARCH.* metadata (Gemma 3's
+// layer pattern and local RoPE base, which its files do not carry, as
+// llama.cpp sets them), every tensor dequantized, Llama's wq / wk permuted
+// from GGUF's interleaved rotary rows to the half-split layout (Gemma's are
+// half-split already), and lm_head left empty when the file has no
+// output.weight (tied embeddings).
 // NotFound for a missing file; InvalidArgument naming the file for anything
 // else (other architecture, missing key or tensor, shape mismatch, ...).
 absl::StatusOr<Weights> LoadGgufWeights(const std::string& path);
 
-// The byte-level BPE tokenizer stored in a GGUF file
-// (tokenizer.ggml.model == "gpt2"). Reads only the metadata. Errors as above.
+// The tokenizer stored in a GGUF file: byte-level BPE
+// (tokenizer.ggml.model == "gpt2") or SentencePiece ("llama", as Gemma's).
+// Reads only the metadata. Errors as above.
 absl::StatusOr<std::unique_ptr<Tokenizer>> LoadGgufTokenizer(
     const std::string& path);
 

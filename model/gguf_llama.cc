@@ -1,7 +1,8 @@
-// The model mapping of a GGUF file: a Llama checkpoint's config, weights
-// (dequantized, Q/K rows permuted to the half-split rotary layout) and its
-// byte-level BPE tokenizer (gguf.h: LoadGgufWeights, LoadGgufTokenizer).
+// The model mapping of a GGUF file: a Llama or Gemma 3 checkpoint's config,
+// weights (dequantized; Llama's Q/K rows permuted to the half-split rotary
+// layout) and its tokenizer (gguf.h: LoadGgufWeights, LoadGgufTokenizer).
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <map>
 #include <utility>
@@ -51,38 +52,70 @@ absl::StatusOr<std::vector<float>> ReadExpected(
   return f.ReadTensor(*t);
 }
 
-absl::StatusOr<ModelConfig> LlamaConfig(const GgufFile& f) {
+// Gemma 3's conventions that its GGUF files do not carry (llama.cpp and
+// Transformers hard-code them): five sliding-window layers, then one
+// global; the local layers' RoPE base.
+constexpr int kGemma3SlidingWindowPattern = 6;
+constexpr float kGemma3LocalRopeTheta = 10000.0f;
+
+// `arch` is the GGUF architecture name, the prefix of its keys.
+absl::StatusOr<ModelConfig> LlamaConfig(const GgufFile& f,
+                                        const std::string& arch) {
   ModelConfig c;
-  c.arch = Architecture::kLlama;
-  IG_ASSIGN_OR_RETURN(c.dim, GetDim(f, "llama.embedding_length"));
-  IG_ASSIGN_OR_RETURN(c.hidden_dim, GetDim(f, "llama.feed_forward_length"));
-  IG_ASSIGN_OR_RETURN(c.n_layers, GetDim(f, "llama.block_count"));
-  IG_ASSIGN_OR_RETURN(c.n_heads, GetDim(f, "llama.attention.head_count"));
+  c.arch = arch == "gemma3" ? Architecture::kGemma3 : Architecture::kLlama;
+  const auto key = [&arch](const char* k) { return arch + "." + k; };
+  IG_ASSIGN_OR_RETURN(c.dim, GetDim(f, key("embedding_length")));
+  IG_ASSIGN_OR_RETURN(c.hidden_dim, GetDim(f, key("feed_forward_length")));
+  IG_ASSIGN_OR_RETURN(c.n_layers, GetDim(f, key("block_count")));
+  IG_ASSIGN_OR_RETURN(c.n_heads, GetDim(f, key("attention.head_count")));
   c.n_kv_heads = c.n_heads;
-  if (f.Find("llama.attention.head_count_kv") != nullptr) {
+  if (f.Find(key("attention.head_count_kv")) != nullptr) {
     IG_ASSIGN_OR_RETURN(c.n_kv_heads,
-                        GetDim(f, "llama.attention.head_count_kv"));
+                        GetDim(f, key("attention.head_count_kv")));
   }
   c.head_dim = c.dim / c.n_heads;
-  if (f.Find("llama.attention.key_length") != nullptr) {
-    IG_ASSIGN_OR_RETURN(c.head_dim, GetDim(f, "llama.attention.key_length"));
+  if (f.Find(key("attention.key_length")) != nullptr) {
+    IG_ASSIGN_OR_RETURN(c.head_dim, GetDim(f, key("attention.key_length")));
   }
-  if (f.Find("llama.rope.dimension_count") != nullptr) {
-    IG_ASSIGN_OR_RETURN(int rot, GetDim(f, "llama.rope.dimension_count"));
-    if (rot != c.head_dim) {
+  if (f.Find(key("attention.value_length")) != nullptr) {
+    IG_ASSIGN_OR_RETURN(int v, GetDim(f, key("attention.value_length")));
+    if (v != c.head_dim) {
       return absl::InvalidArgumentError(absl::StrFormat(
-          "%s: llama.rope.dimension_count %d differs from the head dim %d; "
-          "partial rotary embeddings are not supported",
-          f.path(), rot, c.head_dim));
+          "%s: %s %d differs from the key length %d; that is not supported",
+          f.path(), key("attention.value_length"), v, c.head_dim));
     }
   }
-  IG_ASSIGN_OR_RETURN(c.max_seq_len, GetDim(f, "llama.context_length"));
+  if (f.Find(key("rope.dimension_count")) != nullptr) {
+    IG_ASSIGN_OR_RETURN(int rot, GetDim(f, key("rope.dimension_count")));
+    if (rot != c.head_dim) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s: %s %d differs from the head dim %d; "
+          "partial rotary embeddings are not supported",
+          f.path(), key("rope.dimension_count"), rot, c.head_dim));
+    }
+  }
+  if (f.Find(key("rope.scaling.type")) != nullptr) {
+    IG_ASSIGN_OR_RETURN(std::string scaling,
+                        f.GetString(key("rope.scaling.type")));
+    if (scaling != "none") {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s: RoPE scaling %s is not supported", f.path(), scaling));
+    }
+  }
+  IG_ASSIGN_OR_RETURN(c.max_seq_len, GetDim(f, key("context_length")));
   IG_ASSIGN_OR_RETURN(double eps,
-                      f.GetFloat("llama.attention.layer_norm_rms_epsilon"));
+                      f.GetFloat(key("attention.layer_norm_rms_epsilon")));
   c.norm_eps = static_cast<float>(eps);
   IG_ASSIGN_OR_RETURN(double theta,
-                      f.GetFloatOr("llama.rope.freq_base", 10000.0));
+                      f.GetFloatOr(key("rope.freq_base"), 10000.0));
   c.rope_theta = static_cast<float>(theta);
+  if (c.arch == Architecture::kGemma3) {
+    IG_ASSIGN_OR_RETURN(c.sliding_window,
+                        GetDim(f, key("attention.sliding_window")));
+    c.sliding_window_pattern = kGemma3SlidingWindowPattern;
+    c.rope_theta_local = kGemma3LocalRopeTheta;
+    c.embedding_scale = std::sqrt(static_cast<float>(c.dim));
+  }
 
   if (f.Find("tokenizer.ggml.tokens") != nullptr) {
     IG_ASSIGN_OR_RETURN(const std::vector<std::string>* tokens,
@@ -127,13 +160,14 @@ absl::StatusOr<Weights> LoadGgufWeights(const std::string& path) {
 absl::StatusOr<Weights> LoadGgufWeights(const GgufFile& f) {
   const std::string& path = f.path();
   IG_ASSIGN_OR_RETURN(std::string arch, f.GetString("general.architecture"));
-  if (arch != "llama") {
+  if (arch != "llama" && arch != "gemma3") {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "unsupported architecture %s in %s (only llama is supported)", arch,
-        path));
+        "unsupported architecture %s in %s (llama and gemma3 are supported)",
+        arch, path));
   }
   Weights w;
-  IG_ASSIGN_OR_RETURN(w.config, LlamaConfig(f));
+  IG_ASSIGN_OR_RETURN(w.config, LlamaConfig(f, arch));
+  const bool gemma = w.config.arch == Architecture::kGemma3;
   const ModelConfig& c = w.config;
   const int64_t dim = c.dim, hid = c.hidden_dim, q = c.q_dim(), kv = c.kv_dim(),
                 vocab = c.vocab_size;
@@ -155,9 +189,21 @@ absl::StatusOr<Weights> LoadGgufWeights(const GgufFile& f) {
     IG_ASSIGN_OR_RETURN(l.w1, ReadExpected(f, name("ffn_gate"), {dim, hid}));
     IG_ASSIGN_OR_RETURN(l.w3, ReadExpected(f, name("ffn_up"), {dim, hid}));
     IG_ASSIGN_OR_RETURN(l.w2, ReadExpected(f, name("ffn_down"), {hid, dim}));
-    // llama.cpp's converter interleaves each head's rotary pairs; undo it.
-    PermuteInterleavedToHalfSplit(l.wq, c.n_heads, c.head_dim, c.dim);
-    PermuteInterleavedToHalfSplit(l.wk, c.n_kv_heads, c.head_dim, c.dim);
+    if (gemma) {
+      // Its norm gains are stored as used (1 + w), and its rotary pairs are
+      // half-split already (llama.cpp's NEOX rotation).
+      const int64_t hd = c.head_dim;
+      IG_ASSIGN_OR_RETURN(l.q_norm, ReadExpected(f, name("attn_q_norm"), {hd}));
+      IG_ASSIGN_OR_RETURN(l.k_norm, ReadExpected(f, name("attn_k_norm"), {hd}));
+      IG_ASSIGN_OR_RETURN(l.post_attn_norm,
+                          ReadExpected(f, name("post_attention_norm"), {dim}));
+      IG_ASSIGN_OR_RETURN(l.post_ffn_norm,
+                          ReadExpected(f, name("post_ffw_norm"), {dim}));
+    } else {
+      // llama.cpp's converter interleaves each head's rotary pairs; undo it.
+      PermuteInterleavedToHalfSplit(l.wq, c.n_heads, c.head_dim, c.dim);
+      PermuteInterleavedToHalfSplit(l.wk, c.n_kv_heads, c.head_dim, c.dim);
+    }
   }
   IG_ASSIGN_OR_RETURN(w.final_norm,
                       ReadExpected(f, "output_norm.weight", {dim}));

@@ -1,6 +1,7 @@
 #include "model/safetensors.h"
 
 #include <climits>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <limits>
@@ -330,6 +331,103 @@ absl::StatusOr<HfModelConfig> ParseOptConfig(const ConfigKeys& k,
   return hf;
 }
 
+// Gemma 3 (model_type gemma3_text): Llama's keys plus its sliding window,
+// the kinds of its layers, and a RoPE base per kind.
+absl::StatusOr<HfModelConfig> ParseGemma3Config(const ConfigKeys& k,
+                                                const std::string& path,
+                                                const json& j) {
+  HfModelConfig hf;
+  ModelConfig& c = hf.config;
+  c.arch = Architecture::kGemma3;
+  IG_ASSIGN_OR_RETURN(c.dim, k.Int("hidden_size"));
+  IG_ASSIGN_OR_RETURN(c.hidden_dim, k.Int("intermediate_size"));
+  IG_ASSIGN_OR_RETURN(c.n_layers, k.Int("num_hidden_layers"));
+  IG_ASSIGN_OR_RETURN(c.n_heads, k.Int("num_attention_heads"));
+  IG_ASSIGN_OR_RETURN(c.n_kv_heads, k.Int("num_key_value_heads", c.n_heads));
+  IG_ASSIGN_OR_RETURN(c.head_dim, k.Int("head_dim", 256));
+  IG_ASSIGN_OR_RETURN(c.vocab_size, k.Int("vocab_size"));
+  IG_ASSIGN_OR_RETURN(c.max_seq_len, k.Int("max_position_embeddings", 32768));
+  IG_ASSIGN_OR_RETURN(double eps, k.Float("rms_norm_eps", 1e-6));
+  c.norm_eps = static_cast<float>(eps);
+  IG_ASSIGN_OR_RETURN(c.bos_id, k.TokenId("bos_token_id", 2));
+  IG_ASSIGN_OR_RETURN(c.eos_id, k.TokenId("eos_token_id", 1));
+  IG_ASSIGN_OR_RETURN(hf.tie_word_embeddings,
+                      k.Bool("tie_word_embeddings", true));
+  IG_ASSIGN_OR_RETURN(c.sliding_window, k.Int("sliding_window", 512));
+  c.embedding_scale = std::sqrt(static_cast<float>(c.dim));
+  IG_ASSIGN_OR_RETURN(std::string act,
+                      k.String("hidden_activation", "gelu_pytorch_tanh"));
+  if (act != "gelu_pytorch_tanh") {
+    return Unsupported(path, absl::StrCat("hidden_activation \"", act,
+                                          "\" is not supported (only "
+                                          "gelu_pytorch_tanh)"));
+  }
+  IG_ASSIGN_OR_RETURN(int scalar, k.Int("query_pre_attn_scalar", c.head_dim));
+  if (scalar != c.head_dim) {
+    return Unsupported(path, absl::StrFormat(
+                                 "query_pre_attn_scalar %d differs from "
+                                 "head_dim %d: not supported",
+                                 scalar, c.head_dim));
+  }
+  for (const char* cap : {"final_logit_softcapping", "attn_logit_softcapping"}) {
+    if (const json* v = k.Find(cap); v != nullptr && !v->is_null()) {
+      return Unsupported(path, absl::StrCat(cap, " is not supported"));
+    }
+  }
+  // The layer kinds: layer_types, or every sliding_window_pattern-th layer
+  // global; only that periodic form is supported.
+  int pattern = 6;
+  if (auto it = j.find("layer_types"); it != j.end() && it->is_array()) {
+    pattern = 0;
+    for (size_t i = 0; i < it->size(); ++i) {
+      if ((*it)[i] == "full_attention") {
+        pattern = static_cast<int>(i) + 1;
+        break;
+      }
+    }
+    for (size_t i = 0; i < it->size(); ++i) {
+      const bool global = pattern > 0 && (i + 1) % pattern == 0;
+      if ((*it)[i] != (global ? "full_attention" : "sliding_attention")) {
+        return Unsupported(path, absl::StrFormat(
+                                     "layer_types %s: only one global layer "
+                                     "every k layers is supported",
+                                     it->dump()));
+      }
+    }
+  } else {
+    IG_ASSIGN_OR_RETURN(pattern, k.Int("sliding_window_pattern", 6));
+  }
+  c.sliding_window_pattern = pattern;
+  // RoPE bases: Transformers 5's rope_parameters per layer kind, or the
+  // older rope_theta and rope_local_base_freq.
+  double global = 1000000.0, local = 10000.0;
+  if (auto it = j.find("rope_parameters"); it != j.end() && it->is_object()) {
+    for (const auto& [kind, base] :
+         {std::pair{"full_attention", &global},
+          std::pair{"sliding_attention", &local}}) {
+      auto p = it->find(kind);
+      if (p == it->end()) continue;
+      if (p->value("rope_type", "default") != "default") {
+        return Unsupported(path, absl::StrCat("rope_parameters ", p->dump(),
+                                              " (only plain RoPE)"));
+      }
+      if (p->contains("rope_theta") && (*p)["rope_theta"].is_number()) {
+        *base = (*p)["rope_theta"].get<double>();
+      }
+    }
+  } else {
+    IG_ASSIGN_OR_RETURN(global, k.Float("rope_theta", global));
+    IG_ASSIGN_OR_RETURN(local, k.Float("rope_local_base_freq", local));
+    if (const json* s = k.Find("rope_scaling"); s != nullptr && !s->is_null()) {
+      return Unsupported(path, absl::StrCat("rope_scaling ", s->dump(),
+                                            " is not supported"));
+    }
+  }
+  c.rope_theta = static_cast<float>(global);
+  c.rope_theta_local = static_cast<float>(local);
+  return hf;
+}
+
 // The names Weights needs, read from `ckpt` with shapes from `c`. Every name
 // read is added to `used`.
 class TensorReader {
@@ -365,13 +463,38 @@ absl::Status ReadLlama(const SafetensorsCheckpoint& ckpt, bool tied,
     IG_RETURN_IF_ERROR(r.Read(p + "self_attn.k_proj.weight", {kv, dim}, &l.wk));
     IG_RETURN_IF_ERROR(r.Read(p + "self_attn.v_proj.weight", {kv, dim}, &l.wv));
     IG_RETURN_IF_ERROR(r.Read(p + "self_attn.o_proj.weight", {dim, q}, &l.wo));
-    IG_RETURN_IF_ERROR(
-        r.Read(p + "post_attention_layernorm.weight", {dim}, &l.ffn_norm));
+    if (c.arch == Architecture::kGemma3) {
+      // Its post_attention_layernorm normalizes the attention's output;
+      // the MLP's input norm is pre_feedforward_layernorm. Gains are
+      // stored as w and used as 1 + w.
+      const int64_t hd = c.head_dim;
+      IG_RETURN_IF_ERROR(
+          r.Read(p + "self_attn.q_norm.weight", {hd}, &l.q_norm));
+      IG_RETURN_IF_ERROR(
+          r.Read(p + "self_attn.k_norm.weight", {hd}, &l.k_norm));
+      IG_RETURN_IF_ERROR(r.Read(p + "post_attention_layernorm.weight", {dim},
+                                &l.post_attn_norm));
+      IG_RETURN_IF_ERROR(
+          r.Read(p + "pre_feedforward_layernorm.weight", {dim}, &l.ffn_norm));
+      IG_RETURN_IF_ERROR(r.Read(p + "post_feedforward_layernorm.weight",
+                                {dim}, &l.post_ffn_norm));
+      for (std::vector<float>* gain : {&l.attn_norm, &l.q_norm, &l.k_norm,
+                                       &l.post_attn_norm, &l.ffn_norm,
+                                       &l.post_ffn_norm}) {
+        for (float& g : *gain) g += 1.0f;
+      }
+    } else {
+      IG_RETURN_IF_ERROR(
+          r.Read(p + "post_attention_layernorm.weight", {dim}, &l.ffn_norm));
+    }
     IG_RETURN_IF_ERROR(r.Read(p + "mlp.gate_proj.weight", {hid, dim}, &l.w1));
     IG_RETURN_IF_ERROR(r.Read(p + "mlp.up_proj.weight", {hid, dim}, &l.w3));
     IG_RETURN_IF_ERROR(r.Read(p + "mlp.down_proj.weight", {dim, hid}, &l.w2));
   }
   IG_RETURN_IF_ERROR(r.Read("model.norm.weight", {dim}, &w.final_norm));
+  if (c.arch == Architecture::kGemma3) {
+    for (float& g : w.final_norm) g += 1.0f;
+  }
   if (!tied && ckpt.Contains("lm_head.weight")) {
     IG_RETURN_IF_ERROR(
         r.Read("lm_head.weight", {c.vocab_size, dim}, &w.lm_head));
@@ -641,9 +764,12 @@ absl::StatusOr<HfModelConfig> ParseHfConfig(const std::string& json_text,
     hf = ParseLlamaConfig(keys, path);
   } else if (type == "opt") {
     hf = ParseOptConfig(keys, path);
+  } else if (type == "gemma3_text") {
+    hf = ParseGemma3Config(keys, path, j);
   } else {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "unsupported architecture %s in %s (llama, mistral and opt are)",
+        "unsupported architecture %s in %s (llama, mistral, opt and "
+        "gemma3_text are)",
         type.empty() ? "(no model_type)" : type, path));
   }
   if (!hf.ok()) return hf.status();

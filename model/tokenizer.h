@@ -1,7 +1,8 @@
 // Tokenizer: text <-> token ids for one model.
 //
-// Implementations: llama2.c's sentencepiece-style vocabulary (tok512.bin) and
-// GGUF byte-level BPE (GPT-2 style). Immutable after loading; thread-safe.
+// Implementations: llama2.c's sentencepiece-style vocabulary (tok512.bin),
+// GGUF byte-level BPE (GPT-2 style) and GGUF SentencePiece (spm_tokenizer.h).
+// Immutable after loading; thread-safe.
 #ifndef INFINIGEN_MODEL_TOKENIZER_H_
 #define INFINIGEN_MODEL_TOKENIZER_H_
 

@@ -61,6 +61,13 @@ absl::Status Weights::Validate() const {
     } else {
       IG_RETURN_IF_ERROR(CheckSize(n("w3"), l.w3, hid * dim));
     }
+    if (c.arch == Architecture::kGemma3) {
+      IG_RETURN_IF_ERROR(CheckSize(n("q_norm"), l.q_norm, c.head_dim));
+      IG_RETURN_IF_ERROR(CheckSize(n("k_norm"), l.k_norm, c.head_dim));
+      IG_RETURN_IF_ERROR(
+          CheckSize(n("post_attn_norm"), l.post_attn_norm, dim));
+      IG_RETURN_IF_ERROR(CheckSize(n("post_ffn_norm"), l.post_ffn_norm, dim));
+    }
   }
   IG_RETURN_IF_ERROR(CheckSize("final_norm", final_norm, dim));
   if (opt) {

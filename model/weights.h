@@ -34,6 +34,11 @@ struct LayerWeights {
   std::vector<float> w2;              // (dim, hidden_dim)
   std::vector<float> b1;              // (hidden_dim) OPT only
   std::vector<float> b2;              // (dim) OPT only
+  // Gemma 3 only: RMSNorm gains of each query and key head (head_dim), and
+  // of the attention's and the MLP's outputs (dim). Gemma 3's MLP is
+  // w2 (gelu_tanh(w1 x) * w3 x).
+  std::vector<float> q_norm, k_norm;
+  std::vector<float> post_attn_norm, post_ffn_norm;
 };
 
 struct Weights {

@@ -1,6 +1,8 @@
 // Loader + engine against Hugging Face Transformers: tiny randomly
-// initialised Llama (GQA) and OPT checkpoints whose logits Transformers
-// computed (tests/make_hf_reference.py wrote tests/testdata/hf_tiny_*).
+// initialised Llama (GQA), OPT and Gemma 3 (sliding-window and global
+// layers, a window the prompt overruns) checkpoints whose logits
+// Transformers computed (tests/make_hf_reference.py wrote
+// tests/testdata/hf_tiny_*).
 #include <fstream>
 #include <string>
 #include <vector>
@@ -51,7 +53,8 @@ TEST_P(HfReference, LogitsMatchTransformers) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, HfReference,
-                         ::testing::Values("hf_tiny_llama", "hf_tiny_opt"));
+                         ::testing::Values("hf_tiny_llama", "hf_tiny_opt",
+                                           "hf_tiny_gemma3"));
 
 }  // namespace
 }  // namespace infinigen

@@ -1,4 +1,4 @@
-"""Writes tiny randomly initialised Llama and OPT checkpoints with reference
+"""Writes tiny randomly initialised Llama, OPT and Gemma 3 checkpoints with reference
 logits computed by Hugging Face Transformers, for hf_reference_test.
 
 Not run by the tests (they read the committed output in tests/testdata/).
@@ -58,6 +58,25 @@ def main():
         pad_token_id=1)).eval()
     randomize(opt, 2)
     save(opt, tokens, os.path.join(out, "hf_tiny_opt"))
+    # Gemma 3: every second layer global, a window of 4 that the 13 tokens
+    # overrun, head_dim not hidden / heads, two RoPE bases.
+    gemma = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+        hidden_size=16, intermediate_size=24, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        vocab_size=32, max_position_embeddings=64, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, rope_local_base_freq=10000.0,
+        sliding_window=4, query_pre_attn_scalar=8,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=None,
+        attn_logit_softcapping=None, rope_scaling=None,
+        bos_token_id=2, eos_token_id=1, pad_token_id=0,
+        attn_implementation="eager")).eval()
+    # Gemma's norms scale by (1 + w): centre their draws on 0, not 1.
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in gemma.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    save(gemma, tokens, os.path.join(out, "hf_tiny_gemma3"))
 
 
 if __name__ == "__main__":

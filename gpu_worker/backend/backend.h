@@ -48,6 +48,9 @@ struct AttentionParams {
   // Optional [n_heads, kv_len0 + n - 1]: each query's attention
   // probabilities are added here (H2O's accumulated attention).
   float* prob_sums = nullptr;
+  // > 0: a sliding window; query i sees only the last `window` of its rows,
+  // [max(0, kv_len0 + i - window), kv_len0 + i).
+  int window = 0;
 };
 
 // Decode attention of one KV head's query heads straight over the rows a
@@ -155,6 +158,11 @@ class Backend : public PolicyOps {
   virtual void Attention(const AttentionParams& p) = 0;
   // gate[i] = silu(gate[i]) * up[i], for i < count.
   virtual void SwiGlu(float* gate, const float* up, long count) = 0;
+  // gate[i] = gelu(gate[i]) * up[i] with GELU's tanh form,
+  // 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) (Gemma's MLP).
+  virtual void GeluTanhGate(float* gate, const float* up, long count) = 0;
+  // x[i] *= s.
+  virtual void Scale(float* x, long count, float s) = 0;
   // x[i] = max(x[i], 0).
   virtual void Relu(float* x, long count) = 0;
   // x[i] += y[i].
@@ -241,6 +249,12 @@ class BackendWrapper : public Backend {
     target_->Rope(x, n, n_heads, head_dim, positions, theta);
   }
   void Attention(const AttentionParams& p) override { target_->Attention(p); }
+  void GeluTanhGate(float* gate, const float* up, long count) override {
+    target_->GeluTanhGate(gate, up, count);
+  }
+  void Scale(float* x, long count, float s) override {
+    target_->Scale(x, count, s);
+  }
   void SwiGlu(float* gate, const float* up, long count) override {
     target_->SwiGlu(gate, up, count);
   }

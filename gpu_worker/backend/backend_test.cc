@@ -153,6 +153,87 @@ TEST(CpuBackend, AttendsStoredRowsInPlaceLikeDecodedAttention) {
   }
 }
 
+// Sliding-window attention (Gemma 3's local layers) against a direct
+// softmax over each query's last `window` rows, with a prefill chunk whose
+// windows start at different rows, and the H2O sums only over the window.
+TEST(CpuBackend, SlidingWindowAttentionSeesOnlyTheLastRows) {
+  auto cpu = NewCpuBackend();
+  constexpr int kHeads = 4, kKvHeads = 2, kDim = 8, kStride = 32;
+  constexpr int kN = 6, kLen0 = 20, kWindow = 7;
+  std::mt19937 rng(11);
+  std::normal_distribution<float> dist;
+  std::vector<float> q(kN * kHeads * kDim), k(kKvHeads * kStride * kDim),
+      v(kKvHeads * kStride * kDim);
+  for (float& x : q) x = dist(rng);
+  for (float& x : k) x = dist(rng);
+  for (float& x : v) x = dist(rng);
+  const int kv_max = kLen0 + kN - 1;
+  std::vector<float> out(q.size()), sums(kHeads * kv_max, 0.0f);
+  AttentionParams p;
+  p.q = q.data();
+  p.k = k.data();
+  p.v = v.data();
+  p.out = out.data();
+  p.n = kN;
+  p.n_heads = kHeads;
+  p.n_kv_heads = kKvHeads;
+  p.head_dim = kDim;
+  p.kv_stride = kStride;
+  p.kv_len0 = kLen0;
+  p.scale = 0.5f;
+  p.window = kWindow;
+  p.prob_sums = sums.data();
+  cpu->Attention(p);
+  std::vector<float> want_sums(sums.size(), 0.0f);
+  for (int i = 0; i < kN; ++i) {
+    const int len = kLen0 + i, lo = len - kWindow;
+    for (int h = 0; h < kHeads; ++h) {
+      const int g = h / (kHeads / kKvHeads);
+      std::vector<double> w(len - lo);
+      double mx = -1e30, z = 0;
+      for (int t = lo; t < len; ++t) {
+        double s = 0;
+        for (int d = 0; d < kDim; ++d) {
+          s += q[(i * kHeads + h) * kDim + d] * k[(g * kStride + t) * kDim + d];
+        }
+        w[t - lo] = s * p.scale;
+        mx = std::max(mx, w[t - lo]);
+      }
+      for (double& x : w) z += (x = std::exp(x - mx));
+      for (int d = 0; d < kDim; ++d) {
+        double o = 0;
+        for (int t = lo; t < len; ++t) {
+          o += w[t - lo] / z * v[(g * kStride + t) * kDim + d];
+        }
+        EXPECT_NEAR(out[(i * kHeads + h) * kDim + d], o, 1e-5) << i << h;
+      }
+      for (int t = lo; t < len; ++t) want_sums[h * kv_max + t] += w[t - lo] / z;
+    }
+  }
+  for (size_t j = 0; j < sums.size(); ++j) {
+    EXPECT_NEAR(sums[j], want_sums[j], 1e-5) << j;
+  }
+}
+
+TEST(CpuBackend, GeluTanhGateAndScale) {
+  auto cpu = NewCpuBackend();
+  std::vector<float> gate = {-3.0f, -0.5f, 0.0f, 0.5f, 3.0f};
+  const std::vector<float> up = {2.0f, -1.0f, 4.0f, 1.0f, 0.5f};
+  std::vector<float> want(gate.size());
+  for (size_t i = 0; i < gate.size(); ++i) {
+    const double g = gate[i];
+    want[i] = 0.5 * g *
+              (1 + std::tanh(std::sqrt(2 / M_PI) * (g + 0.044715 * g * g * g))) *
+              up[i];
+  }
+  cpu->GeluTanhGate(gate.data(), up.data(), static_cast<long>(gate.size()));
+  for (size_t i = 0; i < gate.size(); ++i) EXPECT_NEAR(gate[i], want[i], 1e-6);
+  cpu->Scale(gate.data(), static_cast<long>(gate.size()), 2.0f);
+  for (size_t i = 0; i < gate.size(); ++i) {
+    EXPECT_NEAR(gate[i], 2 * want[i], 2e-6);
+  }
+}
+
 // On the CPU a copy is done when CopyFromHost returns, in issue order, so
 // marks carry no information (0) and pinning has nothing to do.
 TEST(CpuBackend, CopiesFromHostAtOnce) {

@@ -123,8 +123,9 @@ ABSL_FLAG(std::string, on_kv_loss, "recompute",
 ABSL_FLAG(std::string, eviction, "lru",
           "The in-process pool's eviction policy: fifo, lru, counter.");
 ABSL_FLAG(std::string, chat_template, "",
-          "serve, generate --chat: chatml, llama2 or llama3; empty: the "
-          "model's own (GGUF tokenizer.chat_template).");
+          "serve, generate --chat: chatml, llama2, llama3 or gemma; empty: "
+          "the model's own (GGUF tokenizer.chat_template; gemma for a "
+          "gemma3 GGUF).");
 
 namespace infinigen::commands {
 

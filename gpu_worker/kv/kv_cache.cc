@@ -24,7 +24,7 @@ void FetchStats::Add(const FetchStats& o) {
 
 void QueueAttention(Backend& backend, const model::ModelConfig& c,
                     const float* q, const float* k, const float* v,
-                    int kv_stride, int n, int kv_len0, float* out,
+                    int kv_stride, int n, int kv_len0, int window, float* out,
                     float* prob_sums) {
   AttentionParams p;
   p.q = q;
@@ -39,6 +39,7 @@ void QueueAttention(Backend& backend, const model::ModelConfig& c,
   p.kv_len0 = kv_len0;
   p.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
   p.prob_sums = prob_sums;
+  p.window = window;
   backend.Attention(p);
 }
 
@@ -95,7 +96,7 @@ class LocalKvCache final : public KvCache {
     }
     QueueAttention(backend_, config_, q, Keys(slot_, layer),
                    Values(slot_, layer), options_.max_seq_len, rows, pos + 1,
-                   out, nullptr);
+                   config_.AttentionWindow(layer), out, nullptr);
     return absl::OkStatus();
   }
 
@@ -148,8 +149,8 @@ class LocalKvCache final : public KvCache {
         cache_.Store(slot, layer, pos, k, v, static_cast<int>(i));
         QueueAttention(cache_.backend_, c, q + i * qd,
                        cache_.Keys(slot, layer), cache_.Values(slot, layer),
-                       cache_.options_.max_seq_len, 1, pos + 1, out + i * qd,
-                       nullptr);
+                       cache_.options_.max_seq_len, 1, pos + 1,
+                       c.AttentionWindow(layer), out + i * qd, nullptr);
       }
       return absl::OkStatus();
     }

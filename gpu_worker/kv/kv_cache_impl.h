@@ -29,10 +29,12 @@ absl::StatusOr<std::unique_ptr<KvCache>> NewOffloadedKvCache(
 
 // Queues causal attention of n queries q [n, n_heads, head_dim] (into out,
 // same shape) over k, v [n_kv_heads, kv_stride, head_dim]: query i sees
-// rows [0, kv_len0 + i). prob_sums as in AttentionParams.
+// rows [0, kv_len0 + i), or its last `window` of them when window > 0
+// (the layer's ModelConfig::AttentionWindow). prob_sums as in
+// AttentionParams.
 void QueueAttention(Backend& backend, const model::ModelConfig& config,
                     const float* q, const float* k, const float* v,
-                    int kv_stride, int n, int kv_len0, float* out,
+                    int kv_stride, int n, int kv_len0, int window, float* out,
                     float* prob_sums);
 
 }  // namespace infinigen::gpu_worker

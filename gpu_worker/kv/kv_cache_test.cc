@@ -837,6 +837,14 @@ class GuardedDeviceBackend final : public Backend {
     Open open(this);
     cpu_->SwiGlu(g, u, n);
   }
+  void GeluTanhGate(float* g, const float* u, long n) override {
+    Open open(this);
+    cpu_->GeluTanhGate(g, u, n);
+  }
+  void Scale(float* x, long n, float s) override {
+    Open open(this);
+    cpu_->Scale(x, n, s);
+  }
   void Relu(float* x, long n) override {
     Open open(this);
     cpu_->Relu(x, n);

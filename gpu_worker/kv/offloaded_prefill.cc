@@ -113,7 +113,7 @@ absl::Status OffloadedKvCache::PrefillAttention(int layer, int pos, int rows,
                           prob_values * sizeof(float), backend_.MarkIssued());
   }
   QueueAttention(backend_, c_, q, k_rows_.data(), v_rows_.data(), stride_,
-                 rows, pos + 1, out, probs);
+                 rows, pos + 1, c_.AttentionWindow(layer), out, probs);
   if (probs != nullptr) {
     IG_RETURN_IF_ERROR(backend_.CopyToHost(prefill_probs_host_.data(), probs,
                                            prob_values * sizeof(float)));

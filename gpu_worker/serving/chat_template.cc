@@ -19,6 +19,8 @@ const char* ChatTemplateName(ChatTemplate t) {
       return "llama2";
     case ChatTemplate::kLlama3:
       return "llama3";
+    case ChatTemplate::kGemma:
+      return "gemma";
   }
   return "?";
 }
@@ -27,8 +29,9 @@ absl::StatusOr<ChatTemplate> ParseChatTemplate(absl::string_view name) {
   if (name == "chatml") return ChatTemplate::kChatML;
   if (name == "llama2") return ChatTemplate::kLlama2;
   if (name == "llama3") return ChatTemplate::kLlama3;
+  if (name == "gemma") return ChatTemplate::kGemma;
   return absl::InvalidArgumentError(absl::StrCat(
-      "unknown chat template '", name, "' (chatml, llama2 or llama3)"));
+      "unknown chat template '", name, "' (chatml, llama2, llama3 or gemma)"));
 }
 
 absl::StatusOr<ChatTemplate> DetectChatTemplate(absl::string_view jinja) {
@@ -37,13 +40,14 @@ absl::StatusOr<ChatTemplate> DetectChatTemplate(absl::string_view jinja) {
     return ChatTemplate::kLlama3;
   }
   if (absl::StrContains(jinja, "[INST]")) return ChatTemplate::kLlama2;
+  if (absl::StrContains(jinja, "<start_of_turn>")) return ChatTemplate::kGemma;
   std::string head(jinja.substr(0, 60));
   for (char& c : head) {
     if (c == '\n') c = ' ';
   }
   return absl::InvalidArgumentError(absl::StrCat(
-      "the model's chat template is not supported (not chatml, llama2 or "
-      "llama3): \"",
+      "the model's chat template is not supported (not chatml, llama2, "
+      "llama3 or gemma): \"",
       head, jinja.size() > head.size() ? "...\"" : "\"",
       "; name one with --chat_template"));
 }
@@ -64,10 +68,18 @@ absl::StatusOr<ChatTemplate> ChatTemplateForModel(
   const absl::Status none = absl::NotFoundError(
       absl::StrCat(model_path,
                    " carries no chat template (tokenizer.chat_template); name "
-                   "one with --chat_template=chatml|llama2|llama3"));
+                   "one with --chat_template=chatml|llama2|llama3|gemma"));
   if (!IsGguf(model_path)) return none;
   IG_ASSIGN_OR_RETURN(model::GgufFile gguf, model::GgufFile::Open(model_path));
-  if (gguf.Find("tokenizer.chat_template") == nullptr) return none;
+  if (gguf.Find("tokenizer.chat_template") == nullptr) {
+    // Gemma 3's GGUF files carry no template; its format is Gemma's.
+    if (gguf.Find("general.architecture") != nullptr) {
+      IG_ASSIGN_OR_RETURN(std::string arch,
+                          gguf.GetString("general.architecture"));
+      if (arch == "gemma3") return ChatTemplate::kGemma;
+    }
+    return none;
+  }
   IG_ASSIGN_OR_RETURN(std::string jinja,
                       gguf.GetString("tokenizer.chat_template"));
   return DetectChatTemplate(jinja);
@@ -102,6 +114,33 @@ absl::StatusOr<std::string> ApplyChatTemplate(
       }
       absl::StrAppend(&out, "<|start_header_id|>assistant<|end_header_id|>\n\n");
       return out;
+    case ChatTemplate::kGemma: {
+      // Gemma has no system role: a system message opens the first user
+      // turn, separated by a blank line; the assistant is "model".
+      std::string system;
+      size_t i = 0;
+      if (messages[0].role == "system") {
+        system = messages[0].content;
+        i = 1;
+      }
+      for (; i < messages.size(); ++i) {
+        const ChatMessage& m = messages[i];
+        if (m.role == "system") {
+          return absl::InvalidArgumentError(
+              "gemma chat: only the first message may be a system message");
+        }
+        std::string content = m.content;
+        if (!system.empty() && m.role == "user") {
+          content = absl::StrCat(system, "\n\n", content);
+          system.clear();
+        }
+        absl::StrAppend(&out, "<start_of_turn>",
+                        m.role == "assistant" ? "model" : "user", "\n",
+                        content, "<end_of_turn>\n");
+      }
+      absl::StrAppend(&out, "<start_of_turn>model\n");
+      return out;
+    }
     case ChatTemplate::kLlama2: {
       // Meta's format: the system message folds into the first user turn;
       // each user turn is [INST] ... [/INST], each answer ends with </s>

@@ -15,6 +15,10 @@
 //   llama3  <|start_header_id|>ROLE<|end_header_id|>\n\nCONTENT<|eot_id|> ...
 //           <|start_header_id|>assistant<|end_header_id|>\n\n
 //           (<|begin_of_text|> is BOS and comes from the tokenizer)
+//   gemma   <start_of_turn>user\nSYSTEM\n\nUSER<end_of_turn>\n
+//           <start_of_turn>model\nASSISTANT<end_of_turn>\n ...
+//           <start_of_turn>model\n   (Gemma 3; BOS from the tokenizer; the
+//           default for a gemma3 GGUF, whose file carries no template)
 //
 // Stateless functions; thread-safe.
 #ifndef INFINIGEN_GPU_WORKER_SERVING_CHAT_TEMPLATE_H_
@@ -28,11 +32,11 @@
 
 namespace infinigen::gpu_worker {
 
-enum class ChatTemplate { kChatML, kLlama2, kLlama3 };
+enum class ChatTemplate { kChatML, kLlama2, kLlama3, kGemma };
 
 const char* ChatTemplateName(ChatTemplate t);
 
-// "chatml", "llama2" or "llama3"; InvalidArgument otherwise.
+// "chatml", "llama2", "llama3" or "gemma"; InvalidArgument otherwise.
 absl::StatusOr<ChatTemplate> ParseChatTemplate(absl::string_view name);
 
 // The family of a Jinja chat template (tokenizer.chat_template).
@@ -40,7 +44,8 @@ absl::StatusOr<ChatTemplate> ParseChatTemplate(absl::string_view name);
 absl::StatusOr<ChatTemplate> DetectChatTemplate(absl::string_view jinja);
 
 // The template of the model at `model_path`: `override_name` when it is not
-// empty, else the family of its GGUF tokenizer.chat_template. NotFound (with
+// empty, else the family of its GGUF tokenizer.chat_template, else its
+// architecture's (gemma for gemma3). NotFound (with
 // a hint to pass --chat_template) when the model carries no template (not a
 // GGUF, or no such key); InvalidArgument for an unknown override or an
 // unsupported template.

@@ -65,6 +65,24 @@ TEST(ChatTemplate, Llama2FoldsTheSystemMessageIntoTheFirstTurn) {
             absl::StatusCode::kInvalidArgument);
 }
 
+TEST(ChatTemplate, GemmaOpensTheFirstUserTurnWithTheSystemMessage) {
+  EXPECT_EQ(*ParseChatTemplate("gemma"), ChatTemplate::kGemma);
+  EXPECT_EQ(*DetectChatTemplate("{{ '<start_of_turn>' + role }}"),
+            ChatTemplate::kGemma);
+  EXPECT_EQ(*ApplyChatTemplate(ChatTemplate::kGemma,
+                               {{"system", "Be brief."}, {"user", "Hi"},
+                                {"assistant", "Hello"}, {"user", "Bye"}}),
+            "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n"
+            "<start_of_turn>model\nHello<end_of_turn>\n"
+            "<start_of_turn>user\nBye<end_of_turn>\n"
+            "<start_of_turn>model\n");
+  EXPECT_EQ(ApplyChatTemplate(ChatTemplate::kGemma,
+                              {{"user", "Hi"}, {"system", "late"}})
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST(ChatTemplate, RejectsBadMessages) {
   EXPECT_EQ(ApplyChatTemplate(ChatTemplate::kChatML, {}).status().code(),
             absl::StatusCode::kInvalidArgument);

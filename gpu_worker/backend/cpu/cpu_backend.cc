@@ -103,28 +103,36 @@ class CpuBackend final : public Backend {
     const int group = p.n_heads / p.n_kv_heads;
     const int q_stride = p.n_heads * p.head_dim;
     const int kv_max = p.kv_len0 + p.n - 1;  // rows seen by the last query
-    scores_.resize(static_cast<size_t>(p.n) * kv_max);
+    // Rows before `first` are outside every query's window: the scores
+    // cover [first, kv_max) only.
+    const int first = p.window > 0 ? std::max(0, p.kv_len0 - p.window) : 0;
+    const int cols = kv_max - first;
+    scores_.resize(static_cast<size_t>(p.n) * cols);
     for (int h = 0; h < p.n_heads; ++h) {
       const int g = h / group;
-      const float* k = p.k + static_cast<long>(g) * p.kv_stride * p.head_dim;
-      const float* v = p.v + static_cast<long>(g) * p.kv_stride * p.head_dim;
-      // scores[n, kv_max] = scale * q_h[n, d] . k[kv_max, d]^T
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, p.n, kv_max,
+      const float* k = p.k + (static_cast<long>(g) * p.kv_stride + first) *
+                                 p.head_dim;
+      const float* v = p.v + (static_cast<long>(g) * p.kv_stride + first) *
+                                 p.head_dim;
+      // scores[n, cols] = scale * q_h[n, d] . k[first..kv_max, d]^T
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, p.n, cols,
                   p.head_dim, p.scale, p.q + h * p.head_dim, q_stride, k,
-                  p.head_dim, 0.0f, scores_.data(), kv_max);
+                  p.head_dim, 0.0f, scores_.data(), cols);
       for (int i = 0; i < p.n; ++i) {
-        float* s = scores_.data() + static_cast<long>(i) * kv_max;
-        const int len = p.kv_len0 + i;
-        Softmax(s, len);
-        for (int t = len; t < kv_max; ++t) s[t] = 0.0f;  // causal mask
+        float* s = scores_.data() + static_cast<long>(i) * cols;
+        const int len = p.kv_len0 + i;  // absolute end of its rows
+        const int lo = p.window > 0 ? std::max(0, len - p.window) : 0;
+        for (int t = 0; t < lo - first; ++t) s[t] = 0.0f;  // the window
+        Softmax(s + (lo - first), len - lo);
+        for (int t = len - first; t < cols; ++t) s[t] = 0.0f;  // causal mask
         if (p.prob_sums != nullptr) {
-          float* acc = p.prob_sums + static_cast<long>(h) * kv_max;
-          for (int t = 0; t < len; ++t) acc[t] += s[t];
+          float* acc = p.prob_sums + static_cast<long>(h) * kv_max + first;
+          for (int t = lo - first; t < len - first; ++t) acc[t] += s[t];
         }
       }
-      // out_h[n, d] = probs[n, kv_max] . v[kv_max, d]
+      // out_h[n, d] = probs[n, cols] . v[first..kv_max, d]
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, p.n, p.head_dim,
-                  kv_max, 1.0f, scores_.data(), kv_max, v, p.head_dim, 0.0f,
+                  cols, 1.0f, scores_.data(), cols, v, p.head_dim, 0.0f,
                   p.out + h * p.head_dim, q_stride);
     }
   }
@@ -182,6 +190,19 @@ class CpuBackend final : public Backend {
       const float g = gate[i];
       gate[i] = g / (1.0f + std::exp(-g)) * up[i];
     }
+  }
+
+  void GeluTanhGate(float* gate, const float* up, long count) override {
+    constexpr float kSqrt2OverPi = 0.7978845608028654f;
+    for (long i = 0; i < count; ++i) {
+      const float g = gate[i];
+      const float inner = kSqrt2OverPi * (g + 0.044715f * g * g * g);
+      gate[i] = 0.5f * g * (1.0f + std::tanh(inner)) * up[i];
+    }
+  }
+
+  void Scale(float* x, long count, float s) override {
+    for (long i = 0; i < count; ++i) x[i] *= s;
   }
 
   void Relu(float* x, long count) override {

@@ -62,7 +62,8 @@ __device__ float Score(const float (&q)[R], const float* k_row, int head_dim,
 struct QueryHead {
   int i;
   int h;
-  int len;         // KV rows it sees: kv_len0 + i
+  int first;       // the first KV row it sees (0 without a window)
+  int len;         // the end of the KV rows it sees: kv_len0 + i
   long row;        // i * n_heads + h
   const float* k;  // [kv_stride, head_dim] of its KV head
   const float* v;  // same
@@ -74,6 +75,7 @@ __device__ QueryHead Locate(const AttentionKernelParams& p, long row) {
   r.i = static_cast<int>(row / p.n_heads);
   r.h = static_cast<int>(row % p.n_heads);
   r.len = p.kv_len0 + r.i;
+  r.first = p.window > 0 ? max(0, r.len - p.window) : 0;
   const int g = r.h / (p.n_heads / p.n_kv_heads);
   const long head_offset = static_cast<long>(g) * p.kv_stride * p.head_dim;
   r.k = p.k + head_offset;
@@ -153,8 +155,9 @@ __global__ void __launch_bounds__(kThreads)
   const int split = (blockIdx.x / p.n_heads) % p.kv_splits;
   const int i = blockIdx.x / p.n_heads / p.kv_splits;
   const QueryHead qh = Locate(p, static_cast<long>(i) * p.n_heads + h);
-  const int chunk = (qh.len + p.kv_splits - 1) / p.kv_splits;
-  const int begin = min(qh.len, split * chunk);
+  const int seen = qh.len - qh.first;
+  const int chunk = (seen + p.kv_splits - 1) / p.kv_splits;
+  const int begin = min(qh.len, qh.first + split * chunk);
   const int end = min(qh.len, begin + chunk);
 
   float q[R];
@@ -197,7 +200,7 @@ __global__ void __launch_bounds__(kThreads)
       p.out[qh.row * p.head_dim + d] = o * inv_sum;
     }
     if (p.prob_sums != nullptr) {
-      AddProbabilities(p, qh, q, 0, qh.len, max, inv_sum);
+      AddProbabilities(p, qh, q, qh.first, qh.len, max, inv_sum);
     }
     return;
   }
@@ -261,13 +264,14 @@ __global__ void __launch_bounds__(kThreads)
   const QueryHead qh = Locate(p, blockIdx.x / chunks);
   const int begin = (blockIdx.x % chunks) * kProbRowsPerBlock;
   if (begin >= qh.len) return;
+  if (begin + kProbRowsPerBlock <= qh.first) return;  // before the window
   const int end = min(qh.len, begin + kProbRowsPerBlock);
   const long rows = static_cast<long>(p.n) * p.n_heads;
   const float* stats =
       p.workspace + rows * p.kv_splits * (p.head_dim + 2) + 2 * qh.row;
   float q[R];
   LoadLaneDims(p.q + qh.row * p.head_dim, p.head_dim, q);
-  AddProbabilities(p, qh, q, begin, end, stats[0], stats[1]);
+  AddProbabilities(p, qh, q, max(begin, qh.first), end, stats[0], stats[1]);
 }
 
 int ProbChunks(const AttentionKernelParams& p) {

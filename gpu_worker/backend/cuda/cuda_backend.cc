@@ -456,6 +456,7 @@ class CudaBackend final : public Backend {
     p.kv_stride = a.kv_stride;
     p.kv_len0 = a.kv_len0;
     p.scale = a.scale;
+    p.window = a.window;
     if (options_.half_precision && a.n >= kMinFlashQueries &&
         FlashAttentionSupports(p)) {
       Launched(LaunchFlashAttention(p, stream_), kOp);
@@ -486,6 +487,28 @@ class CudaBackend final : public Backend {
     p.up = In(up, count, kOp, "up");
     p.count = count;
     if (ok()) Launched(LaunchSwiGlu(p, stream_), kOp);
+  }
+
+  void GeluTanhGate(float* gate, const float* up, long count) override {
+    constexpr const char* kOp = "GeluTanhGate";
+    if (!Begin() || count == 0) return;
+    if (count < 0) return FailShape(kOp, absl::StrFormat("count=%d", count));
+    SwiGluParams p;
+    p.gate = Out(gate, count, kOp, "gate");
+    p.up = In(up, count, kOp, "up");
+    p.count = count;
+    if (ok()) Launched(LaunchGeluTanhGate(p, stream_), kOp);
+  }
+
+  void Scale(float* x, long count, float s) override {
+    constexpr const char* kOp = "Scale";
+    if (!Begin() || count == 0) return;
+    if (count < 0) return FailShape(kOp, absl::StrFormat("count=%d", count));
+    ScaleParams p;
+    p.x = Out(x, count, kOp, "x");
+    p.count = count;
+    p.s = s;
+    if (ok()) Launched(LaunchScale(p, stream_), kOp);
   }
 
   void Relu(float* x, long count) override {

@@ -279,6 +279,9 @@ TEST_F(CudaBackendTest, AttentionMatchesCpu) {
       {1, 9, 3, 128, 33000, 0, true}, {13, 9, 3, 64, 20, 4, true},
       {13, 9, 3, 128, 1, 0, true},    {64, 8, 8, 80, 100, 0, false},
       {3, 4, 1, 8, 5, 2, true},       {4, 9, 3, 64, 3000, 0, true},
+      // Sliding windows, decode and a chunk.
+      {1, 4, 1, 256, 5000, 0, true, 1, 512},
+      {40, 4, 1, 256, 700, 0, false, 1, 512},
   };
   for (const AttentionCase& c : cases) {
     const AttentionProblem prob = MakeAttentionProblem(c, rng_, *cpu_);
@@ -302,6 +305,8 @@ TEST_F(CudaBackendTest, HalfPrecisionPrefillAttentionMatchesCpu) {
       {100, 9, 3, 72, 5, 0, false},  // head_dim 72: the fp32 kernel
       {64, 4, 4, 64, 10, 0, true},   // prob_sums: the fp32 kernel
       {1, 9, 3, 128, 5000, 0, false},
+      // A window: the fp32 kernel, whatever the precision.
+      {64, 4, 1, 256, 600, 0, false, 1, 512},
   };
   for (const AttentionCase& c : cases) {
     const AttentionProblem prob = MakeAttentionProblem(c, rng_, *cpu_);

@@ -259,7 +259,8 @@ bool FlashAttentionSupports(const AttentionKernelParams& p) {
   const auto aligned = [](const void* q) {
     return reinterpret_cast<uintptr_t>(q) % 16 == 0;
   };
-  return p.prob_sums == nullptr && p.head_dim > 0 && p.head_dim % 16 == 0 &&
+  return p.prob_sums == nullptr && p.window <= 0 && p.head_dim > 0 &&
+         p.head_dim % 16 == 0 &&
          p.head_dim <= kMaxFlashHeadDim && aligned(p.q) && aligned(p.k) &&
          aligned(p.v) && aligned(p.out);
 }

@@ -80,6 +80,16 @@ struct SwiGluParams {
 };
 int LaunchSwiGlu(const SwiGluParams& p, void* stream);
 
+// GELU (tanh form) gate: gate = gelu_tanh(gate) * up.
+int LaunchGeluTanhGate(const SwiGluParams& p, void* stream);
+
+struct ScaleParams {
+  float* x;  // [count], becomes x * s
+  long count = 0;
+  float s = 1.0f;
+};
+int LaunchScale(const ScaleParams& p, void* stream);
+
 struct ReluParams {
   float* x;  // [count], becomes max(x, 0)
   long count = 0;
@@ -160,6 +170,9 @@ struct AttentionKernelParams {
   // Optional [n_heads, kv_len0 + n - 1]: each query's normalised
   // probabilities are added (atomically) in a second pass over the rows.
   float* prob_sums = nullptr;
+  // > 0: a sliding window; query i sees only rows
+  // [max(0, kv_len0 + i - window), kv_len0 + i).
+  int window = 0;
   // Blocks each (query, head)'s rows are split over; > 1 needs workspace.
   int kv_splits = 1;
   float* workspace = nullptr;  // [AttentionWorkspaceFloats(*this)]
@@ -178,7 +191,8 @@ int LaunchAttention(const AttentionKernelParams& p, void* stream);
 // The largest head_dim LaunchFlashAttention takes.
 constexpr int kMaxFlashHeadDim = 256;
 
-// Whether LaunchFlashAttention computes `p`: no prob_sums, head_dim a
+// Whether LaunchFlashAttention computes `p`: no prob_sums, no window,
+// head_dim a
 // multiple of 16 up to kMaxFlashHeadDim, q, k, v and out 16-byte aligned
 // (kv_splits is ignored).
 bool FlashAttentionSupports(const AttentionKernelParams& p);

@@ -162,8 +162,9 @@ TEST_F(CudaKernels, RopeMatchesCpu) {
   }
 }
 
-// SwiGlu: 1e-5 * (1 + |want|) (expf against the CPU's exp); Relu, Add and
-// the bias add are single IEEE operations: exact.
+// SwiGlu and the GELU gate: 1e-5 * (1 + |want|) (expf and tanhf against
+// the CPU's); Relu, Add, Scale and the bias add are single IEEE operations:
+// exact.
 TEST_F(CudaKernels, PointwiseMatchCpu) {
   for (long count : {1L, 1000L, (1L << 20) + 3}) {
     std::vector<float> gate = Normal(count, rng_, 4.0f),
@@ -176,6 +177,18 @@ TEST_F(CudaKernels, PointwiseMatchCpu) {
     ExpectRan(LaunchSwiGlu({dswiglu.get(), dup.get(), count}, nullptr));
     ExpectRan(LaunchRelu({drelu.get(), count}, nullptr));
     ExpectRan(LaunchAdd({dadd.get(), dup.get(), count}, nullptr));
+    std::vector<float> want_gelu = gate, want_scale = gate;
+    cpu_->GeluTanhGate(want_gelu.data(), up.data(), count);
+    cpu_->Scale(want_scale.data(), count, 25.3f);
+    DeviceArray<float> dgelu(gate), dscale(gate);
+    ExpectRan(LaunchGeluTanhGate({dgelu.get(), dup.get(), count}, nullptr));
+    ExpectRan(LaunchScale({dscale.get(), count, 25.3f}, nullptr));
+    const std::vector<float> gelu = dgelu.ToHost(), scaled = dscale.ToHost();
+    for (long i = 0; i < count; ++i) {
+      ASSERT_NEAR(gelu[i], want_gelu[i], 1e-5f * (1 + std::abs(want_gelu[i])))
+          << "count=" << count << " i=" << i;
+      ASSERT_EQ(scaled[i], want_scale[i]) << "count=" << count << " i=" << i;
+    }
     const std::vector<float> swiglu = dswiglu.ToHost(), relu = drelu.ToHost(),
                              add = dadd.ToHost();
     for (long i = 0; i < count; ++i) {
@@ -301,6 +314,7 @@ AttentionKernelParams KernelParams(const AttentionProblem& prob,
   p.kv_stride = prob.shape.kv_stride;
   p.kv_len0 = prob.c.kv_len0;
   p.scale = prob.shape.scale;
+  p.window = prob.c.window;
   return p;
 }
 
@@ -314,6 +328,13 @@ TEST_F(CudaKernels, AttentionMatchesCpu) {
       {13, 9, 3, 64, 20, 4, true, 1},    {13, 9, 3, 128, 1, 0, true, 3},
       {64, 8, 8, 80, 100, 0, true, 1},   {3, 4, 1, 8, 5, 2, true, 1},
       {2, 6, 2, 256, 300, 0, false, 2},  {200, 9, 3, 128, 57, 0, true, 1},
+      // Sliding windows (Gemma 3's local layers): a decode step over a
+      // long cache, split or not; a chunk whose windows start at
+      // different rows; a window longer than the rows.
+      {1, 4, 1, 256, 5000, 0, true, 1, 512},
+      {1, 4, 1, 256, 5000, 0, true, 6, 512},
+      {40, 4, 1, 256, 700, 3, true, 1, 512},
+      {13, 9, 3, 64, 20, 4, true, 2, 100},
   };
   for (const AttentionCase& c : cases) {
     const AttentionProblem prob = MakeAttentionProblem(c, rng_, *cpu_);

@@ -109,6 +109,18 @@ __global__ void SwiGluKernel(SwiGluParams p) {
   }
 }
 
+__global__ void GeluTanhGateKernel(SwiGluParams p) {
+  IG_GRID_STRIDE(i, p.count) {
+    const float g = p.gate[i];
+    const float inner = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+    p.gate[i] = 0.5f * g * (1.0f + tanhf(inner)) * p.up[i];
+  }
+}
+
+__global__ void ScaleKernel(ScaleParams p) {
+  IG_GRID_STRIDE(i, p.count) p.x[i] *= p.s;
+}
+
 __global__ void ReluKernel(ReluParams p) {
   // std::max(x, 0.0f) of the CPU: NaN stays NaN, -0 stays -0.
   IG_GRID_STRIDE(i, p.count) p.x[i] = p.x[i] < 0.0f ? 0.0f : p.x[i];
@@ -184,6 +196,18 @@ int LaunchRope(const RopeParams& p, void* stream) {
 int LaunchSwiGlu(const SwiGluParams& p, void* stream) {
   if (p.count <= 0 || !p.gate || !p.up) return Invalid();
   SwiGluKernel<<<BlocksFor(p.count), kThreads, 0, Stream(stream)>>>(p);
+  return LastError();
+}
+
+int LaunchGeluTanhGate(const SwiGluParams& p, void* stream) {
+  if (p.count <= 0 || !p.gate || !p.up) return Invalid();
+  GeluTanhGateKernel<<<BlocksFor(p.count), kThreads, 0, Stream(stream)>>>(p);
+  return LastError();
+}
+
+int LaunchScale(const ScaleParams& p, void* stream) {
+  if (p.count <= 0 || !p.x) return Invalid();
+  ScaleKernel<<<BlocksFor(p.count), kThreads, 0, Stream(stream)>>>(p);
   return LastError();
 }
 

@@ -44,6 +44,7 @@ AttentionProblem MakeAttentionProblem(const AttentionCase& c,
   a.kv_stride = kv_stride;
   a.kv_len0 = c.kv_len0;
   a.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  a.window = c.window;
   p.want.assign(q_size, 0.0f);
   p.want_sums = p.sums;
   AttentionParams run = a;

@@ -23,6 +23,7 @@ struct AttentionCase {
   int extra_stride;  // kv_stride - (kv_len0 + n - 1)
   bool prob_sums;
   int kv_splits = 1;  // kernel tests only; the backend picks its own
+  int window = 0;     // > 0: sliding-window attention
 };
 
 // Random q, k, v (queries at twice the keys' scale, so that peaked softmaxes
