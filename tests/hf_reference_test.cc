@@ -50,6 +50,53 @@ TEST_P(HfReference, LogitsMatchTransformers) {
     }
     if (t < tokens.size()) last = (*engine)->Forward({tokens[t]}, false);
   }
+  // Prefill chunks of 2: Gemma 3's sliding-window layers keep a buffer of
+  // 2 * window - 1 + 2 = 9 rows, which the 13 tokens make slide, in the
+  // prefill (3 tokens) and in the decode steps after it.
+  gpu_worker::EngineOptions small;
+  small.max_chunk = 2;
+  small.max_seq_len = 64;
+  auto chunked = gpu_worker::Engine::Create(m->weights,
+                                            gpu_worker::NewCpuBackend(), small);
+  ASSERT_TRUE(chunked.ok()) << chunked.status();
+  auto rows = (*chunked)->Forward(absl::MakeConstSpan(tokens).subspan(0, 3),
+                                  false);
+  for (size_t t = 3; t <= tokens.size(); ++t) {
+    ASSERT_TRUE(rows.ok()) << rows.status();
+    for (int j = 0; j < vocab; ++j) {
+      ASSERT_NEAR((*rows)[j], want[(t - 1) * vocab + j], 2e-4) << t;
+    }
+    if (t < tokens.size()) rows = (*chunked)->Forward({tokens[t]}, false);
+  }
+}
+
+// A sliding-window layer's KV does not grow with the context: Gemma 3's
+// local layers hold 2 * window - 1 + max_chunk rows whatever max_seq_len;
+// its global layers, every position.
+TEST(HfReferenceGemma3, LocalLayersKvIsBoundedByTheWindow) {
+  auto m = model::LoadModel("tests/testdata/hf_tiny_gemma3", "");
+  ASSERT_TRUE(m.ok()) << m.status();
+  const model::ModelConfig& c = m->weights.config;
+  ASSERT_EQ(c.sliding_window, 4);
+  auto bytes = [&](int max_seq_len) {
+    gpu_worker::EngineOptions o;
+    o.max_chunk = 2;
+    o.max_seq_len = max_seq_len;
+    auto e = gpu_worker::Engine::Create(m->weights, gpu_worker::NewCpuBackend(),
+                                        o);
+    EXPECT_TRUE(e.ok()) << e.status();
+    return e.ok() ? (*e)->worker_kv_bytes() : -1;
+  };
+  // Per position of a global layer, K and V: 2 * kv_heads * head_dim floats.
+  const int64_t row = 2 * c.n_kv_heads * c.head_dim * sizeof(float);
+  int global = 0, local = 0;
+  for (int l = 0; l < c.n_layers; ++l) ++(c.IsLocalLayer(l) ? local : global);
+  ASSERT_EQ(global, 2);
+  ASSERT_EQ(local, 2);
+  for (int len : {16, 32, 64}) {
+    EXPECT_EQ(bytes(len), global * len * row + local * (2 * 4 - 1 + 2) * row)
+        << len;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, HfReference,

@@ -45,8 +45,24 @@ void QueueAttention(Backend& backend, const model::ModelConfig& c,
 
 namespace {
 
-// Every slot's whole cache, K and V [layer][kv_head][position][head_dim],
-// in the backend's device memory.
+// Rows a layer keeps per KV head: every position for a global layer; for
+// a sliding-window layer (window W) a buffer of 2W - 1 + max_chunk rows
+// that slides: when a chunk or a step's row would not fit, the last W - 1
+// rows (all the next queries can see before their own) move to its start.
+// The rows a move copies and the rows it keeps never overlap, and a
+// layer's bytes do not grow with the context.
+int LocalLayerRows(const model::ModelConfig& c, const KvCacheOptions& o,
+                   int layer) {
+  const int window = c.AttentionWindow(layer);
+  if (window <= 0) return o.max_seq_len;
+  return std::min<int64_t>(o.max_seq_len,
+                           int64_t{2} * window - 1 + o.max_chunk);
+}
+
+// Every slot's cache, K and V [layer][kv_head][row][head_dim], in the
+// backend's device memory: a global layer's row is its position; a
+// sliding-window layer's rows are positions [base, base + rows) of its
+// sliding buffer (LocalLayerRows).
 class LocalKvCache final : public KvCache {
  public:
   LocalKvCache(const model::Weights& weights, Backend* backend,
@@ -54,18 +70,25 @@ class LocalKvCache final : public KvCache {
       : config_(weights.config),
         backend_(*backend),
         options_(options),
-        layer_size_(static_cast<size_t>(config_.n_kv_heads) *
-                    options.max_seq_len * config_.head_dim),
-        stats_(options.batch) {}
+        stats_(options.batch),
+        base_(options.batch, std::vector<int>(weights.config.n_layers, 0)) {
+    size_t offset = 0;
+    for (int l = 0; l < config_.n_layers; ++l) {
+      rows_.push_back(LocalLayerRows(config_, options_, l));
+      layer_offset_.push_back(offset);
+      offset += static_cast<size_t>(config_.n_kv_heads) * rows_.back() *
+                config_.head_dim;
+    }
+    slot_size_ = offset;
+  }
 
   absl::Status Init() {
-    const size_t count = layer_size_ * config_.n_layers;
     for (int i = 0; i < options_.batch; ++i) {
       IG_ASSIGN_OR_RETURN(DeviceBuffer<float> k,
-                          DeviceBuffer<float>::Make(&backend_, count,
+                          DeviceBuffer<float>::Make(&backend_, slot_size_,
                                                     "the local K cache"));
       IG_ASSIGN_OR_RETURN(DeviceBuffer<float> v,
-                          DeviceBuffer<float>::Make(&backend_, count,
+                          DeviceBuffer<float>::Make(&backend_, slot_size_,
                                                     "the local V cache"));
       bytes_ += static_cast<int64_t>(k.bytes() + v.bytes());
       k_.push_back(std::move(k));
@@ -78,24 +101,27 @@ class LocalKvCache final : public KvCache {
                                    absl::Span<const int> tokens,
                                    bool reuse) override {
     slot_ = slot;
+    if (first == 0) std::fill(base_[slot].begin(), base_[slot].end(), 0);
     return 0;
   }
 
   absl::Status PrefillAttention(int layer, int pos, int rows, const float* q,
                                 const float* k, const float* v,
                                 float* out) override {
-    // Each KV head's rows of the chunk, [token][head] to [head][position].
+    MakeRoom(slot_, layer, pos, rows);
+    const int base = base_[slot_][layer];
+    // Each KV head's rows of the chunk, [token][head] to [head][row].
     const int hd = config_.head_dim, kvd = config_.kv_dim();
     for (int g = 0; g < config_.n_kv_heads; ++g) {
       const size_t dst =
-          (static_cast<size_t>(g) * options_.max_seq_len + pos) * hd;
+          (static_cast<size_t>(g) * rows_[layer] + (pos - base)) * hd;
       backend_.CopyRows(Keys(slot_, layer) + dst, hd, k + g * hd, kvd, rows,
                         hd);
       backend_.CopyRows(Values(slot_, layer) + dst, hd, v + g * hd, kvd, rows,
                         hd);
     }
     QueueAttention(backend_, config_, q, Keys(slot_, layer),
-                   Values(slot_, layer), options_.max_seq_len, rows, pos + 1,
+                   Values(slot_, layer), rows_[layer], rows, pos - base + 1,
                    config_.AttentionWindow(layer), out, nullptr);
     return absl::OkStatus();
   }
@@ -113,7 +139,10 @@ class LocalKvCache final : public KvCache {
     step_open_ = true;
     return KvStepPtr(&step_);
   }
-  absl::Status Reset(int slot) override { return absl::OkStatus(); }
+  absl::Status Reset(int slot) override {
+    std::fill(base_[slot].begin(), base_[slot].end(), 0);
+    return absl::OkStatus();
+  }
   absl::Status Flush() override { return absl::OkStatus(); }
   bool offloaded() const override { return false; }
   const FetchStats& fetch_stats(int slot) const override {
@@ -146,10 +175,12 @@ class LocalKvCache final : public KvCache {
       const size_t qd = static_cast<size_t>(c.q_dim());
       for (size_t i = 0; i < slots_.size(); ++i) {
         const int slot = slots_[i], pos = positions_[i];
-        cache_.Store(slot, layer, pos, k, v, static_cast<int>(i));
+        cache_.MakeRoom(slot, layer, pos, 1);
+        const int base = cache_.base_[slot][layer];
+        cache_.Store(slot, layer, pos - base, k, v, static_cast<int>(i));
         QueueAttention(cache_.backend_, c, q + i * qd,
                        cache_.Keys(slot, layer), cache_.Values(slot, layer),
-                       cache_.options_.max_seq_len, 1, pos + 1,
+                       cache_.rows_[layer], 1, pos - base + 1,
                        c.AttentionWindow(layer), out + i * qd, nullptr);
       }
       return absl::OkStatus();
@@ -166,20 +197,42 @@ class LocalKvCache final : public KvCache {
   };
 
   float* Keys(int slot, int layer) {
-    return k_[slot].data() + static_cast<size_t>(layer) * layer_size_;
+    return k_[slot].data() + layer_offset_[layer];
   }
   float* Values(int slot, int layer) {
-    return v_[slot].data() + static_cast<size_t>(layer) * layer_size_;
+    return v_[slot].data() + layer_offset_[layer];
   }
-  // Row `row` of k and v [rows, n_kv_heads, head_dim] -> position pos.
-  // Row `row` of k and v ([row][kv_head][head_dim]) as position `pos` of
-  // every KV head: one copy each, heads max_seq_len rows apart.
-  void Store(int slot, int layer, int pos, const float* k, const float* v,
+
+  // Before positions [pos, pos + n) are stored in a sliding-window layer:
+  // when they would pass the end of its buffer, its last window - 1 rows
+  // before pos move to the start (queued like the other operations).
+  void MakeRoom(int slot, int layer, int pos, int n) {
+    const int window = config_.AttentionWindow(layer);
+    int& base = base_[slot][layer];
+    if (window <= 0 || pos + n - base <= rows_[layer]) return;
+    const int keep = std::min(window - 1, pos - base);
+    const int from = pos - keep - base;  // >= keep: the ranges are apart
+    base = pos - keep;
+    if (keep == 0) return;
+    const int hd = config_.head_dim;
+    for (int g = 0; g < config_.n_kv_heads; ++g) {
+      const size_t head = static_cast<size_t>(g) * rows_[layer] * hd;
+      for (float* buffer : {Keys(slot, layer), Values(slot, layer)}) {
+        backend_.CopyRows(buffer + head, hd,
+                          buffer + head + static_cast<size_t>(from) * hd, hd,
+                          keep, hd);
+      }
+    }
+  }
+
+  // Row `row` of k and v ([row][kv_head][head_dim]) as buffer row `at` of
+  // every KV head: one copy each, heads rows_[layer] rows apart.
+  void Store(int slot, int layer, int at, const float* k, const float* v,
              int row) {
     const int hd = config_.head_dim, kvd = config_.kv_dim();
-    const size_t dst = static_cast<size_t>(pos) * hd;
+    const size_t dst = static_cast<size_t>(at) * hd;
     const size_t src = static_cast<size_t>(row) * kvd;
-    const long head_stride = static_cast<long>(options_.max_seq_len) * hd;
+    const long head_stride = static_cast<long>(rows_[layer]) * hd;
     backend_.CopyRows(Keys(slot, layer) + dst, head_stride, k + src, hd,
                       config_.n_kv_heads, hd);
     backend_.CopyRows(Values(slot, layer) + dst, head_stride, v + src, hd,
@@ -189,9 +242,13 @@ class LocalKvCache final : public KvCache {
   const model::ModelConfig& config_;
   Backend& backend_;
   const KvCacheOptions options_;
-  const size_t layer_size_;  // n_kv_heads * max_seq_len * head_dim
+  std::vector<int> rows_;             // [layer]: LocalLayerRows
+  std::vector<size_t> layer_offset_;  // [layer]: floats into a slot's buffer
+  size_t slot_size_ = 0;              // floats of one slot's K (or V)
   std::vector<DeviceBuffer<float>> k_, v_;  // [slot]
   std::vector<FetchStats> stats_;           // always empty: nothing fetched
+  // [slot][layer]: the position of buffer row 0 (sliding-window layers).
+  std::vector<std::vector<int>> base_;
   int64_t bytes_ = 0;
   int slot_ = 0;  // the slot being prefilled
   bool step_open_ = false;
@@ -202,8 +259,10 @@ class LocalKvCache final : public KvCache {
 
 int64_t LocalKvCacheBytes(const model::ModelConfig& c,
                           const KvCacheOptions& options) {
-  return int64_t{2} * options.batch * c.n_layers * c.n_kv_heads *
-         options.max_seq_len * c.head_dim * static_cast<int64_t>(sizeof(float));
+  int64_t rows = 0;
+  for (int l = 0; l < c.n_layers; ++l) rows += LocalLayerRows(c, options, l);
+  return int64_t{2} * options.batch * rows * c.n_kv_heads * c.head_dim *
+         static_cast<int64_t>(sizeof(float));
 }
 
 absl::StatusOr<std::unique_ptr<KvCache>> NewLocalKvCache(
