@@ -66,6 +66,9 @@ for t in "${TARGETS[@]}"; do
   cp -L "${path}" "${OUT}/bin/"
 done
 cp -rL models/stories260K "${OUT}/models/"
+# The tiny random Gemma 3 checkpoint the parity test runs (tests/testdata).
+mkdir -p "${OUT}/tests/testdata"
+cp -rL tests/testdata/hf_tiny_gemma3 "${OUT}/tests/testdata/"
 if [ "${SMOLLM2}" = 1 ] && [ -f models_cache/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
   mkdir -p "${OUT}/models_cache/smollm2-135m"
   cp models_cache/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf "${OUT}/models_cache/smollm2-135m/"

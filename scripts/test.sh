@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs every test: installs the build's Debian packages, fetches the larger
-# real model into the git-ignored cache (tests that need it skip without it),
+# real models into the git-ignored cache (tests that need them skip without),
 # runs `bazel test //...`, then a focused set of unit tests under ASan+UBSan
 # and TSan (scripts/sanitizer_tests.sh), a few seconds of each libFuzzer
 # target (fuzz/run.sh), and ends with one line `N passed, N failed,
@@ -12,6 +12,8 @@ root="$PWD"
 ./scripts/install_deps.sh || exit 1
 ./scripts/fetch_smollm2.sh >/dev/null ||
   echo "test.sh: SmolLM2 could not be fetched; tests that need it will skip" >&2
+./scripts/fetch_gemma3.sh >/dev/null ||
+  echo "test.sh: Gemma 3 could not be fetched; tests that need it will skip" >&2
 
 quiet='^(Loading|Analyzing|INFO: From|\[[0-9,]+ / [0-9,]+\])'
 log="$(mktemp)"

@@ -73,6 +73,7 @@ class CudaEngineParity : public ::testing::Test {
     EXPECT_TRUE(client.ok()) << client.status();
     EngineOptions o;
     o.max_seq_len = prompt + steps + 2;
+    o.max_chunk = max_chunk_;
     o.batch = 2;
     EXPECT_TRUE(gpu_worker::ChoosePolicy(policy, o.kv).ok()) << policy;
     if (o.kv.policy) {
@@ -97,6 +98,8 @@ class CudaEngineParity : public ::testing::Test {
     }
     return run;
   }
+
+  int max_chunk_ = 256;
 
   // Largest absolute logit difference of each (step, row), step-major.
   static std::vector<double> RowGaps(const DecodeRun& a, const DecodeRun& b,
@@ -225,6 +228,28 @@ TEST_F(CudaEngineParity, Stories260KEveryPolicy) {
   const DecodeRun gpu = Decode(m->weights, tokens, std::move(*half),
                          "ideal", nullptr, 12, 24);
   ExpectClose(cpu, gpu, vocab, 0, 0.05, 0.9);
+}
+
+// Gemma 3's layer (query and key norms, post-norms, the GELU gate, scaled
+// embeddings) and its sliding-window attention on the device: the tiny
+// random checkpoint, a window of 4 that the prompt and the steps overrun,
+// prefill chunks of 2 that make the local layers' buffers slide.
+TEST_F(CudaEngineParity, Gemma3SlidingWindowDecodeStep) {
+  auto m = model::LoadModel("tests/testdata/hf_tiny_gemma3", "");
+  ASSERT_TRUE(m.ok()) << m.status();
+  const std::vector<int> tokens = {2, 7, 30, 3, 19, 11, 5, 23, 23, 8, 0, 31,
+                                   14, 9, 4, 17, 21, 6};
+  const int vocab = m->weights.config.vocab_size;
+  gpu_worker::cuda::CudaBackendOptions fp32;
+  fp32.half_precision = false;
+  auto cuda = gpu_worker::cuda::CreateCudaBackend(0, fp32);
+  ASSERT_TRUE(cuda.ok()) << cuda.status();
+  max_chunk_ = 2;
+  const DecodeRun cpu = Decode(m->weights, tokens, gpu_worker::NewCpuBackend(),
+                               "ideal", nullptr, 6, 10);
+  const DecodeRun gpu =
+      Decode(m->weights, tokens, std::move(*cuda), "ideal", nullptr, 6, 10);
+  ExpectClose(cpu, gpu, vocab, 2e-3, 0, 1.0);
 }
 
 TEST_F(CudaEngineParity, SmolLM2DecodeStep) {
