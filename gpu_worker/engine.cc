@@ -36,12 +36,6 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
     return absl::InvalidArgumentError(absl::StrFormat(
         "engine: batch must be in [1, 1024], got %d", options.batch));
   }
-  if (c.sliding_window > 0 && options.kv.policy.has_value()) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "engine: %s mixes sliding-window and global layers, which only the "
-        "local cache serves so far: use --policy=ideal",
-        model::ArchitectureName(c.arch)));
-  }
   // The KV options are the cache's to check (KvCache::Create, first in
   // Init, before anything large is allocated).
   if (options.attention_skew != nullptr) {

@@ -17,6 +17,7 @@
 #include "gtest/gtest.h"
 #include "kv_memory_service/kv_client.h"
 #include "model/llama2c.h"
+#include "model/loader.h"
 #include "tests/kv_memory_service/server_process.h"
 
 namespace infinigen {
@@ -98,6 +99,73 @@ TEST_F(Disaggregated, RemoteMemoryNodesGiveExactlyTheInProcessLogits) {
     ASSERT_FALSE(want.empty());
     EXPECT_EQ(Decode((*tcp)->address(), kind), want);
     EXPECT_EQ(Decode("shm:unix:" + shm_sock, kind), want);
+  }
+}
+
+// Gemma 3's hybrid cache (a tiny random checkpoint, window 4, prefill
+// chunks of 2): the sliding-window layers' rows stay on the worker, the
+// global layers' go to the memory node; a remote node gives exactly the
+// in-process logits, and `full` gives ideal's up to the node's fp16 rows.
+TEST(DisaggregatedGemma3, HybridCacheGivesTheSameLogitsOnEveryPlane) {
+  auto m = model::LoadModel("tests/testdata/hf_tiny_gemma3", "");
+  ASSERT_TRUE(m.ok()) << m.status();
+  std::vector<int> tokens = {2};
+  for (int i = 0; i < 50; ++i) tokens.push_back(3 + (i * 7 + i * i) % 29);
+  auto skew = gpu_worker::CalibrateSkew(m->weights, tokens);
+  ASSERT_TRUE(skew.ok()) << skew.status();
+  auto decode = [&](const std::string& address, const char* policy) {
+    std::vector<std::vector<float>> out;
+    auto client = kv_memory_service::ConnectKvClient(address);
+    EXPECT_TRUE(client.ok()) << client.status();
+    if (!client.ok()) return out;
+    EngineOptions options;
+    options.max_seq_len = 64;
+    options.max_chunk = 2;
+    options.batch = 2;
+    EXPECT_TRUE(gpu_worker::ChoosePolicy(policy, options.kv).ok());
+    if (options.kv.policy) {
+      options.kv.policy->skew = &*skew;
+      options.kv.kv_client = client->get();
+    }
+    auto engine =
+        Engine::Create(m->weights, gpu_worker::NewCpuBackend(), options);
+    EXPECT_TRUE(engine.ok()) << engine.status();
+    if (!engine.ok()) return out;
+    for (int s = 0; s < 2; ++s) {
+      EXPECT_TRUE((*engine)
+                      ->Forward(s, absl::MakeConstSpan(tokens).subspan(s, 7),
+                                false)
+                      .ok());
+    }
+    for (int i = 7; i < 48; ++i) {
+      auto l = (*engine)->DecodeBatch({0, 1}, {tokens[i], tokens[i + 1]});
+      EXPECT_TRUE(l.ok()) << l.status();
+      if (!l.ok()) break;
+      out.emplace_back(l->begin(), l->end());
+    }
+    return out;
+  };
+  auto tcp = ServerProcess::Start({"--listen=127.0.0.1:0"});
+  ASSERT_TRUE(tcp.ok()) << tcp.status();
+  const std::string shm_sock = ServerProcess::SocketPath("dis_gemma.sock");
+  auto shm = ServerProcess::Start(
+      {"--listen=127.0.0.1:0", "--shm_listen=unix:" + shm_sock});
+  ASSERT_TRUE(shm.ok()) << shm.status();
+  const auto ideal = decode("inproc:", "ideal");
+  ASSERT_EQ(ideal.size(), 41u);
+  for (const char* policy : {"full", "infinigen", "h2o", "int4", "quest"}) {
+    SCOPED_TRACE(policy);
+    const auto want = decode("inproc:", policy);
+    ASSERT_EQ(want.size(), ideal.size());
+    EXPECT_EQ(decode((*tcp)->address(), policy), want);
+    EXPECT_EQ(decode("shm:unix:" + shm_sock, policy), want);
+    if (std::string(policy) == "full") {
+      for (size_t i = 0; i < want.size(); ++i) {
+        for (size_t j = 0; j < want[i].size(); ++j) {
+          ASSERT_NEAR(want[i][j], ideal[i][j], 2e-2) << i << " " << j;
+        }
+      }
+    }
   }
 }
 

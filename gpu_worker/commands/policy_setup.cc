@@ -131,10 +131,14 @@ namespace infinigen::commands {
 using gpu_worker::EngineOptions;
 
 // --dense_layers: its number, or auto: 0 where infinigen speculates after
-// the attention, else 2.
-absl::StatusOr<int> DenseLayersFromFlags(bool speculates_after_attention) {
+// the attention or the offloaded layers are a model's global layers (not
+// its first ones), else 2.
+absl::StatusOr<int> DenseLayersFromFlags(bool speculates_after_attention,
+                                         bool global_layers_only) {
   const std::string flag = absl::GetFlag(FLAGS_dense_layers);
-  if (flag == "auto") return speculates_after_attention ? 0 : 2;
+  if (flag == "auto") {
+    return speculates_after_attention || global_layers_only ? 0 : 2;
+  }
   int n = 0;
   if (!absl::SimpleAtoi(flag, &n) || n < 0) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -168,7 +172,8 @@ absl::StatusOr<gpu_worker::SpeculationOptions> SpeculationFromFlags(
         "--partial_key_bits must be 4 or 32, got %d", bits));
   }
   o.exact_keys = bits == 32;
-  IG_ASSIGN_OR_RETURN(o.dense_layers, DenseLayersFromFlags(o.post_attention));
+  IG_ASSIGN_OR_RETURN(o.dense_layers,
+                      DenseLayersFromFlags(o.post_attention, false));
   return o;
 }
 
@@ -206,9 +211,13 @@ absl::StatusOr<double> TargetFetchFromFlags(const std::string& policy) {
 // The engine options of `policy` from the policy flags (--alpha, --budget,
 // --target_fetch, ...), the pool and the recovery flags: InvalidArgument
 // naming the flag that is out of range.
-absl::StatusOr<EngineOptions> EngineOptionsFromFlags(const std::string& policy,
-                                                     int n_layers,
-                                                     bool serving) {
+absl::StatusOr<EngineOptions> EngineOptionsFromFlags(
+    const std::string& policy, const model::ModelConfig& config,
+    bool serving) {
+  // The layers the policy serves (its dense layers and target fetch count
+  // these): a sliding-window model's global layers.
+  const int n_layers = gpu_worker::OffloadedLayerCount(config);
+  const bool global_layers_only = config.sliding_window > 0;
   EngineOptions options;
   const std::string on_loss = absl::GetFlag(FLAGS_on_kv_loss);
   if (on_loss != "recompute" && on_loss != "fail") {
@@ -247,8 +256,8 @@ absl::StatusOr<EngineOptions> EngineOptionsFromFlags(const std::string& policy,
   p.exact_partial_keys = speculation.exact_keys;
   IG_ASSIGN_OR_RETURN(
       p.dense_layers,
-      DenseLayersFromFlags(speculates &&
-                           speculation.post_attention));
+      DenseLayersFromFlags(speculates && speculation.post_attention,
+                           global_layers_only));
   if (p.dense_layers > n_layers) {
     return absl::InvalidArgumentError(
         absl::StrFormat("--dense_layers is %d, the model has %d layers",
@@ -474,8 +483,8 @@ absl::StatusOr<PolicySetup> SetUpPolicy(
   // prefix reuse.
   std::string weights_identity;
   PolicySetup s;
-  IG_ASSIGN_OR_RETURN(s.options, EngineOptionsFromFlags(
-                                     policy, weights.config.n_layers, serving));
+  IG_ASSIGN_OR_RETURN(s.options,
+                      EngineOptionsFromFlags(policy, weights.config, serving));
   if (!s.options.kv.policy) return s;
   gpu_worker::PolicyOptions& p = *s.options.kv.policy;
   const bool speculates = gpu_worker::PolicyEntryOf(p.kind).traits.speculates;

@@ -52,8 +52,9 @@ namespace {
 // The rows a move copies and the rows it keeps never overlap, and a
 // layer's bytes do not grow with the context.
 int LocalLayerRows(const model::ModelConfig& c, const KvCacheOptions& o,
-                   int layer) {
+                   int layer, bool only_windows) {
   const int window = c.AttentionWindow(layer);
+  if (only_windows && window <= 0) return 0;  // the hybrid offloads it
   if (window <= 0) return o.max_seq_len;
   return std::min<int64_t>(o.max_seq_len,
                            int64_t{2} * window - 1 + o.max_chunk);
@@ -65,8 +66,10 @@ int LocalLayerRows(const model::ModelConfig& c, const KvCacheOptions& o,
 // sliding buffer (LocalLayerRows).
 class LocalKvCache final : public KvCache {
  public:
+  // only_windows: hold the sliding-window layers only (the hybrid cache's
+  // part; the global layers get no rows).
   LocalKvCache(const model::Weights& weights, Backend* backend,
-               const KvCacheOptions& options)
+               const KvCacheOptions& options, bool only_windows)
       : config_(weights.config),
         backend_(*backend),
         options_(options),
@@ -74,7 +77,7 @@ class LocalKvCache final : public KvCache {
         base_(options.batch, std::vector<int>(weights.config.n_layers, 0)) {
     size_t offset = 0;
     for (int l = 0; l < config_.n_layers; ++l) {
-      rows_.push_back(LocalLayerRows(config_, options_, l));
+      rows_.push_back(LocalLayerRows(config_, options_, l, only_windows));
       layer_offset_.push_back(offset);
       offset += static_cast<size_t>(config_.n_kv_heads) * rows_.back() *
                 config_.head_dim;
@@ -258,17 +261,20 @@ class LocalKvCache final : public KvCache {
 }  // namespace
 
 int64_t LocalKvCacheBytes(const model::ModelConfig& c,
-                          const KvCacheOptions& options) {
+                          const KvCacheOptions& options, bool only_windows) {
   int64_t rows = 0;
-  for (int l = 0; l < c.n_layers; ++l) rows += LocalLayerRows(c, options, l);
+  for (int l = 0; l < c.n_layers; ++l) {
+    rows += LocalLayerRows(c, options, l, only_windows);
+  }
   return int64_t{2} * options.batch * rows * c.n_kv_heads * c.head_dim *
          static_cast<int64_t>(sizeof(float));
 }
 
 absl::StatusOr<std::unique_ptr<KvCache>> NewLocalKvCache(
     const model::Weights& weights, Backend* backend,
-    const KvCacheOptions& options) {
-  auto cache = std::make_unique<LocalKvCache>(weights, backend, options);
+    const KvCacheOptions& options, bool only_windows) {
+  auto cache =
+      std::make_unique<LocalKvCache>(weights, backend, options, only_windows);
   IG_RETURN_IF_ERROR(cache->Init());
   return std::unique_ptr<KvCache>(std::move(cache));
 }
@@ -320,6 +326,9 @@ absl::StatusOr<int64_t> KvCache::WorkerBytes(const model::Weights& weights,
   if (!options.kv.policy) {
     return LocalKvCacheBytes(weights.config, options);
   }
+  if (weights.config.sliding_window > 0) {
+    return HybridKvCacheBytes(weights, options);
+  }
   return OffloadedKvCacheBytes(weights, options);
 }
 
@@ -345,6 +354,9 @@ absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(
   }
   if (!options.kv.policy) {
     return NewLocalKvCache(weights, backend, options);
+  }
+  if (weights.config.sliding_window > 0) {
+    return NewHybridKvCache(weights, backend, options);
   }
   return NewOffloadedKvCache(weights, backend, options);
 }

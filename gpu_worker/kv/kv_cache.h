@@ -7,6 +7,9 @@
 //  - local (KvOptions without a policy; --policy=ideal): every slot's whole
 //    cache [layer][kv_head][position][head_dim] in the backend's device
 //    memory; nothing fetched.
+//  - hybrid (a KvPolicy on a model with sliding-window layers): those
+//    layers local in buffers bounded by their window, the global layers
+//    offloaded as below (hybrid_kv_cache.cc).
 //  - offloaded (a KvPolicy: full, infinigen, h2o, ...): the memory node holds every
 //    row (through a KvClient); the worker holds a bounded working set: each
 //    sequence's policy state (InfiniGen's partial key cache, H2O's scores
@@ -115,6 +118,12 @@ struct KvOptions {
   // "ideal" (no policy) or the policy's name.
   const char* policy_name() const;
 };
+
+// The layers an offloading policy serves from the memory node: every
+// layer, or, in a model with sliding-window layers (Gemma 3), its global
+// layers alone (the sliding-window layers keep their bounded rows on the
+// worker). A policy's dense_layers and target fetch count these layers.
+int OffloadedLayerCount(const model::ModelConfig& c);
 
 // The name --policy gives the local cache.
 inline constexpr char kLocalCacheName[] = "ideal";

@@ -1,4 +1,4 @@
-// The two KvCache implementations (kv_cache.h) and what they share; private
+// The KvCache implementations (kv_cache.h) and what they share; private
 // to gpu_worker's :kv_cache target.
 #ifndef INFINIGEN_GPU_WORKER_KV_KV_CACHE_IMPL_H_
 #define INFINIGEN_GPU_WORKER_KV_KV_CACHE_IMPL_H_
@@ -14,9 +14,19 @@
 namespace infinigen::gpu_worker {
 
 // Local (ideal): WorkerBytes without allocating, and the cache.
+// only_windows: the sliding-window layers alone (the hybrid's part).
 int64_t LocalKvCacheBytes(const model::ModelConfig& config,
-                          const KvCacheOptions& options);
+                          const KvCacheOptions& options,
+                          bool only_windows = false);
 absl::StatusOr<std::unique_ptr<KvCache>> NewLocalKvCache(
+    const model::Weights& weights, Backend* backend,
+    const KvCacheOptions& options, bool only_windows = false);
+
+// Hybrid (a policy on a model with sliding-window layers, hybrid_kv_cache.cc):
+// the sliding-window layers local, the global layers offloaded.
+absl::StatusOr<int64_t> HybridKvCacheBytes(const model::Weights& weights,
+                                           const KvCacheOptions& options);
+absl::StatusOr<std::unique_ptr<KvCache>> NewHybridKvCache(
     const model::Weights& weights, Backend* backend,
     const KvCacheOptions& options);
 

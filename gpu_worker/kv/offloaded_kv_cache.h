@@ -140,6 +140,11 @@ class OffloadedKvCache final : public KvCache {
     return sequences_[slot].stats;
   }
   int64_t worker_bytes() const override { return bytes_; }
+  // The open step's fetches due at `point` of `layer` (the hybrid cache
+  // names the points itself: FetchSchedule::DueAt).
+  absl::Status IssueDue(FetchPoint point, int layer, const float* x) {
+    return step_.IssueDue(point, layer, x);
+  }
   int64_t node_bytes() const override {
     int64_t bytes = 0;
     for (const Sequence& s : sequences_) {

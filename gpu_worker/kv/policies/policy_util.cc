@@ -16,7 +16,11 @@ void ProjectQuery(Backend& b, const model::ModelConfig& m,
                   int* position_host, int* position_device, float* q) {
   b.Linear(x, 1, m.dim, w.wq.data(), w.bq.empty() ? nullptr : w.bq.data(),
            m.q_dim(), q);
-  if (m.arch == model::Architecture::kLlama) {
+  if (m.arch == model::Architecture::kGemma3) {
+    // As the layer does: each head's query normalized, then rotated.
+    b.RmsNorm(q, m.n_heads, m.head_dim, w.q_norm.data(), m.norm_eps, q);
+  }
+  if (m.arch != model::Architecture::kOpt) {
     *position_host = p;
     b.CopyFromHost(position_device, position_host, sizeof(int),
                    b.MarkIssued());
