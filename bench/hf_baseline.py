@@ -145,13 +145,31 @@ def run(args):
     return report
 
 
+class NoDevice(Exception):
+    """--device names a CUDA device torch cannot use, or a run needs one."""
+
+
 def main(argv):
     args = parse_args(argv)
     try:
+        import torch
+        if args.cache == "offloaded" and not args.device.startswith("cuda"):
+            raise NoDevice("the offloaded cache moves KV between a CUDA "
+                           "device and the host: it needs --device=cuda")
+        if args.device.startswith("cuda"):
+            # is_available() can say yes where the driver then refuses
+            # (older than the runtime): one allocation tells.
+            try:
+                torch.zeros(1, device=args.device)
+            except Exception as e:  # torch's errors differ by version
+                raise NoDevice(f"{e} (--device=cpu runs on the CPU)") from e
         report = run(args)
     except ImportError as e:
         print(f"hf_baseline.py: needs torch and transformers: {e}",
               file=sys.stderr)
+        return 2
+    except NoDevice as e:
+        print(f"hf_baseline.py: no CUDA device: {e}", file=sys.stderr)
         return 2
     print(json.dumps(report))
     return 1 if "error" in report else 0

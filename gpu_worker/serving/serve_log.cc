@@ -51,7 +51,9 @@ void ServeLog::OnSequenceDone(const SequenceRecord& r) {
       ++totals_.fraction_count;
     }
   }
-  if (log_requests_) IG_LOG(INFO) << RequestLine(r);
+  if (log_requests_) {
+    IG_LOG(INFO) << RequestLine(r);
+  }
 }
 
 void ServeLog::Start(const GenerationScheduler* scheduler) {
