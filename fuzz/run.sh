@@ -45,7 +45,7 @@ store_srcs=(kv_memory_service/kv_store.cc kv_memory_service/stored_sequence.cc
             kv_memory_service/prefix_cache.cc kv_memory_service/prefix_keys.cc
             kv_memory_service/server/credentials.cc)
 model_srcs=(common/file.cc common/log.cc model/gguf.cc model/ggml_quants.cc
-            model/gguf_llama.cc model/bpe_tokenizer.cc
+            model/gguf_llama.cc model/bpe_tokenizer.cc model/spm_tokenizer.cc
             model/tokenizer.cc model/config.cc model/weights.cc
             model/llama2c.cc model/safetensors.cc)
 sources_of() {
