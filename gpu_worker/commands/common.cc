@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -14,6 +15,7 @@
 #include "absl/strings/str_format.h"
 #include "common/file.h"
 #include "common/log.h"
+#include "common/progress.h"
 #include "common/server_tls.h"
 #include "common/status.h"
 #include "gpu_worker/backend/backend.h"
@@ -178,7 +180,8 @@ int EngineFailure(const absl::Status& status) { return UsageOrFailure(status); }
 // --prefill_chunk tokens at a time.
 constexpr int kDevicePrefillChunk = 2048;
 absl::StatusOr<std::unique_ptr<Engine>> CreateEngine(
-    const model::Weights& weights, const EngineOptions& options) {
+    const model::Weights& weights, const EngineOptions& options,
+    bool prefill_progress) {
   const int chunk = absl::GetFlag(FLAGS_prefill_chunk);
   if (chunk < 0) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -188,6 +191,19 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateEngine(
   IG_ASSIGN_OR_RETURN(auto backend,
                       gpu_worker::NewBackend(absl::GetFlag(FLAGS_backend)));
   EngineOptions o = options;
+  if (prefill_progress && !o.on_prefill_layer) {
+    auto prefill = std::make_shared<std::unique_ptr<Progress>>();
+    o.on_prefill_layer = [prefill](int done, int layers, int tokens) {
+      constexpr int kLongPrompt = 1024;
+      if (tokens < kLongPrompt) return;
+      if (*prefill == nullptr) {
+        *prefill = std::make_unique<Progress>(
+            absl::StrFormat("prefill of %d tokens", tokens), layers, "layers");
+      }
+      (*prefill)->Update(done);
+      if (done == layers) prefill->reset();
+    };
+  }
   if (chunk > 0) {
     o.max_chunk = chunk;
   } else if (!backend->OperatesOnHostMemory()) {

@@ -87,9 +87,12 @@ int LoadFailure(const absl::Status& status);
 // usage errors (2).
 int SetupFailure(const absl::Status& status);
 
-// The engine over `weights` on the --backend device.
+// The engine over `weights` on the --backend device. prefill_progress: a
+// prompt of 1024 tokens or more shows its prefill's progress, layer by
+// layer (Progress on stderr; serve logs instead).
 absl::StatusOr<std::unique_ptr<gpu_worker::Engine>> CreateEngine(
-    const model::Weights& weights, const gpu_worker::EngineOptions& options);
+    const model::Weights& weights, const gpu_worker::EngineOptions& options,
+    bool prefill_progress = true);
 
 // --model (and --tokenizer); InvalidArgument when need_tokenizer and the
 // model carries none.

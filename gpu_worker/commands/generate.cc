@@ -10,7 +10,6 @@
 #include "absl/flags/flag.h"
 #include "absl/strings/str_format.h"
 #include "common/log.h"
-#include "common/progress.h"
 #include "common/status.h"
 #include "gpu_worker/serving/chat_template.h"
 #include "gpu_worker/commands/common.h"
@@ -111,18 +110,6 @@ int GenerateEngine(const model::LoadedModel& m, const std::vector<int>& tokens,
   WarnIgnoredPolicyFlags({absl::GetFlag(FLAGS_policy)});
   setup = *std::move(s);
   EngineOptions& options = setup.options;
-  // A long prompt's prefill shows its progress, layer by layer.
-  auto prefill = std::make_shared<std::unique_ptr<Progress>>();
-  options.on_prefill_layer = [prefill](int done, int layers, int tokens) {
-    constexpr int kLongPrompt = 1024;
-    if (tokens < kLongPrompt) return;
-    if (*prefill == nullptr) {
-      *prefill = std::make_unique<Progress>(
-          absl::StrFormat("prefill of %d tokens", tokens), layers, "layers");
-    }
-    (*prefill)->Update(done);
-    if (done == layers) prefill->reset();
-  };
   options.max_seq_len = absl::GetFlag(FLAGS_max_seq_len);
   if (options.max_seq_len == 0) {
     options.max_seq_len =

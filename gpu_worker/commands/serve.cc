@@ -200,7 +200,8 @@ int StartScheduler(const model::LoadedModel& m,
   setup = *std::move(s);
   setup.options.max_seq_len = absl::GetFlag(FLAGS_max_seq_len);
   setup.options.batch = absl::GetFlag(FLAGS_max_batch);
-  auto engine = CreateEngine(m.weights, setup.options);
+  auto engine =
+      CreateEngine(m.weights, setup.options, /*prefill_progress=*/false);
   if (!engine.ok()) return EngineFailure(engine.status());
   gpu_worker::GenerationSchedulerOptions options;
   options.max_queue = absl::GetFlag(FLAGS_max_queue);
