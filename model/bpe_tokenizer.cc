@@ -457,20 +457,11 @@ uint64_t PairKey(int left, int right) {
 absl::StatusOr<std::unique_ptr<BpeTokenizer>> BpeTokenizer::Create(
     BpeVocabulary vocab) {
   const int n = static_cast<int>(vocab.tokens.size());
-  if (n == 0) return absl::InvalidArgumentError("BPE vocabulary is empty");
-  if (!vocab.types.empty() && vocab.types.size() != vocab.tokens.size()) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("BPE vocabulary has %d tokens but %d token types", n,
-                        vocab.types.size()));
-  }
-  for (auto [name, id] : {std::pair<const char*, int>{"bos", vocab.bos_id},
-                          {"eos", vocab.eos_id},
-                          {"unk", vocab.unk_id}}) {
-    if (id < -1 || id >= n) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "%s token id %d is outside the vocabulary of %d tokens", name, id,
-          n));
-    }
+  if (absl::Status s =
+          CheckVocabulary("BPE", n, vocab.types.size(), /*scores=*/-1,
+                          vocab.bos_id, vocab.eos_id, vocab.unk_id);
+      !s.ok()) {
+    return s;
   }
 
   std::unique_ptr<BpeTokenizer> t(new BpeTokenizer());

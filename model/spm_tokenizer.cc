@@ -48,25 +48,11 @@ int ParseByteToken(const std::string& piece) {
 absl::StatusOr<std::unique_ptr<SpmTokenizer>> SpmTokenizer::Create(
     SpmVocabulary vocab) {
   const int n = static_cast<int>(vocab.tokens.size());
-  if (n == 0) return absl::InvalidArgumentError("SPM vocabulary is empty");
-  if (!vocab.scores.empty() && vocab.scores.size() != vocab.tokens.size()) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("SPM vocabulary has %d tokens but %d scores", n,
-                        vocab.scores.size()));
-  }
-  if (!vocab.types.empty() && vocab.types.size() != vocab.tokens.size()) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("SPM vocabulary has %d tokens but %d token types", n,
-                        vocab.types.size()));
-  }
-  for (auto [name, id] : {std::pair<const char*, int>{"bos", vocab.bos_id},
-                          {"eos", vocab.eos_id},
-                          {"unk", vocab.unk_id}}) {
-    if (id < -1 || id >= n) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "%s token id %d is outside the vocabulary of %d tokens", name, id,
-          n));
-    }
+  if (absl::Status s = CheckVocabulary(
+          "SPM", n, vocab.types.size(), static_cast<long>(vocab.scores.size()),
+          vocab.bos_id, vocab.eos_id, vocab.unk_id);
+      !s.ok()) {
+    return s;
   }
 
   std::unique_ptr<SpmTokenizer> t(new SpmTokenizer());

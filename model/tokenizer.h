@@ -43,6 +43,12 @@ class Tokenizer {
   virtual int eos_id() const = 0;  // -1 if none
 };
 
+// A vocabulary's consistency, for the tokenizers' Create: `kind` names it
+// in the message ("BPE", "SPM"); `types` (and `scores`, -1: none) sizes
+// must be 0 or n; the special ids -1 or inside the vocabulary.
+absl::Status CheckVocabulary(const char* kind, int n, size_t types,
+                             long scores, int bos, int eos, int unk);
+
 }  // namespace infinigen::model
 
 #endif  // INFINIGEN_MODEL_TOKENIZER_H_

@@ -48,7 +48,9 @@ TokenLogProb ScoreToken(absl::Span<const float> logits, int token,
   out.logprob = static_cast<float>(logits[token] - log_z);
   top_k = std::clamp(top_k, 0, n);
   if (top_k == 0) return out;
-  std::vector<int> ids(n);
+  // Reused per thread: a decode step asks this of every token it scores.
+  thread_local std::vector<int> ids;
+  ids.resize(n);
   for (int i = 0; i < n; ++i) ids[i] = i;
   const auto more_likely = [&logits](int a, int b) {
     return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);

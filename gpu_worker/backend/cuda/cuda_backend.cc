@@ -479,25 +479,23 @@ class CudaBackend final : public Backend {
   }
 
   void SwiGlu(float* gate, const float* up, long count) override {
-    constexpr const char* kOp = "SwiGlu";
-    if (!Begin() || count == 0) return;
-    if (count < 0) return FailShape(kOp, absl::StrFormat("count=%d", count));
-    SwiGluParams p;
-    p.gate = Out(gate, count, kOp, "gate");
-    p.up = In(up, count, kOp, "up");
-    p.count = count;
-    if (ok()) Launched(LaunchSwiGlu(p, stream_), kOp);
+    Gate("SwiGlu", LaunchSwiGlu, gate, up, count);
   }
 
   void GeluTanhGate(float* gate, const float* up, long count) override {
-    constexpr const char* kOp = "GeluTanhGate";
+    Gate("GeluTanhGate", LaunchGeluTanhGate, gate, up, count);
+  }
+
+  // gate = act(gate) * up by `launch` (the gated MLPs' one shape).
+  void Gate(const char* op, int (*launch)(const SwiGluParams&, void*),
+            float* gate, const float* up, long count) {
     if (!Begin() || count == 0) return;
-    if (count < 0) return FailShape(kOp, absl::StrFormat("count=%d", count));
+    if (count < 0) return FailShape(op, absl::StrFormat("count=%d", count));
     SwiGluParams p;
-    p.gate = Out(gate, count, kOp, "gate");
-    p.up = In(up, count, kOp, "up");
+    p.gate = Out(gate, count, op, "gate");
+    p.up = In(up, count, op, "up");
     p.count = count;
-    if (ok()) Launched(LaunchGeluTanhGate(p, stream_), kOp);
+    if (ok()) Launched(launch(p, stream_), op);
   }
 
   void Scale(float* x, long count, float s) override {
