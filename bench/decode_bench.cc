@@ -23,6 +23,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_format.h"
 #include "gpu_worker/backend/backend.h"
+#include "gpu_worker/backend/cpu/blas_kernels.h"
 #include "gpu_worker/backend/cpu/cpu_backend.h"
 #include "gpu_worker/engine.h"
 #include "gpu_worker/serving/sampler.h"
@@ -153,6 +154,7 @@ int Main() {
 }  // namespace infinigen
 
 int main(int argc, char** argv) {
+  infinigen::gpu_worker::SelectBlasKernels(argv);
   absl::SetProgramUsageMessage(
       "CPU decode tokens/s against the memory-bandwidth bound.\n"
       "Usage: decode_bench --model=PATH [--tokens=N] [--out=results.jsonl]");

@@ -24,6 +24,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/log.h"
+#include "gpu_worker/backend/cpu/blas_kernels.h"
 #include "gpu_worker/commands/common.h"
 #include "gpu_worker/kv/kv_cache.h"
 #include "gpu_worker/kv/policies/registry.h"
@@ -102,6 +103,9 @@ bool IsHelp(const std::string& a) {
 
 int main(int argc, char** argv) {
   using namespace infinigen::commands;
+  infinigen::gpu_worker::SelectBlasKernels(argv);
+  IG_LOG(DEBUG) << "OpenBLAS kernels: "
+                << infinigen::gpu_worker::BlasCoreName();
   absl::SetProgramUsageMessage(MainUsage());
   if (argc < 2 || (IsHelp(argv[1]) && std::string(argv[1]) != "--helpfull")) {
     std::fputs(MainUsage().c_str(), argc < 2 ? stderr : stdout);

@@ -225,6 +225,47 @@ class Cli(unittest.TestCase):
         for w in words:
             self.assertIn(w, lines[0])
 
+    def test_openblas_runs_the_kernels_of_this_cpu(self):
+        # OpenBLAS 0.3.21 gives CPUs newer than itself its SSE3 kernels; the
+        # binary runs again with the kernels of the CPU's features, keeping
+        # a user's own OPENBLAS_CORETYPE.
+        flags = set()
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+        level = 0
+        if {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= flags:
+            level = 3
+        elif {"avx2", "fma"} <= flags:
+            level = 2
+        elif "avx" in flags:
+            level = 1
+        levels = {"prescott": 0, "sandybridge": 1, "haswell": 2, "zen": 2,
+                  "skylakex": 3, "cooperlake": 3, "sapphirerapids": 3}
+
+        def core(extra_env):
+            env = dict(os.environ, INFINIGEN_LOG_LEVEL="debug")
+            env.pop("OPENBLAS_CORETYPE", None)
+            env.update(extra_env)
+            r = subprocess.run(
+                [BIN, "generate", f"--model={MODEL}", f"--tokenizer={TOK}",
+                 "--max_new_tokens=4", "--temperature=0", "--backend=cpu"],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                env=env, timeout=120)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            self.assertTrue(r.stdout.startswith("Once upon a time, there"),
+                            r.stdout)
+            for line in r.stderr.splitlines():
+                if "OpenBLAS kernels: " in line:
+                    return line.split("OpenBLAS kernels: ")[1].strip()
+            self.fail(r.stderr)
+
+        chosen = core({})
+        self.assertGreaterEqual(levels.get(chosen.lower(), 0), level, chosen)
+        self.assertEqual(core({"OPENBLAS_CORETYPE": "Prescott"}), "Prescott")
+
     def test_unknown_flag_and_command(self):
         r = run("generate", "--no_such_flag=1")
         self.assert_one_line_failure(r, 2, ["unknown flag --no_such_flag"])
