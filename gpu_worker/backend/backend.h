@@ -60,6 +60,9 @@ struct StoredRowsAttention {
   const float* q = nullptr;      // [group, head_dim]
   const uint16_t* k = nullptr;   // [count, row_width] stored K rows
   const uint16_t* v = nullptr;   // [count, row_width] stored V rows
+  // Where set, stored row t is row indices[t] of k and v instead of row t
+  // (the rows read where the memory node keeps them: one-sided reads).
+  const int32_t* indices = nullptr;
   const float* k_new = nullptr;  // [head_dim]: the new token's K row
   const float* v_new = nullptr;  // [head_dim]
   float* out = nullptr;          // [group, head_dim]

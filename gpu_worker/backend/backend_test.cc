@@ -147,6 +147,28 @@ TEST(CpuBackend, AttendsStoredRowsInPlaceLikeDecodedAttention) {
         // Past each head's n probabilities nothing is touched.
         ASSERT_NEAR(got_probs[i], want_probs[i], 1e-6f) << i;
       }
+      // The same rows read by index from a table where they lie apart
+      // (one-sided reads): the same sums in the same order.
+      std::vector<uint16_t> k_table(3 * count * d + d), v_table(k_table.size());
+      std::vector<int32_t> indices(count);
+      for (int t = 0; t < count; ++t) {
+        indices[t] = 3 * (count - 1 - t) + 1;
+        std::copy_n(k_half.begin() + t * d, d,
+                    k_table.begin() + indices[t] * d);
+        std::copy_n(v_half.begin() + t * d, d,
+                    v_table.begin() + indices[t] * d);
+      }
+      std::vector<float> by_index(group * d, -7.0f),
+          by_index_probs(group * (n + 2), 0.5f);
+      StoredRowsAttention pi = p;
+      pi.k = k_table.data();
+      pi.v = v_table.data();
+      pi.indices = indices.data();
+      pi.out = by_index.data();
+      pi.prob_sums = by_index_probs.data();
+      ASSERT_TRUE(cpu->AttendStoredRows(pi));
+      EXPECT_EQ(by_index, got);
+      EXPECT_EQ(by_index_probs, got_probs);
       p.format = KvRowFormat::kInt4;
       EXPECT_FALSE(cpu->AttendStoredRows(p));
     }

@@ -99,13 +99,14 @@ struct KvOptions {
   // after the prompt's longest prefix the node holds.
   int prefix_block_tokens = 0;
   // One-sided reads: where the memory node shares the worker's process
-  // (inproc:) and the backend is a device, the device reads the rows a
-  // step selects straight from the node's memory (GatherRows) instead of
-  // the node gathering them for a copy; the node is told what was read.
-  // Each sequence's reserved rows are pinned when it opens (about as long
-  // as touching that memory once), so it pays off for long generations.
+  // (inproc:), the backend reads the rows a step selects straight from the
+  // node's memory instead of the node gathering them for a copy; the node
+  // is told what was read. A device gathers them into its staging
+  // (GatherRows; each sequence's reserved rows are pinned when it opens,
+  // about as long as touching that memory once); the CPU's attention reads
+  // fp16 rows where they lie (AttendStoredRows with indices: no copy).
   // Sequences with a reused prefix, or that the node may evict from
-  // (kv_capacity < 1), are gathered by the node as before.
+  // (kv_capacity < 1), and the CPU's int4 rows are gathered by the node.
   bool direct_reads = false;
   // Names the model and everything its rows depend on (weights, skew;
   // ModelIdentity in the worker's commands); the cache adds the policy and

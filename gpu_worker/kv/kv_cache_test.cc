@@ -1061,6 +1061,56 @@ TEST_F(KvCacheTest, OneSidedReadsGiveTheGathersAnswers) {
   }
 }
 
+// On the CPU, one-sided reads attend over the node's fp16 rows where they
+// lie, by index: the same rows in the same order as the node's gather, so
+// the logits agree bit for bit; the node gathers nothing, is told of every
+// read, and nothing is pinned. int4 rows are gathered by the node.
+TEST_F(KvCacheTest, OneSidedReadsOnTheCpuAttendOverTheNodesRowsInPlace) {
+  for (std::string kind : {"full", "h2o", "infinigen", "oracle", "quest",
+                           "int4"}) {
+    SCOPED_TRACE(kind);
+    FakeKvClient direct_node, gather_node;
+    EngineOptions direct_options = Options(kind, &direct_node);
+    direct_options.kv.direct_reads = true;
+    auto direct = Engine::Create(weights_, NewCpuBackend(), direct_options);
+    auto gather = Engine::Create(weights_, NewCpuBackend(),
+                                 Options(kind, &gather_node));
+    ASSERT_TRUE(direct.ok()) << direct.status();
+    ASSERT_TRUE(gather.ok()) << gather.status();
+    const std::vector<int> t = Tokens(40);
+    for (Engine* e : {direct->get(), gather->get()}) {
+      ASSERT_TRUE(e->Forward(absl::MakeConstSpan(t).subspan(0, 30), false).ok());
+    }
+    for (int i = 30; i < 40; ++i) {
+      auto want = (*gather)->Forward({t[i]}, false);
+      ASSERT_TRUE(want.ok()) << want.status();
+      const std::vector<float> w(want->begin(), want->end());
+      auto got = (*direct)->Forward({t[i]}, false);
+      ASSERT_TRUE(got.ok()) << got.status();
+      EXPECT_EQ(std::vector<float>(got->begin(), got->end()), w) << i;
+    }
+    const auto fetches = gather_node.fetches();
+    ASSERT_FALSE(fetches.empty());
+    if (kind == "int4") {
+      // The CPU reads int4 rows only as fetched: the node gathers.
+      EXPECT_EQ(direct_node.fetches().size(), fetches.size());
+      EXPECT_TRUE(direct_node.notes().empty());
+      continue;
+    }
+    EXPECT_TRUE(direct_node.fetches().empty());  // the node gathered nothing
+    const auto notes = direct_node.notes();
+    ASSERT_EQ(notes.size(), fetches.size());
+    for (size_t j = 0; j < notes.size(); ++j) {
+      EXPECT_EQ(notes[j].layer, fetches[j].layer);
+      EXPECT_EQ(notes[j].rows, fetches[j].rows);
+    }
+    auto direct_stats = direct_node.GetStoreStats();
+    auto gather_stats = gather_node.GetStoreStats();
+    ASSERT_TRUE(direct_stats.ok() && gather_stats.ok());
+    EXPECT_EQ(direct_stats->fetched_rows, gather_stats->fetched_rows);
+  }
+}
+
 TEST_F(KvCacheTest, OneSidedReadsFallBackToTheNodesGather) {
   const std::vector<int> t = Tokens(36);
   // A backend that cannot read host memory in place: the node gathers.

@@ -188,7 +188,8 @@ absl::Status OffloadedKvCache::UploadFetched(Sequence& s, int layer) {
   if (s.direct_plan[i]) {
     s.direct_plan[i] = false;
     const auto t0 = std::chrono::steady_clock::now();
-    if (ReadDirect(s, layer)) {
+    // Without staging, attention reads the rows in place (AttendDirect).
+    if (!layout_.staged || ReadDirect(s, layer)) {
       // The node learns of the fetch (statistics, eviction candidates) and
       // checks that every position was at its own slot.
       const absl::Status noted = options_.kv.kv_client->NoteFetched(
@@ -237,7 +238,15 @@ absl::Status OffloadedKvCache::FetchedAttention(Sequence& s, int layer,
   const float* v_new = v_all + static_cast<size_t>(row) * c_.kv_dim();
   float* att = out + static_cast<size_t>(row) * c_.q_dim();
   if (want_probs) IG_RETURN_IF_ERROR(ZeroProbabilityRows(plan));
-  if (!layout_.staged && AttendInPlace(s, layer, q, k_new, v_new, att)) {
+  if (!layout_.staged && s.direct) {
+    // BeginDirect made sure the backend reads the node's rows in place.
+    if (!AttendInPlace(s, layer, q, k_new, v_new, att)) {
+      return absl::InternalError(
+          "kv cache: the backend refused to attend over the node's rows in "
+          "place");
+    }
+  } else if (!layout_.staged &&
+             AttendInPlace(s, layer, q, k_new, v_new, att)) {
     // Attention read the fetched rows where they lie: nothing decoded.
   } else {
     DecodeFetched(s, layer, k_new, v_new);
@@ -265,15 +274,34 @@ bool OffloadedKvCache::AttendInPlace(Sequence& s, int layer, const float* q,
   const kv_memory_service::OwnedFetchPlan& plan = s.plans[layer % 2];
   const int total = static_cast<int>(plan.indices.size());
   const int width = layout_.row_width;
-  const uint16_t* k_rows = FetchedRows(s, layer);
-  const uint16_t* v_rows = k_rows + static_cast<size_t>(total) * width;
   const bool want_probs = s.policy->WantsAttentionProbs();
+  // The fetched rows in plan order, or (one-sided reads) the node's rows
+  // of the layer, each head's rows at their positions.
+  const uint16_t* k_rows;
+  const uint16_t* v_rows;
+  size_t head_values;
+  if (s.direct) {
+    const size_t at = static_cast<size_t>(layer) * s.rows.layer_values;
+    k_rows = s.rows.k + at;
+    v_rows = s.rows.v + at;
+    head_values = static_cast<size_t>(s.rows.max_tokens) * width;
+  } else {
+    k_rows = FetchedRows(s, layer);
+    v_rows = k_rows + static_cast<size_t>(total) * width;
+    head_values = 0;
+  }
   for (int g = 0; g < c_.n_kv_heads; ++g) {
     const int begin = plan.head_offsets[g];
     StoredRowsAttention p;
     p.q = q + static_cast<size_t>(g) * group * hd;
-    p.k = k_rows + static_cast<size_t>(begin) * width;
-    p.v = v_rows + static_cast<size_t>(begin) * width;
+    if (s.direct) {
+      p.k = k_rows + g * head_values;
+      p.v = v_rows + g * head_values;
+      p.indices = plan.indices.data() + begin;
+    } else {
+      p.k = k_rows + static_cast<size_t>(begin) * width;
+      p.v = v_rows + static_cast<size_t>(begin) * width;
+    }
     p.k_new = k_new + static_cast<size_t>(g) * hd;
     p.v_new = v_new + static_cast<size_t>(g) * hd;
     p.out = att + static_cast<size_t>(g) * group * hd;

@@ -237,8 +237,9 @@ void OffloadedKvCache::BeginDirect(Sequence& s) {
   s.direct = false;
   // Positions stay at their own slots only without an attached prefix and
   // without eviction.
-  if (!options_.kv.direct_reads || !layout_.staged || s.cached > 0 ||
-      geometry_.max_tokens < max_seq_) {
+  if (!options_.kv.direct_reads || s.cached > 0 ||
+      geometry_.max_tokens < max_seq_ ||
+      (!layout_.staged && !AttendsNodeRows(s.policy->row_format()))) {
     return;
   }
   absl::StatusOr<kv_memory_service::DirectRows> rows =
@@ -263,6 +264,25 @@ void OffloadedKvCache::BeginDirect(Sequence& s) {
   }
   s.rows = *rows;
   s.direct = true;
+}
+
+bool OffloadedKvCache::AttendsNodeRows(KvRowFormat format) {
+  // One new row and no stored one: the backend answers for the format and
+  // for rows read by index, touching nothing of the node.
+  const int hd = c_.head_dim;
+  std::vector<float> q(hd, 0.0f), row(hd, 0.0f), out(hd);
+  const int32_t no_index = 0;
+  StoredRowsAttention p;
+  p.q = q.data();
+  p.k_new = p.v_new = row.data();
+  p.out = out.data();
+  p.group = 1;
+  p.count = 0;
+  p.head_dim = hd;
+  p.row_width = layout_.row_width;
+  p.format = format;
+  p.indices = &no_index;
+  return backend_.AttendStoredRows(p);
 }
 
 void OffloadedKvCache::EndDirect(Sequence& s) {

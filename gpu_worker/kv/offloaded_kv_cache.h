@@ -218,9 +218,10 @@ class OffloadedKvCache final : public KvCache {
     int annotated_first = 0;
     std::vector<float> block_state;
     // One-sided reads (KvOptions::direct_reads): the node's rows of this
-    // sequence, pinned for the device, while `direct` is set; a fetch then
-    // only plans (direct_plan[i]) and UploadFetched has the backend read
-    // the rows. plan_dev[i]: plans[i]'s indices, then its head offsets.
+    // sequence, pinned for a device, while `direct` is set; a fetch then
+    // only plans (direct_plan[i]) and UploadFetched has a device read the
+    // rows into its staging (a host backend's attention reads them in
+    // place). plan_dev[i]: plans[i]'s indices, then its head offsets.
     kv_memory_service::DirectRows rows;
     bool direct = false;
     bool direct_plan[2] = {false, false};
@@ -253,6 +254,9 @@ class OffloadedKvCache final : public KvCache {
   // unpins them (before the sequence closes).
   void BeginDirect(Sequence& s);
   void EndDirect(Sequence& s);
+  // Whether a host backend's attention reads stored rows of `format` by
+  // index where they lie (AttendStoredRows with indices).
+  bool AttendsNodeRows(KvRowFormat format);
   // The backend reads plans[i]'s rows of `layer` from the node's memory
   // into staged[i]; false (nothing done) where it cannot.
   bool ReadDirect(Sequence& s, int layer);

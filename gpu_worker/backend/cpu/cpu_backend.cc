@@ -155,8 +155,8 @@ class CpuBackend final : public Backend {
     // token's own.
     const auto row = [&](const uint16_t* stored, const float* last, int t) {
       if (t == p.count) return last;
-      HalfToFloat(stored + static_cast<size_t>(t) * p.row_width, d,
-                  row_.data());
+      const size_t at = p.indices != nullptr ? p.indices[t] : t;
+      HalfToFloat(stored + at * p.row_width, d, row_.data());
       return static_cast<const float*>(row_.data());
     };
     for (int t = 0; t < n; ++t) {
