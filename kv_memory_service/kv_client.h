@@ -274,18 +274,23 @@ class KvClient {
     return FetchAsync(seq, layer, plan, dest).Wait();
   }
 
-  // One-sided reads, where the node shares this process's memory: `seq`'s
-  // rows where the caller can read a plan's rows itself (DirectRows,
-  // kv_types.h) instead of asking for a gather. Unimplemented for a node
-  // elsewhere (the default); KvStore::GetDirectRows' errors otherwise.
+  // One-sided reads, where the node is on this host (inproc: its memory;
+  // shm: its rows mapped read-only into this process): `seq`'s rows where
+  // the caller can read a plan's rows itself (DirectRows, kv_types.h)
+  // instead of asking for a gather, valid until the sequence is closed
+  // through this client. Unimplemented for a node elsewhere (the default);
+  // KvStore::GetDirectRows' or ShareRows' errors otherwise.
   virtual absl::StatusOr<DirectRows> GetDirectRows(SequenceId seq) {
     return absl::UnimplementedError(
         "the node's rows are not in this process: fetches gather them");
   }
   // Tells the node the caller read `plan`'s rows of `layer` itself, so that
   // its fetch statistics and eviction see the fetch (KvStore::NoteFetched).
+  // `via`: an idle buffer of this client that could have held the plan's
+  // rows; a data plane may carry the note through it (shm), nothing is
+  // written into it.
   virtual absl::Status NoteFetched(SequenceId seq, int32_t layer,
-                                   const FetchPlan& plan) {
+                                   const FetchPlan& plan, FetchBuffer* via) {
     return absl::UnimplementedError("no one-sided reads on this data plane");
   }
 

@@ -1,10 +1,14 @@
 #include "kv_memory_service/kv_store.h"
 
+#include <fcntl.h>
 #include <sys/random.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstddef>
 #include <cstdlib>
+#include <cstring>
 #include <new>
 #include <random>
 
@@ -84,8 +88,14 @@ absl::StatusOr<SequenceId> KvStore::Open(const SequenceGeometry& geometry,
     }
   }
 
-  RowMemory k(static_cast<size_t>(bytes / 2));
-  RowMemory v(static_cast<size_t>(bytes / 2));
+  const bool share = options_.max_shared_sequences > 0;
+  const int64_t max_memfds = int64_t{2} * options_.max_shared_sequences;
+  RowMemory k = share ? RowMemory(static_cast<size_t>(bytes / 2), memfds_,
+                                  max_memfds)
+                      : RowMemory(static_cast<size_t>(bytes / 2));
+  RowMemory v = share ? RowMemory(static_cast<size_t>(bytes / 2), memfds_,
+                                  max_memfds)
+                      : RowMemory(static_cast<size_t>(bytes / 2));
   absl::MutexLock lock(&mu_);
   auto it = sequences_.find(id);
   if (it == sequences_.end()) {
@@ -328,6 +338,41 @@ absl::StatusOr<DirectRows> KvStore::GetDirectRows(
   DirectRows rows;
   rows.k = s->k_rows();
   rows.v = s->v_rows();
+  rows.layer_values = static_cast<size_t>(g.n_kv_heads) * g.max_tokens *
+                      g.head_dim;
+  rows.max_tokens = g.max_tokens;
+  return rows;
+}
+
+absl::StatusOr<KvStore::SharedRows> KvStore::ShareRows(
+    SequenceId seq, SessionId session) const {
+  IG_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, FindOwned(seq, session));
+  if (s->attached()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "sequence ", seq, " starts with an attached prefix: its rows are "
+        "read through Gather"));
+  }
+  if (s->k_fd() < 0 || s->v_fd() < 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the rows of sequence ", seq, " are in the node's private memory "
+        "(not shared with readers on its host): fetches gather them"));
+  }
+  // Read-only descriptors of the same memfds: a mapping through them can
+  // never write the node's rows.
+  SharedRows rows;
+  rows.k_fd = open(absl::StrCat("/proc/self/fd/", s->k_fd()).c_str(),
+                   O_RDONLY | O_CLOEXEC);
+  rows.v_fd = open(absl::StrCat("/proc/self/fd/", s->v_fd()).c_str(),
+                   O_RDONLY | O_CLOEXEC);
+  if (rows.k_fd < 0 || rows.v_fd < 0) {
+    const int err = errno;
+    if (rows.k_fd >= 0) close(rows.k_fd);
+    if (rows.v_fd >= 0) close(rows.v_fd);
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "cannot open the rows of sequence ", seq, " read-only: ",
+        std::strerror(err)));
+  }
+  const SequenceGeometry& g = s->geometry();
   rows.layer_values = static_cast<size_t>(g.n_kv_heads) * g.max_tokens *
                       g.head_dim;
   rows.max_tokens = g.max_tokens;

@@ -170,6 +170,21 @@ class KvStore {
   // NotFound if unknown.
   absl::StatusOr<DirectRows> GetDirectRows(SequenceId seq) const;
 
+  // One-sided reads for a reader on this host in another process (the shm
+  // data plane): read-only descriptors of the memfds holding `seq`'s K and
+  // V rows, for `session` (CheckOwner), in GetDirectRows' layout. The
+  // caller owns the descriptors. FailedPrecondition where the rows are in
+  // private memory (KvStoreOptions::max_shared_sequences) or the sequence
+  // has an attached prefix; NotFound as CheckOwner.
+  struct SharedRows {
+    int k_fd = -1;
+    int v_fd = -1;
+    size_t layer_values = 0;
+    int32_t max_tokens = 0;
+  };
+  absl::StatusOr<SharedRows> ShareRows(SequenceId seq,
+                                       SessionId session) const;
+
   // Records a fetch of `plan` from `layer` that its reader did itself
   // (GetDirectRows), as Gather records its own: the fetch statistics and
   // eviction candidates learn of it. Checks the plan as Gather does, and
@@ -240,6 +255,9 @@ class KvStore {
   void ForgetOwnerLocked(SequenceId seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const KvStoreOptions options_;
+  // Live memfds of shareable rows (KvStoreOptions::max_shared_sequences).
+  const std::shared_ptr<std::atomic<int64_t>> memfds_ =
+      std::make_shared<std::atomic<int64_t>>(0);
 
   mutable absl::Mutex mu_;
   absl::flat_hash_map<SequenceId, std::shared_ptr<Sequence>> sequences_

@@ -38,6 +38,12 @@ struct KvStoreOptions {
   // Threads that share one large gather (the caller included): 0 = one
   // per core (at most 8), 1 = the calling thread alone.
   int32_t gather_threads = 0;
+  // Keep each sequence's rows in memfds that its owner on this host may map
+  // read-only (KvStore::ShareRows: one-sided reads over the shm data
+  // plane). At most this many sequences at once (two descriptors each);
+  // those beyond it, or where a memfd cannot be made, keep private memory
+  // and are gathered. 0: none.
+  int32_t max_shared_sequences = 0;
   // The clock leases are measured on; tests pass a fake. Null: absl::Now.
   std::function<absl::Time()> clock;
 };

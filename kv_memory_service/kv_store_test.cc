@@ -1,6 +1,10 @@
 #include "kv_memory_service/kv_store.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <atomic>
 #include <functional>
 #include <map>
@@ -1290,6 +1294,80 @@ TEST(KvStoreDirectRows, ReadInPlaceAndNotedLikeAGather) {
   ASSERT_OK(noted.Close(*b));
   EXPECT_CODE(noted.GetDirectRows(*b).status(), kNotFound);
   EXPECT_CODE(noted.NoteFetched(*b, 0, plans[0].view()), kNotFound);
+}
+
+// One-sided reads from another process: ShareRows hands the owner
+// read-only descriptors of the memfds holding its rows (GetDirectRows'
+// layout; a writable mapping through them is refused), nobody else; at
+// most max_shared_sequences sequences at once, the rest in private memory.
+TEST(KvStoreDirectRows, SharedRowsAreTheOwnersAndReadOnly) {
+  const SequenceGeometry g = Geo(2, 2, 8, 16);
+  KvStoreOptions options;
+  options.max_shared_sequences = 1;
+  KvStore store(options);
+  auto alice = store.OpenSession();
+  auto bob = store.OpenSession();
+  ASSERT_OK(alice.status());
+  ASSERT_OK(bob.status());
+  auto a = store.Open(g, *alice);
+  ASSERT_OK(a.status());
+  Block block = MakeBlock(9, g, 0, 2, 0, 10);
+  ASSERT_TRUE(store.Append(*a, block.block).ok());
+
+  EXPECT_CODE(store.ShareRows(*a, *bob).status(), kNotFound);
+  auto shared = store.ShareRows(*a, *alice);
+  ASSERT_OK(shared.status());
+  EXPECT_EQ(shared->layer_values, size_t{2} * 16 * 8);
+  EXPECT_EQ(shared->max_tokens, 16);
+  const size_t bytes = 2 * shared->layer_values * sizeof(uint16_t);
+  for (int fd : {shared->k_fd, shared->v_fd}) {
+    EXPECT_EQ(mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0),
+              MAP_FAILED);
+    EXPECT_EQ(errno, EACCES);
+  }
+  void* k = mmap(nullptr, bytes, PROT_READ, MAP_SHARED, shared->k_fd, 0);
+  void* v = mmap(nullptr, bytes, PROT_READ, MAP_SHARED, shared->v_fd, 0);
+  ASSERT_NE(k, MAP_FAILED);
+  ASSERT_NE(v, MAP_FAILED);
+  close(shared->k_fd);
+  close(shared->v_fd);
+  const auto* kr = static_cast<const uint16_t*>(k);
+  const auto* vr = static_cast<const uint16_t*>(v);
+  // Rows appended after the mapping show through it.
+  Block more = MakeBlock(9, g, 0, 2, 10, 3);
+  ASSERT_TRUE(store.Append(*a, more.block).ok());
+  for (int l = 0; l < 2; ++l) {
+    for (int h = 0; h < 2; ++h) {
+      for (int pos = 0; pos < 13; ++pos) {
+        for (int d = 0; d < 8; ++d) {
+          const size_t at = l * shared->layer_values + (h * 16 + pos) * 8 + d;
+          ASSERT_EQ(kr[at], testdata::RowValue(9, l, h, pos, d, 0));
+          ASSERT_EQ(vr[at], testdata::RowValue(9, l, h, pos, d, 1));
+        }
+      }
+    }
+  }
+  // One shared sequence at a time: the next is private until one closes.
+  auto b = store.Open(g, *alice);
+  ASSERT_OK(b.status());
+  EXPECT_CODE(store.ShareRows(*b, *alice).status(), kFailedPrecondition);
+  ASSERT_OK(store.Close(*a));
+  ASSERT_OK(store.Close(*b));
+  // The mapping outlives the sequence on the node (the reader unmaps).
+  EXPECT_EQ(kr[0], testdata::RowValue(9, 0, 0, 0, 0, 0));
+  munmap(k, bytes);
+  munmap(v, bytes);
+  auto c = store.Open(g, *alice);
+  ASSERT_OK(c.status());
+  auto again = store.ShareRows(*c, *alice);
+  ASSERT_OK(again.status());
+  close(again->k_fd);
+  close(again->v_fd);
+  // Without max_shared_sequences nothing is shared.
+  KvStore private_store(KvStoreOptions{});
+  auto d = private_store.Open(g);
+  ASSERT_OK(d.status());
+  EXPECT_CODE(private_store.ShareRows(*d, 0).status(), kFailedPrecondition);
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 #include "kv_memory_service/stored_sequence.h"
 
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -13,6 +14,33 @@
 namespace infinigen::kv_memory_service {
 
 RowMemory::RowMemory(size_t bytes) : bytes_(bytes == 0 ? 1 : bytes) {
+  MapPrivate();
+}
+
+RowMemory::RowMemory(size_t bytes,
+                     std::shared_ptr<std::atomic<int64_t>> memfds,
+                     int64_t max_memfds)
+    : bytes_(bytes == 0 ? 1 : bytes) {
+  if (memfds != nullptr && memfds->fetch_add(1) < max_memfds) {
+    // A sparse memfd: pages are taken as rows are written, as below.
+    const int fd = memfd_create("infinigen-kv-rows", MFD_CLOEXEC);
+    if (fd >= 0 && ftruncate(fd, static_cast<off_t>(bytes_)) == 0) {
+      void* p = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE,
+                     MAP_SHARED | MAP_NORESERVE, fd, 0);
+      if (p != MAP_FAILED) {
+        data_ = static_cast<uint16_t*>(p);
+        fd_ = fd;
+        memfds_ = std::move(memfds);
+        return;
+      }
+    }
+    if (fd >= 0) close(fd);
+  }
+  if (memfds != nullptr) memfds->fetch_sub(1);
+  MapPrivate();
+}
+
+void RowMemory::MapPrivate() {
   void* p = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE,
                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   data_ = p == MAP_FAILED ? nullptr : static_cast<uint16_t*>(p);
@@ -20,6 +48,10 @@ RowMemory::RowMemory(size_t bytes) : bytes_(bytes == 0 ? 1 : bytes) {
 
 RowMemory::~RowMemory() {
   if (data_ != nullptr) munmap(data_, bytes_);
+  if (fd_ >= 0) {
+    close(fd_);
+    memfds_->fetch_sub(1);
+  }
 }
 
 StoredSequence::StoredSequence(SequenceId id, const SequenceGeometry& g,

@@ -43,27 +43,43 @@
 
 namespace infinigen::kv_memory_service {
 
-// The rows of a sequence: an anonymous private mapping, so the kernel
-// commits its pages only as rows are written (an Open reserves capacity, it
-// does not take memory), and Close returns all of it at once. Page-aligned,
-// so a data plane may register it (RDMA, CUDA).
+// The rows of a sequence: an anonymous private mapping, or with
+// `shareable` a memfd's shared one that a reader on this host may map too
+// (fd()); either way the kernel commits its pages only as rows are written
+// (an Open reserves capacity, it does not take memory), and Close returns
+// all of it at once. Page-aligned, so a data plane may register it (RDMA,
+// CUDA).
 class RowMemory {
  public:
   RowMemory() = default;
   // Null (get() == nullptr) when the mapping fails.
   explicit RowMemory(size_t bytes);
-  RowMemory(RowMemory&& o) noexcept : data_(o.data_), bytes_(o.bytes_) {
+  // Shareable while `memfds` (counting the live ones) stays within
+  // `max_memfds`; private memory (fd() < 0) beyond it or where no memfd
+  // can be made.
+  RowMemory(size_t bytes, std::shared_ptr<std::atomic<int64_t>> memfds,
+            int64_t max_memfds);
+  RowMemory(RowMemory&& o) noexcept
+      : data_(o.data_), bytes_(o.bytes_), fd_(o.fd_),
+        memfds_(std::move(o.memfds_)) {
     o.data_ = nullptr;
+    o.fd_ = -1;
   }
   RowMemory& operator=(RowMemory&&) = delete;
   RowMemory(const RowMemory&) = delete;
   ~RowMemory();
   uint16_t* get() const { return data_; }
   bool operator==(std::nullptr_t) const { return data_ == nullptr; }
+  // The memfd holding the rows, or -1 (private memory).
+  int fd() const { return fd_; }
 
  private:
+  void MapPrivate();
+
   uint16_t* data_ = nullptr;
   size_t bytes_ = 0;
+  int fd_ = -1;
+  std::shared_ptr<std::atomic<int64_t>> memfds_;  // counts fd_ while >= 0
 };
 
 // The store's running totals, which every sequence adds to.
@@ -101,6 +117,9 @@ class StoredSequence {
   // The rows, [layer][kv_head][slot][head_dim] (KvStore::DirectRows).
   const uint16_t* k_rows() const { return k_.get(); }
   const uint16_t* v_rows() const { return v_.get(); }
+  // The memfds of k_rows() and v_rows(), or -1 (RowMemory::fd).
+  int k_fd() const { return k_.fd(); }
+  int v_fd() const { return v_.fd(); }
   // Whether every position appended from now on is addressable in place:
   // no prefix block attached (its rows live in the block).
   bool attached() const;

@@ -51,8 +51,13 @@ class Disaggregated : public ::testing::Test {
 
   // Teacher-forced logits of every decoded position, two sequences in a
   // batch, through the memory node at `address`.
+  // With `direct`, one-sided reads (KvOptions::direct_reads); *in_place
+  // (may be null) gets the rows read where the node keeps them, of
+  // *fetched.
   std::vector<std::vector<float>> Decode(const std::string& address,
-                                         PolicyKind kind) {
+                                         PolicyKind kind, bool direct = false,
+                                         long* in_place = nullptr,
+                                         long* fetched = nullptr) {
     auto client = kv_memory_service::ConnectKvClient(address);
     EXPECT_TRUE(client.ok()) << client.status();
     if (!client.ok()) return {};
@@ -62,8 +67,10 @@ class Disaggregated : public ::testing::Test {
     options.kv.policy.emplace().kind = kind;
     options.kv.policy->skew = &skew_;
     options.kv.kv_client = client->get();
+    options.kv.direct_reads = direct;
     auto engine = Engine::Create(weights_, gpu_worker::NewCpuBackend(), options);
     EXPECT_TRUE(engine.ok()) << engine.status();
+    if (!engine.ok()) return {};
     std::vector<std::vector<float>> out;
     for (int s = 0; s < 2; ++s) {
       EXPECT_TRUE((*engine)
@@ -77,6 +84,8 @@ class Disaggregated : public ::testing::Test {
       if (!l.ok()) break;
       out.emplace_back(l->begin(), l->end());
     }
+    if (in_place != nullptr) *in_place = (*engine)->fetch_stats().rows_read_in_place;
+    if (fetched != nullptr) *fetched = (*engine)->fetch_stats().rows_fetched;
     return out;
   }
 
@@ -99,6 +108,17 @@ TEST_F(Disaggregated, RemoteMemoryNodesGiveExactlyTheInProcessLogits) {
     ASSERT_FALSE(want.empty());
     EXPECT_EQ(Decode((*tcp)->address(), kind), want);
     EXPECT_EQ(Decode("shm:unix:" + shm_sock, kind), want);
+    // One-sided reads in process and over shm (the node's rows mapped
+    // read-only): the CPU attends over them in place, the same logits;
+    // int4 rows are gathered.
+    for (const std::string address : {std::string("inproc:"),
+                                      "shm:unix:" + shm_sock}) {
+      SCOPED_TRACE(address);
+      long in_place = -1, fetched = -1;
+      EXPECT_EQ(Decode(address, kind, true, &in_place, &fetched), want);
+      EXPECT_GT(fetched, 0);
+      EXPECT_EQ(in_place, kind == PolicyKind::kInt4 ? 0 : fetched);
+    }
   }
 }
 

@@ -101,14 +101,17 @@ ABSL_FLAG(double, kv_capacity, 1.0,
           "Tokens the memory pool keeps per layer and KV head, as a fraction "
           "of the context; below 1 it evicts by --eviction.");
 ABSL_FLAG(bool, kv_direct_reads, false,
-          "One-sided reads for --kv_service=inproc: the rows each step "
-          "selects are read straight from the memory node's memory instead "
-          "of the node gathering them for a copy. On a GPU the device reads "
-          "them from pinned memory (each sequence's reserved rows are pinned "
-          "when it opens, about the time it takes to touch them once, which "
-          "pays off for long generations); on the CPU attention reads them "
-          "in place. Other data planes, reused prefixes, --kv_capacity < 1 "
-          "and int4 rows on the CPU keep the node's gather.");
+          "One-sided reads for a memory node on this host (--kv_service="
+          "inproc: or shm:unix:PATH, whose node maps each sequence's rows "
+          "into the worker read-only): the rows each step selects are read "
+          "straight from the node's memory instead of the node gathering "
+          "them for a copy; the node is told what was read. On a GPU the "
+          "device reads them from pinned memory (each sequence's reserved "
+          "rows are pinned when it opens, about the time it takes to touch "
+          "them once, which pays off for long generations); on the CPU "
+          "attention reads them in place. TCP and RDMA, reused prefixes, "
+          "--kv_capacity < 1 and int4 rows on the CPU keep the node's "
+          "gather.");
 ABSL_FLAG(int, prefix_block_tokens, 16,
           "Prefix reuse: a prompt's leading tokens whose KV rows the memory "
           "node already holds (from any earlier request of any worker with "

@@ -18,6 +18,7 @@ void FetchStats::Add(const FetchStats& o) {
   fraction_sum += o.fraction_sum;
   fraction_max = std::max(fraction_max, o.fraction_max);
   rows_fetched += o.rows_fetched;
+  rows_read_in_place += o.rows_read_in_place;
   bytes_fetched += o.bytes_fetched;
   wait_seconds += o.wait_seconds;
 }

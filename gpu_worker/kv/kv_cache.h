@@ -73,6 +73,9 @@ struct FetchStats {
   double fraction_max = 0;
   long rows_fetched = 0;     // K/V row pairs, all layers and heads
   long bytes_fetched = 0;    // K and V bytes as stored (fp16 or int4)
+  // Of rows_fetched, those read where the node keeps them (one-sided
+  // reads, KvOptions::direct_reads) instead of gathered by it.
+  long rows_read_in_place = 0;
   double wait_seconds = 0;   // blocked in fetch Wait()
   double fraction_mean() const { return steps ? fraction_sum / steps : 0.0; }
   void Add(const FetchStats& o);

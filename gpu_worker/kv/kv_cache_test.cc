@@ -142,7 +142,7 @@ class FakeKvClient final : public KvClient {
     return store_.GetDirectRows(seq);
   }
   absl::Status NoteFetched(SequenceId seq, int32_t layer,
-                           const FetchPlan& plan) override {
+                           const FetchPlan& plan, FetchBuffer*) override {
     {
       absl::MutexLock lock(&mu_);
       notes_.push_back({layer, plan.indices.size()});

@@ -145,7 +145,9 @@ absl::Status OffloadedKvCache::IssueFetch(Sequence& s, int layer,
   s.stats.bytes_fetched +=
       static_cast<long>(plan.indices.size()) * 2 * layout_.row_width * 2;
   s.direct_plan[layer % 2] = s.direct;
-  if (!s.direct) {
+  if (s.direct) {
+    s.stats.rows_read_in_place += static_cast<long>(plan.indices.size());
+  } else {
     s.handles[layer % 2] = options_.kv.kv_client->FetchAsync(
         s.seq, layer, plan.view(), s.buffers[layer % 2].get());
   }
@@ -188,12 +190,12 @@ absl::Status OffloadedKvCache::UploadFetched(Sequence& s, int layer) {
   if (s.direct_plan[i]) {
     s.direct_plan[i] = false;
     const auto t0 = std::chrono::steady_clock::now();
-    // Without staging, attention reads the rows in place (AttendDirect).
+    // Without staging, attention reads the rows in place (AttendInPlace).
     if (!layout_.staged || ReadDirect(s, layer)) {
       // The node learns of the fetch (statistics, eviction candidates) and
       // checks that every position was at its own slot.
       const absl::Status noted = options_.kv.kv_client->NoteFetched(
-          s.seq, layer, s.plans[i].view());
+          s.seq, layer, s.plans[i].view(), s.buffers[i].get());
       s.stats.wait_seconds += std::chrono::duration<double>(
                                   std::chrono::steady_clock::now() - t0)
                                   .count();

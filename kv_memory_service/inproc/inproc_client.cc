@@ -66,7 +66,7 @@ class InprocKvClient final : public KvClient {
     return store_->GetDirectRows(seq);
   }
   absl::Status NoteFetched(SequenceId seq, int32_t layer,
-                           const FetchPlan& plan) override {
+                           const FetchPlan& plan, FetchBuffer*) override {
     return store_->NoteFetched(seq, layer, plan);
   }
   FetchHandle FetchAsync(SequenceId seq, int32_t layer, const FetchPlan& plan,

@@ -1,5 +1,7 @@
 #include "kv_memory_service/server/kv_server.h"
 
+#include <sys/resource.h>
+
 #include <algorithm>
 #include <chrono>
 #include <utility>
@@ -104,6 +106,21 @@ class CountingInterceptorFactory
   InFlightCalls* const calls_;
 };
 
+// Raises the soft limit on open descriptors to the hard one and returns
+// it (shared rows hold descriptors); what getrlimit says where it cannot.
+int64_t RaiseDescriptorLimit() {
+  rlimit limit{};
+  if (getrlimit(RLIMIT_NOFILE, &limit) != 0) return 1024;
+  if (limit.rlim_cur < limit.rlim_max) {
+    rlimit raised = limit;
+    raised.rlim_cur = limit.rlim_max;
+    if (setrlimit(RLIMIT_NOFILE, &raised) == 0) limit = raised;
+  }
+  return limit.rlim_cur == RLIM_INFINITY
+             ? int64_t{1} << 20
+             : static_cast<int64_t>(limit.rlim_cur);
+}
+
 }  // namespace
 
 KvServer::KvServer() : calls_(std::make_unique<InFlightCalls>()) {}
@@ -139,7 +156,16 @@ absl::StatusOr<std::unique_ptr<KvServer>> KvServer::Start(
   }
 
   std::unique_ptr<KvServer> server(new KvServer);
-  server->store_ = std::make_shared<KvStore>(options.store);
+  KvStoreOptions store_options = options.store;
+  if (!options.shm_listen.empty() && store_options.max_shared_sequences == 0) {
+    // Readers on this host map a sequence's rows (one-sided reads over
+    // shm): two descriptors a sequence, within a quarter of the process's
+    // descriptor limit so that sockets never run short.
+    store_options.max_shared_sequences =
+        static_cast<int32_t>(std::min<int64_t>(store_options.max_sequences,
+                                               RaiseDescriptorLimit() / 8));
+  }
+  server->store_ = std::make_shared<KvStore>(store_options);
   if (!unix_socket && options.fetch_port >= 0) {
     FetchSocketServerOptions fetch_options;
     fetch_options.host = options.listen.substr(0, options.listen.rfind(':'));

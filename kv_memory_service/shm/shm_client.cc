@@ -3,6 +3,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -113,14 +115,20 @@ absl::StatusOr<int> OpenDataPlaneSocket(const std::string& path,
 
 // One setup request on `socket` and its reply; rings the doorbell so that a
 // sleeping server thread reads it.
+// `reply` and `reply_fd` (may be null) get the reply's fields and the
+// descriptor it carried (-1: none; the caller closes it).
 absl::Status Exchange(int socket, shm::RegionHeader* header,
-                      const shm::SocketMessage& message, int fd) {
+                      const shm::SocketMessage& message, int fd,
+                      shm::SocketMessage* reply = nullptr,
+                      int* reply_fd = nullptr) {
   IG_RETURN_IF_ERROR(shm::SendMessage(socket, message, fd));
   header->control_seq.fetch_add(1);
   header->doorbell.fetch_add(1);
   if (header->server_waiting.load() != 0) shm::FutexWakeAll(&header->doorbell);
-  IG_ASSIGN_OR_RETURN(shm::SocketMessage reply, shm::ReceiveMessage(socket, nullptr));
-  return shm::StatusOfReply(reply);
+  IG_ASSIGN_OR_RETURN(shm::SocketMessage got,
+                      shm::ReceiveMessage(socket, reply_fd));
+  if (reply != nullptr) *reply = got;
+  return shm::StatusOfReply(got);
 }
 
 class ShmKvClient;
@@ -147,8 +155,9 @@ class ShmFetchBuffer final : public FetchBuffer {
   ~ShmFetchBuffer() override;
 
   // Sends the fetch of a claimed buffer (FetchBuffer::Claim began it).
+  // flags: SlotControl::flags (shm::kNoteOnly: a note, no rows).
   FetchHandle Start(SequenceId seq, int32_t layer, const FetchPlan& plan,
-                    absl::Time deadline);
+                    absl::Time deadline, uint32_t flags = 0);
 
  protected:
   absl::Status WaitForFetch() override {
@@ -196,6 +205,8 @@ class ShmKvClient final : public KvClientWrapper {
     close(socket_);  // the server drops the connection and unmaps the slots
     close(region_fd_);
     munmap(region_, shm::ControlRegionBytes(shm::kMaxSlots));
+    absl::MutexLock lock(&rows_mu_);
+    for (auto& [seq, rows] : rows_) UnmapRows(rows);
   }
 
   absl::StatusOr<std::unique_ptr<FetchBuffer>> NewFetchBuffer(
@@ -226,6 +237,93 @@ class ShmKvClient final : public KvClientWrapper {
     if (!buffer.ok()) return FetchHandle(buffer.status());
     return (*buffer)->Start(seq, layer, plan,
                             absl::Now() + options_.fetch_timeout);
+  }
+
+  // One-sided reads: the node's K and V memfds of `seq`, mapped read-only
+  // (MapRows), until Close.
+  absl::StatusOr<DirectRows> GetDirectRows(SequenceId seq) override {
+    {
+      absl::MutexLock lock(&rows_mu_);
+      auto it = rows_.find(seq);
+      if (it != rows_.end()) return it->second.rows;
+    }
+    MappedRows mapped;
+    for (uint32_t part : {0u, 1u}) {
+      shm::SocketMessage request;
+      request.type = shm::MessageType::kMapRows;
+      request.slot = part;
+      request.sequence = seq;
+      request.session = session();
+      shm::SocketMessage reply;
+      int fd = -1;
+      absl::Status status = Call(request, -1, &reply, &fd);
+      if (status.ok() && fd < 0) {
+        status = absl::InternalError("shm data plane: MapRows carried no fd");
+      }
+      size_t bytes = 0;
+      struct stat st {};
+      if (status.ok() && fstat(fd, &st) != 0) {
+        status = shm::ErrnoStatus(absl::StatusCode::kInternal, "fstat", errno);
+      }
+      if (status.ok()) {
+        bytes = static_cast<size_t>(st.st_size);
+        const size_t layer_bytes = reply.elements * sizeof(uint16_t);
+        if (reply.elements == 0 || reply.max_slots == 0 ||
+            bytes < layer_bytes || bytes % layer_bytes != 0) {
+          status = absl::InternalError(absl::StrCat(
+              "shm data plane: MapRows gave ", bytes, " bytes for layers of ",
+              layer_bytes));
+        }
+      }
+      void* p = MAP_FAILED;
+      if (status.ok()) {
+        p = mmap(nullptr, bytes, PROT_READ, MAP_SHARED, fd, 0);
+        if (p == MAP_FAILED) {
+          status = shm::ErrnoStatus(absl::StatusCode::kResourceExhausted,
+                                    "mmap of the node's rows", errno);
+        }
+      }
+      if (fd >= 0) close(fd);
+      if (!status.ok()) {
+        UnmapRows(mapped);
+        return status;
+      }
+      (part == 0 ? mapped.k : mapped.v) = p;
+      (part == 0 ? mapped.k_bytes : mapped.v_bytes) = bytes;
+      mapped.rows.layer_values = reply.elements;
+      mapped.rows.max_tokens = static_cast<int32_t>(reply.max_slots);
+    }
+    mapped.rows.k = static_cast<const uint16_t*>(mapped.k);
+    mapped.rows.v = static_cast<const uint16_t*>(mapped.v);
+    absl::MutexLock lock(&rows_mu_);
+    auto [it, fresh] = rows_.emplace(seq, mapped);
+    if (!fresh) UnmapRows(mapped);  // mapped twice at once: keep the first
+    return it->second.rows;
+  }
+
+  // The plan goes through `via`'s slot with kNoteOnly: the server records
+  // the fetch and writes nothing.
+  absl::Status NoteFetched(SequenceId seq, int32_t layer, const FetchPlan& plan,
+                           FetchBuffer* via) override {
+    if (absl::Status down = Unanswered(); !down.ok()) return down;
+    auto buffer = FetchBuffer::Claim<ShmFetchBuffer>(this, via);
+    if (!buffer.ok()) return buffer.status();
+    return (*buffer)
+        ->Start(seq, layer, plan, absl::Now() + options_.fetch_timeout,
+                shm::kNoteOnly)
+        .Wait();
+  }
+
+  // Unmaps the sequence's rows (GetDirectRows) whatever the node answers.
+  absl::Status Close(SequenceId seq) override {
+    const absl::Status closed = KvClientWrapper::Close(seq);
+    absl::MutexLock lock(&rows_mu_);
+    auto it = rows_.find(seq);
+    if (it != rows_.end()) {
+      UnmapRows(it->second);
+      rows_.erase(it);
+    }
+    return closed;
   }
 
   std::string data_plane() const override { return "shm"; }
@@ -295,6 +393,19 @@ class ShmKvClient final : public KvClientWrapper {
     size_t elements = 0;
   };
 
+  // A sequence's rows mapped for one-sided reads.
+  struct MappedRows {
+    void* k = nullptr;
+    void* v = nullptr;
+    size_t k_bytes = 0;
+    size_t v_bytes = 0;
+    DirectRows rows;
+  };
+  static void UnmapRows(const MappedRows& m) {
+    if (m.k != nullptr) munmap(m.k, m.k_bytes);
+    if (m.v != nullptr) munmap(m.v, m.v_bytes);
+  }
+
   void MarkGone() {
     int healthy = kHealthy;
     health_.compare_exchange_strong(healthy, kServerGone);
@@ -303,11 +414,13 @@ class ShmKvClient final : public KvClientWrapper {
   // One setup request and its reply. The server closing the socket makes
   // the client reconnect on next use; no reply in time (a hung server) or a
   // garbled one leaves the reply stream out of step for good.
-  absl::Status Call(const shm::SocketMessage& message, int fd)
-      ABSL_LOCKS_EXCLUDED(socket_mu_) {
+  absl::Status Call(const shm::SocketMessage& message, int fd,
+                    shm::SocketMessage* reply = nullptr,
+                    int* reply_fd = nullptr) ABSL_LOCKS_EXCLUDED(socket_mu_) {
     absl::MutexLock lock(&socket_mu_);
     IG_RETURN_IF_ERROR(EnsureConnectedLocked());
-    absl::Status status = Exchange(socket_, header_, message, fd);
+    absl::Status status =
+        Exchange(socket_, header_, message, fd, reply, reply_fd);
     if (absl::IsUnavailable(status)) {
       MarkGone();
     } else if (absl::IsDeadlineExceeded(status) ||
@@ -352,6 +465,9 @@ class ShmKvClient final : public KvClientWrapper {
 
   absl::Mutex slots_mu_;
   std::vector<Slot> slots_ ABSL_GUARDED_BY(slots_mu_);
+
+  absl::Mutex rows_mu_;
+  absl::flat_hash_map<SequenceId, MappedRows> rows_ ABSL_GUARDED_BY(rows_mu_);
 };
 
 absl::Status ShmKvClient::EnsureConnectedLocked() {
@@ -476,7 +592,8 @@ ShmFetchBuffer::~ShmFetchBuffer() {
 }
 
 FetchHandle ShmFetchBuffer::Start(SequenceId seq, int32_t layer,
-                                  const FetchPlan& plan, absl::Time deadline) {
+                                  const FetchPlan& plan, absl::Time deadline,
+                                  uint32_t flags) {
   absl::Status connected = client_->EnsureConnected();
   if (!connected.ok()) {
     CompleteFetch(std::move(connected));
@@ -500,6 +617,7 @@ FetchHandle ShmFetchBuffer::Start(SequenceId seq, int32_t layer,
   control_->session = client_->session();
   control_->n_indices = static_cast<uint32_t>(n);
   control_->n_head_offsets = static_cast<uint32_t>(m);
+  control_->flags = flags;
   generation_ = client_->generation();
   control_->state.store(shm::kRequested, std::memory_order_release);
   client_->Ring();

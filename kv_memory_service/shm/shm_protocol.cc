@@ -30,8 +30,10 @@ struct PacketHeader {
   uint64_t elements;
   uint32_t text_bytes;
   uint32_t reserved;
+  uint64_t sequence;
+  uint64_t session;
 };
-static_assert(sizeof(PacketHeader) == 40);
+static_assert(sizeof(PacketHeader) == 56);
 
 constexpr size_t kMaxPacketBytes = sizeof(PacketHeader) + kMaxMessageText;
 
@@ -57,6 +59,8 @@ absl::Status SendMessage(int socket, const SocketMessage& message, int fd) {
   header.code = message.code;
   header.max_slots = message.max_slots;
   header.elements = message.elements;
+  header.sequence = message.sequence;
+  header.session = message.session;
   header.text_bytes = static_cast<uint32_t>(message.text.size());
   std::memcpy(packet, &header, sizeof(header));
   if (!message.text.empty()) {
@@ -151,6 +155,8 @@ absl::StatusOr<SocketMessage> ReceiveMessage(int socket, int* fd) {
   message.code = header.code;
   message.max_slots = header.max_slots;
   message.elements = header.elements;
+  message.sequence = header.sequence;
+  message.session = header.session;
   message.text.assign(packet + sizeof(PacketHeader), header.text_bytes);
   if (fd != nullptr) {
     *fd = received_fd;

@@ -29,9 +29,15 @@
 //
 // The socket carries setup only (SocketMessage, one per SEQPACKET): the
 // server's Hello, then the client's Attach (control region fd, auth token),
-// MapSlot (slot fd) and UnmapSlot, each answered by a Reply. After sending,
-// the client bumps control_seq and rings the doorbell so that a sleeping
-// server reads it.
+// MapSlot (slot fd), UnmapSlot and MapRows, each answered by a Reply. After
+// sending, the client bumps control_seq and rings the doorbell so that a
+// sleeping server reads it.
+//
+// One-sided reads: MapRows gives the owner of a sequence a read-only
+// descriptor of each memfd holding its rows (K, then V); the client maps
+// them, reads the rows a plan selects itself, then sends the plan through
+// a slot with kNoteOnly so that the node's statistics and eviction learn
+// of the fetch.
 #ifndef INFINIGEN_KV_MEMORY_SERVICE_SHM_SHM_PROTOCOL_H_
 #define INFINIGEN_KV_MEMORY_SERVICE_SHM_SHM_PROTOCOL_H_
 
@@ -50,7 +56,8 @@ namespace infinigen::kv_memory_service::shm {
 
 constexpr uint64_t kRegionMagic = 0x3176'4b6d'6853'4749ULL;  // "IGShmKv1"
 // 2: each fetch names the caller's session (SlotControl::session).
-constexpr uint32_t kProtocolVersion = 2;
+// 3: one-sided reads (MapRows, SlotControl::flags' kNoteOnly).
+constexpr uint32_t kProtocolVersion = 3;
 constexpr size_t kPageBytes = 4096;
 constexpr size_t kHeaderBytes = 4096;
 // Most FetchBuffers one connection may hold at once.
@@ -95,7 +102,7 @@ struct SlotControl {
   int32_t layer;
   uint32_t n_indices;       // plan area [0, n_indices): indices
   uint32_t n_head_offsets;  // then n_head_offsets head offsets
-  uint32_t reserved;
+  uint32_t flags;           // kNoteOnly
   uint64_t sequence;
   uint64_t session;  // the caller's; the node serves only the owner's rows
   // Written by the server before state = kDone.
@@ -105,6 +112,11 @@ struct SlotControl {
 };
 static_assert(sizeof(SlotControl) == 512);
 static_assert(std::is_standard_layout_v<SlotControl>);
+
+// SlotControl::flags: the client read the plan's rows itself through
+// MapRows' mappings; the server records the fetch (KvStore::NoteFetched)
+// and writes nothing into the slot's data.
+constexpr uint32_t kNoteOnly = 1;
 
 inline size_t ControlRegionBytes(uint32_t max_slots) {
   return kHeaderBytes + static_cast<size_t>(max_slots) * sizeof(SlotControl);
@@ -135,6 +147,11 @@ enum class MessageType : uint32_t {
   kMapSlot = 3,    // client -> server; fd: slot memfd; slot, elements
   kUnmapSlot = 4,  // client -> server; slot
   kReply = 5,      // server -> client; code, text: the error message
+  // client -> server; sequence, session, slot: 0 for K, 1 for V. The reply
+  // carries a read-only fd of that memfd of the sequence's rows
+  // (KvStore::ShareRows), elements: values per layer, max_slots: the
+  // sequence's max_tokens.
+  kMapRows = 6,
 };
 
 constexpr size_t kMaxMessageText = 4096;
@@ -147,6 +164,8 @@ struct SocketMessage {
   int32_t code = 0;  // absl::StatusCode, in replies
   uint32_t max_slots = 0;
   uint64_t elements = 0;
+  uint64_t sequence = 0;
+  uint64_t session = 0;
   std::string text;
 };
 

@@ -277,10 +277,15 @@ class ShmServer::Connection {
       if (absl::IsDeadlineExceeded(message.status())) return true;  // drained
       if (absl::IsUnavailable(message.status())) return false;
       absl::Status status = message.status();
+      shm::SocketMessage rows_reply;  // MapRows' fields
+      int reply_fd = -1;
       if (status.ok()) {
         switch (message->type) {
           case shm::MessageType::kMapSlot:
             status = MapSlot(*message, fd);
+            break;
+          case shm::MessageType::kMapRows:
+            status = MapRows(*message, &rows_reply, &reply_fd);
             break;
           case shm::MessageType::kUnmapSlot:
             status = message->slot < slots_.size()
@@ -296,8 +301,31 @@ class ShmServer::Connection {
       }
       if (fd >= 0) close(fd);
       Count(status);
-      if (!shm::SendMessage(socket_, shm::ReplyFor(status)).ok()) return false;
+      shm::SocketMessage reply = shm::ReplyFor(status);
+      reply.elements = rows_reply.elements;
+      reply.max_slots = rows_reply.max_slots;
+      const bool sent = shm::SendMessage(socket_, reply, reply_fd).ok();
+      if (reply_fd >= 0) close(reply_fd);
+      if (!sent) return false;
     }
+  }
+
+  // One-sided reads: a read-only descriptor of the K (slot 0) or V (slot 1)
+  // rows of a sequence the caller's session owns (KvStore::ShareRows).
+  absl::Status MapRows(const shm::SocketMessage& message,
+                       shm::SocketMessage* reply, int* fd) {
+    if (message.slot > 1) {
+      return absl::InvalidArgumentError(
+          "shm data plane: MapRows names K (0) or V (1)");
+    }
+    IG_ASSIGN_OR_RETURN(
+        KvStore::SharedRows rows,
+        server_->store_->ShareRows(message.sequence, message.session));
+    *fd = message.slot == 0 ? rows.k_fd : rows.v_fd;
+    close(message.slot == 0 ? rows.v_fd : rows.k_fd);
+    reply->elements = rows.layer_values;
+    reply->max_slots = static_cast<uint32_t>(rows.max_tokens);
+    return absl::OkStatus();
   }
 
   absl::Status MapSlot(const shm::SocketMessage& message, int fd) {
@@ -413,6 +441,7 @@ class ShmServer::Connection {
     const int32_t layer = control->layer;
     const SequenceId sequence = control->sequence;
     const SessionId session = control->session;
+    const bool note_only = (control->flags & shm::kNoteOnly) != 0;
     absl::Status status;
     if (slot.data == nullptr) {
       status = absl::FailedPreconditionError(
@@ -432,12 +461,15 @@ class ShmServer::Connection {
           absl::MakeConstSpan(scratch_.get() + n_indices, n_offsets);
       const absl::Time start = absl::Now();
       status = server_->store_->CheckOwner(sequence, session);
-      if (status.ok()) {
+      if (status.ok() && note_only) {
+        // The client read the rows itself (MapRows): the node records it.
+        status = server_->store_->NoteFetched(sequence, layer, plan);
+      } else if (status.ok()) {
         status = server_->store_->Gather(
             sequence, layer, plan, absl::MakeSpan(slot.data, slot.elements));
       }
       RequestMetrics* metrics = server_->options_.metrics;
-      if (metrics != nullptr && status.ok()) {
+      if (metrics != nullptr && status.ok() && !note_only) {
         const absl::Duration elapsed = absl::Now() - start;
         absl::StatusOr<SequenceGeometry> g = server_->store_->Geometry(sequence);
         metrics->Served(Plane::kShm, RequestOp::kFetch, elapsed,

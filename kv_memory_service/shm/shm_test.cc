@@ -104,6 +104,72 @@ class ShmTest : public ::testing::Test {
   std::unique_ptr<ShmServer> server_;
 };
 
+// One-sided reads over shm: the client maps the node's rows read-only
+// (MapRows) and reads a plan's rows where the node keeps them, the same
+// values a gather gives; rows appended later show through the mapping; a
+// note through a buffer's slot counts the fetch on the node, checked as a
+// gather is. A node whose rows are private answers FailedPrecondition.
+TEST_F(ShmTest, OneSidedReadsMapTheNodesRowsReadOnly) {
+  KvStoreOptions store_options;
+  store_options.max_shared_sequences = 8;
+  store_ = std::make_shared<KvStore>(store_options);
+  StartServer("");
+  auto client = Connect();
+  ASSERT_NE(client, nullptr);
+  const SequenceGeometry g = MakeGeometry(2, 3, 64, 512);
+  const SequenceId id = OpenFilled(*client, g, 21, 300);
+  auto rows = client->GetDirectRows(id);
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  EXPECT_EQ(rows->max_tokens, 512);
+  EXPECT_EQ(rows->layer_values, size_t{3} * 512 * 64);
+  // The mapping cannot be made writable.
+  EXPECT_NE(mprotect(const_cast<uint16_t*>(rows->k), 4096,
+                     PROT_READ | PROT_WRITE),
+            0);
+  testdata::TestBlock more = MakeTestBlock(21, g, 0, g.n_layers, 300, 20);
+  ASSERT_OK(client->Append(id, more.block).status());
+  auto buffer = client->NewFetchBuffer(2 * 3 * 64 * 512);
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  std::mt19937 rng(3);
+  for (int l = 0; l < g.n_layers; ++l) {
+    std::vector<std::vector<int32_t>> per_head(g.n_kv_heads);
+    for (auto& p : per_head) {
+      for (int i = 0; i < 50; ++i) p.push_back(rng() % 320);
+    }
+    const OwnedFetchPlan plan = OwnedFetchPlan::PerHead(per_head);
+    const std::vector<uint16_t> want = ExpectedRows(21, g, l, plan.view());
+    // K rows of every head in plan order, then V rows (FetchPlan).
+    std::vector<uint16_t> read;
+    for (const uint16_t* base : {rows->k, rows->v}) {
+      for (int h = 0; h < g.n_kv_heads; ++h) {
+        for (int32_t pos : per_head[h]) {
+          const uint16_t* row = base + l * rows->layer_values +
+                                (static_cast<size_t>(h) * 512 + pos) * 64;
+          read.insert(read.end(), row, row + 64);
+        }
+      }
+    }
+    ASSERT_EQ(read, want) << l;
+    ASSERT_OK(client->NoteFetched(id, l, plan.view(), buffer->get()));
+  }
+  auto stats = client->GetSequenceStats(id);
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->fetches, 2);
+  EXPECT_EQ(stats->fetched_rows, 2 * 3 * 50);
+  // A position never appended: refused as a gather would be.
+  const OwnedFetchPlan past = OwnedFetchPlan::SameForAllHeads(3, {400});
+  EXPECT_CODE(client->NoteFetched(id, 0, past.view(), buffer->get()),
+              kOutOfRange);
+  ASSERT_OK(client->Close(id));
+  // Private rows: the node gathers.
+  store_ = std::make_shared<KvStore>(KvStoreOptions{});
+  StartServer("");
+  auto plain = Connect();
+  ASSERT_NE(plain, nullptr);
+  const SequenceId other = OpenFilled(*plain, g, 22, 10);
+  EXPECT_CODE(plain->GetDirectRows(other).status(), kFailedPrecondition);
+}
+
 TEST_F(ShmTest, FetchesAreBitExact) {
   auto client = Connect();
   ASSERT_NE(client, nullptr);

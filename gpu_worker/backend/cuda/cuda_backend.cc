@@ -241,6 +241,13 @@ class CudaBackend final : public Backend {
     cudaSetDevice(device_);
     // Mapped as well, so that kernels can read it in place (GatherRows).
     cudaError_t err = cudaHostRegister(p, bytes, cudaHostRegisterMapped);
+    if (err == cudaErrorInvalidValue) {
+      // Read-only memory (a memory node's rows mapped over shm) registers
+      // only as such.
+      cudaGetLastError();
+      err = cudaHostRegister(p, bytes,
+                             cudaHostRegisterMapped | cudaHostRegisterReadOnly);
+    }
     if (err == cudaErrorHostMemoryAlreadyRegistered) {
       // Pinned already (the shm and RDMA data planes pin their slots):
       // usable as is, and not ours to unpin.
