@@ -114,6 +114,12 @@ void PrintJson(const DecodeBenchResult& r) {
   j["decode_fetch_gbps"] =
       r.seconds > 0 ? r.fetch.bytes_fetched / r.seconds / 1e9 : 0.0;
   j["kv_direct_reads"] = absl::GetFlag(FLAGS_kv_direct_reads);
+  // Of the rows fetched, the share read where the node keeps them.
+  j["fetch_in_place_fraction"] =
+      r.fetch.rows_fetched > 0
+          ? static_cast<double>(r.fetch.rows_read_in_place) /
+                r.fetch.rows_fetched
+          : 0.0;
   j["worker_kv_bytes"] = r.worker_kv_bytes;
   j["memory_node_bytes"] = r.memory_node_bytes;
   j["peak_rss_bytes"] = r.peak_rss_bytes;
