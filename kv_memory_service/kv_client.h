@@ -285,13 +285,21 @@ class KvClient {
         "the node's rows are not in this process: fetches gather them");
   }
   // Tells the node the caller read `plan`'s rows of `layer` itself, so that
-  // its fetch statistics and eviction see the fetch (KvStore::NoteFetched).
-  // `via`: an idle buffer of this client that could have held the plan's
-  // rows; a data plane may carry the note through it (shm), nothing is
-  // written into it.
-  virtual absl::Status NoteFetched(SequenceId seq, int32_t layer,
-                                   const FetchPlan& plan, FetchBuffer* via) {
-    return absl::UnimplementedError("no one-sided reads on this data plane");
+  // its fetch statistics and eviction see the fetch (KvStore::NoteFetched);
+  // the outcome comes from Wait(). `via`: an idle buffer of this client
+  // that could have held the plan's rows; a data plane may carry the note
+  // through it (shm; nothing is written into it), and it is busy until the
+  // handle is waited, as after FetchAsync.
+  virtual FetchHandle NoteFetchedAsync(SequenceId seq, int32_t layer,
+                                       const FetchPlan& plan,
+                                       FetchBuffer* via) {
+    return FetchHandle(
+        absl::UnimplementedError("no one-sided reads on this data plane"));
+  }
+  // NoteFetchedAsync + Wait.
+  absl::Status NoteFetched(SequenceId seq, int32_t layer, const FetchPlan& plan,
+                           FetchBuffer* via) {
+    return NoteFetchedAsync(seq, layer, plan, via).Wait();
   }
 
   // Frees the sequence on the memory node.

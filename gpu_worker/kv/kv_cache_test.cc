@@ -141,13 +141,14 @@ class FakeKvClient final : public KvClient {
       SequenceId seq) override {
     return store_.GetDirectRows(seq);
   }
-  absl::Status NoteFetched(SequenceId seq, int32_t layer,
-                           const FetchPlan& plan, FetchBuffer*) override {
+  kv_memory_service::FetchHandle NoteFetchedAsync(
+      SequenceId seq, int32_t layer, const FetchPlan& plan,
+      FetchBuffer*) override {
     {
       absl::MutexLock lock(&mu_);
       notes_.push_back({layer, plan.indices.size()});
     }
-    return store_.NoteFetched(seq, layer, plan);
+    return kv_memory_service::FetchHandle(store_.NoteFetched(seq, layer, plan));
   }
   std::vector<FetchCall> notes() const {
     absl::MutexLock lock(&mu_);

@@ -91,6 +91,12 @@ absl::Status OffloadedKvCache::Step::LayerDone(int layer) {
 absl::Status OffloadedKvCache::Step::End() {
   for (int slot : slots_) {
     Sequence& s = cache_.sequences_[slot];
+    if (s.direct) {
+      // The step's last notes of one-sided reads.
+      for (kv_memory_service::FetchHandle& h : s.handles) {
+        IG_RETURN_IF_ERROR(cache_.AtNode(h.Wait()));
+      }
+    }
     long cached = 0;
     for (long r : s.present_count) cached += r;
     const double fraction =
@@ -148,6 +154,8 @@ absl::Status OffloadedKvCache::IssueFetch(Sequence& s, int layer,
   if (s.direct) {
     s.stats.rows_read_in_place += static_cast<long>(plan.indices.size());
   } else {
+    // A note of one-sided reads may still hold the buffer (they ended).
+    IG_RETURN_IF_ERROR(AtNode(s.handles[layer % 2].Wait()));
     s.handles[layer % 2] = options_.kv.kv_client->FetchAsync(
         s.seq, layer, plan.view(), s.buffers[layer % 2].get());
   }
@@ -193,19 +201,23 @@ absl::Status OffloadedKvCache::UploadFetched(Sequence& s, int layer) {
     // Without staging, attention reads the rows in place (AttendInPlace).
     if (!layout_.staged || ReadDirect(s, layer)) {
       // The node learns of the fetch (statistics, eviction candidates) and
-      // checks that every position was at its own slot.
-      const absl::Status noted = options_.kv.kv_client->NoteFetched(
-          s.seq, layer, s.plans[i].view(), s.buffers[i].get());
+      // checks that every position was at its own slot; the note goes out
+      // through the idle fetch buffer and is waited for when the buffer is
+      // next needed (two layers on) or at the step's end.
+      const absl::Status noted = s.handles[i].Wait();
       s.stats.wait_seconds += std::chrono::duration<double>(
                                   std::chrono::steady_clock::now() - t0)
                                   .count();
       IG_RETURN_IF_ERROR(AtNode(noted));
+      s.handles[i] = options_.kv.kv_client->NoteFetchedAsync(
+          s.seq, layer, s.plans[i].view(), s.buffers[i].get());
       s.uploaded[i] = true;
       return absl::OkStatus();
     }
     // The backend cannot read the node's memory: the node gathers, from
-    // now on.
+    // now on (once the buffer's last note is in).
     EndDirect(s);
+    IG_RETURN_IF_ERROR(AtNode(s.handles[i].Wait()));
     s.handles[i] = options_.kv.kv_client->FetchAsync(
         s.seq, layer, s.plans[i].view(), s.buffers[i].get());
   }

@@ -335,7 +335,10 @@ absl::Status OffloadedKvCache::Reset(int slot) {
   s.lost = absl::OkStatus();
   // A step that failed may have left a prefetch in flight: end it, so the
   // buffer takes the next generation's fetches.
-  for (kv_memory_service::FetchHandle& h : s.handles) h.Wait().IgnoreError();
+  for (kv_memory_service::FetchHandle& h : s.handles) {
+    h.Wait().IgnoreError();
+    h = kv_memory_service::FetchHandle();  // not the old outcome again
+  }
   s.stats = FetchStats();
   s.cached = 0;
   s.annotated_first = 0;

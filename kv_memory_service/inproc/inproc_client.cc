@@ -65,9 +65,9 @@ class InprocKvClient final : public KvClient {
   absl::StatusOr<DirectRows> GetDirectRows(SequenceId seq) override {
     return store_->GetDirectRows(seq);
   }
-  absl::Status NoteFetched(SequenceId seq, int32_t layer,
-                           const FetchPlan& plan, FetchBuffer*) override {
-    return store_->NoteFetched(seq, layer, plan);
+  FetchHandle NoteFetchedAsync(SequenceId seq, int32_t layer,
+                               const FetchPlan& plan, FetchBuffer*) override {
+    return FetchHandle(store_->NoteFetched(seq, layer, plan));
   }
   FetchHandle FetchAsync(SequenceId seq, int32_t layer, const FetchPlan& plan,
                          FetchBuffer* dest) override {

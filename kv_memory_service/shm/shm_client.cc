@@ -303,15 +303,15 @@ class ShmKvClient final : public KvClientWrapper {
 
   // The plan goes through `via`'s slot with kNoteOnly: the server records
   // the fetch and writes nothing.
-  absl::Status NoteFetched(SequenceId seq, int32_t layer, const FetchPlan& plan,
-                           FetchBuffer* via) override {
-    if (absl::Status down = Unanswered(); !down.ok()) return down;
+  FetchHandle NoteFetchedAsync(SequenceId seq, int32_t layer,
+                               const FetchPlan& plan,
+                               FetchBuffer* via) override {
+    if (absl::Status down = Unanswered(); !down.ok()) return FetchHandle(down);
     auto buffer = FetchBuffer::Claim<ShmFetchBuffer>(this, via);
-    if (!buffer.ok()) return buffer.status();
-    return (*buffer)
-        ->Start(seq, layer, plan, absl::Now() + options_.fetch_timeout,
-                shm::kNoteOnly)
-        .Wait();
+    if (!buffer.ok()) return FetchHandle(buffer.status());
+    return (*buffer)->Start(seq, layer, plan,
+                            absl::Now() + options_.fetch_timeout,
+                            shm::kNoteOnly);
   }
 
   // Unmaps the sequence's rows (GetDirectRows) whatever the node answers.
