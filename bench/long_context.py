@@ -10,8 +10,8 @@ read). --runs lists the lines as POLICY or POLICY@FRACTION (full as the
 reference). Each run's JSON line goes to OUT.jsonl as it finishes, with
 "text", "ctx", "policy" and "target_fetch"; --reuse keeps the runs an
 earlier OUT.jsonl already holds (same text, ctx, policy and fraction), so
-an interrupted sweep goes on where it stopped and --runs= (none) only
-writes the report.
+an interrupted sweep goes on where it stopped; --report_only runs nothing
+and writes the report of what OUT.jsonl holds.
 
 Writes OUT.md (a table per text and context: perplexity, its change against
 full, the mean fraction fetched) and, where matplotlib is, OUT.png (the
@@ -157,6 +157,9 @@ def main():
                     help="tokens at each window's end scored while decoding")
     ap.add_argument("--reuse", action="store_true",
                     help="keep the runs OUT.jsonl holds")
+    ap.add_argument("--report_only", action="store_true",
+                    help="run nothing: the report of what OUT.jsonl holds "
+                    "(the rest marked not run)")
     ap.add_argument("--out", help="output path without suffix (default: a "
                     "new directory under ./bench_out)")
     ap.add_argument("extra", nargs="*",
@@ -178,7 +181,9 @@ def main():
     runs = parse_runs(a.runs)
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     rows = []
-    if a.reuse and os.path.exists(a.out + ".jsonl"):
+    if a.report_only and not os.path.exists(a.out + ".jsonl"):
+        sys.exit(f"long_context.py: --report_only: no {a.out}.jsonl")
+    if (a.reuse or a.report_only) and os.path.exists(a.out + ".jsonl"):
         with open(a.out + ".jsonl") as fh:
             rows = [json.loads(l) for l in fh if l.strip()]
     elif os.path.exists(a.out + ".jsonl"):
@@ -186,7 +191,7 @@ def main():
     have = {key(r["text"], r["ctx"], r["policy"], r["target_fetch"])
             for r in rows}
     todo = [(t, c, p, f) for t in texts for c in contexts for p, f in runs
-            if key(t, c, p, f) not in have]
+            if key(t, c, p, f) not in have and not a.report_only]
     for n, (t, c, p, f) in enumerate(todo, 1):
         r = run_one(a, t, c, p, f)
         rows.append(r)

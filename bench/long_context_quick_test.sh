@@ -36,6 +36,12 @@ python3 bench/long_context.py --binary=/nonexistent --model="$model" \
   --texts="$text" --contexts=96,160 --scored=32 --runs=$runs --reuse \
   --out="$out" > /dev/null
 [ "$(md5sum < "$out.jsonl")" = "$before" ]
+# --report_only: the table of what is there, a line not run marked so.
+python3 bench/long_context.py --binary=/nonexistent --model="$model" \
+  --texts="$text" --contexts=96,160 --scored=32 --runs=$runs,h2o@0.25 \
+  --report_only --out="$out" > /dev/null
+[ "$(md5sum < "$out.jsonl")" = "$before" ]
+[ "$(grep -c '| h2o | 0.25 | not run |' "$out.md")" = 2 ]
 if python3 bench/long_context.py --model="$model" --texts="$text" \
     --runs=full,h2o@2 --out="$out" 2> "$out.err"; then
   echo "bad --runs accepted"; exit 1
