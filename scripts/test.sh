@@ -16,8 +16,16 @@ root="$PWD"
   echo "test.sh: Gemma 3 could not be fetched; tests that need it will skip" >&2
 
 quiet='^(Loading|Analyzing|INFO: From|\[[0-9,]+ / [0-9,]+\])'
+# The unit tests run the OpenBLAS kernels the binaries choose for this CPU
+# (gpu_worker/backend/cpu/blas_kernels.h), not the ones OpenBLAS picks alone.
+blas=()
+if bazel build //gpu_worker:infinigen >/dev/null 2>&1; then
+  core=$(INFINIGEN_LOG_LEVEL=debug bazel-bin/gpu_worker/infinigen --help 2>&1 >/dev/null |
+    sed -n 's/.*OpenBLAS kernels: //p')
+  [ -n "$core" ] && blas=(--test_env=OPENBLAS_CORETYPE="$core")
+fi
 log="$(mktemp)"
-bazel test //... --test_env=INFINIGEN_ROOT="$root" --keep_going "$@" 2>&1 |
+bazel test //... --test_env=INFINIGEN_ROOT="$root" "${blas[@]}" --keep_going "$@" 2>&1 |
   tee "$log" | grep -vE "$quiet"
 rc=${PIPESTATUS[0]}
 # Each run's log and its test logs (bazel-testlogs follows the last run).
