@@ -85,7 +85,13 @@ def write_report(a, rows, texts, contexts, runs):
     with open(a.out + ".md", "w") as fh:
         fh.write("# Perplexity at long context by KV policy\n\n"
                  f"Command: `{cmdline}`  \n"
-                 f"Machine: {platform.machine()}, {os.cpu_count()} cores  \n"
+                 f"Each run: `infinigen perplexity --model=MODEL --text=TEXT "
+                 f"--ctx=C --max_windows=1 --prompt_tokens=C-{a.scored} "
+                 "--policy=P [--target_fetch=F] --json`"
+                 + (" (its JSON line in OUT.jsonl)  \n" if not a.report_only
+                    else "; this report was written from the JSON lines in "
+                    f"`{os.path.basename(a.out)}.jsonl`  \n")
+                 + f"Machine: {platform.machine()}, {os.cpu_count()} cores  \n"
                  f"Model: `{os.path.basename(a.model)}`. One window per text "
                  f"and context: its first ctx tokens, the last {a.scored} "
                  "scored through each policy's decode path. \"fetched\" is "

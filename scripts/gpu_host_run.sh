@@ -7,6 +7,8 @@
 #   device.txt            nvidia-smi and the CUDA libraries used
 #   tests/*.xml, *.log    the CUDA kernel, backend and engine parity tests
 #   h2d.md, h2d.jsonl     pinned and pageable host-to-device bandwidth
+#   shm_*.log             one-sided reads over shm on the GPU against the
+#                         node's gather (stories260K, greedy)
 #   decode_*.md, .jsonl   infinigen bench-decode on the GPU (SmolLM2-135M
 #                         when bundled, else stories260K): contexts 4K-32K,
 #                         batch 1-16, policies ideal, full, infinigen, h2o,
@@ -52,6 +54,29 @@ if bin/h2d_bandwidth --sizes=16K,192K,3M,12M,48M > "${OUT}/h2d.md" 2>&1 &&
   echo "PASS h2d_bandwidth" >> "${SUMMARY}"
 else
   echo "FAIL h2d_bandwidth (see h2d.md)" >> "${SUMMARY}"
+fi
+
+# One-sided reads over shm on the GPU: the node's rows mapped read-only and
+# registered with CUDA give the node's gather's greedy text.
+SOCK="$(mktemp -u /tmp/infinigen_kv_XXXXXX.sock)"
+bin/kv_memory_server --listen=127.0.0.1:0 --shm_listen="unix:${SOCK}" \
+  > "${OUT}/shm_direct_server.log" 2>&1 &
+KV=$!
+for _ in $(seq 100); do [ -S "${SOCK}" ] && break; sleep 0.1; done
+GEN=(bin/infinigen generate --backend=cuda --policy=full
+     --model=models/stories260K/stories260K.bin
+     --tokenizer=models/stories260K/tok512.bin --prompt="Once upon a time"
+     --max_new_tokens=40 --temperature=0 --kv_service="shm:unix:${SOCK}")
+gathered="$("${GEN[@]}" 2> "${OUT}/shm_gather.log")"
+direct="$("${GEN[@]}" --kv_direct_reads 2> "${OUT}/shm_direct.log")"
+kill "${KV}" 2>/dev/null; wait "${KV}" 2>/dev/null
+rm -f "${SOCK}" "${SOCK}.lock"
+if [ -n "${gathered}" ] && [ "${gathered}" = "${direct}" ] &&
+   ! grep -q "could not be pinned" "${OUT}/shm_direct.log"; then
+  echo "PASS shm one-sided reads on the GPU: the gather's text" >> "${SUMMARY}"
+else
+  echo "FAIL shm one-sided reads on the GPU (see shm_direct.log, shm_gather.log)" >> "${SUMMARY}"
+  FAILED=1
 fi
 
 MODEL="models_cache/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf"
