@@ -152,6 +152,17 @@ absl::Status OffloadedKvCache::IssueFetch(Sequence& s, int layer,
       static_cast<long>(plan.indices.size()) * 2 * layout_.row_width * 2;
   s.direct_plan[layer % 2] = s.direct;
   if (s.direct) {
+    // Read before the node checks the plan (its note is waited for
+    // later): every index must lie within the sequence's rows.
+    for (const int32_t p : plan.indices) {
+      if (p < 0 || p >= s.rows.max_tokens) {
+        return absl::InternalError(absl::StrFormat(
+            "kv cache: policy %s planned position %d of layer %d, outside "
+            "the %d rows a head holds",
+            PolicyName(options_.kv.policy->kind), p, layer,
+            s.rows.max_tokens));
+      }
+    }
     s.stats.rows_read_in_place += static_cast<long>(plan.indices.size());
   } else {
     // A note of one-sided reads may still hold the buffer (they ended).
