@@ -31,6 +31,7 @@ import random
 import re
 import subprocess
 import sys
+import tempfile
 import time
 
 import benchutil
@@ -65,13 +66,21 @@ def policies(a):
 
 
 def generate(a, prompt, flags, max_new):
+    # The prompt goes in a file: a 32K-token one is longer than one command
+    # line argument may be.
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", prefix="passkey_",
+                                     delete=False) as fh:
+        fh.write(prompt)
     cmd = [a.binary, "generate", f"--model={a.model}", "--temperature=0",
            f"--max_new_tokens={max_new}", "--json", "--threads=1",
-           f"--backend={a.backend}", f"--prompt={prompt}"] + flags
+           f"--backend={a.backend}", f"--prompt_file={fh.name}"] + flags
     if a.tokenizer:
         cmd.append(f"--tokenizer={a.tokenizer}")
-    out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True)
+    try:
+        out = subprocess.run(cmd, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    finally:
+        os.remove(fh.name)
     if out.returncode != 0:
         shown = [c if len(c) < 200 else c[:60] + "...'" for c in cmd]
         sys.exit(f"passkey.py: {' '.join(shown)} failed:\n{out.stderr[-2000:]}")

@@ -225,6 +225,29 @@ class Cli(unittest.TestCase):
         for w in words:
             self.assertIn(w, lines[0])
 
+    def test_prompt_file_is_the_prompt_and_errors_are_one_line(self):
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "prompt.txt")
+            with open(path, "w") as f:
+                f.write("Once upon a time")
+            common = [f"--model={MODEL}", f"--tokenizer={TOK}",
+                      "--max_new_tokens=30", "--temperature=0",
+                      "--backend=cpu"]
+            a = run("generate", *common, "--prompt=Once upon a time")
+            b = run("generate", *common, f"--prompt_file={path}")
+            self.assertEqual(b.returncode, 0, b.stderr)
+            self.assertEqual(a.stdout, b.stdout)
+            for bad, want in [
+                    ([f"--prompt_file={path}", "--prompt=x"],
+                     "give --prompt or --prompt_file, not both"),
+                    ([f"--prompt_file={os.path.join(d, 'none.txt')}"],
+                     "none.txt")]:
+                r = run("generate", *common, *bad)
+                self.assertEqual(r.returncode, 2, r.stderr)
+                last = r.stderr.strip().splitlines()[-1]
+                self.assertIn(want, last)
+                self.assertEqual(r.stdout, "")
+
     def test_openblas_runs_the_kernels_of_this_cpu(self):
         # OpenBLAS 0.3.21 gives CPUs newer than itself its SSE3 kernels; the
         # binary runs again with the kernels of the CPU's features, keeping

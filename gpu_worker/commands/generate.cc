@@ -8,7 +8,9 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/flags/flag.h"
+#include "absl/flags/reflection.h"
 #include "absl/strings/str_format.h"
+#include "common/file.h"
 #include "common/log.h"
 #include "common/status.h"
 #include "gpu_worker/serving/chat_template.h"
@@ -17,6 +19,9 @@
 #include "gpu_worker/serving/sampler.h"
 
 ABSL_FLAG(std::string, prompt, "Once upon a time", "generate: the prompt.");
+ABSL_FLAG(std::string, prompt_file, "",
+          "generate: read the prompt from this file instead of --prompt (for "
+          "prompts longer than a command line holds, about 128 KiB).");
 ABSL_FLAG(int, max_new_tokens, 256,
           "generate: most tokens to generate; stops earlier at the end token.");
 ABSL_FLAG(double, temperature, 0.8,
@@ -39,9 +44,19 @@ double SecondsBetween(std::chrono::steady_clock::time_point a,
   return std::chrono::duration<double>(b - a).count();
 }
 
-// --prompt, wrapped in the model's chat template with --chat.
+// --prompt or the contents of --prompt_file, wrapped in the model's chat
+// template with --chat.
 absl::StatusOr<std::string> PromptFromFlags() {
   std::string prompt = absl::GetFlag(FLAGS_prompt);
+  const std::string file = absl::GetFlag(FLAGS_prompt_file);
+  if (!file.empty()) {
+    const absl::CommandLineFlag* flag = absl::FindCommandLineFlag("prompt");
+    if (flag->CurrentValue() != flag->DefaultValue()) {
+      return absl::InvalidArgumentError(
+          "give --prompt or --prompt_file, not both");
+    }
+    IG_ASSIGN_OR_RETURN(prompt, ReadFileToString(file));
+  }
   if (!absl::GetFlag(FLAGS_chat)) return prompt;
   IG_ASSIGN_OR_RETURN(auto t, gpu_worker::ChatTemplateForModel(
                                   absl::GetFlag(FLAGS_model),
@@ -192,7 +207,8 @@ const Command& GenerateCommand() {
       "decode step), text (the continuation). With --chat, --prompt is a "
       "user message in the model's chat template and only the reply is "
       "written.",
-      WithServingFlags({"model", "tokenizer", "prompt", "max_new_tokens",
+      WithServingFlags({"model", "tokenizer", "prompt", "prompt_file",
+                        "max_new_tokens",
                         "temperature", "top_p", "seed", "max_seq_len",
                         "calibration_tokens", "json", "chat",
                         "chat_template"}),
