@@ -65,7 +65,9 @@ def policies(a):
             if wanted is None or l[0].split(" @")[0] in wanted]
 
 
-def generate(a, prompt, flags, max_new):
+def generate(a, prompt, flags, max_new, too_long_ok=False):
+    """The JSON line of `infinigen generate`; with too_long_ok, None for a
+    prompt longer than the model's context."""
     # The prompt goes in a file: a 32K-token one is longer than one command
     # line argument may be.
     with tempfile.NamedTemporaryFile("w", suffix=".txt", prefix="passkey_",
@@ -82,13 +84,16 @@ def generate(a, prompt, flags, max_new):
     finally:
         os.remove(fh.name)
     if out.returncode != 0:
+        if too_long_ok and "the context holds" in out.stderr:
+            return None
         shown = [c if len(c) < 200 else c[:60] + "...'" for c in cmd]
         sys.exit(f"passkey.py: {' '.join(shown)} failed:\n{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def trials(a, text, chars_per_token):
-    """The same trials for every policy: (context, trial, key, depth, prompt)."""
+    """The same trials for every policy: (context, trial, key, depth, the
+    stretch of text the key goes in)."""
     rng = random.Random(a.seed)
     made = []
     for ctx in [int(c) for c in a.contexts.split(",")]:
@@ -103,13 +108,17 @@ def trials(a, text, chars_per_token):
             hay = text[start:start + chars]
             key = rng.randrange(10000, 100000)
             depth = rng.random()
-            cut = int(len(hay) * depth)
-            space = hay.rfind(" ", 0, cut)
-            cut = space + 1 if space > 0 else cut
-            needle = f" The pass key is {key}. Remember it. {key} is the pass key. "
-            prompt = INTRO + hay[:cut] + needle + hay[cut:] + QUESTION
-            made.append((ctx, i, key, depth, prompt))
+            made.append((ctx, i, key, depth, hay))
     return made
+
+
+def plant(hay, key, depth):
+    """The prompt: the needle in `hay` at `depth`, between words."""
+    cut = int(len(hay) * depth)
+    space = hay.rfind(" ", 0, cut)
+    cut = space + 1 if space > 0 else cut
+    needle = f" The pass key is {key}. Remember it. {key} is the pass key. "
+    return INTRO + hay[:cut] + needle + hay[cut:] + QUESTION
 
 
 def main():
@@ -168,8 +177,16 @@ def main():
     rows = []
 
     def one(job):
-        line, flags, (ctx, i, key, depth, prompt) = job
-        j = generate(a, prompt, flags, a.max_new_tokens)
+        line, flags, (ctx, i, key, depth, hay) = job
+        # A stretch denser in tokens than the sample may not fit the
+        # model's context: 5% less of it, the key at the same depth (the
+        # same for every policy, which all see the same stretch).
+        for attempt in range(5):
+            j = generate(a, plant(hay, key, depth), flags, a.max_new_tokens,
+                         too_long_ok=attempt < 4)
+            if j is not None:
+                break
+            hay = hay[:int(len(hay) * 0.95)]
         answer = j["text"].strip()
         return {"context": ctx, "line": line, "trial": i, "key": key,
                 "depth": round(depth, 4), "prompt_tokens": j["prompt_tokens"],
