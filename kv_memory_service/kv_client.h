@@ -282,7 +282,7 @@ class KvClient {
   // KvStore::GetDirectRows' or ShareRows' errors otherwise.
   virtual absl::StatusOr<DirectRows> GetDirectRows(SequenceId seq) {
     return absl::UnimplementedError(
-        "the node's rows are not in this process: fetches gather them");
+        "only a node on this host, inproc: or shm:, shares its rows");
   }
   // Tells the node the caller read `plan`'s rows of `layer` itself, so that
   // its fetch statistics and eviction see the fetch (KvStore::NoteFetched);

@@ -244,7 +244,15 @@ void OffloadedKvCache::BeginDirect(Sequence& s) {
   }
   absl::StatusOr<kv_memory_service::DirectRows> rows =
       options_.kv.kv_client->GetDirectRows(s.seq);
-  if (!rows.ok()) return;  // a node elsewhere: the node gathers
+  if (!rows.ok()) {
+    // A node elsewhere, or rows it does not share: the node gathers.
+    if (!direct_refusal_logged_) {
+      IG_LOG(INFO) << "kv cache: --kv_direct_reads: the node gathers instead ("
+                   << rows.status().message() << ")";
+      direct_refusal_logged_ = true;
+    }
+    return;
+  }
   const size_t bytes =
       static_cast<size_t>(c_.n_layers) * rows->layer_values * sizeof(uint16_t);
   // The rows never move while the sequence is open; PinHost takes them

@@ -324,6 +324,7 @@ class OffloadedKvCache final : public KvCache {
   // step's fetched rows plus the new token, or one prefill layer's keys and
   // values.
   DeviceBuffer<float> k_rows_, v_rows_;
+  bool direct_refusal_logged_ = false;  // BeginDirect's one line
   // A prefill chunk's K then V rows [2][max_chunk][kv_dim] as the memory
   // node will hold them (encoded, then decoded on the backend), and on
   // device backends their encoded form copied there [2][max_chunk][kv_head]
