@@ -145,9 +145,9 @@ def write_report(a, rows, texts, contexts, runs):
         ax.set_title(f"ctx {ctx}", fontsize=9)
         ax.set_xlabel("rows fetched (% of cached)")
         ax.set_ylabel("perplexity vs full (%)")
-    axes[0][-1].legend(fontsize=6)
+    axes[0][-1].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.02, 1))
     fig.tight_layout()
-    fig.savefig(a.out + ".png", dpi=120)
+    fig.savefig(a.out + ".png", dpi=120, bbox_inches="tight")
 
 
 def main():
