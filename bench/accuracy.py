@@ -141,7 +141,7 @@ def sweep(a, common, skew):
                   f"fetched {100 * r['fetch_fraction_mean']:6.2f}%  "
                   f"({100 * (r['ppl'] / full['ppl'] - 1):+.1f}% vs full)",
                   file=sys.stderr, flush=True)
-    cmdline = " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:])
+    cmdline = benchutil.command_line()
     machine = f"{platform.machine()}, {os.cpu_count()} cores"
     out = a.out + "_sweep"
     with open(out + ".md", "w") as fh:
@@ -287,7 +287,7 @@ def main():
               flush=True)
     full = next(r for r in rows if r["name"] == "full")
 
-    cmdline = " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:])
+    cmdline = benchutil.command_line()
     machine = f"{platform.machine()}, {os.cpu_count()} cores"
     with open(a.out + ".md", "w") as f:
         f.write(f"# KV policy accuracy\n\nCommand: `{cmdline}`  \n"

@@ -19,6 +19,12 @@ def repo_path(path):
     return os.path.join(REPO, path)
 
 
+def command_line():
+    """This script's command line as a results file shows it: the script's
+    path relative to here, then its arguments."""
+    return " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:])
+
+
 def fresh_out(name):
     """A new directory under ./bench_out/ for one run's files, and the path
     prefix `name` inside it (the scripts write PREFIX.md, PREFIX.csv, ...):

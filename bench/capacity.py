@@ -172,7 +172,7 @@ def main():
             print(f"ctx {ctx:>5} {policy:9s} largest batch under "
                   f"{a.limit_mib:g} MiB: {b}", file=sys.stderr, flush=True)
 
-    cmdline = " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:])
+    cmdline = benchutil.command_line()
     with open(a.out + ".md", "w") as f:
         f.write("# Worker memory by policy\n\n"
                 f"Command: `{cmdline}`  \nMachine: {platform.machine()}, "

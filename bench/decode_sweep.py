@@ -169,7 +169,7 @@ def main():
                     proc.send_signal(signal.SIGTERM)
                     proc.wait(timeout=30)
 
-    cmdline = " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:])
+    cmdline = benchutil.command_line()
     with open(a.out + ".md", "w") as f:
         f.write(f"# Decode speed by policy and data plane\n\n"
                 f"Command: `{cmdline}`  \nMachine: {platform.machine()}, "

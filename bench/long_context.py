@@ -81,7 +81,7 @@ def run_one(a, text, ctx, policy, target):
 def write_report(a, rows, texts, contexts, runs):
     by = {key(r["text"], r["ctx"], r["policy"], r["target_fetch"]): r
           for r in rows}
-    cmdline = " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:])
+    cmdline = benchutil.command_line()
     with open(a.out + ".md", "w") as fh:
         fh.write("# Perplexity at long context by KV policy\n\n"
                  f"Command: `{cmdline}`  \n"

@@ -213,7 +213,7 @@ def main():
         s["fetch"] += r["fetch_fraction_mean"]
         s["tokens"] += r["prompt_tokens"]
 
-    cmdline = " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:])
+    cmdline = benchutil.command_line()
     machine = f"{platform.machine()}, {os.cpu_count()} cores"
     with open(a.out + ".md", "w") as fh:
         fh.write(f"# Pass key retrieval\n\nCommand: `{cmdline}`  \n"

@@ -88,14 +88,10 @@ absl::StatusOr<SequenceId> KvStore::Open(const SequenceGeometry& geometry,
     }
   }
 
-  const bool share = options_.max_shared_sequences > 0;
+  // Shareable rows (memfds) while fewer than max_shared_sequences hold them.
   const int64_t max_memfds = int64_t{2} * options_.max_shared_sequences;
-  RowMemory k = share ? RowMemory(static_cast<size_t>(bytes / 2), memfds_,
-                                  max_memfds)
-                      : RowMemory(static_cast<size_t>(bytes / 2));
-  RowMemory v = share ? RowMemory(static_cast<size_t>(bytes / 2), memfds_,
-                                  max_memfds)
-                      : RowMemory(static_cast<size_t>(bytes / 2));
+  RowMemory k(static_cast<size_t>(bytes / 2), memfds_, max_memfds);
+  RowMemory v(static_cast<size_t>(bytes / 2), memfds_, max_memfds);
   absl::MutexLock lock(&mu_);
   auto it = sequences_.find(id);
   if (it == sequences_.end()) {

@@ -13,10 +13,6 @@
 
 namespace infinigen::kv_memory_service {
 
-RowMemory::RowMemory(size_t bytes) : bytes_(bytes == 0 ? 1 : bytes) {
-  MapPrivate();
-}
-
 RowMemory::RowMemory(size_t bytes,
                      std::shared_ptr<std::atomic<int64_t>> memfds,
                      int64_t max_memfds)
@@ -37,10 +33,6 @@ RowMemory::RowMemory(size_t bytes,
     if (fd >= 0) close(fd);
   }
   if (memfds != nullptr) memfds->fetch_sub(1);
-  MapPrivate();
-}
-
-void RowMemory::MapPrivate() {
   void* p = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE,
                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   data_ = p == MAP_FAILED ? nullptr : static_cast<uint16_t*>(p);

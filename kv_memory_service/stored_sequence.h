@@ -52,11 +52,9 @@ namespace infinigen::kv_memory_service {
 class RowMemory {
  public:
   RowMemory() = default;
-  // Null (get() == nullptr) when the mapping fails.
-  explicit RowMemory(size_t bytes);
-  // Shareable while `memfds` (counting the live ones) stays within
-  // `max_memfds`; private memory (fd() < 0) beyond it or where no memfd
-  // can be made.
+  // Null (get() == nullptr) when the mapping fails. Shareable while
+  // `memfds` (counting the live ones; null: none) stays below `max_memfds`;
+  // private memory (fd() < 0) beyond it or where no memfd can be made.
   RowMemory(size_t bytes, std::shared_ptr<std::atomic<int64_t>> memfds,
             int64_t max_memfds);
   RowMemory(RowMemory&& o) noexcept
@@ -74,8 +72,6 @@ class RowMemory {
   int fd() const { return fd_; }
 
  private:
-  void MapPrivate();
-
   uint16_t* data_ = nullptr;
   size_t bytes_ = 0;
   int fd_ = -1;

@@ -247,6 +247,41 @@ std::vector<int> Tokens(int n) {
   return t;
 }
 
+// A 30-token prompt, then 10 decode steps, in both engines: `direct`'s
+// logits are `gather`'s bit for bit at every step.
+void ExpectSameDecoding(Engine& direct, Engine& gather) {
+  const std::vector<int> t = Tokens(40);
+  for (Engine* e : {&direct, &gather}) {
+    ASSERT_TRUE(e->Forward(absl::MakeConstSpan(t).subspan(0, 30), false).ok());
+  }
+  for (int i = 30; i < 40; ++i) {
+    auto want = gather.Forward({t[i]}, false);
+    ASSERT_TRUE(want.ok()) << want.status();
+    const std::vector<float> w(want->begin(), want->end());
+    auto got = direct.Forward({t[i]}, false);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(std::vector<float>(got->begin(), got->end()), w) << i;
+  }
+}
+
+// One-sided reads' node gathered nothing and was told of exactly the rows
+// the other node gathered, layer by layer, counting as many fetched rows.
+void ExpectNotedAsGathered(FakeKvClient& direct_node,
+                           FakeKvClient& gather_node) {
+  EXPECT_TRUE(direct_node.fetches().empty());
+  const auto notes = direct_node.notes();
+  const auto fetches = gather_node.fetches();
+  ASSERT_EQ(notes.size(), fetches.size());
+  for (size_t j = 0; j < notes.size(); ++j) {
+    EXPECT_EQ(notes[j].layer, fetches[j].layer);
+    EXPECT_EQ(notes[j].rows, fetches[j].rows);
+  }
+  auto direct_stats = direct_node.GetStoreStats();
+  auto gather_stats = gather_node.GetStoreStats();
+  ASSERT_TRUE(direct_stats.ok() && gather_stats.ok());
+  EXPECT_EQ(direct_stats->fetched_rows, gather_stats->fetched_rows);
+}
+
 class KvCacheTest : public ::testing::Test {
  protected:
   KvCacheTest()
@@ -1030,34 +1065,12 @@ TEST_F(KvCacheTest, OneSidedReadsGiveTheGathersAnswers) {
                                  Options(kind, &gather_node));
     ASSERT_TRUE(direct.ok()) << direct.status();
     ASSERT_TRUE(gather.ok()) << gather.status();
-    const std::vector<int> t = Tokens(40);
-    for (Engine* e : {direct->get(), gather->get()}) {
-      ASSERT_TRUE(e->Forward(absl::MakeConstSpan(t).subspan(0, 30), false).ok());
-    }
+    ASSERT_NO_FATAL_FAILURE(ExpectSameDecoding(**direct, **gather));
     // The two fetch buffers, and the K and V rows of the one sequence.
     EXPECT_EQ(d->pins, 4);
-    for (int i = 30; i < 40; ++i) {
-      auto want = (*gather)->Forward({t[i]}, false);
-      ASSERT_TRUE(want.ok()) << want.status();
-      const std::vector<float> w(want->begin(), want->end());
-      auto got = (*direct)->Forward({t[i]}, false);
-      ASSERT_TRUE(got.ok()) << got.status();
-      EXPECT_EQ(std::vector<float>(got->begin(), got->end()), w) << i;
-    }
     EXPECT_THAT(violations, ::testing::IsEmpty());
-    EXPECT_TRUE(direct_node.fetches().empty());  // the node gathered nothing
-    const auto notes = direct_node.notes();
-    const auto fetches = gather_node.fetches();
-    ASSERT_EQ(notes.size(), fetches.size());
-    for (size_t j = 0; j < notes.size(); ++j) {
-      EXPECT_EQ(notes[j].layer, fetches[j].layer);
-      EXPECT_EQ(notes[j].rows, fetches[j].rows);
-    }
+    ExpectNotedAsGathered(direct_node, gather_node);
     EXPECT_GT(d->gathers, 0);
-    auto direct_stats = direct_node.GetStoreStats();
-    auto gather_stats = gather_node.GetStoreStats();
-    ASSERT_TRUE(direct_stats.ok() && gather_stats.ok());
-    EXPECT_EQ(direct_stats->fetched_rows, gather_stats->fetched_rows);
     EXPECT_EQ(d->unpins, 0);  // all pinned while the sequence is open
   }
 }
@@ -1078,18 +1091,7 @@ TEST_F(KvCacheTest, OneSidedReadsOnTheCpuAttendOverTheNodesRowsInPlace) {
                                  Options(kind, &gather_node));
     ASSERT_TRUE(direct.ok()) << direct.status();
     ASSERT_TRUE(gather.ok()) << gather.status();
-    const std::vector<int> t = Tokens(40);
-    for (Engine* e : {direct->get(), gather->get()}) {
-      ASSERT_TRUE(e->Forward(absl::MakeConstSpan(t).subspan(0, 30), false).ok());
-    }
-    for (int i = 30; i < 40; ++i) {
-      auto want = (*gather)->Forward({t[i]}, false);
-      ASSERT_TRUE(want.ok()) << want.status();
-      const std::vector<float> w(want->begin(), want->end());
-      auto got = (*direct)->Forward({t[i]}, false);
-      ASSERT_TRUE(got.ok()) << got.status();
-      EXPECT_EQ(std::vector<float>(got->begin(), got->end()), w) << i;
-    }
+    ASSERT_NO_FATAL_FAILURE(ExpectSameDecoding(**direct, **gather));
     const auto fetches = gather_node.fetches();
     ASSERT_FALSE(fetches.empty());
     if (kind == "int4") {
@@ -1098,17 +1100,7 @@ TEST_F(KvCacheTest, OneSidedReadsOnTheCpuAttendOverTheNodesRowsInPlace) {
       EXPECT_TRUE(direct_node.notes().empty());
       continue;
     }
-    EXPECT_TRUE(direct_node.fetches().empty());  // the node gathered nothing
-    const auto notes = direct_node.notes();
-    ASSERT_EQ(notes.size(), fetches.size());
-    for (size_t j = 0; j < notes.size(); ++j) {
-      EXPECT_EQ(notes[j].layer, fetches[j].layer);
-      EXPECT_EQ(notes[j].rows, fetches[j].rows);
-    }
-    auto direct_stats = direct_node.GetStoreStats();
-    auto gather_stats = gather_node.GetStoreStats();
-    ASSERT_TRUE(direct_stats.ok() && gather_stats.ok());
-    EXPECT_EQ(direct_stats->fetched_rows, gather_stats->fetched_rows);
+    ExpectNotedAsGathered(direct_node, gather_node);
   }
 }
 
