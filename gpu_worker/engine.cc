@@ -95,7 +95,6 @@ absl::Status Engine::Init() {
   IG_RETURN_IF_ERROR(make(proj_, n * c.dim, "activations"));
   IG_RETURN_IF_ERROR(make(h1_, n * c.hidden_dim, "activations"));
   IG_RETURN_IF_ERROR(make(h3_, n * c.hidden_dim, "activations"));
-  skew_row_.resize(c.head_dim);
   // One row per sequence; all_logits prefills grow it to their chunk.
   IG_RETURN_IF_ERROR(make(logits_,
                           static_cast<size_t>(options_.batch) * c.vocab_size,
@@ -470,19 +469,20 @@ absl::Status Engine::ObservePrefill(int l, int n, const float* x) {
                                           k_values * sizeof(float)));
   if (options_.attention_skew != nullptr) {
     const int hd = c.head_dim, group = c.n_heads / c.n_kv_heads;
-    auto skew_rows = [&](float* rows, int count, auto head_to_kv) {
-      for (int r = 0; r < count; ++r) {
-        float* row = rows + static_cast<size_t>(r) * hd;
-        speculator::ApplySkew(row, 1,
-                              options_.attention_skew->at(l, head_to_kv(r)),
-                              hd, skew_row_.data());
-        std::memcpy(row, skew_row_.data(), hd * sizeof(float));
+    // Each head's rows [n, heads, d] skewed by its KV head's A in one
+    // product, into skew_rows_, then back.
+    auto skew_rows = [&](std::vector<float>& rows, int heads, int per_kv) {
+      skew_rows_.resize(rows.size());
+      const int width = heads * hd;
+      for (int h = 0; h < heads; ++h) {
+        speculator::ApplySkew(rows.data() + h * hd, n, width,
+                              options_.attention_skew->at(l, h / per_kv), hd,
+                              skew_rows_.data() + h * hd, width);
       }
+      rows.swap(skew_rows_);
     };
-    skew_rows(q_host_.data(), n * c.n_heads,
-              [&](int r) { return (r % c.n_heads) / group; });
-    skew_rows(k_host_.data(), n * c.n_kv_heads,
-              [&](int r) { return r % c.n_kv_heads; });
+    skew_rows(q_host_, c.n_heads, group);
+    skew_rows(k_host_, c.n_kv_heads, 1);
     // Back to the backend; the host copies stay unchanged until the next
     // CopyToHost, which waits for these.
     Backend& b = *backend_;

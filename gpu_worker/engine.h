@@ -230,7 +230,7 @@ class Engine {
   std::vector<float> logits_host_;   // what Forward and DecodeBatch return
   // Diagnostics: [rows, q_dim | kv_dim | kv_dim | dim].
   std::vector<float> q_host_, k_host_, v_host_, x_host_;
-  std::vector<float> skew_row_;      // [head_dim]
+  std::vector<float> skew_rows_;     // attention_skew's product
   std::vector<int> step_positions_;  // [batch]
 
   // Declared last: destroyed first, while the backend is alive.

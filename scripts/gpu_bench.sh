@@ -5,7 +5,7 @@
 #   gpu_bench.sh OUT_DIR [--budget_s=480] [--model_config=llama-2-7b]
 #                [--decode_tokens=16] [--shapes=4096x1,32768x1,8192x8,16384x1]
 #                [--big=32768x6|none] [--backend=cuda]
-#                [--infinigen=bin/infinigen]
+#                [--infinigen=bin/infinigen] [--skew=PATH]
 #                [--dry_run]
 #
 # Runs, the goals' shapes first, each under what is left of the budget
@@ -15,6 +15,8 @@
 #   gather_bandwidth              one-sided reads of a layer's rows from
 #                                 mapped host memory (all, and 10%)
 #   infinigen skew                once, on dummy weights and synthetic tokens
+#                                 (--skew=PATH: kept there and reused by a
+#                                 later call; default OUT_DIR/runs/dummy.skew)
 #   infinigen bench-decode        --load_format=dummy at --model_config's
 #                                 shape, fp16 weights on the GPU: ideal, full,
 #                                 h2o, int4, and infinigen at
@@ -43,6 +45,7 @@ SHAPES="4096x1,32768x1,8192x8,16384x1"
 BIG="32768x6"
 BACKEND=cuda
 INFINIGEN=""
+SKEW=""
 for arg in "$@"; do
   case "${arg}" in
     --budget_s=*) BUDGET="${arg#--budget_s=}" ;;
@@ -53,6 +56,7 @@ for arg in "$@"; do
     --big=*) BIG="${arg#--big=}" ;;
     --backend=*) BACKEND="${arg#--backend=}" ;;
     --infinigen=*) INFINIGEN="${arg#--infinigen=}" ;;
+    --skew=*) SKEW="${arg#--skew=}" ;;
     -h|--help)
       awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "$0"
       exit 0 ;;
@@ -89,6 +93,12 @@ elif [ -d "$(dirname "${INFINIGEN}")" ]; then
 fi
 mkdir -p "${OUT}/runs"
 OUT="$(cd "${OUT}" && pwd)"
+if [ -n "${SKEW}" ]; then
+  mkdir -p "$(dirname "${SKEW}")"
+  SKEW="$(cd "$(dirname "${SKEW}")" && pwd)/$(basename "${SKEW}")"
+else
+  SKEW="${OUT}/runs/dummy.skew"
+fi
 cd "${HERE}"
 # The Python scripts: bench/ in a bundle or in the repository (this file's
 # ../bench).
@@ -134,8 +144,13 @@ run() {
 
 run h2d "$(dirname "${INFINIGEN}")/h2d_bandwidth" --sizes=192K,3M,48M --json
 run gather "$(dirname "${INFINIGEN}")/gather_bandwidth" --fractions=1,0.1 --json
-SKEW="${OUT}/runs/dummy.skew"
-run skew "${IG[@]}" skew "${DUMMY[@]}" --calibration_tokens=256 "--out=${SKEW}"
+# The skew depends only on the model's shape (the dummy weights are
+# deterministic): one made by an earlier call is reused.
+if [ -s "${SKEW}" ]; then
+  echo "+ reusing the skew ${SKEW}" >&2
+else
+  run skew "${IG[@]}" skew "${DUMMY[@]}" --calibration_tokens=256 "--out=${SKEW}"
+fi
 
 # bench NAME CTX BATCH POLICIES [FLAGS...]: infinigen's runs at one shape.
 bench() {

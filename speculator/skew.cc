@@ -82,9 +82,14 @@ absl::StatusOr<std::vector<float>> ComputeSkew(const float* q, int q_rows,
 }
 
 void ApplySkew(const float* x, int n, const float* a, int d, float* y) {
+  ApplySkew(x, n, d, a, d, y, d);
+}
+
+void ApplySkew(const float* x, int n, int x_stride, const float* a, int d,
+               float* y, int y_stride) {
   if (n <= 0 || d <= 0) return;
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, d, d, 1.0f, x, d, a,
-              d, 0.0f, y, d);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, d, d, 1.0f, x,
+              x_stride, a, d, 0.0f, y, y_stride);
 }
 
 int PartialColumnCount(int d, double ratio) {

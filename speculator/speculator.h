@@ -150,6 +150,11 @@ absl::StatusOr<std::vector<float>> ComputeSkew(const float* q, int q_rows,
 
 // y[n, d] = x[n, d] . A (applies a skew to n rows).
 void ApplySkew(const float* x, int n, const float* a, int d, float* y);
+// The same product over rows x_stride floats apart in x and y_stride apart
+// in y (one head's rows of a [tokens, heads, d] array: stride heads * d), in
+// one matrix product; x and y must not overlap.
+void ApplySkew(const float* x, int n, int x_stride, const float* a, int d,
+               float* y, int y_stride);
 
 // The partial columns of each (layer, KV head): int(d * ratio) (at least 1)
 // column indices, ascending.

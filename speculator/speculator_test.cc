@@ -247,6 +247,32 @@ TEST(ApplySkew, MatchesNaiveProduct) {
   }
 }
 
+TEST(ApplySkew, StridedRowsMatchRowByRow) {
+  // One head's rows of a [tokens, heads, d] array, written into the same
+  // head's rows of another: the other heads' values stay untouched.
+  std::mt19937 rng(7);
+  const int n = 9, heads = 3, d = 8, h = 1;
+  std::vector<float> x = RandomMatrix(n * heads, d, rng);
+  std::vector<float> a = RandomMatrix(d, d, rng);
+  std::vector<float> y(x.size(), -1.0f);
+  ApplySkew(x.data() + h * d, n, heads * d, a.data(), d, y.data() + h * d,
+            heads * d);
+  std::vector<float> row(d);
+  for (int t = 0; t < n; ++t) {
+    for (int head = 0; head < heads; ++head) {
+      const size_t at = (static_cast<size_t>(t) * heads + head) * d;
+      if (head != h) {
+        for (int c = 0; c < d; ++c) EXPECT_EQ(y[at + c], -1.0f);
+        continue;
+      }
+      ApplySkew(x.data() + at, 1, a.data(), d, row.data());
+      for (int c = 0; c < d; ++c) {
+        EXPECT_NEAR(y[at + c], row[c], 1e-5) << t << "," << c;
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------
 // SkewMatrices
 

@@ -40,6 +40,7 @@ class SpeculatedRanking {
         xb_(static_cast<size_t>(n) * weights.config.dim),
         q_(static_cast<size_t>(n) * weights.config.q_dim()),
         q_own_(q_.size()),
+        q_skewed_(q_.size()),
         k_(static_cast<size_t>(n) * weights.config.kv_dim()),
         cols_(static_cast<size_t>(weights.config.n_kv_heads) * n_cols_) {
     for (int t = 0; t < n; ++t) positions_[t] = t;
@@ -68,16 +69,17 @@ class SpeculatedRanking {
       cpu_->Rope(q_.data(), n_, c.n_heads, d, positions_.data(),
                  c.rope_theta);
     }
-    std::vector<float> row(d);
+    // Each head's rows skewed by its KV head's A, one product per head.
     const size_t q_rows = static_cast<size_t>(n_) * c.n_heads;
-    for (size_t r = 0; r < q_rows; ++r) {
-      const int g = static_cast<int>(r % c.n_heads) / group;
-      speculator::ApplySkew(q_.data() + r * d, 1, skew_.at(l, g), d,
-                            row.data());
-      std::copy(row.begin(), row.end(), q_.begin() + r * d);
-      speculator::ApplySkew(q + r * d, 1, skew_.at(l, g), d,
-                            q_own_.data() + r * d);
+    const int q_width = c.q_dim(), k_width = c.kv_dim();
+    for (int h = 0; h < c.n_heads; ++h) {
+      const float* a = skew_.at(l, h / group);
+      speculator::ApplySkew(q_.data() + h * d, n_, q_width, a, d,
+                            q_skewed_.data() + h * d, q_width);
+      speculator::ApplySkew(q + h * d, n_, q_width, a, d,
+                            q_own_.data() + h * d, q_width);
     }
+    q_.swap(q_skewed_);
     speculator::SelectPartialColumns(q_own_.data(), n_, c.n_heads,
                                      c.n_kv_heads, d, n_cols_, cols_.data());
     std::vector<uint8_t> keep(static_cast<size_t>(c.n_kv_heads) * d, 0);
@@ -95,11 +97,14 @@ class SpeculatedRanking {
     const size_t k_rows = static_cast<size_t>(n_) * c.n_kv_heads;
     std::vector<float> partial(n_cols_);
     std::vector<uint8_t> quantized(speculator::PartialKeyRowBytes(n_cols_));
+    for (int g = 0; g < c.n_kv_heads; ++g) {
+      speculator::ApplySkew(k + g * d, n_, k_width, skew_.at(l, g), d,
+                            k_.data() + g * d, k_width);
+    }
+    if (exact_keys_) return;
     for (size_t r = 0; r < k_rows; ++r) {
       const int g = static_cast<int>(r % c.n_kv_heads);
       float* kr = k_.data() + r * d;
-      speculator::ApplySkew(k + r * d, 1, skew_.at(l, g), d, kr);
-      if (exact_keys_) continue;
       const int32_t* cols = cols_.data() + static_cast<size_t>(g) * n_cols_;
       for (int j = 0; j < n_cols_; ++j) partial[j] = kr[cols[j]];
       speculator::QuantizePartialKeys(partial.data(), 1, n_cols_,
@@ -120,7 +125,7 @@ class SpeculatedRanking {
   const bool exact_keys_;
   std::unique_ptr<Backend> cpu_;
   std::vector<int> positions_;
-  std::vector<float> xb_, q_, q_own_, k_;
+  std::vector<float> xb_, q_, q_own_, q_skewed_, k_;
   std::vector<int32_t> cols_;
 };
 

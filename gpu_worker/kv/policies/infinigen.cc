@@ -75,7 +75,7 @@ class InfiniGenPolicy final : public KvPolicy {
           2 * q_dim * sizeof(float) +                 // q_, q_skewed_
           2 * n_heads * max_seq * sizeof(float) +     // scores_ (+host)
           n_kv * max_seq * (sizeof(float) + 1) +      // scores_host_, present_
-          2 * d * sizeof(float) + sizeof(int));       // row_, k_sums_, position_
+          d * sizeof(float) + sizeof(int));           // k_sums_, position_
     }
   };
   static Sizes SizesFor(const Context& c, const PolicyOptions& o) {
@@ -162,7 +162,6 @@ class InfiniGenPolicy final : public KvPolicy {
           pr, exact ? pr.error : pr.speculated_error, options_.budget,
           options_.dense_layers, options_.budget_floor * options_.budget);
     }
-    row_.resize(d);
     k_sums_.resize(d);
     return absl::OkStatus();
   }
@@ -177,7 +176,7 @@ class InfiniGenPolicy final : public KvPolicy {
     const model::ModelConfig& m = config();
     const size_t d = m.head_dim;
     Accumulate(layer, q, k, n, ColSums(layer, 0),
-               k_col_sums_.data() + Head(layer, 0) * d, row_.data());
+               k_col_sums_.data() + Head(layer, 0) * d);
   }
 
   // Per layer: the summed |q A| of each KV head's columns, then (with
@@ -189,10 +188,8 @@ class InfiniGenPolicy final : public KvPolicy {
   void SummarizePrefill(int layer, const float* q, const float* k, int n,
                         float* out) const override {
     const model::ModelConfig& m = config();
-    std::vector<float> row(m.head_dim);
     Accumulate(layer, q, k, n, out,
-               out + static_cast<size_t>(m.n_kv_heads) * m.head_dim,
-               row.data());
+               out + static_cast<size_t>(m.n_kv_heads) * m.head_dim);
   }
   void AddPrefixState(int layer, const float* state) override {
     const model::ModelConfig& m = config();
@@ -206,30 +203,38 @@ class InfiniGenPolicy final : public KvPolicy {
 
   // Partial columns rank by the summed |q A| over the prompt (times the
   // summed |k A| with rank_columns_by_keys): adds n tokens' magnitudes to
-  // q_sums [n_kv_heads][d] and k_sums (the same), using row [d].
+  // q_sums [n_kv_heads][d] and k_sums (the same). The skew is one matrix
+  // product per head over a block of tokens; the sums add token by token.
   void Accumulate(int layer, const float* q, const float* k, int n,
-                  float* q_sums, float* k_sums, float* row) const {
+                  float* q_sums, float* k_sums) const {
     const model::ModelConfig& m = config();
     const int d = m.head_dim, group = m.n_heads / m.n_kv_heads;
-    for (int i = 0; i < n; ++i) {
-      for (int h = 0; h < m.n_heads; ++h) {
-        const int g = h / group;
-        speculator::ApplySkew(q + (static_cast<size_t>(i) * m.n_heads + h) * d,
-                              1, skew_.at(layer, g), d, row);
-        float* sums = q_sums + static_cast<size_t>(g) * d;
-        for (int c = 0; c < d; ++c) sums[c] += std::fabs(row[c]);
+    constexpr int kBlock = 256;
+    std::vector<float> skewed(static_cast<size_t>(std::min(n, kBlock)) *
+                              m.n_heads * d);
+    // rows [n, heads, d] skewed per head by its KV head's A, block by block,
+    // each block's token t, head h added to sums[h / per_kv].
+    auto add = [&](const float* rows, int heads, int per_kv, float* sums) {
+      const int width = heads * d;
+      for (int i0 = 0; i0 < n; i0 += kBlock) {
+        const int bn = std::min(kBlock, n - i0);
+        for (int h = 0; h < heads; ++h) {
+          speculator::ApplySkew(rows + static_cast<size_t>(i0) * width + h * d,
+                                bn, width, skew_.at(layer, h / per_kv), d,
+                                skewed.data() + h * d, width);
+        }
+        for (int i = 0; i < bn; ++i) {
+          for (int h = 0; h < heads; ++h) {
+            const float* row =
+                skewed.data() + (static_cast<size_t>(i) * heads + h) * d;
+            float* out = sums + static_cast<size_t>(h / per_kv) * d;
+            for (int c = 0; c < d; ++c) out[c] += std::fabs(row[c]);
+          }
+        }
       }
-    }
-    if (!options_.rank_columns_by_keys) return;
-    for (int g = 0; g < m.n_kv_heads; ++g) {
-      float* sums = k_sums + static_cast<size_t>(g) * d;
-      for (int i = 0; i < n; ++i) {
-        speculator::ApplySkew(
-            k + (static_cast<size_t>(i) * m.n_kv_heads + g) * d, 1,
-            skew_.at(layer, g), d, row);
-        for (int c = 0; c < d; ++c) sums[c] += std::fabs(row[c]);
-      }
-    }
+    };
+    add(q, m.n_heads, group, q_sums);
+    if (options_.rank_columns_by_keys) add(k, m.n_kv_heads, 1, k_sums);
   }
 
   absl::Status FinishPrefillLayer(int l, int n_tokens, const float* keys,
@@ -445,7 +450,6 @@ class InfiniGenPolicy final : public KvPolicy {
   // each head's k of the current step.
   std::vector<float> head_budgets_;
   std::vector<int> head_k_;
-  std::vector<float> row_;               // [d]
   std::vector<float> k_sums_;            // [d]
   std::vector<float> partial_w_host_;    // partial_w_, built here
   std::vector<float> head_scores_host_;  // scores_, read here
