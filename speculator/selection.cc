@@ -121,6 +121,65 @@ void EmitTopK(const float* s, const uint8_t* present, int n, int k, float floor,
   }
 }
 
+// A floor under the k-th highest present score, so that EmitTopK ranks
+// only the scores at or above it (about k of them) rather than all n: the
+// present finite scores in kBins equal bins over [min, max], the lower edge
+// of the bin where the count from the top reaches k, checked by counting
+// the scores at or above it (rounding at a bin edge, or -inf and NaN
+// scores, can leave fewer than k there: then -inf, every score ranked).
+template <bool kMasked>
+float TopKFloor(const float* s, const uint8_t* present, int n, int k) {
+  constexpr float kNone = -std::numeric_limits<float>::infinity();
+  constexpr int kBins = 1024;
+  // Few scores: ranking them all costs less than the bins.
+  if (n < 4 * kBins || k >= n / 2) return kNone;
+  float lanes_lo[kLanes], lanes_hi[kLanes];
+  std::fill(lanes_lo, lanes_lo + kLanes, std::numeric_limits<float>::max());
+  std::fill(lanes_hi, lanes_hi + kLanes, std::numeric_limits<float>::lowest());
+  int t = 0;
+  for (; t + kLanes <= n; t += kLanes) {
+    for (int i = 0; i < kLanes; ++i) {
+      const float v = s[t + i];
+      // Only finite present scores (NaN fails both tests).
+      const bool use = (!kMasked || present[t + i] != 0) &&
+                       v >= std::numeric_limits<float>::lowest() &&
+                       v <= std::numeric_limits<float>::max();
+      lanes_lo[i] = use && v < lanes_lo[i] ? v : lanes_lo[i];
+      lanes_hi[i] = use && v > lanes_hi[i] ? v : lanes_hi[i];
+    }
+  }
+  float lo = *std::min_element(lanes_lo, lanes_lo + kLanes);
+  float hi = *std::max_element(lanes_hi, lanes_hi + kLanes);
+  for (; t < n; ++t) {
+    const float v = s[t];
+    if ((kMasked && present[t] == 0) || !(std::fabs(v) <=
+                                          std::numeric_limits<float>::max())) {
+      continue;
+    }
+    lo = std::min(lo, v);
+    hi = std::max(hi, v);
+  }
+  if (!(hi > lo)) return kNone;
+  const float scale = static_cast<float>(kBins) / (hi - lo);
+  if (!(scale <= std::numeric_limits<float>::max())) return kNone;
+  int counts[kBins] = {};
+  for (t = 0; t < n; ++t) {
+    const float v = s[t];
+    if ((kMasked && present[t] == 0) || !(v >= lo && v <= hi)) continue;
+    const int b = static_cast<int>((v - lo) * scale);
+    ++counts[std::min(b, kBins - 1)];
+  }
+  int bin = kBins - 1, above = counts[bin];
+  while (above < k && bin > 0) above += counts[--bin];
+  if (bin == 0) return kNone;
+  const float floor = lo + static_cast<float>(bin) / scale;
+  int at_or_above = 0;
+  for (t = 0; t < n; ++t) {
+    at_or_above += (!kMasked || present[t] != 0) & (s[t] >= floor);
+  }
+  return at_or_above >= k ? floor : kNone;
+}
+
 }  // namespace
 
 int SelectTokens(const float* scores, int n_kv_heads, int n_tokens,
@@ -185,9 +244,11 @@ int SelectTokens(const float* scores, int n_kv_heads, int n_tokens,
     head_offsets[g + 1] = (g + 1) * k;
     // Attention is sparse: usually few tokens are within alpha, and when k
     // of them are, only they need ranking.
-    const float floor = stats[g].count >= k
-                            ? stats[g].floor
-                            : -std::numeric_limits<float>::infinity();
+    const float floor =
+        stats[g].count >= k
+            ? stats[g].floor
+            : (p != nullptr ? TopKFloor<true>(s, p, n_tokens, k)
+                            : TopKFloor<false>(s, p, n_tokens, k));
     if (p != nullptr) {
       EmitTopK<true>(s, p, n_tokens, k, floor, values.data(), positions.data(),
                      out);
@@ -212,7 +273,6 @@ int SelectTopKPerHead(const float* scores, int n_kv_heads, int n_tokens,
     values.resize(n_tokens + 1);
     positions.resize(n_tokens + 1);
   }
-  const float none = -std::numeric_limits<float>::infinity();
   for (int g = 0; g < n_kv_heads; ++g) {
     const float* s = scores + static_cast<size_t>(g) * n_tokens;
     const uint8_t* p =
@@ -228,10 +288,12 @@ int SelectTopKPerHead(const float* scores, int n_kv_heads, int n_tokens,
     indices.resize(first + kg);
     if (kg > 0) {
       if (p != nullptr) {
-        EmitTopK<true>(s, p, n_tokens, kg, none, values.data(),
-                       positions.data(), indices.data() + first);
+        EmitTopK<true>(s, p, n_tokens, kg, TopKFloor<true>(s, p, n_tokens, kg),
+                       values.data(), positions.data(),
+                       indices.data() + first);
       } else {
-        EmitTopK<false>(s, p, n_tokens, kg, none, values.data(),
+        EmitTopK<false>(s, p, n_tokens, kg,
+                        TopKFloor<false>(s, p, n_tokens, kg), values.data(),
                         positions.data(), indices.data() + first);
       }
     }

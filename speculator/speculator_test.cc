@@ -597,6 +597,82 @@ TEST(SelectTopKPerHead, EachHeadTakesItsOwnK) {
   EXPECT_THAT(indices, ElementsAre(3, 5, 0));
 }
 
+// Each head's k highest present scores (NaN below every number, ties to
+// the lower position), ascending positions.
+std::vector<int32_t> NaiveTopK(const float* s, const uint8_t* present, int n,
+                               int k) {
+  std::vector<int32_t> order;
+  for (int t = 0; t < n; ++t) {
+    if (present == nullptr || present[t]) order.push_back(t);
+  }
+  auto key = [s](int32_t t) {
+    return std::isnan(s[t]) ? -std::numeric_limits<double>::infinity()
+                            : static_cast<double>(s[t]);
+  };
+  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+    if (std::isnan(s[a]) != std::isnan(s[b])) return !std::isnan(s[a]);
+    return key(a) > key(b);
+  });
+  order.resize(std::min<size_t>(order.size(), k));
+  std::sort(order.begin(), order.end());
+  return order;
+}
+
+TEST(SelectTopKPerHead, MatchesNaiveOnLongCaches) {
+  // Caches long enough for the binned floor: spread, tied, clustered and
+  // constant scores, with NaN, infinities and evicted tokens, k from one
+  // token to a third of them.
+  std::mt19937 rng(21);
+  std::normal_distribution<float> normal(-10.0f, 3.0f);
+  std::uniform_int_distribution<int> coin(0, 19);
+  for (int trial = 0; trial < 24; ++trial) {
+    const int n_heads = 2, n = trial % 2 == 0 ? 4096 : 9001 + trial;
+    std::vector<float> scores(static_cast<size_t>(n_heads) * n);
+    for (float& v : scores) v = normal(rng);
+    switch (trial % 6) {
+      case 1:  // ties everywhere
+        for (float& v : scores) v = std::round(v);
+        break;
+      case 2:  // one far outlier: most scores share a bin
+        scores[17] = 1e6f;
+        break;
+      case 3:  // non-finite scores
+        for (int i = 0; i < 40; ++i) {
+          scores[coin(rng) * 97 % scores.size()] =
+              i % 3 == 0   ? std::numeric_limits<float>::quiet_NaN()
+              : i % 3 == 1 ? -std::numeric_limits<float>::infinity()
+                           : std::numeric_limits<float>::infinity();
+        }
+        break;
+      case 4:  // constant
+        std::fill(scores.begin(), scores.end(), -3.0f);
+        break;
+      default:
+        break;
+    }
+    std::vector<uint8_t> present(scores.size(), 1);
+    const bool masked = trial % 4 >= 2;
+    if (masked) {
+      for (uint8_t& p : present) p = coin(rng) != 0;
+    }
+    const int ks[] = {1, 7, n / 10, n / 3};
+    const int k[2] = {ks[trial % 4], ks[(trial + 2) % 4]};
+    std::vector<int32_t> indices, offsets;
+    SelectTopKPerHead(scores.data(), n_heads, n,
+                      masked ? present.data() : nullptr, k, indices, offsets);
+    ASSERT_EQ(offsets.size(), n_heads + 1);
+    for (int g = 0; g < n_heads; ++g) {
+      const std::vector<int32_t> got(indices.begin() + offsets[g],
+                                     indices.begin() + offsets[g + 1]);
+      EXPECT_EQ(got, NaiveTopK(scores.data() + static_cast<size_t>(g) * n,
+                               masked ? present.data() + static_cast<size_t>(g) * n
+                                      : nullptr,
+                               n, k[g]))
+          << "trial " << trial << " head " << g;
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------
 // Partial columns
 
