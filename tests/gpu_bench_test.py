@@ -85,6 +85,28 @@ class GpuBench(unittest.TestCase):
             self.assertIn(("infinigen", policy, 48, 2), rows)
         self.assertEqual(len(report["goals"]), 7)
 
+    def test_a_skew_kept_by_one_call_is_reused_by_the_next(self):
+        skew = os.path.join(self.out, "kept", "dummy.skew")
+        common = ["--backend=cpu", f"--infinigen={INFINIGEN}",
+                  f"--model_config={TINY}", "--shapes=16x1", "--big=none",
+                  "--decode_tokens=2", "--budget_s=300", f"--skew={skew}"]
+        for call in ["first", "second"]:
+            out = os.path.join(self.out, call)
+            r = subprocess.run([SCRIPT, out, *common], capture_output=True,
+                               text=True, timeout=600)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            made = os.path.exists(os.path.join(out, "runs", "skew.cmd"))
+            # The first call calibrates it; the second reads it.
+            self.assertEqual(made, call == "first", r.stderr)
+            self.assertEqual("reusing the skew" in r.stderr,
+                             call == "second", r.stderr)
+            self.assertGreater(os.path.getsize(skew), 0)
+            with open(os.path.join(out, "gpu_bench.json")) as f:
+                rows = {(x["system"], x["policy"]): x
+                        for x in json.load(f)["runs"]}
+            self.assertLess(rows[("infinigen", "infinigen")]
+                            ["fetch_fraction"], 0.5)
+
     def test_bad_arguments_are_usage_errors(self):
         for args in [[], ["--budget_s=ten", self.out],
                      ["--shapes=4096", self.out], ["--bogus", self.out],
