@@ -8,9 +8,9 @@
 #                [--infinigen=bin/infinigen] [--skew=PATH]
 #                [--dry_run]
 #
-# Runs, the goals' shapes first, each under what is left of the budget
-# (default 480 s; a run the budget cuts short is recorded as timed out,
-# later ones as skipped):
+# Runs, the goals' runs at every shape first, then the node's gather, h2o
+# and int4, each under what is left of the budget (default 480 s; a run the
+# budget cuts short is recorded as timed out, later ones as skipped):
 #   h2d_bandwidth                 pinned and pageable host-to-device copies
 #   gather_bandwidth              one-sided reads of a layer's rows from
 #                                 mapped host memory (all, and 10%)
@@ -166,22 +166,19 @@ hf() {
     "--device=$([ "${BACKEND}" = cpu ] && echo cpu || echo cuda)"
 }
 
+# First the runs the goals compare, at every shape, so that a budget that
+# runs out takes the others: ideal, the offloading policies with one-sided
+# reads (the GPU reads the rows from the node's memory) and Transformers.
 for shape in ${SHAPES//,/ }; do
   ctx="${shape%x*}"; batch="${shape#*x}"; tag="ctx${ctx}_b${batch}"
   # ideal alone: where its KV does not fit it is refused, and the others run.
   bench "ig_ideal_${tag}" "${ctx}" "${batch}" ideal
   hf "hf_dynamic_${tag}" "${ctx}" "${batch}" dynamic
-  hf "hf_offloaded_${tag}" "${ctx}" "${batch}" offloaded
-  # The offloading policies with one-sided reads (the GPU reads the rows
-  # from the node's memory), then with the node's gather.
-  bench "ig_infinigen_direct_${tag}" "${ctx}" "${batch}" infinigen \
-    --target_fetch=0.1 "--skew=${SKEW}" --kv_direct_reads=true
   bench "ig_full_direct_${tag}" "${ctx}" "${batch}" full \
     --kv_direct_reads=true
-  bench "ig_full_${tag}" "${ctx}" "${batch}" full
-  bench "ig_infinigen_${tag}" "${ctx}" "${batch}" infinigen \
-    --target_fetch=0.1 "--skew=${SKEW}"
-  bench "ig_${tag}" "${ctx}" "${batch}" h2o,int4
+  bench "ig_infinigen_direct_${tag}" "${ctx}" "${batch}" infinigen \
+    --target_fetch=0.1 "--skew=${SKEW}" --kv_direct_reads=true
+  hf "hf_offloaded_${tag}" "${ctx}" "${batch}" offloaded
 done
 # KV larger than the GPU's memory, smaller than the host's (--big=none: not
 # run).
@@ -193,4 +190,12 @@ if [ "${BIG}" != none ]; then
     "--skew=${SKEW}"
 fi
 
+# Then the node's gather, h2o and int4.
+for shape in ${SHAPES//,/ }; do
+  ctx="${shape%x*}"; batch="${shape#*x}"; tag="ctx${ctx}_b${batch}"
+  bench "ig_full_${tag}" "${ctx}" "${batch}" full
+  bench "ig_infinigen_${tag}" "${ctx}" "${batch}" infinigen \
+    --target_fetch=0.1 "--skew=${SKEW}"
+  bench "ig_${tag}" "${ctx}" "${batch}" h2o,int4
+done
 python3 "${BENCH}/gpu_bench_report.py" "${OUT}" --model_config="${MODEL}"
