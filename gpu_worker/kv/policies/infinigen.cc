@@ -327,9 +327,16 @@ class InfiniGenPolicy final : public KvPolicy {
       std::memcpy(present_.data() + static_cast<size_t>(g) * p,
                   present + static_cast<size_t>(g) * ctx_.max_seq_len, p);
     }
-    speculator::CombineHeadScores(head_scores_host_.data(), m.n_heads,
-                                  m.n_kv_heads, p, present_.data(),
-                                  scores_host_.data());
+    // A KV head of one query head ranks its own logits: the log-softmax
+    // would shift them by a constant, and every selection below depends on
+    // differences only (top k, within alpha of the max, softmax mass).
+    const float* scores = head_scores_host_.data();
+    if (group > 1) {
+      speculator::CombineHeadScores(head_scores_host_.data(), m.n_heads,
+                                    m.n_kv_heads, p, present_.data(),
+                                    scores_host_.data());
+      scores = scores_host_.data();
+    }
     if (!head_budgets_.empty()) {
       head_k_.resize(m.n_kv_heads);
       for (int g = 0; g < m.n_kv_heads; ++g) {
@@ -337,11 +344,11 @@ class InfiniGenPolicy final : public KvPolicy {
             1, static_cast<int>(static_cast<float>(p) *
                                 head_budgets_[Head(layer, g)]));
       }
-      speculator::SelectTopKPerHead(scores_host_.data(), m.n_kv_heads, p,
+      speculator::SelectTopKPerHead(scores, m.n_kv_heads, p,
                                     present_.data(), head_k_.data(),
                                     plan.indices, plan.head_offsets);
     } else if (options_.score_mass > 0.0f) {
-      speculator::SelectByMass(scores_host_.data(), m.n_kv_heads, p,
+      speculator::SelectByMass(scores, m.n_kv_heads, p,
                                present_.data(), options_.score_mass,
                                options_.budget, plan.indices,
                                plan.head_offsets);
@@ -349,7 +356,7 @@ class InfiniGenPolicy final : public KvPolicy {
       speculator::SelectionOptions sel;
       sel.alpha = options_.alpha;
       sel.max_fraction = options_.budget;
-      speculator::SelectTokens(scores_host_.data(), m.n_kv_heads, p,
+      speculator::SelectTokens(scores, m.n_kv_heads, p,
                                present_.data(), sel, plan.indices,
                                plan.head_offsets);
     }
