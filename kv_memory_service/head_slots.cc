@@ -49,6 +49,24 @@ bool HeadSlots::NoteFetch(int32_t slot, uint64_t clock) {
   return false;
 }
 
+void HeadSlots::NoteFetches(const int32_t* positions, int32_t n,
+                            int32_t length, uint64_t clock,
+                            std::vector<int32_t>& dirty) {
+  if (!evicting_) {
+    Slot* slots = slots_.data();
+    for (int32_t j = 0; j < n; ++j) {
+      Slot& s = slots[positions[j]];
+      ++s.fetch_count;
+      s.last_fetch = clock;
+    }
+    return;
+  }
+  for (int32_t j = 0; j < n; ++j) {
+    const int32_t slot = SlotOf(positions[j], length);
+    if (NoteFetch(slot, clock)) dirty.push_back(slot);
+  }
+}
+
 void HeadSlots::RefreshCandidate(int32_t slot) {
   slots_[slot].dirty = false;
   PushCandidate(slot);

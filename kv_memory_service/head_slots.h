@@ -83,6 +83,12 @@ class HeadSlots {
   // Counts a fetch of `slot` at `clock`. True when its eviction key changed
   // on a candidate: RefreshCandidate it once the fetches are all counted.
   bool NoteFetch(int32_t slot, uint64_t clock);
+  // NoteFetch of each present position of `positions` (the layer's length
+  // `length`), the slots whose key changed appended to `dirty`. A head
+  // that has not evicted has no candidates and its slots are its
+  // positions: one tight loop.
+  void NoteFetches(const int32_t* positions, int32_t n, int32_t length,
+                   uint64_t clock, std::vector<int32_t>& dirty);
   void RefreshCandidate(int32_t slot);
 
  private:

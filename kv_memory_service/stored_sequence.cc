@@ -304,8 +304,20 @@ absl::Status StoredSequence::NoteFetched(int32_t layer, const FetchPlan& plan,
     // past the attached prefix.
     for (int32_t h = 0; h < g_.n_kv_heads; ++h) {
       const bool moved = HeadAt(layer, h).evicting();
-      for (int32_t j = plan.head_offsets[h]; j < plan.head_offsets[h + 1];
-           ++j) {
+      const int32_t begin = plan.head_offsets[h], end = plan.head_offsets[h + 1];
+      if (begin == end) continue;
+      // Every position within [attached prefix, length) of a head that has
+      // not evicted: the head's least and greatest position tell (a loop
+      // the compiler vectorizes); the first offender is looked up only to
+      // say which.
+      int32_t lo = plan.indices[begin], hi = lo;
+      for (int32_t j = begin; j < end; ++j) {
+        const int32_t pos = plan.indices[j];
+        lo = pos < lo ? pos : lo;
+        hi = pos > hi ? pos : hi;
+      }
+      if (!moved && lo >= 0 && lo >= attached_tokens_ && hi < length) continue;
+      for (int32_t j = begin; j < end; ++j) {
         const int32_t pos = plan.indices[j];
         IG_RETURN_IF_ERROR(CheckPosition(pos, layer, h, length));
         if (moved || pos < attached_tokens_) {
@@ -551,12 +563,12 @@ void StoredSequence::ApplyLogLocked() {
     const int32_t* indices = offsets + heads + 1;
     const int32_t length = layer_length_[f.layer];
     for (int32_t h = 0; h < g_.n_kv_heads; ++h) {
-      HeadSlots& head = HeadAt(f.layer, h);
-      for (int32_t j = offsets[h]; j < offsets[h + 1]; ++j) {
-        const int32_t slot = head.SlotOf(indices[j], length);
-        if (head.NoteFetch(slot, f.clock)) {
-          dirty_.push_back({f.layer * g_.n_kv_heads + h, slot});
-        }
+      dirty_slots_.clear();
+      HeadAt(f.layer, h).NoteFetches(indices + offsets[h],
+                                     offsets[h + 1] - offsets[h], length,
+                                     f.clock, dirty_slots_);
+      for (const int32_t slot : dirty_slots_) {
+        dirty_.push_back({f.layer * g_.n_kv_heads + h, slot});
       }
     }
   }

@@ -211,6 +211,7 @@ class StoredSequence {
   std::vector<LoggedFetch> applying_ ABSL_GUARDED_BY(mu_);
   std::vector<int32_t> applying_positions_ ABSL_GUARDED_BY(mu_);
   std::vector<std::pair<int32_t, int32_t>> dirty_ ABSL_GUARDED_BY(mu_);
+  std::vector<int32_t> dirty_slots_ ABSL_GUARDED_BY(mu_);  // one head's
   // Shared prefix blocks this sequence reads its first tokens from, and
   // the keys of the blocks it will publish (Attach).
   int32_t block_tokens_ ABSL_GUARDED_BY(mu_) = 1;

@@ -13,7 +13,9 @@
 //    each head at random positions (12.8 MiB, an InfiniGen step).
 // Baselines in the same run: memcpy/<case>, one thread copying the same
 // bytes from a source larger than the last-level cache; memcpy_mt/<case>,
-// the same copy split over every core.
+// the same copy split over every core. note_inproc/<7b case> and
+// note_shm/<7b case>: NoteFetched of the same plan, what a one-sided read
+// (the worker reads the rows in place) costs the node.
 //
 //   bazel build //bench/kv_fetch_bench
 //   bazel-bin/bench/kv_fetch_bench/kv_fetch_bench
@@ -396,6 +398,36 @@ void BM_Fetch(benchmark::State& state, const std::string& plane_name,
   Report(state, samples, c, /*baseline=*/false);
 }
 
+// What a one-sided read costs the node: NoteFetched of the same plan (the
+// worker read the rows itself; the node checks the positions and counts
+// the fetch for its statistics and eviction), a round trip per note.
+void BM_Note(benchmark::State& state, const std::string& plane_name,
+             const Case& c) {
+  Plane& p = TheWorld().planes[plane_name];
+  if (!p.error.empty() || p.client == nullptr) {
+    state.SkipWithError(("set-up failed: " + p.error).c_str());
+    for (auto _ : state) {
+    }
+    return;
+  }
+  const SequenceId seq = p.seq[c.shape];
+  FetchBuffer* buffer = p.buffer[c.shape].get();
+  const OwnedFetchPlan plan = MakePlan(c, 7 + c.tokens);
+  const FetchPlan view = plan.view();
+  std::vector<double> samples;
+  for (auto _ : state) {
+    const auto t0 = std::chrono::steady_clock::now();
+    absl::Status s = p.client->NoteFetched(seq, c.layer(), view, buffer);
+    const auto t1 = std::chrono::steady_clock::now();
+    if (!s.ok()) {
+      state.SkipWithError(s.ToString().c_str());
+      break;
+    }
+    samples.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+  }
+  Report(state, samples, c, /*baseline=*/false);
+}
+
 std::string Machine() {
   std::ifstream cpuinfo("/proc/cpuinfo");
   std::string line, model = "unknown CPU";
@@ -458,6 +490,15 @@ int main(int argc, char** argv) {
           [plane, c](benchmark::State& s) { BM_Fetch(s, plane, c); })
           ->UseRealTime()
           ->Unit(benchmark::kMicrosecond);
+    }
+    if (c.shape == &k7b) {
+      for (const std::string plane : {"inproc", "shm"}) {
+        benchmark::RegisterBenchmark(
+            absl::StrCat("note_", plane, "/", c.name).c_str(),
+            [plane, c](benchmark::State& s) { BM_Note(s, plane, c); })
+            ->UseRealTime()
+            ->Unit(benchmark::kMicrosecond);
+      }
     }
   }
   benchmark::RunSpecifiedBenchmarks();
