@@ -1,5 +1,6 @@
 #include "gpu_worker/kv/kv_policy.h"
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -133,13 +134,20 @@ void KvPolicy::PlanAllPresent(int p, const uint8_t* present,
   plan.indices.clear();
   plan.head_offsets.resize(n_kv + 1);
   plan.head_offsets[0] = 0;
+  // Branch-free: every position is written at the next free index, which
+  // advances only where the token is present.
+  plan.indices.resize(static_cast<size_t>(n_kv) * std::max(p, 0));
+  int32_t* out = plan.indices.data();
+  int32_t taken = 0;
   for (int g = 0; g < n_kv; ++g) {
     const uint8_t* pr = present + static_cast<size_t>(g) * ctx_.max_seq_len;
     for (int t = 0; t < p; ++t) {
-      if (pr[t]) plan.indices.push_back(t);
+      out[taken] = t;
+      taken += pr[t] != 0;
     }
-    plan.head_offsets[g + 1] = static_cast<int32_t>(plan.indices.size());
+    plan.head_offsets[g + 1] = taken;
   }
+  plan.indices.resize(taken);
 }
 
 namespace {
