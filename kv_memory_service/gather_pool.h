@@ -3,7 +3,8 @@
 // caller, the others on the pool's threads (or on the caller too, when the
 // pool's threads are busy with other callers' tasks). The store splits a
 // gather above a size threshold into one task per thread, each a range of
-// the plan's rows.
+// the plan's rows; the worker's InfiniGen policy spreads a layer's KV heads
+// over one when it selects on the host.
 //
 // Owns its threads (threads - 1 of them: the caller is the first); stops
 // and joins them on destruction. Run may be called from several threads at

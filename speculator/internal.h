@@ -19,6 +19,16 @@
 
 namespace infinigen::speculator::internal {
 
+// run(n, fn) where a runner is given, else fn(0), ..., fn(n - 1) here.
+template <typename Runner, typename Fn>
+void RunTasks(const Runner* run, int n, Fn&& fn) {
+  if (run != nullptr && *run && n > 1) {
+    (*run)(n, fn);
+  } else {
+    for (int i = 0; i < n; ++i) fn(i);
+  }
+}
+
 // SpeculateScores runs per layer per decode step over thousands of cached
 // rows of only n_cols (e.g. 19) floats each, so it is written for that shape.
 constexpr int kLanes = 8;

@@ -255,11 +255,12 @@ void SpeculateScores(const float* q_skewed, int n_heads, int n_kv_heads, int d,
 }
 
 void CombineHeadScores(const float* head_scores, int n_heads, int n_kv_heads,
-                       int n_tokens, const uint8_t* present, float* scores) {
+                       int n_tokens, const uint8_t* present, float* scores,
+                       const TaskRunner* run) {
   if (n_tokens <= 0 || n_kv_heads <= 0) return;
   const int group = n_heads / n_kv_heads;
   const float none = -std::numeric_limits<float>::infinity();
-  for (int g = 0; g < n_kv_heads; ++g) {
+  internal::RunTasks(run, n_kv_heads, [&](int g) {
     const uint8_t* pr =
         present != nullptr ? present + static_cast<size_t>(g) * n_tokens
                            : nullptr;
@@ -282,7 +283,7 @@ void CombineHeadScores(const float* head_scores, int n_heads, int n_kv_heads,
         if (pr == nullptr || pr[t]) out[t] = std::max(out[t], s[t] - lse);
       }
     }
-  }
+  });
 }
 
 }  // namespace infinigen::speculator

@@ -182,10 +182,49 @@ float TopKFloor(const float* s, const uint8_t* present, int n, int k) {
 
 }  // namespace
 
+namespace {
+
+// EmitTopK's scratch of n + 1 values and positions, one per thread (the
+// heads of one call may run on several), kept for its capacity.
+struct TopKScratch {
+  std::vector<float> values;
+  std::vector<int32_t> positions;
+};
+TopKScratch& ScratchFor(int n_tokens) {
+  thread_local TopKScratch scratch;
+  if (scratch.values.size() <= static_cast<size_t>(n_tokens)) {
+    scratch.values.resize(n_tokens + 1);
+    scratch.positions.resize(n_tokens + 1);
+  }
+  return scratch;
+}
+
+// EmitTopK over the head's present tokens (`present` null: all), above
+// `floor` where the caller knows one, else above TopKFloor's.
+void EmitHeadTopK(const float* s, const uint8_t* p, int n_tokens, int k,
+                  const float* known_floor, int32_t* out) {
+  TopKScratch& scratch = ScratchFor(n_tokens);
+  if (p != nullptr) {
+    const float floor = known_floor != nullptr
+                            ? *known_floor
+                            : TopKFloor<true>(s, p, n_tokens, k);
+    EmitTopK<true>(s, p, n_tokens, k, floor, scratch.values.data(),
+                   scratch.positions.data(), out);
+  } else {
+    const float floor = known_floor != nullptr
+                            ? *known_floor
+                            : TopKFloor<false>(s, p, n_tokens, k);
+    EmitTopK<false>(s, p, n_tokens, k, floor, scratch.values.data(),
+                    scratch.positions.data(), out);
+  }
+}
+
+}  // namespace
+
 int SelectTokens(const float* scores, int n_kv_heads, int n_tokens,
                  const uint8_t* present, const SelectionOptions& options,
                  std::vector<int32_t>& indices,
-                 std::vector<int32_t>& head_offsets) {
+                 std::vector<int32_t>& head_offsets, const TaskRunner* run) {
   head_offsets.assign(std::max(0, n_kv_heads) + 1, 0);
   if (n_kv_heads <= 0 || n_tokens <= 0) {
     indices.clear();
@@ -200,14 +239,17 @@ int SelectTokens(const float* scores, int n_kv_heads, int n_tokens,
   // alpha of it.
   thread_local std::vector<HeadStats> stats;
   stats.resize(n_kv_heads);
+  HeadStats* head_stats = stats.data();
+  internal::RunTasks(run, n_kv_heads, [&](int g) {
+    const float* s = scores + static_cast<size_t>(g) * n_tokens;
+    const uint8_t* p = head_present(g);
+    head_stats[g] =
+        p != nullptr ? CountWithinAlpha<true>(s, p, n_tokens, options.alpha)
+                     : CountWithinAlpha<false>(s, p, n_tokens, options.alpha);
+  });
   int64_t total_count = 0;
   int min_present = n_tokens;
   for (int g = 0; g < n_kv_heads; ++g) {
-    const float* s = scores + static_cast<size_t>(g) * n_tokens;
-    const uint8_t* p = head_present(g);
-    stats[g] = p != nullptr
-                   ? CountWithinAlpha<true>(s, p, n_tokens, options.alpha)
-                   : CountWithinAlpha<false>(s, p, n_tokens, options.alpha);
     if (stats[g].n_present == 0) {
       indices.clear();
       return 0;
@@ -231,74 +273,51 @@ int SelectTokens(const float* scores, int n_kv_heads, int n_tokens,
   // (and, at an unchanged size, touches nothing), so a caller that reuses
   // the vectors does not allocate after the first step.
   indices.resize(static_cast<size_t>(n_kv_heads) * k);
-  thread_local std::vector<float> values;
-  thread_local std::vector<int32_t> positions;
-  if (values.size() <= static_cast<size_t>(n_tokens)) {
-    values.resize(n_tokens + 1);
-    positions.resize(n_tokens + 1);
-  }
-  for (int g = 0; g < n_kv_heads; ++g) {
-    const float* s = scores + static_cast<size_t>(g) * n_tokens;
-    const uint8_t* p = head_present(g);
-    int32_t* out = indices.data() + static_cast<size_t>(g) * k;
-    head_offsets[g + 1] = (g + 1) * k;
+  for (int g = 0; g < n_kv_heads; ++g) head_offsets[g + 1] = (g + 1) * k;
+  int32_t* chosen = indices.data();
+  internal::RunTasks(run, n_kv_heads, [&](int g) {
     // Attention is sparse: usually few tokens are within alpha, and when k
     // of them are, only they need ranking.
-    const float floor =
-        stats[g].count >= k
-            ? stats[g].floor
-            : (p != nullptr ? TopKFloor<true>(s, p, n_tokens, k)
-                            : TopKFloor<false>(s, p, n_tokens, k));
-    if (p != nullptr) {
-      EmitTopK<true>(s, p, n_tokens, k, floor, values.data(), positions.data(),
-                     out);
-    } else {
-      EmitTopK<false>(s, p, n_tokens, k, floor, values.data(), positions.data(),
-                      out);
-    }
-  }
+    const float* floor =
+        head_stats[g].count >= k ? &head_stats[g].floor : nullptr;
+    EmitHeadTopK(scores + static_cast<size_t>(g) * n_tokens, head_present(g),
+                 n_tokens, k, floor, chosen + static_cast<size_t>(g) * k);
+  });
   return k;
 }
 
 int SelectTopKPerHead(const float* scores, int n_kv_heads, int n_tokens,
                       const uint8_t* present, const int* k,
                       std::vector<int32_t>& indices,
-                      std::vector<int32_t>& head_offsets) {
+                      std::vector<int32_t>& head_offsets,
+                      const TaskRunner* run) {
   head_offsets.assign(std::max(0, n_kv_heads) + 1, 0);
   indices.clear();
   if (n_kv_heads <= 0 || n_tokens <= 0) return 0;
-  thread_local std::vector<float> values;
-  thread_local std::vector<int32_t> positions;
-  if (values.size() <= static_cast<size_t>(n_tokens)) {
-    values.resize(n_tokens + 1);
-    positions.resize(n_tokens + 1);
-  }
-  for (int g = 0; g < n_kv_heads; ++g) {
-    const float* s = scores + static_cast<size_t>(g) * n_tokens;
-    const uint8_t* p =
-        present != nullptr ? present + static_cast<size_t>(g) * n_tokens
-                           : nullptr;
+  auto head_present = [&](int g) -> const uint8_t* {
+    return present != nullptr ? present + static_cast<size_t>(g) * n_tokens
+                              : nullptr;
+  };
+  // Each head's k, clamped to its present count, then its place.
+  int32_t* offsets = head_offsets.data();
+  internal::RunTasks(run, n_kv_heads, [&](int g) {
+    const uint8_t* p = head_present(g);
     int n_present = n_tokens;
     if (p != nullptr) {
       n_present = 0;
       for (int t = 0; t < n_tokens; ++t) n_present += p[t] != 0;
     }
-    const int kg = std::clamp(k[g], 0, n_present);
-    const size_t first = indices.size();
-    indices.resize(first + kg);
-    if (kg > 0) {
-      if (p != nullptr) {
-        EmitTopK<true>(s, p, n_tokens, kg, TopKFloor<true>(s, p, n_tokens, kg),
-                       values.data(), positions.data(),
-                       indices.data() + first);
-      } else {
-        EmitTopK<false>(s, p, n_tokens, kg,
-                        TopKFloor<false>(s, p, n_tokens, kg), values.data(),
-                        positions.data(), indices.data() + first);
-      }
-    }
-    head_offsets[g + 1] = static_cast<int32_t>(indices.size());
-  }
+    offsets[g + 1] = std::clamp(k[g], 0, n_present);
+  });
+  for (int g = 0; g < n_kv_heads; ++g) head_offsets[g + 1] += head_offsets[g];
+  indices.resize(head_offsets[n_kv_heads]);
+  int32_t* chosen = indices.data();
+  internal::RunTasks(run, n_kv_heads, [&](int g) {
+    const int kg = offsets[g + 1] - offsets[g];
+    if (kg == 0) return;
+    EmitHeadTopK(scores + static_cast<size_t>(g) * n_tokens, head_present(g),
+                 n_tokens, kg, nullptr, chosen + offsets[g]);
+  });
   return static_cast<int>(indices.size());
 }
 

@@ -19,9 +19,11 @@
 #define INFINIGEN_SPECULATOR_SPECULATOR_H_
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "speculator/partial_keys.h"
@@ -204,6 +206,13 @@ void SpeculateScores(const float* q_skewed, int n_heads, int n_kv_heads,
                      float* scores,
                      PartialKeyFormat format = PartialKeyFormat::kInt4);
 
+// Spreads independent tasks over threads: run(n, fn) calls fn(0), ...,
+// fn(n - 1), in any order and possibly at once, and returns when all have.
+// CombineHeadScores and the selections take one to work on their KV heads
+// in parallel (each head's output is its own); null: one head after
+// another on the caller. The results are the same either way.
+using TaskRunner = std::function<void(int, absl::FunctionRef<void(int)>)>;
+
 // Per KV head g and token t, the largest over g's query heads h of h's
 // speculated log-probability: head_scores [n_heads][n_tokens] (logits, as
 // SpeculateScores computes them) minus h's log-sum-exp over
@@ -213,7 +222,8 @@ void SpeculateScores(const float* q_skewed, int n_heads, int n_kv_heads,
 // evicted, never ranked) or null; writes scores [n_kv_heads][n_tokens],
 // -inf where nothing is present.
 void CombineHeadScores(const float* head_scores, int n_heads, int n_kv_heads,
-                       int n_tokens, const uint8_t* present, float* scores);
+                       int n_tokens, const uint8_t* present, float* scores,
+                       const TaskRunner* run = nullptr);
 
 struct SelectionOptions {
   // A token is a candidate when its score >= the head's max score - alpha
@@ -237,7 +247,8 @@ struct SelectionOptions {
 int SelectTokens(const float* scores, int n_kv_heads, int n_tokens,
                  const uint8_t* present, const SelectionOptions& options,
                  std::vector<int32_t>& indices,
-                 std::vector<int32_t>& head_offsets);
+                 std::vector<int32_t>& head_offsets,
+                 const TaskRunner* run = nullptr);
 
 // Per-head top-k: KV head g takes its k[g] highest-scoring present tokens
 // (at most its present count; ties: lower position). Writes ascending
@@ -246,7 +257,8 @@ int SelectTokens(const float* scores, int n_kv_heads, int n_tokens,
 int SelectTopKPerHead(const float* scores, int n_kv_heads, int n_tokens,
                       const uint8_t* present, const int* k,
                       std::vector<int32_t>& indices,
-                      std::vector<int32_t>& head_offsets);
+                      std::vector<int32_t>& head_offsets,
+                      const TaskRunner* run = nullptr);
 
 // Adaptive selection by score mass (our variant, not the paper's): each
 // KV head takes its present tokens in descending score until they carry

@@ -14,6 +14,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -671,6 +672,48 @@ TEST(SelectTopKPerHead, MatchesNaiveOnLongCaches) {
           << "trial " << trial << " head " << g;
     }
   }
+}
+
+TEST(TaskRunner, HeadsOnSeveralThreadsGiveTheSerialResults) {
+  // A runner that takes the tasks in reverse order, each on its own thread.
+  const TaskRunner threads = [](int n, absl::FunctionRef<void(int)> fn) {
+    std::vector<std::thread> pool;
+    for (int i = n - 1; i >= 0; --i) pool.emplace_back([&fn, i] { fn(i); });
+    for (std::thread& t : pool) t.join();
+  };
+  std::mt19937 rng(22);
+  std::uniform_int_distribution<int> coin(0, 9);
+  const int n_heads = 8, n_kv = 4, n = 5000;
+  std::vector<float> head_scores = RandomMatrix(n_heads, n, rng, 3.0f);
+  std::vector<uint8_t> present(static_cast<size_t>(n_kv) * n);
+  for (uint8_t& p : present) p = coin(rng) != 0;
+  std::vector<float> serial(static_cast<size_t>(n_kv) * n),
+      parallel(serial.size());
+  CombineHeadScores(head_scores.data(), n_heads, n_kv, n, present.data(),
+                    serial.data());
+  CombineHeadScores(head_scores.data(), n_heads, n_kv, n, present.data(),
+                    parallel.data(), &threads);
+  EXPECT_EQ(serial, parallel);
+
+  std::vector<int32_t> a, a_off, b, b_off;
+  SelectionOptions options;
+  options.alpha = 2.0f;
+  options.max_fraction = 0.1f;
+  EXPECT_EQ(SelectTokens(serial.data(), n_kv, n, present.data(), options, a,
+                         a_off),
+            SelectTokens(serial.data(), n_kv, n, present.data(), options, b,
+                         b_off, &threads));
+  EXPECT_EQ(a, b);
+  EXPECT_EQ(a_off, b_off);
+
+  const int k[n_kv] = {1, 50, 0, 700};
+  EXPECT_EQ(SelectTopKPerHead(serial.data(), n_kv, n, present.data(), k, a,
+                              a_off),
+            SelectTopKPerHead(serial.data(), n_kv, n, present.data(), k, b,
+                              b_off, &threads));
+  EXPECT_EQ(a, b);
+  EXPECT_EQ(a_off, b_off);
+  EXPECT_EQ(a_off.back(), 751);
 }
 
 // ---------------------------------------------------------------------------

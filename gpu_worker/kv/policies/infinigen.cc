@@ -12,12 +12,27 @@
 #include "gpu_worker/kv/policies/policy_util.h"
 #include "speculator/partial_keys.h"
 #include "gpu_worker/kv/policies/registry.h"
+#include "kv_memory_service/gather_pool.h"
 
 namespace infinigen::gpu_worker {
 namespace {
 
 using kv_memory_service::FetchPlan;
 using kv_memory_service::OwnedFetchPlan;
+
+// The host's selection spreads a layer's KV heads over a pool of threads
+// shared by every sequence of the process, once the layer's scores are
+// many enough to pay for it (null: the caller ranks every head).
+const speculator::TaskRunner* SelectionRunner(size_t scores) {
+  if (scores < (size_t{1} << 16)) return nullptr;
+  static const speculator::TaskRunner* runner = [] {
+    auto* pool = new kv_memory_service::GatherPool(
+        kv_memory_service::GatherPool::Resolve(0));
+    return new speculator::TaskRunner(
+        [pool](int n, absl::FunctionRef<void(int)> fn) { pool->Run(n, fn); });
+  }();
+  return runner;
+}
 
 // InfiniGen (Lee et al., OSDI 2024): layers 0 and 1 read everything (dense_layers);
 // for layer l >= 2 the plan comes from speculation with layer l - 1's
@@ -330,11 +345,13 @@ class InfiniGenPolicy final : public KvPolicy {
     // A KV head of one query head ranks its own logits: the log-softmax
     // would shift them by a constant, and every selection below depends on
     // differences only (top k, within alpha of the max, softmax mass).
+    const speculator::TaskRunner* run =
+        SelectionRunner(static_cast<size_t>(m.n_heads) * p);
     const float* scores = head_scores_host_.data();
     if (group > 1) {
       speculator::CombineHeadScores(head_scores_host_.data(), m.n_heads,
                                     m.n_kv_heads, p, present_.data(),
-                                    scores_host_.data());
+                                    scores_host_.data(), run);
       scores = scores_host_.data();
     }
     if (!head_budgets_.empty()) {
@@ -346,7 +363,7 @@ class InfiniGenPolicy final : public KvPolicy {
       }
       speculator::SelectTopKPerHead(scores, m.n_kv_heads, p,
                                     present_.data(), head_k_.data(),
-                                    plan.indices, plan.head_offsets);
+                                    plan.indices, plan.head_offsets, run);
     } else if (options_.score_mass > 0.0f) {
       speculator::SelectByMass(scores, m.n_kv_heads, p,
                                present_.data(), options_.score_mass,
@@ -358,7 +375,7 @@ class InfiniGenPolicy final : public KvPolicy {
       sel.max_fraction = options_.budget;
       speculator::SelectTokens(scores, m.n_kv_heads, p,
                                present_.data(), sel, plan.indices,
-                               plan.head_offsets);
+                               plan.head_offsets, run);
     }
     if (options_.sink_tokens > 0 || options_.recent_tokens > 0) {
       AddSinksAndRecent(p, plan);
