@@ -42,6 +42,7 @@ case "$config" in
       //kv_memory_service/shm:shm_test
       //gpu_worker:kv_cache_test
       //gpu_worker:backend_test
+      //speculator:speculator_test
     )
     ;;
   *)
