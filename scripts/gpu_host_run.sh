@@ -2,7 +2,7 @@
 # Runs the GPU tests and GPU benchmarks of a bundle made by
 # scripts/gpu_bundle.sh, on a GPU host, and writes every result to OUT_DIR:
 #
-#   run.sh OUT_DIR [--quick]
+#   run.sh OUT_DIR [--quick] [--sanitize]
 #
 #   device.txt            nvidia-smi and the CUDA libraries used
 #   tests/*.xml, *.log    the CUDA kernel, backend and engine parity tests
@@ -13,13 +13,23 @@
 #                         when bundled, else stories260K): contexts 4K-32K,
 #                         batch 1-16, policies ideal, full, infinigen, h2o,
 #                         int4; --quick runs one context and batch
+#   sanitize_*.log        (--sanitize) compute-sanitizer's memcheck and
+#                         racecheck on the tensor-core prefill, the
+#                         one-sided gather and the strided K/V copies
 #   summary.txt           pass/fail per step
 # Exits non-zero if a test failed.
 set -uo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 OUT="${1:-}"
 QUICK=0
-[ "${2:-}" = "--quick" ] && QUICK=1
+SANITIZE=0
+for arg in "${@:2}"; do
+  case "${arg}" in
+    --quick) QUICK=1 ;;
+    --sanitize) SANITIZE=1 ;;
+    *) echo "run.sh: unknown flag '${arg}' (see --help)" >&2; exit 2 ;;
+  esac
+done
 if [ -z "${OUT}" ] || [ "${OUT}" = "-h" ] || [ "${OUT}" = "--help" ]; then
   awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "$0"
   [ -z "${OUT}" ] && exit 2 || exit 0
@@ -48,6 +58,31 @@ for t in kernels_test cuda_backend_test cuda_engine_parity_test; do
     FAILED=1
   fi
 done
+
+# compute-sanitizer on the kernels where a race or a stray access would
+# hide: the tensor-core prefill, the one-sided gather, the strided copies.
+if [ "${SANITIZE}" = 1 ]; then
+  SAN="$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)"
+  for tool in memcheck racecheck; do
+    for run in "kernels_test:*Flash*:*GatherRows*" \
+               "cuda_backend_test:*CopyRows*:*HalfPrecisionPrefill*"; do
+      t="${run%%:*}"; filter="${run#*:}"
+      log="${OUT}/sanitize_${tool}_${t}.log"
+      if [ -z "${SAN}" ]; then
+        echo "FAIL sanitize: no compute-sanitizer on this host" >> "${SUMMARY}"
+        FAILED=1
+        break 2
+      fi
+      if "${SAN}" --tool "${tool}" --error-exitcode 1 "bin/${t}" \
+          --gtest_filter="${filter}" > "${log}" 2>&1; then
+        echo "PASS compute-sanitizer ${tool} ${t} (${filter}): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "${log}" | tail -1)" >> "${SUMMARY}"
+      else
+        echo "FAIL compute-sanitizer ${tool} ${t} (see $(basename "${log}"))" >> "${SUMMARY}"
+        FAILED=1
+      fi
+    done
+  done
+fi
 
 if bin/h2d_bandwidth --sizes=16K,192K,3M,12M,48M > "${OUT}/h2d.md" 2>&1 &&
    bin/h2d_bandwidth --sizes=16K,192K,3M,12M,48M --json > "${OUT}/h2d.jsonl" 2>&1; then
