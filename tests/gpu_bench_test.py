@@ -107,6 +107,22 @@ class GpuBench(unittest.TestCase):
             self.assertLess(rows[("infinigen", "infinigen")]
                             ["fetch_fraction"], 0.5)
 
+    def test_the_host_runs_usage(self):
+        # The bundle's run.sh (scripts/gpu_host_run.sh), beside gpu_bench.sh.
+        run_sh = os.path.join(os.path.dirname(SCRIPT), "gpu_host_run.sh")
+        r = subprocess.run(["bash", run_sh, "--help"], capture_output=True,
+                           text=True, timeout=60)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("run.sh OUT_DIR [--quick] [--sanitize]", r.stdout)
+        self.assertIn("compute-sanitizer", r.stdout)
+        for args in [[], [os.path.join(self.out, "r"), "--bogus"]]:
+            r = subprocess.run(["bash", run_sh, *args], capture_output=True,
+                               text=True, timeout=60)
+            self.assertEqual(r.returncode, 2, args)
+        self.assertIn("unknown flag '--bogus'", r.stderr)
+        # A bad flag leaves nothing behind.
+        self.assertFalse(os.path.exists(os.path.join(self.out, "r")))
+
     def test_bad_arguments_are_usage_errors(self):
         for args in [[], ["--budget_s=ten", self.out],
                      ["--shapes=4096", self.out], ["--bogus", self.out],
