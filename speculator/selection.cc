@@ -133,6 +133,12 @@ float TopKFloor(const float* s, const uint8_t* present, int n, int k) {
   constexpr int kBins = 1024;
   // Few scores: ranking them all costs less than the bins.
   if (n < 4 * kBins || k >= n / 2) return kNone;
+  // Only finite present scores (NaN fails both tests).
+  auto counted = [&](int t) {
+    return (!kMasked || present[t] != 0) &&
+           s[t] >= std::numeric_limits<float>::lowest() &&
+           s[t] <= std::numeric_limits<float>::max();
+  };
   float lanes_lo[kLanes], lanes_hi[kLanes];
   std::fill(lanes_lo, lanes_lo + kLanes, std::numeric_limits<float>::max());
   std::fill(lanes_hi, lanes_hi + kLanes, std::numeric_limits<float>::lowest());
@@ -140,25 +146,19 @@ float TopKFloor(const float* s, const uint8_t* present, int n, int k) {
   for (; t + kLanes <= n; t += kLanes) {
     for (int i = 0; i < kLanes; ++i) {
       const float v = s[t + i];
-      // Only finite present scores (NaN fails both tests).
-      const bool use = (!kMasked || present[t + i] != 0) &&
-                       v >= std::numeric_limits<float>::lowest() &&
-                       v <= std::numeric_limits<float>::max();
+      const bool use = counted(t + i);
       lanes_lo[i] = use && v < lanes_lo[i] ? v : lanes_lo[i];
       lanes_hi[i] = use && v > lanes_hi[i] ? v : lanes_hi[i];
     }
   }
-  float lo = *std::min_element(lanes_lo, lanes_lo + kLanes);
-  float hi = *std::max_element(lanes_hi, lanes_hi + kLanes);
   for (; t < n; ++t) {
-    const float v = s[t];
-    if ((kMasked && present[t] == 0) || !(std::fabs(v) <=
-                                          std::numeric_limits<float>::max())) {
-      continue;
-    }
-    lo = std::min(lo, v);
-    hi = std::max(hi, v);
+    const int i = t % kLanes;
+    if (!counted(t)) continue;
+    lanes_lo[i] = std::min(lanes_lo[i], s[t]);
+    lanes_hi[i] = std::max(lanes_hi[i], s[t]);
   }
+  const float lo = *std::min_element(lanes_lo, lanes_lo + kLanes);
+  const float hi = *std::max_element(lanes_hi, lanes_hi + kLanes);
   if (!(hi > lo)) return kNone;
   const float scale = static_cast<float>(kBins) / (hi - lo);
   if (!(scale <= std::numeric_limits<float>::max())) return kNone;
@@ -180,10 +180,6 @@ float TopKFloor(const float* s, const uint8_t* present, int n, int k) {
   return at_or_above >= k ? floor : kNone;
 }
 
-}  // namespace
-
-namespace {
-
 // EmitTopK's scratch of n + 1 values and positions, one per thread (the
 // heads of one call may run on several), kept for its capacity.
 struct TopKScratch {
@@ -201,21 +197,22 @@ TopKScratch& ScratchFor(int n_tokens) {
 
 // EmitTopK over the head's present tokens (`present` null: all), above
 // `floor` where the caller knows one, else above TopKFloor's.
+template <bool kMasked>
 void EmitHeadTopK(const float* s, const uint8_t* p, int n_tokens, int k,
                   const float* known_floor, int32_t* out) {
   TopKScratch& scratch = ScratchFor(n_tokens);
-  if (p != nullptr) {
-    const float floor = known_floor != nullptr
-                            ? *known_floor
-                            : TopKFloor<true>(s, p, n_tokens, k);
-    EmitTopK<true>(s, p, n_tokens, k, floor, scratch.values.data(),
-                   scratch.positions.data(), out);
-  } else {
-    const float floor = known_floor != nullptr
-                            ? *known_floor
-                            : TopKFloor<false>(s, p, n_tokens, k);
-    EmitTopK<false>(s, p, n_tokens, k, floor, scratch.values.data(),
+  const float floor = known_floor != nullptr
+                          ? *known_floor
+                          : TopKFloor<kMasked>(s, p, n_tokens, k);
+  EmitTopK<kMasked>(s, p, n_tokens, k, floor, scratch.values.data(),
                     scratch.positions.data(), out);
+}
+void EmitHeadTopK(const float* s, const uint8_t* p, int n_tokens, int k,
+                  const float* known_floor, int32_t* out) {
+  if (p != nullptr) {
+    EmitHeadTopK<true>(s, p, n_tokens, k, known_floor, out);
+  } else {
+    EmitHeadTopK<false>(s, p, n_tokens, k, known_floor, out);
   }
 }
 

@@ -48,6 +48,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -355,39 +356,20 @@ void BM_Memcpy(benchmark::State& state, const Case& c, int threads) {
   state.counters["threads"] = threads;
 }
 
-void BM_Fetch(benchmark::State& state, const std::string& plane_name,
-              const Case& c) {
-  Plane& p = TheWorld().planes[plane_name];
-  if (!p.error.empty() || p.client == nullptr) {
-    state.SkipWithError(("set-up failed: " + p.error).c_str());
-    for (auto _ : state) {
-    }
-    return;
+// Ends the benchmark with `why` (every iteration skipped).
+void Skip(benchmark::State& state, const std::string& why) {
+  state.SkipWithError(why.c_str());
+  for (auto _ : state) {
   }
-  const SequenceId seq = p.seq[c.shape];
-  FetchBuffer* buffer = p.buffer[c.shape].get();
-  const OwnedFetchPlan plan = MakePlan(c, 7 + c.tokens);
-  const FetchPlan view = plan.view();
-  // Warm up (opens streams, grows reused messages) and check the rows.
-  for (int i = 0; i < 3; ++i) {
-    absl::Status s = p.client->Fetch(seq, c.layer(), view, buffer);
-    if (!s.ok()) {
-      state.SkipWithError(s.ToString().c_str());
-      for (auto _ : state) {
-      }
-      return;
-    }
-  }
-  if (!Verify(c, plan, buffer->data())) {
-    state.SkipWithError("fetched rows differ from the appended ones");
-    for (auto _ : state) {
-    }
-    return;
-  }
+}
+
+// Times op, a round trip of the case's plan on a plane, once an iteration.
+void TimeRoundTrips(benchmark::State& state, const Case& c,
+                    absl::FunctionRef<absl::Status()> op) {
   std::vector<double> samples;
   for (auto _ : state) {
     const auto t0 = std::chrono::steady_clock::now();
-    absl::Status s = p.client->FetchAsync(seq, c.layer(), view, buffer).Wait();
+    absl::Status s = op();
     const auto t1 = std::chrono::steady_clock::now();
     if (!s.ok()) {
       state.SkipWithError(s.ToString().c_str());
@@ -398,6 +380,29 @@ void BM_Fetch(benchmark::State& state, const std::string& plane_name,
   Report(state, samples, c, /*baseline=*/false);
 }
 
+void BM_Fetch(benchmark::State& state, const std::string& plane_name,
+              const Case& c) {
+  Plane& p = TheWorld().planes[plane_name];
+  if (!p.error.empty() || p.client == nullptr) {
+    return Skip(state, "set-up failed: " + p.error);
+  }
+  const SequenceId seq = p.seq[c.shape];
+  FetchBuffer* buffer = p.buffer[c.shape].get();
+  const OwnedFetchPlan plan = MakePlan(c, 7 + c.tokens);
+  const FetchPlan view = plan.view();
+  // Warm up (opens streams, grows reused messages) and check the rows.
+  for (int i = 0; i < 3; ++i) {
+    absl::Status s = p.client->Fetch(seq, c.layer(), view, buffer);
+    if (!s.ok()) return Skip(state, s.ToString());
+  }
+  if (!Verify(c, plan, buffer->data())) {
+    return Skip(state, "fetched rows differ from the appended ones");
+  }
+  TimeRoundTrips(state, c, [&] {
+    return p.client->FetchAsync(seq, c.layer(), view, buffer).Wait();
+  });
+}
+
 // What a one-sided read costs the node: NoteFetched of the same plan (the
 // worker read the rows itself; the node checks the positions and counts
 // the fetch for its statistics and eviction), a round trip per note.
@@ -405,27 +410,15 @@ void BM_Note(benchmark::State& state, const std::string& plane_name,
              const Case& c) {
   Plane& p = TheWorld().planes[plane_name];
   if (!p.error.empty() || p.client == nullptr) {
-    state.SkipWithError(("set-up failed: " + p.error).c_str());
-    for (auto _ : state) {
-    }
-    return;
+    return Skip(state, "set-up failed: " + p.error);
   }
   const SequenceId seq = p.seq[c.shape];
   FetchBuffer* buffer = p.buffer[c.shape].get();
   const OwnedFetchPlan plan = MakePlan(c, 7 + c.tokens);
   const FetchPlan view = plan.view();
-  std::vector<double> samples;
-  for (auto _ : state) {
-    const auto t0 = std::chrono::steady_clock::now();
-    absl::Status s = p.client->NoteFetched(seq, c.layer(), view, buffer);
-    const auto t1 = std::chrono::steady_clock::now();
-    if (!s.ok()) {
-      state.SkipWithError(s.ToString().c_str());
-      break;
-    }
-    samples.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
-  }
-  Report(state, samples, c, /*baseline=*/false);
+  TimeRoundTrips(state, c, [&] {
+    return p.client->NoteFetched(seq, c.layer(), view, buffer);
+  });
 }
 
 std::string Machine() {

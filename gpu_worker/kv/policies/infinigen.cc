@@ -90,7 +90,7 @@ class InfiniGenPolicy final : public KvPolicy {
           2 * q_dim * sizeof(float) +                 // q_, q_skewed_
           2 * n_heads * max_seq * sizeof(float) +     // scores_ (+host)
           n_kv * max_seq * (sizeof(float) + 1) +      // scores_host_, present_
-          d * sizeof(float) + sizeof(int));           // k_sums_, position_
+          sizeof(int));                               // position_
     }
   };
   static Sizes SizesFor(const Context& c, const PolicyOptions& o) {
@@ -177,7 +177,6 @@ class InfiniGenPolicy final : public KvPolicy {
           pr, exact ? pr.error : pr.speculated_error, options_.budget,
           options_.dense_layers, options_.budget_floor * options_.budget);
     }
-    k_sums_.resize(d);
     return absl::OkStatus();
   }
 
@@ -474,7 +473,6 @@ class InfiniGenPolicy final : public KvPolicy {
   // each head's k of the current step.
   std::vector<float> head_budgets_;
   std::vector<int> head_k_;
-  std::vector<float> k_sums_;            // [d]
   std::vector<float> partial_w_host_;    // partial_w_, built here
   std::vector<float> head_scores_host_;  // scores_, read here
   std::vector<float> scores_host_;       // [kv_head][p]: combined
