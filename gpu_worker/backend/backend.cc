@@ -2,8 +2,10 @@
 // operations run on the host.
 #include "gpu_worker/backend/backend.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #include "common/status.h"
 #include "speculator/speculator.h"
@@ -34,6 +36,25 @@ void PolicyOps::QuantizePartialKeys(const float* keys, int n_rows,
   speculator::QuantizePartialKeys(keys, n_rows, n_cols, rows);
 }
 
+void PolicyOps::SelectTopK(const TopKParams& p) {
+  if (p.n_kv_heads <= 0 || p.n_tokens <= 0) return;
+  const float* rank = p.scores;
+  if (p.n_heads != p.n_kv_heads) {
+    speculator::CombineHeadScores(p.scores, p.n_heads, p.n_kv_heads,
+                                  p.n_tokens, nullptr, p.combined, p.run);
+    rank = p.combined;
+  }
+  thread_local std::vector<int> k;
+  thread_local std::vector<int32_t> indices, offsets;
+  k.resize(p.n_kv_heads);
+  for (int g = 0; g < p.n_kv_heads; ++g) {
+    k[g] = p.head_offsets[g + 1] - p.head_offsets[g];
+  }
+  speculator::SelectTopKPerHead(rank, p.n_kv_heads, p.n_tokens, nullptr,
+                                k.data(), indices, offsets, p.run);
+  std::copy(indices.begin(), indices.end(), p.indices);
+}
+
 void Backend::CopyRows(float* dst, long dst_stride, const float* src,
                        long src_stride, int rows, long width) {
   for (int r = 0; r < rows; ++r) {
@@ -50,6 +71,10 @@ absl::Status Backend::CopyToHost(void* dst, const void* src, size_t bytes) {
   IG_RETURN_IF_ERROR(Synchronize());
   if (bytes > 0) std::memcpy(dst, src, bytes);
   return absl::OkStatus();
+}
+
+void Backend::QueueCopyToHost(void* dst, const void* src, size_t bytes) {
+  if (bytes > 0) std::memcpy(dst, src, bytes);
 }
 
 }  // namespace infinigen::gpu_worker

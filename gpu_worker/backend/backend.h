@@ -28,6 +28,7 @@
 #include "gpu_worker/backend/gather_rows.h"
 #include "gpu_worker/backend/kv_rows.h"
 #include "gpu_worker/backend/speculation_params.h"
+#include "speculator/speculator.h"
 
 namespace infinigen::gpu_worker {
 
@@ -78,6 +79,30 @@ struct StoredRowsAttention {
   int prob_stride = 0;
 };
 
+// Each KV head's highest-ranked tokens among n_tokens speculated scores, in
+// the backend's memory (the plan of a selecting layer, made where its
+// scores are). KV head g takes head_offsets[g + 1] - head_offsets[g]
+// tokens, written in ascending position order at indices +
+// head_offsets[g]. The rank: a KV head of one query head ranks its logits;
+// of several (GQA), the largest of its query heads' log-softmax
+// (speculator::CombineHeadScores); ties go to the lower position, NaN ranks
+// below every number (speculator::SelectTopKPerHead).
+struct TopKParams {
+  const float* scores = nullptr;  // [n_heads][n_tokens], backend memory
+  int n_heads = 0;
+  int n_kv_heads = 0;
+  int n_tokens = 0;
+  // Host memory, [n_kv_heads + 1]: 0, then ascending, each head's count at
+  // most n_tokens.
+  const int32_t* head_offsets = nullptr;
+  int32_t* indices = nullptr;  // backend memory [head_offsets[n_kv_heads]]
+  // Backend memory [n_kv_heads][n_tokens] the combined rank is written to
+  // (GQA only; may be null with one query head per KV head).
+  float* combined = nullptr;
+  // The host implementation's threads (null: the caller's alone).
+  const speculator::TaskRunner* run = nullptr;
+};
+
 // The operations only the KV policies use, on the backend's memory: a new
 // policy's kernel widens this small interface, not the layer arithmetic
 // below. Each has a host default (right for the CPU); a device backend
@@ -97,6 +122,9 @@ class PolicyOps {
   // partial_keys.h). Default: speculator::QuantizePartialKeys on the host.
   virtual void QuantizePartialKeys(const float* keys, int n_rows, int n_cols,
                                    uint8_t* rows);
+  // Per-head top-k of speculated scores (TopKParams). Default: the
+  // speculator's CombineHeadScores and SelectTopKPerHead on the host.
+  virtual void SelectTopK(const TopKParams& p);
   // Attention over fetched rows read where they lie (StoredRowsAttention),
   // without decoding them into a buffer first. Returns false, doing
   // nothing, where the backend cannot (the format, or rows not in its
@@ -198,6 +226,12 @@ class Backend : public PolicyOps {
   // returns the first error (sticky, like Synchronize). The way host code
   // reads what device memory holds. Default: memcpy.
   virtual absl::Status CopyToHost(void* dst, const void* src, size_t bytes);
+  // Queues a copy of `bytes` of backend memory at src into host memory dst
+  // after every operation issued so far, without waiting: dst holds them
+  // once Synchronize() or CopyToHost() has next returned (errors are
+  // theirs). Asynchronous where dst was pinned with PinHost. Default:
+  // memcpy now (the default operations have finished when they return).
+  virtual void QueueCopyToHost(void* dst, const void* src, size_t bytes);
   // Pins host memory [p, p + bytes) so that copies from it run at full
   // speed (CUDA: cudaHostRegister), until UnpinHost(p); it must stay mapped
   // until then. Memory someone else pinned already is accepted as is (and
@@ -279,6 +313,7 @@ class BackendWrapper : public Backend {
   void SpeculateScores(const SpeculationParams& p) override {
     target_->SpeculateScores(p);
   }
+  void SelectTopK(const TopKParams& p) override { target_->SelectTopK(p); }
   bool AttendStoredRows(const StoredRowsAttention& p) override {
     return target_->AttendStoredRows(p);
   }
@@ -293,6 +328,9 @@ class BackendWrapper : public Backend {
   absl::Status WaitCopies() override { return target_->WaitCopies(); }
   absl::Status CopyToHost(void* dst, const void* src, size_t bytes) override {
     return target_->CopyToHost(dst, src, bytes);
+  }
+  void QueueCopyToHost(void* dst, const void* src, size_t bytes) override {
+    target_->QueueCopyToHost(dst, src, bytes);
   }
   absl::Status PinHost(void* p, size_t bytes) override {
     return target_->PinHost(p, bytes);

@@ -923,9 +923,38 @@ class GuardedDeviceBackend final : public Backend {
   }
   absl::Status CopyToHost(void* dst, const void* src, size_t bytes) override {
     Open open(this);
+    ++copies_out;
     if (!InDevice(src)) violations_->push_back("a copy out of host memory");
     std::memcpy(dst, src, bytes);
+    return Synchronize();
+  }
+  // As a device: the bytes as they were when queued, in host memory only
+  // once Synchronize or CopyToHost returns.
+  void QueueCopyToHost(void* dst, const void* src, size_t bytes) override {
+    Open open(this);
+    ++queued_copies_out;
+    if (!InDevice(src)) violations_->push_back("a queued copy out of host memory");
+    if (!Pinned(dst, static_cast<long>(bytes))) {
+      violations_->push_back("a queued copy into unpinned memory");
+    }
+    const char* from = static_cast<const char*>(src);
+    queued_.push_back({static_cast<char*>(dst), {from, from + bytes}});
+  }
+  absl::Status Synchronize() override {
+    for (auto& [dst, bytes] : queued_) {
+      std::memcpy(dst, bytes.data(), bytes.size());
+    }
+    queued_.clear();
     return absl::OkStatus();
+  }
+  void SelectTopK(const TopKParams& p) override {
+    Open open(this);
+    ++selections;
+    if (!InDevice(p.scores) || !InDevice(p.indices) ||
+        (p.combined != nullptr && !InDevice(p.combined))) {
+      violations_->push_back("a selection outside device memory");
+    }
+    cpu_->SelectTopK(p);
   }
   // One-sided reads: rows read from pinned host memory into device memory.
   bool GatherRows(const GatherRowsParams& p) override {
@@ -957,6 +986,7 @@ class GuardedDeviceBackend final : public Backend {
   void set_gathers_rows(bool on) { gathers_rows_ = on; }
   long copies_in = 0, decodes = 0, shared_allocations = 0;
   long gathers = 0, pins = 0, unpins = 0;
+  long copies_out = 0, queued_copies_out = 0, selections = 0;
 
  private:
   // Device memory readable and writable for the life of this object.
@@ -992,6 +1022,8 @@ class GuardedDeviceBackend final : public Backend {
   std::map<char*, size_t> device_;
   std::map<char*, size_t> pinned_;
   bool gathers_rows_ = true;
+  // QueueCopyToHost's copies not yet landed: where, and the bytes.
+  std::vector<std::pair<char*, std::vector<char>>> queued_;
 };
 
 TEST_F(KvCacheTest, DeviceBackendsReadFetchedRowsFromTheirOwnMemory) {
@@ -1104,28 +1136,123 @@ TEST_F(KvCacheTest, OneSidedReadsOnTheCpuAttendOverTheNodesRowsInPlace) {
   }
 }
 
-TEST_F(KvCacheTest, OneSidedReadsFallBackToTheNodesGather) {
-  const std::vector<int> t = Tokens(36);
-  // A backend that cannot read host memory in place: the node gathers.
+// InfiniGen and the oracle at a target fetch rank each head's top k, which
+// a device selects where the scores are: with one-sided reads nothing
+// comes back to the host inside a step (as many copies out per step as
+// full's: the step's new rows and the logits), the node hears of every
+// layer's plan at the step's end, exactly the rows a node's gather
+// fetched, and the logits are the gather's.
+TEST_F(KvCacheTest, PlansMadeOnTheDeviceReachTheNodeAtTheStepsEnd) {
+  const std::vector<int> t = Tokens(40);
+  // Copies out of the device over 10 decode steps after a 30-token prompt.
+  auto decode_copies_out = [&](Engine& e, GuardedDeviceBackend& d) {
+    EXPECT_TRUE(e.Forward(absl::MakeConstSpan(t).subspan(0, 30), false).ok());
+    const long before = d.copies_out;
+    for (int i = 30; i < 40; ++i) EXPECT_TRUE(e.Forward({t[i]}, false).ok());
+    return d.copies_out - before;
+  };
+  long full_copies = 0;
   {
     FakeKvClient node;
     std::vector<std::string> violations;
     auto backend = std::make_unique<GuardedDeviceBackend>(&violations);
     GuardedDeviceBackend* d = backend.get();
-    d->set_gathers_rows(false);
     EngineOptions o = Options("full", &node);
     o.kv.direct_reads = true;
-    auto engine = Engine::Create(weights_, std::move(backend), o);
+    auto full = Engine::Create(weights_, std::move(backend), o);
+    ASSERT_TRUE(full.ok()) << full.status();
+    full_copies = decode_copies_out(**full, *d);
+    EXPECT_EQ(d->selections, 0);
+  }
+  for (std::string kind : {"infinigen", "oracle"}) {
+    SCOPED_TRACE(kind);
+    auto options = [&](FakeKvClient* node, bool direct) {
+      EngineOptions o = Options(kind, node);
+      EXPECT_TRUE(SetTargetFetch(0.4, 12, *o.kv.policy).ok());
+      o.kv.direct_reads = direct;
+      return o;
+    };
+    FakeKvClient direct_node, gather_node, counted_node;
+    std::vector<std::string> violations;
+    auto direct_backend = std::make_unique<GuardedDeviceBackend>(&violations);
+    auto gather_backend = std::make_unique<GuardedDeviceBackend>(&violations);
+    GuardedDeviceBackend* d = direct_backend.get();
+    GuardedDeviceBackend* g = gather_backend.get();
+    auto direct = Engine::Create(weights_, std::move(direct_backend),
+                                 options(&direct_node, true));
+    auto gather = Engine::Create(weights_, std::move(gather_backend),
+                                 options(&gather_node, false));
+    ASSERT_TRUE(direct.ok()) << direct.status();
+    ASSERT_TRUE(gather.ok()) << gather.status();
+    ASSERT_NO_FATAL_FAILURE(ExpectSameDecoding(**direct, **gather));
+    EXPECT_THAT(violations, ::testing::IsEmpty());
+    ExpectNotedAsGathered(direct_node, gather_node);
+    // Every selecting layer of every step: 10 of 12 layers, 10 steps.
+    EXPECT_EQ(d->selections, 10 * 10);
+    EXPECT_EQ(d->queued_copies_out, 10 * 10);
+    // The node's gather needs the plan on the host: copied, not queued.
+    EXPECT_EQ(g->selections, 10 * 10);
+    EXPECT_EQ(g->queued_copies_out, 0);
+
+    auto counted_backend = std::make_unique<GuardedDeviceBackend>(&violations);
+    GuardedDeviceBackend* c = counted_backend.get();
+    auto counted = Engine::Create(weights_, std::move(counted_backend),
+                                  options(&counted_node, true));
+    ASSERT_TRUE(counted.ok()) << counted.status();
+    EXPECT_EQ(decode_copies_out(**counted, *c), full_copies);
+  }
+  // Sink tokens are added on the host: the scores come back.
+  FakeKvClient node;
+  std::vector<std::string> violations;
+  auto backend = std::make_unique<GuardedDeviceBackend>(&violations);
+  GuardedDeviceBackend* d = backend.get();
+  EngineOptions o = Options("infinigen", &node);
+  ASSERT_TRUE(SetTargetFetch(0.4, 12, *o.kv.policy).ok());
+  o.kv.policy->sink_tokens = 2;
+  o.kv.direct_reads = true;
+  auto sinks = Engine::Create(weights_, std::move(backend), o);
+  ASSERT_TRUE(sinks.ok()) << sinks.status();
+  EXPECT_EQ(decode_copies_out(**sinks, *d), full_copies + 10 * 10);
+  EXPECT_EQ(d->selections, 0);
+}
+
+TEST_F(KvCacheTest, OneSidedReadsFallBackToTheNodesGather) {
+  const std::vector<int> t = Tokens(36);
+  // A backend that cannot read host memory in place: the node gathers,
+  // from the first read on, the same rows (the logits are the gather's),
+  // those of the layer planned for one-sided reads before the refusal
+  // included. InfiniGen with no dense layer plans layers 0 and 1 on the
+  // device before layer 0's read is refused.
+  for (const bool selects : {false, true}) {
+    SCOPED_TRACE(selects ? "infinigen" : "full");
+    auto options = [&](FakeKvClient* node, bool direct) {
+      EngineOptions o = Options(selects ? "infinigen" : "full", node);
+      if (selects) {
+        o.kv.policy->dense_layers = 0;
+        EXPECT_TRUE(SetTargetFetch(0.4, 12, *o.kv.policy).ok());
+      }
+      o.kv.direct_reads = direct;
+      return o;
+    };
+    FakeKvClient node, gather_node;
+    std::vector<std::string> violations;
+    auto backend = std::make_unique<GuardedDeviceBackend>(&violations);
+    GuardedDeviceBackend* d = backend.get();
+    d->set_gathers_rows(false);
+    auto engine = Engine::Create(weights_, std::move(backend),
+                                 options(&node, true));
     ASSERT_TRUE(engine.ok()) << engine.status();
-    ASSERT_TRUE((*engine)->Forward(absl::MakeConstSpan(t).subspan(0, 30),
-                                   false).ok());
-    for (int i = 30; i < 36; ++i) {
-      ASSERT_TRUE((*engine)->Forward({t[i]}, false).ok());
-    }
-    EXPECT_FALSE(node.fetches().empty());
+    auto gather = Engine::Create(
+        weights_, std::make_unique<GuardedDeviceBackend>(&violations),
+        options(&gather_node, false));
+    ASSERT_TRUE(gather.ok()) << gather.status();
+    ASSERT_NO_FATAL_FAILURE(ExpectSameDecoding(**engine, **gather));
+    EXPECT_EQ(node.fetches().size(), gather_node.fetches().size());
     EXPECT_TRUE(node.notes().empty());
-    // The node's rows were given back once refused; the fetch buffers stay.
-    EXPECT_EQ(d->pins, 4);
+    EXPECT_EQ(d->selections > 0, selects);
+    // The node's rows were given back once refused; the fetch buffers (and
+    // InfiniGen's plan notes) stay.
+    EXPECT_EQ(d->pins, selects ? 5 : 4);
     EXPECT_EQ(d->unpins, 2);
     EXPECT_THAT(violations, ::testing::IsEmpty());
   }

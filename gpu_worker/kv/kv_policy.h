@@ -43,6 +43,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -269,6 +270,23 @@ class KvPolicy {
                                  kv_memory_service::OwnedFetchPlan& plan) {
     PlanAllPresent(p, present, plan);
     return absl::OkStatus();
+  }
+
+  // Plans made where the scores are (device-side selection): the most rows
+  // of one KV head a plan of PlanFetchOnBackend names when positions
+  // [0, p) are cached; 0 where the policy plans on the host only.
+  virtual int MaxBackendPlanRows(int p) const { return 0; }
+  // Where this policy can make `layer`'s plan on the backend (its scores
+  // never leaving the backend's memory) and every position [0, p) is
+  // present in every KV head: writes the plan's indices to `indices`
+  // (backend memory, room for n_kv_heads * MaxBackendPlanRows(p)), each
+  // head's ascending, and its head offsets to `head_offsets` (host), and
+  // returns true. False, having done nothing, where this layer's plan is
+  // the host's (PlanFetch). Errors are the backend's.
+  virtual absl::StatusOr<bool> PlanFetchOnBackend(
+      int layer, int p, const float* xb_prev, int32_t* indices,
+      std::vector<int32_t>& head_offsets) {
+    return false;
   }
 
   // After `layer`'s attention over `plan`'s rows plus the new token:

@@ -91,6 +91,7 @@ absl::Status OffloadedKvCache::Step::LayerDone(int layer) {
 absl::Status OffloadedKvCache::Step::End() {
   for (int slot : slots_) {
     Sequence& s = cache_.sequences_[slot];
+    IG_RETURN_IF_ERROR(cache_.NoteBackendPlans(s));
     if (s.direct) {
       // The step's last notes of one-sided reads.
       for (kv_memory_service::FetchHandle& h : s.handles) {
@@ -121,6 +122,7 @@ absl::StatusOr<KvStepPtr> OffloadedKvCache::BeginStep(
     Sequence& s = sequences_[slots[i]];
     s.position = positions[i];
     s.step_rows = 0;
+    s.noted_layers.clear();  // a failed step's
   }
   step_.slots_.assign(slots.begin(), slots.end());
   step_open_ = true;
@@ -129,34 +131,112 @@ absl::StatusOr<KvStepPtr> OffloadedKvCache::BeginStep(
   return step;
 }
 
+absl::Status OffloadedKvCache::PlanLayer(Sequence& s, int layer,
+                                          const float* xb_prev) {
+  const int i = layer % 2;
+  kv_memory_service::OwnedFetchPlan& plan = s.plans[i];
+  s.plan_on_backend[i] = false;
+  const int p = s.position;
+  const bool whole =
+      s.present_count[layer] == static_cast<long>(c_.n_kv_heads) * p;
+  if (whole && s.plan_dev[i].data() != nullptr) {
+    IG_ASSIGN_OR_RETURN(const bool made, s.policy->PlanFetchOnBackend(
+                                             layer, p, xb_prev,
+                                             s.plan_dev[i].data(),
+                                             plan.head_offsets));
+    if (made) {
+      const size_t rows = plan.head_offsets.back();
+      if (rows > layout_.plan_rows) {
+        return absl::InternalError(absl::StrFormat(
+            "kv cache: policy %s planned %d rows for layer %d on the "
+            "backend, above the %d its staging holds",
+            PolicyName(options_.kv.policy->kind), rows, layer,
+            layout_.plan_rows));
+      }
+      if (s.direct && layout_.staged && rows <= s.note_rows) {
+        // The device reads the rows by these indices where they lie; the
+        // node hears of them at the step's end, from a copy queued now.
+        plan.indices.clear();
+        backend_.QueueCopyToHost(
+            s.note_indices.data() + static_cast<size_t>(layer) * s.note_rows,
+            s.plan_dev[i].data(), rows * sizeof(int32_t));
+        s.note_offsets[layer] = plan.head_offsets;
+        s.noted_layers.push_back(layer);
+        s.plan_on_backend[i] = true;
+        return absl::OkStatus();
+      }
+      plan.indices.resize(rows);
+      return backend_.CopyToHost(plan.indices.data(), s.plan_dev[i].data(),
+                                 rows * sizeof(int32_t));
+    }
+  }
+  return s.policy->PlanFetch(
+      layer, p, xb_prev,
+      &s.present[static_cast<size_t>(layer) * c_.n_kv_heads * max_seq_],
+      plan);
+}
+
+absl::Status OffloadedKvCache::PlanToHost(Sequence& s, int layer) {
+  const int i = layer % 2;
+  if (!s.plan_on_backend[i]) return absl::OkStatus();
+  s.plan_on_backend[i] = false;
+  kv_memory_service::OwnedFetchPlan& plan = s.plans[i];
+  plan.indices.resize(plan.head_offsets.back());
+  s.noted_layers.erase(
+      std::remove(s.noted_layers.begin(), s.noted_layers.end(), layer),
+      s.noted_layers.end());
+  return backend_.CopyToHost(plan.indices.data(), s.plan_dev[i].data(),
+                             plan.indices.size() * sizeof(int32_t));
+}
+
+absl::Status OffloadedKvCache::NoteBackendPlans(Sequence& s) {
+  if (s.noted_layers.empty()) return absl::OkStatus();
+  // The plans' queued copies have landed once the backend is idle.
+  IG_RETURN_IF_ERROR(backend_.Synchronize());
+  for (const int layer : s.noted_layers) {
+    const int i = layer % 2;
+    const std::vector<int32_t>& offsets = s.note_offsets[layer];
+    kv_memory_service::FetchPlan plan;
+    plan.indices = absl::MakeConstSpan(
+        s.note_indices.data() + static_cast<size_t>(layer) * s.note_rows,
+        offsets.back());
+    plan.head_offsets = offsets;
+    // Each fetch buffer carries one note at a time.
+    IG_RETURN_IF_ERROR(AtNode(s.handles[i].Wait()));
+    s.handles[i] = options_.kv.kv_client->NoteFetchedAsync(
+        s.seq, layer, plan, s.buffers[i].get());
+  }
+  s.noted_layers.clear();
+  return absl::OkStatus();
+}
+
 absl::Status OffloadedKvCache::IssueFetch(Sequence& s, int layer,
                                           const float* xb_prev) {
   // The last copy out of this fetch buffer must have read it.
   IG_RETURN_IF_ERROR(backend_.WaitCopies());
   s.uploaded[layer % 2] = false;
   kv_memory_service::OwnedFetchPlan& plan = s.plans[layer % 2];
-  IG_RETURN_IF_ERROR(s.policy->PlanFetch(
-      layer, s.position, xb_prev,
-      &s.present[static_cast<size_t>(layer) * c_.n_kv_heads * max_seq_],
-      plan));
-  if (plan.indices.size() > layout_.plan_rows) {
+  IG_RETURN_IF_ERROR(PlanLayer(s, layer, xb_prev));
+  const size_t rows = plan.head_offsets.back();
+  if (rows > layout_.plan_rows) {
     return absl::InternalError(absl::StrFormat(
         "kv cache: policy %s planned %d rows for layer %d, above the %d its "
         "staging holds",
-        PolicyName(options_.kv.policy->kind), plan.indices.size(), layer,
+        PolicyName(options_.kv.policy->kind), rows, layer,
         layout_.plan_rows));
   }
-  s.step_rows += static_cast<long>(plan.indices.size());
-  s.stats.rows_fetched += static_cast<long>(plan.indices.size());
+  s.step_rows += static_cast<long>(rows);
+  s.stats.rows_fetched += static_cast<long>(rows);
   s.stats.bytes_fetched +=
-      static_cast<long>(plan.indices.size()) * 2 * layout_.row_width * 2;
+      static_cast<long>(rows) * 2 * layout_.row_width * 2;
   s.direct_plan[layer % 2] = s.direct;
   if (s.direct) {
     // Read before the node checks the plan (its note is waited for
-    // later): every index must lie within the sequence's rows.
+    // later): every index must lie within the sequence's rows. A plan made
+    // on the backend names positions below s.position only.
     // The least and greatest position tell (a loop the compiler
     // vectorizes); the offender is looked up only to name it.
-    int32_t lo = 0, hi = 0;
+    int32_t lo = 0, hi = s.plan_on_backend[layer % 2] ? s.position - 1 : 0;
     for (const int32_t p : plan.indices) {
       lo = p < lo ? p : lo;
       hi = p > hi ? p : hi;
@@ -171,8 +251,12 @@ absl::Status OffloadedKvCache::IssueFetch(Sequence& s, int layer,
               s.rows.max_tokens));
         }
       }
+      return absl::InternalError(absl::StrFormat(
+          "kv cache: layer %d's plan was made on the backend for position "
+          "%d, beyond the %d rows a head holds",
+          layer, s.position, s.rows.max_tokens));
     }
-    s.stats.rows_read_in_place += static_cast<long>(plan.indices.size());
+    s.stats.rows_read_in_place += static_cast<long>(rows);
   } else {
     // A note of one-sided reads may still hold the buffer (they ended).
     IG_RETURN_IF_ERROR(AtNode(s.handles[layer % 2].Wait()));
@@ -185,12 +269,13 @@ absl::Status OffloadedKvCache::IssueFetch(Sequence& s, int layer,
 bool OffloadedKvCache::ReadDirect(Sequence& s, int layer) {
   const int i = layer % 2;
   const kv_memory_service::OwnedFetchPlan& plan = s.plans[i];
-  const size_t n = plan.indices.size();
+  const size_t n = plan.head_offsets.back();
   // The plan reaches the device on the copy queue once the rows staged[i]
-  // last held (and so this plan buffer's last reader) were used.
+  // last held (and so this plan buffer's last reader) were used; indices
+  // made on the backend are there already.
   int32_t* indices = s.plan_dev[i].data();
   int32_t* offsets = indices + layout_.plan_rows;
-  if (n > 0) {
+  if (n > 0 && !s.plan_on_backend[i]) {
     backend_.CopyFromHost(indices, plan.indices.data(), n * sizeof(int32_t),
                           s.staged_free[i]);
   }
@@ -220,6 +305,10 @@ absl::Status OffloadedKvCache::UploadFetched(Sequence& s, int layer) {
     const auto t0 = std::chrono::steady_clock::now();
     // Without staging, attention reads the rows in place (AttendInPlace).
     if (!layout_.staged || ReadDirect(s, layer)) {
+      if (s.plan_on_backend[i]) {
+        s.uploaded[i] = true;  // noted at the step's end
+        return absl::OkStatus();
+      }
       // The node learns of the fetch (statistics, eviction candidates) and
       // checks that every position was at its own slot; the note goes out
       // through the idle fetch buffer and is waited for when the buffer is
@@ -235,11 +324,20 @@ absl::Status OffloadedKvCache::UploadFetched(Sequence& s, int layer) {
       return absl::OkStatus();
     }
     // The backend cannot read the node's memory: the node gathers, from
-    // now on (once the buffer's last note is in).
+    // now on (once the buffer's last note is in), this layer's rows and
+    // the next layer's where its plan was made for one-sided reads.
+    const int next = 1 - i;
+    const bool next_planned = s.direct_plan[next];
     EndDirect(s);
-    IG_RETURN_IF_ERROR(AtNode(s.handles[i].Wait()));
-    s.handles[i] = options_.kv.kv_client->FetchAsync(
-        s.seq, layer, s.plans[i].view(), s.buffers[i].get());
+    for (int l : {layer, layer + 1}) {
+      const int j = l % 2;
+      if (j == next && !next_planned) continue;
+      IG_RETURN_IF_ERROR(PlanToHost(s, l));
+      s.stats.rows_read_in_place -= s.plans[j].head_offsets.back();
+      IG_RETURN_IF_ERROR(AtNode(s.handles[j].Wait()));
+      s.handles[j] = options_.kv.kv_client->FetchAsync(
+          s.seq, l, s.plans[j].view(), s.buffers[j].get());
+    }
   }
   const auto t0 = std::chrono::steady_clock::now();
   absl::Status fetched = s.handles[i].Wait();
@@ -306,7 +404,7 @@ bool OffloadedKvCache::AttendInPlace(Sequence& s, int layer, const float* q,
                                      float* att) {
   const int hd = c_.head_dim, group = c_.n_heads / c_.n_kv_heads;
   const kv_memory_service::OwnedFetchPlan& plan = s.plans[layer % 2];
-  const int total = static_cast<int>(plan.indices.size());
+  const int total = plan.head_offsets.back();
   const int width = layout_.row_width;
   const bool want_probs = s.policy->WantsAttentionProbs();
   // The fetched rows in plan order, or (one-sided reads) the node's rows
@@ -391,7 +489,7 @@ void OffloadedKvCache::DecodeFetched(Sequence& s, int layer,
                                      const float* k_new, const float* v_new) {
   const int hd = c_.head_dim;
   const kv_memory_service::OwnedFetchPlan& plan = s.plans[layer % 2];
-  const int total = static_cast<int>(plan.indices.size());
+  const int total = plan.head_offsets.back();
   const KvRowFormat format = s.policy->row_format();
   const int width = layout_.row_width;
   const uint16_t* k_rows = FetchedRows(s, layer);

@@ -65,6 +65,7 @@ absl::Status OffloadedKvCache::InitSequence(Sequence& s,
                                             const KvPolicy::Context& ctx,
                                             bool& pin_warned) {
   IG_ASSIGN_OR_RETURN(s.policy, KvPolicy::Create(*options_.kv.policy, ctx));
+  const int backend_rows = s.policy->MaxBackendPlanRows(max_seq_);
   for (int i = 0; i < 2; ++i) {
     IG_ASSIGN_OR_RETURN(s.buffers[i], options_.kv.kv_client->NewFetchBuffer(
                                           layout_.fetch_values));
@@ -81,11 +82,28 @@ absl::Status OffloadedKvCache::InitSequence(Sequence& s,
                                            &backend_, layout_.fetch_values,
                                            "fetch staging"));
     }
-    if (layout_.staged && options_.kv.direct_reads) {
+    if ((layout_.staged && options_.kv.direct_reads) || backend_rows > 0) {
       IG_ASSIGN_OR_RETURN(
           s.plan_dev[i],
           DeviceBuffer<int32_t>::Make(
               &backend_, layout_.plan_rows + c_.n_kv_heads + 1, "fetch plan"));
+    }
+  }
+  if (layout_.staged && options_.kv.direct_reads && backend_rows > 0) {
+    // Room for every layer's plan made on the backend, for the step's
+    // notes to the node.
+    s.note_rows = static_cast<size_t>(c_.n_kv_heads) * backend_rows;
+    s.note_indices.assign(static_cast<size_t>(c_.n_layers) * s.note_rows, 0);
+    s.note_offsets.assign(c_.n_layers, {});
+    s.noted_layers.reserve(c_.n_layers);
+    const absl::Status pinned =
+        backend_.PinHost(s.note_indices.data(),
+                         s.note_indices.size() * sizeof(int32_t));
+    if (!pinned.ok() && !pin_warned) {
+      IG_LOG(WARNING) << "engine: plan notes stay pageable (copies run "
+                         "slower): "
+                      << pinned.message();
+      pin_warned = true;
     }
   }
   s.present.assign(

@@ -118,6 +118,7 @@ class OffloadedKvCache final : public KvCache {
         s.handles[i].Wait().IgnoreError();
         if (s.buffers[i] != nullptr) backend_.UnpinHost(s.buffers[i]->data());
       }
+      if (!s.note_indices.empty()) backend_.UnpinHost(s.note_indices.data());
     }
   }
 
@@ -226,6 +227,18 @@ class OffloadedKvCache final : public KvCache {
     bool direct = false;
     bool direct_plan[2] = {false, false};
     DeviceBuffer<int32_t> plan_dev[2];
+    // Plans the policy made on the backend (KvPolicy::PlanFetchOnBackend)
+    // land in plan_dev[i]. With one-sided reads onto a device the indices
+    // stay there (plan_on_backend[i]; plans[i] holds the head offsets
+    // alone): a queued copy brings each such layer's indices to
+    // note_indices [layer][note_rows] (pinned) and its offsets are kept in
+    // note_offsets[layer], and the node hears of them at the step's end
+    // (noted_layers, in order), with no wait inside the step.
+    bool plan_on_backend[2] = {false, false};
+    size_t note_rows = 0;
+    std::vector<int32_t> note_indices;
+    std::vector<std::vector<int32_t>> note_offsets;
+    std::vector<int> noted_layers;
   };
 
   // Opens the slot's sequence with the prefix keys of `tokens` (none
@@ -249,6 +262,17 @@ class OffloadedKvCache final : public KvCache {
   void MarkAppended(Sequence& s, int first_layer, int n_layers, int first,
                     int n, const AppendResult& result);
   absl::Status IssueFetch(Sequence& s, int layer, const float* xb_prev);
+  // IssueFetch's plan of `layer` into plans[layer % 2]: on the backend
+  // where the policy can and every position is present, else the
+  // policy's PlanFetch on the host.
+  absl::Status PlanLayer(Sequence& s, int layer, const float* xb_prev);
+  // plans[i]'s indices brought to the host from plan_dev[i] where they
+  // stayed on the backend (a fallback to the node's gather needs them),
+  // the layer's note then left to the gather.
+  absl::Status PlanToHost(Sequence& s, int layer);
+  // The step's notes of plans made on the backend (noted_layers), once
+  // their queued copies have landed.
+  absl::Status NoteBackendPlans(Sequence& s);
   // One-sided reads: after the sequence opened, pins its rows on the node
   // and turns `direct` on where KvOptions::direct_reads allows; EndDirect
   // unpins them (before the sequence closes).

@@ -7,6 +7,7 @@
 #include <limits>
 #include <memory>
 #include <optional>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -655,6 +656,95 @@ TEST_F(PolicyTest, Int4CodecErrorIsWithinHalfAStep) {
     for (int i = 0; i < 64; ++i) {
       EXPECT_NEAR(back[g * 64 + i], rows[g * 64 + i], 0.5f * step * 1.02f + 1e-3f)
           << g << " " << i;
+    }
+  }
+}
+
+// InfiniGen and the oracle plan a selecting layer on the backend where each
+// head takes its top k (a target fetch: the cap alone): the same rows, in
+// the same order, as their plan on the host from the same state; the dense
+// layers, the alpha rule, score mass and sink tokens plan on the host only.
+TEST_F(PolicyTest, PlansOnTheBackendAreTheHostsPlans) {
+  const model::ModelConfig& m = weights_->config;
+  const int n = 50, max_seq = 64;
+  std::unique_ptr<Backend> cpu = NewCpuBackend();
+  KvPolicy::Context ctx;
+  ctx.weights = weights_;
+  ctx.backend = cpu.get();
+  ctx.max_seq_len = max_seq;
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal;
+  auto random = [&](size_t count) {
+    std::vector<float> v(count);
+    for (float& x : v) x = normal(rng);
+    return v;
+  };
+  const std::vector<float> q = random(static_cast<size_t>(n) * m.q_dim());
+  const std::vector<float> k = random(static_cast<size_t>(n) * m.kv_dim());
+  // The same keys as [kv_head][position][head_dim], for FinishPrefillLayer.
+  std::vector<float> keys(k.size());
+  for (int t = 0; t < n; ++t) {
+    for (int g = 0; g < m.n_kv_heads; ++g) {
+      std::copy_n(&k[(static_cast<size_t>(t) * m.n_kv_heads + g) * m.head_dim],
+                  m.head_dim,
+                  &keys[(static_cast<size_t>(g) * n + t) * m.head_dim]);
+    }
+  }
+  const std::vector<float> x = random(m.dim);
+  const std::vector<uint8_t> present(
+      static_cast<size_t>(m.n_kv_heads) * max_seq, 1);
+
+  struct Case {
+    const char* name;
+    PolicyOptions options;
+    bool on_backend;
+  };
+  std::vector<Case> cases;
+  for (PolicyKind kind : {PolicyKind::kInfiniGen, PolicyKind::kOracle}) {
+    PolicyOptions o = Policy(kind);
+    o.skew = skew_;
+    ASSERT_TRUE(SetTargetFetch(0.5, m.n_layers, o).ok());
+    cases.push_back({PolicyName(kind), o, true});
+  }
+  PolicyOptions alpha = Policy(PolicyKind::kInfiniGen);
+  alpha.skew = skew_;
+  cases.push_back({"alpha rule", alpha, false});
+  PolicyOptions mass = cases[0].options;
+  mass.score_mass = 0.9f;
+  cases.push_back({"score mass", mass, false});
+  PolicyOptions sinks = cases[0].options;
+  sinks.sink_tokens = 2;
+  cases.push_back({"sink tokens", sinks, false});
+
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    auto policy = KvPolicy::Create(c.options, ctx);
+    ASSERT_TRUE(policy.ok()) << policy.status();
+    KvPolicy& p = **policy;
+    EXPECT_EQ(p.MaxBackendPlanRows(n) > 0, c.on_backend);
+    for (int l = 0; l < m.n_layers; ++l) {
+      p.ObservePrefill(l, q.data(), k.data(), n, 0, nullptr);
+      ASSERT_TRUE(p.FinishPrefillLayer(l, n, keys.data(), n).ok());
+    }
+    for (int l = 0; l < m.n_layers; ++l) {
+      SCOPED_TRACE(l);
+      kv_memory_service::OwnedFetchPlan host;
+      ASSERT_TRUE(p.PlanFetch(l, n, x.data(), present.data(), host).ok());
+      std::vector<int32_t> indices(
+          static_cast<size_t>(m.n_kv_heads) * std::max(1, p.MaxBackendPlanRows(n)),
+          -1);
+      std::vector<int32_t> offsets;
+      auto made = p.PlanFetchOnBackend(l, n, x.data(), indices.data(), offsets);
+      ASSERT_TRUE(made.ok()) << made.status();
+      const bool selects = l >= c.options.dense_layers;
+      EXPECT_EQ(*made, c.on_backend && selects);
+      if (!*made) continue;
+      // Each head its cap of the 50 cached tokens.
+      EXPECT_EQ(offsets.back(),
+                m.n_kv_heads * static_cast<int>(n * c.options.budget));
+      EXPECT_EQ(offsets, host.head_offsets);
+      indices.resize(offsets.back());
+      EXPECT_EQ(indices, host.indices);
     }
   }
 }

@@ -225,6 +225,20 @@ class CudaBackend final : public Backend {
     return Synchronize();
   }
 
+  void QueueCopyToHost(void* dst, const void* src, size_t bytes) override {
+    constexpr const char* kOp = "QueueCopyToHost";
+    if (!Begin() || bytes == 0) return;
+    if (dst == nullptr) {
+      return Fail(absl::InvalidArgumentError("QueueCopyToHost: dst is null"));
+    }
+    const char* s = In(static_cast<const char*>(src),
+                       static_cast<long>(bytes), kOp, "src");
+    if (!ok()) return;
+    // On the compute stream, after every operation issued so far; the next
+    // Synchronize waits for it.
+    CheckCuda(cudaMemcpyAsync(dst, s, bytes, cudaMemcpyDefault, stream_), kOp);
+  }
+
   absl::Status WaitCopies() override {
     cudaSetDevice(device_);
     const cudaError_t err = cudaStreamSynchronize(copy_stream_);
@@ -596,6 +610,61 @@ class CudaBackend final : public Backend {
     Launched(LaunchSpeculateScores(p, stream_), kOp);
   }
 
+  void SelectTopK(const TopKParams& a) override {
+    constexpr const char* kOp = "SelectTopK";
+    if (!Begin() || a.n_tokens == 0) return;
+    const bool combine = a.n_heads != a.n_kv_heads;
+    bool shape_ok = a.n_tokens > 0 && a.n_kv_heads > 0 &&
+                    a.n_heads >= a.n_kv_heads &&
+                    a.n_heads % a.n_kv_heads == 0 &&
+                    a.head_offsets != nullptr && a.head_offsets[0] == 0;
+    for (int g = 0; shape_ok && g < a.n_kv_heads; ++g) {
+      const int32_t k = a.head_offsets[g + 1] - a.head_offsets[g];
+      shape_ok = k >= 0 && k <= a.n_tokens;
+    }
+    if (!shape_ok) {
+      return FailShape(
+          kOp, absl::StrFormat("n_heads=%d n_kv_heads=%d (must divide) "
+                               "n_tokens=%d, head offsets from 0 ascending "
+                               "by at most n_tokens",
+                               a.n_heads, a.n_kv_heads, a.n_tokens));
+    }
+    const long total = a.head_offsets[a.n_kv_heads];
+    if (total == 0) return;
+    const long n = static_cast<long>(a.n_kv_heads) * a.n_tokens;
+    SelectTopKParams p;
+    p.scores = In(a.scores, static_cast<long>(a.n_heads) * a.n_tokens, kOp,
+                  "scores");
+    p.indices = Out(a.indices, total, kOp, "indices");
+    float* combined =
+        combine ? Out(a.combined, n, kOp, "combined") : nullptr;
+    if (!ok()) return;
+    // The head offsets reach the device through the scratch: a small copy
+    // from pageable memory, staged before cudaMemcpyAsync returns.
+    const size_t offset_bytes = (a.n_kv_heads + 1) * sizeof(int32_t);
+    if (!CheckCuda(select_scratch_.Reserve(offset_bytes, stream_), kOp) ||
+        !CheckCuda(cudaMemcpyAsync(select_scratch_.data(), a.head_offsets,
+                                   offset_bytes, cudaMemcpyHostToDevice,
+                                   stream_),
+                   kOp)) {
+      return;
+    }
+    if (combine) {
+      CombineHeadScoresParams c;
+      c.head_scores = p.scores;
+      c.scores = combined;
+      c.n_heads = a.n_heads;
+      c.n_kv_heads = a.n_kv_heads;
+      c.n_tokens = a.n_tokens;
+      if (!Launched(LaunchCombineHeadScores(c, stream_), kOp)) return;
+      p.scores = combined;
+    }
+    p.n_kv_heads = a.n_kv_heads;
+    p.n_tokens = a.n_tokens;
+    p.head_offsets = reinterpret_cast<const int32_t*>(select_scratch_.data());
+    Launched(LaunchSelectTopK(p, stream_), kOp);
+  }
+
   void QuantizePartialKeys(const float* keys, int n_rows, int n_cols,
                            uint8_t* rows) override {
     constexpr const char* kOp = "QuantizePartialKeys";
@@ -800,6 +869,7 @@ class CudaBackend final : public Backend {
   std::map<std::pair<const float*, long>, uint16_t*> half_weights_;
   DeviceScratch linear_scratch_;     // fp16 x, and w when not registered
   DeviceScratch attention_scratch_;  // split-KV partial results
+  DeviceScratch select_scratch_;     // SelectTopK's head offsets
 };
 
 }  // namespace

@@ -11,10 +11,13 @@
 #include <cmath>
 #include <deque>
 #include <iostream>
+#include <iterator>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_format.h"
 #include "gpu_worker/backend/backend.h"
 #include "gpu_worker/backend/cpu/cpu_backend.h"
 #include "gpu_worker/backend/cuda/parity_testing.h"
@@ -541,6 +544,103 @@ TEST_F(CudaBackendTest, SpeculateScoresMatchesCpu) {
     EXPECT_EQ(other->Synchronize().code(),
               absl::StatusCode::kInvalidArgument);
   }
+}
+
+// Device-side selection as the policy drives it: speculated logits in
+// device memory, each head's count on the host, the chosen positions left
+// in device memory. One query head per KV head ranks its logits: exactly
+// the CPU's rows. GQA ranks the group's log-softmax, whose log-sum-exp is
+// summed in another order: the rows agree but for positions whose combined
+// score lies within 1e-4 of the head's cut. Counts above n_tokens are
+// rejected.
+TEST_F(CudaBackendTest, SelectTopKMatchesCpu) {
+  for (const int n_heads : {4, 16}) {
+    const int n_kv_heads = 4;
+    for (const int n_tokens : {3, 4096, 32768}) {
+      std::vector<float> logits =
+          Normal(static_cast<size_t>(n_heads) * n_tokens, rng_);
+      std::vector<int32_t> offsets(1, 0);
+      for (int g = 0; g < n_kv_heads; ++g) {
+        offsets.push_back(offsets.back() +
+                          std::max(1, n_tokens * (g + 1) / 10));
+      }
+      TopKParams p;
+      p.n_heads = n_heads;
+      p.n_kv_heads = n_kv_heads;
+      p.n_tokens = n_tokens;
+      p.head_offsets = offsets.data();
+      std::vector<int32_t> want(offsets.back());
+      std::vector<float> combined(static_cast<size_t>(n_kv_heads) * n_tokens);
+      p.scores = logits.data();
+      p.indices = want.data();
+      p.combined = combined.data();
+      cpu_->SelectTopK(p);
+      SharedVector<float> glogits = Shared(gpu_.get(), logits);
+      SharedVector<float> gcombined(combined.size(), 0.0f,
+                                    SharedAllocator<float>(gpu_.get()));
+      SharedVector<int32_t> got(want.size(), -1,
+                                SharedAllocator<int32_t>(gpu_.get()));
+      p.scores = glogits.data();
+      p.indices = got.data();
+      p.combined = gcombined.data();
+      gpu_->SelectTopK(p);
+      ASSERT_TRUE(gpu_->Synchronize().ok()) << gpu_->Synchronize();
+      for (int g = 0; g < n_kv_heads; ++g) {
+        SCOPED_TRACE(absl::StrFormat("n_heads=%d n_tokens=%d head %d",
+                                     n_heads, n_tokens, g));
+        const std::vector<int32_t> w(want.begin() + offsets[g],
+                                     want.begin() + offsets[g + 1]);
+        const std::vector<int32_t> d(got.begin() + offsets[g],
+                                     got.begin() + offsets[g + 1]);
+        ASSERT_TRUE(std::is_sorted(d.begin(), d.end()));
+        if (n_heads == n_kv_heads) {
+          EXPECT_EQ(d, w);
+          continue;
+        }
+        // The CPU's combined scores of this head: its cut is the least
+        // chosen one.
+        const float* c = combined.data() + static_cast<size_t>(g) * n_tokens;
+        float cut = std::numeric_limits<float>::infinity();
+        for (int32_t t : w) cut = std::min(cut, c[t]);
+        std::vector<int32_t> only_one;
+        std::set_symmetric_difference(d.begin(), d.end(), w.begin(), w.end(),
+                                      std::back_inserter(only_one));
+        for (int32_t t : only_one) {
+          EXPECT_NEAR(c[t], cut, 1e-4f) << "position " << t;
+        }
+        EXPECT_LE(only_one.size(), 4u);
+      }
+    }
+  }
+  // A head asked for more tokens than there are.
+  auto other = NewGpu(false);
+  ASSERT_NE(other, nullptr);
+  std::vector<int32_t> offsets = {0, 5};
+  SharedVector<float> logits(4, 0.0f, SharedAllocator<float>(other.get()));
+  SharedVector<int32_t> indices(5, 0, SharedAllocator<int32_t>(other.get()));
+  TopKParams p;
+  p.scores = logits.data();
+  p.n_heads = p.n_kv_heads = 1;
+  p.n_tokens = 4;
+  p.head_offsets = offsets.data();
+  p.indices = indices.data();
+  other->SelectTopK(p);
+  EXPECT_EQ(other->Synchronize().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// QueueCopyToHost lands in host memory by the next Synchronize, holding
+// what the source held when it was queued (a later operation's write to
+// the source is not in it).
+TEST_F(CudaBackendTest, QueuedCopiesToTheHostLandBySynchronize) {
+  const std::vector<float> values = Normal(1 << 16, rng_);
+  SharedVector<float> src = Shared(gpu_.get(), values);
+  std::vector<float> dst(values.size(), 0.0f);
+  ASSERT_TRUE(gpu_->PinHost(dst.data(), dst.size() * sizeof(float)).ok());
+  gpu_->QueueCopyToHost(dst.data(), src.data(), dst.size() * sizeof(float));
+  gpu_->Scale(src.data(), static_cast<long>(src.size()), 2.0f);
+  ASSERT_TRUE(gpu_->Synchronize().ok());
+  EXPECT_EQ(dst, values);
+  gpu_->UnpinHost(dst.data());
 }
 
 // Fetched rows as the engine moves them: stored rows (fp16 and int4) in

@@ -240,19 +240,37 @@ int LaunchQuantizePartialKeys(const QuantizePartialKeysParams& p,
                               void* stream);
 
 struct SelectTopKParams {
-  const float* scores;  // [n_kv_heads, n_tokens], no NaN
+  const float* scores;  // [n_kv_heads, n_tokens]
   int32_t* indices;     // [n_kv_heads, k]: each head's k chosen positions
   int n_kv_heads = 0;
   int n_tokens = 0;
   int k = 0;  // 1..n_tokens
+  // Where set ([n_kv_heads + 1], device memory): head g takes
+  // head_offsets[g + 1] - head_offsets[g] positions (0..n_tokens, which the
+  // caller checked), written at indices + head_offsets[g]; k is unused.
+  const int32_t* head_offsets = nullptr;
 };
 
 // Per KV head, the k highest-scoring positions (ties to the lower
-// position; -0 equals +0), written in ascending order: the layout of
-// speculator::SelectTokens' `indices` for a given k. One block per head: a
-// four-pass radix select finds the k-th largest score, then one ordered
-// scan emits the positions.
+// position; -0 equals +0; NaN below every number), written in ascending
+// order: speculator::SelectTopKPerHead's `indices` for the same counts. One
+// block per head: a four-pass radix select finds the k-th largest score,
+// then one ordered scan emits the positions.
 int LaunchSelectTopK(const SelectTopKParams& p, void* stream);
+
+struct CombineHeadScoresParams {
+  const float* head_scores;  // [n_heads, n_tokens]: speculated logits
+  float* scores;             // [n_kv_heads, n_tokens]
+  int n_heads = 0;           // a multiple of n_kv_heads
+  int n_kv_heads = 0;
+  int n_tokens = 0;
+};
+
+// speculator::CombineHeadScores with every token present: per KV head and
+// token, the largest over its query heads of logit - log-sum-exp. One
+// block per KV head; the sums run in another order than the CPU's (the
+// log-sum-exp differs in its last bits).
+int LaunchCombineHeadScores(const CombineHeadScoresParams& p, void* stream);
 
 }  // namespace infinigen::gpu_worker::cuda
 

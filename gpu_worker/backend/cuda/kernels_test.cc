@@ -595,6 +595,68 @@ TEST_F(CudaKernels, SelectTopKBreaksTiesByPosition) {
   }
 }
 
+// Exact. Each head its own count (none, one, a third, all) over scores
+// with NaN, infinities and ties: speculator::SelectTopKPerHead's rows.
+TEST_F(CudaKernels, SelectTopKTakesEachHeadsCount) {
+  const int n_kv_heads = 5;
+  std::uniform_int_distribution<int> tie(0, 9);
+  for (int n_tokens : {1, 700, 33000}) {
+    std::vector<float> scores =
+        Normal(static_cast<size_t>(n_kv_heads) * n_tokens, rng_);
+    for (size_t i = 0; i < scores.size(); ++i) {
+      const int r = tie(rng_);
+      if (r == 0) scores[i] = std::nanf("");
+      if (r == 1) scores[i] = 0.5f;
+      if (r == 2 && i % 3 == 0) {
+        scores[i] = -std::numeric_limits<float>::infinity();
+      }
+    }
+    const int counts[n_kv_heads] = {0, 1, n_tokens / 3, n_tokens,
+                                    (n_tokens + 1) / 2};
+    std::vector<int32_t> offsets(1, 0);
+    for (int k : counts) offsets.push_back(offsets.back() + k);
+    std::vector<int32_t> want, want_offsets;
+    speculator::SelectTopKPerHead(scores.data(), n_kv_heads, n_tokens,
+                                  nullptr, counts, want, want_offsets);
+    ASSERT_EQ(want_offsets, offsets);
+    DeviceArray<float> dscores(scores);
+    DeviceArray<int32_t> doffsets(offsets);
+    DeviceArray<int32_t> dindices(std::max<size_t>(want.size(), 1));
+    SelectTopKParams p{dscores.get(), dindices.get(), n_kv_heads, n_tokens, 0};
+    p.head_offsets = doffsets.get();
+    ExpectRan(LaunchSelectTopK(p, nullptr));
+    std::vector<int32_t> got = dindices.ToHost();
+    got.resize(want.size());
+    EXPECT_EQ(got, want) << "n_tokens=" << n_tokens;
+  }
+}
+
+// The combined rank of GQA heads against speculator::CombineHeadScores:
+// 1e-5 * (1 + |want|) (the log-sum-exp summed in another order); a head of
+// -inf logits adds nothing, as on the CPU.
+TEST_F(CudaKernels, CombineHeadScoresMatchesSpeculator) {
+  const int n_heads = 12, n_kv_heads = 3;
+  for (int n_tokens : {1, 37, 5000}) {
+    std::vector<float> logits =
+        Normal(static_cast<size_t>(n_heads) * n_tokens, rng_);
+    for (float& v : logits) v *= 4.0f;
+    std::fill_n(logits.begin() + n_tokens, n_tokens,
+                -std::numeric_limits<float>::infinity());  // head 1
+    std::vector<float> want(static_cast<size_t>(n_kv_heads) * n_tokens);
+    speculator::CombineHeadScores(logits.data(), n_heads, n_kv_heads,
+                                  n_tokens, nullptr, want.data());
+    DeviceArray<float> dlogits(logits), dscores(want.size());
+    ExpectRan(LaunchCombineHeadScores(
+        {dlogits.get(), dscores.get(), n_heads, n_kv_heads, n_tokens},
+        nullptr));
+    const std::vector<float> got = dscores.ToHost();
+    for (size_t i = 0; i < want.size(); ++i) {
+      ASSERT_NEAR(got[i], want[i], 1e-5f * (1 + std::abs(want[i])))
+          << "n_tokens=" << n_tokens << " i=" << i;
+    }
+  }
+}
+
 // No device needed: every launcher rejects bad arguments before any CUDA
 // call, with cudaErrorInvalidValue.
 TEST(CudaKernelArguments, RejectedBeforeLaunch) {
@@ -722,6 +784,9 @@ TEST(CudaKernelArguments, RejectedBeforeLaunch) {
   EXPECT_EQ(LaunchSelectTopK({f, i32, 3, 100, 0}, nullptr), bad);
   EXPECT_EQ(LaunchSelectTopK({f, i32, 3, 100, 101}, nullptr), bad);
   EXPECT_EQ(LaunchSelectTopK({f, i32, 0, 100, 5}, nullptr), bad);
+  EXPECT_EQ(LaunchCombineHeadScores({f, f, 6, 4, 100}, nullptr), bad);
+  EXPECT_EQ(LaunchCombineHeadScores({f, f, 6, 3, 0}, nullptr), bad);
+  EXPECT_EQ(LaunchCombineHeadScores({nullptr, f, 6, 3, 100}, nullptr), bad);
 }
 
 }  // namespace

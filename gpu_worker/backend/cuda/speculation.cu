@@ -103,8 +103,10 @@ __global__ void QuantizePartialKeysKernel(QuantizePartialKeysParams p) {
   }
 }
 
-// Unsigned keys in the order of the floats (no NaN); -0 and +0 share one.
+// Unsigned keys in the order of the floats; -0 and +0 share one, NaN takes
+// 0, below every number (-inf's key is 0x007FFFFF).
 __device__ uint32_t OrderedKey(float f) {
+  if (f != f) return 0u;
   const uint32_t u = f == 0.0f ? 0u : __float_as_uint(f);
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
@@ -145,12 +147,19 @@ __global__ void __launch_bounds__(kTopKThreads)
   __shared__ int chosen_remaining;
   __shared__ int scan_scratch[32];
   const float* scores = p.scores + static_cast<long>(blockIdx.x) * p.n_tokens;
-  int32_t* out = p.indices + static_cast<long>(blockIdx.x) * p.k;
+  const long first = p.head_offsets != nullptr
+                         ? p.head_offsets[blockIdx.x]
+                         : static_cast<long>(blockIdx.x) * p.k;
+  const int k = p.head_offsets != nullptr
+                    ? p.head_offsets[blockIdx.x + 1] - p.head_offsets[blockIdx.x]
+                    : p.k;
+  if (k <= 0) return;  // the whole block alike
+  int32_t* out = p.indices + first;
 
   // Invariant: `remaining` of the keys matching `prefix` on `mask` are
   // still to be taken, and exactly k - remaining keys lie above them.
   uint32_t prefix = 0, mask = 0;
-  int remaining = p.k;
+  int remaining = k;
   for (int shift = 24; shift >= 0; shift -= 8) {
     for (int b = threadIdx.x; b < 256; b += blockDim.x) histogram[b] = 0;
     __syncthreads();
@@ -180,7 +189,7 @@ __global__ void __launch_bounds__(kTopKThreads)
   const uint32_t threshold = prefix;
   const int take_equal = remaining;
   int equal_before_chunk = 0, taken_before_chunk = 0;
-  for (int base = 0; base < p.n_tokens && taken_before_chunk < p.k;
+  for (int base = 0; base < p.n_tokens && taken_before_chunk < k;
        base += blockDim.x) {
     const int t = base + threadIdx.x;
     const bool valid = t < p.n_tokens;
@@ -196,6 +205,61 @@ __global__ void __launch_bounds__(kTopKThreads)
     if (take) out[slot] = t;
     equal_before_chunk += equal_total;
     taken_before_chunk += taken_total;
+  }
+}
+
+// The block's largest of v (every thread's), or its sum: one value per
+// thread in, the result to every thread. `scratch` holds 32 floats.
+template <bool kSum>
+__device__ float BlockReduce(float v, float* scratch) {
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int n_warps = blockDim.x / 32;
+  for (int off = 16; off > 0; off >>= 1) {
+    const float u = __shfl_xor_sync(kFullMask, v, off);
+    v = kSum ? v + u : fmaxf(v, u);
+  }
+  __syncthreads();  // a previous call's readers are done
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < n_warps ? scratch[lane] : (kSum ? 0.0f : -CUDART_INF_F);
+  for (int off = 16; off > 0; off >>= 1) {
+    const float u = __shfl_xor_sync(kFullMask, v, off);
+    v = kSum ? v + u : fmaxf(v, u);
+  }
+  return v;
+}
+
+// One block per KV head: each query head's max and sum of exponentials
+// over the tokens (fmaxf passes NaN over, as std::max does in the CPU's
+// loop), then its log-probabilities folded into the head's running max.
+__global__ void __launch_bounds__(kTopKThreads)
+    CombineHeadScoresKernel(CombineHeadScoresParams p) {
+  __shared__ float scratch[32];
+  const int group = p.n_heads / p.n_kv_heads;
+  float* out = p.scores + static_cast<long>(blockIdx.x) * p.n_tokens;
+  for (int t = threadIdx.x; t < p.n_tokens; t += blockDim.x) {
+    out[t] = -CUDART_INF_F;
+  }
+  for (int j = 0; j < group; ++j) {
+    const float* s = p.head_scores +
+                     static_cast<long>(blockIdx.x * group + j) * p.n_tokens;
+    float top = -CUDART_INF_F;
+    for (int t = threadIdx.x; t < p.n_tokens; t += blockDim.x) {
+      top = fmaxf(top, s[t]);
+    }
+    top = BlockReduce<false>(top, scratch);
+    if (top == -CUDART_INF_F) continue;  // as the CPU: nothing to add
+    float sum = 0.0f;
+    for (int t = threadIdx.x; t < p.n_tokens; t += blockDim.x) {
+      sum += expf(s[t] - top);
+    }
+    const float lse = top + logf(BlockReduce<true>(sum, scratch));
+    // Each thread updates only its own tokens: no barrier needed.
+    for (int t = threadIdx.x; t < p.n_tokens; t += blockDim.x) {
+      const float v = s[t] - lse;
+      out[t] = out[t] < v ? v : out[t];  // std::max(out, v): NaN v passes
+    }
   }
 }
 
@@ -237,11 +301,21 @@ int LaunchQuantizePartialKeys(const QuantizePartialKeysParams& p,
 
 int LaunchSelectTopK(const SelectTopKParams& p, void* stream) {
   if (!p.scores || !p.indices || p.n_kv_heads <= 0 || p.n_tokens <= 0 ||
-      p.k <= 0 || p.k > p.n_tokens) {
+      (p.head_offsets == nullptr && (p.k <= 0 || p.k > p.n_tokens))) {
     return static_cast<int>(cudaErrorInvalidValue);
   }
   SelectTopKKernel<<<p.n_kv_heads, kTopKThreads, 0,
                      static_cast<cudaStream_t>(stream)>>>(p);
+  return static_cast<int>(cudaGetLastError());
+}
+
+int LaunchCombineHeadScores(const CombineHeadScoresParams& p, void* stream) {
+  if (!p.head_scores || !p.scores || p.n_kv_heads <= 0 || p.n_tokens <= 0 ||
+      p.n_heads < p.n_kv_heads || p.n_heads % p.n_kv_heads != 0) {
+    return static_cast<int>(cudaErrorInvalidValue);
+  }
+  CombineHeadScoresKernel<<<p.n_kv_heads, kTopKThreads, 0,
+                            static_cast<cudaStream_t>(stream)>>>(p);
   return static_cast<int>(cudaGetLastError());
 }
 

@@ -44,9 +44,12 @@ const speculator::TaskRunner* SelectionRunner(size_t scores) {
 // activations: the partial key cache [layer][kv_head][max_seq][n_cols] (its
 // device memory), the partial key weights (the partial columns of each
 // skew, so that a key's partial row is one product) and the scores live in
-// its memory; only
-// the scores come back to the host, where the threshold-and-cap selection
-// runs. Choosing the partial columns (once per prompt) runs on the host.
+// its memory. Where each head takes its top k (the cap alone, alpha off, as
+// --target_fetch sets it; or adaptive budgets) the selection runs there too
+// (PlanFetchOnBackend: nothing comes back to the host); the alpha rule,
+// score mass, sinks and recent tokens, and evicted positions select on the
+// host from the scores copied back. Choosing the partial columns (once per
+// prompt) runs on the host.
 class InfiniGenPolicy final : public KvPolicy {
  public:
   // `owned_skew`: the skew to use instead of o.skew (the oracle's identity).
@@ -89,6 +92,8 @@ class InfiniGenPolicy final : public KvPolicy {
                                                       // new_partial_k_
           2 * q_dim * sizeof(float) +                 // q_, q_skewed_
           2 * n_heads * max_seq * sizeof(float) +     // scores_ (+host)
+          (n_heads > n_kv ? n_kv * max_seq * sizeof(float) : 0) +
+                                                      // combined_
           n_kv * max_seq * (sizeof(float) + 1) +      // scores_host_, present_
           sizeof(int));                               // position_
     }
@@ -156,6 +161,11 @@ class InfiniGenPolicy final : public KvPolicy {
     IG_ASSIGN_OR_RETURN(scores_, DeviceBuffer<float>::Make(
                                      b, z.n_heads * z.max_seq,
                                      "speculated scores"));
+    if (z.n_heads > z.n_kv) {
+      IG_ASSIGN_OR_RETURN(combined_, DeviceBuffer<float>::Make(
+                                         b, z.n_kv * z.max_seq,
+                                         "combined scores"));
+    }
     head_scores_host_.assign(z.n_heads * z.max_seq, 0.0f);
     scores_host_.assign(z.n_kv * z.max_seq, 0.0f);
     IG_ASSIGN_OR_RETURN(position_,
@@ -303,35 +313,9 @@ class InfiniGenPolicy final : public KvPolicy {
       return absl::OkStatus();
     }
     const model::ModelConfig& m = config();
-    const model::LayerWeights& w = ctx_.weights->layers[layer];
-    const int d = m.head_dim, group = m.n_heads / m.n_kv_heads;
+    const int group = m.n_heads / m.n_kv_heads;
     Backend& b = *ctx_.backend;
-    // The approximate query of `layer` from the previous layer's input,
-    // rotated, then skewed per group. The last copy from position_host_
-    // finished: the previous PlanFetch ended with CopyToHost, which waits.
-    ProjectQuery(b, m, w, xb_prev, p, &position_host_, position_.data(),
-                 q_.data());
-    for (int g = 0; g < m.n_kv_heads; ++g) {
-      const size_t at = static_cast<size_t>(g) * group * d;
-      b.Linear(q_.data() + at, group, d, SkewT(layer, g), nullptr, d,
-               q_skewed_.data() + at);
-    }
-    // Each query head's speculated logits over its KV head's partial keys
-    // [n_heads][p] (each row read once for its group), then per KV head the
-    // largest of its heads' log-softmax (speculator::CombineHeadScores).
-    SpeculationParams sp;
-    sp.q_skewed = q_skewed_.data();
-    sp.partial_k = PartialK(layer, 0);
-    sp.cols = cols_dev_.data() + Head(layer, 0) * n_cols_;
-    sp.scores = scores_.data();
-    sp.n_heads = m.n_heads;
-    sp.n_kv_heads = m.n_kv_heads;
-    sp.d = d;
-    sp.k_stride = ctx_.max_seq_len;
-    sp.n_tokens = p;
-    sp.n_cols = n_cols_;
-    sp.format = format_;
-    b.SpeculateScores(sp);
+    IG_RETURN_IF_ERROR(Speculate(layer, p, xb_prev));
     IG_RETURN_IF_ERROR(b.CopyToHost(
         head_scores_host_.data(), scores_.data(),
         static_cast<size_t>(m.n_heads) * p * sizeof(float)));
@@ -353,13 +337,8 @@ class InfiniGenPolicy final : public KvPolicy {
                                     scores_host_.data(), run);
       scores = scores_host_.data();
     }
-    if (!head_budgets_.empty()) {
-      head_k_.resize(m.n_kv_heads);
-      for (int g = 0; g < m.n_kv_heads; ++g) {
-        head_k_[g] = std::max(
-            1, static_cast<int>(static_cast<float>(p) *
-                                head_budgets_[Head(layer, g)]));
-      }
+    if (RanksTopK()) {
+      HeadCounts(layer, p, head_k_);
       speculator::SelectTopKPerHead(scores, m.n_kv_heads, p,
                                     present_.data(), head_k_.data(),
                                     plan.indices, plan.head_offsets, run);
@@ -379,6 +358,102 @@ class InfiniGenPolicy final : public KvPolicy {
     if (options_.sink_tokens > 0 || options_.recent_tokens > 0) {
       AddSinksAndRecent(p, plan);
     }
+    return absl::OkStatus();
+  }
+
+  // Each head takes its top k: adaptive budgets, or the cap alone (alpha
+  // off, as SetTargetFetch sets it: every finite score is within alpha of
+  // the max, so SelectTokens' k would be the cap), with no score mass.
+  bool RanksTopK() const {
+    return !head_budgets_.empty() ||
+           (options_.score_mass == 0.0f && options_.alpha >= kAlphaOff);
+  }
+  static constexpr float kAlphaOff = 1e9f;
+
+  // Each KV head's k at `layer` with positions [0, p) cached (RanksTopK;
+  // at most p).
+  void HeadCounts(int layer, int p, std::vector<int>& k) const {
+    const int n_kv = config().n_kv_heads;
+    k.resize(n_kv);
+    for (int g = 0; g < n_kv; ++g) {
+      const float budget = head_budgets_.empty()
+                               ? options_.budget
+                               : head_budgets_[Head(layer, g)];
+      k[g] = std::min(
+          p, std::max(1, static_cast<int>(static_cast<float>(p) * budget)));
+    }
+  }
+
+  int MaxBackendPlanRows(int p) const override {
+    if (!RanksTopK() || options_.sink_tokens > 0 ||
+        options_.recent_tokens > 0) {
+      return 0;
+    }
+    float budget = options_.budget;
+    for (float b : head_budgets_) budget = std::max(budget, b);
+    return std::min(
+        p, std::max(1, static_cast<int>(static_cast<float>(p) * budget)));
+  }
+
+  absl::StatusOr<bool> PlanFetchOnBackend(
+      int layer, int p, const float* xb_prev, int32_t* indices,
+      std::vector<int32_t>& head_offsets) override {
+    if (layer < options_.dense_layers || xb_prev == nullptr || p <= 0 ||
+        MaxBackendPlanRows(p) == 0) {
+      return false;
+    }
+    const model::ModelConfig& m = config();
+    IG_RETURN_IF_ERROR(Speculate(layer, p, xb_prev));
+    HeadCounts(layer, p, head_k_);
+    head_offsets.assign(m.n_kv_heads + 1, 0);
+    for (int g = 0; g < m.n_kv_heads; ++g) {
+      head_offsets[g + 1] = head_offsets[g] + head_k_[g];
+    }
+    TopKParams t;
+    t.scores = scores_.data();
+    t.n_heads = m.n_heads;
+    t.n_kv_heads = m.n_kv_heads;
+    t.n_tokens = p;
+    t.head_offsets = head_offsets.data();
+    t.indices = indices;
+    t.combined = combined_.data();
+    t.run = SelectionRunner(static_cast<size_t>(m.n_heads) * p);
+    ctx_.backend->SelectTopK(t);
+    return true;
+  }
+
+  // The speculated logits of `layer`'s query heads over positions [0, p)
+  // into scores_ [n_heads][p]: the approximate query from the previous
+  // layer's input, rotated, skewed per KV head, against the partial keys.
+  absl::Status Speculate(int layer, int p, const float* xb_prev) {
+    const model::ModelConfig& m = config();
+    const model::LayerWeights& w = ctx_.weights->layers[layer];
+    const int d = m.head_dim, group = m.n_heads / m.n_kv_heads;
+    Backend& b = *ctx_.backend;
+    // The last copy from position_host_ must have read it.
+    IG_RETURN_IF_ERROR(b.WaitCopies());
+    ProjectQuery(b, m, w, xb_prev, p, &position_host_, position_.data(),
+                 q_.data());
+    for (int g = 0; g < m.n_kv_heads; ++g) {
+      const size_t at = static_cast<size_t>(g) * group * d;
+      b.Linear(q_.data() + at, group, d, SkewT(layer, g), nullptr, d,
+               q_skewed_.data() + at);
+    }
+    // Each query head's speculated logits over its KV head's partial keys
+    // [n_heads][p] (each row read once for its group).
+    SpeculationParams sp;
+    sp.q_skewed = q_skewed_.data();
+    sp.partial_k = PartialK(layer, 0);
+    sp.cols = cols_dev_.data() + Head(layer, 0) * n_cols_;
+    sp.scores = scores_.data();
+    sp.n_heads = m.n_heads;
+    sp.n_kv_heads = m.n_kv_heads;
+    sp.d = d;
+    sp.k_stride = ctx_.max_seq_len;
+    sp.n_tokens = p;
+    sp.n_cols = n_cols_;
+    sp.format = format_;
+    b.SpeculateScores(sp);
     return absl::OkStatus();
   }
 
@@ -486,6 +561,7 @@ class InfiniGenPolicy final : public KvPolicy {
   DeviceBuffer<float> new_partial_k_;  // [max_seq][n_cols]: before rows
   DeviceBuffer<float> q_, q_skewed_;  // [n_heads * d]
   DeviceBuffer<float> scores_;       // [head][p]: speculated logits
+  DeviceBuffer<float> combined_;     // [kv_head][p]: GQA's combined rank
   DeviceBuffer<int> position_;       // [1]: the speculated query's position
 };
 
