@@ -919,6 +919,9 @@ class GuardedDeviceBackend final : public Backend {
     Open open(this);
     ++copies_in;
     if (!InDevice(dst)) violations_->push_back("a copy into host memory");
+    if (!Pinned(src, static_cast<long>(bytes))) {
+      largest_unpinned_copy_in = std::max(largest_unpinned_copy_in, bytes);
+    }
     std::memcpy(dst, src, bytes);
   }
   absl::Status CopyToHost(void* dst, const void* src, size_t bytes) override {
@@ -987,6 +990,7 @@ class GuardedDeviceBackend final : public Backend {
   long copies_in = 0, decodes = 0, shared_allocations = 0;
   long gathers = 0, pins = 0, unpins = 0;
   long copies_out = 0, queued_copies_out = 0, selections = 0;
+  size_t largest_unpinned_copy_in = 0;
 
  private:
   // Device memory readable and writable for the life of this object.
@@ -1098,8 +1102,9 @@ TEST_F(KvCacheTest, OneSidedReadsGiveTheGathersAnswers) {
     ASSERT_TRUE(direct.ok()) << direct.status();
     ASSERT_TRUE(gather.ok()) << gather.status();
     ASSERT_NO_FATAL_FAILURE(ExpectSameDecoding(**direct, **gather));
-    // The two fetch buffers, and the K and V rows of the one sequence.
-    EXPECT_EQ(d->pins, 4);
+    // The two fetch buffers, the two plan buffers, and the K and V rows of
+    // the one sequence.
+    EXPECT_EQ(d->pins, 6);
     EXPECT_THAT(violations, ::testing::IsEmpty());
     ExpectNotedAsGathered(direct_node, gather_node);
     EXPECT_GT(d->gathers, 0);
@@ -1216,6 +1221,32 @@ TEST_F(KvCacheTest, PlansMadeOnTheDeviceReachTheNodeAtTheStepsEnd) {
   EXPECT_EQ(d->selections, 0);
 }
 
+// A device's one-sided reads take their plans from pinned memory: a copy
+// from pageable memory would hold the host until the device reached it,
+// every layer. What a decode step copies from pageable memory is small
+// (head offsets, the position).
+TEST_F(KvCacheTest, OneSidedReadPlansReachTheDeviceFromPinnedMemory) {
+  FakeKvClient node;
+  std::vector<std::string> violations;
+  auto backend = std::make_unique<GuardedDeviceBackend>(&violations);
+  GuardedDeviceBackend* d = backend.get();
+  EngineOptions o = Options("full", &node);
+  o.kv.direct_reads = true;
+  auto engine = Engine::Create(weights_, std::move(backend), o);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  const std::vector<int> t = Tokens(40);
+  ASSERT_TRUE((*engine)->Forward(absl::MakeConstSpan(t).subspan(0, 30), false)
+                  .ok());
+  d->largest_unpinned_copy_in = 0;
+  for (int i = 30; i < 40; ++i) {
+    ASSERT_TRUE((*engine)->Forward({t[i]}, false).ok());
+  }
+  EXPECT_GT(d->gathers, 0);
+  // Each plan names 2 heads x 30-odd rows: 240 bytes or more.
+  EXPECT_LE(d->largest_unpinned_copy_in, 3 * sizeof(int32_t));
+  EXPECT_THAT(violations, ::testing::IsEmpty());
+}
+
 TEST_F(KvCacheTest, OneSidedReadsFallBackToTheNodesGather) {
   const std::vector<int> t = Tokens(36);
   // A backend that cannot read host memory in place: the node gathers,
@@ -1250,9 +1281,9 @@ TEST_F(KvCacheTest, OneSidedReadsFallBackToTheNodesGather) {
     EXPECT_EQ(node.fetches().size(), gather_node.fetches().size());
     EXPECT_TRUE(node.notes().empty());
     EXPECT_EQ(d->selections > 0, selects);
-    // The node's rows were given back once refused; the fetch buffers (and
-    // InfiniGen's plan notes) stay.
-    EXPECT_EQ(d->pins, selects ? 5 : 4);
+    // The node's rows were given back once refused; the fetch and plan
+    // buffers (and InfiniGen's plan notes) stay.
+    EXPECT_EQ(d->pins, selects ? 7 : 6);
     EXPECT_EQ(d->unpins, 2);
     EXPECT_THAT(violations, ::testing::IsEmpty());
   }

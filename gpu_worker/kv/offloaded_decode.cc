@@ -273,13 +273,19 @@ bool OffloadedKvCache::ReadDirect(Sequence& s, int layer) {
   // The plan reaches the device on the copy queue once the rows staged[i]
   // last held (and so this plan buffer's last reader) were used; indices
   // made on the backend are there already.
+  // Both through the pinned plan_host[i], laid out as plan_dev[i] (the
+  // last copy out of it has finished: IssueFetch waited for copies).
   int32_t* indices = s.plan_dev[i].data();
   int32_t* offsets = indices + layout_.plan_rows;
+  int32_t* host = s.plan_host[i].data();
   if (n > 0 && !s.plan_on_backend[i]) {
-    backend_.CopyFromHost(indices, plan.indices.data(), n * sizeof(int32_t),
+    std::memcpy(host, plan.indices.data(), n * sizeof(int32_t));
+    backend_.CopyFromHost(indices, host, n * sizeof(int32_t),
                           s.staged_free[i]);
   }
-  backend_.CopyFromHost(offsets, plan.head_offsets.data(),
+  std::copy(plan.head_offsets.begin(), plan.head_offsets.end(),
+            host + layout_.plan_rows);
+  backend_.CopyFromHost(offsets, host + layout_.plan_rows,
                         plan.head_offsets.size() * sizeof(int32_t),
                         s.staged_free[i]);
   if (n == 0) return true;  // nothing to read

@@ -66,6 +66,11 @@ absl::Status OffloadedKvCache::InitSequence(Sequence& s,
                                             bool& pin_warned) {
   IG_ASSIGN_OR_RETURN(s.policy, KvPolicy::Create(*options_.kv.policy, ctx));
   const int backend_rows = s.policy->MaxBackendPlanRows(max_seq_);
+  // Whether a device may read this sequence's rows where the node keeps
+  // them (BeginDirect decides for each sequence; not where the node may
+  // evict).
+  const bool reads_direct = layout_.staged && options_.kv.direct_reads &&
+                            geometry_.max_tokens >= max_seq_;
   for (int i = 0; i < 2; ++i) {
     IG_ASSIGN_OR_RETURN(s.buffers[i], options_.kv.kv_client->NewFetchBuffer(
                                           layout_.fetch_values));
@@ -88,8 +93,19 @@ absl::Status OffloadedKvCache::InitSequence(Sequence& s,
           DeviceBuffer<int32_t>::Make(
               &backend_, layout_.plan_rows + c_.n_kv_heads + 1, "fetch plan"));
     }
+    if (reads_direct) {
+      s.plan_host[i].assign(layout_.plan_rows + c_.n_kv_heads + 1, 0);
+      const absl::Status pinned = backend_.PinHost(
+          s.plan_host[i].data(), s.plan_host[i].size() * sizeof(int32_t));
+      if (!pinned.ok() && !pin_warned) {
+        IG_LOG(WARNING) << "engine: fetch plans stay pageable (copies hold "
+                           "the host): "
+                        << pinned.message();
+        pin_warned = true;
+      }
+    }
   }
-  if (layout_.staged && options_.kv.direct_reads && backend_rows > 0) {
+  if (reads_direct && backend_rows > 0) {
     // Room for every layer's plan made on the backend, for the step's
     // notes to the node.
     s.note_rows = static_cast<size_t>(c_.n_kv_heads) * backend_rows;

@@ -117,6 +117,7 @@ class OffloadedKvCache final : public KvCache {
       for (int i = 0; i < 2; ++i) {
         s.handles[i].Wait().IgnoreError();
         if (s.buffers[i] != nullptr) backend_.UnpinHost(s.buffers[i]->data());
+        if (!s.plan_host[i].empty()) backend_.UnpinHost(s.plan_host[i].data());
       }
       if (!s.note_indices.empty()) backend_.UnpinHost(s.note_indices.data());
     }
@@ -227,6 +228,9 @@ class OffloadedKvCache final : public KvCache {
     bool direct = false;
     bool direct_plan[2] = {false, false};
     DeviceBuffer<int32_t> plan_dev[2];
+    // plans[i]'s indices on their way to plan_dev[i], pinned (a copy from
+    // pageable memory would hold the host until the device reached it).
+    std::vector<int32_t> plan_host[2];
     // Plans the policy made on the backend (KvPolicy::PlanFetchOnBackend)
     // land in plan_dev[i]. With one-sided reads onto a device the indices
     // stay there (plan_on_backend[i]; plans[i] holds the head offsets
