@@ -25,6 +25,12 @@ void PolicyOps::DecodeKvRows(const uint16_t* in, int n_rows, int head_dim,
   gpu_worker::DecodeKvRows(format, in, n_rows, head_dim, rows);
 }
 
+bool PolicyOps::EncodeKvRows(const float* rows, int n_rows, int head_dim,
+                             KvRowFormat format, uint16_t* out) {
+  gpu_worker::EncodeKvRows(format, rows, n_rows, head_dim, out);
+  return true;
+}
+
 void PolicyOps::SpeculateScores(const SpeculationParams& p) {
   speculator::SpeculateScores(p.q_skewed, p.n_heads, p.n_kv_heads, p.d,
                               p.partial_k, p.k_stride, p.n_tokens, p.cols,

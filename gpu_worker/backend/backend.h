@@ -114,6 +114,13 @@ class PolicyOps {
   // kv_rows.h) decoded. Default: DecodeKvRows on the host.
   virtual void DecodeKvRows(const uint16_t* in, int n_rows, int head_dim,
                             KvRowFormat format, float* rows);
+  // out [n_rows, KvRowWidth(format, head_dim)] = rows [n_rows, head_dim]
+  // (fp32) encoded as the memory node stores them, the same bits as
+  // EncodeKvRows (kv_rows.h). Returns false, doing nothing, where the
+  // backend cannot encode the format: the caller then encodes on the host.
+  // Default: EncodeKvRows on the host.
+  virtual bool EncodeKvRows(const float* rows, int n_rows, int head_dim,
+                            KvRowFormat format, uint16_t* out);
   // InfiniGen's speculated scores (speculation_params.h). Default:
   // speculator::SpeculateScores on the host.
   virtual void SpeculateScores(const SpeculationParams& p);
@@ -309,6 +316,10 @@ class BackendWrapper : public Backend {
   void DecodeKvRows(const uint16_t* in, int n_rows, int head_dim,
                     KvRowFormat format, float* rows) override {
     target_->DecodeKvRows(in, n_rows, head_dim, format, rows);
+  }
+  bool EncodeKvRows(const float* rows, int n_rows, int head_dim,
+                    KvRowFormat format, uint16_t* out) override {
+    return target_->EncodeKvRows(rows, n_rows, head_dim, format, out);
   }
   void SpeculateScores(const SpeculationParams& p) override {
     target_->SpeculateScores(p);

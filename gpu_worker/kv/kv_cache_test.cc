@@ -141,6 +141,32 @@ class FakeKvClient final : public KvClient {
       SequenceId seq) override {
     return store_.GetDirectRows(seq);
   }
+  // The K then V rows the first sequence opened holds, every layer and
+  // head, slots [0, n) (`width` values a row).
+  std::vector<uint16_t> StoredRows(int n_layers, int n_kv_heads, int n,
+                                   int width) {
+    SequenceId seq;
+    {
+      absl::MutexLock lock(&mu_);
+      if (opened_.empty()) return {};
+      seq = opened_.front();
+    }
+    auto rows = store_.GetDirectRows(seq);
+    EXPECT_TRUE(rows.ok()) << rows.status();
+    if (!rows.ok()) return {};
+    std::vector<uint16_t> out;
+    for (const uint16_t* kv : {rows->k, rows->v}) {
+      for (int l = 0; l < n_layers; ++l) {
+        for (int g = 0; g < n_kv_heads; ++g) {
+          const uint16_t* head =
+              kv + l * rows->layer_values +
+              static_cast<size_t>(g) * rows->max_tokens * width;
+          out.insert(out.end(), head, head + static_cast<size_t>(n) * width);
+        }
+      }
+    }
+    return out;
+  }
   kv_memory_service::FetchHandle NoteFetchedAsync(
       SequenceId seq, int32_t layer, const FetchPlan& plan,
       FetchBuffer*) override {
@@ -902,6 +928,16 @@ class GuardedDeviceBackend final : public Backend {
     }
     cpu_->DecodeKvRows(in, n_rows, head_dim, format, rows);
   }
+  bool EncodeKvRows(const float* rows, int n_rows, int head_dim,
+                    KvRowFormat format, uint16_t* out) override {
+    if (format != KvRowFormat::kHalf) return false;  // as CUDA's
+    Open open(this);
+    ++encodes;
+    if (!InDevice(rows) || !InDevice(out)) {
+      violations_->push_back("rows encoded outside device memory");
+    }
+    return cpu_->EncodeKvRows(rows, n_rows, head_dim, format, out);
+  }
   void SpeculateScores(const SpeculationParams& p) override {
     Open open(this);
     cpu_->SpeculateScores(p);
@@ -989,7 +1025,7 @@ class GuardedDeviceBackend final : public Backend {
   void set_gathers_rows(bool on) { gathers_rows_ = on; }
   long copies_in = 0, decodes = 0, shared_allocations = 0;
   long gathers = 0, pins = 0, unpins = 0;
-  long copies_out = 0, queued_copies_out = 0, selections = 0;
+  long copies_out = 0, queued_copies_out = 0, selections = 0, encodes = 0;
   size_t largest_unpinned_copy_in = 0;
 
  private:
@@ -1102,9 +1138,9 @@ TEST_F(KvCacheTest, OneSidedReadsGiveTheGathersAnswers) {
     ASSERT_TRUE(direct.ok()) << direct.status();
     ASSERT_TRUE(gather.ok()) << gather.status();
     ASSERT_NO_FATAL_FAILURE(ExpectSameDecoding(**direct, **gather));
-    // The two fetch buffers, the two plan buffers, and the K and V rows of
-    // the one sequence.
-    EXPECT_EQ(d->pins, 6);
+    // The prefill's K and V row stages, the two fetch buffers, the two plan
+    // buffers, and the K and V rows of the one sequence.
+    EXPECT_EQ(d->pins, 8);
     EXPECT_THAT(violations, ::testing::IsEmpty());
     ExpectNotedAsGathered(direct_node, gather_node);
     EXPECT_GT(d->gathers, 0);
@@ -1194,10 +1230,12 @@ TEST_F(KvCacheTest, PlansMadeOnTheDeviceReachTheNodeAtTheStepsEnd) {
     ExpectNotedAsGathered(direct_node, gather_node);
     // Every selecting layer of every step: 10 of 12 layers, 10 steps.
     EXPECT_EQ(d->selections, 10 * 10);
-    EXPECT_EQ(d->queued_copies_out, 10 * 10);
-    // The node's gather needs the plan on the host: copied, not queued.
+    // The prompt's K and V rows, 2 chunks of 12 layers, and one plan note
+    // per selection; the node's gather needs the plan on the host: copied,
+    // not queued.
     EXPECT_EQ(g->selections, 10 * 10);
-    EXPECT_EQ(g->queued_copies_out, 0);
+    EXPECT_EQ(g->queued_copies_out, 2 * 2 * 12);
+    EXPECT_EQ(d->queued_copies_out, 2 * 2 * 12 + 10 * 10);
 
     auto counted_backend = std::make_unique<GuardedDeviceBackend>(&violations);
     GuardedDeviceBackend* c = counted_backend.get();
@@ -1247,6 +1285,52 @@ TEST_F(KvCacheTest, OneSidedReadPlansReachTheDeviceFromPinnedMemory) {
   EXPECT_THAT(violations, ::testing::IsEmpty());
 }
 
+// A device encodes the prompt's fp16 rows for the memory node itself (the
+// host's bits: the node holds what a CPU engine stores) and queues them to
+// the host: for a policy that does not observe the prompt's queries and
+// keys, nothing else leaves the device during the prefill (as many copies
+// out as the local cache's: the logits). int4 rows, which it does not
+// encode, are encoded on the host.
+TEST_F(KvCacheTest, PrefillRowsAreEncodedOnTheDevice) {
+  const std::vector<int> t = Tokens(40);
+  // The engine, kept: its sequence closes with it.
+  auto prefill = [&](const std::string& kind, std::unique_ptr<Backend> b,
+                     FakeKvClient* node) -> std::unique_ptr<Engine> {
+    auto e = Engine::Create(weights_, std::move(b), Options(kind, node));
+    EXPECT_TRUE(e.ok()) << e.status();
+    if (!e.ok()) return nullptr;
+    EXPECT_TRUE((*e)->Forward(t, false).ok());
+    return std::move(*e);
+  };
+  std::vector<std::string> violations;
+  FakeKvClient unused;
+  auto ideal_backend = std::make_unique<GuardedDeviceBackend>(&violations);
+  GuardedDeviceBackend* ideal = ideal_backend.get();
+  prefill("ideal", std::move(ideal_backend), &unused);
+  for (std::string kind : {"full", "h2o", "infinigen", "int4"}) {
+    SCOPED_TRACE(kind);
+    FakeKvClient device_node, cpu_node;
+    auto device = std::make_unique<GuardedDeviceBackend>(&violations);
+    GuardedDeviceBackend* d = device.get();
+    auto on_device = prefill(kind, std::move(device), &device_node);
+    auto on_cpu = prefill(kind, NewCpuBackend(), &cpu_node);
+    const int width = KvRowWidth(
+        kind == "int4" ? KvRowFormat::kInt4 : KvRowFormat::kHalf, 8);
+    const std::vector<uint16_t> stored =
+        device_node.StoredRows(12, 2, 40, width);
+    ASSERT_EQ(stored.size(), 2u * 12 * 2 * 40 * width);
+    EXPECT_EQ(stored, cpu_node.StoredRows(12, 2, 40, width));
+    if (kind == "int4") {
+      EXPECT_EQ(d->encodes, 0);
+      continue;
+    }
+    // K and V of 3 chunks (16, 16, 8), 12 layers.
+    EXPECT_EQ(d->encodes, 2 * 3 * 12);
+    if (kind == "full") EXPECT_EQ(d->copies_out, ideal->copies_out);
+  }
+  EXPECT_THAT(violations, ::testing::IsEmpty());
+}
+
 TEST_F(KvCacheTest, OneSidedReadsFallBackToTheNodesGather) {
   const std::vector<int> t = Tokens(36);
   // A backend that cannot read host memory in place: the node gathers,
@@ -1283,7 +1367,7 @@ TEST_F(KvCacheTest, OneSidedReadsFallBackToTheNodesGather) {
     EXPECT_EQ(d->selections > 0, selects);
     // The node's rows were given back once refused; the fetch and plan
     // buffers (and InfiniGen's plan notes) stay.
-    EXPECT_EQ(d->pins, selects ? 7 : 6);
+    EXPECT_EQ(d->pins, selects ? 9 : 8);
     EXPECT_EQ(d->unpins, 2);
     EXPECT_THAT(violations, ::testing::IsEmpty());
   }
@@ -1304,7 +1388,7 @@ TEST_F(KvCacheTest, OneSidedReadsFallBackToTheNodesGather) {
     ASSERT_TRUE((*engine)->Forward({t[30]}, false).ok());
     EXPECT_FALSE(node.fetches().empty());
     EXPECT_TRUE(node.notes().empty());
-    EXPECT_EQ(d->pins, 2);  // the fetch buffers alone
+    EXPECT_EQ(d->pins, 4);  // the fetch buffers and row stages alone
   }
 }
 

@@ -229,6 +229,10 @@ class KvPolicy {
   // WantsPrefillProbs, the summed attention probabilities prob_sums
   // [n_heads, first_pos + n].
   virtual bool WantsPrefillProbs() const { return false; }
+  // Whether ObservePrefill and SummarizePrefill read q and k (the cache
+  // then copies them to the host; else it passes null and the prefill's
+  // rows never leave the backend but encoded).
+  virtual bool ObservesPrefill() const { return false; }
   virtual void ObservePrefill(int layer, const float* q, const float* k,
                               int n, int first_pos, const float* prob_sums) {}
 

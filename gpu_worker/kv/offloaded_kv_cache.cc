@@ -174,6 +174,20 @@ absl::Status OffloadedKvCache::InitSharedBuffers() {
       static_cast<size_t>(max_seq_) * c_.n_kv_heads * layout_.row_width;
   k_stage_.resize(stage);
   v_stage_.resize(stage);
+  if (layout_.staged) {
+    // A device's encoded prefill rows are queued here: pinned, so that the
+    // copies run beside its work.
+    for (std::vector<uint16_t>* stage_rows : {&k_stage_, &v_stage_}) {
+      const absl::Status pinned = backend_.PinHost(
+          stage_rows->data(), stage_rows->size() * sizeof(uint16_t));
+      if (!pinned.ok()) {
+        IG_LOG(WARNING) << "engine: the prefill's row stage stays pageable "
+                           "(copies run slower): "
+                        << pinned.message();
+        break;
+      }
+    }
+  }
   return absl::OkStatus();
 }
 

@@ -121,6 +121,8 @@ class OffloadedKvCache final : public KvCache {
       }
       if (!s.note_indices.empty()) backend_.UnpinHost(s.note_indices.data());
     }
+    backend_.UnpinHost(k_stage_.data());
+    backend_.UnpinHost(v_stage_.data());
   }
 
   absl::Status Init();

@@ -53,31 +53,51 @@ absl::Status OffloadedKvCache::PrefillAttention(int layer, int pos, int rows,
   if (pos == prefill_first_ && s.cached > 0) {
     IG_RETURN_IF_ERROR(LoadPrefix(s, layer));
   }
-  // The host encodes the chunk's rows for the memory node and shows the
-  // policy its queries and keys.
+  // The chunk's rows encoded for the memory node: by the backend where it
+  // can (a device then queues them to the pinned host stage, read at the
+  // layer's end), else on the host. The policy sees the queries and keys
+  // on the host where it observes them.
   const size_t kv_values = static_cast<size_t>(rows) * kvd;
-  IG_RETURN_IF_ERROR(backend_.CopyToHost(
-      q_host_.data(), q, static_cast<size_t>(rows) * c_.q_dim() * sizeof(float)));
-  IG_RETURN_IF_ERROR(
-      backend_.CopyToHost(k_host_.data(), k, kv_values * sizeof(float)));
-  IG_RETURN_IF_ERROR(
-      backend_.CopyToHost(v_host_.data(), v, kv_values * sizeof(float)));
+  const bool observes = s.policy->ObservesPrefill();
+  if (observes) {
+    IG_RETURN_IF_ERROR(backend_.CopyToHost(
+        q_host_.data(), q,
+        static_cast<size_t>(rows) * c_.q_dim() * sizeof(float)));
+    IG_RETURN_IF_ERROR(
+        backend_.CopyToHost(k_host_.data(), k, kv_values * sizeof(float)));
+  }
   const size_t at = static_cast<size_t>(pos) * c_.n_kv_heads *
                     layout_.row_width;
-  s.policy->EncodeRows(k_host_.data(), rows * c_.n_kv_heads, &k_stage_[at]);
-  s.policy->EncodeRows(v_host_.data(), rows * c_.n_kv_heads, &v_stage_[at]);
-  // A policy that reuses prefixes attends over the chunk's rows as the
-  // memory node will hold them (encoded, then decoded on the backend), as it
-  // reads a reused prefix's and as decode steps read every row: a prefill
-  // computed here and one that attaches another sequence's stored rows give
-  // the same result, bit for bit. The others attend over the exact rows.
-  const float* k_att = k;
-  const float* v_att = v;
-  if (s.policy->ReusesPrefix()) {
-    const size_t row_values = static_cast<size_t>(rows) * c_.n_kv_heads *
-                              layout_.row_width;
-    const uint16_t* k_stored = &k_stage_[at];
-    const uint16_t* v_stored = &v_stage_[at];
+  const size_t row_values = static_cast<size_t>(rows) * c_.n_kv_heads *
+                            layout_.row_width;
+  const KvRowFormat format = s.policy->row_format();
+  const int n_rows = rows * c_.n_kv_heads;
+  // Where the encoded rows are for the backend: chunk_stage_ on a device,
+  // the host stage itself on the host.
+  const uint16_t* k_stored = &k_stage_[at];
+  const uint16_t* v_stored = &v_stage_[at];
+  uint16_t* k_enc = layout_.staged ? chunk_stage_.data() : &k_stage_[at];
+  uint16_t* v_enc = k_enc + (layout_.staged ? row_values : 0);
+  if (!layout_.staged) v_enc = &v_stage_[at];
+  if (backend_.EncodeKvRows(k, n_rows, hd, format, k_enc) &&
+      backend_.EncodeKvRows(v, n_rows, hd, format, v_enc)) {
+    if (layout_.staged) {
+      backend_.QueueCopyToHost(&k_stage_[at], k_enc,
+                               row_values * sizeof(uint16_t));
+      backend_.QueueCopyToHost(&v_stage_[at], v_enc,
+                               row_values * sizeof(uint16_t));
+      k_stored = k_enc;
+      v_stored = v_enc;
+    }
+  } else {
+    if (!observes) {
+      IG_RETURN_IF_ERROR(
+          backend_.CopyToHost(k_host_.data(), k, kv_values * sizeof(float)));
+    }
+    IG_RETURN_IF_ERROR(
+        backend_.CopyToHost(v_host_.data(), v, kv_values * sizeof(float)));
+    s.policy->EncodeRows(k_host_.data(), n_rows, &k_stage_[at]);
+    s.policy->EncodeRows(v_host_.data(), n_rows, &v_stage_[at]);
     if (layout_.staged) {
       backend_.CopyFromHost(chunk_stage_.data(), k_stored,
                             row_values * sizeof(uint16_t), chunk_stage_free_);
@@ -86,15 +106,23 @@ absl::Status OffloadedKvCache::PrefillAttention(int layer, int pos, int rows,
       k_stored = chunk_stage_.data();
       v_stored = chunk_stage_.data() + row_values;
     }
+  }
+  // A policy that reuses prefixes attends over the chunk's rows as the
+  // memory node will hold them (encoded, then decoded on the backend), as it
+  // reads a reused prefix's and as decode steps read every row: a prefill
+  // computed here and one that attaches another sequence's stored rows give
+  // the same result, bit for bit. The others attend over the exact rows.
+  const float* k_att = k;
+  const float* v_att = v;
+  if (s.policy->ReusesPrefix()) {
     float* k_dec = chunk_rows_.data();
     float* v_dec = k_dec + static_cast<size_t>(rows) * kvd;
-    const KvRowFormat format = s.policy->row_format();
-    backend_.DecodeKvRows(k_stored, rows * c_.n_kv_heads, hd, format, k_dec);
-    backend_.DecodeKvRows(v_stored, rows * c_.n_kv_heads, hd, format, v_dec);
-    chunk_stage_free_ = backend_.MarkIssued();
+    backend_.DecodeKvRows(k_stored, n_rows, hd, format, k_dec);
+    backend_.DecodeKvRows(v_stored, n_rows, hd, format, v_dec);
     k_att = k_dec;
     v_att = v_dec;
   }
+  chunk_stage_free_ = backend_.MarkIssued();
   // The layer's keys and values so far, for its attention.
   for (int g = 0; g < c_.n_kv_heads; ++g) {
     const size_t dst = (static_cast<size_t>(g) * stride_ + pos) * hd;
@@ -118,7 +146,8 @@ absl::Status OffloadedKvCache::PrefillAttention(int layer, int pos, int rows,
     IG_RETURN_IF_ERROR(backend_.CopyToHost(prefill_probs_host_.data(), probs,
                                            prob_values * sizeof(float)));
   }
-  s.policy->ObservePrefill(layer, q_host_.data(), k_host_.data(), rows, pos,
+  s.policy->ObservePrefill(layer, observes ? q_host_.data() : nullptr,
+                           observes ? k_host_.data() : nullptr, rows, pos,
                            probs != nullptr ? prefill_probs_host_.data()
                                             : nullptr);
   // Summaries of the whole blocks this sequence will share.
@@ -159,6 +188,8 @@ absl::Status OffloadedKvCache::EndPrefillLayer(int layer) {
           per_block * sizeof(float));
     }
   }
+  // The rows a device encoded were queued to the host stage.
+  IG_RETURN_IF_ERROR(backend_.Synchronize());
   IG_RETURN_IF_ERROR(AppendRows(s, layer, 1, &k_stage_[at], &v_stage_[at], n,
                                 &result, &meta, s.annotated_first));
   MarkAppended(s, layer, 1, prefill_first_, n, result);

@@ -945,7 +945,8 @@ TEST_F(PolicyTest, FetchedRowsMoveThroughPinnedCopiesInMarkOrder) {
         }
       }
     }
-    EXPECT_EQ(log.pins, 2 * 2);  // two fetch buffers per slot
+    // Two fetch buffers per slot, the prefill's K and V row stages.
+    EXPECT_EQ(log.pins, 2 * 2 + 2);
     // Fetched rows: one copy per slot, layer and step, from pinned memory.
     EXPECT_EQ(log.copies, 2L * steps * layers);
     // Nothing but control data moves from pageable memory while decoding:

@@ -581,6 +581,25 @@ class CudaBackend final : public Backend {
     }
   }
 
+  // fp16 rows on the device (FloatToHalf, common/half.h's bits); int4 rows
+  // are encoded on the host.
+  bool EncodeKvRows(const float* rows, int n_rows, int head_dim,
+                    KvRowFormat format, uint16_t* out) override {
+    constexpr const char* kOp = "EncodeKvRows";
+    if (format != KvRowFormat::kHalf) return false;
+    if (!Begin() || n_rows == 0) return true;
+    if (n_rows < 0 || head_dim <= 0) {
+      FailShape(kOp, absl::StrFormat("n_rows=%d head_dim=%d", n_rows,
+                                     head_dim));
+      return true;
+    }
+    const long count = static_cast<long>(n_rows) * head_dim;
+    const float* in = In(rows, count, kOp, "rows");
+    uint16_t* od = Out(out, count, kOp, "out");
+    if (ok()) Launched(LaunchFloatToHalf({in, od, count}, stream_), kOp);
+    return true;
+  }
+
   void SpeculateScores(const SpeculationParams& a) override {
     constexpr const char* kOp = "SpeculateScores";
     if (!Begin() || a.n_tokens == 0) return;

@@ -195,6 +195,7 @@ class InfiniGenPolicy final : public KvPolicy {
     std::fill(k_col_sums_.begin(), k_col_sums_.end(), 0.0f);
   }
 
+  bool ObservesPrefill() const override { return true; }
   void ObservePrefill(int layer, const float* q, const float* k, int n,
                       int first_pos, const float* prob_sums) override {
     const model::ModelConfig& m = config();
