@@ -3,6 +3,8 @@
 #include "gpu_worker/backend/backend.h"
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
@@ -59,6 +61,51 @@ void PolicyOps::SelectTopK(const TopKParams& p) {
   speculator::SelectTopKPerHead(rank, p.n_kv_heads, p.n_tokens, nullptr,
                                 k.data(), indices, offsets, p.run);
   std::copy(indices.begin(), indices.end(), p.indices);
+}
+
+void AttendStagedRowsOnHost(const StagedRowsAttention& p) {
+  const int hd = p.head_dim, group = p.n_heads / p.n_kv_heads;
+  const int width = KvRowWidth(p.format, hd);
+  std::vector<float> k, v, scores;
+  for (int g = 0; g < p.n_kv_heads; ++g) {
+    const int first = p.head_offsets[g];
+    const int count = p.head_offsets[g + 1] - first;
+    // The head's rows decoded, then the new token's.
+    k.resize(static_cast<size_t>(count + 1) * hd);
+    v.resize(k.size());
+    gpu_worker::DecodeKvRows(p.format,
+                             p.k_rows + static_cast<size_t>(first) * width,
+                             count, hd, k.data());
+    gpu_worker::DecodeKvRows(p.format,
+                             p.v_rows + static_cast<size_t>(first) * width,
+                             count, hd, v.data());
+    std::copy_n(p.k_new + static_cast<size_t>(g) * hd, hd,
+                k.data() + static_cast<size_t>(count) * hd);
+    std::copy_n(p.v_new + static_cast<size_t>(g) * hd, hd,
+                v.data() + static_cast<size_t>(count) * hd);
+    for (int h = g * group; h < (g + 1) * group; ++h) {
+      const float* q = p.q + static_cast<size_t>(h) * hd;
+      scores.resize(count + 1);
+      float top = -std::numeric_limits<float>::infinity();
+      for (int t = 0; t <= count; ++t) {
+        float dot = 0.0f;
+        for (int d = 0; d < hd; ++d) dot += q[d] * k[static_cast<size_t>(t) * hd + d];
+        scores[t] = dot * p.scale;
+        top = std::max(top, scores[t]);
+      }
+      float sum = 0.0f;
+      for (float& s : scores) {
+        s = std::exp(s - top);
+        sum += s;
+      }
+      float* out = p.out + static_cast<size_t>(h) * hd;
+      std::fill(out, out + hd, 0.0f);
+      for (int t = 0; t <= count; ++t) {
+        const float w = scores[t] / sum;
+        for (int d = 0; d < hd; ++d) out[d] += w * v[static_cast<size_t>(t) * hd + d];
+      }
+    }
+  }
 }
 
 void Backend::CopyRows(float* dst, long dst_stride, const float* src,

@@ -79,6 +79,34 @@ struct StoredRowsAttention {
   int prob_stride = 0;
 };
 
+// Decode attention of one token's query heads over the rows a fetch staged
+// in the backend's memory (K rows of every KV head in plan order, then the
+// V rows, as stored), every KV head at once: head g's rows are [head_offsets
+// [g], head_offsets[g + 1]) of k_rows and v_rows, then the new token's
+// exact row. head_offsets is backend memory (a plan made there needs no
+// host copy of it).
+struct StagedRowsAttention {
+  const float* q = nullptr;         // [n_heads, head_dim]
+  const uint16_t* k_rows = nullptr;  // [rows, row_width] stored K rows
+  const uint16_t* v_rows = nullptr;  // [rows, row_width] stored V rows
+  const int32_t* head_offsets = nullptr;  // [n_kv_heads + 1]
+  long rows = 0;                     // head_offsets[n_kv_heads]
+  const float* k_new = nullptr;      // [n_kv_heads, head_dim]
+  const float* v_new = nullptr;      // [n_kv_heads, head_dim]
+  float* out = nullptr;              // [n_heads, head_dim]
+  int n_heads = 0;
+  int n_kv_heads = 0;
+  int head_dim = 0;
+  // No head has more rows (for splitting a head's rows over blocks).
+  int max_head_rows = 0;
+  KvRowFormat format = KvRowFormat::kHalf;
+  float scale = 1.0f;  // applied to q.k before the softmax
+};
+
+// The reference: each head's rows decoded, then a softmax attention over
+// them and the new row, on the host (every pointer host memory).
+void AttendStagedRowsOnHost(const StagedRowsAttention& p);
+
 // Each KV head's highest-ranked tokens among n_tokens speculated scores, in
 // the backend's memory (the plan of a selecting layer, made where its
 // scores are). KV head g takes head_offsets[g + 1] - head_offsets[g]
@@ -138,6 +166,14 @@ class PolicyOps {
   // memory): the caller then decodes them (DecodeKvRows) and runs
   // Attention. Default: false.
   virtual bool AttendStoredRows(const StoredRowsAttention& p) { return false; }
+  // Attention over a fetch's staged rows, every KV head in one operation
+  // (StagedRowsAttention). Returns false, doing nothing, where the backend
+  // cannot (the format): the caller then decodes each head's rows
+  // (DecodeKvRows) and runs Attention. Default: false (a host backend
+  // attends over fetched rows where they lie: AttendStoredRows).
+  virtual bool AttendStagedRows(const StagedRowsAttention& p) {
+    return false;
+  }
   // One-sided reads (gather_rows.h): the plan's K and V rows read from
   // p.k_rows and p.v_rows, which lie in host memory pinned with PinHost
   // (a device reads it over the bus), into backend memory p.out, queued
@@ -327,6 +363,9 @@ class BackendWrapper : public Backend {
   void SelectTopK(const TopKParams& p) override { target_->SelectTopK(p); }
   bool AttendStoredRows(const StoredRowsAttention& p) override {
     return target_->AttendStoredRows(p);
+  }
+  bool AttendStagedRows(const StagedRowsAttention& p) override {
+    return target_->AttendStagedRows(p);
   }
   bool GatherRows(const GatherRowsParams& p) override {
     return target_->GatherRows(p);

@@ -178,6 +178,84 @@ TEST(CpuBackend, AttendsStoredRowsInPlaceLikeDecodedAttention) {
 // Sliding-window attention (Gemma 3's local layers) against a direct
 // softmax over each query's last `window` rows, with a prefill chunk whose
 // windows start at different rows, and the H2O sums only over the window.
+// The staged rows' reference (what the CUDA kernel is tested against) is
+// the engine's head-by-head path: each head's rows decoded with the new
+// row after them, then Attention, within float rounding. An empty head
+// attends to the new row alone; int4 rows decode as stored.
+TEST(AttendStagedRowsOnHost, MatchesDecodedAttentionHeadByHead) {
+  std::mt19937 rng(9);
+  std::normal_distribution<float> normal;
+  auto cpu = NewCpuBackend();
+  for (KvRowFormat format : {KvRowFormat::kHalf, KvRowFormat::kInt4}) {
+    const int n_heads = 6, n_kv_heads = 3, hd = 64;
+    const int width = KvRowWidth(format, hd);
+    const std::vector<int32_t> offsets = {0, 37, 37, 137};  // head 1 empty
+    const int rows = offsets.back();
+    std::vector<float> exact(static_cast<size_t>(rows) * hd);
+    for (float& x : exact) x = normal(rng);
+    std::vector<uint16_t> k_rows(static_cast<size_t>(rows) * width),
+        v_rows(k_rows.size());
+    EncodeKvRows(format, exact.data(), rows, hd, k_rows.data());
+    for (float& x : exact) x = normal(rng);
+    EncodeKvRows(format, exact.data(), rows, hd, v_rows.data());
+    std::vector<float> q(n_heads * hd), k_new(n_kv_heads * hd),
+        v_new(n_kv_heads * hd);
+    for (auto* v : {&q, &k_new, &v_new}) {
+      for (float& x : *v) x = normal(rng);
+    }
+    StagedRowsAttention p;
+    std::vector<float> got(n_heads * hd, -1.0f);
+    p.q = q.data();
+    p.k_rows = k_rows.data();
+    p.v_rows = v_rows.data();
+    p.head_offsets = offsets.data();
+    p.rows = rows;
+    p.k_new = k_new.data();
+    p.v_new = v_new.data();
+    p.out = got.data();
+    p.n_heads = n_heads;
+    p.n_kv_heads = n_kv_heads;
+    p.head_dim = hd;
+    p.max_head_rows = 100;
+    p.format = format;
+    p.scale = 0.125f;
+    AttendStagedRowsOnHost(p);
+    for (int h = 0; h < n_heads; ++h) {
+      const int g = h / 2;
+      const int count = offsets[g + 1] - offsets[g];
+      std::vector<float> k((count + 1) * hd), v((count + 1) * hd);
+      DecodeKvRows(format, k_rows.data() + offsets[g] * width, count, hd,
+                   k.data());
+      DecodeKvRows(format, v_rows.data() + offsets[g] * width, count, hd,
+                   v.data());
+      std::copy_n(&k_new[g * hd], hd, &k[count * hd]);
+      std::copy_n(&v_new[g * hd], hd, &v[count * hd]);
+      std::vector<float> want(hd);
+      AttentionParams a;
+      a.q = &q[h * hd];
+      a.k = k.data();
+      a.v = v.data();
+      a.out = want.data();
+      a.n = 1;
+      a.n_heads = 1;
+      a.n_kv_heads = 1;
+      a.head_dim = hd;
+      a.kv_stride = count + 1;
+      a.kv_len0 = count + 1;
+      a.scale = 0.125f;
+      cpu->Attention(a);
+      for (int d = 0; d < hd; ++d) {
+        ASSERT_NEAR(got[h * hd + d], want[d], 1e-5f * (1 + std::fabs(want[d])))
+            << KvRowFormatName(format) << " head " << h << " dim " << d;
+      }
+      if (count == 0) {
+        // The new row alone: its value row, exactly.
+        for (int d = 0; d < hd; ++d) EXPECT_EQ(got[h * hd + d], v_new[g * hd + d]);
+      }
+    }
+  }
+}
+
 TEST(CpuBackend, SlidingWindowAttentionSeesOnlyTheLastRows) {
   auto cpu = NewCpuBackend();
   constexpr int kHeads = 4, kKvHeads = 2, kDim = 8, kStride = 32;

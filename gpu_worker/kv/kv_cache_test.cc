@@ -928,6 +928,27 @@ class GuardedDeviceBackend final : public Backend {
     }
     cpu_->DecodeKvRows(in, n_rows, head_dim, format, rows);
   }
+  // fp16 rows, as CUDA's: the host reference over device memory.
+  bool AttendStagedRows(const StagedRowsAttention& p) override {
+    if (p.format != KvRowFormat::kHalf) return false;
+    Open open(this);
+    ++staged_attentions;
+    if (!InDevice(p.q) || !InDevice(p.k_rows) || !InDevice(p.v_rows) ||
+        !InDevice(p.head_offsets) || !InDevice(p.k_new) ||
+        !InDevice(p.v_new) || !InDevice(p.out)) {
+      violations_->push_back("staged attention outside device memory");
+    }
+    int most = 0;
+    for (int g = 0; g < p.n_kv_heads; ++g) {
+      most = std::max(most, p.head_offsets[g + 1] - p.head_offsets[g]);
+    }
+    if (most != p.max_head_rows || p.head_offsets[p.n_kv_heads] != p.rows) {
+      violations_->push_back("staged attention's host bounds are not its "
+                             "offsets'");
+    }
+    AttendStagedRowsOnHost(p);
+    return true;
+  }
   bool EncodeKvRows(const float* rows, int n_rows, int head_dim,
                     KvRowFormat format, uint16_t* out) override {
     if (format != KvRowFormat::kHalf) return false;  // as CUDA's
@@ -1026,6 +1047,7 @@ class GuardedDeviceBackend final : public Backend {
   long copies_in = 0, decodes = 0, shared_allocations = 0;
   long gathers = 0, pins = 0, unpins = 0;
   long copies_out = 0, queued_copies_out = 0, selections = 0, encodes = 0;
+  long staged_attentions = 0;
   size_t largest_unpinned_copy_in = 0;
 
  private:
@@ -1111,7 +1133,16 @@ TEST_F(KvCacheTest, DeviceBackendsReadFetchedRowsFromTheirOwnMemory) {
     if (kind != "ideal") {
       // At least one copy of fetched rows per layer and step.
       EXPECT_GE(d->copies_in - copies_after_prefill, 10L * 12);
-      EXPECT_GE(d->decodes, 2L * 2 * 10 * 12);
+      if (kind == "full" || kind == "infinigen") {
+        // fp16 rows: one attention over every head's staged rows per
+        // layer and step.
+        EXPECT_EQ(d->staged_attentions, 10 * 12);
+      } else {
+        // int4 rows (and h2o, which sums probabilities): each head's rows
+        // decoded, K and V.
+        EXPECT_EQ(d->staged_attentions, 0);
+        EXPECT_GE(d->decodes, 2L * 2 * 10 * 12);
+      }
     }
   }
 }
@@ -1388,7 +1419,7 @@ TEST_F(KvCacheTest, OneSidedReadsFallBackToTheNodesGather) {
     ASSERT_TRUE((*engine)->Forward({t[30]}, false).ok());
     EXPECT_FALSE(node.fetches().empty());
     EXPECT_TRUE(node.notes().empty());
-    EXPECT_EQ(d->pins, 4);  // the fetch buffers and row stages alone
+    EXPECT_EQ(d->pins, 6);  // the fetch and plan buffers, the row stages
   }
 }
 

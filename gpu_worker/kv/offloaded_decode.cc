@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <thread>
 #include <vector>
@@ -266,6 +267,39 @@ absl::Status OffloadedKvCache::IssueFetch(Sequence& s, int layer,
   return absl::OkStatus();
 }
 
+void OffloadedKvCache::UploadOffsets(Sequence& s, int i) {
+  const std::vector<int32_t>& offsets = s.plans[i].head_offsets;
+  int32_t* host = s.plan_host[i].data() + layout_.plan_rows;
+  std::copy(offsets.begin(), offsets.end(), host);
+  backend_.CopyFromHost(s.plan_dev[i].data() + layout_.plan_rows, host,
+                        offsets.size() * sizeof(int32_t), s.staged_free[i]);
+}
+
+bool OffloadedKvCache::AttendStaged(Sequence& s, int layer, const float* q,
+                                    const float* k_new, const float* v_new,
+                                    float* att) {
+  const int i = layer % 2;
+  const std::vector<int32_t>& offsets = s.plans[i].head_offsets;
+  StagedRowsAttention p;
+  p.q = q;
+  p.k_rows = s.staged[i].data();
+  p.rows = offsets.back();
+  p.v_rows = p.k_rows + p.rows * layout_.row_width;
+  p.head_offsets = s.plan_dev[i].data() + layout_.plan_rows;
+  p.k_new = k_new;
+  p.v_new = v_new;
+  p.out = att;
+  p.n_heads = c_.n_heads;
+  p.n_kv_heads = c_.n_kv_heads;
+  p.head_dim = c_.head_dim;
+  for (int g = 0; g < c_.n_kv_heads; ++g) {
+    p.max_head_rows = std::max(p.max_head_rows, offsets[g + 1] - offsets[g]);
+  }
+  p.format = s.policy->row_format();
+  p.scale = 1.0f / std::sqrt(static_cast<float>(c_.head_dim));
+  return backend_.AttendStagedRows(p);
+}
+
 bool OffloadedKvCache::ReadDirect(Sequence& s, int layer) {
   const int i = layer % 2;
   const kv_memory_service::OwnedFetchPlan& plan = s.plans[i];
@@ -273,21 +307,17 @@ bool OffloadedKvCache::ReadDirect(Sequence& s, int layer) {
   // The plan reaches the device on the copy queue once the rows staged[i]
   // last held (and so this plan buffer's last reader) were used; indices
   // made on the backend are there already.
-  // Both through the pinned plan_host[i], laid out as plan_dev[i] (the
-  // last copy out of it has finished: IssueFetch waited for copies).
+  // Through the pinned plan_host[i], laid out as plan_dev[i] (the last
+  // copy out of it has finished: IssueFetch waited for copies).
   int32_t* indices = s.plan_dev[i].data();
   int32_t* offsets = indices + layout_.plan_rows;
-  int32_t* host = s.plan_host[i].data();
   if (n > 0 && !s.plan_on_backend[i]) {
+    int32_t* host = s.plan_host[i].data();
     std::memcpy(host, plan.indices.data(), n * sizeof(int32_t));
     backend_.CopyFromHost(indices, host, n * sizeof(int32_t),
                           s.staged_free[i]);
   }
-  std::copy(plan.head_offsets.begin(), plan.head_offsets.end(),
-            host + layout_.plan_rows);
-  backend_.CopyFromHost(offsets, host + layout_.plan_rows,
-                        plan.head_offsets.size() * sizeof(int32_t),
-                        s.staged_free[i]);
+  UploadOffsets(s, i);
   if (n == 0) return true;  // nothing to read
   const size_t at = static_cast<size_t>(layer) * s.rows.layer_values;
   GatherRowsParams p;
@@ -356,6 +386,7 @@ absl::Status OffloadedKvCache::UploadFetched(Sequence& s, int layer) {
     const size_t values = 2 * s.plans[i].indices.size() * layout_.row_width;
     backend_.CopyFromHost(s.staged[i].data(), s.buffers[i]->data(),
                           values * sizeof(uint16_t), s.staged_free[i]);
+    UploadOffsets(s, i);
   }
   s.uploaded[i] = true;
   return absl::OkStatus();
@@ -386,6 +417,10 @@ absl::Status OffloadedKvCache::FetchedAttention(Sequence& s, int layer,
   } else if (!layout_.staged &&
              AttendInPlace(s, layer, q, k_new, v_new, att)) {
     // Attention read the fetched rows where they lie: nothing decoded.
+  } else if (layout_.staged && !want_probs &&
+             AttendStaged(s, layer, q, k_new, v_new, att)) {
+    // One operation over every head's staged rows: nothing decoded.
+    s.staged_free[i] = backend_.MarkIssued();
   } else {
     DecodeFetched(s, layer, k_new, v_new);
     s.staged_free[i] = backend_.MarkIssued();

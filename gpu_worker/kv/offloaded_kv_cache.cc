@@ -87,13 +87,13 @@ absl::Status OffloadedKvCache::InitSequence(Sequence& s,
                                            &backend_, layout_.fetch_values,
                                            "fetch staging"));
     }
-    if ((layout_.staged && options_.kv.direct_reads) || backend_rows > 0) {
+    if (layout_.staged || backend_rows > 0) {
       IG_ASSIGN_OR_RETURN(
           s.plan_dev[i],
           DeviceBuffer<int32_t>::Make(
               &backend_, layout_.plan_rows + c_.n_kv_heads + 1, "fetch plan"));
     }
-    if (reads_direct) {
+    if (layout_.staged) {
       s.plan_host[i].assign(layout_.plan_rows + c_.n_kv_heads + 1, 0);
       const absl::Status pinned = backend_.PinHost(
           s.plan_host[i].data(), s.plan_host[i].size() * sizeof(int32_t));

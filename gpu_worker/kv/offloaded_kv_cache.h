@@ -225,13 +225,15 @@ class OffloadedKvCache final : public KvCache {
     // sequence, pinned for a device, while `direct` is set; a fetch then
     // only plans (direct_plan[i]) and UploadFetched has a device read the
     // rows into its staging (a host backend's attention reads them in
-    // place). plan_dev[i]: plans[i]'s indices, then its head offsets.
+    // place). plan_dev[i]: plans[i]'s indices (one-sided reads), then its
+    // head offsets (device backends).
     kv_memory_service::DirectRows rows;
     bool direct = false;
     bool direct_plan[2] = {false, false};
     DeviceBuffer<int32_t> plan_dev[2];
-    // plans[i]'s indices on their way to plan_dev[i], pinned (a copy from
-    // pageable memory would hold the host until the device reached it).
+    // plans[i]'s indices and head offsets on their way to plan_dev[i]
+    // (device backends), pinned: a copy from pageable memory would hold the
+    // host until the device reached it.
     std::vector<int32_t> plan_host[2];
     // Plans the policy made on the backend (KvPolicy::PlanFetchOnBackend)
     // land in plan_dev[i]. With one-sided reads onto a device the indices
@@ -290,6 +292,14 @@ class OffloadedKvCache final : public KvCache {
   // The backend reads plans[i]'s rows of `layer` from the node's memory
   // into staged[i]; false (nothing done) where it cannot.
   bool ReadDirect(Sequence& s, int layer);
+  // plans[i]'s head offsets to plan_dev[i] (after its indices' room),
+  // through plan_host[i], once staged[i]'s last reader is done.
+  void UploadOffsets(Sequence& s, int i);
+  // Attention of one query row over the fetch's staged rows, every head in
+  // one backend operation (AttendStagedRows); false, having done nothing,
+  // where the backend cannot.
+  bool AttendStaged(Sequence& s, int layer, const float* q,
+                    const float* k_new, const float* v_new, float* att);
   // Waits for `layer`'s fetch and makes its rows readable by the backend
   // (a copy to its staging, queued once per fetch).
   absl::Status UploadFetched(Sequence& s, int layer);

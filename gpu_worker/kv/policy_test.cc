@@ -945,10 +945,12 @@ TEST_F(PolicyTest, FetchedRowsMoveThroughPinnedCopiesInMarkOrder) {
         }
       }
     }
-    // Two fetch buffers per slot, the prefill's K and V row stages.
-    EXPECT_EQ(log.pins, 2 * 2 + 2);
-    // Fetched rows: one copy per slot, layer and step, from pinned memory.
-    EXPECT_EQ(log.copies, 2L * steps * layers);
+    // Two fetch buffers and two plan buffers per slot, the prefill's K and
+    // V row stages.
+    EXPECT_EQ(log.pins, 2 * 4 + 2);
+    // Fetched rows and their head offsets: two copies per slot, layer and
+    // step, from pinned memory.
+    EXPECT_EQ(log.copies, 2 * 2L * steps * layers);
     // Nothing but control data moves from pageable memory while decoding:
     // the step's positions and, for infinigen, a speculated position.
     EXPECT_GT(log.unpinned_copies, 0);

@@ -11,6 +11,7 @@
 // partial (acc, m, l) to the workspace and AttentionMergeKernel combines
 // them. Probabilities for prob_sums need the final max and sum, so they are
 // a second pass that recomputes each score exactly as the first did.
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <math_constants.h>
 
@@ -32,9 +33,21 @@ __device__ float WarpSum(float v) {
   return v;
 }
 
+// A stored fp16 row (staged fetched rows), or the new token's exact fp32 row
+// where half is null; row[d] is its d-th value as a float.
+struct MixedRow {
+  const uint16_t* half;
+  const float* exact;
+  __device__ float operator[](int d) const {
+    return half != nullptr ? __half2float(__ushort_as_half(half[d]))
+                           : exact[d];
+  }
+};
+
 // This lane's dims (lane, lane + 32, ...) of a head_dim row; 0 past the end.
-template <int R>
-__device__ void LoadLaneDims(const float* row, int head_dim, float (&out)[R]) {
+// Row: const float* or MixedRow.
+template <int R, typename Row>
+__device__ void LoadLaneDims(Row row, int head_dim, float (&out)[R]) {
   const int lane = threadIdx.x % 32;
 #pragma unroll
   for (int r = 0; r < R; ++r) {
@@ -45,8 +58,8 @@ __device__ void LoadLaneDims(const float* row, int head_dim, float (&out)[R]) {
 
 // scale * q.k for one KV row, in every lane of the warp. Both passes score
 // rows through this one function, so their scores agree bit for bit.
-template <int R>
-__device__ float Score(const float (&q)[R], const float* k_row, int head_dim,
+template <int R, typename Row>
+__device__ float Score(const float (&q)[R], Row k_row, int head_dim,
                        float scale) {
   const int lane = threadIdx.x % 32;
   float s = 0.0f;
@@ -100,14 +113,47 @@ __device__ void AddProbabilities(const AttentionKernelParams& p,
   }
 }
 
+// The K and V rows of one query head's KV head, fp32, head_dim apart.
+struct FloatRows {
+  const float* k;
+  const float* v;
+  int head_dim;
+  __device__ const float* K(int t) const {
+    return k + static_cast<long>(t) * head_dim;
+  }
+  __device__ const float* V(int t) const {
+    return v + static_cast<long>(t) * head_dim;
+  }
+};
+
+// A KV head's fetched rows as staged (fp16, `count` of them), then the new
+// token's exact row as row `count`.
+struct StagedRows {
+  const uint16_t* k;  // [count, head_dim]
+  const uint16_t* v;
+  const float* k_new;  // [head_dim]
+  const float* v_new;
+  int count;
+  int head_dim;
+  __device__ MixedRow K(int t) const {
+    return t < count ? MixedRow{k + static_cast<long>(t) * head_dim, nullptr}
+                     : MixedRow{nullptr, k_new};
+  }
+  __device__ MixedRow V(int t) const {
+    return t < count ? MixedRow{v + static_cast<long>(t) * head_dim, nullptr}
+                     : MixedRow{nullptr, v_new};
+  }
+};
+
 // One warp's online softmax over its keys of [begin, end) (every kWarps-th
-// group of kKeysPerStep): m the max score seen, l the sum of
-// exp(score - m), acc this lane's dims of the sum of exp(score - m) * v.
-template <int R>
-__device__ void WarpOnlineSoftmax(const AttentionKernelParams& p,
-                                  const QueryHead& qh, const float (&q)[R],
-                                  int begin, int end, int warp, float& m,
-                                  float& l, float (&acc)[R]) {
+// group of kKeysPerStep) of `rows` (FloatRows or StagedRows): m the max
+// score seen, l the sum of exp(score - m), acc this lane's dims of the sum
+// of exp(score - m) * v.
+template <int R, typename Rows>
+__device__ void WarpOnlineSoftmax(const Rows& rows, int head_dim, float scale,
+                                  const float (&q)[R], int begin, int end,
+                                  int warp, float& m, float& l,
+                                  float (&acc)[R]) {
   m = -CUDART_INF_F;
   l = 0.0f;
 #pragma unroll
@@ -119,8 +165,7 @@ __device__ void WarpOnlineSoftmax(const AttentionKernelParams& p,
 #pragma unroll
     for (int u = 0; u < kKeysPerStep; ++u) {
       const int t = min(t0 + u, end - 1);  // past the end: a repeat, unused
-      s[u] = Score(q, qh.k + static_cast<long>(t) * p.head_dim, p.head_dim,
-                   p.scale);
+      s[u] = Score(q, rows.K(t), head_dim, scale);
       if (t0 + u < end) m_new = fmaxf(m_new, s[u]);
     }
     // exp(-inf) = 0 on the first step, when l and acc are still 0.
@@ -135,7 +180,7 @@ __device__ void WarpOnlineSoftmax(const AttentionKernelParams& p,
         const float e = expf(s[u] - m_new);
         l += e;
         float v[R];
-        LoadLaneDims(qh.v + static_cast<long>(t) * p.head_dim, p.head_dim, v);
+        LoadLaneDims(rows.V(t), head_dim, v);
 #pragma unroll
         for (int r = 0; r < R; ++r) acc[r] = fmaf(e, v[r], acc[r]);
       }
@@ -144,12 +189,72 @@ __device__ void WarpOnlineSoftmax(const AttentionKernelParams& p,
   }
 }
 
+// The block's warps' (m, l, acc) merged: warp w's terms are scaled by
+// exp(m_w - max). With one split, writes the row's output (out [rows,
+// head_dim]) and returns true with the final max and 1 / sum; else writes
+// this split's partial result to the workspace (AttentionMergeKernel's
+// layout, rows = n * n_heads) and returns false.
+template <int R>
+__device__ bool MergeWarps(float m, float l, const float (&acc)[R],
+                           int head_dim, int kv_splits, long row, int split,
+                           int n, int n_heads, float* out, float* workspace,
+                           float& max, float& inv_sum) {
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  __shared__ float warp_m[kWarps];
+  __shared__ float warp_l[kWarps];
+  __shared__ float warp_acc[kWarps][32 * R];
+  if (lane == 0) {
+    warp_m[warp] = m;
+    warp_l[warp] = l;
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) warp_acc[warp][lane + 32 * r] = acc[r];
+  __syncthreads();
+  max = -CUDART_INF_F;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) max = fmaxf(max, warp_m[w]);
+  float weight[kWarps];
+  float sum = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    // A warp (or a whole split) that saw no row has m = -inf.
+    weight[w] = warp_m[w] == -CUDART_INF_F ? 0.0f : expf(warp_m[w] - max);
+    sum += weight[w] * warp_l[w];
+  }
+
+  if (kv_splits == 1) {
+    inv_sum = 1.0f / sum;
+    for (int d = threadIdx.x; d < head_dim; d += kThreads) {
+      float o = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) o = fmaf(weight[w], warp_acc[w][d], o);
+      out[row * head_dim + d] = o * inv_sum;
+    }
+    return true;
+  }
+  const long rows = static_cast<long>(n) * n_heads;
+  const long part = row * kv_splits + split;
+  float* part_acc = workspace;  // [rows, splits, dim]
+  float* part_ml = part_acc + rows * kv_splits * head_dim;  // [.., 2]
+  for (int d = threadIdx.x; d < head_dim; d += kThreads) {
+    float o = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) o = fmaf(weight[w], warp_acc[w][d], o);
+    part_acc[part * head_dim + d] = o;
+  }
+  if (threadIdx.x == 0) {
+    part_ml[2 * part] = max;
+    part_ml[2 * part + 1] = sum;
+  }
+  return false;
+}
+
 // blockIdx.x = (i * kv_splits + split) * n_heads + h: the query heads of a
 // KV group are neighbours, so their reads of the same rows meet in L2.
 template <int R>
 __global__ void __launch_bounds__(kThreads)
     AttentionKernel(AttentionKernelParams p) {
-  const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   const int h = blockIdx.x % p.n_heads;
   const int split = (blockIdx.x / p.n_heads) % p.kv_splits;
@@ -166,57 +271,13 @@ __global__ void __launch_bounds__(kThreads)
   float m = -CUDART_INF_F;  // max score so far
   float l = 0.0f;           // sum of exp(score - m)
   float acc[R];             // sum of exp(score - m) * v, this lane's dims
-  WarpOnlineSoftmax(p, qh, q, begin, end, warp, m, l, acc);
-
-  // Merge the warps: warp w's terms are scaled by exp(m_w - max).
-  __shared__ float warp_m[kWarps];
-  __shared__ float warp_l[kWarps];
-  __shared__ float warp_acc[kWarps][32 * R];
-  if (lane == 0) {
-    warp_m[warp] = m;
-    warp_l[warp] = l;
-  }
-#pragma unroll
-  for (int r = 0; r < R; ++r) warp_acc[warp][lane + 32 * r] = acc[r];
-  __syncthreads();
-  float max = -CUDART_INF_F;
-#pragma unroll
-  for (int w = 0; w < kWarps; ++w) max = fmaxf(max, warp_m[w]);
-  float weight[kWarps];
-  float sum = 0.0f;
-#pragma unroll
-  for (int w = 0; w < kWarps; ++w) {
-    // A warp (or a whole split) that saw no row has m = -inf.
-    weight[w] = warp_m[w] == -CUDART_INF_F ? 0.0f : expf(warp_m[w] - max);
-    sum += weight[w] * warp_l[w];
-  }
-
-  if (p.kv_splits == 1) {
-    const float inv_sum = 1.0f / sum;
-    for (int d = threadIdx.x; d < p.head_dim; d += kThreads) {
-      float o = 0.0f;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) o = fmaf(weight[w], warp_acc[w][d], o);
-      p.out[qh.row * p.head_dim + d] = o * inv_sum;
-    }
-    if (p.prob_sums != nullptr) {
-      AddProbabilities(p, qh, q, qh.first, qh.len, max, inv_sum);
-    }
-    return;
-  }
-  const long rows = static_cast<long>(p.n) * p.n_heads;
-  const long part = qh.row * p.kv_splits + split;
-  float* part_acc = p.workspace;  // [rows, splits, dim]
-  float* part_ml = part_acc + rows * p.kv_splits * p.head_dim;  // [.., 2]
-  for (int d = threadIdx.x; d < p.head_dim; d += kThreads) {
-    float o = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) o = fmaf(weight[w], warp_acc[w][d], o);
-    part_acc[part * p.head_dim + d] = o;
-  }
-  if (threadIdx.x == 0) {
-    part_ml[2 * part] = max;
-    part_ml[2 * part + 1] = sum;
+  WarpOnlineSoftmax(FloatRows{qh.k, qh.v, p.head_dim}, p.head_dim, p.scale, q,
+                    begin, end, warp, m, l, acc);
+  float max, inv_sum;
+  if (MergeWarps(m, l, acc, p.head_dim, p.kv_splits, qh.row, split, p.n,
+                 p.n_heads, p.out, p.workspace, max, inv_sum) &&
+      p.prob_sums != nullptr) {
+    AddProbabilities(p, qh, q, qh.first, qh.len, max, inv_sum);
   }
 }
 
@@ -274,6 +335,62 @@ __global__ void __launch_bounds__(kThreads)
   AddProbabilities(p, qh, q, max(begin, qh.first), end, stats[0], stats[1]);
 }
 
+// blockIdx.x = split * n_heads + h; head h's KV head's staged rows, then
+// the new token's as row `count`.
+template <int R>
+__global__ void __launch_bounds__(kThreads)
+    StagedAttentionKernel(StagedAttentionParams p) {
+  const int warp = threadIdx.x / 32;
+  const int h = blockIdx.x % p.n_heads;
+  const int split = blockIdx.x / p.n_heads;
+  const int g = h / (p.n_heads / p.n_kv_heads);
+  const int first = p.head_offsets[g];
+  const int count = p.head_offsets[g + 1] - first;
+  const int seen = count + 1;
+  const int chunk = (seen + p.kv_splits - 1) / p.kv_splits;
+  const int begin = min(seen, split * chunk);
+  const int end = min(seen, begin + chunk);
+  const long at = static_cast<long>(first) * p.head_dim;
+  const StagedRows rows{p.k_rows + at,
+                        p.v_rows + at,
+                        p.k_new + static_cast<long>(g) * p.head_dim,
+                        p.v_new + static_cast<long>(g) * p.head_dim,
+                        count,
+                        p.head_dim};
+  float q[R];
+  LoadLaneDims(p.q + static_cast<long>(h) * p.head_dim, p.head_dim, q);
+  float m = -CUDART_INF_F;
+  float l = 0.0f;
+  float acc[R];
+  WarpOnlineSoftmax(rows, p.head_dim, p.scale, q, begin, end, warp, m, l,
+                    acc);
+  float max, inv_sum;
+  MergeWarps(m, l, acc, p.head_dim, p.kv_splits, h, split, 1, p.n_heads,
+             p.out, p.workspace, max, inv_sum);
+}
+
+template <int R>
+int LaunchStagedWithLaneDims(const StagedAttentionParams& p,
+                             cudaStream_t stream) {
+  StagedAttentionKernel<R>
+      <<<static_cast<unsigned>(p.n_heads * p.kv_splits), kThreads, 0,
+         stream>>>(p);
+  if (p.kv_splits > 1) {
+    // The splits merged as LaunchAttention's are (one query).
+    AttentionKernelParams merge;
+    merge.out = p.out;
+    merge.n = 1;
+    merge.n_heads = p.n_heads;
+    merge.n_kv_heads = p.n_kv_heads;
+    merge.head_dim = p.head_dim;
+    merge.kv_splits = p.kv_splits;
+    merge.workspace = p.workspace;
+    AttentionMergeKernel<<<static_cast<unsigned>(p.n_heads), kThreads, 0,
+                           stream>>>(merge);
+  }
+  return static_cast<int>(cudaGetLastError());
+}
+
 int ProbChunks(const AttentionKernelParams& p) {
   const int kv_max = p.kv_len0 + p.n - 1;
   return (kv_max + kProbRowsPerBlock - 1) / kProbRowsPerBlock;
@@ -324,6 +441,26 @@ int LaunchAttention(const AttentionKernelParams& p, void* stream) {
   if (lane_dims <= 2) return LaunchWithLaneDims<2>(p, s);
   if (lane_dims <= 4) return LaunchWithLaneDims<4>(p, s);
   return LaunchWithLaneDims<8>(p, s);
+}
+
+int LaunchStagedAttention(const StagedAttentionParams& p, void* stream) {
+  const int invalid = static_cast<int>(cudaErrorInvalidValue);
+  if (!p.q || !p.k_rows || !p.v_rows || !p.head_offsets || !p.k_new ||
+      !p.v_new || !p.out) {
+    return invalid;
+  }
+  if (p.n_heads <= 0 || p.n_kv_heads <= 0 || p.n_heads % p.n_kv_heads != 0 ||
+      p.head_dim <= 0 || p.head_dim > kMaxHeadDim || p.kv_splits <= 0 ||
+      static_cast<long>(p.n_heads) * p.kv_splits > 0x7fffffffL) {
+    return invalid;
+  }
+  if (p.kv_splits > 1 && p.workspace == nullptr) return invalid;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const int lane_dims = (p.head_dim + 31) / 32;
+  if (lane_dims <= 1) return LaunchStagedWithLaneDims<1>(p, s);
+  if (lane_dims <= 2) return LaunchStagedWithLaneDims<2>(p, s);
+  if (lane_dims <= 4) return LaunchStagedWithLaneDims<4>(p, s);
+  return LaunchStagedWithLaneDims<8>(p, s);
 }
 
 }  // namespace infinigen::gpu_worker::cuda

@@ -581,6 +581,57 @@ class CudaBackend final : public Backend {
     }
   }
 
+  // fp16 rows: one launch for every head (LaunchStagedAttention), the
+  // counts read on the device; int4 rows are decoded first by the caller.
+  bool AttendStagedRows(const StagedRowsAttention& a) override {
+    constexpr const char* kOp = "AttendStagedRows";
+    if (a.format != KvRowFormat::kHalf) return false;
+    if (!Begin()) return true;
+    if (a.n_heads <= 0 || a.n_kv_heads <= 0 ||
+        a.n_heads % a.n_kv_heads != 0 || a.head_dim <= 0 || a.rows < 0 ||
+        a.max_head_rows < 0) {
+      FailShape(kOp, absl::StrFormat("n_heads=%d n_kv_heads=%d (must divide) "
+                                     "head_dim=%d rows=%d max_head_rows=%d",
+                                     a.n_heads, a.n_kv_heads, a.head_dim,
+                                     a.rows, a.max_head_rows));
+      return true;
+    }
+    const long q_count = static_cast<long>(a.n_heads) * a.head_dim;
+    const long new_count = static_cast<long>(a.n_kv_heads) * a.head_dim;
+    const long row_count = std::max(1L, a.rows) * a.head_dim;
+    StagedAttentionParams p;
+    p.q = In(a.q, q_count, kOp, "q");
+    p.k_rows = In(a.k_rows, row_count, kOp, "k_rows");
+    p.v_rows = In(a.v_rows, row_count, kOp, "v_rows");
+    p.head_offsets = In(a.head_offsets, a.n_kv_heads + 1L, kOp,
+                        "head_offsets");
+    p.k_new = In(a.k_new, new_count, kOp, "k_new");
+    p.v_new = In(a.v_new, new_count, kOp, "v_new");
+    p.out = Out(a.out, q_count, kOp, "out");
+    if (!ok()) return true;
+    p.n_heads = a.n_heads;
+    p.n_kv_heads = a.n_kv_heads;
+    p.head_dim = a.head_dim;
+    p.scale = a.scale;
+    // Split each head's rows so that every SM has blocks to run, as
+    // Attention does.
+    const long seen = a.max_head_rows + 1L;
+    const long target = kBlocksPerSm * sm_count_;
+    if (a.n_heads < target && seen >= 2 * kMinRowsPerSplit) {
+      p.kv_splits = static_cast<int>(std::min(
+          seen / kMinRowsPerSplit, (target + a.n_heads - 1) / a.n_heads));
+    }
+    if (p.kv_splits > 1) {
+      const size_t bytes = StagedAttentionWorkspaceFloats(p) * sizeof(float);
+      if (!CheckCuda(attention_scratch_.Reserve(bytes, stream_), kOp)) {
+        return true;
+      }
+      p.workspace = reinterpret_cast<float*>(attention_scratch_.data());
+    }
+    Launched(LaunchStagedAttention(p, stream_), kOp);
+    return true;
+  }
+
   // fp16 rows on the device (FloatToHalf, common/half.h's bits); int4 rows
   // are encoded on the host.
   bool EncodeKvRows(const float* rows, int n_rows, int head_dim,

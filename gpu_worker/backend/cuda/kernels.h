@@ -186,6 +186,37 @@ inline long AttentionWorkspaceFloats(const AttentionKernelParams& p) {
   return rows * p.kv_splits * (p.head_dim + 2) + rows * 2;
 }
 
+// Decode attention of one token's query heads over the rows a fetch staged
+// on the device: KV head g's fetched rows are rows [head_offsets[g],
+// head_offsets[g + 1]) of k_rows and v_rows (fp16, head_dim values each),
+// then the new token's exact row (k_new, v_new); every head in one launch,
+// the counts read on the device. The arithmetic of LaunchAttention (its
+// online softmax, warps and splits) over those rows.
+struct StagedAttentionParams {
+  const float* q;                // [n_heads, head_dim]
+  const uint16_t* k_rows;        // [rows, head_dim] fp16
+  const uint16_t* v_rows;        // [rows, head_dim] fp16
+  const int32_t* head_offsets;   // [n_kv_heads + 1], from 0, ascending
+  const float* k_new;            // [n_kv_heads, head_dim]
+  const float* v_new;            // [n_kv_heads, head_dim]
+  float* out;                    // [n_heads, head_dim]
+  int n_heads = 0;
+  int n_kv_heads = 0;            // divides n_heads
+  int head_dim = 0;              // 1..256
+  float scale = 1.0f;
+  // Blocks each head's rows are split over; > 1 needs workspace.
+  int kv_splits = 1;
+  float* workspace = nullptr;    // [StagedAttentionWorkspaceFloats(*this)]
+};
+
+inline long StagedAttentionWorkspaceFloats(const StagedAttentionParams& p) {
+  if (p.kv_splits <= 1) return 0;
+  return static_cast<long>(p.n_heads) * p.kv_splits * (p.head_dim + 2) +
+         static_cast<long>(p.n_heads) * 2;
+}
+
+int LaunchStagedAttention(const StagedAttentionParams& p, void* stream);
+
 int LaunchAttention(const AttentionKernelParams& p, void* stream);
 
 // The largest head_dim LaunchFlashAttention takes.

@@ -657,6 +657,81 @@ TEST_F(CudaKernels, CombineHeadScoresMatchesSpeculator) {
   }
 }
 
+struct StagedCase {
+  int n_heads, n_kv_heads, head_dim, kv_splits;
+  std::vector<int32_t> counts;  // each KV head's staged rows
+};
+
+// Every head's staged fp16 rows in one launch against the host reference
+// (AttendStagedRowsOnHost): 1e-4 * (1 + |want|), sums in another order.
+// Empty heads, one row, long heads split over blocks, GQA and MHA.
+TEST_F(CudaKernels, StagedAttentionMatchesHost) {
+  const StagedCase cases[] = {
+      {4, 4, 64, 1, {0, 1, 7, 300}},
+      {8, 2, 128, 1, {513, 0}},
+      {8, 2, 128, 7, {5000, 2}},
+      {32, 32, 128, 4, std::vector<int32_t>(32, 3277)},
+      {6, 3, 80, 3, {1, 2000, 0}},
+  };
+  for (const StagedCase& c : cases) {
+    SCOPED_TRACE(::testing::Message() << "heads " << c.n_heads << "/"
+                                      << c.n_kv_heads << " d " << c.head_dim
+                                      << " splits " << c.kv_splits);
+    std::vector<int32_t> offsets(1, 0);
+    int most = 0;
+    for (int32_t n : c.counts) {
+      offsets.push_back(offsets.back() + n);
+      most = std::max(most, n);
+    }
+    const int rows = offsets.back();
+    const int hd = c.head_dim;
+    std::vector<uint16_t> k16(std::max(1, rows) * hd), v16(k16.size());
+    for (auto* stored : {&k16, &v16}) {
+      const std::vector<float> x = Normal(stored->size(), rng_);
+      EncodeKvRows(KvRowFormat::kHalf, x.data(), std::max(1, rows), hd,
+                   stored->data());
+    }
+    const std::vector<float> q = Normal(c.n_heads * hd, rng_);
+    const std::vector<float> k_new = Normal(c.n_kv_heads * hd, rng_);
+    const std::vector<float> v_new = Normal(c.n_kv_heads * hd, rng_);
+    std::vector<float> want(c.n_heads * hd);
+    StagedRowsAttention host;
+    host.q = q.data();
+    host.k_rows = k16.data();
+    host.v_rows = v16.data();
+    host.head_offsets = offsets.data();
+    host.rows = rows;
+    host.k_new = k_new.data();
+    host.v_new = v_new.data();
+    host.out = want.data();
+    host.n_heads = c.n_heads;
+    host.n_kv_heads = c.n_kv_heads;
+    host.head_dim = hd;
+    host.max_head_rows = most;
+    host.scale = 1.0f / std::sqrt(static_cast<float>(hd));
+    AttendStagedRowsOnHost(host);
+    DeviceArray<float> dq(q), dk_new(k_new), dv_new(v_new), dout(want.size());
+    DeviceArray<uint16_t> dk(k16), dv(v16);
+    DeviceArray<int32_t> doffsets(offsets);
+    StagedAttentionParams p{dq.get(),     dk.get(),     dv.get(),
+                            doffsets.get(), dk_new.get(), dv_new.get(),
+                            dout.get()};
+    p.n_heads = c.n_heads;
+    p.n_kv_heads = c.n_kv_heads;
+    p.head_dim = hd;
+    p.scale = host.scale;
+    p.kv_splits = c.kv_splits;
+    DeviceArray<float> workspace(
+        std::max(1L, StagedAttentionWorkspaceFloats(p)));
+    if (c.kv_splits > 1) p.workspace = workspace.get();
+    ExpectRan(LaunchStagedAttention(p, nullptr));
+    const std::vector<float> got = dout.ToHost();
+    for (size_t i = 0; i < want.size(); ++i) {
+      ASSERT_NEAR(got[i], want[i], 1e-4f * (1 + std::abs(want[i]))) << i;
+    }
+  }
+}
+
 // No device needed: every launcher rejects bad arguments before any CUDA
 // call, with cudaErrorInvalidValue.
 TEST(CudaKernelArguments, RejectedBeforeLaunch) {
@@ -784,6 +859,23 @@ TEST(CudaKernelArguments, RejectedBeforeLaunch) {
   EXPECT_EQ(LaunchSelectTopK({f, i32, 3, 100, 0}, nullptr), bad);
   EXPECT_EQ(LaunchSelectTopK({f, i32, 3, 100, 101}, nullptr), bad);
   EXPECT_EQ(LaunchSelectTopK({f, i32, 0, 100, 5}, nullptr), bad);
+  {
+    StagedAttentionParams s{f, h, h, i32, f, f, f};
+    s.n_heads = 4;
+    s.n_kv_heads = 2;
+    s.head_dim = 64;
+    s.kv_splits = 2;  // without a workspace
+    EXPECT_EQ(LaunchStagedAttention(s, nullptr), bad);
+    s.kv_splits = 1;
+    s.head_dim = 257;
+    EXPECT_EQ(LaunchStagedAttention(s, nullptr), bad);
+    s.head_dim = 64;
+    s.n_kv_heads = 3;
+    EXPECT_EQ(LaunchStagedAttention(s, nullptr), bad);
+    s.n_kv_heads = 2;
+    s.head_offsets = nullptr;
+    EXPECT_EQ(LaunchStagedAttention(s, nullptr), bad);
+  }
   EXPECT_EQ(LaunchCombineHeadScores({f, f, 6, 4, 100}, nullptr), bad);
   EXPECT_EQ(LaunchCombineHeadScores({f, f, 6, 3, 0}, nullptr), bad);
   EXPECT_EQ(LaunchCombineHeadScores({nullptr, f, 6, 3, 100}, nullptr), bad);
