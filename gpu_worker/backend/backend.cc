@@ -40,8 +40,26 @@ void PolicyOps::SpeculateScores(const SpeculationParams& p) {
 }
 
 void PolicyOps::QuantizePartialKeys(const float* keys, int n_rows,
-                                    int n_cols, uint8_t* rows) {
-  speculator::QuantizePartialKeys(keys, n_rows, n_cols, rows);
+                                    int n_cols, uint8_t* rows,
+                                    size_t row_stride) {
+  const size_t row_bytes = speculator::PartialKeyRowBytes(n_cols);
+  if (row_stride == row_bytes) {
+    speculator::QuantizePartialKeys(keys, n_rows, n_cols, rows);
+    return;
+  }
+  for (int r = 0; r < n_rows; ++r) {
+    speculator::QuantizePartialKeys(keys + static_cast<size_t>(r) * n_cols, 1,
+                                    n_cols, rows + r * row_stride);
+  }
+}
+
+void Backend::LinearBatched(const float* x, long x_stride, int n, int in,
+                            const float* w, long w_stride, int out, float* y,
+                            long y_stride, int batch) {
+  for (int b = 0; b < batch; ++b) {
+    Linear(x + b * x_stride, n, in, w + b * w_stride, nullptr, out,
+           y + b * y_stride);
+  }
 }
 
 void PolicyOps::SelectTopK(const TopKParams& p) {

@@ -152,11 +152,13 @@ class PolicyOps {
   // InfiniGen's speculated scores (speculation_params.h). Default:
   // speculator::SpeculateScores on the host.
   virtual void SpeculateScores(const SpeculationParams& p);
-  // InfiniGen's partial key rows: keys [n_rows, n_cols] -> rows, n_rows of
+  // InfiniGen's partial key rows: keys [n_rows, n_cols] -> n_rows rows of
   // speculator::PartialKeyRowBytes(n_cols) bytes (speculator/
-  // partial_keys.h). Default: speculator::QuantizePartialKeys on the host.
+  // partial_keys.h), row r at rows + r * row_stride (bytes; at least a
+  // row's). Default: speculator::QuantizePartialKeys on the host.
   virtual void QuantizePartialKeys(const float* keys, int n_rows, int n_cols,
-                                   uint8_t* rows);
+                                   uint8_t* rows, size_t row_stride);
+
   // Per-head top-k of speculated scores (TopKParams). Default: the
   // speculator's CombineHeadScores and SelectTopKPerHead on the host.
   virtual void SelectTopK(const TopKParams& p);
@@ -218,6 +220,13 @@ class Backend : public PolicyOps {
   // y[n, out] = x[n, in] . w[out, in]^T (+ bias[out] if not null).
   virtual void Linear(const float* x, int n, int in, const float* w,
                       const float* bias, int out, float* y) = 0;
+  // y_b[n, out] = x_b[n, in] . w_b[out, in]^T for b < batch, with x_b = x +
+  // b * x_stride, w_b = w + b * w_stride and y_b = y + b * y_stride
+  // (floats): the policies' per-head products as one operation, in fp32 on
+  // every backend. Default: one Linear per b.
+  virtual void LinearBatched(const float* x, long x_stride, int n, int in,
+                             const float* w, long w_stride, int out, float* y,
+                             long y_stride, int batch);
   // y[n, dim] = x / rms(x) * gain, per row.
   virtual void RmsNorm(const float* x, int n, int dim, const float* gain,
                        float eps, float* y) = 0;
@@ -359,6 +368,16 @@ class BackendWrapper : public Backend {
   }
   void SpeculateScores(const SpeculationParams& p) override {
     target_->SpeculateScores(p);
+  }
+  void QuantizePartialKeys(const float* keys, int n_rows, int n_cols,
+                           uint8_t* rows, size_t row_stride) override {
+    target_->QuantizePartialKeys(keys, n_rows, n_cols, rows, row_stride);
+  }
+  void LinearBatched(const float* x, long x_stride, int n, int in,
+                     const float* w, long w_stride, int out, float* y,
+                     long y_stride, int batch) override {
+    target_->LinearBatched(x, x_stride, n, in, w, w_stride, out, y, y_stride,
+                           batch);
   }
   void SelectTopK(const TopKParams& p) override { target_->SelectTopK(p); }
   bool AttendStoredRows(const StoredRowsAttention& p) override {

@@ -11,6 +11,7 @@
 #include "gpu_worker/backend/kv_rows.h"
 #include "gpu_worker/backend/shared_vector.h"
 #include "gtest/gtest.h"
+#include "speculator/partial_keys.h"
 
 namespace infinigen::gpu_worker {
 namespace {
@@ -252,6 +253,49 @@ TEST(AttendStagedRowsOnHost, MatchesDecodedAttentionHeadByHead) {
         // The new row alone: its value row, exactly.
         for (int d = 0; d < hd; ++d) EXPECT_EQ(got[h * hd + d], v_new[g * hd + d]);
       }
+    }
+  }
+}
+
+// LinearBatched is one Linear per batch entry at its strides; partial key
+// rows quantized at a stride are the packed rows, placed a stride apart
+// (the bytes between them untouched).
+TEST(PolicyOps, BatchedProductsAndStridedPartialKeys) {
+  std::mt19937 rng(4);
+  std::normal_distribution<float> normal;
+  auto cpu = NewCpuBackend();
+  const int batch = 3, n = 2, in = 16, out = 5;
+  const long x_stride = n * in + 3, w_stride = out * in + 7, y_stride = n * out + 2;
+  std::vector<float> x(batch * x_stride), w(batch * w_stride);
+  for (float& v : x) v = normal(rng);
+  for (float& v : w) v = normal(rng);
+  std::vector<float> got(batch * y_stride, -7.0f), want(got);
+  cpu->LinearBatched(x.data(), x_stride, n, in, w.data(), w_stride, out,
+                     got.data(), y_stride, batch);
+  for (int b = 0; b < batch; ++b) {
+    cpu->Linear(x.data() + b * x_stride, n, in, w.data() + b * w_stride,
+                nullptr, out, want.data() + b * y_stride);
+  }
+  EXPECT_EQ(got, want);  // the padding between entries untouched as well
+
+  const int n_rows = 4, n_cols = 19;
+  const size_t row_bytes = speculator::PartialKeyRowBytes(n_cols);
+  std::vector<float> keys(n_rows * n_cols);
+  for (float& v : keys) v = normal(rng);
+  std::vector<uint8_t> packed(n_rows * row_bytes);
+  cpu->QuantizePartialKeys(keys.data(), n_rows, n_cols, packed.data(),
+                           row_bytes);
+  const size_t stride = row_bytes + 11;
+  std::vector<uint8_t> strided(n_rows * stride, 0xAB);
+  cpu->QuantizePartialKeys(keys.data(), n_rows, n_cols, strided.data(),
+                           stride);
+  for (int r = 0; r < n_rows; ++r) {
+    EXPECT_TRUE(std::equal(packed.begin() + r * row_bytes,
+                           packed.begin() + (r + 1) * row_bytes,
+                           strided.begin() + r * stride))
+        << r;
+    for (size_t i = row_bytes; i < stride; ++i) {
+      EXPECT_EQ(strided[r * stride + i], 0xAB) << r << " " << i;
     }
   }
 }

@@ -964,12 +964,12 @@ class GuardedDeviceBackend final : public Backend {
     cpu_->SpeculateScores(p);
   }
   void QuantizePartialKeys(const float* keys, int n_rows, int n_cols,
-                           uint8_t* rows) override {
+                           uint8_t* rows, size_t row_stride) override {
     Open open(this);
     if (!InDevice(keys) || !InDevice(rows)) {
       violations_->push_back("partial keys quantized outside device memory");
     }
-    cpu_->QuantizePartialKeys(keys, n_rows, n_cols, rows);
+    cpu_->QuantizePartialKeys(keys, n_rows, n_cols, rows, row_stride);
   }
   void CopyFromHost(void* dst, const void* src, size_t bytes,
                     Mark after) override {

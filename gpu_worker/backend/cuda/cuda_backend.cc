@@ -386,6 +386,40 @@ class CudaBackend final : public Backend {
     }
   }
 
+  // cuBLAS's strided batched SGEMM, fp32 whatever half_precision says (the
+  // policies' products are small and ranked by their last bits).
+  void LinearBatched(const float* x, long x_stride, int n, int in,
+                     const float* w, long w_stride, int out, float* y,
+                     long y_stride, int batch) override {
+    constexpr const char* kOp = "LinearBatched";
+    if (!Begin() || n == 0 || out == 0 || batch == 0) return;
+    if (n < 0 || in <= 0 || out < 0 || batch < 0 || x_stride < 0 ||
+        w_stride < 0 || y_stride < static_cast<long>(n) * out) {
+      return FailShape(kOp, absl::StrFormat(
+                                "n=%d in=%d out=%d batch=%d x_stride=%d "
+                                "w_stride=%d y_stride=%d",
+                                n, in, out, batch, x_stride, w_stride,
+                                y_stride));
+    }
+    const long last = batch - 1L;
+    const float* xd =
+        In(x, last * x_stride + static_cast<long>(n) * in, kOp, "x");
+    const float* wd =
+        In(w, last * w_stride + static_cast<long>(out) * in, kOp, "w");
+    float* yd = Out(y, last * y_stride + static_cast<long>(n) * out, kOp, "y");
+    if (!ok()) return;
+    const float one = 1.0f, zero = 0.0f;
+    // As Linear: column-major y_b^T[out, n] = w_b^T . x_b^T.
+    const cublasStatus_t status = cublasSgemmStridedBatched(
+        cublas_, CUBLAS_OP_T, CUBLAS_OP_N, out, n, in, &one, wd, in, w_stride,
+        xd, in, x_stride, &zero, yd, out, y_stride, batch);
+    if (status != CUBLAS_STATUS_SUCCESS) {
+      Fail(absl::InternalError(absl::StrFormat(
+          "LinearBatched: cuBLAS: %s (n=%d in=%d out=%d batch=%d)",
+          cublasGetStatusString(status), n, in, out, batch)));
+    }
+  }
+
   void RmsNorm(const float* x, int n, int dim, const float* gain, float eps,
                float* y) override {
     constexpr const char* kOp = "RmsNorm";
@@ -736,21 +770,23 @@ class CudaBackend final : public Backend {
   }
 
   void QuantizePartialKeys(const float* keys, int n_rows, int n_cols,
-                           uint8_t* rows) override {
+                           uint8_t* rows, size_t row_stride) override {
     constexpr const char* kOp = "QuantizePartialKeys";
     if (!Begin() || n_rows == 0) return;
-    if (n_rows < 0 || n_cols <= 0) {
-      return FailShape(kOp,
-                       absl::StrFormat("n_rows=%d n_cols=%d", n_rows, n_cols));
+    const long row_bytes = speculator::PartialKeyRowBytes(n_cols);
+    if (n_rows < 0 || n_cols <= 0 ||
+        static_cast<long>(row_stride) < row_bytes) {
+      return FailShape(kOp, absl::StrFormat(
+                                "n_rows=%d n_cols=%d row_stride=%d (>= %d)",
+                                n_rows, n_cols, row_stride, row_bytes));
     }
     QuantizePartialKeysParams p;
     p.keys = In(keys, static_cast<long>(n_rows) * n_cols, kOp, "keys");
-    p.rows = Out(rows,
-                 static_cast<long>(n_rows) *
-                     speculator::PartialKeyRowBytes(n_cols),
+    p.rows = Out(rows, (n_rows - 1L) * static_cast<long>(row_stride) + row_bytes,
                  kOp, "rows");
     p.n_rows = n_rows;
     p.n_cols = n_cols;
+    p.row_stride = static_cast<long>(row_stride);
     if (!ok()) return;
     Launched(LaunchQuantizePartialKeys(p, stream_), kOp);
   }

@@ -498,12 +498,14 @@ TEST_F(CudaBackendTest, SpeculateScoresMatchesCpu) {
                                    k_stride *
                                    speculator::PartialKeyRowBytes(n_cols));
     cpu_->QuantizePartialKeys(keys.data(), n_kv_heads * k_stride, n_cols,
-                              partial_k.data());
+                              partial_k.data(),
+                              speculator::PartialKeyRowBytes(n_cols));
     SharedVector<float> gkeys = Shared(gpu_.get(), keys);
     SharedVector<uint8_t> gk(partial_k.size(), 0,
                              SharedAllocator<uint8_t>(gpu_.get()));
     gpu_->QuantizePartialKeys(gkeys.data(), n_kv_heads * k_stride, n_cols,
-                              gk.data());
+                              gk.data(),
+                              speculator::PartialKeyRowBytes(n_cols));
     ASSERT_TRUE(gpu_->Synchronize().ok()) << gpu_->Synchronize();
     ASSERT_TRUE(std::equal(partial_k.begin(), partial_k.end(), gk.begin()))
         << "n_cols=" << n_cols;
@@ -683,6 +685,43 @@ TEST_F(CudaBackendTest, AttendStagedRowsMatchesHost) {
     p.format = KvRowFormat::kInt4;
     EXPECT_FALSE(gpu_->AttendStagedRows(p));
   }
+}
+
+// The policies' batched products in fp32 on cuBLAS against the CPU's
+// Linear per entry (1e-4 relative: sums in another order), whatever
+// half_precision says; partial key rows quantized a stride apart are the
+// CPU's bytes.
+TEST_F(CudaBackendTest, BatchedProductsAndStridedPartialKeysMatchCpu) {
+  auto half = NewGpu(/*half_precision=*/true);
+  ASSERT_NE(half, nullptr);
+  const int batch = 32, n = 1, in = 128, out = 38;
+  const long x_stride = in, w_stride = out * in, y_stride = 4096 * out;
+  const std::vector<float> x = Normal(batch * x_stride, rng_);
+  const std::vector<float> w = Normal(batch * w_stride, rng_);
+  std::vector<float> want(batch * y_stride, 0.0f);
+  cpu_->LinearBatched(x.data(), x_stride, n, in, w.data(), w_stride, out,
+                      want.data(), y_stride, batch);
+  SharedVector<float> gx = Shared(half.get(), x), gw = Shared(half.get(), w),
+                      gy(want.size(), 0.0f, SharedAllocator<float>(half.get()));
+  half->LinearBatched(gx.data(), x_stride, n, in, gw.data(), w_stride, out,
+                      gy.data(), y_stride, batch);
+  ASSERT_TRUE(half->Synchronize().ok()) << half->Synchronize();
+  for (size_t i = 0; i < want.size(); ++i) {
+    ASSERT_NEAR(gy[i], want[i], 1e-4f * (1 + std::abs(want[i]))) << i;
+  }
+  const int n_cols = 38;
+  const size_t row_bytes = speculator::PartialKeyRowBytes(n_cols);
+  const size_t stride = 100 * row_bytes;
+  std::vector<float> keys(batch * n_cols);
+  for (size_t i = 0; i < keys.size(); ++i) keys[i] = gy[i * 97 % gy.size()];
+  std::vector<uint8_t> rows(batch * stride, 0);
+  cpu_->QuantizePartialKeys(keys.data(), batch, n_cols, rows.data(), stride);
+  SharedVector<float> gkeys = Shared(half.get(), keys);
+  SharedVector<uint8_t> grows(rows.size(), 0,
+                              SharedAllocator<uint8_t>(half.get()));
+  half->QuantizePartialKeys(gkeys.data(), batch, n_cols, grows.data(), stride);
+  ASSERT_TRUE(half->Synchronize().ok()) << half->Synchronize();
+  EXPECT_TRUE(std::equal(rows.begin(), rows.end(), grows.begin()));
 }
 
 // QueueCopyToHost lands in host memory by the next Synchronize, holding

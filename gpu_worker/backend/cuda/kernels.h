@@ -263,6 +263,8 @@ struct QuantizePartialKeysParams {
   uint8_t* rows;      // [n_rows] of speculator::PartialKeyRowBytes(n_cols)
   int n_rows = 0;
   int n_cols = 0;
+  // Bytes from one row's start to the next; 0: the rows are packed.
+  long row_stride = 0;
 };
 
 // speculator::QuantizePartialKeys on the device (the same bytes: the

@@ -80,7 +80,9 @@ __global__ void QuantizePartialKeysKernel(QuantizePartialKeysParams p) {
   if (r >= p.n_rows) return;
   const float* v = p.keys + static_cast<long>(r) * p.n_cols;
   const int row_bytes = speculator::PartialKeyRowBytes(p.n_cols);
-  uint8_t* row = p.rows + static_cast<long>(r) * row_bytes;
+  uint8_t* row =
+      p.rows + static_cast<long>(r) * (p.row_stride > 0 ? p.row_stride
+                                                         : row_bytes);
   float lo = v[0], hi = v[0];
   for (int c = 1; c < p.n_cols; ++c) {  // std::min and std::max, exactly
     lo = v[c] < lo ? v[c] : lo;

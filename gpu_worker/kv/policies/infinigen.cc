@@ -299,10 +299,8 @@ class InfiniGenPolicy final : public KvPolicy {
                    heads * n_cols_ * d * sizeof(float), b.MarkIssued());
     // The prompt's partial keys, one product per KV head, then their
     // 4-bit rows.
-    for (int g = 0; g < m.n_kv_heads; ++g) {
-      AppendPartialKeys(keys + static_cast<size_t>(g) * key_stride * d,
-                        n_tokens, l, g, 0);
-    }
+    AppendPartialKeys(keys, static_cast<long>(key_stride) * d, n_tokens, l,
+                      0);
     return absl::OkStatus();
   }
 
@@ -435,11 +433,10 @@ class InfiniGenPolicy final : public KvPolicy {
     IG_RETURN_IF_ERROR(b.WaitCopies());
     ProjectQuery(b, m, w, xb_prev, p, &position_host_, position_.data(),
                  q_.data());
-    for (int g = 0; g < m.n_kv_heads; ++g) {
-      const size_t at = static_cast<size_t>(g) * group * d;
-      b.Linear(q_.data() + at, group, d, SkewT(layer, g), nullptr, d,
-               q_skewed_.data() + at);
-    }
+    const long head_q = static_cast<long>(group) * d;
+    b.LinearBatched(q_.data(), head_q, group, d, SkewT(layer, 0),
+                    static_cast<long>(d) * d, d, q_skewed_.data(), head_q,
+                    m.n_kv_heads);
     // Each query head's speculated logits over its KV head's partial keys
     // [n_heads][p] (each row read once for its group).
     SpeculationParams sp;
@@ -490,29 +487,46 @@ class InfiniGenPolicy final : public KvPolicy {
   }
 
   void OnDecodeAppend(int layer, int p, const float* key) override {
-    const int d = config().head_dim;
-    for (int g = 0; g < config().n_kv_heads; ++g) {
-      AppendPartialKeys(key + static_cast<size_t>(g) * d, 1, layer, g, p);
-    }
+    AppendPartialKeys(key, config().head_dim, 1, layer, p);
   }
 
-  // The partial key rows of n keys [n, head_dim] (KV head g of `layer`) at
-  // positions [first, first + n): their partial columns, then (4-bit) their
-  // rows.
-  void AppendPartialKeys(const float* keys, int n, int layer, int g,
+  // The partial key rows of n keys of every KV head of `layer` at
+  // positions [first, first + n), head g's keys [n, head_dim] at keys + g *
+  // key_stride: their partial columns (the heads' products as one batched
+  // operation, as many heads at a time as new_partial_k_ holds), then
+  // (4-bit) their rows.
+  void AppendPartialKeys(const float* keys, long key_stride, int n, int layer,
                          int first) {
     Backend& b = *ctx_.backend;
-    const int d = config().head_dim;
-    uint8_t* rows =
-        PartialK(layer, g) + static_cast<size_t>(first) * row_bytes_;
+    const int d = config().head_dim, n_kv = config().n_kv_heads;
+    const long w_stride = static_cast<long>(n_cols_) * d;
+    const long head_bytes = static_cast<long>(ctx_.max_seq_len) * row_bytes_;
+    const size_t at = static_cast<size_t>(first) * row_bytes_;
     if (format_ == speculator::PartialKeyFormat::kFloat) {
-      b.Linear(keys, n, d, PartialW(layer, g), nullptr, n_cols_,
-               reinterpret_cast<float*>(rows));
+      b.LinearBatched(keys, key_stride, n, d, PartialW(layer, 0), w_stride,
+                      n_cols_, reinterpret_cast<float*>(PartialK(layer, 0) + at),
+                      head_bytes / static_cast<long>(sizeof(float)), n_kv);
       return;
     }
-    b.Linear(keys, n, d, PartialW(layer, g), nullptr, n_cols_,
-             new_partial_k_.data());
-    b.QuantizePartialKeys(new_partial_k_.data(), n, n_cols_, rows);
+    const int per = std::max(1, std::min(n_kv, ctx_.max_seq_len / n));
+    for (int g0 = 0; g0 < n_kv; g0 += per) {
+      const int heads = std::min(per, n_kv - g0);
+      b.LinearBatched(keys + g0 * key_stride, key_stride, n, d,
+                      PartialW(layer, g0), w_stride, n_cols_,
+                      new_partial_k_.data(), static_cast<long>(n) * n_cols_,
+                      heads);
+      if (n == 1) {
+        // One row per head: every head's row in one call, a head apart.
+        b.QuantizePartialKeys(new_partial_k_.data(), heads, n_cols_,
+                              PartialK(layer, g0) + at, head_bytes);
+        continue;
+      }
+      for (int g = g0; g < g0 + heads; ++g) {
+        b.QuantizePartialKeys(
+            new_partial_k_.data() + static_cast<size_t>(g - g0) * n * n_cols_,
+            n, n_cols_, PartialK(layer, g) + at, row_bytes_);
+      }
+    }
   }
 
  private:
