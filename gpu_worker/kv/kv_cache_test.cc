@@ -1290,6 +1290,75 @@ TEST_F(KvCacheTest, PlansMadeOnTheDeviceReachTheNodeAtTheStepsEnd) {
   EXPECT_EQ(d->selections, 0);
 }
 
+// Two sequences decoding together on a device, each with its plans made
+// on the device and read one-sided, get the logits each gets alone (within
+// float rounding), and the node hears of each one's own plans (as many
+// fetched rows).
+TEST_F(KvCacheTest, DevicePlansOfABatchStayWithTheirSequences) {
+  const std::vector<int> t = Tokens(48);
+  auto options = [&](FakeKvClient* node, int batch) {
+    EngineOptions o = Options("infinigen", node);
+    EXPECT_TRUE(SetTargetFetch(0.4, 12, *o.kv.policy).ok());
+    o.kv.direct_reads = true;
+    o.batch = batch;
+    return o;
+  };
+  const int prefix[2] = {20, 27}, steps = 8;
+  const int vocab = weights_.config.vocab_size;
+  std::vector<std::string> violations;
+  std::vector<std::vector<float>> want[2];
+  long want_rows = 0;
+  for (int s = 0; s < 2; ++s) {
+    FakeKvClient node;
+    auto single = Engine::Create(
+        weights_, std::make_unique<GuardedDeviceBackend>(&violations),
+        options(&node, 1));
+    ASSERT_TRUE(single.ok()) << single.status();
+    ASSERT_TRUE((*single)->Forward(0, absl::MakeConstSpan(t).subspan(
+                                          s * 5, prefix[s]),
+                                   false).ok());
+    for (int i = 0; i < steps; ++i) {
+      const int slot = 0, token = t[s * 5 + prefix[s] + i];
+      auto logits = (*single)->DecodeBatch({slot}, {token});
+      ASSERT_TRUE(logits.ok()) << logits.status();
+      want[s].emplace_back(logits->begin(), logits->end());
+    }
+    auto stats = node.GetStoreStats();
+    ASSERT_TRUE(stats.ok());
+    want_rows += stats->fetched_rows;
+  }
+  FakeKvClient node;
+  auto backend = std::make_unique<GuardedDeviceBackend>(&violations);
+  GuardedDeviceBackend* d = backend.get();
+  auto batched = Engine::Create(weights_, std::move(backend), options(&node, 2));
+  ASSERT_TRUE(batched.ok()) << batched.status();
+  for (int s = 0; s < 2; ++s) {
+    ASSERT_TRUE((*batched)->Forward(s, absl::MakeConstSpan(t).subspan(
+                                           s * 5, prefix[s]),
+                                    false).ok());
+  }
+  for (int i = 0; i < steps; ++i) {
+    const int tokens[2] = {t[prefix[0] + i], t[5 + prefix[1] + i]};
+    auto logits = (*batched)->DecodeBatch({0, 1}, tokens);
+    ASSERT_TRUE(logits.ok()) << logits.status();
+    // The batch's matrix products round differently from one row's: the
+    // same selection is within float rounding, another one far off.
+    for (int s = 0; s < 2; ++s) {
+      for (int j = 0; j < vocab; ++j) {
+        const float w = want[s][i][j];
+        ASSERT_NEAR((*logits)[s * vocab + j], w, 1e-4f * (1 + std::fabs(w)))
+            << "slot " << s << " step " << i << " logit " << j;
+      }
+    }
+  }
+  // The last step's notes are sent at its end, before DecodeBatch returns.
+  auto stats = node.GetStoreStats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->fetched_rows, want_rows);
+  EXPECT_EQ(d->selections, 2 * steps * 10);
+  EXPECT_THAT(violations, ::testing::IsEmpty());
+}
+
 // A device's one-sided reads take their plans from pinned memory: a copy
 // from pageable memory would hold the host until the device reached it,
 // every layer. What a decode step copies from pageable memory is small
@@ -1337,7 +1406,7 @@ TEST_F(KvCacheTest, PrefillRowsAreEncodedOnTheDevice) {
   FakeKvClient unused;
   auto ideal_backend = std::make_unique<GuardedDeviceBackend>(&violations);
   GuardedDeviceBackend* ideal = ideal_backend.get();
-  prefill("ideal", std::move(ideal_backend), &unused);
+  auto ideal_engine = prefill("ideal", std::move(ideal_backend), &unused);
   for (std::string kind : {"full", "h2o", "infinigen", "int4"}) {
     SCOPED_TRACE(kind);
     FakeKvClient device_node, cpu_node;
