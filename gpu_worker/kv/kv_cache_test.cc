@@ -551,7 +551,9 @@ TEST_F(KvCacheTest, WorkerKvLimitRefusesIdealAndServesOffloaded) {
   kv.batch = 4;
   kv.kv.policy = Options("ideal", nullptr).kv.policy;
   const int64_t ideal = *KvCache::WorkerBytes(weights_, kv);
-  const int64_t limit = ideal / 2;
+  // Below the local cache's need; above what the offloaded policies keep
+  // (their staging, plans and policy state: on this tiny model, most of it).
+  const int64_t limit = ideal * 2 / 3;
   for (std::string kind :
        {"ideal", "full", "infinigen"}) {
     SCOPED_TRACE(kind);

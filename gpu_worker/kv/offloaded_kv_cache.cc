@@ -172,8 +172,10 @@ absl::Status OffloadedKvCache::InitSharedBuffers() {
   new_rows_host_.resize(2 * static_cast<size_t>(c_.n_layers) * c_.kv_dim());
   const size_t stage =
       static_cast<size_t>(max_seq_) * c_.n_kv_heads * layout_.row_width;
-  k_stage_.resize(stage);
-  v_stage_.resize(stage);
+  // Two stages: one layer's append leaves from one while the next layer
+  // fills the other.
+  k_stage_.resize(2 * stage);
+  v_stage_.resize(2 * stage);
   if (layout_.staged) {
     // A device's encoded prefill rows are queued here: pinned, so that the
     // copies run beside its work.
@@ -387,6 +389,8 @@ absl::Status OffloadedKvCache::LoadPrefix(Sequence& s, int layer) {
 
 absl::Status OffloadedKvCache::Reset(int slot) {
   FinishAppends().IgnoreError();
+  // A prefill that failed may have left its last layer's append running.
+  WaitPrefillAppend().IgnoreError();
   Sequence& s = sequences_[slot];
   s.lost = absl::OkStatus();
   // A step that failed may have left a prefetch in flight: end it, so the

@@ -50,7 +50,11 @@ struct Layout {
 
   int64_t PerSequence(const model::ModelConfig& c, int max_seq) const {
     const int64_t fetch = 2 * static_cast<int64_t>(fetch_values) * 2;
-    return fetch * (staged ? 2 : 1) +
+    // Device backends: two plans' indices and head offsets on the device
+    // and in pinned host memory.
+    const int64_t plans =
+        staged ? int64_t{2} * 2 * (plan_rows + c.n_kv_heads + 1) * 4 : 0;
+    return fetch * (staged ? 2 : 1) + plans +
            int64_t{2} * c.n_layers * c.kv_dim() * 4 +        // step rows
            int64_t{2} * c.n_layers * c.n_kv_heads * row_width * 2 +  // encoded
            int64_t{c.n_layers} * c.n_kv_heads * max_seq +    // presence
@@ -60,7 +64,9 @@ struct Layout {
                  int max_chunk) const {
     const int64_t decoded =
         int64_t{2} * c.n_kv_heads * (max_seq + 1) * c.head_dim * 4;
-    const int64_t stage = int64_t{2} * max_seq * c.n_kv_heads * row_width * 2;
+    // Two stages of a prefill layer's K and V rows.
+    const int64_t stage =
+        int64_t{2} * 2 * max_seq * c.n_kv_heads * row_width * 2;
     const int64_t host_rows =  // prefill chunk and step rows, read here
         int64_t{max_chunk} * (c.q_dim() + 2 * c.kv_dim()) * 4 +
         int64_t{2} * c.n_layers * c.kv_dim() * 4;
@@ -99,6 +105,7 @@ class OffloadedKvCache final : public KvCache {
         sequences_(options.batch) {}
 
   ~OffloadedKvCache() override {
+    WaitPrefillAppend().IgnoreError();
     if (appender_.joinable()) {
       FinishAppends().IgnoreError();
       {
@@ -380,8 +387,26 @@ class OffloadedKvCache final : public KvCache {
   // new rows [layer][kv_dim].
   std::vector<float> q_host_, k_host_, v_host_;
   std::vector<float> new_rows_host_;
-  // One prefill layer's rows for the memory node: [pos][kv_head][width].
+  // Two stages of one prefill layer's rows for the memory node, each
+  // [pos][kv_head][width]: the layer computing fills stage prefill_stage_
+  // while the previous layer's append leaves from the other.
   std::vector<uint16_t> k_stage_, v_stage_;
+  int prefill_stage_ = 0;
+  uint16_t* StageRows(std::vector<uint16_t>& rows) {
+    return rows.data() + prefill_stage_ * (rows.size() / 2);
+  }
+  // The prefill layer's append in flight, on a thread of its own, and what
+  // MarkAppended needs once it is in.
+  struct PrefillAppend {
+    std::thread thread;
+    int slot = 0, layer = 0, first = 0, n = 0;
+    AppendResult result;
+    absl::Status status;
+  };
+  PrefillAppend prefill_append_;
+  // Joins the append in flight (if any) and marks its rows present;
+  // returns its error.
+  absl::Status WaitPrefillAppend();
 
   // The prefill in progress: positions [prefill_first_, prefill_tokens_)
   // computed, those before it cached.

@@ -26,6 +26,8 @@ absl::StatusOr<int> OffloadedKvCache::BeginPrefill(
         PolicyName(options_.kv.policy->kind), slot, first));
   }
   IG_RETURN_IF_ERROR(FinishAppends());
+  // A failed prefill's last append (its slot was reset).
+  WaitPrefillAppend().IgnoreError();
   Sequence& s = sequences_[slot];
   int cached = 0;
   if (s.seq == 0) {
@@ -74,18 +76,17 @@ absl::Status OffloadedKvCache::PrefillAttention(int layer, int pos, int rows,
   const int n_rows = rows * c_.n_kv_heads;
   // Where the encoded rows are for the backend: chunk_stage_ on a device,
   // the host stage itself on the host.
-  const uint16_t* k_stored = &k_stage_[at];
-  const uint16_t* v_stored = &v_stage_[at];
-  uint16_t* k_enc = layout_.staged ? chunk_stage_.data() : &k_stage_[at];
-  uint16_t* v_enc = k_enc + (layout_.staged ? row_values : 0);
-  if (!layout_.staged) v_enc = &v_stage_[at];
+  uint16_t* k_stage = StageRows(k_stage_) + at;
+  uint16_t* v_stage = StageRows(v_stage_) + at;
+  const uint16_t* k_stored = k_stage;
+  const uint16_t* v_stored = v_stage;
+  uint16_t* k_enc = layout_.staged ? chunk_stage_.data() : k_stage;
+  uint16_t* v_enc = layout_.staged ? chunk_stage_.data() + row_values : v_stage;
   if (backend_.EncodeKvRows(k, n_rows, hd, format, k_enc) &&
       backend_.EncodeKvRows(v, n_rows, hd, format, v_enc)) {
     if (layout_.staged) {
-      backend_.QueueCopyToHost(&k_stage_[at], k_enc,
-                               row_values * sizeof(uint16_t));
-      backend_.QueueCopyToHost(&v_stage_[at], v_enc,
-                               row_values * sizeof(uint16_t));
+      backend_.QueueCopyToHost(k_stage, k_enc, row_values * sizeof(uint16_t));
+      backend_.QueueCopyToHost(v_stage, v_enc, row_values * sizeof(uint16_t));
       k_stored = k_enc;
       v_stored = v_enc;
     }
@@ -96,8 +97,8 @@ absl::Status OffloadedKvCache::PrefillAttention(int layer, int pos, int rows,
     }
     IG_RETURN_IF_ERROR(
         backend_.CopyToHost(v_host_.data(), v, kv_values * sizeof(float)));
-    s.policy->EncodeRows(k_host_.data(), n_rows, &k_stage_[at]);
-    s.policy->EncodeRows(v_host_.data(), n_rows, &v_stage_[at]);
+    s.policy->EncodeRows(k_host_.data(), n_rows, k_stage);
+    s.policy->EncodeRows(v_host_.data(), n_rows, v_stage);
     if (layout_.staged) {
       backend_.CopyFromHost(chunk_stage_.data(), k_stored,
                             row_values * sizeof(uint16_t), chunk_stage_free_);
@@ -174,7 +175,6 @@ absl::Status OffloadedKvCache::PrefillAttention(int layer, int pos, int rows,
 
 absl::Status OffloadedKvCache::EndPrefillLayer(int layer) {
   Sequence& s = sequences_[prefill_slot_];
-  AppendResult result;
   const int n = prefill_tokens_ - prefill_first_;
   const size_t at = static_cast<size_t>(prefill_first_) * c_.n_kv_heads *
                     layout_.row_width;
@@ -188,18 +188,42 @@ absl::Status OffloadedKvCache::EndPrefillLayer(int layer) {
           per_block * sizeof(float));
     }
   }
-  // The rows a device encoded were queued to the host stage.
+  // The rows a device encoded were queued to the stage; the previous
+  // layer's append, from the other stage, must be in before the next layer
+  // writes there.
   IG_RETURN_IF_ERROR(backend_.Synchronize());
-  IG_RETURN_IF_ERROR(AppendRows(s, layer, 1, &k_stage_[at], &v_stage_[at], n,
-                                &result, &meta, s.annotated_first));
-  MarkAppended(s, layer, 1, prefill_first_, n, result);
+  IG_RETURN_IF_ERROR(WaitPrefillAppend());
+  // This layer's rows go to the node on a thread of their own while the
+  // next layer computes.
+  PrefillAppend& a = prefill_append_;
+  a.slot = prefill_slot_;
+  a.layer = layer;
+  a.first = prefill_first_;
+  a.n = n;
+  const uint16_t* k = StageRows(k_stage_) + at;
+  const uint16_t* v = StageRows(v_stage_) + at;
+  a.thread = std::thread([this, &s, &a, k, v, meta = std::move(meta)] {
+    a.status = AppendRows(s, a.layer, 1, k, v, a.n, &a.result, &meta,
+                          s.annotated_first);
+  });
+  prefill_stage_ ^= 1;
   return s.policy->FinishPrefillLayer(layer, prefill_tokens_, k_rows_.data(),
                                       stride_);
 }
 
-absl::Status OffloadedKvCache::EndPrefill() {
-  prefill_slot_ = -1;
+absl::Status OffloadedKvCache::WaitPrefillAppend() {
+  PrefillAppend& a = prefill_append_;
+  if (!a.thread.joinable()) return absl::OkStatus();
+  a.thread.join();
+  if (!a.status.ok()) return a.status;
+  MarkAppended(sequences_[a.slot], a.layer, 1, a.first, a.n, a.result);
   return absl::OkStatus();
+}
+
+absl::Status OffloadedKvCache::EndPrefill() {
+  const absl::Status appended = WaitPrefillAppend();
+  prefill_slot_ = -1;
+  return appended;
 }
 
 absl::Status OffloadedKvCache::AppendRows(Sequence& s, int first_layer,
