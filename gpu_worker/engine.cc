@@ -140,6 +140,8 @@ absl::Status Engine::CheckSlot(int slot) const {
   return absl::OkStatus();
 }
 
+absl::Status Engine::Flush() { return cache_->Flush(); }
+
 absl::Status Engine::Reset(int slot) {
   IG_RETURN_IF_ERROR(CheckSlot(slot));
   positions_of_[slot] = 0;

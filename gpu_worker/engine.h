@@ -128,6 +128,10 @@ class Engine {
   // Forgets `slot`'s sequence (closing it on the memory node); its next
   // Forward starts at position 0 and its fetch statistics restart.
   absl::Status Reset(int slot = 0);
+  // Waits for the work the last decode step left running (its rows' appends
+  // and its notes to the memory node) and returns its first error; the next
+  // step does as much before it fetches.
+  absl::Status Flush();
 
   int position(int slot = 0) const { return positions_of_[slot]; }
   // Leading tokens of the slot's last prefill that were reused from the

@@ -80,6 +80,14 @@ class FakeKvClient final : public KvClient {
     append_count_ = 0;
   }
 
+  // The n-th note of one-sided reads from now on (counting from 1) is
+  // refused as a node that lost the sequence would.
+  void FailNoteAt(int n) {
+    absl::MutexLock lock(&mu_);
+    fail_note_at_ = n;
+    note_count_ = 0;
+  }
+
   std::vector<AppendCall> appends() const {
     absl::MutexLock lock(&mu_);
     return appends_;
@@ -172,6 +180,10 @@ class FakeKvClient final : public KvClient {
       FetchBuffer*) override {
     {
       absl::MutexLock lock(&mu_);
+      if (fail_note_at_ > 0 && ++note_count_ == fail_note_at_) {
+        return kv_memory_service::FetchHandle(
+            absl::NotFoundError("fake: no open sequence"));
+      }
       notes_.push_back({layer, plan.indices.size()});
     }
     return kv_memory_service::FetchHandle(store_.NoteFetched(seq, layer, plan));
@@ -220,6 +232,7 @@ class FakeKvClient final : public KvClient {
   KvStore store_;  // thread-safe itself
   mutable absl::Mutex mu_;
   int opens_ = 0, closes_ = 0, fail_append_at_ = 0, append_count_ = 0;
+  int fail_note_at_ = 0, note_count_ = 0;
   std::vector<AppendCall> appends_;
   std::vector<FetchCall> fetches_;
   std::vector<FetchCall> notes_ ABSL_GUARDED_BY(mu_);
@@ -288,6 +301,9 @@ void ExpectSameDecoding(Engine& direct, Engine& gather) {
     ASSERT_TRUE(got.ok()) << got.status();
     EXPECT_EQ(std::vector<float>(got->begin(), got->end()), w) << i;
   }
+  // The last step's appends and notes are in.
+  EXPECT_TRUE(direct.Flush().ok());
+  EXPECT_TRUE(gather.Flush().ok());
 }
 
 // One-sided reads' node gathered nothing and was told of exactly the rows
@@ -1353,7 +1369,8 @@ TEST_F(KvCacheTest, DevicePlansOfABatchStayWithTheirSequences) {
       }
     }
   }
-  // The last step's notes are sent at its end, before DecodeBatch returns.
+  // The last step's notes go with its appends, in the background.
+  ASSERT_TRUE((*batched)->Flush().ok());
   auto stats = node.GetStoreStats();
   ASSERT_TRUE(stats.ok());
   EXPECT_EQ(stats->fetched_rows, want_rows);
@@ -1430,6 +1447,62 @@ TEST_F(KvCacheTest, PrefillRowsAreEncodedOnTheDevice) {
     EXPECT_EQ(d->encodes, 2 * 3 * 12);
     if (kind == "full") EXPECT_EQ(d->copies_out, ideal->copies_out);
   }
+  EXPECT_THAT(violations, ::testing::IsEmpty());
+}
+
+// The notes of a step's plans made on a device go to the node in the
+// background, after the step returned: a note the node refuses marks the
+// sequence lost, so the next step recomputes it (the logits are an
+// uninterrupted run's, bit for bit) or, without recompute, fails with the
+// node's error.
+TEST_F(KvCacheTest, ARefusedBackgroundNoteLosesTheSequence) {
+  const std::vector<int> prompt = Tokens(30);
+  std::vector<int> next;
+  for (int i = 0; i < 10; ++i) next.push_back((i * 13 + 5) % 64);
+  auto options = [&](FakeKvClient* node) {
+    EngineOptions o = Options("infinigen", node);
+    EXPECT_TRUE(SetTargetFetch(0.4, 12, *o.kv.policy).ok());
+    o.kv.direct_reads = true;
+    return o;
+  };
+  std::vector<std::string> violations;
+  FakeKvClient clean_node;
+  auto clean = Engine::Create(
+      weights_, std::make_unique<GuardedDeviceBackend>(&violations),
+      options(&clean_node));
+  ASSERT_TRUE(clean.ok()) << clean.status();
+  const ForcedRun want = Forced(**clean, prompt, next);
+  ASSERT_TRUE(want.status.ok()) << want.status;
+
+  FakeKvClient node;
+  auto engine = Engine::Create(
+      weights_, std::make_unique<GuardedDeviceBackend>(&violations),
+      options(&node));
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  // Each step notes its 2 dense layers during the step and its 10
+  // selecting layers in the background: the 3rd step's 5th background note.
+  node.FailNoteAt(2 * 12 + 2 + 5);
+  const ForcedRun got = Forced(**engine, prompt, next);
+  ASSERT_TRUE(got.status.ok()) << got.status;
+  ASSERT_EQ(got.logits.size(), want.logits.size());
+  for (size_t i = 0; i < want.logits.size(); ++i) {
+    EXPECT_EQ(got.logits[i], want.logits[i]) << "step " << i;
+  }
+  EXPECT_EQ((*engine)->kv_recoveries(), 1);
+  EXPECT_EQ(node.opens(), 2);
+
+  FakeKvClient strict_node;
+  EngineOptions strict = options(&strict_node);
+  strict.recompute_on_kv_loss = false;
+  auto failing = Engine::Create(
+      weights_, std::make_unique<GuardedDeviceBackend>(&violations), strict);
+  ASSERT_TRUE(failing.ok());
+  strict_node.FailNoteAt(2 * 12 + 2 + 5);
+  const ForcedRun cut = Forced(**failing, prompt, next);
+  // The prompt's logits and 3 steps', then the 4th step fails.
+  EXPECT_EQ(cut.logits.size(), 4u);
+  EXPECT_EQ(cut.status.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(std::string(cut.status.message()), HasSubstr("no open sequence"));
   EXPECT_THAT(violations, ::testing::IsEmpty());
 }
 

@@ -71,7 +71,11 @@ absl::Status OffloadedKvCache::Step::DecodeAttention(int layer,
   // compute.
   if (layer + 1 == c.n_layers) {
     for (int slot : slots_) {
-      IG_RETURN_IF_ERROR(cache_.StageStepRows(cache_.sequences_[slot]));
+      Sequence& s = cache_.sequences_[slot];
+      IG_RETURN_IF_ERROR(cache_.StageStepRows(s));
+      // StageStepRows waited for the backend: the plans' queued copies have
+      // landed, and the appender tells the node of them after the rows.
+      s.notes_in_background = !s.noted_layers.empty();
     }
     cache_.StartAppends(slots_);
   }
@@ -92,6 +96,7 @@ absl::Status OffloadedKvCache::Step::LayerDone(int layer) {
 absl::Status OffloadedKvCache::Step::End() {
   for (int slot : slots_) {
     Sequence& s = cache_.sequences_[slot];
+    if (s.notes_in_background) continue;  // the appender's, notes and all
     IG_RETURN_IF_ERROR(cache_.NoteBackendPlans(s));
     if (s.direct) {
       // The step's last notes of one-sided reads.
@@ -194,6 +199,10 @@ absl::Status OffloadedKvCache::NoteBackendPlans(Sequence& s) {
   if (s.noted_layers.empty()) return absl::OkStatus();
   // The plans' queued copies have landed once the backend is idle.
   IG_RETURN_IF_ERROR(backend_.Synchronize());
+  return SendBackendNotes(s);
+}
+
+absl::Status OffloadedKvCache::SendBackendNotes(Sequence& s) {
   for (const int layer : s.noted_layers) {
     const int i = layer % 2;
     const std::vector<int32_t>& offsets = s.note_offsets[layer];

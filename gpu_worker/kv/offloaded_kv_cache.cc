@@ -438,6 +438,15 @@ void OffloadedKvCache::AppenderLoop() {
       Sequence& s = sequences_[i];
       s.append_status = AppendRows(s, 0, c_.n_layers, s.k_step.data(),
                                    s.v_step.data(), 1, &s.appended);
+      if (s.notes_in_background && s.append_status.ok()) {
+        // The step's notes of plans made on the backend, then every note
+        // of the step in (both buffers' last).
+        s.append_status = SendBackendNotes(s);
+        for (kv_memory_service::FetchHandle& h : s.handles) {
+          const absl::Status noted = AtNode(h.Wait());
+          if (s.append_status.ok()) s.append_status = noted;
+        }
+      }
     }
     absl::MutexLock lock(&append_mu_);
     append_done_ = true;
@@ -467,6 +476,8 @@ absl::Status OffloadedKvCache::FinishAppends() {
   }
   for (int i : slots) {
     Sequence& s = sequences_[i];
+    s.notes_in_background = false;
+    s.noted_layers.clear();  // sent, or the sequence is lost
     if (!s.append_status.ok()) {
       if (first.ok()) first = s.append_status;
       if (s.lost.ok()) s.lost = s.append_status;

@@ -250,6 +250,10 @@ class OffloadedKvCache final : public KvCache {
     // note_offsets[layer], and the node hears of them at the step's end
     // (noted_layers, in order), with no wait inside the step.
     bool plan_on_backend[2] = {false, false};
+    // The step's notes go with its appends, on the appender's thread,
+    // which owns noted_layers and the fetch buffers' handles until
+    // FinishAppends.
+    bool notes_in_background = false;
     size_t note_rows = 0;
     std::vector<int32_t> note_indices;
     std::vector<std::vector<int32_t>> note_offsets;
@@ -286,8 +290,10 @@ class OffloadedKvCache final : public KvCache {
   // the layer's note then left to the gather.
   absl::Status PlanToHost(Sequence& s, int layer);
   // The step's notes of plans made on the backend (noted_layers), once
-  // their queued copies have landed.
+  // their queued copies have landed (NoteBackendPlans waits for them;
+  // SendBackendNotes, the appender's, is called after they did).
   absl::Status NoteBackendPlans(Sequence& s);
+  absl::Status SendBackendNotes(Sequence& s);
   // One-sided reads: after the sequence opened, pins its rows on the node
   // and turns `direct` on where KvOptions::direct_reads allows; EndDirect
   // unpins them (before the sequence closes).
