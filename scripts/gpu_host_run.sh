@@ -74,9 +74,16 @@ if [ "${SANITIZE}" = 1 ]; then
         FAILED=1
         break 2
       fi
-      if "${SAN}" --tool "${tool}" --error-exitcode 1 "bin/${t}" \
-          --gtest_filter="${filter}" > "${log}" 2>&1; then
+      # Bounded: racecheck can take minutes on a long kernel.
+      timeout "${SANITIZE_TIMEOUT_S:-180}" "${SAN}" --tool "${tool}" \
+        --error-exitcode 1 "bin/${t}" --gtest_filter="${filter}" \
+        > "${log}" 2>&1
+      rc=$?
+      if [ "${rc}" = 0 ]; then
         echo "PASS compute-sanitizer ${tool} ${t} (${filter}): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "${log}" | tail -1)" >> "${SUMMARY}"
+      elif [ "${rc}" = 124 ]; then
+        echo "FAIL compute-sanitizer ${tool} ${t}: over ${SANITIZE_TIMEOUT_S:-180} s (see $(basename "${log}"))" >> "${SUMMARY}"
+        FAILED=1
       else
         echo "FAIL compute-sanitizer ${tool} ${t} (see $(basename "${log}"))" >> "${SUMMARY}"
         FAILED=1
