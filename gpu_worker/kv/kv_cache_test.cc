@@ -1230,9 +1230,9 @@ TEST_F(KvCacheTest, OneSidedReadsOnTheCpuAttendOverTheNodesRowsInPlace) {
 // a device selects where the scores are: with one-sided reads nothing
 // comes back to the host inside a step (as many copies out per step as
 // full's: the step's new rows and the logits), the node hears of every
-// layer's plan at the step's end, exactly the rows a node's gather
-// fetched, and the logits are the gather's.
-TEST_F(KvCacheTest, PlansMadeOnTheDeviceReachTheNodeAtTheStepsEnd) {
+// layer's plan after the step's last layer, exactly the rows a node's
+// gather fetched, and the logits are the gather's.
+TEST_F(KvCacheTest, PlansMadeOnTheDeviceReachTheNodeAfterTheStep) {
   const std::vector<int> t = Tokens(40);
   // Copies out of the device over 10 decode steps after a 30-token prompt.
   auto decode_copies_out = [&](Engine& e, GuardedDeviceBackend& d) {

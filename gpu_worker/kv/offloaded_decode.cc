@@ -152,16 +152,11 @@ absl::Status OffloadedKvCache::PlanLayer(Sequence& s, int layer,
                                              plan.head_offsets));
     if (made) {
       const size_t rows = plan.head_offsets.back();
-      if (rows > layout_.plan_rows) {
-        return absl::InternalError(absl::StrFormat(
-            "kv cache: policy %s planned %d rows for layer %d on the "
-            "backend, above the %d its staging holds",
-            PolicyName(options_.kv.policy->kind), rows, layer,
-            layout_.plan_rows));
-      }
+      IG_RETURN_IF_ERROR(CheckPlanRows(rows, layer));
       if (s.direct && layout_.staged && rows <= s.note_rows) {
         // The device reads the rows by these indices where they lie; the
-        // node hears of them at the step's end, from a copy queued now.
+        // node hears of them with the step's appends, from a copy queued
+        // now.
         plan.indices.clear();
         backend_.QueueCopyToHost(
             s.note_indices.data() + static_cast<size_t>(layer) * s.note_rows,
@@ -176,10 +171,19 @@ absl::Status OffloadedKvCache::PlanLayer(Sequence& s, int layer,
                                  rows * sizeof(int32_t));
     }
   }
-  return s.policy->PlanFetch(
+  IG_RETURN_IF_ERROR(s.policy->PlanFetch(
       layer, p, xb_prev,
       &s.present[static_cast<size_t>(layer) * c_.n_kv_heads * max_seq_],
-      plan);
+      plan));
+  return CheckPlanRows(plan.indices.size(), layer);
+}
+
+absl::Status OffloadedKvCache::CheckPlanRows(size_t rows, int layer) const {
+  if (rows <= layout_.plan_rows) return absl::OkStatus();
+  return absl::InternalError(absl::StrFormat(
+      "kv cache: policy %s planned %d rows for layer %d, above the %d its "
+      "staging holds",
+      PolicyName(options_.kv.policy->kind), rows, layer, layout_.plan_rows));
 }
 
 absl::Status OffloadedKvCache::PlanToHost(Sequence& s, int layer) {
@@ -228,13 +232,6 @@ absl::Status OffloadedKvCache::IssueFetch(Sequence& s, int layer,
   kv_memory_service::OwnedFetchPlan& plan = s.plans[layer % 2];
   IG_RETURN_IF_ERROR(PlanLayer(s, layer, xb_prev));
   const size_t rows = plan.head_offsets.back();
-  if (rows > layout_.plan_rows) {
-    return absl::InternalError(absl::StrFormat(
-        "kv cache: policy %s planned %d rows for layer %d, above the %d its "
-        "staging holds",
-        PolicyName(options_.kv.policy->kind), rows, layer,
-        layout_.plan_rows));
-  }
   s.step_rows += static_cast<long>(rows);
   s.stats.rows_fetched += static_cast<long>(rows);
   s.stats.bytes_fetched +=
@@ -351,7 +348,7 @@ absl::Status OffloadedKvCache::UploadFetched(Sequence& s, int layer) {
     // Without staging, attention reads the rows in place (AttendInPlace).
     if (!layout_.staged || ReadDirect(s, layer)) {
       if (s.plan_on_backend[i]) {
-        s.uploaded[i] = true;  // noted at the step's end
+        s.uploaded[i] = true;  // noted with the step's appends
         return absl::OkStatus();
       }
       // The node learns of the fetch (statistics, eviction candidates) and

@@ -247,8 +247,8 @@ class OffloadedKvCache final : public KvCache {
     // stay there (plan_on_backend[i]; plans[i] holds the head offsets
     // alone): a queued copy brings each such layer's indices to
     // note_indices [layer][note_rows] (pinned) and its offsets are kept in
-    // note_offsets[layer], and the node hears of them at the step's end
-    // (noted_layers, in order), with no wait inside the step.
+    // note_offsets[layer], and the node hears of them after the step's
+    // last layer (noted_layers, in order), with no wait inside the step.
     bool plan_on_backend[2] = {false, false};
     // The step's notes go with its appends, on the appender's thread,
     // which owns noted_layers and the fetch buffers' handles until
@@ -285,6 +285,8 @@ class OffloadedKvCache final : public KvCache {
   // where the policy can and every position is present, else the
   // policy's PlanFetch on the host.
   absl::Status PlanLayer(Sequence& s, int layer, const float* xb_prev);
+  // InternalError where a plan names more rows than the staging holds.
+  absl::Status CheckPlanRows(size_t rows, int layer) const;
   // plans[i]'s indices brought to the host from plan_dev[i] where they
   // stayed on the backend (a fallback to the node's gather needs them),
   // the layer's note then left to the gather.

@@ -297,8 +297,8 @@ class InfiniGenPolicy final : public KvPolicy {
     b.CopyFromHost(partial_w_.data() + first * n_cols_ * d,
                    partial_w_host_.data() + first * n_cols_ * d,
                    heads * n_cols_ * d * sizeof(float), b.MarkIssued());
-    // The prompt's partial keys, one product per KV head, then their
-    // 4-bit rows.
+    // The prompt's partial keys (the KV heads' products batched), then
+    // their 4-bit rows.
     AppendPartialKeys(keys, static_cast<long>(key_stride) * d, n_tokens, l,
                       0);
     return absl::OkStatus();
@@ -361,13 +361,11 @@ class InfiniGenPolicy final : public KvPolicy {
   }
 
   // Each head takes its top k: adaptive budgets, or the cap alone (alpha
-  // off, as SetTargetFetch sets it: every finite score is within alpha of
-  // the max, so SelectTokens' k would be the cap), with no score mass.
+  // off, kAlphaOff: SelectTokens' k would be the cap), with no score mass.
   bool RanksTopK() const {
     return !head_budgets_.empty() ||
            (options_.score_mass == 0.0f && options_.alpha >= kAlphaOff);
   }
-  static constexpr float kAlphaOff = 1e9f;
 
   // Each KV head's k at `layer` with positions [0, p) cached (RanksTopK;
   // at most p).

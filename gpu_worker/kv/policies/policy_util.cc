@@ -40,7 +40,7 @@ absl::Status SetSelectedLayersTargetFetch(double fraction, int n_layers,
         std::min(1.0, dense)));
   }
   options.budget = static_cast<float>((fraction - dense) / (1.0 - dense));
-  options.alpha = 1e9f;
+  options.alpha = kAlphaOff;
   options.score_mass = 0.0f;
   return absl::OkStatus();
 }

@@ -21,6 +21,10 @@ void ProjectQuery(Backend& b, const model::ModelConfig& m,
                   const model::LayerWeights& w, const float* x, int p,
                   int* position_host, int* position_device, float* q);
 
+// An alpha at or above this turns the alpha rule off: every finite score is
+// within it of the head's max, so the cap alone decides (SetTargetFetch's).
+constexpr float kAlphaOff = 1e9f;
+
 // SetTargetFetch for a policy that reads its first options.dense_layers
 // layers whole and selects in the others: the selecting layers take budget
 // (fraction * n_layers - D) / (n_layers - D), the alpha rule off and no
