@@ -275,9 +275,9 @@ absl::Status OffloadedKvCache::IssueFetch(Sequence& s, int layer,
 
 void OffloadedKvCache::UploadOffsets(Sequence& s, int i) {
   const std::vector<int32_t>& offsets = s.plans[i].head_offsets;
-  int32_t* host = s.plan_host[i].data() + layout_.plan_rows;
+  int32_t* host = s.plan_host[i].data() + layout_.plan_room;
   std::copy(offsets.begin(), offsets.end(), host);
-  backend_.CopyFromHost(s.plan_dev[i].data() + layout_.plan_rows, host,
+  backend_.CopyFromHost(s.plan_dev[i].data() + layout_.plan_room, host,
                         offsets.size() * sizeof(int32_t), s.staged_free[i]);
 }
 
@@ -291,7 +291,7 @@ bool OffloadedKvCache::AttendStaged(Sequence& s, int layer, const float* q,
   p.k_rows = s.staged[i].data();
   p.rows = offsets.back();
   p.v_rows = p.k_rows + p.rows * layout_.row_width;
-  p.head_offsets = s.plan_dev[i].data() + layout_.plan_rows;
+  p.head_offsets = s.plan_dev[i].data() + layout_.plan_room;
   p.k_new = k_new;
   p.v_new = v_new;
   p.out = att;
@@ -316,7 +316,7 @@ bool OffloadedKvCache::ReadDirect(Sequence& s, int layer) {
   // Through the pinned plan_host[i], laid out as plan_dev[i] (the last
   // copy out of it has finished: IssueFetch waited for copies).
   int32_t* indices = s.plan_dev[i].data();
-  int32_t* offsets = indices + layout_.plan_rows;
+  int32_t* offsets = indices + layout_.plan_room;
   if (n > 0 && !s.plan_on_backend[i]) {
     int32_t* host = s.plan_host[i].data();
     std::memcpy(host, plan.indices.data(), n * sizeof(int32_t));

@@ -28,6 +28,15 @@ absl::StatusOr<Layout> MakeLayout(const model::Weights& weights,
                 policy->MaxPlanRows(options.max_seq_len);
   z.fetch_values = 2 * z.plan_rows * z.row_width;
   z.staged = !operates_on_host;
+  const bool backend_plans = policy->MaxBackendPlanRows(options.max_seq_len) > 0;
+  // As Init's geometry: a node that never evicts keeps positions at their
+  // slots, which one-sided reads need.
+  const bool reads_direct =
+      z.staged && options.kv.direct_reads &&
+      std::max(1, static_cast<int>(options.kv.kv_capacity *
+                                   options.max_seq_len)) >= options.max_seq_len;
+  z.plan_buffers = z.staged || backend_plans;
+  z.plan_room = reads_direct || backend_plans ? z.plan_rows : 0;
   z.attention_probs = policy->WantsAttentionProbs();
   z.prefill_probs = policy->WantsPrefillProbs();
   IG_ASSIGN_OR_RETURN(z.policy_bytes,
@@ -87,14 +96,14 @@ absl::Status OffloadedKvCache::InitSequence(Sequence& s,
                                            &backend_, layout_.fetch_values,
                                            "fetch staging"));
     }
-    if (layout_.staged || backend_rows > 0) {
-      IG_ASSIGN_OR_RETURN(
-          s.plan_dev[i],
-          DeviceBuffer<int32_t>::Make(
-              &backend_, layout_.plan_rows + c_.n_kv_heads + 1, "fetch plan"));
+    const size_t plan_values = layout_.plan_room + c_.n_kv_heads + 1;
+    if (layout_.plan_buffers) {
+      IG_ASSIGN_OR_RETURN(s.plan_dev[i],
+                          DeviceBuffer<int32_t>::Make(&backend_, plan_values,
+                                                      "fetch plan"));
     }
-    if (layout_.staged) {
-      s.plan_host[i].assign(layout_.plan_rows + c_.n_kv_heads + 1, 0);
+    if (layout_.plan_buffers && layout_.staged) {
+      s.plan_host[i].assign(plan_values, 0);
       const absl::Status pinned = backend_.PinHost(
           s.plan_host[i].data(), s.plan_host[i].size() * sizeof(int32_t));
       if (!pinned.ok() && !pin_warned) {

@@ -42,6 +42,13 @@ using kv_memory_service::SequenceGeometry;
 struct Layout {
   int row_width = 0;        // uint16 per stored row
   size_t plan_rows = 0;     // most rows of one layer's plan, all heads
+  // Plan buffers (plan_dev, and on a device plan_host) per sequence: where
+  // a device stages fetched rows (their head offsets) or the policy plans
+  // on the backend; with room for plan_room indices before the head
+  // offsets (plan_rows where the indices go there: one-sided reads onto a
+  // device, plans made on the backend; else none).
+  bool plan_buffers = false;
+  size_t plan_room = 0;
   size_t fetch_values = 0;  // uint16 per fetch buffer: K then V rows
   bool staged = false;      // fetched rows copied to device staging
   bool attention_probs = false;
@@ -50,10 +57,11 @@ struct Layout {
 
   int64_t PerSequence(const model::ModelConfig& c, int max_seq) const {
     const int64_t fetch = 2 * static_cast<int64_t>(fetch_values) * 2;
-    // Device backends: two plans' indices and head offsets on the device
-    // and in pinned host memory.
+    // Two plan buffers, on the backend and (devices) pinned on the host.
     const int64_t plans =
-        staged ? int64_t{2} * 2 * (plan_rows + c.n_kv_heads + 1) * 4 : 0;
+        plan_buffers ? int64_t{staged ? 2 : 1} * 2 *
+                           (plan_room + c.n_kv_heads + 1) * 4
+                     : 0;
     return fetch * (staged ? 2 : 1) + plans +
            int64_t{2} * c.n_layers * c.kv_dim() * 4 +        // step rows
            int64_t{2} * c.n_layers * c.n_kv_heads * row_width * 2 +  // encoded

@@ -724,6 +724,31 @@ TEST_F(CudaBackendTest, BatchedProductsAndStridedPartialKeysMatchCpu) {
   EXPECT_TRUE(std::equal(rows.begin(), rows.end(), grows.begin()));
 }
 
+// Prefill rows encoded on the device: the host's fp16 bits (EncodeKvRows),
+// rounding and the largest and smallest values included; int4 rows are
+// refused (the host encodes them), nothing written.
+TEST_F(CudaBackendTest, EncodesHalfRowsLikeTheHost) {
+  const int n_rows = 300, hd = 128;
+  std::vector<float> rows = Normal(n_rows * hd, rng_);
+  rows[0] = 65504.0f;
+  rows[1] = -1e-8f;
+  rows[2] = 70000.0f;  // beyond fp16: infinity on both
+  std::vector<uint16_t> want(rows.size());
+  EncodeKvRows(KvRowFormat::kHalf, rows.data(), n_rows, hd, want.data());
+  SharedVector<float> grows = Shared(gpu_.get(), rows);
+  SharedVector<uint16_t> got(want.size(), 0,
+                             SharedAllocator<uint16_t>(gpu_.get()));
+  ASSERT_TRUE(gpu_->EncodeKvRows(grows.data(), n_rows, hd, KvRowFormat::kHalf,
+                                 got.data()));
+  ASSERT_TRUE(gpu_->Synchronize().ok()) << gpu_->Synchronize();
+  EXPECT_TRUE(std::equal(want.begin(), want.end(), got.begin()));
+  std::fill(got.begin(), got.end(), 7);
+  EXPECT_FALSE(gpu_->EncodeKvRows(grows.data(), n_rows, hd,
+                                  KvRowFormat::kInt4, got.data()));
+  ASSERT_TRUE(gpu_->Synchronize().ok());
+  EXPECT_EQ(got[0], 7);
+}
+
 // QueueCopyToHost lands in host memory by the next Synchronize, holding
 // what the source held when it was queued (a later operation's write to
 // the source is not in it).

@@ -78,6 +78,7 @@ class InfiniGenPolicy final : public KvPolicy {
   struct Sizes {
     size_t heads, d, n_cols, max_seq, q_dim, n_kv, n_heads;
     speculator::PartialKeyFormat format;
+    bool combined;  // GQA heads' rank combined on the backend
     int64_t Bytes() const {
       return static_cast<int64_t>(
           2 * heads * d * sizeof(float) +             // col_sums_, k_col_sums_
@@ -92,7 +93,7 @@ class InfiniGenPolicy final : public KvPolicy {
                                                       // new_partial_k_
           2 * q_dim * sizeof(float) +                 // q_, q_skewed_
           2 * n_heads * max_seq * sizeof(float) +     // scores_ (+host)
-          (n_heads > n_kv ? n_kv * max_seq * sizeof(float) : 0) +
+          (combined ? n_kv * max_seq * sizeof(float) : 0) +
                                                       // combined_
           n_kv * max_seq * (sizeof(float) + 1) +      // scores_host_, present_
           sizeof(int));                               // position_
@@ -109,6 +110,7 @@ class InfiniGenPolicy final : public KvPolicy {
     z.n_kv = m.n_kv_heads;
     z.n_heads = m.n_heads;
     z.format = KeyFormat(o);
+    z.combined = m.n_heads > m.n_kv_heads && SelectsOnBackend(o);
     return z;
   }
 
@@ -161,7 +163,7 @@ class InfiniGenPolicy final : public KvPolicy {
     IG_ASSIGN_OR_RETURN(scores_, DeviceBuffer<float>::Make(
                                      b, z.n_heads * z.max_seq,
                                      "speculated scores"));
-    if (z.n_heads > z.n_kv) {
+    if (z.combined) {
       IG_ASSIGN_OR_RETURN(combined_, DeviceBuffer<float>::Make(
                                          b, z.n_kv * z.max_seq,
                                          "combined scores"));
@@ -362,9 +364,15 @@ class InfiniGenPolicy final : public KvPolicy {
 
   // Each head takes its top k: adaptive budgets, or the cap alone (alpha
   // off, kAlphaOff: SelectTokens' k would be the cap), with no score mass.
-  bool RanksTopK() const {
-    return !head_budgets_.empty() ||
-           (options_.score_mass == 0.0f && options_.alpha >= kAlphaOff);
+  static bool RanksTopK(const PolicyOptions& o) {
+    return o.adaptive_budgets ||
+           (o.score_mass == 0.0f && o.alpha >= kAlphaOff);
+  }
+  bool RanksTopK() const { return RanksTopK(options_); }
+  // Whether the backend selects (PlanFetchOnBackend): top k, no sink or
+  // recent tokens to add.
+  static bool SelectsOnBackend(const PolicyOptions& o) {
+    return RanksTopK(o) && o.sink_tokens == 0 && o.recent_tokens == 0;
   }
 
   // Each KV head's k at `layer` with positions [0, p) cached (RanksTopK;
@@ -382,10 +390,7 @@ class InfiniGenPolicy final : public KvPolicy {
   }
 
   int MaxBackendPlanRows(int p) const override {
-    if (!RanksTopK() || options_.sink_tokens > 0 ||
-        options_.recent_tokens > 0) {
-      return 0;
-    }
+    if (!SelectsOnBackend(options_)) return 0;
     float budget = options_.budget;
     for (float b : head_budgets_) budget = std::max(budget, b);
     return std::min(
