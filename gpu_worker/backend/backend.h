@@ -170,9 +170,9 @@ class PolicyOps {
   virtual bool AttendStoredRows(const StoredRowsAttention& p) { return false; }
   // Attention over a fetch's staged rows, every KV head in one operation
   // (StagedRowsAttention). Returns false, doing nothing, where the backend
-  // cannot (the format): the caller then decodes each head's rows
-  // (DecodeKvRows) and runs Attention. Default: false (a host backend
-  // attends over fetched rows where they lie: AttendStoredRows).
+  // cannot: the caller then decodes each head's rows (DecodeKvRows) and
+  // runs Attention. Default: false (a host backend attends over fetched
+  // rows where they lie: AttendStoredRows).
   virtual bool AttendStagedRows(const StagedRowsAttention& p) {
     return false;
   }

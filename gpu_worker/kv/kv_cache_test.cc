@@ -946,9 +946,8 @@ class GuardedDeviceBackend final : public Backend {
     }
     cpu_->DecodeKvRows(in, n_rows, head_dim, format, rows);
   }
-  // fp16 rows, as CUDA's: the host reference over device memory.
+  // As CUDA's: the host reference over device memory.
   bool AttendStagedRows(const StagedRowsAttention& p) override {
-    if (p.format != KvRowFormat::kHalf) return false;
     Open open(this);
     ++staged_attentions;
     if (!InDevice(p.q) || !InDevice(p.k_rows) || !InDevice(p.v_rows) ||
@@ -1133,13 +1132,14 @@ TEST_F(KvCacheTest, DeviceBackendsReadFetchedRowsFromTheirOwnMemory) {
       auto got = (*on_device)->Forward({t[i]}, false);
       ASSERT_TRUE(got.ok()) << got.status();
       const std::vector<float> g(got->begin(), got->end());
-      if (kind == "ideal" || kind == "int4") {
-        // Decoded and attended the same way on both: bit for bit.
+      if (kind == "ideal") {
+        // Attended the same way on both: bit for bit.
         EXPECT_EQ(g, w);
       } else {
-        // The CPU attends over the fp16 rows where they lie
-        // (AttendStoredRows), the device path over decoded rows: the same
-        // values summed in another order.
+        // The CPU attends over fp16 rows where they lie (AttendStoredRows)
+        // or decodes int4 ones, the device over every head's staged rows
+        // in one operation (h2o: decoded rows): the same values summed in
+        // another order.
         ASSERT_EQ(g.size(), w.size());
         for (size_t j = 0; j < w.size(); ++j) {
           ASSERT_NEAR(g[j], w[j], 1e-4f * (1.0f + std::fabs(w[j]))) << j;
@@ -1151,13 +1151,11 @@ TEST_F(KvCacheTest, DeviceBackendsReadFetchedRowsFromTheirOwnMemory) {
     if (kind != "ideal") {
       // At least one copy of fetched rows per layer and step.
       EXPECT_GE(d->copies_in - copies_after_prefill, 10L * 12);
-      if (kind == "full" || kind == "infinigen") {
-        // fp16 rows: one attention over every head's staged rows per
-        // layer and step.
+      if (kind != "h2o") {
+        // One attention over every head's staged rows per layer and step.
         EXPECT_EQ(d->staged_attentions, 10 * 12);
       } else {
-        // int4 rows (and h2o, which sums probabilities): each head's rows
-        // decoded, K and V.
+        // h2o sums probabilities: each head's rows decoded, K and V.
         EXPECT_EQ(d->staged_attentions, 0);
         EXPECT_GE(d->decodes, 2L * 2 * 10 * 12);
       }

@@ -33,14 +33,30 @@ __device__ float WarpSum(float v) {
   return v;
 }
 
-// A stored fp16 row (staged fetched rows), or the new token's exact fp32 row
-// where half is null; row[d] is its d-th value as a float.
+__device__ float HalfValue(uint16_t bits) {
+  return __half2float(__ushort_as_half(bits));
+}
+
+// A stored row (staged fetched rows: fp16, or int4 in groups of `group`
+// values, KvRowFormat::kInt4's layout), or the new token's exact fp32 row
+// where stored is null; row[d] is its d-th value as a float, decoded as
+// DecodeKvRows decodes it (q * scale + min, rounded twice).
 struct MixedRow {
-  const uint16_t* half;
+  const uint16_t* stored;
   const float* exact;
+  int group;     // int4: values per group; 0: fp16
+  int n_groups;  // int4: groups per row
   __device__ float operator[](int d) const {
-    return half != nullptr ? __half2float(__ushort_as_half(half[d]))
-                           : exact[d];
+    if (stored == nullptr) return exact[d];
+    if (group == 0) return HalfValue(stored[d]);
+    // [scale, min] fp16 per group, then the nibbles, low one first.
+    const int gi = d / group;
+    const float scale = HalfValue(stored[2 * gi]);
+    const float mn = HalfValue(stored[2 * gi + 1]);
+    const auto* packed =
+        reinterpret_cast<const uint8_t*>(stored + 2 * n_groups);
+    const int q = (packed[d / 2] >> (4 * (d % 2))) & 0xF;
+    return __fadd_rn(__fmul_rn(static_cast<float>(q), scale), mn);
   }
 };
 
@@ -126,23 +142,27 @@ struct FloatRows {
   }
 };
 
-// A KV head's fetched rows as staged (fp16, `count` of them), then the new
-// token's exact row as row `count`.
+// A KV head's fetched rows as staged (`count` of them, row_width values
+// apart: fp16, or int4 in groups of `group`), then the new token's exact
+// row as row `count`.
 struct StagedRows {
-  const uint16_t* k;  // [count, head_dim]
+  const uint16_t* k;  // [count, row_width]
   const uint16_t* v;
   const float* k_new;  // [head_dim]
   const float* v_new;
   int count;
-  int head_dim;
-  __device__ MixedRow K(int t) const {
-    return t < count ? MixedRow{k + static_cast<long>(t) * head_dim, nullptr}
-                     : MixedRow{nullptr, k_new};
+  int row_width;
+  int group;     // 0: fp16
+  int n_groups;
+  __device__ MixedRow Row(const uint16_t* rows, const float* exact,
+                          int t) const {
+    return t < count
+               ? MixedRow{rows + static_cast<long>(t) * row_width, nullptr,
+                          group, n_groups}
+               : MixedRow{nullptr, exact, 0, 0};
   }
-  __device__ MixedRow V(int t) const {
-    return t < count ? MixedRow{v + static_cast<long>(t) * head_dim, nullptr}
-                     : MixedRow{nullptr, v_new};
-  }
+  __device__ MixedRow K(int t) const { return Row(k, k_new, t); }
+  __device__ MixedRow V(int t) const { return Row(v, v_new, t); }
 };
 
 // One warp's online softmax over its keys of [begin, end) (every kWarps-th
@@ -350,13 +370,15 @@ __global__ void __launch_bounds__(kThreads)
   const int chunk = (seen + p.kv_splits - 1) / p.kv_splits;
   const int begin = min(seen, split * chunk);
   const int end = min(seen, begin + chunk);
-  const long at = static_cast<long>(first) * p.head_dim;
+  const long at = static_cast<long>(first) * p.row_width;
   const StagedRows rows{p.k_rows + at,
                         p.v_rows + at,
                         p.k_new + static_cast<long>(g) * p.head_dim,
                         p.v_new + static_cast<long>(g) * p.head_dim,
                         count,
-                        p.head_dim};
+                        p.row_width,
+                        p.int4_group,
+                        p.int4_group > 0 ? p.head_dim / p.int4_group : 0};
   float q[R];
   LoadLaneDims(p.q + static_cast<long>(h) * p.head_dim, p.head_dim, q);
   float m = -CUDART_INF_F;
@@ -452,6 +474,14 @@ int LaunchStagedAttention(const StagedAttentionParams& p, void* stream) {
   if (p.n_heads <= 0 || p.n_kv_heads <= 0 || p.n_heads % p.n_kv_heads != 0 ||
       p.head_dim <= 0 || p.head_dim > kMaxHeadDim || p.kv_splits <= 0 ||
       static_cast<long>(p.n_heads) * p.kv_splits > 0x7fffffffL) {
+    return invalid;
+  }
+  // fp16 rows of head_dim values, or int4 rows of whole groups.
+  if (p.int4_group == 0 ? p.row_width != p.head_dim
+                        : (p.int4_group < 0 || p.head_dim % p.int4_group != 0 ||
+                           p.int4_group % 2 != 0 ||
+                           p.row_width != 2 * (p.head_dim / p.int4_group) +
+                                              p.head_dim / 4)) {
     return invalid;
   }
   if (p.kv_splits > 1 && p.workspace == nullptr) return invalid;

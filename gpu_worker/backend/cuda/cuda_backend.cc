@@ -615,15 +615,17 @@ class CudaBackend final : public Backend {
     }
   }
 
-  // fp16 rows: one launch for every head (LaunchStagedAttention), the
-  // counts read on the device; int4 rows are decoded first by the caller.
+  // One launch for every head (LaunchStagedAttention), the counts read on
+  // the device, fp16 and int4 rows decoded as they are read.
   bool AttendStagedRows(const StagedRowsAttention& a) override {
     constexpr const char* kOp = "AttendStagedRows";
-    if (a.format != KvRowFormat::kHalf) return false;
     if (!Begin()) return true;
+    const bool int4 = a.format == KvRowFormat::kInt4;
     if (a.n_heads <= 0 || a.n_kv_heads <= 0 ||
         a.n_heads % a.n_kv_heads != 0 || a.head_dim <= 0 || a.rows < 0 ||
-        a.max_head_rows < 0) {
+        a.max_head_rows < 0 ||
+        (int4 && (a.head_dim % 4 != 0 ||
+                  a.head_dim % std::min(64, a.head_dim) != 0))) {
       FailShape(kOp, absl::StrFormat("n_heads=%d n_kv_heads=%d (must divide) "
                                      "head_dim=%d rows=%d max_head_rows=%d",
                                      a.n_heads, a.n_kv_heads, a.head_dim,
@@ -632,7 +634,8 @@ class CudaBackend final : public Backend {
     }
     const long q_count = static_cast<long>(a.n_heads) * a.head_dim;
     const long new_count = static_cast<long>(a.n_kv_heads) * a.head_dim;
-    const long row_count = std::max(1L, a.rows) * a.head_dim;
+    const int row_width = KvRowWidth(a.format, a.head_dim);
+    const long row_count = std::max(1L, a.rows) * row_width;
     StagedAttentionParams p;
     p.q = In(a.q, q_count, kOp, "q");
     p.k_rows = In(a.k_rows, row_count, kOp, "k_rows");
@@ -646,6 +649,8 @@ class CudaBackend final : public Backend {
     p.n_heads = a.n_heads;
     p.n_kv_heads = a.n_kv_heads;
     p.head_dim = a.head_dim;
+    p.row_width = row_width;
+    p.int4_group = int4 ? std::min(64, a.head_dim) : 0;
     p.scale = a.scale;
     // Split each head's rows so that every SM has blocks to run, as
     // Attention does.

@@ -630,28 +630,31 @@ TEST_F(CudaBackendTest, SelectTopKMatchesCpu) {
   EXPECT_EQ(other->Synchronize().code(), absl::StatusCode::kInvalidArgument);
 }
 
-// A fetch's staged fp16 rows attended in one operation, the head offsets in
-// device memory: the host reference's outputs (1e-4 * (1 + |want|)); long
-// heads are split over blocks. int4 rows are refused, nothing done.
+// A fetch's staged rows (fp16, int4) attended in one operation, the head
+// offsets in device memory: the host reference's outputs (1e-4 * (1 +
+// |want|)); long heads are split over blocks.
 TEST_F(CudaBackendTest, AttendStagedRowsMatchesHost) {
   const int n_heads = 32, n_kv_heads = 8, hd = 128;
+  for (const KvRowFormat format : {KvRowFormat::kHalf, KvRowFormat::kInt4})
   for (const int per_head : {0, 1, 700, 20000}) {
+    const int width = KvRowWidth(format, hd);
     std::vector<int32_t> offsets(1, 0);
     for (int g = 0; g < n_kv_heads; ++g) {
       offsets.push_back(offsets.back() + (g % 2 == 0 ? per_head : per_head / 3));
     }
     const int rows = offsets.back();
-    std::vector<uint16_t> stored(2 * static_cast<size_t>(std::max(1, rows)) * hd);
-    const std::vector<float> x = Normal(stored.size(), rng_);
-    EncodeKvRows(KvRowFormat::kHalf, x.data(), 2 * std::max(1, rows), hd,
-                 stored.data());
+    std::vector<uint16_t> stored(2 * static_cast<size_t>(std::max(1, rows)) *
+                                 width);
+    const std::vector<float> x =
+        Normal(2 * static_cast<size_t>(std::max(1, rows)) * hd, rng_);
+    EncodeKvRows(format, x.data(), 2 * std::max(1, rows), hd, stored.data());
     const std::vector<float> q = Normal(n_heads * hd, rng_);
     const std::vector<float> kv_new = Normal(2 * n_kv_heads * hd, rng_);
     std::vector<float> want(n_heads * hd);
     StagedRowsAttention p;
     p.q = q.data();
     p.k_rows = stored.data();
-    p.v_rows = stored.data() + static_cast<size_t>(rows) * hd;
+    p.v_rows = stored.data() + static_cast<size_t>(rows) * width;
     p.head_offsets = offsets.data();
     p.rows = rows;
     p.k_new = kv_new.data();
@@ -661,6 +664,7 @@ TEST_F(CudaBackendTest, AttendStagedRowsMatchesHost) {
     p.n_kv_heads = n_kv_heads;
     p.head_dim = hd;
     p.max_head_rows = per_head;
+    p.format = format;
     p.scale = 1.0f / std::sqrt(static_cast<float>(hd));
     AttendStagedRowsOnHost(p);
     SharedVector<float> gq = Shared(gpu_.get(), q),
@@ -671,7 +675,7 @@ TEST_F(CudaBackendTest, AttendStagedRowsMatchesHost) {
     SharedVector<int32_t> goffsets = Shared(gpu_.get(), offsets);
     p.q = gq.data();
     p.k_rows = gstored.data();
-    p.v_rows = gstored.data() + static_cast<size_t>(rows) * hd;
+    p.v_rows = gstored.data() + static_cast<size_t>(rows) * width;
     p.head_offsets = goffsets.data();
     p.k_new = gkv_new.data();
     p.v_new = gkv_new.data() + n_kv_heads * hd;
@@ -680,10 +684,9 @@ TEST_F(CudaBackendTest, AttendStagedRowsMatchesHost) {
     ASSERT_TRUE(gpu_->Synchronize().ok()) << gpu_->Synchronize();
     for (size_t i = 0; i < want.size(); ++i) {
       ASSERT_NEAR(gout[i], want[i], 1e-4f * (1 + std::abs(want[i])))
-          << "per_head=" << per_head << " i=" << i;
+          << KvRowFormatName(format) << " per_head=" << per_head
+          << " i=" << i;
     }
-    p.format = KvRowFormat::kInt4;
-    EXPECT_FALSE(gpu_->AttendStagedRows(p));
   }
 }
 

@@ -188,14 +188,15 @@ inline long AttentionWorkspaceFloats(const AttentionKernelParams& p) {
 
 // Decode attention of one token's query heads over the rows a fetch staged
 // on the device: KV head g's fetched rows are rows [head_offsets[g],
-// head_offsets[g + 1]) of k_rows and v_rows (fp16, head_dim values each),
-// then the new token's exact row (k_new, v_new); every head in one launch,
-// the counts read on the device. The arithmetic of LaunchAttention (its
-// online softmax, warps and splits) over those rows.
+// head_offsets[g + 1]) of k_rows and v_rows (stored: fp16, or int4 as
+// KvRowFormat::kInt4 lays them out, decoded as DecodeKvRows does), then
+// the new token's exact row (k_new, v_new); every head in one launch, the
+// counts read on the device. The arithmetic of LaunchAttention (its online
+// softmax, warps and splits) over those rows.
 struct StagedAttentionParams {
   const float* q;                // [n_heads, head_dim]
-  const uint16_t* k_rows;        // [rows, head_dim] fp16
-  const uint16_t* v_rows;        // [rows, head_dim] fp16
+  const uint16_t* k_rows;        // [rows, row_width] as stored
+  const uint16_t* v_rows;        // [rows, row_width] as stored
   const int32_t* head_offsets;   // [n_kv_heads + 1], from 0, ascending
   const float* k_new;            // [n_kv_heads, head_dim]
   const float* v_new;            // [n_kv_heads, head_dim]
@@ -203,6 +204,9 @@ struct StagedAttentionParams {
   int n_heads = 0;
   int n_kv_heads = 0;            // divides n_heads
   int head_dim = 0;              // 1..256
+  // fp16: head_dim; int4: KvRowWidth(kInt4, head_dim).
+  int row_width = 0;
+  int int4_group = 0;            // int4: values per group; 0: fp16
   float scale = 1.0f;
   // Blocks each head's rows are split over; > 1 needs workspace.
   int kv_splits = 1;

@@ -660,11 +660,12 @@ TEST_F(CudaKernels, CombineHeadScoresMatchesSpeculator) {
 struct StagedCase {
   int n_heads, n_kv_heads, head_dim, kv_splits;
   std::vector<int32_t> counts;  // each KV head's staged rows
+  KvRowFormat format = KvRowFormat::kHalf;
 };
 
-// Every head's staged fp16 rows in one launch against the host reference
-// (AttendStagedRowsOnHost): 1e-4 * (1 + |want|), sums in another order.
-// Empty heads, one row, long heads split over blocks, GQA and MHA.
+// Every head's staged rows (fp16, int4) in one launch against the host
+// reference (AttendStagedRowsOnHost): 1e-4 * (1 + |want|), sums in another
+// order. Empty heads, one row, long heads split over blocks, GQA and MHA.
 TEST_F(CudaKernels, StagedAttentionMatchesHost) {
   const StagedCase cases[] = {
       {4, 4, 64, 1, {0, 1, 7, 300}},
@@ -672,6 +673,9 @@ TEST_F(CudaKernels, StagedAttentionMatchesHost) {
       {8, 2, 128, 7, {5000, 2}},
       {32, 32, 128, 4, std::vector<int32_t>(32, 3277)},
       {6, 3, 80, 3, {1, 2000, 0}},
+      {8, 4, 128, 1, {0, 9, 300, 1}, KvRowFormat::kInt4},
+      {32, 32, 128, 4, std::vector<int32_t>(32, 1000), KvRowFormat::kInt4},
+      {4, 2, 32, 2, {700, 3}, KvRowFormat::kInt4},
   };
   for (const StagedCase& c : cases) {
     SCOPED_TRACE(::testing::Message() << "heads " << c.n_heads << "/"
@@ -685,11 +689,12 @@ TEST_F(CudaKernels, StagedAttentionMatchesHost) {
     }
     const int rows = offsets.back();
     const int hd = c.head_dim;
-    std::vector<uint16_t> k16(std::max(1, rows) * hd), v16(k16.size());
+    const int width = KvRowWidth(c.format, hd);
+    std::vector<uint16_t> k16(std::max(1, rows) * width), v16(k16.size());
     for (auto* stored : {&k16, &v16}) {
-      const std::vector<float> x = Normal(stored->size(), rng_);
-      EncodeKvRows(KvRowFormat::kHalf, x.data(), std::max(1, rows), hd,
-                   stored->data());
+      const std::vector<float> x =
+          Normal(static_cast<size_t>(std::max(1, rows)) * hd, rng_);
+      EncodeKvRows(c.format, x.data(), std::max(1, rows), hd, stored->data());
     }
     const std::vector<float> q = Normal(c.n_heads * hd, rng_);
     const std::vector<float> k_new = Normal(c.n_kv_heads * hd, rng_);
@@ -708,6 +713,7 @@ TEST_F(CudaKernels, StagedAttentionMatchesHost) {
     host.n_kv_heads = c.n_kv_heads;
     host.head_dim = hd;
     host.max_head_rows = most;
+    host.format = c.format;
     host.scale = 1.0f / std::sqrt(static_cast<float>(hd));
     AttendStagedRowsOnHost(host);
     DeviceArray<float> dq(q), dk_new(k_new), dv_new(v_new), dout(want.size());
@@ -719,6 +725,8 @@ TEST_F(CudaKernels, StagedAttentionMatchesHost) {
     p.n_heads = c.n_heads;
     p.n_kv_heads = c.n_kv_heads;
     p.head_dim = hd;
+    p.row_width = width;
+    p.int4_group = c.format == KvRowFormat::kInt4 ? std::min(64, hd) : 0;
     p.scale = host.scale;
     p.kv_splits = c.kv_splits;
     DeviceArray<float> workspace(
@@ -864,12 +872,21 @@ TEST(CudaKernelArguments, RejectedBeforeLaunch) {
     s.n_heads = 4;
     s.n_kv_heads = 2;
     s.head_dim = 64;
+    s.row_width = 64;
     s.kv_splits = 2;  // without a workspace
     EXPECT_EQ(LaunchStagedAttention(s, nullptr), bad);
     s.kv_splits = 1;
+    s.row_width = 63;  // not an fp16 row of 64
+    EXPECT_EQ(LaunchStagedAttention(s, nullptr), bad);
+    s.int4_group = 64;
+    s.row_width = 64;  // not an int4 row of 64 (2 + 16)
+    EXPECT_EQ(LaunchStagedAttention(s, nullptr), bad);
+    s.int4_group = 0;
     s.head_dim = 257;
+    s.row_width = 257;
     EXPECT_EQ(LaunchStagedAttention(s, nullptr), bad);
     s.head_dim = 64;
+    s.row_width = 64;
     s.n_kv_heads = 3;
     EXPECT_EQ(LaunchStagedAttention(s, nullptr), bad);
     s.n_kv_heads = 2;
