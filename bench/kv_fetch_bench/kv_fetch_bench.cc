@@ -43,6 +43,7 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -380,26 +381,41 @@ void TimeRoundTrips(benchmark::State& state, const Case& c,
   Report(state, samples, c, /*baseline=*/false);
 }
 
-void BM_Fetch(benchmark::State& state, const std::string& plane_name,
-              const Case& c) {
+// What a plane's fetch and note benchmarks read: its client, the case's
+// sequence and buffer, and the case's plan. Null (the benchmark skipped)
+// where the plane's set-up failed.
+struct Target {
+  KvClient* client;
+  SequenceId seq;
+  FetchBuffer* buffer;
+  OwnedFetchPlan plan;
+};
+std::optional<Target> TargetOf(benchmark::State& state,
+                               const std::string& plane_name, const Case& c) {
   Plane& p = TheWorld().planes[plane_name];
   if (!p.error.empty() || p.client == nullptr) {
-    return Skip(state, "set-up failed: " + p.error);
+    Skip(state, "set-up failed: " + p.error);
+    return std::nullopt;
   }
-  const SequenceId seq = p.seq[c.shape];
-  FetchBuffer* buffer = p.buffer[c.shape].get();
-  const OwnedFetchPlan plan = MakePlan(c, 7 + c.tokens);
-  const FetchPlan view = plan.view();
+  return Target{p.client.get(), p.seq[c.shape], p.buffer[c.shape].get(),
+                MakePlan(c, 7 + c.tokens)};
+}
+
+void BM_Fetch(benchmark::State& state, const std::string& plane_name,
+              const Case& c) {
+  const std::optional<Target> t = TargetOf(state, plane_name, c);
+  if (!t) return;
+  const FetchPlan view = t->plan.view();
   // Warm up (opens streams, grows reused messages) and check the rows.
   for (int i = 0; i < 3; ++i) {
-    absl::Status s = p.client->Fetch(seq, c.layer(), view, buffer);
+    absl::Status s = t->client->Fetch(t->seq, c.layer(), view, t->buffer);
     if (!s.ok()) return Skip(state, s.ToString());
   }
-  if (!Verify(c, plan, buffer->data())) {
+  if (!Verify(c, t->plan, t->buffer->data())) {
     return Skip(state, "fetched rows differ from the appended ones");
   }
   TimeRoundTrips(state, c, [&] {
-    return p.client->FetchAsync(seq, c.layer(), view, buffer).Wait();
+    return t->client->FetchAsync(t->seq, c.layer(), view, t->buffer).Wait();
   });
 }
 
@@ -408,16 +424,11 @@ void BM_Fetch(benchmark::State& state, const std::string& plane_name,
 // the fetch for its statistics and eviction), a round trip per note.
 void BM_Note(benchmark::State& state, const std::string& plane_name,
              const Case& c) {
-  Plane& p = TheWorld().planes[plane_name];
-  if (!p.error.empty() || p.client == nullptr) {
-    return Skip(state, "set-up failed: " + p.error);
-  }
-  const SequenceId seq = p.seq[c.shape];
-  FetchBuffer* buffer = p.buffer[c.shape].get();
-  const OwnedFetchPlan plan = MakePlan(c, 7 + c.tokens);
-  const FetchPlan view = plan.view();
+  const std::optional<Target> t = TargetOf(state, plane_name, c);
+  if (!t) return;
+  const FetchPlan view = t->plan.view();
   TimeRoundTrips(state, c, [&] {
-    return p.client->NoteFetched(seq, c.layer(), view, buffer);
+    return t->client->NoteFetched(t->seq, c.layer(), view, t->buffer);
   });
 }
 

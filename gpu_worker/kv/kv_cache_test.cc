@@ -340,6 +340,16 @@ class KvCacheTest : public ::testing::Test {
     o.kv.kv_client = client;
     return o;
   }
+  // `kind` (infinigen, oracle) at a 0.4 target fetch, where each head takes
+  // its top k (what a device selects), reading rows one-sided where
+  // `direct_reads`.
+  EngineOptions TargetOptions(const std::string& kind, KvClient* client,
+                              bool direct_reads) {
+    EngineOptions o = Options(kind, client);
+    EXPECT_TRUE(SetTargetFetch(0.4, 12, *o.kv.policy).ok());
+    o.kv.direct_reads = direct_reads;
+    return o;
+  }
 
   Weights weights_;
   speculator::SkewMatrices identity_;
@@ -1105,6 +1115,17 @@ class GuardedDeviceBackend final : public Backend {
   std::vector<std::pair<char*, std::vector<char>>> queued_;
 };
 
+// An engine of `options` on a new GuardedDeviceBackend recording into
+// `violations`; *device, where given, is that backend.
+absl::StatusOr<std::unique_ptr<Engine>> OnDevice(
+    const Weights& weights, const EngineOptions& options,
+    std::vector<std::string>* violations,
+    GuardedDeviceBackend** device = nullptr) {
+  auto backend = std::make_unique<GuardedDeviceBackend>(violations);
+  if (device != nullptr) *device = backend.get();
+  return Engine::Create(weights, std::move(backend), options);
+}
+
 TEST_F(KvCacheTest, DeviceBackendsReadFetchedRowsFromTheirOwnMemory) {
   for (std::string kind : {"ideal", "full",
                           "int4", "h2o",
@@ -1239,37 +1260,26 @@ TEST_F(KvCacheTest, PlansMadeOnTheDeviceReachTheNodeAfterTheStep) {
     for (int i = 30; i < 40; ++i) EXPECT_TRUE(e.Forward({t[i]}, false).ok());
     return d.copies_out - before;
   };
+  std::vector<std::string> violations;
   long full_copies = 0;
   {
     FakeKvClient node;
-    std::vector<std::string> violations;
-    auto backend = std::make_unique<GuardedDeviceBackend>(&violations);
-    GuardedDeviceBackend* d = backend.get();
     EngineOptions o = Options("full", &node);
     o.kv.direct_reads = true;
-    auto full = Engine::Create(weights_, std::move(backend), o);
+    GuardedDeviceBackend* d = nullptr;
+    auto full = OnDevice(weights_, o, &violations, &d);
     ASSERT_TRUE(full.ok()) << full.status();
     full_copies = decode_copies_out(**full, *d);
     EXPECT_EQ(d->selections, 0);
   }
   for (std::string kind : {"infinigen", "oracle"}) {
     SCOPED_TRACE(kind);
-    auto options = [&](FakeKvClient* node, bool direct) {
-      EngineOptions o = Options(kind, node);
-      EXPECT_TRUE(SetTargetFetch(0.4, 12, *o.kv.policy).ok());
-      o.kv.direct_reads = direct;
-      return o;
-    };
     FakeKvClient direct_node, gather_node, counted_node;
-    std::vector<std::string> violations;
-    auto direct_backend = std::make_unique<GuardedDeviceBackend>(&violations);
-    auto gather_backend = std::make_unique<GuardedDeviceBackend>(&violations);
-    GuardedDeviceBackend* d = direct_backend.get();
-    GuardedDeviceBackend* g = gather_backend.get();
-    auto direct = Engine::Create(weights_, std::move(direct_backend),
-                                 options(&direct_node, true));
-    auto gather = Engine::Create(weights_, std::move(gather_backend),
-                                 options(&gather_node, false));
+    GuardedDeviceBackend *d = nullptr, *g = nullptr, *c = nullptr;
+    auto direct = OnDevice(weights_, TargetOptions(kind, &direct_node, true),
+                           &violations, &d);
+    auto gather = OnDevice(weights_, TargetOptions(kind, &gather_node, false),
+                           &violations, &g);
     ASSERT_TRUE(direct.ok()) << direct.status();
     ASSERT_TRUE(gather.ok()) << gather.status();
     ASSERT_NO_FATAL_FAILURE(ExpectSameDecoding(**direct, **gather));
@@ -1284,23 +1294,17 @@ TEST_F(KvCacheTest, PlansMadeOnTheDeviceReachTheNodeAfterTheStep) {
     EXPECT_EQ(g->queued_copies_out, 2 * 2 * 12);
     EXPECT_EQ(d->queued_copies_out, 2 * 2 * 12 + 10 * 10);
 
-    auto counted_backend = std::make_unique<GuardedDeviceBackend>(&violations);
-    GuardedDeviceBackend* c = counted_backend.get();
-    auto counted = Engine::Create(weights_, std::move(counted_backend),
-                                  options(&counted_node, true));
+    auto counted = OnDevice(
+        weights_, TargetOptions(kind, &counted_node, true), &violations, &c);
     ASSERT_TRUE(counted.ok()) << counted.status();
     EXPECT_EQ(decode_copies_out(**counted, *c), full_copies);
   }
   // Sink tokens are added on the host: the scores come back.
   FakeKvClient node;
-  std::vector<std::string> violations;
-  auto backend = std::make_unique<GuardedDeviceBackend>(&violations);
-  GuardedDeviceBackend* d = backend.get();
-  EngineOptions o = Options("infinigen", &node);
-  ASSERT_TRUE(SetTargetFetch(0.4, 12, *o.kv.policy).ok());
+  EngineOptions o = TargetOptions("infinigen", &node, true);
   o.kv.policy->sink_tokens = 2;
-  o.kv.direct_reads = true;
-  auto sinks = Engine::Create(weights_, std::move(backend), o);
+  GuardedDeviceBackend* d = nullptr;
+  auto sinks = OnDevice(weights_, o, &violations, &d);
   ASSERT_TRUE(sinks.ok()) << sinks.status();
   EXPECT_EQ(decode_copies_out(**sinks, *d), full_copies + 10 * 10);
   EXPECT_EQ(d->selections, 0);
@@ -1313,9 +1317,7 @@ TEST_F(KvCacheTest, PlansMadeOnTheDeviceReachTheNodeAfterTheStep) {
 TEST_F(KvCacheTest, DevicePlansOfABatchStayWithTheirSequences) {
   const std::vector<int> t = Tokens(48);
   auto options = [&](FakeKvClient* node, int batch) {
-    EngineOptions o = Options("infinigen", node);
-    EXPECT_TRUE(SetTargetFetch(0.4, 12, *o.kv.policy).ok());
-    o.kv.direct_reads = true;
+    EngineOptions o = TargetOptions("infinigen", node, true);
     o.batch = batch;
     return o;
   };
@@ -1326,9 +1328,7 @@ TEST_F(KvCacheTest, DevicePlansOfABatchStayWithTheirSequences) {
   long want_rows = 0;
   for (int s = 0; s < 2; ++s) {
     FakeKvClient node;
-    auto single = Engine::Create(
-        weights_, std::make_unique<GuardedDeviceBackend>(&violations),
-        options(&node, 1));
+    auto single = OnDevice(weights_, options(&node, 1), &violations);
     ASSERT_TRUE(single.ok()) << single.status();
     ASSERT_TRUE((*single)->Forward(0, absl::MakeConstSpan(t).subspan(
                                           s * 5, prefix[s]),
@@ -1344,9 +1344,8 @@ TEST_F(KvCacheTest, DevicePlansOfABatchStayWithTheirSequences) {
     want_rows += stats->fetched_rows;
   }
   FakeKvClient node;
-  auto backend = std::make_unique<GuardedDeviceBackend>(&violations);
-  GuardedDeviceBackend* d = backend.get();
-  auto batched = Engine::Create(weights_, std::move(backend), options(&node, 2));
+  GuardedDeviceBackend* d = nullptr;
+  auto batched = OnDevice(weights_, options(&node, 2), &violations, &d);
   ASSERT_TRUE(batched.ok()) << batched.status();
   for (int s = 0; s < 2; ++s) {
     ASSERT_TRUE((*batched)->Forward(s, absl::MakeConstSpan(t).subspan(
@@ -1383,11 +1382,10 @@ TEST_F(KvCacheTest, DevicePlansOfABatchStayWithTheirSequences) {
 TEST_F(KvCacheTest, OneSidedReadPlansReachTheDeviceFromPinnedMemory) {
   FakeKvClient node;
   std::vector<std::string> violations;
-  auto backend = std::make_unique<GuardedDeviceBackend>(&violations);
-  GuardedDeviceBackend* d = backend.get();
   EngineOptions o = Options("full", &node);
   o.kv.direct_reads = true;
-  auto engine = Engine::Create(weights_, std::move(backend), o);
+  GuardedDeviceBackend* d = nullptr;
+  auto engine = OnDevice(weights_, o, &violations, &d);
   ASSERT_TRUE(engine.ok()) << engine.status();
   const std::vector<int> t = Tokens(40);
   ASSERT_TRUE((*engine)->Forward(absl::MakeConstSpan(t).subspan(0, 30), false)
@@ -1457,25 +1455,17 @@ TEST_F(KvCacheTest, ARefusedBackgroundNoteLosesTheSequence) {
   const std::vector<int> prompt = Tokens(30);
   std::vector<int> next;
   for (int i = 0; i < 10; ++i) next.push_back((i * 13 + 5) % 64);
-  auto options = [&](FakeKvClient* node) {
-    EngineOptions o = Options("infinigen", node);
-    EXPECT_TRUE(SetTargetFetch(0.4, 12, *o.kv.policy).ok());
-    o.kv.direct_reads = true;
-    return o;
-  };
   std::vector<std::string> violations;
   FakeKvClient clean_node;
-  auto clean = Engine::Create(
-      weights_, std::make_unique<GuardedDeviceBackend>(&violations),
-      options(&clean_node));
+  auto clean = OnDevice(weights_, TargetOptions("infinigen", &clean_node, true),
+                        &violations);
   ASSERT_TRUE(clean.ok()) << clean.status();
   const ForcedRun want = Forced(**clean, prompt, next);
   ASSERT_TRUE(want.status.ok()) << want.status;
 
   FakeKvClient node;
-  auto engine = Engine::Create(
-      weights_, std::make_unique<GuardedDeviceBackend>(&violations),
-      options(&node));
+  auto engine = OnDevice(weights_, TargetOptions("infinigen", &node, true),
+                         &violations);
   ASSERT_TRUE(engine.ok()) << engine.status();
   // Each step notes its 2 dense layers during the step and its 10
   // selecting layers in the background: the 3rd step's 5th background note.
@@ -1490,10 +1480,9 @@ TEST_F(KvCacheTest, ARefusedBackgroundNoteLosesTheSequence) {
   EXPECT_EQ(node.opens(), 2);
 
   FakeKvClient strict_node;
-  EngineOptions strict = options(&strict_node);
+  EngineOptions strict = TargetOptions("infinigen", &strict_node, true);
   strict.recompute_on_kv_loss = false;
-  auto failing = Engine::Create(
-      weights_, std::make_unique<GuardedDeviceBackend>(&violations), strict);
+  auto failing = OnDevice(weights_, strict, &violations);
   ASSERT_TRUE(failing.ok());
   strict_node.FailNoteAt(2 * 12 + 2 + 5);
   const ForcedRun cut = Forced(**failing, prompt, next);

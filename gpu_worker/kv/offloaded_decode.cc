@@ -239,30 +239,8 @@ absl::Status OffloadedKvCache::IssueFetch(Sequence& s, int layer,
   s.direct_plan[layer % 2] = s.direct;
   if (s.direct) {
     // Read before the node checks the plan (its note is waited for
-    // later): every index must lie within the sequence's rows. A plan made
-    // on the backend names positions below s.position only.
-    // The least and greatest position tell (a loop the compiler
-    // vectorizes); the offender is looked up only to name it.
-    int32_t lo = 0, hi = s.plan_on_backend[layer % 2] ? s.position - 1 : 0;
-    for (const int32_t p : plan.indices) {
-      lo = p < lo ? p : lo;
-      hi = p > hi ? p : hi;
-    }
-    if (lo < 0 || hi >= s.rows.max_tokens) {
-      for (const int32_t p : plan.indices) {
-        if (p < 0 || p >= s.rows.max_tokens) {
-          return absl::InternalError(absl::StrFormat(
-              "kv cache: policy %s planned position %d of layer %d, outside "
-              "the %d rows a head holds",
-              PolicyName(options_.kv.policy->kind), p, layer,
-              s.rows.max_tokens));
-        }
-      }
-      return absl::InternalError(absl::StrFormat(
-          "kv cache: layer %d's plan was made on the backend for position "
-          "%d, beyond the %d rows a head holds",
-          layer, s.position, s.rows.max_tokens));
-    }
+    // later): every index must lie within the sequence's rows.
+    IG_RETURN_IF_ERROR(CheckDirectPlan(s, layer));
     s.stats.rows_read_in_place += static_cast<long>(rows);
   } else {
     // A note of one-sided reads may still hold the buffer (they ended).
@@ -271,6 +249,37 @@ absl::Status OffloadedKvCache::IssueFetch(Sequence& s, int layer,
         s.seq, layer, plan.view(), s.buffers[layer % 2].get());
   }
   return absl::OkStatus();
+}
+
+absl::Status OffloadedKvCache::CheckDirectPlan(const Sequence& s,
+                                               int layer) const {
+  const int max_tokens = s.rows.max_tokens;
+  // A plan made on the backend names positions below s.position only.
+  if (s.plan_on_backend[layer % 2]) {
+    if (s.position <= max_tokens) return absl::OkStatus();
+    return absl::InternalError(absl::StrFormat(
+        "kv cache: layer %d's plan was made on the backend for position %d, "
+        "beyond the %d rows a head holds",
+        layer, s.position, max_tokens));
+  }
+  // The least and greatest position tell (a loop the compiler vectorizes);
+  // the offender is looked up only to name it.
+  const std::vector<int32_t>& indices = s.plans[layer % 2].indices;
+  int32_t lo = 0, hi = 0;
+  for (const int32_t p : indices) {
+    lo = p < lo ? p : lo;
+    hi = p > hi ? p : hi;
+  }
+  if (lo >= 0 && hi < max_tokens) return absl::OkStatus();
+  for (const int32_t p : indices) {
+    if (p < 0 || p >= max_tokens) {
+      return absl::InternalError(absl::StrFormat(
+          "kv cache: policy %s planned position %d of layer %d, outside the "
+          "%d rows a head holds",
+          PolicyName(options_.kv.policy->kind), p, layer, max_tokens));
+    }
+  }
+  return absl::OkStatus();  // unreachable: lo or hi was out of range
 }
 
 void OffloadedKvCache::UploadOffsets(Sequence& s, int i) {

@@ -295,6 +295,9 @@ class OffloadedKvCache final : public KvCache {
   absl::Status PlanLayer(Sequence& s, int layer, const float* xb_prev);
   // InternalError where a plan names more rows than the staging holds.
   absl::Status CheckPlanRows(size_t rows, int layer) const;
+  // InternalError where `layer`'s plan for one-sided reads names a position
+  // outside the sequence's rows (checked before the device reads them).
+  absl::Status CheckDirectPlan(const Sequence& s, int layer) const;
   // plans[i]'s indices brought to the host from plan_dev[i] where they
   // stayed on the backend (a fallback to the node's gather needs them),
   // the layer's note then left to the gather.

@@ -401,7 +401,7 @@ class InfiniGenPolicy final : public KvPolicy {
       int layer, int p, const float* xb_prev, int32_t* indices,
       std::vector<int32_t>& head_offsets) override {
     if (layer < options_.dense_layers || xb_prev == nullptr || p <= 0 ||
-        MaxBackendPlanRows(p) == 0) {
+        !SelectsOnBackend(options_)) {
       return false;
     }
     const model::ModelConfig& m = config();
