@@ -23,6 +23,7 @@ int32_t HeadSlots::Place(int32_t position, int32_t* victim) {
   s.shared = false;
   s.fetch_count = 0;
   s.last_fetch = 0;
+  s.leading_base = leading_fetches_;
   LinkAtTail(slot);
   if (evicting_) RememberPosition(position, slot);
   return slot;
@@ -33,6 +34,7 @@ void HeadSlots::PlaceShared(int32_t position) {
   slots_.emplace_back();
   slots_[slot].position = position;
   slots_[slot].shared = true;
+  slots_[slot].leading_base = leading_fetches_;
   LinkAtTail(slot);
 }
 
@@ -65,6 +67,35 @@ void HeadSlots::NoteFetches(const int32_t* positions, int32_t n,
     const int32_t slot = SlotOf(positions[j], length);
     if (NoteFetch(slot, clock)) dirty.push_back(slot);
   }
+}
+
+void HeadSlots::NoteLeadingFetches(int32_t n, int32_t length,
+                                   uint64_t clock,
+                                   std::vector<int32_t>& dirty) {
+  if (evicting_) {
+    for (int32_t pos = 0; pos < n; ++pos) {
+      const int32_t slot = SlotOf(pos, length);
+      if (slot >= 0 && NoteFetch(slot, clock)) dirty.push_back(slot);
+    }
+    return;
+  }
+  // Slots are positions: those at or past n were not read. Each keeps the
+  // counts it has and starts past this fetch.
+  const int32_t size = static_cast<int32_t>(slots_.size());
+  for (int32_t slot = std::max(n, 0); slot < size; ++slot) {
+    FoldLeading(slots_[slot]);
+    slots_[slot].leading_base = leading_fetches_ + 1;
+  }
+  ++leading_fetches_;
+  leading_clock_ = clock;
+}
+
+void HeadSlots::FoldLeading(Slot& s) {
+  if (s.leading_base < leading_fetches_) {
+    s.fetch_count += leading_fetches_ - s.leading_base;
+    s.last_fetch = std::max(s.last_fetch, leading_clock_);
+  }
+  s.leading_base = leading_fetches_;
 }
 
 void HeadSlots::RefreshCandidate(int32_t slot) {
@@ -123,6 +154,8 @@ void HeadSlots::Unlink(int32_t slot) {
 // holds its own position (slot == position, positions [0, max_tokens)). LRU
 // and counter start their ring and candidate heap.
 void HeadSlots::StartEvicting() {
+  // Candidates are ranked by their own counts from now on.
+  for (Slot& s : slots_) FoldLeading(s);
   evicting_ = true;
   if (policy_ == EvictionPolicy::kFifo) return;
   ring_.resize(max_tokens_);

@@ -23,6 +23,7 @@
 #ifndef INFINIGEN_KV_MEMORY_SERVICE_HEAD_SLOTS_H_
 #define INFINIGEN_KV_MEMORY_SERVICE_HEAD_SLOTS_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -38,8 +39,13 @@ class HeadSlots {
     int32_t position = -1;
     int32_t prev = -1;  // the slot of the next older present token; -1: none
     int32_t next = -1;  // the slot of the next newer present token; -1: none
+    // Fetches counted on the slot itself; FetchCount and LastFetch add
+    // the leading fetches (NoteLeadingFetches) not yet folded in.
     int64_t fetch_count = 0;
     uint64_t last_fetch = 0;  // 0 = never
+    // leading_fetches_ when the slot last had them folded in (or was
+    // placed): the leading fetches since then all read this slot.
+    int64_t leading_base = 0;
     // The row lives in an attached prefix block, not in the sequence's own
     // rows; cleared when the slot is reused.
     bool shared = false;
@@ -77,6 +83,17 @@ class HeadSlots {
   void PlaceShared(int32_t position);
 
   const Slot& slot(int32_t i) const { return slots_[i]; }
+  // A slot's fetch statistics, leading fetches included.
+  int64_t FetchCount(int32_t i) const {
+    const Slot& s = slots_[i];
+    return s.fetch_count + (leading_fetches_ - s.leading_base);
+  }
+  uint64_t LastFetch(int32_t i) const {
+    const Slot& s = slots_[i];
+    return s.leading_base < leading_fetches_
+               ? std::max(s.last_fetch, leading_clock_)
+               : s.last_fetch;
+  }
   // The oldest present token's slot (-1: none); then slot(i).next.
   int32_t oldest() const { return oldest_; }
 
@@ -89,6 +106,14 @@ class HeadSlots {
   // positions: one tight loop.
   void NoteFetches(const int32_t* positions, int32_t n, int32_t length,
                    uint64_t clock, std::vector<int32_t>& dirty);
+  // NoteFetch of positions [0, n) (a whole head read in place). A head
+  // that has not evicted counts it once, not per slot: the slots below n
+  // share one count and clock until they are read (FetchCount, LastFetch)
+  // or the head starts evicting; only the slots at or past n (appended
+  // after the read) are touched. An evicting head counts each slot, as
+  // NoteFetches.
+  void NoteLeadingFetches(int32_t n, int32_t length, uint64_t clock,
+                          std::vector<int32_t>& dirty);
   void RefreshCandidate(int32_t slot);
 
  private:
@@ -109,6 +134,8 @@ class HeadSlots {
   // positions older than the window.
   int32_t RingSlotOf(int32_t pos, int32_t length) const;
   uint64_t Key(const Slot& s) const;
+  // Adds the leading fetches since the slot's base to its own count.
+  void FoldLeading(Slot& s);
   void LinkAtTail(int32_t slot);
   void Unlink(int32_t slot);
   void StartEvicting();
@@ -139,6 +166,9 @@ class HeadSlots {
   int32_t first_young_ = -1;
   int32_t candidates_ = 0;
   std::vector<Candidate> heap_;
+  // Leading fetches counted (NoteLeadingFetches) and the last one's clock.
+  int64_t leading_fetches_ = 0;
+  uint64_t leading_clock_ = 0;
 };
 
 }  // namespace infinigen::kv_memory_service

@@ -296,6 +296,15 @@ class KvClient {
     return FetchHandle(
         absl::UnimplementedError("no one-sided reads on this data plane"));
   }
+  // NoteFetchedAsync of the plan in which each KV head h read its first
+  // head_offsets[h + 1] - head_offsets[h] positions in order (a whole
+  // layer), without its indices (KvStore::NoteLeadingFetched).
+  virtual FetchHandle NoteLeadingFetchedAsync(
+      SequenceId seq, int32_t layer, absl::Span<const int32_t> head_offsets,
+      FetchBuffer* via) {
+    return FetchHandle(
+        absl::UnimplementedError("no one-sided reads on this data plane"));
+  }
   // NoteFetchedAsync + Wait.
   absl::Status NoteFetched(SequenceId seq, int32_t layer, const FetchPlan& plan,
                            FetchBuffer* via) {

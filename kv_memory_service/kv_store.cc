@@ -386,6 +386,12 @@ absl::Status KvStore::NoteFetched(SequenceId seq, int32_t layer,
   return s->NoteFetched(layer, plan, *totals_);
 }
 
+absl::Status KvStore::NoteLeadingFetched(
+    SequenceId seq, int32_t layer, absl::Span<const int32_t> head_offsets) {
+  IG_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(seq));
+  return s->NoteLeadingFetched(layer, head_offsets, *totals_);
+}
+
 absl::StatusOr<std::shared_ptr<KvStore::Sequence>> KvStore::FindOwned(
     SequenceId seq, SessionId session) const {
   absl::ReaderMutexLock lock(&mu_);

@@ -193,6 +193,12 @@ class KvStore {
   // not that position's row.
   absl::Status NoteFetched(SequenceId seq, int32_t layer,
                            const FetchPlan& plan);
+  // NoteFetched of the plan in which each KV head h read its first
+  // head_offsets[h + 1] - head_offsets[h] positions, in order (a whole
+  // layer read in place), without its indices: recorded in O(n_kv_heads)
+  // while no head evicts. The same checks as NoteFetched's on that plan.
+  absl::Status NoteLeadingFetched(SequenceId seq, int32_t layer,
+                                  absl::Span<const int32_t> head_offsets);
 
   // OK if `seq` is open and `session` may use it: the session that opened
   // it, or any caller for a sequence opened without a session. NotFound

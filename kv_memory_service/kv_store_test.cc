@@ -1296,6 +1296,87 @@ TEST(KvStoreDirectRows, ReadInPlaceAndNotedLikeAGather) {
   EXPECT_CODE(noted.NoteFetched(*b, 0, plans[0].view()), kNotFound);
 }
 
+// A whole layer read in place and noted by its head counts alone
+// (NoteLeadingFetched) leaves the store as the note of the same positions
+// does: statistics, token counts and clocks, whether the note arrives
+// before or after later appends, mixed with per-row notes, and the
+// victims once the heads evict (LRU and counter rank by those counts).
+// Bad notes are refused and change nothing.
+TEST(KvStoreDirectRows, LeadingNotesCountAsTheirPlans) {
+  for (EvictionPolicy policy : {EvictionPolicy::kLru, EvictionPolicy::kCounter}) {
+    SCOPED_TRACE(EvictionPolicyName(policy));
+    const SequenceGeometry g = Geo(2, 2, 8, 24);
+    KvStoreOptions options;
+    options.eviction = policy;
+    KvStore rows(options), leading(options);
+    auto a = rows.Open(g);
+    auto b = leading.Open(g);
+    ASSERT_OK(a.status());
+    ASSERT_OK(b.status());
+    int length = 0;
+    auto append = [&](int n) {
+      Block block = MakeBlock(3, g, 0, g.n_layers, length, n);
+      ASSERT_TRUE(rows.Append(*a, block.block).ok());
+      ASSERT_TRUE(leading.Append(*b, block.block).ok());
+      length += n;
+    };
+    // Head h read its first counts[h] positions.
+    auto note = [&](int layer, std::vector<int32_t> counts) {
+      std::vector<std::vector<int32_t>> per_head;
+      std::vector<int32_t> offsets = {0};
+      for (int32_t c : counts) {
+        per_head.emplace_back();
+        for (int32_t p = 0; p < c; ++p) per_head.back().push_back(p);
+        offsets.push_back(offsets.back() + c);
+      }
+      ASSERT_OK(rows.NoteFetched(*a, layer,
+                                 OwnedFetchPlan::PerHead(per_head).view()));
+      ASSERT_OK(leading.NoteLeadingFetched(*b, layer, offsets));
+    };
+    auto both = [&](int layer, const OwnedFetchPlan& plan) {
+      ASSERT_OK(rows.NoteFetched(*a, layer, plan.view()));
+      ASSERT_OK(leading.NoteFetched(*b, layer, plan.view()));
+    };
+    append(10);
+    note(0, {10, 10});
+    note(1, {10, 4});  // head 1 read fewer
+    both(0, OwnedFetchPlan::SameForAllHeads(2, {9, 2}));
+    append(1);
+    note(0, {10, 10});  // planned before the append: the new row unread
+    append(2);
+    note(0, {13, 13});
+    note(1, {0, 13});
+    both(1, OwnedFetchPlan::SameForAllHeads(2, {12, 0, 5}));
+    note(0, {11, 13});
+    ExpectSame(Take(rows, *a, g), Take(leading, *b, g));
+
+    const Snapshot before = Take(leading, *b, g);
+    const std::vector<int32_t> past = {0, 14, 28};  // length 13
+    EXPECT_CODE(leading.NoteLeadingFetched(*b, 0, past), kOutOfRange);
+    EXPECT_CODE(leading.NoteLeadingFetched(*b, 0, {0, 5, 3}),
+                kInvalidArgument);  // decreasing
+    EXPECT_CODE(leading.NoteLeadingFetched(*b, 0, {1, 5, 9}),
+                kInvalidArgument);
+    EXPECT_CODE(leading.NoteLeadingFetched(*b, 0, {0, 5}), kInvalidArgument);
+    EXPECT_CODE(leading.NoteLeadingFetched(*b, 2, {0, 5, 10}),
+                kInvalidArgument);  // no layer 2
+    ExpectSame(before, Take(leading, *b, g));
+
+    // Past max_tokens the heads evict by the counts: the same victims.
+    append(11);  // full, not yet evicting
+    note(1, {24, 24});
+    both(0, OwnedFetchPlan::SameForAllHeads(2, {20, 23}));
+    note(0, {24, 17});
+    append(6);
+    ExpectSame(Take(rows, *a, g), Take(leading, *b, g));
+    // An evicting head's slots no longer hold their positions.
+    EXPECT_CODE(leading.NoteLeadingFetched(*b, 0, {0, 5, 10}),
+                kFailedPrecondition);
+    ASSERT_OK(leading.Close(*b));
+    EXPECT_CODE(leading.NoteLeadingFetched(*b, 0, {0, 5, 10}), kNotFound);
+  }
+}
+
 // One-sided reads from another process: ShareRows hands the owner
 // read-only descriptors of the memfds holding its rows (GetDirectRows'
 // layout; a writable mapping through them is refused), nobody else; at

@@ -268,9 +268,10 @@ bool StoredSequence::attached() const {
   return attached_tokens_ > 0;
 }
 
-bool StoredSequence::LogFetch(int32_t layer, const FetchPlan& plan) {
+bool StoredSequence::LogFetch(int32_t layer, const FetchPlan& plan,
+                              bool leading) {
   absl::MutexLock log_lock(&log_mu_);
-  LogFetchLocked(layer, plan);
+  LogFetchLocked(layer, plan, leading);
   // A sequence fetched without appends applies its log here.
   return log_positions_.size() >
          std::max<size_t>(size_t{1} << 16, 4 * present_rows_);
@@ -335,6 +336,51 @@ absl::Status StoredSequence::NoteFetched(int32_t layer, const FetchPlan& plan,
   return absl::OkStatus();
 }
 
+absl::Status StoredSequence::NoteLeadingFetched(
+    int32_t layer, absl::Span<const int32_t> head_offsets,
+    StoreTotals& totals) {
+  if (layer < 0 || layer >= g_.n_layers) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layer ", layer, " is not within the sequence's ", g_.n_layers,
+        " layers"));
+  }
+  FetchPlan plan;
+  plan.head_offsets = head_offsets;
+  IG_RETURN_IF_ERROR(ValidatePlanHeadCount(head_offsets.size(), g_.n_kv_heads));
+  if (head_offsets[0] != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "plan head_offsets[0] must be 0, got ", head_offsets[0]));
+  }
+  bool apply = false;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    const int32_t length = layer_length_[layer];
+    // Head h read positions [0, count) at slots [0, count): true while the
+    // head has not evicted and nothing is attached.
+    for (int32_t h = 0; h < g_.n_kv_heads; ++h) {
+      const int32_t count = head_offsets[h + 1] - head_offsets[h];
+      if (count < 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("plan head_offsets decrease at head ", h, ": ",
+                         head_offsets[h], " then ", head_offsets[h + 1]));
+      }
+      if (count == 0) continue;
+      IG_RETURN_IF_ERROR(CheckPosition(count - 1, layer, h, length));
+      const bool moved = HeadAt(layer, h).evicting();
+      if (moved || attached_tokens_ > 0) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "position 0 of layer ", layer, " head ", h,
+            " is not at its slot of the sequence's rows (",
+            moved ? "the head evicts" : "an attached prefix block",
+            "): it cannot be read in place"));
+      }
+    }
+    apply = LogFetch(layer, plan, /*leading=*/true);
+  }
+  FinishFetch(static_cast<size_t>(head_offsets.back()), apply, totals);
+  return absl::OkStatus();
+}
+
 int32_t StoredSequence::Attach(
     std::vector<std::shared_ptr<const PrefixBlock>> blocks,
     int32_t block_tokens, std::vector<PrefixKey> pending) {
@@ -392,7 +438,8 @@ absl::StatusOr<std::vector<TokenFetchStats>> StoredSequence::TokenStats(
   std::vector<TokenFetchStats> out;
   for (int32_t slot = head.oldest(); slot >= 0; slot = head.slot(slot).next) {
     const HeadSlots::Slot& s = head.slot(slot);
-    out.push_back(TokenFetchStats{s.position, s.fetch_count, s.last_fetch});
+    out.push_back(TokenFetchStats{s.position, head.FetchCount(slot),
+                                  head.LastFetch(slot)});
   }
   return out;
 }
@@ -536,14 +583,16 @@ size_t StoredSequence::LogPositions() const {
 }
 
 // Appends a successful gather's plan to the fetch log.
-void StoredSequence::LogFetchLocked(int32_t layer, const FetchPlan& plan) {
-  log_.push_back(LoggedFetch{++clock_, layer, log_positions_.size()});
+void StoredSequence::LogFetchLocked(int32_t layer, const FetchPlan& plan,
+                                    bool leading) {
+  log_.push_back(
+      LoggedFetch{++clock_, layer, log_positions_.size(), leading});
   log_positions_.insert(log_positions_.end(), plan.head_offsets.begin(),
                         plan.head_offsets.end());
   log_positions_.insert(log_positions_.end(), plan.indices.begin(),
                         plan.indices.end());
   ++fetches_;
-  fetched_rows_ += static_cast<int64_t>(plan.indices.size());
+  fetched_rows_ += plan.head_offsets.back();
 }
 
 // Applies the fetch log to the per-token statistics, in the order of the
@@ -564,9 +613,14 @@ void StoredSequence::ApplyLogLocked() {
     const int32_t length = layer_length_[f.layer];
     for (int32_t h = 0; h < g_.n_kv_heads; ++h) {
       dirty_slots_.clear();
-      HeadAt(f.layer, h).NoteFetches(indices + offsets[h],
-                                     offsets[h + 1] - offsets[h], length,
-                                     f.clock, dirty_slots_);
+      HeadSlots& head = HeadAt(f.layer, h);
+      const int32_t count = offsets[h + 1] - offsets[h];
+      if (f.leading) {
+        head.NoteLeadingFetches(count, length, f.clock, dirty_slots_);
+      } else {
+        head.NoteFetches(indices + offsets[h], count, length, f.clock,
+                         dirty_slots_);
+      }
       for (const int32_t slot : dirty_slots_) {
         dirty_.push_back({f.layer * g_.n_kv_heads + h, slot});
       }

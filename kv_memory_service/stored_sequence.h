@@ -109,6 +109,10 @@ class StoredSequence {
   // KvStore::NoteFetched on this sequence.
   absl::Status NoteFetched(int32_t layer, const FetchPlan& plan,
                            StoreTotals& totals);
+  // KvStore::NoteLeadingFetched on this sequence.
+  absl::Status NoteLeadingFetched(int32_t layer,
+                                  absl::Span<const int32_t> head_offsets,
+                                  StoreTotals& totals);
 
   // The rows, [layer][kv_head][slot][head_dim] (KvStore::DirectRows).
   const uint16_t* k_rows() const { return k_.get(); }
@@ -133,11 +137,13 @@ class StoredSequence {
 
  private:
   // One gather in the fetch log; its plan is at log_positions_[begin...]:
-  // n_kv_heads + 1 head offsets, then the indices.
+  // n_kv_heads + 1 head offsets, then the indices, or (leading) the head
+  // offsets alone, head h having read positions [0, its count).
   struct LoggedFetch {
     uint64_t clock;
     int32_t layer;
     size_t begin;
+    bool leading;
   };
   // The K and V rows of a present position, and how many positions from it
   // on are stored one after the other from there (at least 1).
@@ -175,14 +181,15 @@ class StoredSequence {
 
   // Logs a fetch of `plan` (a gather's, or one read in place) under the
   // sequence's reader lock; true when the log should then be applied.
-  bool LogFetch(int32_t layer, const FetchPlan& plan)
+  bool LogFetch(int32_t layer, const FetchPlan& plan, bool leading = false)
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
+
   // After LogFetch, the lock released: counts the fetch and applies the log
   // when LogFetch asked for it.
   void FinishFetch(size_t rows, bool apply, StoreTotals& totals);
 
   size_t LogPositions() const;
-  void LogFetchLocked(int32_t layer, const FetchPlan& plan)
+  void LogFetchLocked(int32_t layer, const FetchPlan& plan, bool leading)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(log_mu_);
   void ApplyLogLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

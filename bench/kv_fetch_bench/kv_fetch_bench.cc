@@ -15,7 +15,9 @@
 // bytes from a source larger than the last-level cache; memcpy_mt/<case>,
 // the same copy split over every core. note_inproc/<7b case> and
 // note_shm/<7b case>: NoteFetched of the same plan, what a one-sided read
-// (the worker reads the rows in place) costs the node.
+// (the worker reads the rows in place) costs the node;
+// note_leading_inproc/7b_layer/all and note_leading_shm/...: the same
+// whole-layer read noted by its head offsets alone (NoteLeadingFetched).
 //
 //   bazel build //bench/kv_fetch_bench
 //   bazel-bin/bench/kv_fetch_bench/kv_fetch_bench
@@ -432,6 +434,20 @@ void BM_Note(benchmark::State& state, const std::string& plane_name,
   });
 }
 
+// A whole layer read in place, noted by its head offsets alone
+// (NoteLeadingFetchedAsync): what full's one-sided read costs the node.
+void BM_NoteLeading(benchmark::State& state, const std::string& plane_name,
+                    const Case& c) {
+  const std::optional<Target> t = TargetOf(state, plane_name, c);
+  if (!t) return;
+  const std::vector<int32_t>& offsets = t->plan.head_offsets;
+  TimeRoundTrips(state, c, [&] {
+    return t->client
+        ->NoteLeadingFetchedAsync(t->seq, c.layer(), offsets, t->buffer)
+        .Wait();
+  });
+}
+
 std::string Machine() {
   std::ifstream cpuinfo("/proc/cpuinfo");
   std::string line, model = "unknown CPU";
@@ -500,6 +516,12 @@ int main(int argc, char** argv) {
         benchmark::RegisterBenchmark(
             absl::StrCat("note_", plane, "/", c.name).c_str(),
             [plane, c](benchmark::State& s) { BM_Note(s, plane, c); })
+            ->UseRealTime()
+            ->Unit(benchmark::kMicrosecond);
+        if (!c.all) continue;
+        benchmark::RegisterBenchmark(
+            absl::StrCat("note_leading_", plane, "/", c.name).c_str(),
+            [plane, c](benchmark::State& s) { BM_NoteLeading(s, plane, c); })
             ->UseRealTime()
             ->Unit(benchmark::kMicrosecond);
       }

@@ -13,7 +13,7 @@ min_time="${2:-0.1}"
 out="$(mktemp)"
 trap 'rm -f "$out"' EXIT
 "$bin" --planes=inproc,shm,tcp \
-  --benchmark_filter='^(memcpy|memcpy_mt|inproc|shm|tcp|note_inproc|note_shm)/7b_layer/' \
+  --benchmark_filter='^(memcpy|memcpy_mt|inproc|shm|tcp|note_inproc|note_shm|note_leading_inproc|note_leading_shm)/7b_layer/' \
   --benchmark_min_time="$min_time" --benchmark_format=json >"$out" 2>/dev/null
 rc=$?
 python3 - "$out" "$rc" <<'PY'

@@ -180,7 +180,9 @@ class PolicyOps {
   // p.k_rows and p.v_rows, which lie in host memory pinned with PinHost
   // (a device reads it over the bus), into backend memory p.out, queued
   // with the operations (an operation issued after it sees the rows).
-  // p.indices and p.head_offsets are backend memory. Returns false, doing
+  // p.indices and p.head_offsets are backend memory; without indices (a
+  // leading plan) each head's first rows, which a device copies as one
+  // strided block (DMA, no kernel). Returns false, doing
   // nothing, where the backend cannot (no such reads, or the rows not in
   // one pinned range): the caller then has the node gather them. Default:
   // false.

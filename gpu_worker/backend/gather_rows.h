@@ -28,7 +28,9 @@ struct GatherRowsParams {
   const void* k_rows = nullptr;   // [n_heads, head_stride, row_bytes]
   const void* v_rows = nullptr;   // same layout
   long head_stride = 0;           // slots per head
-  const int32_t* indices = nullptr;       // the plan's slots, head by head
+  // The plan's slots, head by head; null for a leading plan: each head's
+  // first n_rows / n_heads slots (a whole layer), head_offsets unused.
+  const int32_t* indices = nullptr;
   const int32_t* head_offsets = nullptr;  // [n_heads + 1], from 0
   int n_heads = 0;
   long n_rows = 0;    // head_offsets[n_heads]: the plan's rows
@@ -54,6 +56,10 @@ IG_HOST_DEVICE inline int GatherRowHead(const int32_t* head_offsets,
 
 // Byte offset, in k_rows or v_rows, of plan row r.
 IG_HOST_DEVICE inline long GatherRowSource(const GatherRowsParams& p, long r) {
+  if (p.indices == nullptr) {  // leading: every head the same count
+    const long per_head = p.n_rows / p.n_heads;
+    return ((r / per_head) * p.head_stride + r % per_head) * p.row_bytes;
+  }
   const int h = GatherRowHead(p.head_offsets, p.n_heads, r);
   return (static_cast<long>(h) * p.head_stride + p.indices[r]) * p.row_bytes;
 }

@@ -105,6 +105,46 @@ TEST(GatherRowsOnHost, MatchesTheNodesGather) {
   }
 }
 
+// A leading plan (no indices: each head's first rows) reads what the node
+// gathers for the plan of those positions, including every row a head
+// holds and a single row.
+TEST(GatherRowsOnHost, LeadingPlansReadEachHeadsFirstRows) {
+  std::mt19937 rng(12);
+  KvStore store(KvStoreOptions{});
+  SequenceGeometry g;
+  g.n_layers = 2;
+  g.n_kv_heads = 3;
+  g.head_dim = 64;
+  g.max_tokens = 90;
+  auto seq = store.Open(g);
+  ASSERT_TRUE(seq.ok()) << seq.status();
+  const Stored s = Fill(store, *seq, g, 90, rng);
+  const long head_rows = static_cast<long>(g.max_tokens) * g.head_dim;
+  for (int per_head : {1, 37, 90}) {
+    for (int layer = 0; layer < g.n_layers; ++layer) {
+      std::vector<std::vector<int32_t>> positions(g.n_kv_heads);
+      for (auto& head : positions) {
+        for (int t = 0; t < per_head; ++t) head.push_back(t);
+      }
+      const OwnedFetchPlan plan = OwnedFetchPlan::PerHead(positions);
+      std::vector<uint16_t> want(2 * plan.indices.size() * g.head_dim);
+      ASSERT_TRUE(
+          store.Gather(*seq, layer, plan.view(), absl::MakeSpan(want)).ok());
+      std::vector<uint16_t> got(want.size(), 0xdead);
+      GatherRowsParams p;
+      p.k_rows = s.k.data() + layer * g.n_kv_heads * head_rows;
+      p.v_rows = s.v.data() + layer * g.n_kv_heads * head_rows;
+      p.head_stride = g.max_tokens;
+      p.n_heads = g.n_kv_heads;
+      p.n_rows = static_cast<long>(plan.indices.size());
+      p.row_bytes = g.head_dim * 2;
+      p.out = got.data();
+      GatherRowsOnHost(p);
+      ASSERT_EQ(got, want) << per_head << " rows a head, layer " << layer;
+    }
+  }
+}
+
 TEST(GatherRowHead, EmptyHeadsOwnNoRow) {
   // Heads 0 and 2 are empty; head 3 holds the last rows.
   const int32_t offsets[] = {0, 0, 3, 3, 5};

@@ -59,6 +59,7 @@ class FakeKvClient final : public KvClient {
   struct FetchCall {
     int layer;
     size_t rows;
+    bool leading = false;  // a note by head offsets alone
   };
 
   FakeKvClient() : store_(WithPrefixCache()) {}
@@ -187,6 +188,40 @@ class FakeKvClient final : public KvClient {
       notes_.push_back({layer, plan.indices.size()});
     }
     return kv_memory_service::FetchHandle(store_.NoteFetched(seq, layer, plan));
+  }
+  kv_memory_service::FetchHandle NoteLeadingFetchedAsync(
+      SequenceId seq, int32_t layer, absl::Span<const int32_t> head_offsets,
+      FetchBuffer*) override {
+    {
+      absl::MutexLock lock(&mu_);
+      if (fail_note_at_ > 0 && ++note_count_ == fail_note_at_) {
+        return kv_memory_service::FetchHandle(
+            absl::NotFoundError("fake: no open sequence"));
+      }
+      notes_.push_back(
+          {layer, static_cast<size_t>(head_offsets.back()), true});
+    }
+    return kv_memory_service::FetchHandle(
+        store_.NoteLeadingFetched(seq, layer, head_offsets));
+  }
+  // The fetch statistics of every token of the first sequence opened.
+  std::vector<kv_memory_service::TokenFetchStats> TokenStats(int n_layers,
+                                                             int n_kv_heads) {
+    SequenceId seq;
+    {
+      absl::MutexLock lock(&mu_);
+      if (opened_.empty()) return {};
+      seq = opened_.front();
+    }
+    std::vector<kv_memory_service::TokenFetchStats> out;
+    for (int l = 0; l < n_layers; ++l) {
+      for (int g = 0; g < n_kv_heads; ++g) {
+        auto tokens = store_.GetTokenStats(seq, l, g);
+        EXPECT_TRUE(tokens.ok()) << tokens.status();
+        if (tokens.ok()) out.insert(out.end(), tokens->begin(), tokens->end());
+      }
+    }
+    return out;
   }
   std::vector<FetchCall> notes() const {
     absl::MutexLock lock(&mu_);
@@ -1053,7 +1088,9 @@ class GuardedDeviceBackend final : public Backend {
     if (!Pinned(p.k_rows, span) || !Pinned(p.v_rows, span)) {
       violations_->push_back("rows read in place outside pinned memory");
     }
-    if (!InDevice(p.indices) || !InDevice(p.head_offsets) ||
+    if (p.indices == nullptr) ++leading_gathers;
+    if ((p.indices != nullptr &&
+         (!InDevice(p.indices) || !InDevice(p.head_offsets))) ||
         !InDevice(p.out)) {
       violations_->push_back("a one-sided read's plan or destination is "
                              "not in device memory");
@@ -1072,7 +1109,7 @@ class GuardedDeviceBackend final : public Backend {
   // false: GatherRows refuses, as a backend without one-sided reads.
   void set_gathers_rows(bool on) { gathers_rows_ = on; }
   long copies_in = 0, decodes = 0, shared_allocations = 0;
-  long gathers = 0, pins = 0, unpins = 0;
+  long gathers = 0, leading_gathers = 0, pins = 0, unpins = 0;
   long copies_out = 0, queued_copies_out = 0, selections = 0, encodes = 0;
   long staged_attentions = 0;
   size_t largest_unpinned_copy_in = 0;
@@ -1242,6 +1279,63 @@ TEST_F(KvCacheTest, OneSidedReadsOnTheCpuAttendOverTheNodesRowsInPlace) {
       continue;
     }
     ExpectNotedAsGathered(direct_node, gather_node);
+  }
+}
+
+// A plan of every row (full, int4, InfiniGen's dense layers) is read with
+// one-sided reads as each head's first rows, whole: no indices are written,
+// copied to the device or sent; the node hears of each such layer by its
+// head offsets and counts every token's fetches and clocks as the
+// gathering node does (what its LRU and counter eviction rank by).
+TEST_F(KvCacheTest, WholeLayersAreReadWithoutIndices) {
+  for (std::string kind : {"full", "int4", "infinigen"}) {
+    for (bool on_device : {true, false}) {
+      if (kind == "int4" && !on_device) continue;  // the CPU: node gathers
+      SCOPED_TRACE(kind + (on_device ? " on a device" : " on the CPU"));
+      FakeKvClient direct_node, gather_node;
+      std::vector<std::string> violations;
+      auto guarded = std::make_unique<GuardedDeviceBackend>(&violations);
+      GuardedDeviceBackend* d = guarded.get();
+      // Both engines on the same kind of backend.
+      std::unique_ptr<Backend> backend, gather_backend;
+      if (on_device) {
+        backend = std::move(guarded);
+        gather_backend = std::make_unique<GuardedDeviceBackend>(&violations);
+      } else {
+        backend = NewCpuBackend();
+        gather_backend = NewCpuBackend();
+      }
+      EngineOptions direct_options = Options(kind, &direct_node);
+      direct_options.kv.direct_reads = true;
+      auto direct =
+          Engine::Create(weights_, std::move(backend), direct_options);
+      auto gather = Engine::Create(weights_, std::move(gather_backend),
+                                   Options(kind, &gather_node));
+      ASSERT_TRUE(direct.ok()) << direct.status();
+      ASSERT_TRUE(gather.ok()) << gather.status();
+      ASSERT_NO_FATAL_FAILURE(ExpectSameDecoding(**direct, **gather));
+      ExpectNotedAsGathered(direct_node, gather_node);
+      long leading = 0;
+      for (const FakeKvClient::FetchCall& n : direct_node.notes()) {
+        // Every row of every layer, or of InfiniGen's two dense layers.
+        EXPECT_EQ(n.leading, kind != "infinigen" || n.layer < 2) << n.layer;
+        leading += n.leading;
+      }
+      EXPECT_EQ(leading, 10 * (kind == "infinigen" ? 2 : 12));
+      if (on_device) {
+        EXPECT_EQ(d->leading_gathers, leading);
+        EXPECT_THAT(violations, ::testing::IsEmpty());
+      }
+      const auto want = gather_node.TokenStats(12, 2);
+      const auto got = direct_node.TokenStats(12, 2);
+      ASSERT_EQ(got.size(), want.size());
+      ASSERT_EQ(got.size(), size_t{12} * 2 * 40);
+      for (size_t j = 0; j < got.size(); ++j) {
+        EXPECT_EQ(got[j].position, want[j].position) << j;
+        EXPECT_EQ(got[j].fetch_count, want[j].fetch_count) << j;
+        EXPECT_EQ(got[j].last_fetch, want[j].last_fetch) << j;
+      }
+    }
   }
 }
 

@@ -276,6 +276,15 @@ class KvPolicy {
     return absl::OkStatus();
   }
 
+  // Whether PlanFetch(layer, p, input, ...) plans every present row (its
+  // default), whatever p: a cache holding every position can then read
+  // each head's first p rows without a plan's indices. `input` is
+  // PlanFetch's xb_prev. Default false: full and int4, which keep the
+  // default PlanFetch, and the policies' dense layers answer true.
+  virtual bool PlansEveryRow(int layer, const float* input) const {
+    return false;
+  }
+
   // Plans made where the scores are (device-side selection): the most rows
   // of one KV head a plan of PlanFetchOnBackend names when positions
   // [0, p) are cached; 0 where the policy plans on the host only.

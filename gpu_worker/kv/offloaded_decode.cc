@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <numeric>
 #include <thread>
 #include <vector>
 
@@ -142,9 +143,20 @@ absl::Status OffloadedKvCache::PlanLayer(Sequence& s, int layer,
   const int i = layer % 2;
   kv_memory_service::OwnedFetchPlan& plan = s.plans[i];
   s.plan_on_backend[i] = false;
+  s.plan_leading[i] = false;
   const int p = s.position;
   const bool whole =
       s.present_count[layer] == static_cast<long>(c_.n_kv_heads) * p;
+  if (whole && s.direct && !s.policy->WantsAttentionProbs() &&
+      s.policy->PlansEveryRow(layer, xb_prev)) {
+    // Each head's first p rows, read in place as a whole: no indices to
+    // write, upload, check or send.
+    plan.indices.clear();
+    plan.head_offsets.resize(c_.n_kv_heads + 1);
+    for (int g = 0; g <= c_.n_kv_heads; ++g) plan.head_offsets[g] = g * p;
+    s.plan_leading[i] = true;
+    return CheckPlanRows(static_cast<size_t>(c_.n_kv_heads) * p, layer);
+  }
   if (whole && s.plan_dev[i].data() != nullptr) {
     IG_ASSIGN_OR_RETURN(const bool made, s.policy->PlanFetchOnBackend(
                                              layer, p, xb_prev,
@@ -188,6 +200,16 @@ absl::Status OffloadedKvCache::CheckPlanRows(size_t rows, int layer) const {
 
 absl::Status OffloadedKvCache::PlanToHost(Sequence& s, int layer) {
   const int i = layer % 2;
+  if (s.plan_leading[i]) {
+    s.plan_leading[i] = false;
+    kv_memory_service::OwnedFetchPlan& plan = s.plans[i];
+    plan.indices.resize(plan.head_offsets.back());
+    for (int g = 0; g < c_.n_kv_heads; ++g) {
+      std::iota(plan.indices.begin() + plan.head_offsets[g],
+                plan.indices.begin() + plan.head_offsets[g + 1], 0);
+    }
+    return absl::OkStatus();
+  }
   if (!s.plan_on_backend[i]) return absl::OkStatus();
   s.plan_on_backend[i] = false;
   kv_memory_service::OwnedFetchPlan& plan = s.plans[i];
@@ -254,8 +276,9 @@ absl::Status OffloadedKvCache::IssueFetch(Sequence& s, int layer,
 absl::Status OffloadedKvCache::CheckDirectPlan(const Sequence& s,
                                                int layer) const {
   const int max_tokens = s.rows.max_tokens;
-  // A plan made on the backend names positions below s.position only.
-  if (s.plan_on_backend[layer % 2]) {
+  // A plan made on the backend, or a leading one, names positions below
+  // s.position only.
+  if (s.plan_on_backend[layer % 2] || s.plan_leading[layer % 2]) {
     if (s.position <= max_tokens) return absl::OkStatus();
     return absl::InternalError(absl::StrFormat(
         "kv cache: layer %d's plan was made on the backend for position %d, "
@@ -326,7 +349,7 @@ bool OffloadedKvCache::ReadDirect(Sequence& s, int layer) {
   // copy out of it has finished: IssueFetch waited for copies).
   int32_t* indices = s.plan_dev[i].data();
   int32_t* offsets = indices + layout_.plan_room;
-  if (n > 0 && !s.plan_on_backend[i]) {
+  if (n > 0 && !s.plan_on_backend[i] && !s.plan_leading[i]) {
     int32_t* host = s.plan_host[i].data();
     std::memcpy(host, plan.indices.data(), n * sizeof(int32_t));
     backend_.CopyFromHost(indices, host, n * sizeof(int32_t),
@@ -339,7 +362,7 @@ bool OffloadedKvCache::ReadDirect(Sequence& s, int layer) {
   p.k_rows = s.rows.k + at;
   p.v_rows = s.rows.v + at;
   p.head_stride = s.rows.max_tokens;
-  p.indices = indices;
+  p.indices = s.plan_leading[i] ? nullptr : indices;  // null: leading rows
   p.head_offsets = offsets;
   p.n_heads = c_.n_kv_heads;
   p.n_rows = static_cast<long>(n);
@@ -369,8 +392,13 @@ absl::Status OffloadedKvCache::UploadFetched(Sequence& s, int layer) {
                                   std::chrono::steady_clock::now() - t0)
                                   .count();
       IG_RETURN_IF_ERROR(AtNode(noted));
-      s.handles[i] = options_.kv.kv_client->NoteFetchedAsync(
-          s.seq, layer, s.plans[i].view(), s.buffers[i].get());
+      s.handles[i] =
+          s.plan_leading[i]
+              ? options_.kv.kv_client->NoteLeadingFetchedAsync(
+                    s.seq, layer, s.plans[i].head_offsets,
+                    s.buffers[i].get())
+              : options_.kv.kv_client->NoteFetchedAsync(
+                    s.seq, layer, s.plans[i].view(), s.buffers[i].get());
       s.uploaded[i] = true;
       return absl::OkStatus();
     }
@@ -485,7 +513,8 @@ bool OffloadedKvCache::AttendInPlace(Sequence& s, int layer, const float* q,
     if (s.direct) {
       p.k = k_rows + g * head_values;
       p.v = v_rows + g * head_values;
-      p.indices = plan.indices.data() + begin;
+      // A leading plan's rows are the head's first: no indices.
+      if (!s.plan_leading[layer % 2]) p.indices = plan.indices.data() + begin;
     } else {
       p.k = k_rows + static_cast<size_t>(begin) * width;
       p.v = v_rows + static_cast<size_t>(begin) * width;

@@ -258,6 +258,12 @@ class OffloadedKvCache final : public KvCache {
     // note_offsets[layer], and the node hears of them after the step's
     // last layer (noted_layers, in order), with no wait inside the step.
     bool plan_on_backend[2] = {false, false};
+    // With one-sided reads, a plan of every row (KvPolicy::PlansEveryRow,
+    // every position present) is each head's first `position` rows:
+    // plans[i] holds its head offsets alone, the rows are read as a
+    // whole (GatherRowsParams without indices) and the node hears of them
+    // by the offsets (NoteLeadingFetchedAsync).
+    bool plan_leading[2] = {false, false};
     // The step's notes go with its appends, on the appender's thread,
     // which owns noted_layers and the fetch buffers' handles until
     // FinishAppends.
@@ -299,8 +305,9 @@ class OffloadedKvCache final : public KvCache {
   // outside the sequence's rows (checked before the device reads them).
   absl::Status CheckDirectPlan(const Sequence& s, int layer) const;
   // plans[i]'s indices brought to the host from plan_dev[i] where they
-  // stayed on the backend (a fallback to the node's gather needs them),
-  // the layer's note then left to the gather.
+  // stayed on the backend, or written out where the plan was leading (a
+  // fallback to the node's gather needs them), the layer's note then left
+  // to the gather.
   absl::Status PlanToHost(Sequence& s, int layer);
   // The step's notes of plans made on the backend (noted_layers), once
   // their queued copies have landed (NoteBackendPlans waits for them;

@@ -16,6 +16,7 @@
 #include "gpu_worker/eval/calibrate.h"
 #include "gpu_worker/backend/cpu/cpu_backend.h"
 #include "gpu_worker/engine.h"
+#include "gpu_worker/kv/policies/registry.h"
 #include "gpu_worker/serving/sampler.h"
 #include "gtest/gtest.h"
 #include "kv_memory_service/kv_client.h"
@@ -747,6 +748,75 @@ TEST_F(PolicyTest, PlansOnTheBackendAreTheHostsPlans) {
       EXPECT_EQ(indices, host.indices);
     }
   }
+}
+
+// Where a policy says its plan is every row (PlansEveryRow: the cache then
+// reads each head's first rows with no indices), PlanFetch plans exactly
+// every present position of every head, in order. Every policy, every
+// layer, with and without an input.
+TEST_F(PolicyTest, PlansOfEveryRowAreEveryPresentRow) {
+  const model::ModelConfig& m = weights_->config;
+  const int n = 50, max_seq = 64;
+  std::unique_ptr<Backend> cpu = NewCpuBackend();
+  KvPolicy::Context ctx;
+  ctx.weights = weights_;
+  ctx.backend = cpu.get();
+  ctx.max_seq_len = max_seq;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal;
+  std::vector<float> q(static_cast<size_t>(n) * m.q_dim());
+  std::vector<float> k(static_cast<size_t>(n) * m.kv_dim());
+  std::vector<float> x(m.dim);
+  // H2O's attention sums of the prompt: [n_heads][n], positive.
+  std::vector<float> probs(static_cast<size_t>(m.n_heads) * n);
+  for (auto* v : {&q, &k, &x, &probs}) {
+    for (float& e : *v) e = normal(rng);
+  }
+  for (float& e : probs) e = std::fabs(e);
+  std::vector<float> keys(k.size());
+  for (int t = 0; t < n; ++t) {
+    for (int g = 0; g < m.n_kv_heads; ++g) {
+      std::copy_n(&k[(static_cast<size_t>(t) * m.n_kv_heads + g) * m.head_dim],
+                  m.head_dim,
+                  &keys[(static_cast<size_t>(g) * n + t) * m.head_dim]);
+    }
+  }
+  const std::vector<uint8_t> present(
+      static_cast<size_t>(m.n_kv_heads) * max_seq, 1);
+  int every_row = 0;
+  for (const PolicyEntry* entry : Policies()) {
+    SCOPED_TRACE(entry->name);
+    PolicyOptions o = Policy(entry->kind);
+    o.skew = skew_;
+    o.budget = 0.3f;
+    auto policy = KvPolicy::Create(o, ctx);
+    ASSERT_TRUE(policy.ok()) << policy.status();
+    KvPolicy& p = **policy;
+    for (int l = 0; l < m.n_layers; ++l) {
+      p.ObservePrefill(l, q.data(), k.data(), n, 0, probs.data());
+      ASSERT_TRUE(p.FinishPrefillLayer(l, n, keys.data(), n).ok());
+    }
+    for (int l = 0; l < m.n_layers; ++l) {
+      for (const float* input : {static_cast<const float*>(nullptr),
+                                 static_cast<const float*>(x.data())}) {
+        SCOPED_TRACE(absl::StrCat("layer ", l, input ? " with" : " without",
+                                  " an input"));
+        kv_memory_service::OwnedFetchPlan plan;
+        ASSERT_TRUE(p.PlanFetch(l, n, input, present.data(), plan).ok());
+        const bool all = p.PlansEveryRow(l, input);
+        every_row += all;
+        if (!all) continue;
+        ASSERT_EQ(plan.head_offsets.back(), m.n_kv_heads * n);
+        for (int g = 0; g < m.n_kv_heads; ++g) {
+          ASSERT_EQ(plan.head_offsets[g], g * n);
+          for (int t = 0; t < n; ++t) {
+            ASSERT_EQ(plan.indices[static_cast<size_t>(g) * n + t], t);
+          }
+        }
+      }
+    }
+  }
+  EXPECT_GT(every_row, 0);
 }
 
 TEST_F(PolicyTest, PoolEvictionFetchesOnlyWhatIsPresent) {

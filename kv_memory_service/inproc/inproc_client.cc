@@ -69,6 +69,11 @@ class InprocKvClient final : public KvClient {
                                const FetchPlan& plan, FetchBuffer*) override {
     return FetchHandle(store_->NoteFetched(seq, layer, plan));
   }
+  FetchHandle NoteLeadingFetchedAsync(SequenceId seq, int32_t layer,
+                                      absl::Span<const int32_t> head_offsets,
+                                      FetchBuffer*) override {
+    return FetchHandle(store_->NoteLeadingFetched(seq, layer, head_offsets));
+  }
   FetchHandle FetchAsync(SequenceId seq, int32_t layer, const FetchPlan& plan,
                          FetchBuffer* dest) override {
     auto claimed = FetchBuffer::Claim<InprocFetchBuffer>(this, dest);

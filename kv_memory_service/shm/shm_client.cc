@@ -313,6 +313,19 @@ class ShmKvClient final : public KvClientWrapper {
                             absl::Now() + options_.fetch_timeout,
                             shm::kNoteOnly);
   }
+  // Head offsets alone, with kNoteOnly | kLeading.
+  FetchHandle NoteLeadingFetchedAsync(SequenceId seq, int32_t layer,
+                                      absl::Span<const int32_t> head_offsets,
+                                      FetchBuffer* via) override {
+    if (absl::Status down = Unanswered(); !down.ok()) return FetchHandle(down);
+    auto buffer = FetchBuffer::Claim<ShmFetchBuffer>(this, via);
+    if (!buffer.ok()) return FetchHandle(buffer.status());
+    FetchPlan plan;
+    plan.head_offsets = head_offsets;
+    return (*buffer)->Start(seq, layer, plan,
+                            absl::Now() + options_.fetch_timeout,
+                            shm::kNoteOnly | shm::kLeading);
+  }
 
   // Unmaps the sequence's rows (GetDirectRows) whatever the node answers.
   absl::Status Close(SequenceId seq) override {

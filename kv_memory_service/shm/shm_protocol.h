@@ -102,7 +102,7 @@ struct SlotControl {
   int32_t layer;
   uint32_t n_indices;       // plan area [0, n_indices): indices
   uint32_t n_head_offsets;  // then n_head_offsets head offsets
-  uint32_t flags;           // kNoteOnly
+  uint32_t flags;           // kNoteOnly, kLeading
   uint64_t sequence;
   uint64_t session;  // the caller's; the node serves only the owner's rows
   // Written by the server before state = kDone.
@@ -117,6 +117,9 @@ static_assert(std::is_standard_layout_v<SlotControl>);
 // MapRows' mappings; the server records the fetch (KvStore::NoteFetched)
 // and writes nothing into the slot's data.
 constexpr uint32_t kNoteOnly = 1;
+// With kNoteOnly: the plan is head offsets alone, each head having read
+// its first positions in order (KvStore::NoteLeadingFetched).
+constexpr uint32_t kLeading = 2;
 
 inline size_t ControlRegionBytes(uint32_t max_slots) {
   return kHeaderBytes + static_cast<size_t>(max_slots) * sizeof(SlotControl);

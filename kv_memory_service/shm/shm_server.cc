@@ -441,7 +441,8 @@ class ShmServer::Connection {
     const int32_t layer = control->layer;
     const SequenceId sequence = control->sequence;
     const SessionId session = control->session;
-    const bool note_only = (control->flags & shm::kNoteOnly) != 0;
+    const uint32_t flags = control->flags;
+    const bool note_only = (flags & shm::kNoteOnly) != 0;
     absl::Status status;
     if (slot.data == nullptr) {
       status = absl::FailedPreconditionError(
@@ -461,7 +462,17 @@ class ShmServer::Connection {
           absl::MakeConstSpan(scratch_.get() + n_indices, n_offsets);
       const absl::Time start = absl::Now();
       status = server_->store_->CheckOwner(sequence, session);
-      if (status.ok() && note_only) {
+      if (status.ok() && note_only &&
+          (flags & shm::kLeading) != 0) {
+        // A whole layer read in place: head offsets alone.
+        status = n_indices == 0
+                     ? server_->store_->NoteLeadingFetched(sequence, layer,
+                                                           plan.head_offsets)
+                     : absl::InvalidArgumentError(absl::StrCat(
+                           "shm data plane: a leading note carries no "
+                           "indices, got ",
+                           n_indices));
+      } else if (status.ok() && note_only) {
         // The client read the rows itself (MapRows): the node records it.
         status = server_->store_->NoteFetched(sequence, layer, plan);
       } else if (status.ok()) {

@@ -152,13 +152,25 @@ TEST_F(ShmTest, OneSidedReadsMapTheNodesRowsReadOnly) {
     ASSERT_EQ(read, want) << l;
     ASSERT_OK(client->NoteFetched(id, l, plan.view(), buffer->get()));
   }
+  // A whole layer read: its head offsets alone.
+  ASSERT_OK(client->NoteLeadingFetchedAsync(id, 1, {0, 320, 640, 960},
+                                            buffer->get())
+                .Wait());
   auto stats = client->GetSequenceStats(id);
   ASSERT_TRUE(stats.ok());
-  EXPECT_EQ(stats->fetches, 2);
-  EXPECT_EQ(stats->fetched_rows, 2 * 3 * 50);
+  EXPECT_EQ(stats->fetches, 3);
+  EXPECT_EQ(stats->fetched_rows, 2 * 3 * 50 + 960);
+  auto tokens = store_->GetTokenStats(id, 1, 2);
+  ASSERT_TRUE(tokens.ok());
+  ASSERT_EQ(tokens->size(), 320u);
+  EXPECT_EQ((*tokens)[319].last_fetch, 3u);
   // A position never appended: refused as a gather would be.
   const OwnedFetchPlan past = OwnedFetchPlan::SameForAllHeads(3, {400});
   EXPECT_CODE(client->NoteFetched(id, 0, past.view(), buffer->get()),
+              kOutOfRange);
+  EXPECT_CODE(client->NoteLeadingFetchedAsync(id, 0, {0, 320, 640, 961},
+                                              buffer->get())
+                  .Wait(),
               kOutOfRange);
   ASSERT_OK(client->Close(id));
   // Private rows: the node gathers.

@@ -315,6 +315,34 @@ class CudaBackend final : public Backend {
     const char* v = mapped(g.v_rows);
     if (k == nullptr || v == nullptr || g.n_rows <= 0) return false;
     if (!Begin()) return true;  // an earlier error: skipped, and sticky
+    if (g.indices == nullptr) {
+      // A leading plan: each head's first rows lie one after another, a
+      // block of n_heads strided runs for the copy engine, K then V.
+      if (g.n_heads <= 0 || g.n_rows % g.n_heads != 0 ||
+          g.n_rows / g.n_heads > g.head_stride || g.row_bytes <= 0) {
+        FailShape(kOp, absl::StrFormat(
+                           "leading rows=%d heads=%d head_stride=%d",
+                           g.n_rows, g.n_heads, g.head_stride));
+        return true;
+      }
+      const size_t width =
+          static_cast<size_t>(g.n_rows / g.n_heads) * g.row_bytes;
+      const size_t pitch = static_cast<size_t>(g.head_stride) * g.row_bytes;
+      char* out = Out(static_cast<char*>(g.out), 2 * g.n_rows * g.row_bytes,
+                      kOp, "out");
+      if (!ok()) return true;
+      const size_t half = static_cast<size_t>(g.n_rows) * g.row_bytes;
+      // On the compute stream, as the kernel would be: after every
+      // operation issued so far.
+      if (CheckCuda(cudaMemcpy2DAsync(out, width, g.k_rows, pitch, width,
+                                      g.n_heads, cudaMemcpyDefault, stream_),
+                    kOp)) {
+        CheckCuda(cudaMemcpy2DAsync(out + half, width, g.v_rows, pitch, width,
+                                    g.n_heads, cudaMemcpyDefault, stream_),
+                  kOp);
+      }
+      return true;
+    }
     GatherRowsParams p = g;
     p.k_rows = k;
     p.v_rows = v;

@@ -839,6 +839,60 @@ TEST_F(CudaBackendTest, CopyFromHostIsOrderedByMarks) {
   EXPECT_EQ(staged[count - 1], 3.0f);
 }
 
+// One-sided reads of a whole layer (GatherRows without indices: each
+// head's first rows): copied from pinned host rows as the host reference
+// reads them, whatever the count (one row, some, every slot), and operations
+// issued after it see the rows. Rows outside pinned memory are refused
+// (the caller has the node gather), and a count that does not split over
+// the heads is an error.
+TEST_F(CudaBackendTest, LeadingRowsAreReadFromPinnedRows) {
+  const int n_heads = 4, head_stride = 300, row_bytes = 256;
+  const size_t bytes = static_cast<size_t>(n_heads) * head_stride * row_bytes;
+  std::vector<uint8_t> k(bytes), v(bytes);
+  std::uniform_int_distribution<int> byte(0, 255);
+  for (auto& x : k) x = static_cast<uint8_t>(byte(rng_));
+  for (auto& x : v) x = static_cast<uint8_t>(byte(rng_));
+  GatherRowsParams p;
+  p.k_rows = k.data();
+  p.v_rows = v.data();
+  p.head_stride = head_stride;
+  p.n_heads = n_heads;
+  p.row_bytes = row_bytes;
+  std::vector<uint8_t> host_out(2 * bytes);
+  p.out = host_out.data();
+  p.n_rows = n_heads;
+  EXPECT_FALSE(gpu_->GatherRows(p));  // not pinned
+  ASSERT_TRUE(gpu_->PinHost(k.data(), bytes).ok());
+  ASSERT_TRUE(gpu_->PinHost(v.data(), bytes).ok());
+  for (int per_head : {1, 129, head_stride}) {
+    SCOPED_TRACE(per_head);
+    p.n_rows = static_cast<long>(n_heads) * per_head;
+    std::vector<uint8_t> want(2 * p.n_rows * row_bytes);
+    p.out = want.data();
+    GatherRowsOnHost(p);
+    SharedVector<uint16_t> out(want.size() / 2, 0xeeee,
+                               SharedAllocator<uint16_t>(gpu_.get()));
+    SharedVector<uint16_t> copy(out.size(), 0,
+                                SharedAllocator<uint16_t>(gpu_.get()));
+    p.out = out.data();
+    ASSERT_TRUE(gpu_->GatherRows(p));
+    gpu_->Copy(reinterpret_cast<float*>(copy.data()),
+               reinterpret_cast<const float*>(out.data()),
+               static_cast<long>(out.size() / 2));
+    ASSERT_TRUE(gpu_->Synchronize().ok()) << gpu_->Synchronize();
+    ASSERT_EQ(std::memcmp(out.data(), want.data(), want.size()), 0);
+    ASSERT_EQ(std::memcmp(copy.data(), want.data(), want.size()), 0);
+  }
+  SharedVector<uint16_t> out(2 * bytes, 0,
+                             SharedAllocator<uint16_t>(gpu_.get()));
+  p.out = out.data();
+  p.n_rows = n_heads * 10 + 1;  // not a whole count a head
+  EXPECT_TRUE(gpu_->GatherRows(p));
+  EXPECT_FALSE(gpu_->Synchronize().ok());
+  gpu_->UnpinHost(k.data());
+  gpu_->UnpinHost(v.data());
+}
+
 TEST_F(CudaBackendTest, CopyAndPinErrors) {
   std::vector<float> host(16, 1.0f);
   EXPECT_EQ(gpu_->PinHost(nullptr, 16).code(),

@@ -66,9 +66,15 @@ int Launch(const GatherRowsParams& p, int sm_count, cudaStream_t stream) {
 
 int LaunchGatherRows(const GatherRowsParams& p, void* stream) {
   const int invalid = static_cast<int>(cudaErrorInvalidValue);
-  if (!p.k_rows || !p.v_rows || !p.indices || !p.head_offsets || !p.out ||
-      p.n_heads <= 0 || p.n_rows <= 0 || p.row_bytes <= 0 ||
-      p.row_bytes % 2 != 0 || p.head_stride <= 0) {
+  if (!p.k_rows || !p.v_rows || !p.out || p.n_heads <= 0 || p.n_rows <= 0 ||
+      p.row_bytes <= 0 || p.row_bytes % 2 != 0 || p.head_stride <= 0) {
+    return invalid;
+  }
+  // A plan's indices come with head offsets; a leading plan gives every
+  // head the same count, at most a head's slots.
+  if (p.indices ? !p.head_offsets
+                : p.n_rows % p.n_heads != 0 ||
+                      p.n_rows / p.n_heads > p.head_stride) {
     return invalid;
   }
   int device = 0, sm_count = 0;

@@ -250,7 +250,9 @@ int LaunchFlashAttention(const AttentionKernelParams& p, void* stream);
 // read from k_rows and v_rows (host memory mapped for the device, or
 // device memory) into out (device memory), with no gather on the host.
 // indices and head_offsets must be device-accessible, and every index
-// below head_stride (the caller checked the plan against the store).
+// below head_stride (the caller checked the plan against the store); a
+// leading plan (indices null) needs n_rows a multiple of n_heads, at most
+// head_stride rows a head.
 // Moves the widest word (16 to 2 bytes) dividing row_bytes and the three
 // base addresses; rejects (cudaErrorInvalidValue) an odd row, an empty
 // plan and missing pointers.

@@ -467,6 +467,41 @@ TEST_F(CudaKernels, GatherRowsMatchesHostGather) {
   }
 }
 
+// A leading plan (no indices): each head's first rows, as the host reads
+// them, from mapped host memory.
+TEST_F(CudaKernels, GatherRowsReadsLeadingRows) {
+  const int n_heads = 3, head_stride = 200, row_bytes = 256, per_head = 77;
+  const size_t bytes = static_cast<size_t>(n_heads) * head_stride * row_bytes;
+  void* k_src = nullptr;
+  void* v_src = nullptr;
+  ASSERT_EQ(cudaHostAlloc(&k_src, bytes, cudaHostAllocMapped), cudaSuccess);
+  ASSERT_EQ(cudaHostAlloc(&v_src, bytes, cudaHostAllocMapped), cudaSuccess);
+  std::uniform_int_distribution<int> byte(0, 255);
+  for (size_t i = 0; i < bytes; ++i) {
+    static_cast<uint8_t*>(k_src)[i] = static_cast<uint8_t>(byte(rng_));
+    static_cast<uint8_t*>(v_src)[i] = static_cast<uint8_t>(byte(rng_));
+  }
+  GatherRowsParams p;
+  p.k_rows = k_src;
+  p.v_rows = v_src;
+  p.head_stride = head_stride;
+  p.n_heads = n_heads;
+  p.n_rows = static_cast<long>(n_heads) * per_head;
+  p.row_bytes = row_bytes;
+  std::vector<uint8_t> want(2 * p.n_rows * row_bytes);
+  p.out = want.data();
+  GatherRowsOnHost(p);
+  DeviceArray<uint8_t> dout(std::vector<uint8_t>(want.size(), 0xee));
+  p.out = dout.get();
+  ExpectRan(LaunchGatherRows(p, nullptr));
+  EXPECT_EQ(dout.ToHost(), want);
+  p.n_rows += 1;  // not a whole count a head
+  EXPECT_EQ(LaunchGatherRows(p, nullptr),
+            static_cast<int>(cudaErrorInvalidValue));
+  cudaFreeHost(k_src);
+  cudaFreeHost(v_src);
+}
+
 // Sorted random partial columns per KV head, as SelectPartialColumns gives.
 std::vector<int32_t> RandomColumns(int n_kv_heads, int d, int n_cols,
                                    std::mt19937& rng) {
@@ -839,7 +874,13 @@ TEST(CudaKernelArguments, RejectedBeforeLaunch) {
   bad_g.n_rows = 0;
   EXPECT_EQ(LaunchGatherRows(bad_g, nullptr), bad);
   bad_g = g;
-  bad_g.indices = nullptr;
+  bad_g.head_offsets = nullptr;  // indices without their heads' offsets
+  EXPECT_EQ(LaunchGatherRows(bad_g, nullptr), bad);
+  bad_g = g;
+  bad_g.indices = nullptr;  // leading: a count that does not split
+  bad_g.n_rows = 2 * g.n_heads + 1;
+  EXPECT_EQ(LaunchGatherRows(bad_g, nullptr), bad);
+  bad_g.n_rows = g.n_heads * (g.head_stride + 1);  // more than a head holds
   EXPECT_EQ(LaunchGatherRows(bad_g, nullptr), bad);
   bad_g = g;
   bad_g.head_stride = 0;

@@ -306,10 +306,14 @@ class InfiniGenPolicy final : public KvPolicy {
     return absl::OkStatus();
   }
 
+  bool PlansEveryRow(int layer, const float* xb_prev) const override {
+    return layer < options_.dense_layers || xb_prev == nullptr;
+  }
+
   absl::Status PlanFetch(int layer, int p, const float* xb_prev,
                          const uint8_t* present,
                          OwnedFetchPlan& plan) override {
-    if (layer < options_.dense_layers || xb_prev == nullptr) {
+    if (PlansEveryRow(layer, xb_prev)) {
       PlanAllPresent(p, present, plan);
       return absl::OkStatus();
     }

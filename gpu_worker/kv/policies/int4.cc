@@ -14,6 +14,7 @@ class Int4Policy final : public KvPolicy {
  public:
   explicit Int4Policy(const Context& c) : KvPolicy(c) {}
   KvRowFormat row_format() const override { return KvRowFormat::kInt4; }
+  bool PlansEveryRow(int, const float*) const override { return true; }
   // A reused prefix's rows come back quantized, and a prefill that gives
   // the same answer with and without reuse must then attend over quantized
   // rows too (+3.9% perplexity on stories260K, against FlexGen's prefill

@@ -103,10 +103,14 @@ class QuestPolicy final : public KvPolicy {
     }
   }
 
+  bool PlansEveryRow(int layer, const float* x) const override {
+    return layer < dense_layers_ || x == nullptr;
+  }
+
   absl::Status PlanFetch(int layer, int p, const float* x,
                          const uint8_t* present,
                          OwnedFetchPlan& plan) override {
-    if (layer < dense_layers_ || x == nullptr) {
+    if (PlansEveryRow(layer, x)) {
       PlanAllPresent(p, present, plan);
       return absl::OkStatus();
     }
