@@ -60,13 +60,14 @@ for t in kernels_test cuda_backend_test cuda_engine_parity_test; do
 done
 
 # compute-sanitizer on the kernels where a race or a stray access would
-# hide: the tensor-core prefill, the one-sided gather, the strided copies,
-# the device-side selection, the staged rows' attention.
+# hide: the tensor-core prefill, the one-sided gather (by index and whole
+# layers), the strided copies, the device-side selection, the staged rows'
+# attention.
 if [ "${SANITIZE}" = 1 ]; then
   SAN="$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)"
   for tool in memcheck racecheck; do
     for run in "kernels_test:*Flash*:*GatherRows*:*SelectTopK*:*Combine*:*Staged*" \
-               "cuda_backend_test:*CopyRows*:*HalfPrecisionPrefill*:*SelectTopK*:*AttendStaged*:*QueuedCopies*:*BatchedProducts*:*EncodesHalf*"; do
+               "cuda_backend_test:*CopyRows*:*HalfPrecisionPrefill*:*SelectTopK*:*AttendStaged*:*QueuedCopies*:*BatchedProducts*:*EncodesHalf*:*LeadingRows*"; do
       t="${run%%:*}"; filter="${run#*:}"
       log="${OUT}/sanitize_${tool}_${t}.log"
       if [ -z "${SAN}" ]; then
