@@ -70,6 +70,7 @@ absl::Status Engine::Init() {
   kv.batch = options_.batch;
   kv.max_seq_len = max_seq_len_;
   kv.max_chunk = max_chunk_;
+  kv.half_local_kv = backend_->HalfKvCache() && c.head_dim % 2 == 0;
   kv.kv = options_.kv;
   IG_ASSIGN_OR_RETURN(cache_, KvCache::Create(weights_, backend_.get(), kv));
   IG_RETURN_IF_ERROR(RegisterWeights());

@@ -67,7 +67,7 @@ if [ "${SANITIZE}" = 1 ]; then
   SAN="$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)"
   for tool in memcheck racecheck; do
     for run in "kernels_test:*Flash*:*GatherRows*:*SelectTopK*:*Combine*:*Staged*" \
-               "cuda_backend_test:*CopyRows*:*HalfPrecisionPrefill*:*SelectTopK*:*AttendStaged*:*QueuedCopies*:*BatchedProducts*:*EncodesHalf*:*LeadingRows*"; do
+               "cuda_backend_test:*CopyRows*:*HalfPrecisionPrefill*:*HalfKvCache*:*SelectTopK*:*AttendStaged*:*QueuedCopies*:*BatchedProducts*:*EncodesHalf*:*LeadingRows*"; do
       t="${run%%:*}"; filter="${run#*:}"
       log="${OUT}/sanitize_${tool}_${t}.log"
       if [ -z "${SAN}" ]; then

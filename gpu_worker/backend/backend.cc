@@ -9,6 +9,7 @@
 #include <cstring>
 #include <vector>
 
+#include "common/half.h"
 #include "common/status.h"
 #include "speculator/speculator.h"
 
@@ -130,6 +131,15 @@ void Backend::CopyRows(float* dst, long dst_stride, const float* src,
                        long src_stride, int rows, long width) {
   for (int r = 0; r < rows; ++r) {
     Copy(dst + r * dst_stride, src + r * src_stride, width);
+  }
+}
+
+void Backend::CopyRowsToHalf(uint16_t* dst, long dst_stride,
+                             const float* src, long src_stride, int rows,
+                             long width) {
+  for (int r = 0; r < rows; ++r) {
+    FloatToHalf(src + r * src_stride, static_cast<size_t>(width),
+                dst + r * dst_stride);
   }
 }
 

@@ -52,6 +52,11 @@ struct AttentionParams {
   // > 0: a sliding window; query i sees only the last `window` of its rows,
   // [max(0, kv_len0 + i - window), kv_len0 + i).
   int window = 0;
+  // Where set (k and v null), the K and V rows are fp16 bits in the same
+  // layout: a local cache kept at half the bytes (Backend::HalfKvCache).
+  // Without prob_sums.
+  const uint16_t* k_half = nullptr;
+  const uint16_t* v_half = nullptr;
 };
 
 // Decode attention of one KV head's query heads straight over the rows a
@@ -260,6 +265,15 @@ class Backend : public PolicyOps {
   // a cache's [head][position] one. Default: one Copy per row.
   virtual void CopyRows(float* dst, long dst_stride, const float* src,
                         long src_stride, int rows, long width);
+  // CopyRows into fp16 rows (round to nearest even, as FloatToHalf).
+  // Default: a host loop.
+  virtual void CopyRowsToHalf(uint16_t* dst, long dst_stride,
+                              const float* src, long src_stride, int rows,
+                              long width);
+  // Whether the local cache keeps its K and V rows in fp16
+  // (AttentionParams::k_half) rather than fp32: a device computing in fp16,
+  // whose attention converts K and V to fp16 anyway. Default: false.
+  virtual bool HalfKvCache() const { return false; }
   // --- Host memory to the backend, beside the operations.
   // A point in the order of the operations issued so far (0: none).
   using Mark = uint64_t;
@@ -360,6 +374,11 @@ class BackendWrapper : public Backend {
                 long src_stride, int rows, long width) override {
     target_->CopyRows(dst, dst_stride, src, src_stride, rows, width);
   }
+  void CopyRowsToHalf(uint16_t* dst, long dst_stride, const float* src,
+                      long src_stride, int rows, long width) override {
+    target_->CopyRowsToHalf(dst, dst_stride, src, src_stride, rows, width);
+  }
+  bool HalfKvCache() const override { return target_->HalfKvCache(); }
   void DecodeKvRows(const uint16_t* in, int n_rows, int head_dim,
                     KvRowFormat format, float* rows) override {
     target_->DecodeKvRows(in, n_rows, head_dim, format, rows);

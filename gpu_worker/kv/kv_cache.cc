@@ -76,6 +76,7 @@ class LocalKvCache final : public KvCache {
         options_(options),
         stats_(options.batch),
         base_(options.batch, std::vector<int>(weights.config.n_layers, 0)) {
+    half_ = options.half_local_kv;
     size_t offset = 0;
     for (int l = 0; l < config_.n_layers; ++l) {
       rows_.push_back(LocalLayerRows(config_, options_, l, only_windows));
@@ -88,15 +89,11 @@ class LocalKvCache final : public KvCache {
 
   absl::Status Init() {
     for (int i = 0; i < options_.batch; ++i) {
-      IG_ASSIGN_OR_RETURN(DeviceBuffer<float> k,
-                          DeviceBuffer<float>::Make(&backend_, slot_size_,
-                                                    "the local K cache"));
-      IG_ASSIGN_OR_RETURN(DeviceBuffer<float> v,
-                          DeviceBuffer<float>::Make(&backend_, slot_size_,
-                                                    "the local V cache"));
-      bytes_ += static_cast<int64_t>(k.bytes() + v.bytes());
-      k_.push_back(std::move(k));
-      v_.push_back(std::move(v));
+      if (half_) {
+        IG_RETURN_IF_ERROR(Allocate(k_half_, v_half_));
+      } else {
+        IG_RETURN_IF_ERROR(Allocate(k_, v_));
+      }
     }
     return absl::OkStatus();
   }
@@ -119,14 +116,18 @@ class LocalKvCache final : public KvCache {
     for (int g = 0; g < config_.n_kv_heads; ++g) {
       const size_t dst =
           (static_cast<size_t>(g) * rows_[layer] + (pos - base)) * hd;
-      backend_.CopyRows(Keys(slot_, layer) + dst, hd, k + g * hd, kvd, rows,
-                        hd);
-      backend_.CopyRows(Values(slot_, layer) + dst, hd, v + g * hd, kvd, rows,
-                        hd);
+      for (const bool value : {false, true}) {
+        const float* src = (value ? v : k) + g * hd;
+        if (half_) {
+          backend_.CopyRowsToHalf(HalfRows(slot_, layer, value) + dst, hd,
+                                  src, kvd, rows, hd);
+        } else {
+          backend_.CopyRows(Rows(slot_, layer, value) + dst, hd, src, kvd,
+                            rows, hd);
+        }
+      }
     }
-    QueueAttention(backend_, config_, q, Keys(slot_, layer),
-                   Values(slot_, layer), rows_[layer], rows, pos - base + 1,
-                   config_.AttentionWindow(layer), out, nullptr);
+    Attend(slot_, layer, q, rows, pos - base + 1, out);
     return absl::OkStatus();
   }
 
@@ -182,10 +183,8 @@ class LocalKvCache final : public KvCache {
         cache_.MakeRoom(slot, layer, pos, 1);
         const int base = cache_.base_[slot][layer];
         cache_.Store(slot, layer, pos - base, k, v, static_cast<int>(i));
-        QueueAttention(cache_.backend_, c, q + i * qd,
-                       cache_.Keys(slot, layer), cache_.Values(slot, layer),
-                       cache_.rows_[layer], 1, pos - base + 1,
-                       c.AttentionWindow(layer), out + i * qd, nullptr);
+        cache_.Attend(slot, layer, q + i * qd, 1, pos - base + 1,
+                      out + i * qd);
       }
       return absl::OkStatus();
     }
@@ -200,11 +199,54 @@ class LocalKvCache final : public KvCache {
     const FetchSchedule schedule_ = FetchSchedule::None();
   };
 
-  float* Keys(int slot, int layer) {
-    return k_[slot].data() + layer_offset_[layer];
+  // One slot's K and V buffers of slot_size_ values each.
+  template <typename T>
+  absl::Status Allocate(std::vector<DeviceBuffer<T>>& k,
+                        std::vector<DeviceBuffer<T>>& v) {
+    IG_ASSIGN_OR_RETURN(DeviceBuffer<T> kb,
+                        DeviceBuffer<T>::Make(&backend_, slot_size_,
+                                              "the local K cache"));
+    IG_ASSIGN_OR_RETURN(DeviceBuffer<T> vb,
+                        DeviceBuffer<T>::Make(&backend_, slot_size_,
+                                              "the local V cache"));
+    bytes_ += static_cast<int64_t>(kb.bytes() + vb.bytes());
+    k.push_back(std::move(kb));
+    v.push_back(std::move(vb));
+    return absl::OkStatus();
   }
-  float* Values(int slot, int layer) {
-    return v_[slot].data() + layer_offset_[layer];
+
+  // A layer's K (value = false) or V rows of a slot: fp32, or fp16 (half_).
+  float* Rows(int slot, int layer, bool value) {
+    return (value ? v_ : k_)[slot].data() + layer_offset_[layer];
+  }
+  uint16_t* HalfRows(int slot, int layer, bool value) {
+    return (value ? v_half_ : k_half_)[slot].data() + layer_offset_[layer];
+  }
+
+  // Queues attention of n queries over the slot's layer rows, the first
+  // query seeing kv_len0 of them.
+  void Attend(int slot, int layer, const float* q, int n, int kv_len0,
+              float* out) {
+    AttentionParams p;
+    p.q = q;
+    if (half_) {
+      p.k = p.v = nullptr;
+      p.k_half = HalfRows(slot, layer, false);
+      p.v_half = HalfRows(slot, layer, true);
+    } else {
+      p.k = Rows(slot, layer, false);
+      p.v = Rows(slot, layer, true);
+    }
+    p.out = out;
+    p.n = n;
+    p.n_heads = config_.n_heads;
+    p.n_kv_heads = config_.n_kv_heads;
+    p.head_dim = config_.head_dim;
+    p.kv_stride = rows_[layer];
+    p.kv_len0 = kv_len0;
+    p.scale = 1.0f / std::sqrt(static_cast<float>(config_.head_dim));
+    p.window = config_.AttentionWindow(layer);
+    backend_.Attention(p);
   }
 
   // Before positions [pos, pos + n) are stored in a sliding-window layer:
@@ -218,10 +260,15 @@ class LocalKvCache final : public KvCache {
     const int from = pos - keep - base;  // >= keep: the ranges are apart
     base = pos - keep;
     if (keep == 0) return;
-    const int hd = config_.head_dim;
+    // fp16 rows move as pairs of values (head_dim is even): as floats of
+    // half the width.
+    const int hd = half_ ? config_.head_dim / 2 : config_.head_dim;
     for (int g = 0; g < config_.n_kv_heads; ++g) {
       const size_t head = static_cast<size_t>(g) * rows_[layer] * hd;
-      for (float* buffer : {Keys(slot, layer), Values(slot, layer)}) {
+      for (const bool value : {false, true}) {
+        float* buffer =
+            half_ ? reinterpret_cast<float*>(HalfRows(slot, layer, value))
+                  : Rows(slot, layer, value);
         backend_.CopyRows(buffer + head, hd,
                           buffer + head + static_cast<size_t>(from) * hd, hd,
                           keep, hd);
@@ -237,19 +284,29 @@ class LocalKvCache final : public KvCache {
     const size_t dst = static_cast<size_t>(at) * hd;
     const size_t src = static_cast<size_t>(row) * kvd;
     const long head_stride = static_cast<long>(rows_[layer]) * hd;
-    backend_.CopyRows(Keys(slot, layer) + dst, head_stride, k + src, hd,
-                      config_.n_kv_heads, hd);
-    backend_.CopyRows(Values(slot, layer) + dst, head_stride, v + src, hd,
-                      config_.n_kv_heads, hd);
+    for (const bool value : {false, true}) {
+      const float* from = (value ? v : k) + src;
+      if (half_) {
+        backend_.CopyRowsToHalf(HalfRows(slot, layer, value) + dst,
+                                head_stride, from, hd, config_.n_kv_heads,
+                                hd);
+      } else {
+        backend_.CopyRows(Rows(slot, layer, value) + dst, head_stride, from,
+                          hd, config_.n_kv_heads, hd);
+      }
+    }
   }
 
   const model::ModelConfig& config_;
   Backend& backend_;
   const KvCacheOptions options_;
   std::vector<int> rows_;             // [layer]: LocalLayerRows
-  std::vector<size_t> layer_offset_;  // [layer]: floats into a slot's buffer
-  size_t slot_size_ = 0;              // floats of one slot's K (or V)
-  std::vector<DeviceBuffer<float>> k_, v_;  // [slot]
+  std::vector<size_t> layer_offset_;  // [layer]: values into a slot's buffer
+  size_t slot_size_ = 0;              // values of one slot's K (or V)
+  bool half_ = false;                 // KvCacheOptions::half_local_kv
+  // [slot]: fp32 rows, or (half_) fp16 ones.
+  std::vector<DeviceBuffer<float>> k_, v_;
+  std::vector<DeviceBuffer<uint16_t>> k_half_, v_half_;
   std::vector<FetchStats> stats_;           // always empty: nothing fetched
   // [slot][layer]: the position of buffer row 0 (sliding-window layers).
   std::vector<std::vector<int>> base_;
@@ -268,7 +325,8 @@ int64_t LocalKvCacheBytes(const model::ModelConfig& c,
     rows += LocalLayerRows(c, options, l, only_windows);
   }
   return int64_t{2} * options.batch * rows * c.n_kv_heads * c.head_dim *
-         static_cast<int64_t>(sizeof(float));
+         static_cast<int64_t>(options.half_local_kv ? sizeof(uint16_t)
+                                                    : sizeof(float));
 }
 
 absl::StatusOr<std::unique_ptr<KvCache>> NewLocalKvCache(

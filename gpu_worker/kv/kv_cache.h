@@ -196,6 +196,9 @@ struct KvCacheOptions {
   int batch = 1;        // sequence slots
   int max_seq_len = 0;  // positions per slot
   int max_chunk = 1;    // most prefill tokens per PrefillAttention
+  // The local cache's K and V rows in fp16 rather than fp32 (the engine
+  // sets it where Backend::HalfKvCache() and head_dim is even).
+  bool half_local_kv = false;
   KvOptions kv;
 };
 

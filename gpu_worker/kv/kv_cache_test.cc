@@ -953,11 +953,23 @@ class GuardedDeviceBackend final : public Backend {
   }
   void Attention(const AttentionParams& p) override {
     Open open(this);
-    if (!InDevice(p.k) || !InDevice(p.v)) {
+    const bool half = p.k_half != nullptr;
+    if (half != half_kv_) {
+      violations_->push_back(half ? "fp16 K/V on a backend that keeps fp32"
+                                  : "fp32 K/V on a backend that keeps fp16");
+    }
+    if (half ? !InDevice(p.k_half) || !InDevice(p.v_half)
+             : !InDevice(p.k) || !InDevice(p.v)) {
       violations_->push_back("attention reads K/V outside device memory");
     }
     cpu_->Attention(p);
   }
+  void CopyRowsToHalf(uint16_t* dst, long dst_stride, const float* src,
+                      long src_stride, int rows, long width) override {
+    Open open(this);
+    cpu_->CopyRowsToHalf(dst, dst_stride, src, src_stride, rows, width);
+  }
+  bool HalfKvCache() const override { return half_kv_; }
   void SwiGlu(float* g, const float* u, long n) override {
     Open open(this);
     cpu_->SwiGlu(g, u, n);
@@ -1108,6 +1120,8 @@ class GuardedDeviceBackend final : public Backend {
   }
   // false: GatherRows refuses, as a backend without one-sided reads.
   void set_gathers_rows(bool on) { gathers_rows_ = on; }
+  // true: the local cache keeps fp16 K/V (HalfKvCache), as an fp16 device.
+  void set_half_kv(bool on) { half_kv_ = on; }
   long copies_in = 0, decodes = 0, shared_allocations = 0;
   long gathers = 0, leading_gathers = 0, pins = 0, unpins = 0;
   long copies_out = 0, queued_copies_out = 0, selections = 0, encodes = 0;
@@ -1148,6 +1162,7 @@ class GuardedDeviceBackend final : public Backend {
   std::map<char*, size_t> device_;
   std::map<char*, size_t> pinned_;
   bool gathers_rows_ = true;
+  bool half_kv_ = false;
   // QueueCopyToHost's copies not yet landed: where, and the bytes.
   std::vector<std::pair<char*, std::vector<char>>> queued_;
 };
@@ -1161,6 +1176,52 @@ absl::StatusOr<std::unique_ptr<Engine>> OnDevice(
   auto backend = std::make_unique<GuardedDeviceBackend>(violations);
   if (device != nullptr) *device = backend.get();
   return Engine::Create(weights, std::move(backend), options);
+}
+
+// A device computing in fp16 keeps the local cache's K and V in fp16: half
+// the bytes, and logits within fp16 rounding of the fp32 cache's, through
+// chunked prefill, decode steps and sliding-window layers whose rows move
+// to the buffer's start; every attention reads the fp16 rows in device
+// memory.
+TEST_F(KvCacheTest, AnFp16DeviceKeepsTheLocalCacheInHalf) {
+  Weights w = ManyLayers(4, 256);
+  w.config.sliding_window = 8;  // layers 0 and 2 see the last 8 positions
+  w.config.sliding_window_pattern = 2;
+  const std::vector<int> t = Tokens(60);
+  std::vector<std::vector<float>> logits[2];
+  int64_t bytes[2] = {0, 0};
+  for (const bool half : {false, true}) {
+    SCOPED_TRACE(half ? "fp16" : "fp32");
+    std::vector<std::string> violations;
+    auto backend = std::make_unique<GuardedDeviceBackend>(&violations);
+    backend->set_half_kv(half);
+    EngineOptions o;
+    o.max_seq_len = 64;
+    o.max_chunk = 16;
+    auto engine = Engine::Create(w, std::move(backend), o);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    bytes[half] = (*engine)->worker_kv_bytes();
+    auto got = (*engine)->Forward(absl::MakeConstSpan(t).subspan(0, 40),
+                                  false);
+    for (int i = 40; i < 60; ++i) {
+      ASSERT_TRUE(got.ok()) << got.status();
+      logits[half].emplace_back(got->begin(), got->end());
+      got = (*engine)->Forward({t[i]}, false);
+    }
+    EXPECT_THAT(violations, ::testing::IsEmpty());
+  }
+  EXPECT_EQ(bytes[true] * 2, bytes[false]);
+  ASSERT_EQ(logits[true].size(), logits[false].size());
+  float largest = 0.0f;
+  for (size_t i = 0; i < logits[true].size(); ++i) {
+    ASSERT_EQ(logits[true][i].size(), logits[false][i].size());
+    for (size_t j = 0; j < logits[true][i].size(); ++j) {
+      largest = std::max(largest,
+                         std::fabs(logits[true][i][j] - logits[false][i][j]));
+    }
+  }
+  EXPECT_LT(largest, 2e-2f);
+  EXPECT_GT(largest, 0.0f);  // the rows were rounded: fp16 was used
 }
 
 TEST_F(KvCacheTest, DeviceBackendsReadFetchedRowsFromTheirOwnMemory) {

@@ -100,6 +100,26 @@ class CpuBackend final : public Backend {
   }
 
   void Attention(const AttentionParams& p) override {
+    if (p.k_half != nullptr) {
+      // fp16 rows: each KV head's visible rows decoded once, then the fp32
+      // arithmetic below (the reference a device's fp16 cache is held to).
+      const int kv_max = p.kv_len0 + p.n - 1;
+      const size_t values = static_cast<size_t>(kv_max) * p.head_dim;
+      kv_half_.resize(2 * values * p.n_kv_heads);
+      float* k = kv_half_.data();
+      float* v = k + values * p.n_kv_heads;
+      for (int g = 0; g < p.n_kv_heads; ++g) {
+        const size_t at = static_cast<size_t>(g) * p.kv_stride * p.head_dim;
+        HalfToFloat(p.k_half + at, values, k + g * values);
+        HalfToFloat(p.v_half + at, values, v + g * values);
+      }
+      AttentionParams f = p;
+      f.k = k;
+      f.v = v;
+      f.k_half = f.v_half = nullptr;
+      f.kv_stride = kv_max;
+      return Attention(f);
+    }
     const int group = p.n_heads / p.n_kv_heads;
     const int q_stride = p.n_heads * p.head_dim;
     const int kv_max = p.kv_len0 + p.n - 1;  // rows seen by the last query
@@ -219,6 +239,7 @@ class CpuBackend final : public Backend {
 
  private:
   std::vector<float> scores_;  // [n, kv_max], grows to the largest call
+  std::vector<float> kv_half_;  // Attention over fp16 rows: K, V decoded
   std::vector<float> row_;     // AttendStoredRows: one decoded row
   std::vector<float> acc_;     // AttendStoredRows: [group, head_dim] sums
 };

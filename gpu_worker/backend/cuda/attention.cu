@@ -96,6 +96,8 @@ struct QueryHead {
   long row;        // i * n_heads + h
   const float* k;  // [kv_stride, head_dim] of its KV head
   const float* v;  // same
+  const uint16_t* k_half;  // the same in fp16 (AttentionKernelParams)
+  const uint16_t* v_half;
 };
 
 __device__ QueryHead Locate(const AttentionKernelParams& p, long row) {
@@ -107,8 +109,10 @@ __device__ QueryHead Locate(const AttentionKernelParams& p, long row) {
   r.first = p.window > 0 ? max(0, r.len - p.window) : 0;
   const int g = r.h / (p.n_heads / p.n_kv_heads);
   const long head_offset = static_cast<long>(g) * p.kv_stride * p.head_dim;
-  r.k = p.k + head_offset;
-  r.v = p.v + head_offset;
+  r.k = p.k != nullptr ? p.k + head_offset : nullptr;
+  r.v = p.v != nullptr ? p.v + head_offset : nullptr;
+  r.k_half = p.k_half != nullptr ? p.k_half + head_offset : nullptr;
+  r.v_half = p.v_half != nullptr ? p.v_half + head_offset : nullptr;
   return r;
 }
 
@@ -139,6 +143,25 @@ struct FloatRows {
   }
   __device__ const float* V(int t) const {
     return v + static_cast<long>(t) * head_dim;
+  }
+};
+
+// One fp16 row (a local cache kept in fp16): row[d] as a float, exact.
+struct HalfRow {
+  const uint16_t* values;
+  __device__ float operator[](int d) const { return HalfValue(values[d]); }
+};
+
+// The K and V rows of one query head's KV head, fp16, head_dim apart.
+struct HalfRows {
+  const uint16_t* k;
+  const uint16_t* v;
+  int head_dim;
+  __device__ HalfRow K(int t) const {
+    return HalfRow{k + static_cast<long>(t) * head_dim};
+  }
+  __device__ HalfRow V(int t) const {
+    return HalfRow{v + static_cast<long>(t) * head_dim};
   }
 };
 
@@ -291,8 +314,13 @@ __global__ void __launch_bounds__(kThreads)
   float m = -CUDART_INF_F;  // max score so far
   float l = 0.0f;           // sum of exp(score - m)
   float acc[R];             // sum of exp(score - m) * v, this lane's dims
-  WarpOnlineSoftmax(FloatRows{qh.k, qh.v, p.head_dim}, p.head_dim, p.scale, q,
-                    begin, end, warp, m, l, acc);
+  if (qh.k_half != nullptr) {
+    WarpOnlineSoftmax(HalfRows{qh.k_half, qh.v_half, p.head_dim}, p.head_dim,
+                      p.scale, q, begin, end, warp, m, l, acc);
+  } else {
+    WarpOnlineSoftmax(FloatRows{qh.k, qh.v, p.head_dim}, p.head_dim, p.scale,
+                      q, begin, end, warp, m, l, acc);
+  }
   float max, inv_sum;
   if (MergeWarps(m, l, acc, p.head_dim, p.kv_splits, qh.row, split, p.n,
                  p.n_heads, p.out, p.workspace, max, inv_sum) &&
@@ -440,7 +468,13 @@ int LaunchWithLaneDims(const AttentionKernelParams& p, cudaStream_t stream) {
 
 int LaunchAttention(const AttentionKernelParams& p, void* stream) {
   const int invalid = static_cast<int>(cudaErrorInvalidValue);
-  if (!p.q || !p.k || !p.v || !p.out) return invalid;
+  if (!p.q || !p.out) return invalid;
+  // fp32 K and V, or fp16 ones without probability sums.
+  if (p.k_half != nullptr
+          ? !p.v_half || p.k || p.v || p.prob_sums
+          : !p.k || !p.v || p.v_half) {
+    return invalid;
+  }
   if (p.n <= 0 || p.n_heads <= 0 || p.n_kv_heads <= 0 ||
       p.n_heads % p.n_kv_heads != 0 || p.head_dim <= 0 ||
       p.head_dim > kMaxHeadDim || p.kv_len0 <= 0 || p.kv_splits <= 0) {

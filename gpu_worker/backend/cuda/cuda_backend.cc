@@ -520,13 +520,23 @@ class CudaBackend final : public Backend {
                           a.n, a.n_heads, a.n_kv_heads, a.head_dim, kMaxHeadDim,
                           a.kv_len0, a.kv_stride));
     }
+    const bool half_kv = a.k_half != nullptr;
+    if (half_kv && (a.v_half == nullptr || a.prob_sums != nullptr)) {
+      return FailShape(kOp, "fp16 K needs fp16 V and no prob_sums");
+    }
     const long q_count = static_cast<long>(a.n) * a.n_heads * a.head_dim;
     const long kv_count =
         ((a.n_kv_heads - 1L) * a.kv_stride + kv_max) * a.head_dim;
     AttentionKernelParams p;
     p.q = In(a.q, q_count, kOp, "q");
-    p.k = In(a.k, kv_count, kOp, "k");
-    p.v = In(a.v, kv_count, kOp, "v");
+    if (half_kv) {
+      p.k = p.v = nullptr;
+      p.k_half = In(a.k_half, kv_count, kOp, "k_half");
+      p.v_half = In(a.v_half, kv_count, kOp, "v_half");
+    } else {
+      p.k = In(a.k, kv_count, kOp, "k");
+      p.v = In(a.v, kv_count, kOp, "v");
+    }
     p.out = Out(a.out, q_count, kOp, "out");
     if (a.prob_sums != nullptr) {
       p.prob_sums = Out(a.prob_sums, a.n_heads * kv_max, kOp, "prob_sums");
@@ -856,6 +866,27 @@ class CudaBackend final : public Backend {
                                 cudaMemcpyDefault, stream_),
               kOp);
   }
+
+  void CopyRowsToHalf(uint16_t* dst, long dst_stride, const float* src,
+                      long src_stride, int rows, long width) override {
+    constexpr const char* kOp = "CopyRowsToHalf";
+    if (!Begin() || rows == 0 || width == 0) return;
+    if (rows < 0 || width < 0 || dst_stride < width || src_stride < width) {
+      return FailShape(kOp, absl::StrFormat(
+                                "rows=%d width=%d dst_stride=%d src_stride=%d",
+                                rows, width, dst_stride, src_stride));
+    }
+    uint16_t* d = Out(dst, (rows - 1L) * dst_stride + width, kOp, "dst");
+    const float* s = In(src, (rows - 1L) * src_stride + width, kOp, "src");
+    if (!ok()) return;
+    Launched(LaunchFloatRowsToHalf({s, src_stride, d, dst_stride, rows, width},
+                                   stream_),
+             kOp);
+  }
+
+  // The local cache in fp16 where the layers compute in fp16: the prefill
+  // kernel converts K and V to fp16 anyway.
+  bool HalfKvCache() const override { return options_.half_precision; }
 
  private:
   bool ok() const { return error_.ok(); }

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "absl/strings/str_format.h"
+#include "common/half.h"
 #include "gpu_worker/backend/backend.h"
 #include "gpu_worker/backend/cpu/cpu_backend.h"
 #include "gpu_worker/backend/cuda/parity_testing.h"
@@ -329,6 +330,88 @@ TEST_F(CudaBackendTest, HalfPrecisionPrefillAttentionMatchesCpu) {
           << "n=" << c.n << " head_dim=" << c.head_dim << " i=" << i;
     }
   }
+}
+
+// A local cache kept in fp16 (HalfKvCache on an fp16 backend): chunk rows
+// converted into it with one strided operation as the host rounds them,
+// and attention over its fp16 rows as the CPU computes over the same fp16
+// rows: decode (the fp32 kernel, KV splits), a window, and prefill chunks
+// on tensor cores (the flash kernel's 5e-3 * (1 + |want|)).
+TEST_F(CudaBackendTest, HalfKvCacheMatchesCpu) {
+  std::unique_ptr<Backend> half = NewGpu(/*half_precision=*/true);
+  ASSERT_NE(half, nullptr);
+  EXPECT_TRUE(half->HalfKvCache());
+  EXPECT_FALSE(gpu_->HalfKvCache());
+
+  const int rows = 37, width = 128, src_stride = 4096, dst_stride = 160;
+  const std::vector<float> host = Normal(rows * src_stride, rng_, 3.0f);
+  SharedVector<float> src = Shared(half.get(), host);
+  SharedVector<uint16_t> dst(rows * dst_stride, 0x7777,
+                             SharedAllocator<uint16_t>(half.get()));
+  half->CopyRowsToHalf(dst.data(), dst_stride, src.data() + 16, src_stride,
+                       rows, width);
+  ASSERT_TRUE(half->Synchronize().ok()) << half->Synchronize();
+  for (int r = 0; r < rows; ++r) {
+    for (int j = 0; j < dst_stride; ++j) {
+      const uint16_t want =
+          j < width ? FloatToHalf(host[r * src_stride + 16 + j]) : 0x7777;
+      ASSERT_EQ(dst[r * dst_stride + j], want) << r << " " << j;
+    }
+  }
+
+  // {n, heads, kv_heads, head_dim, kv_len0, extra_stride, prob_sums, ...}
+  const AttentionCase cases[] = {
+      {1, 9, 3, 128, 4096, 3, false}, {1, 32, 32, 128, 33000, 0, false},
+      {1, 4, 1, 256, 5000, 0, false, 1, 512},  // a window
+      {kMinFlashQueries, 8, 2, 64, 1, 0, false},
+      {300, 8, 8, 128, 40, 0, false},
+  };
+  for (const AttentionCase& c : cases) {
+    SCOPED_TRACE(testing::Message() << "n=" << c.n << " kv_len0="
+                                    << c.kv_len0);
+    const AttentionProblem prob = MakeAttentionProblem(c, rng_, *cpu_);
+    std::vector<uint16_t> k(prob.k.size()), v(prob.v.size());
+    FloatToHalf(prob.k.data(), k.size(), k.data());
+    FloatToHalf(prob.v.data(), v.size(), v.data());
+    AttentionParams a = prob.shape;
+    std::vector<float> want(prob.want.size());
+    a.q = prob.q.data();
+    a.k = a.v = nullptr;
+    a.k_half = k.data();
+    a.v_half = v.data();
+    a.out = want.data();
+    a.prob_sums = nullptr;
+    cpu_->Attention(a);
+    SharedVector<float> q = Shared(half.get(), prob.q);
+    SharedVector<uint16_t> kd = Shared(half.get(), k);
+    SharedVector<uint16_t> vd = Shared(half.get(), v);
+    SharedVector<float> out(want.size(), 0.0f,
+                            SharedAllocator<float>(half.get()));
+    a.q = q.data();
+    a.k_half = kd.data();
+    a.v_half = vd.data();
+    a.out = out.data();
+    half->Attention(a);
+    ASSERT_TRUE(half->Synchronize().ok()) << half->Synchronize();
+    const bool tensor_cores = c.n >= kMinFlashQueries;
+    for (size_t i = 0; i < want.size(); ++i) {
+      ASSERT_NEAR(out[i], want[i],
+                  (tensor_cores ? 5e-3f : 1e-4f) * (1 + std::abs(want[i])))
+          << "i=" << i;
+    }
+  }
+  // fp16 K with probability sums: an invalid shape.
+  SharedVector<float> x(64, 0.0f, SharedAllocator<float>(half.get()));
+  SharedVector<uint16_t> kv(64, 0, SharedAllocator<uint16_t>(half.get()));
+  AttentionParams bad;
+  bad.q = bad.out = bad.prob_sums = x.data();
+  bad.k = bad.v = nullptr;
+  bad.k_half = bad.v_half = kv.data();
+  bad.n = bad.n_heads = bad.n_kv_heads = 1;
+  bad.head_dim = 8;
+  bad.kv_stride = bad.kv_len0 = 1;
+  half->Attention(bad);
+  EXPECT_TRUE(absl::IsInvalidArgument(half->Synchronize()));
 }
 
 // One strided copy moves what a Copy per row moves (the local cache's

@@ -106,6 +106,21 @@ __device__ void LoadRowsAsHalf(const float* src, long stride, int count,
   }
 }
 
+// The same from fp16 global memory (a local cache kept in fp16): copied,
+// four values (8 bytes) at a time.
+__device__ void LoadRowsAsHalf(const uint16_t* src, long stride, int count,
+                               int rows, int d, __half* dst, int ldh) {
+  const int per_row = d / 4;
+  for (int e = threadIdx.x; e < rows * per_row; e += kThreads) {
+    const int r = e / per_row, c = (e % per_row) * 4;
+    uint2 x = make_uint2(0u, 0u);
+    if (r < count) {
+      x = *reinterpret_cast<const uint2*>(src + r * stride + c);
+    }
+    *reinterpret_cast<uint2*>(dst + r * ldh + c) = x;
+  }
+}
+
 __global__ void __launch_bounds__(kThreads)
     FlashAttentionKernel(AttentionKernelParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
@@ -126,8 +141,8 @@ __global__ void __launch_bounds__(kThreads)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int q_count = min(kTileQ, p.n - q0);
   const long q_stride = static_cast<long>(p.n_heads) * d;
-  const float* kg = p.k + static_cast<long>(g) * p.kv_stride * d;
-  const float* vg = p.v + static_cast<long>(g) * p.kv_stride * d;
+  const long kv_head = static_cast<long>(g) * p.kv_stride * d;
+  const bool half_kv = p.k_half != nullptr;
 
   LoadRowsAsHalf(p.q + q0 * q_stride + static_cast<long>(h) * d, q_stride,
                  q_count, kTileQ, d, qs, L.ldh);
@@ -154,10 +169,14 @@ __global__ void __launch_bounds__(kThreads)
 
   for (int t0 = 0; t0 < block_rows; t0 += kTileK) {
     const int t_count = min(kTileK, block_rows - t0);
-    LoadRowsAsHalf(kg + static_cast<long>(t0) * d, d, t_count, kTileK, d, ks,
-                   L.ldh);
-    LoadRowsAsHalf(vg + static_cast<long>(t0) * d, d, t_count, kTileK, d, vs,
-                   L.ldh);
+    const long tile = kv_head + static_cast<long>(t0) * d;
+    if (half_kv) {
+      LoadRowsAsHalf(p.k_half + tile, d, t_count, kTileK, d, ks, L.ldh);
+      LoadRowsAsHalf(p.v_half + tile, d, t_count, kTileK, d, vs, L.ldh);
+    } else {
+      LoadRowsAsHalf(p.k + tile, d, t_count, kTileK, d, ks, L.ldh);
+      LoadRowsAsHalf(p.v + tile, d, t_count, kTileK, d, vs, L.ldh);
+    }
     __syncthreads();
     if (t0 < warp_rows) {
       // 1. S[16, kTileK] = Q_w[16, d] . K^T.
@@ -259,10 +278,15 @@ bool FlashAttentionSupports(const AttentionKernelParams& p) {
   const auto aligned = [](const void* q) {
     return reinterpret_cast<uintptr_t>(q) % 16 == 0;
   };
+  const bool half_kv = p.k_half != nullptr;
   return p.prob_sums == nullptr && p.window <= 0 && p.head_dim > 0 &&
          p.head_dim % 16 == 0 &&
-         p.head_dim <= kMaxFlashHeadDim && aligned(p.q) && aligned(p.k) &&
-         aligned(p.v) && aligned(p.out);
+         p.head_dim <= kMaxFlashHeadDim && aligned(p.q) &&
+         (half_kv ? p.v_half && !p.k && !p.v && aligned(p.k_half) &&
+                        aligned(p.v_half)
+                  : p.k && p.v && !p.v_half && aligned(p.k) &&
+                        aligned(p.v)) &&
+         aligned(p.out);
 }
 
 size_t FlashAttentionSharedBytes(int head_dim) {
@@ -271,7 +295,7 @@ size_t FlashAttentionSharedBytes(int head_dim) {
 
 int LaunchFlashAttention(const AttentionKernelParams& p, void* stream) {
   const int invalid = static_cast<int>(cudaErrorInvalidValue);
-  if (!p.q || !p.k || !p.v || !p.out || !FlashAttentionSupports(p)) {
+  if (!p.q || !p.out || !FlashAttentionSupports(p)) {
     return invalid;
   }
   if (p.n <= 0 || p.n_heads <= 0 || p.n_kv_heads <= 0 ||

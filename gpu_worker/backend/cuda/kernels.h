@@ -121,6 +121,19 @@ struct FloatToHalfParams {
 // aside; magnitudes above 65504 become infinities.
 int LaunchFloatToHalf(const FloatToHalfParams& p, void* stream);
 
+// FloatToHalf over `rows` rows of `width` values, strided: row r from
+// x + r * x_stride to y + r * y_stride (a chunk's K or V rows into a local
+// cache kept in fp16).
+struct FloatRowsToHalfParams {
+  const float* x;
+  long x_stride = 0;  // >= width
+  uint16_t* y;
+  long y_stride = 0;  // >= width
+  int rows = 0;
+  long width = 0;
+};
+int LaunchFloatRowsToHalf(const FloatRowsToHalfParams& p, void* stream);
+
 struct HalfToFloatParams {
   const uint16_t* x;  // [count] IEEE binary16
   float* y;           // [count]
@@ -176,6 +189,10 @@ struct AttentionKernelParams {
   // Blocks each (query, head)'s rows are split over; > 1 needs workspace.
   int kv_splits = 1;
   float* workspace = nullptr;  // [AttentionWorkspaceFloats(*this)]
+  // Where set (k and v null): the K and V rows as fp16 bits, the same
+  // layout (a local cache kept in fp16). Not with prob_sums.
+  const uint16_t* k_half = nullptr;
+  const uint16_t* v_half = nullptr;
 };
 
 // Floats of workspace an attention launch needs (0 for kv_splits <= 1).
@@ -227,9 +244,9 @@ int LaunchAttention(const AttentionKernelParams& p, void* stream);
 constexpr int kMaxFlashHeadDim = 256;
 
 // Whether LaunchFlashAttention computes `p`: no prob_sums, no window,
-// head_dim a
-// multiple of 16 up to kMaxFlashHeadDim, q, k, v and out 16-byte aligned
-// (kv_splits is ignored).
+// head_dim a multiple of 16 up to kMaxFlashHeadDim, q, out and the K and V
+// rows (k and v, or k_half and v_half) 16-byte aligned (kv_splits is
+// ignored).
 bool FlashAttentionSupports(const AttentionKernelParams& p);
 
 // Dynamic shared memory a flash attention block takes at head_dim.

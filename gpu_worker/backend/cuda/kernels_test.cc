@@ -799,6 +799,10 @@ TEST(CudaKernelArguments, RejectedBeforeLaunch) {
   EXPECT_EQ(LaunchFloatToHalf({f, h, 0}, nullptr), bad);
   EXPECT_EQ(LaunchHalfToFloat({h, f, 0}, nullptr), bad);
   EXPECT_EQ(LaunchHalfToFloat({nullptr, f, 4}, nullptr), bad);
+  EXPECT_EQ(LaunchFloatRowsToHalf({f, 8, h, 8, 0, 8}, nullptr), bad);
+  EXPECT_EQ(LaunchFloatRowsToHalf({f, 4, h, 8, 2, 8}, nullptr), bad);
+  EXPECT_EQ(LaunchFloatRowsToHalf({f, 8, h, 4, 2, 8}, nullptr), bad);
+  EXPECT_EQ(LaunchFloatRowsToHalf({f, 8, nullptr, 8, 2, 8}, nullptr), bad);
   EXPECT_EQ(LaunchInt4Dequant({h, f, 4, 6}, nullptr), bad);   // 6 % 4
   EXPECT_EQ(LaunchInt4Dequant({h, f, 4, 96}, nullptr), bad);  // 96 % 64
   EXPECT_EQ(LaunchInt4Dequant({h, f, 0, 64}, nullptr), bad);
@@ -830,6 +834,21 @@ TEST(CudaKernelArguments, RejectedBeforeLaunch) {
   b = a;
   b.n = 0;
   EXPECT_EQ(LaunchAttention(b, nullptr), bad);
+  // fp16 K and V: instead of fp32 ones, both, without probability sums.
+  b = a;
+  b.k_half = b.v_half = h;
+  EXPECT_EQ(LaunchAttention(b, nullptr), bad);  // and fp32 ones too
+  b.k = b.v = nullptr;
+  b.prob_sums = f;
+  EXPECT_EQ(LaunchAttention(b, nullptr), bad);
+  b.prob_sums = nullptr;
+  b.v_half = nullptr;
+  EXPECT_EQ(LaunchAttention(b, nullptr), bad);
+  b.v_half = h;
+  b.head_dim = 64;
+  EXPECT_TRUE(FlashAttentionSupports(b));
+  b.k = f;  // both kinds
+  EXPECT_FALSE(FlashAttentionSupports(b));
   b = a;
   b.out = nullptr;
   EXPECT_EQ(LaunchAttention(b, nullptr), bad);

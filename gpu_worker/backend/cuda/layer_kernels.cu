@@ -140,6 +140,14 @@ __global__ void FloatToHalfKernel(FloatToHalfParams p) {
   }
 }
 
+__global__ void FloatRowsToHalfKernel(FloatRowsToHalfParams p) {
+  IG_GRID_STRIDE(i, p.rows * p.width) {
+    const long r = i / p.width, c = i % p.width;
+    p.y[r * p.y_stride + c] =
+        __half_as_ushort(__float2half_rn(p.x[r * p.x_stride + c]));
+  }
+}
+
 __global__ void HalfToFloatKernel(HalfToFloatParams p) {
   IG_GRID_STRIDE(i, p.count) {
     p.y[i] = __half2float(__ushort_as_half(p.x[i]));
@@ -233,6 +241,16 @@ int LaunchBiasAdd(const BiasAddParams& p, void* stream) {
 int LaunchFloatToHalf(const FloatToHalfParams& p, void* stream) {
   if (p.count <= 0 || !p.x || !p.y) return Invalid();
   FloatToHalfKernel<<<BlocksFor(p.count), kThreads, 0, Stream(stream)>>>(p);
+  return LastError();
+}
+
+int LaunchFloatRowsToHalf(const FloatRowsToHalfParams& p, void* stream) {
+  if (p.rows <= 0 || p.width <= 0 || p.x_stride < p.width ||
+      p.y_stride < p.width || !p.x || !p.y) {
+    return Invalid();
+  }
+  const long count = p.rows * p.width;
+  FloatRowsToHalfKernel<<<BlocksFor(count), kThreads, 0, Stream(stream)>>>(p);
   return LastError();
 }
 
