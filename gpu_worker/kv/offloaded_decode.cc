@@ -281,9 +281,10 @@ absl::Status OffloadedKvCache::CheckDirectPlan(const Sequence& s,
   if (s.plan_on_backend[layer % 2] || s.plan_leading[layer % 2]) {
     if (s.position <= max_tokens) return absl::OkStatus();
     return absl::InternalError(absl::StrFormat(
-        "kv cache: layer %d's plan was made on the backend for position %d, "
-        "beyond the %d rows a head holds",
-        layer, s.position, max_tokens));
+        "kv cache: layer %d's plan (%s) is for position %d, beyond the %d "
+        "rows a head holds",
+        layer, s.plan_leading[layer % 2] ? "every row" : "made on the backend",
+        s.position, max_tokens));
   }
   // The least and greatest position tell (a loop the compiler vectorizes);
   // the offender is looked up only to name it.
