@@ -23,7 +23,7 @@ int32_t HeadSlots::Place(int32_t position, int32_t* victim) {
   s.shared = false;
   s.fetch_count = 0;
   s.last_fetch = 0;
-  s.leading_base = leading_fetches_;
+  s.leading_base = static_cast<uint32_t>(leading_fetches_);
   LinkAtTail(slot);
   if (evicting_) RememberPosition(position, slot);
   return slot;
@@ -34,7 +34,7 @@ void HeadSlots::PlaceShared(int32_t position) {
   slots_.emplace_back();
   slots_[slot].position = position;
   slots_[slot].shared = true;
-  slots_[slot].leading_base = leading_fetches_;
+  slots_[slot].leading_base = static_cast<uint32_t>(leading_fetches_);
   LinkAtTail(slot);
 }
 
@@ -84,18 +84,22 @@ void HeadSlots::NoteLeadingFetches(int32_t n, int32_t length,
   const int32_t size = static_cast<int32_t>(slots_.size());
   for (int32_t slot = std::max(n, 0); slot < size; ++slot) {
     FoldLeading(slots_[slot]);
-    slots_[slot].leading_base = leading_fetches_ + 1;
+    slots_[slot].leading_base = static_cast<uint32_t>(leading_fetches_ + 1);
   }
   ++leading_fetches_;
   leading_clock_ = clock;
+  // No slot's unfolded count reaches fold_period_ (its base is 32 bits).
+  if (leading_fetches_ % fold_period_ == 0) {
+    for (Slot& s : slots_) FoldLeading(s);
+  }
 }
 
 void HeadSlots::FoldLeading(Slot& s) {
-  if (s.leading_base < leading_fetches_) {
-    s.fetch_count += leading_fetches_ - s.leading_base;
+  if (const uint32_t unfolded = Unfolded(s); unfolded > 0) {
+    s.fetch_count += unfolded;
     s.last_fetch = std::max(s.last_fetch, leading_clock_);
   }
-  s.leading_base = leading_fetches_;
+  s.leading_base = static_cast<uint32_t>(leading_fetches_);
 }
 
 void HeadSlots::RefreshCandidate(int32_t slot) {

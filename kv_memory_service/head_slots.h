@@ -39,13 +39,14 @@ class HeadSlots {
     int32_t position = -1;
     int32_t prev = -1;  // the slot of the next older present token; -1: none
     int32_t next = -1;  // the slot of the next newer present token; -1: none
+    // leading_fetches_ (its low 32 bits) when the slot last had them folded
+    // in, or was placed: the leading fetches since then all read this slot
+    // (fewer than fold_period, so the difference fits).
+    uint32_t leading_base = 0;
     // Fetches counted on the slot itself; FetchCount and LastFetch add
     // the leading fetches (NoteLeadingFetches) not yet folded in.
     int64_t fetch_count = 0;
     uint64_t last_fetch = 0;  // 0 = never
-    // leading_fetches_ when the slot last had them folded in (or was
-    // placed): the leading fetches since then all read this slot.
-    int64_t leading_base = 0;
     // The row lives in an attached prefix block, not in the sequence's own
     // rows; cleared when the slot is reused.
     bool shared = false;
@@ -53,8 +54,12 @@ class HeadSlots {
     bool dirty = false;
   };
 
-  HeadSlots(EvictionPolicy policy, int32_t max_tokens)
-      : policy_(policy), max_tokens_(max_tokens) {}
+  // fold_period: every slot has the leading fetches folded in each time
+  // this many have been counted (a power of two up to 2^31; small ones
+  // for tests).
+  HeadSlots(EvictionPolicy policy, int32_t max_tokens,
+            int64_t fold_period = int64_t{1} << 31)
+      : policy_(policy), max_tokens_(max_tokens), fold_period_(fold_period) {}
 
   // The slot of `pos` (0 <= pos < length, the layer's length); -1 when it
   // was evicted.
@@ -85,14 +90,12 @@ class HeadSlots {
   const Slot& slot(int32_t i) const { return slots_[i]; }
   // A slot's fetch statistics, leading fetches included.
   int64_t FetchCount(int32_t i) const {
-    const Slot& s = slots_[i];
-    return s.fetch_count + (leading_fetches_ - s.leading_base);
+    return slots_[i].fetch_count + Unfolded(slots_[i]);
   }
   uint64_t LastFetch(int32_t i) const {
     const Slot& s = slots_[i];
-    return s.leading_base < leading_fetches_
-               ? std::max(s.last_fetch, leading_clock_)
-               : s.last_fetch;
+    return Unfolded(s) > 0 ? std::max(s.last_fetch, leading_clock_)
+                           : s.last_fetch;
   }
   // The oldest present token's slot (-1: none); then slot(i).next.
   int32_t oldest() const { return oldest_; }
@@ -134,6 +137,11 @@ class HeadSlots {
   // positions older than the window.
   int32_t RingSlotOf(int32_t pos, int32_t length) const;
   uint64_t Key(const Slot& s) const;
+  // The leading fetches since the slot's base (modulo 2^32, exact: fewer
+  // than fold_period_).
+  uint32_t Unfolded(const Slot& s) const {
+    return static_cast<uint32_t>(leading_fetches_) - s.leading_base;
+  }
   // Adds the leading fetches since the slot's base to its own count.
   void FoldLeading(Slot& s);
   void LinkAtTail(int32_t slot);
@@ -169,6 +177,7 @@ class HeadSlots {
   // Leading fetches counted (NoteLeadingFetches) and the last one's clock.
   int64_t leading_fetches_ = 0;
   uint64_t leading_clock_ = 0;
+  const int64_t fold_period_;
 };
 
 }  // namespace infinigen::kv_memory_service
