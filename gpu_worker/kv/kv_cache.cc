@@ -26,11 +26,18 @@ void FetchStats::Add(const FetchStats& o) {
 void QueueAttention(Backend& backend, const model::ModelConfig& c,
                     const float* q, const float* k, const float* v,
                     int kv_stride, int n, int kv_len0, int window, float* out,
-                    float* prob_sums) {
+                    float* prob_sums, const uint16_t* k_half,
+                    const uint16_t* v_half) {
   AttentionParams p;
   p.q = q;
-  p.k = k;
-  p.v = v;
+  if (k_half != nullptr) {
+    p.k = p.v = nullptr;
+    p.k_half = k_half;
+    p.v_half = v_half;
+  } else {
+    p.k = k;
+    p.v = v;
+  }
   p.out = out;
   p.n = n;
   p.n_heads = c.n_heads;
@@ -227,26 +234,16 @@ class LocalKvCache final : public KvCache {
   // query seeing kv_len0 of them.
   void Attend(int slot, int layer, const float* q, int n, int kv_len0,
               float* out) {
-    AttentionParams p;
-    p.q = q;
     if (half_) {
-      p.k = p.v = nullptr;
-      p.k_half = HalfRows(slot, layer, false);
-      p.v_half = HalfRows(slot, layer, true);
+      QueueAttention(backend_, config_, q, nullptr, nullptr, rows_[layer], n,
+                     kv_len0, config_.AttentionWindow(layer), out, nullptr,
+                     HalfRows(slot, layer, false),
+                     HalfRows(slot, layer, true));
     } else {
-      p.k = Rows(slot, layer, false);
-      p.v = Rows(slot, layer, true);
+      QueueAttention(backend_, config_, q, Rows(slot, layer, false),
+                     Rows(slot, layer, true), rows_[layer], n, kv_len0,
+                     config_.AttentionWindow(layer), out, nullptr);
     }
-    p.out = out;
-    p.n = n;
-    p.n_heads = config_.n_heads;
-    p.n_kv_heads = config_.n_kv_heads;
-    p.head_dim = config_.head_dim;
-    p.kv_stride = rows_[layer];
-    p.kv_len0 = kv_len0;
-    p.scale = 1.0f / std::sqrt(static_cast<float>(config_.head_dim));
-    p.window = config_.AttentionWindow(layer);
-    backend_.Attention(p);
   }
 
   // Before positions [pos, pos + n) are stored in a sliding-window layer:

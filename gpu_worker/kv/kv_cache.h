@@ -196,8 +196,10 @@ struct KvCacheOptions {
   int batch = 1;        // sequence slots
   int max_seq_len = 0;  // positions per slot
   int max_chunk = 1;    // most prefill tokens per PrefillAttention
-  // The local cache's K and V rows in fp16 rather than fp32 (the engine
-  // sets it where Backend::HalfKvCache() and head_dim is even).
+  // The rows kept on the worker for attention in fp16 rather than fp32:
+  // the local cache's, and a device's offloaded prefill layer
+  // (offloaded::Layout::half_rows). The engine sets it where
+  // Backend::HalfKvCache() and head_dim is even.
   bool half_local_kv = false;
   KvOptions kv;
 };

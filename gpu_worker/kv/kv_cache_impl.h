@@ -41,11 +41,13 @@ absl::StatusOr<std::unique_ptr<KvCache>> NewOffloadedKvCache(
 // same shape) over k, v [n_kv_heads, kv_stride, head_dim]: query i sees
 // rows [0, kv_len0 + i), or its last `window` of them when window > 0
 // (the layer's ModelConfig::AttentionWindow). prob_sums as in
-// AttentionParams.
+// AttentionParams. k_half and v_half, where set, are the rows in fp16
+// instead (k and v unused; no prob_sums).
 void QueueAttention(Backend& backend, const model::ModelConfig& config,
                     const float* q, const float* k, const float* v,
                     int kv_stride, int n, int kv_len0, int window, float* out,
-                    float* prob_sums);
+                    float* prob_sums, const uint16_t* k_half = nullptr,
+                    const uint16_t* v_half = nullptr);
 
 }  // namespace infinigen::gpu_worker
 

@@ -954,10 +954,10 @@ class GuardedDeviceBackend final : public Backend {
   void Attention(const AttentionParams& p) override {
     Open open(this);
     const bool half = p.k_half != nullptr;
-    if (half != half_kv_) {
-      violations_->push_back(half ? "fp16 K/V on a backend that keeps fp32"
-                                  : "fp32 K/V on a backend that keeps fp16");
+    if (half && !half_kv_) {
+      violations_->push_back("fp16 K/V on a backend that keeps fp32");
     }
+    half_attentions += half;
     if (half ? !InDevice(p.k_half) || !InDevice(p.v_half)
              : !InDevice(p.k) || !InDevice(p.v)) {
       violations_->push_back("attention reads K/V outside device memory");
@@ -1125,7 +1125,7 @@ class GuardedDeviceBackend final : public Backend {
   long copies_in = 0, decodes = 0, shared_allocations = 0;
   long gathers = 0, leading_gathers = 0, pins = 0, unpins = 0;
   long copies_out = 0, queued_copies_out = 0, selections = 0, encodes = 0;
-  long staged_attentions = 0;
+  long staged_attentions = 0, half_attentions = 0;
   size_t largest_unpinned_copy_in = 0;
 
  private:
@@ -1222,6 +1222,46 @@ TEST_F(KvCacheTest, AnFp16DeviceKeepsTheLocalCacheInHalf) {
   }
   EXPECT_LT(largest, 2e-2f);
   EXPECT_GT(largest, 0.0f);  // the rows were rounded: fp16 was used
+}
+
+// On an fp16 device the offloaded prefill of a policy that attends over
+// its rows as stored (full, InfiniGen) reads the layer's fp16 rows: the
+// same values as the decoded fp32 ones, so the logits are those of an fp32
+// device bit for bit; h2o (probability sums) and int4 (int4 rows) keep
+// the fp32 rows.
+TEST_F(KvCacheTest, OffloadedPrefillAttendsOverFp16RowsOnAnFp16Device) {
+  const std::vector<int> t = Tokens(40);
+  for (std::string kind : {"full", "infinigen", "h2o", "int4"}) {
+    SCOPED_TRACE(kind);
+    std::vector<std::vector<float>> logits[2];
+    int64_t bytes[2] = {0, 0};
+    long half_attentions = 0;
+    for (const bool half : {false, true}) {
+      FakeKvClient node;
+      std::vector<std::string> violations;
+      auto backend = std::make_unique<GuardedDeviceBackend>(&violations);
+      backend->set_half_kv(half);
+      GuardedDeviceBackend* d = backend.get();
+      auto engine =
+          Engine::Create(weights_, std::move(backend), Options(kind, &node));
+      ASSERT_TRUE(engine.ok()) << engine.status();
+      bytes[half] = (*engine)->worker_kv_bytes();
+      auto got = (*engine)->Forward(absl::MakeConstSpan(t).subspan(0, 30),
+                                    false);
+      for (int i = 30; i < 40; ++i) {
+        ASSERT_TRUE(got.ok()) << got.status();
+        logits[half].emplace_back(got->begin(), got->end());
+        got = (*engine)->Forward({t[i]}, false);
+      }
+      EXPECT_THAT(violations, ::testing::IsEmpty());
+      if (half) half_attentions = d->half_attentions;
+    }
+    EXPECT_EQ(logits[true], logits[false]);
+    const bool fp16 = kind == "full" || kind == "infinigen";
+    // Every layer's prefill chunks (30 tokens in chunks of 16: two).
+    EXPECT_EQ(half_attentions, fp16 ? 2 * 12 : 0);
+    EXPECT_EQ(bytes[true] > bytes[false], fp16);
+  }
 }
 
 TEST_F(KvCacheTest, DeviceBackendsReadFetchedRowsFromTheirOwnMemory) {

@@ -39,6 +39,9 @@ absl::StatusOr<Layout> MakeLayout(const model::Weights& weights,
   z.plan_room = reads_direct || backend_plans ? z.plan_rows : 0;
   z.attention_probs = policy->WantsAttentionProbs();
   z.prefill_probs = policy->WantsPrefillProbs();
+  z.half_rows = z.staged && options.half_local_kv &&
+                policy->row_format() == KvRowFormat::kHalf &&
+                policy->ReusesPrefix() && !z.prefill_probs;
   IG_ASSIGN_OR_RETURN(z.policy_bytes,
                       KvPolicy::StateBytes(*options.kv.policy, ctx));
   return z;
@@ -151,6 +154,12 @@ absl::Status OffloadedKvCache::InitSharedBuffers() {
                                                          "decoded K rows"));
   IG_ASSIGN_OR_RETURN(v_rows_, DeviceBuffer<float>::Make(&backend_, decoded,
                                                          "decoded V rows"));
+  if (layout_.half_rows) {
+    IG_ASSIGN_OR_RETURN(k_rows_half_, DeviceBuffer<uint16_t>::Make(
+                                          &backend_, decoded, "fp16 K rows"));
+    IG_ASSIGN_OR_RETURN(v_rows_half_, DeviceBuffer<uint16_t>::Make(
+                                          &backend_, decoded, "fp16 V rows"));
+  }
   const size_t chunk = static_cast<size_t>(options_.max_chunk);
   IG_ASSIGN_OR_RETURN(
       chunk_rows_, DeviceBuffer<float>::Make(&backend_, 2 * chunk * c_.kv_dim(),
@@ -386,10 +395,21 @@ absl::Status OffloadedKvCache::LoadPrefix(Sequence& s, int layer) {
   const KvRowFormat format = s.policy->row_format();
   for (int g = 0; g < c_.n_kv_heads; ++g) {
     const size_t begin = s.plans[i].head_offsets[g];
+    const size_t at = static_cast<size_t>(g) * stride_ * hd;
     backend_.DecodeKvRows(k_rows + begin * width, s.cached, hd, format,
-                          k_rows_.data() + static_cast<size_t>(g) * stride_ * hd);
+                          k_rows_.data() + at);
     backend_.DecodeKvRows(v_rows + begin * width, s.cached, hd, format,
-                          v_rows_.data() + static_cast<size_t>(g) * stride_ * hd);
+                          v_rows_.data() + at);
+    if (layout_.half_rows) {
+      // fp16 rows as stored (width == head_dim, even), as float pairs.
+      const long values = static_cast<long>(s.cached) * hd / 2;
+      backend_.Copy(reinterpret_cast<float*>(k_rows_half_.data() + at),
+                    reinterpret_cast<const float*>(k_rows + begin * width),
+                    values);
+      backend_.Copy(reinterpret_cast<float*>(v_rows_half_.data() + at),
+                    reinterpret_cast<const float*>(v_rows + begin * width),
+                    values);
+    }
   }
   s.staged_free[i] = backend_.MarkIssued();
   if (layer + 1 < c_.n_layers) IG_RETURN_IF_ERROR(IssuePrefixFetch(s, layer + 1));

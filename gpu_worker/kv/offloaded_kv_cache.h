@@ -53,6 +53,12 @@ struct Layout {
   bool staged = false;      // fetched rows copied to device staging
   bool attention_probs = false;
   bool prefill_probs = false;
+  // A prefill layer's rows also kept in fp16 (half_rows), which its
+  // attention reads: a device computing in fp16 (KvCacheOptions::
+  // half_local_kv), fp16 stored rows, a policy that attends over the rows
+  // as stored (KvPolicy::ReusesPrefix), no prefill probabilities. The same
+  // values as the fp32 rows, at half the bytes to read.
+  bool half_rows = false;
   int64_t policy_bytes = 0;
 
   int64_t PerSequence(const model::ModelConfig& c, int max_seq) const {
@@ -84,7 +90,8 @@ struct Layout {
         int64_t{2} * max_chunk * c.kv_dim() * 4 +
         (staged ? int64_t{2} * max_chunk * c.n_kv_heads * row_width * 2 : 0);
     // Probabilities (h2o): on the backend and their host copies.
-    return decoded + stage + host_rows + chunk_rows +
+    return decoded + (half_rows ? decoded / 2 : 0) + stage + host_rows +
+           chunk_rows +
            (attention_probs ? int64_t{2} * c.n_heads * (max_seq + 1) * 4 : 0) +
            (prefill_probs ? int64_t{2} * c.n_heads * max_seq * 4 : 0);
   }
@@ -397,6 +404,8 @@ class OffloadedKvCache final : public KvCache {
   // step's fetched rows plus the new token, or one prefill layer's keys and
   // values.
   DeviceBuffer<float> k_rows_, v_rows_;
+  // The same rows in fp16 while prefilling (Layout::half_rows).
+  DeviceBuffer<uint16_t> k_rows_half_, v_rows_half_;
   bool direct_refusal_logged_ = false;  // BeginDirect's one line
   // A prefill chunk's K then V rows [2][max_chunk][kv_dim] as the memory
   // node will hold them (encoded, then decoded on the backend), and on

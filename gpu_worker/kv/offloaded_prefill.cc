@@ -123,13 +123,26 @@ absl::Status OffloadedKvCache::PrefillAttention(int layer, int pos, int rows,
     k_att = k_dec;
     v_att = v_dec;
   }
-  chunk_stage_free_ = backend_.MarkIssued();
-  // The layer's keys and values so far, for its attention.
+  // The layer's keys and values so far, for its attention (and, fp32,
+  // the policy's FinishPrefillLayer).
   for (int g = 0; g < c_.n_kv_heads; ++g) {
     const size_t dst = (static_cast<size_t>(g) * stride_ + pos) * hd;
     backend_.CopyRows(k_rows_.data() + dst, hd, k_att + g * hd, kvd, rows, hd);
     backend_.CopyRows(v_rows_.data() + dst, hd, v_att + g * hd, kvd, rows, hd);
+    if (layout_.half_rows) {
+      // The stored fp16 rows themselves (the values k_att decoded), moved
+      // as float pairs: head_dim is even.
+      const int w = hd / 2;
+      backend_.CopyRows(reinterpret_cast<float*>(k_rows_half_.data() + dst),
+                        w, reinterpret_cast<const float*>(k_stored + g * hd),
+                        kvd / 2, rows, w);
+      backend_.CopyRows(reinterpret_cast<float*>(v_rows_half_.data() + dst),
+                        w, reinterpret_cast<const float*>(v_stored + g * hd),
+                        kvd / 2, rows, w);
+    }
   }
+  // The chunk's stage was last read above.
+  chunk_stage_free_ = backend_.MarkIssued();
   float* probs = nullptr;
   const size_t prob_values = static_cast<size_t>(c_.n_heads) * (pos + rows);
   if (layout_.prefill_probs) {
@@ -141,8 +154,14 @@ absl::Status OffloadedKvCache::PrefillAttention(int layer, int pos, int rows,
     backend_.CopyFromHost(probs, prefill_probs_host_.data(),
                           prob_values * sizeof(float), backend_.MarkIssued());
   }
-  QueueAttention(backend_, c_, q, k_rows_.data(), v_rows_.data(), stride_,
-                 rows, pos + 1, c_.AttentionWindow(layer), out, probs);
+  if (layout_.half_rows) {
+    QueueAttention(backend_, c_, q, nullptr, nullptr, stride_, rows, pos + 1,
+                   c_.AttentionWindow(layer), out, nullptr,
+                   k_rows_half_.data(), v_rows_half_.data());
+  } else {
+    QueueAttention(backend_, c_, q, k_rows_.data(), v_rows_.data(), stride_,
+                   rows, pos + 1, c_.AttentionWindow(layer), out, probs);
+  }
   if (probs != nullptr) {
     IG_RETURN_IF_ERROR(backend_.CopyToHost(prefill_probs_host_.data(), probs,
                                            prob_values * sizeof(float)));
