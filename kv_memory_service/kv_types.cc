@@ -92,22 +92,31 @@ absl::Status ValidatePlanHeadCount(size_t n_offsets, int32_t n_kv_heads) {
   return absl::OkStatus();
 }
 
-absl::Status ValidatePlanShape(const FetchPlan& plan, int32_t n_kv_heads) {
+absl::Status ValidateHeadOffsets(absl::Span<const int32_t> head_offsets,
+                                 int32_t n_kv_heads) {
   if (absl::Status count =
-          ValidatePlanHeadCount(plan.head_offsets.size(), n_kv_heads);
+          ValidatePlanHeadCount(head_offsets.size(), n_kv_heads);
       !count.ok()) {
     return count;
   }
-  if (plan.head_offsets[0] != 0) {
+  if (head_offsets[0] != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "plan head_offsets[0] must be 0, got ", plan.head_offsets[0]));
+        "plan head_offsets[0] must be 0, got ", head_offsets[0]));
   }
   for (int32_t h = 0; h < n_kv_heads; ++h) {
-    if (plan.head_offsets[h + 1] < plan.head_offsets[h]) {
+    if (head_offsets[h + 1] < head_offsets[h]) {
       return absl::InvalidArgumentError(
           absl::StrCat("plan head_offsets decrease at head ", h, ": ",
-                       plan.head_offsets[h], " then ", plan.head_offsets[h + 1]));
+                       head_offsets[h], " then ", head_offsets[h + 1]));
     }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidatePlanShape(const FetchPlan& plan, int32_t n_kv_heads) {
+  if (absl::Status offsets = ValidateHeadOffsets(plan.head_offsets, n_kv_heads);
+      !offsets.ok()) {
+    return offsets;
   }
   if (static_cast<size_t>(plan.head_offsets[n_kv_heads]) !=
       plan.indices.size()) {

@@ -221,6 +221,11 @@ inline size_t FetchElements(const FetchPlan& plan, int32_t head_dim) {
 // entries, does not start at 0, decreases, or does not end at
 // indices.size().
 absl::Status ValidatePlanShape(const FetchPlan& plan, int32_t n_kv_heads);
+// ValidatePlanShape's checks of the head offsets alone (their count, the
+// first 0, none decreasing): a plan of each head's leading positions
+// (KvStore::NoteLeadingFetched) has no indices to end at.
+absl::Status ValidateHeadOffsets(absl::Span<const int32_t> head_offsets,
+                                 int32_t n_kv_heads);
 // ValidatePlanShape's first check alone, for a data plane that judges a
 // request by its header (n_offsets head offsets) before its body arrives.
 absl::Status ValidatePlanHeadCount(size_t n_offsets, int32_t n_kv_heads);

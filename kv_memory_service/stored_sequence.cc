@@ -212,14 +212,19 @@ absl::Status CheckPosition(int32_t pos, int32_t layer, int32_t h,
 
 }  // namespace
 
-absl::Status StoredSequence::Gather(int32_t layer, const FetchPlan& plan,
-                                    absl::Span<uint16_t> dest,
-                                    StoreTotals& totals, GatherPool* pool) {
+absl::Status StoredSequence::CheckLayer(int32_t layer) const {
   if (layer < 0 || layer >= g_.n_layers) {
     return absl::InvalidArgumentError(absl::StrCat(
         "layer ", layer, " is not within the sequence's ", g_.n_layers,
         " layers"));
   }
+  return absl::OkStatus();
+}
+
+absl::Status StoredSequence::Gather(int32_t layer, const FetchPlan& plan,
+                                    absl::Span<uint16_t> dest,
+                                    StoreTotals& totals, GatherPool* pool) {
+  IG_RETURN_IF_ERROR(CheckLayer(layer));
   IG_RETURN_IF_ERROR(ValidatePlanShape(plan, g_.n_kv_heads));
   const size_t n = plan.indices.size();
   const size_t need = FetchElements(plan, g_.head_dim);
@@ -290,11 +295,7 @@ void StoredSequence::FinishFetch(size_t rows, bool apply,
 
 absl::Status StoredSequence::NoteFetched(int32_t layer, const FetchPlan& plan,
                                          StoreTotals& totals) {
-  if (layer < 0 || layer >= g_.n_layers) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "layer ", layer, " is not within the sequence's ", g_.n_layers,
-        " layers"));
-  }
+  IG_RETURN_IF_ERROR(CheckLayer(layer));
   IG_RETURN_IF_ERROR(ValidatePlanShape(plan, g_.n_kv_heads));
   bool apply = false;
   {
@@ -339,18 +340,10 @@ absl::Status StoredSequence::NoteFetched(int32_t layer, const FetchPlan& plan,
 absl::Status StoredSequence::NoteLeadingFetched(
     int32_t layer, absl::Span<const int32_t> head_offsets,
     StoreTotals& totals) {
-  if (layer < 0 || layer >= g_.n_layers) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "layer ", layer, " is not within the sequence's ", g_.n_layers,
-        " layers"));
-  }
+  IG_RETURN_IF_ERROR(CheckLayer(layer));
+  IG_RETURN_IF_ERROR(ValidateHeadOffsets(head_offsets, g_.n_kv_heads));
   FetchPlan plan;
   plan.head_offsets = head_offsets;
-  IG_RETURN_IF_ERROR(ValidatePlanHeadCount(head_offsets.size(), g_.n_kv_heads));
-  if (head_offsets[0] != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "plan head_offsets[0] must be 0, got ", head_offsets[0]));
-  }
   bool apply = false;
   {
     absl::ReaderMutexLock lock(&mu_);
@@ -359,11 +352,6 @@ absl::Status StoredSequence::NoteLeadingFetched(
     // head has not evicted and nothing is attached.
     for (int32_t h = 0; h < g_.n_kv_heads; ++h) {
       const int32_t count = head_offsets[h + 1] - head_offsets[h];
-      if (count < 0) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("plan head_offsets decrease at head ", h, ": ",
-                         head_offsets[h], " then ", head_offsets[h + 1]));
-      }
       if (count == 0) continue;
       IG_RETURN_IF_ERROR(CheckPosition(count - 1, layer, h, length));
       const bool moved = HeadAt(layer, h).evicting();
@@ -422,11 +410,7 @@ SequenceStats StoredSequence::Stats() const {
 
 absl::StatusOr<std::vector<TokenFetchStats>> StoredSequence::TokenStats(
     int32_t layer, int32_t kv_head) {
-  if (layer < 0 || layer >= g_.n_layers) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "layer ", layer, " is not within the sequence's ", g_.n_layers,
-        " layers"));
-  }
+  IG_RETURN_IF_ERROR(CheckLayer(layer));
   if (kv_head < 0 || kv_head >= g_.n_kv_heads) {
     return absl::InvalidArgumentError(absl::StrCat(
         "KV head ", kv_head, " is not within the sequence's ", g_.n_kv_heads,

@@ -167,6 +167,8 @@ class StoredSequence {
            static_cast<size_t>(slot) * row_elems_;
   }
 
+  // InvalidArgument naming `layer` unless 0 <= layer < n_layers.
+  absl::Status CheckLayer(int32_t layer) const;
   RowRef Locate(const HeadSlots& head, int32_t layer, int32_t h, int32_t pos,
                 int32_t length) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   absl::Status CopyRows(int32_t layer, int32_t length, const FetchPlan& plan,

@@ -60,6 +60,21 @@ Stored Fill(KvStore& store, kv_memory_service::SequenceId seq,
   return s;
 }
 
+// The reader's view of `layer` of the stored rows, writing to `out`; the
+// plan (indices, head offsets, n_rows) is the caller's.
+GatherRowsParams LayerOf(const Stored& s, const SequenceGeometry& g,
+                         int layer, void* out) {
+  const size_t head_rows = static_cast<size_t>(g.max_tokens) * g.head_dim;
+  GatherRowsParams p;
+  p.k_rows = s.k.data() + layer * g.n_kv_heads * head_rows;
+  p.v_rows = s.v.data() + layer * g.n_kv_heads * head_rows;
+  p.head_stride = g.max_tokens;
+  p.n_heads = g.n_kv_heads;
+  p.row_bytes = g.head_dim * 2;
+  p.out = out;
+  return p;
+}
+
 TEST(GatherRowsOnHost, MatchesTheNodesGather) {
   std::mt19937 rng(11);
   KvStore store(KvStoreOptions{});
@@ -72,7 +87,6 @@ TEST(GatherRowsOnHost, MatchesTheNodesGather) {
   ASSERT_TRUE(seq.ok()) << seq.status();
   const int tokens = 257;
   const Stored s = Fill(store, *seq, g, tokens, rng);
-  const long head_rows = static_cast<long>(g.max_tokens) * g.head_dim;
   for (int trial = 0; trial < 20; ++trial) {
     // Random plans: sorted and unsorted, repeats, empty heads, the last row.
     OwnedFetchPlan plan;
@@ -90,16 +104,10 @@ TEST(GatherRowsOnHost, MatchesTheNodesGather) {
     ASSERT_TRUE(store.Gather(*seq, layer, plan.view(), absl::MakeSpan(want))
                     .ok());
     std::vector<uint16_t> got(want.size(), 0xdead);
-    GatherRowsParams p;
-    p.k_rows = s.k.data() + layer * g.n_kv_heads * head_rows;
-    p.v_rows = s.v.data() + layer * g.n_kv_heads * head_rows;
-    p.head_stride = g.max_tokens;
+    GatherRowsParams p = LayerOf(s, g, layer, got.data());
     p.indices = plan.indices.data();
     p.head_offsets = plan.head_offsets.data();
-    p.n_heads = g.n_kv_heads;
     p.n_rows = static_cast<long>(plan.indices.size());
-    p.row_bytes = g.head_dim * 2;
-    p.out = got.data();
     GatherRowsOnHost(p);
     ASSERT_EQ(got, want) << "trial " << trial;
   }
@@ -119,7 +127,6 @@ TEST(GatherRowsOnHost, LeadingPlansReadEachHeadsFirstRows) {
   auto seq = store.Open(g);
   ASSERT_TRUE(seq.ok()) << seq.status();
   const Stored s = Fill(store, *seq, g, 90, rng);
-  const long head_rows = static_cast<long>(g.max_tokens) * g.head_dim;
   for (int per_head : {1, 37, 90}) {
     for (int layer = 0; layer < g.n_layers; ++layer) {
       std::vector<std::vector<int32_t>> positions(g.n_kv_heads);
@@ -131,14 +138,8 @@ TEST(GatherRowsOnHost, LeadingPlansReadEachHeadsFirstRows) {
       ASSERT_TRUE(
           store.Gather(*seq, layer, plan.view(), absl::MakeSpan(want)).ok());
       std::vector<uint16_t> got(want.size(), 0xdead);
-      GatherRowsParams p;
-      p.k_rows = s.k.data() + layer * g.n_kv_heads * head_rows;
-      p.v_rows = s.v.data() + layer * g.n_kv_heads * head_rows;
-      p.head_stride = g.max_tokens;
-      p.n_heads = g.n_kv_heads;
-      p.n_rows = static_cast<long>(plan.indices.size());
-      p.row_bytes = g.head_dim * 2;
-      p.out = got.data();
+      GatherRowsParams p = LayerOf(s, g, layer, got.data());
+      p.n_rows = static_cast<long>(plan.indices.size());  // no indices
       GatherRowsOnHost(p);
       ASSERT_EQ(got, want) << per_head << " rows a head, layer " << layer;
     }

@@ -108,6 +108,56 @@ class PolicyTest : public ::testing::Test {
     return s / v.size();
   }
 
+  // A prompt of n random tokens for driving a policy directly: queries
+  // and keys [n][heads][head_dim], the keys again as [kv_head][n][head_dim]
+  // (FinishPrefillLayer's), H2O's attention sums [n_heads][n] (positive),
+  // a layer input, every position of max_seq present; the context of a
+  // CPU backend.
+  struct Prompt {
+    std::unique_ptr<Backend> cpu = NewCpuBackend();
+    KvPolicy::Context ctx;
+    int n = 0;
+    std::vector<float> q, k, keys, probs, x;
+    std::vector<uint8_t> present;
+  };
+  static std::unique_ptr<Prompt> MakePrompt(int n, int max_seq,
+                                            uint32_t seed) {
+    const model::ModelConfig& m = weights_->config;
+    auto prompt = std::make_unique<Prompt>();
+    Prompt& r = *prompt;
+    r.ctx.weights = weights_;
+    r.ctx.backend = r.cpu.get();
+    r.ctx.max_seq_len = max_seq;
+    r.n = n;
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> normal;
+    r.q.resize(static_cast<size_t>(n) * m.q_dim());
+    r.k.resize(static_cast<size_t>(n) * m.kv_dim());
+    r.x.resize(m.dim);
+    r.probs.resize(static_cast<size_t>(m.n_heads) * n);
+    for (auto* v : {&r.q, &r.k, &r.x, &r.probs}) {
+      for (float& e : *v) e = normal(rng);
+    }
+    for (float& e : r.probs) e = std::fabs(e);
+    r.keys.resize(r.k.size());
+    for (int t = 0; t < n; ++t) {
+      for (int g = 0; g < m.n_kv_heads; ++g) {
+        std::copy_n(
+            &r.k[(static_cast<size_t>(t) * m.n_kv_heads + g) * m.head_dim],
+            m.head_dim, &r.keys[(static_cast<size_t>(g) * n + t) * m.head_dim]);
+      }
+    }
+    r.present.assign(static_cast<size_t>(m.n_kv_heads) * max_seq, 1);
+    return prompt;
+  }
+  // Every layer of `p` sees the prompt's prefill.
+  static void Prefill(KvPolicy& p, const Prompt& r) {
+    for (int l = 0; l < weights_->config.n_layers; ++l) {
+      p.ObservePrefill(l, r.q.data(), r.k.data(), r.n, 0, r.probs.data());
+      ASSERT_TRUE(p.FinishPrefillLayer(l, r.n, r.keys.data(), r.n).ok());
+    }
+  }
+
   static model::Weights* weights_;
   static std::vector<int>* tokens_;
   static speculator::SkewMatrices* skew_;
@@ -667,33 +717,8 @@ TEST_F(PolicyTest, Int4CodecErrorIsWithinHalfAStep) {
 // layers, the alpha rule, score mass and sink tokens plan on the host only.
 TEST_F(PolicyTest, PlansOnTheBackendAreTheHostsPlans) {
   const model::ModelConfig& m = weights_->config;
-  const int n = 50, max_seq = 64;
-  std::unique_ptr<Backend> cpu = NewCpuBackend();
-  KvPolicy::Context ctx;
-  ctx.weights = weights_;
-  ctx.backend = cpu.get();
-  ctx.max_seq_len = max_seq;
-  std::mt19937 rng(3);
-  std::normal_distribution<float> normal;
-  auto random = [&](size_t count) {
-    std::vector<float> v(count);
-    for (float& x : v) x = normal(rng);
-    return v;
-  };
-  const std::vector<float> q = random(static_cast<size_t>(n) * m.q_dim());
-  const std::vector<float> k = random(static_cast<size_t>(n) * m.kv_dim());
-  // The same keys as [kv_head][position][head_dim], for FinishPrefillLayer.
-  std::vector<float> keys(k.size());
-  for (int t = 0; t < n; ++t) {
-    for (int g = 0; g < m.n_kv_heads; ++g) {
-      std::copy_n(&k[(static_cast<size_t>(t) * m.n_kv_heads + g) * m.head_dim],
-                  m.head_dim,
-                  &keys[(static_cast<size_t>(g) * n + t) * m.head_dim]);
-    }
-  }
-  const std::vector<float> x = random(m.dim);
-  const std::vector<uint8_t> present(
-      static_cast<size_t>(m.n_kv_heads) * max_seq, 1);
+  const int n = 50;
+  const std::unique_ptr<Prompt> prompt = MakePrompt(n, 64, 3);
 
   struct Case {
     const char* name;
@@ -719,23 +744,22 @@ TEST_F(PolicyTest, PlansOnTheBackendAreTheHostsPlans) {
 
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
-    auto policy = KvPolicy::Create(c.options, ctx);
+    auto policy = KvPolicy::Create(c.options, prompt->ctx);
     ASSERT_TRUE(policy.ok()) << policy.status();
     KvPolicy& p = **policy;
     EXPECT_EQ(p.MaxBackendPlanRows(n) > 0, c.on_backend);
-    for (int l = 0; l < m.n_layers; ++l) {
-      p.ObservePrefill(l, q.data(), k.data(), n, 0, nullptr);
-      ASSERT_TRUE(p.FinishPrefillLayer(l, n, keys.data(), n).ok());
-    }
+    ASSERT_NO_FATAL_FAILURE(Prefill(p, *prompt));
+    const float* x = prompt->x.data();
     for (int l = 0; l < m.n_layers; ++l) {
       SCOPED_TRACE(l);
       kv_memory_service::OwnedFetchPlan host;
-      ASSERT_TRUE(p.PlanFetch(l, n, x.data(), present.data(), host).ok());
+      ASSERT_TRUE(
+          p.PlanFetch(l, n, x, prompt->present.data(), host).ok());
       std::vector<int32_t> indices(
           static_cast<size_t>(m.n_kv_heads) * std::max(1, p.MaxBackendPlanRows(n)),
           -1);
       std::vector<int32_t> offsets;
-      auto made = p.PlanFetchOnBackend(l, n, x.data(), indices.data(), offsets);
+      auto made = p.PlanFetchOnBackend(l, n, x, indices.data(), offsets);
       ASSERT_TRUE(made.ok()) << made.status();
       const bool selects = l >= c.options.dense_layers;
       EXPECT_EQ(*made, c.on_backend && selects);
@@ -756,53 +780,27 @@ TEST_F(PolicyTest, PlansOnTheBackendAreTheHostsPlans) {
 // layer, with and without an input.
 TEST_F(PolicyTest, PlansOfEveryRowAreEveryPresentRow) {
   const model::ModelConfig& m = weights_->config;
-  const int n = 50, max_seq = 64;
-  std::unique_ptr<Backend> cpu = NewCpuBackend();
-  KvPolicy::Context ctx;
-  ctx.weights = weights_;
-  ctx.backend = cpu.get();
-  ctx.max_seq_len = max_seq;
-  std::mt19937 rng(5);
-  std::normal_distribution<float> normal;
-  std::vector<float> q(static_cast<size_t>(n) * m.q_dim());
-  std::vector<float> k(static_cast<size_t>(n) * m.kv_dim());
-  std::vector<float> x(m.dim);
-  // H2O's attention sums of the prompt: [n_heads][n], positive.
-  std::vector<float> probs(static_cast<size_t>(m.n_heads) * n);
-  for (auto* v : {&q, &k, &x, &probs}) {
-    for (float& e : *v) e = normal(rng);
-  }
-  for (float& e : probs) e = std::fabs(e);
-  std::vector<float> keys(k.size());
-  for (int t = 0; t < n; ++t) {
-    for (int g = 0; g < m.n_kv_heads; ++g) {
-      std::copy_n(&k[(static_cast<size_t>(t) * m.n_kv_heads + g) * m.head_dim],
-                  m.head_dim,
-                  &keys[(static_cast<size_t>(g) * n + t) * m.head_dim]);
-    }
-  }
-  const std::vector<uint8_t> present(
-      static_cast<size_t>(m.n_kv_heads) * max_seq, 1);
+  const int n = 50;
+  const std::unique_ptr<Prompt> prompt = MakePrompt(n, 64, 5);
   int every_row = 0;
   for (const PolicyEntry* entry : Policies()) {
     SCOPED_TRACE(entry->name);
     PolicyOptions o = Policy(entry->kind);
     o.skew = skew_;
     o.budget = 0.3f;
-    auto policy = KvPolicy::Create(o, ctx);
+    auto policy = KvPolicy::Create(o, prompt->ctx);
     ASSERT_TRUE(policy.ok()) << policy.status();
     KvPolicy& p = **policy;
-    for (int l = 0; l < m.n_layers; ++l) {
-      p.ObservePrefill(l, q.data(), k.data(), n, 0, probs.data());
-      ASSERT_TRUE(p.FinishPrefillLayer(l, n, keys.data(), n).ok());
-    }
+    ASSERT_NO_FATAL_FAILURE(Prefill(p, *prompt));
     for (int l = 0; l < m.n_layers; ++l) {
       for (const float* input : {static_cast<const float*>(nullptr),
-                                 static_cast<const float*>(x.data())}) {
+                                 static_cast<const float*>(
+                                     prompt->x.data())}) {
         SCOPED_TRACE(absl::StrCat("layer ", l, input ? " with" : " without",
                                   " an input"));
         kv_memory_service::OwnedFetchPlan plan;
-        ASSERT_TRUE(p.PlanFetch(l, n, input, present.data(), plan).ok());
+        ASSERT_TRUE(
+            p.PlanFetch(l, n, input, prompt->present.data(), plan).ok());
         const bool all = p.PlansEveryRow(l, input);
         every_row += all;
         if (!all) continue;

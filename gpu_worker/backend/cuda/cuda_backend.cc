@@ -849,17 +849,9 @@ class CudaBackend final : public Backend {
   void CopyRows(float* dst, long dst_stride, const float* src,
                 long src_stride, int rows, long width) override {
     constexpr const char* kOp = "CopyRows";
-    if (!Begin() || rows == 0 || width == 0) return;
-    if (rows < 0 || width < 0 || dst_stride < width || src_stride < width) {
-      return FailShape(kOp, absl::StrFormat(
-                                "rows=%d width=%d dst_stride=%d src_stride=%d",
-                                rows, width, dst_stride, src_stride));
-    }
-    // Every row lies in the span from the first row's start to the last
-    // row's end.
-    float* d = Out(dst, (rows - 1L) * dst_stride + width, kOp, "dst");
-    const float* s = In(src, (rows - 1L) * src_stride + width, kOp, "src");
-    if (!ok()) return;
+    float* d = dst;
+    const float* s = src;
+    if (!StridedRows(kOp, d, dst_stride, s, src_stride, rows, width)) return;
     CheckCuda(cudaMemcpy2DAsync(d, dst_stride * sizeof(float), s,
                                 src_stride * sizeof(float),
                                 width * sizeof(float), rows,
@@ -870,15 +862,9 @@ class CudaBackend final : public Backend {
   void CopyRowsToHalf(uint16_t* dst, long dst_stride, const float* src,
                       long src_stride, int rows, long width) override {
     constexpr const char* kOp = "CopyRowsToHalf";
-    if (!Begin() || rows == 0 || width == 0) return;
-    if (rows < 0 || width < 0 || dst_stride < width || src_stride < width) {
-      return FailShape(kOp, absl::StrFormat(
-                                "rows=%d width=%d dst_stride=%d src_stride=%d",
-                                rows, width, dst_stride, src_stride));
-    }
-    uint16_t* d = Out(dst, (rows - 1L) * dst_stride + width, kOp, "dst");
-    const float* s = In(src, (rows - 1L) * src_stride + width, kOp, "src");
-    if (!ok()) return;
+    uint16_t* d = dst;
+    const float* s = src;
+    if (!StridedRows(kOp, d, dst_stride, s, src_stride, rows, width)) return;
     Launched(LaunchFloatRowsToHalf({s, src_stride, d, dst_stride, rows, width},
                                    stream_),
              kOp);
@@ -890,6 +876,24 @@ class CudaBackend final : public Backend {
 
  private:
   bool ok() const { return error_.ok(); }
+
+  // A strided copy's shape checked and its two ranges resolved in place
+  // (every row lies in the span from the first row's start to the last
+  // row's end): false where there is nothing to do or an error.
+  template <typename T>
+  bool StridedRows(const char* op, T*& dst, long dst_stride, const float*& src,
+                   long src_stride, int rows, long width) {
+    if (!Begin() || rows == 0 || width == 0) return false;
+    if (rows < 0 || width < 0 || dst_stride < width || src_stride < width) {
+      FailShape(op, absl::StrFormat(
+                        "rows=%d width=%d dst_stride=%d src_stride=%d", rows,
+                        width, dst_stride, src_stride));
+      return false;
+    }
+    dst = Out(dst, (rows - 1L) * dst_stride + width, op, "dst");
+    src = In(src, (rows - 1L) * src_stride + width, op, "src");
+    return ok();
+  }
 
   // Records the first error; later ones are consequences of it or wait.
   void Fail(absl::Status status) {

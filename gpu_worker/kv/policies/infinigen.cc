@@ -404,7 +404,7 @@ class InfiniGenPolicy final : public KvPolicy {
   absl::StatusOr<bool> PlanFetchOnBackend(
       int layer, int p, const float* xb_prev, int32_t* indices,
       std::vector<int32_t>& head_offsets) override {
-    if (layer < options_.dense_layers || xb_prev == nullptr || p <= 0 ||
+    if (PlansEveryRow(layer, xb_prev) || p <= 0 ||
         !SelectsOnBackend(options_)) {
       return false;
     }
