@@ -1480,6 +1480,16 @@ TEST_F(KvCacheTest, PlansMadeOnTheDeviceReachTheNodeAfterTheStep) {
     ASSERT_NO_FATAL_FAILURE(ExpectSameDecoding(**direct, **gather));
     EXPECT_THAT(violations, ::testing::IsEmpty());
     ExpectNotedAsGathered(direct_node, gather_node);
+    // The worker reports what it read as a gathering worker does: every
+    // step's fraction of the cached rows.
+    const FetchStats& read = (*direct)->fetch_stats();
+    const FetchStats& gathered = (*gather)->fetch_stats();
+    EXPECT_GT(read.steps, 0);
+    EXPECT_EQ(read.steps, gathered.steps);
+    EXPECT_GT(read.fraction_mean(), 0.0);
+    EXPECT_DOUBLE_EQ(read.fraction_sum, gathered.fraction_sum);
+    EXPECT_DOUBLE_EQ(read.fraction_max, gathered.fraction_max);
+    EXPECT_EQ(read.rows_fetched, gathered.rows_fetched);
     // Every selecting layer of every step: 10 of 12 layers, 10 steps.
     EXPECT_EQ(d->selections, 10 * 10);
     // The prompt's K and V rows, 2 chunks of 12 layers, and one plan note

@@ -97,12 +97,14 @@ absl::Status OffloadedKvCache::Step::LayerDone(int layer) {
 absl::Status OffloadedKvCache::Step::End() {
   for (int slot : slots_) {
     Sequence& s = cache_.sequences_[slot];
-    if (s.notes_in_background) continue;  // the appender's, notes and all
-    IG_RETURN_IF_ERROR(cache_.NoteBackendPlans(s));
-    if (s.direct) {
-      // The step's last notes of one-sided reads.
-      for (kv_memory_service::FetchHandle& h : s.handles) {
-        IG_RETURN_IF_ERROR(cache_.AtNode(h.Wait()));
+    // Notes in the background are the appender's, and so are their waits.
+    if (!s.notes_in_background) {
+      IG_RETURN_IF_ERROR(cache_.NoteBackendPlans(s));
+      if (s.direct) {
+        // The step's last notes of one-sided reads.
+        for (kv_memory_service::FetchHandle& h : s.handles) {
+          IG_RETURN_IF_ERROR(cache_.AtNode(h.Wait()));
+        }
       }
     }
     long cached = 0;
