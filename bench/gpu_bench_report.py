@@ -82,7 +82,8 @@ def collect(out_dir, config, gpu_bytes):
                    "batch": batch,
                    "decode_tokens_per_s": None, "prefill_tokens_per_s": None,
                    "fetch_gbps": None, "decode_fetch_gbps": None,
-                   "fetch_fraction": None,
+                   "fetch_fraction": None, "p50_ms": None,
+                   "first_step_ms": None,
                    "direct_reads": flag(cmd, "kv_direct_reads", "false")
                    in ("true", "1"),
                    "kv_exceeds_gpu": bool(gpu_bytes) and
@@ -91,6 +92,9 @@ def collect(out_dir, config, gpu_bytes):
             if j is not None and "error" not in j:
                 if system == "infinigen":
                     row["decode_tokens_per_s"] = j.get("tokens_per_s")
+                    row["p50_ms"] = j.get("p50_ms")
+                    steps = j.get("step_ms") or []
+                    row["first_step_ms"] = steps[0] if steps else None
                     if policy != "ideal":  # nothing fetched
                         row["fetch_gbps"] = j.get("fetch_gbps")
                         row["decode_fetch_gbps"] = j.get("decode_fetch_gbps")
@@ -174,14 +178,21 @@ def markdown(report):
              (f"{fmt(report['h2d_pinned_gbps'])} GB/s."
               if report["h2d_pinned_gbps"] else "not measured."),
              ] + [
-        f"One-sided gather from mapped host memory ({g['fraction']:g} of "
+        f"One-sided gather from mapped host memory "
+        f"({g.get('memory', 'host_alloc')}, {g['fraction']:g} of "
         f"the rows): {fmt(g['gather_gbps'])} GB/s against a pinned copy's "
-        f"{fmt(g['pinned_copy_gbps'])} GB/s."
+        f"{fmt(g['pinned_copy_gbps'])} GB/s" +
+        ("." if g.get("first_read_gbps") is None or g["fraction"] != 1 else
+         f"; its first read of every row {fmt(g['first_read_gbps'])} GB/s, "
+         f"after {fmt(g.get('make_ms'), 0)} ms to allocate, register and "
+         f"write the rows ({g.get('huge_page_bytes', 0) >> 20} MiB in huge "
+         "pages).")
         for g in report.get("gather", [])] + [
              "", "| system | policy | reads | ctx | batch | decode tok/s | "
+             "p50 ms/step | first step ms | "
              "prefill tok/s | fetch GB/s (wait) | fetch GB/s (decode) | "
              "fetched | KV > GPU | status |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["runs"]:
         status = ("refused: " + r.get("reason", "") if r["refused"] else
                   "timed out" if r.get("timed_out") else
@@ -192,6 +203,7 @@ def markdown(report):
         lines.append(
             f"| {r['system']} | {r['policy']} | {reads} | {r['ctx']} | "
             f"{r['batch']} | {fmt(r['decode_tokens_per_s'], 2)} | "
+            f"{fmt(r.get('p50_ms'))} | {fmt(r.get('first_step_ms'))} | "
             f"{fmt(r['prefill_tokens_per_s'], 0)} | "
             f"{'' if r.get('direct_reads') else fmt(r['fetch_gbps'], 2)} | "
             f"{fmt(r.get('decode_fetch_gbps'), 2)} "

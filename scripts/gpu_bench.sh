@@ -13,6 +13,9 @@
 # budget cuts short is recorded as timed out, later ones as skipped):
 #   h2d_bandwidth                 pinned and pageable host-to-device copies
 #   gather_bandwidth              one-sided reads of a layer's rows from
+#                                 cudaHostAlloc'd and from registered mmap
+#                                 memory (4 KiB and huge pages), and the
+#                                 first read of freshly registered rows;
 #                                 mapped host memory (all, and 10%)
 #   infinigen skew                once, on dummy weights and synthetic tokens
 #                                 (--skew=PATH: kept there and reused by a
@@ -143,7 +146,8 @@ run() {
 [ -f COMMIT ] && cp COMMIT "${OUT}/commit.txt"
 
 run h2d "$(dirname "${INFINIGEN}")/h2d_bandwidth" --sizes=192K,3M,48M --json
-run gather "$(dirname "${INFINIGEN}")/gather_bandwidth" --fractions=1,0.1 --json
+run gather "$(dirname "${INFINIGEN}")/gather_bandwidth" --fractions=1,0.1 \
+  --memory=host_alloc,registered,registered_huge --json
 # The skew depends only on the model's shape (the dummy weights are
 # deterministic): one made by an earlier call is reused.
 if [ -s "${SKEW}" ]; then

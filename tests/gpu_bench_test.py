@@ -64,6 +64,8 @@ class GpuBench(unittest.TestCase):
                 self.assertFalse(row["refused"], row)
                 self.assertGreater(row["decode_tokens_per_s"], 0)
                 self.assertGreater(row["prefill_tokens_per_s"], 0)
+                self.assertGreater(row["p50_ms"], 0)
+                self.assertGreater(row["first_step_ms"], 0)
             self.assertIsNone(rows[("infinigen", "ideal", ctx, batch)]
                               ["fetch_gbps"])
             self.assertEqual(rows[("infinigen", "full", ctx, batch)]
@@ -149,18 +151,28 @@ class GpuBench(unittest.TestCase):
                  "skipped": False, "seconds": 1.0}))
 
         def ig(policy, ctx, batch, tps, gbps=0, frac=1.0, prefill=100.0,
-               decode_gbps=0):
+               decode_gbps=0, steps=(500.0, 200.0, 210.0)):
             return json.dumps({"policy": policy, "tokens_per_s": tps,
                                "prefill_tokens_per_s": prefill,
                                "fetch_gbps": gbps,
                                "decode_fetch_gbps": decode_gbps,
-                               "fetch_fraction_mean": frac})
+                               "fetch_fraction_mean": frac,
+                               "p50_ms": sorted(steps)[len(steps) // 2],
+                               "step_ms": list(steps)})
 
         put("h2d", ["h2d_bandwidth"],
             '{"pinned_gbps": 50.0}\n{"pinned_gbps": 55.0}\n')
         put("gather", ["gather_bandwidth"],
             '{"fraction": 1, "gather_gbps": 40.0, '
-            '"pinned_copy_gbps": 50.0}\n')
+            '"pinned_copy_gbps": 50.0}\n'
+            '{"memory": "registered_huge", "fraction": 1, '
+            '"gather_gbps": 45.0, "pinned_copy_gbps": 50.0, '
+            '"first_read_gbps": 20.0, "make_ms": 300.0, '
+            '"huge_page_bytes": 2097152}\n'
+            '{"memory": "registered_huge", "fraction": 0.1, '
+            '"gather_gbps": 44.0, "pinned_copy_gbps": 50.0, '
+            '"first_read_gbps": 20.0, "make_ms": 300.0, '
+            '"huge_page_bytes": 2097152}\n')
         put("ig_full", ["infinigen", "--ctx=32768", "--batch=1",
                         "--policy=full,h2o"],
             ig("full", 32768, 1, 1.0, gbps=45.0, decode_gbps=20.0) + "\n" +
@@ -221,12 +233,22 @@ class GpuBench(unittest.TestCase):
         self.assertIsNone(goals["infinigen >= 3x full (ctx 8192, batch 8)"]
                           ["met"])
         md = self.load("gpu_bench.md")
-        self.assertIn("| infinigen | full | one-sided | 32768 | 1 | 2.00 |",
-                      md)
+        # Steady steps and the first one after the prompt apart.
+        self.assertIn("| infinigen | full | one-sided | 32768 | 1 | 2.00 | "
+                      "210.0 | 500.0 |", md)
+        self.assertEqual(rows[("infinigen", "full", 32768, 1)]
+                         ["first_step_ms"], 500.0)
         self.assertIn("| infinigen | full | gather | 32768 | 1 | 1.00 |", md)
-        self.assertIn("One-sided gather from mapped host memory (1 of the "
-                      "rows): 40.0 GB/s against a pinned copy's 50.0 GB/s.",
-                      md)
+        self.assertIn("One-sided gather from mapped host memory (host_alloc, "
+                      "1 of the rows): 40.0 GB/s against a pinned copy's "
+                      "50.0 GB/s.", md)
+        self.assertIn("One-sided gather from mapped host memory "
+                      "(registered_huge, 1 of the rows): 45.0 GB/s against a "
+                      "pinned copy's 50.0 GB/s; its first read of every row "
+                      "20.0 GB/s, after 300 ms to allocate, register and "
+                      "write the rows (2 MiB in huge pages).", md)
+        self.assertIn("(registered_huge, 0.1 of the rows): 44.0 GB/s against "
+                      "a pinned copy's 50.0 GB/s.", md)
         self.assertIn("refused: infinigen: policy ideal needs 96.0 GiB", md)
 
     def test_kv_bytes_of_the_presets(self):

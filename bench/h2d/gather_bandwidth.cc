@@ -5,14 +5,25 @@
 // run (the ceiling a fetch into the GPU can reach).
 //
 //   gather_bandwidth [--heads=32] [--ctx=32768] [--row_bytes=256]
-//                    [--fractions=1,0.1] [--iters=20] [--json]
+//                    [--fractions=1,0.1] [--iters=20]
+//                    [--memory=host_alloc,registered,registered_huge] [--json]
 //
 // For each fraction f, each head's plan is f * ctx distinct slots drawn at
 // random and sorted (f = 1: every slot, in order). GB/s counts the K and V
 // bytes the plan moves.
+//
+// --memory says where the rows lie: host_alloc (cudaHostAlloc), registered
+// (as the memory node's rows read one-sided: an anonymous mmap registered
+// with cudaHostRegister before the rows are written) or registered_huge
+// (the same, advised to transparent huge pages first). Each also reports
+// the time to allocate and register the rows and the first read of every
+// row (the device's first touch of each page), before any warm-up.
 #include <cuda_runtime.h>
+#include <sys/mman.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <fstream>
 #include <chrono>
 #include <cstdio>
 #include <numeric>
@@ -33,7 +44,13 @@ ABSL_FLAG(int, row_bytes, 256, "Bytes a row (fp16 head_dim 128: 256).");
 ABSL_FLAG(std::string, fractions, "1,0.1",
           "Fractions of each head's rows a plan reads.");
 ABSL_FLAG(int, iters, 20, "Timed repetitions (the median is reported).");
-ABSL_FLAG(bool, json, false, "One JSON object per fraction on stdout.");
+ABSL_FLAG(std::string, memory, "host_alloc",
+          "Comma-separated: host_alloc (cudaHostAlloc), registered (an "
+          "anonymous mmap registered with cudaHostRegister, as the memory "
+          "node's rows for one-sided reads), registered_huge (the same, "
+          "advised to transparent huge pages).");
+ABSL_FLAG(bool, json, false,
+          "One JSON object per memory and fraction on stdout.");
 
 namespace {
 
@@ -63,13 +80,97 @@ double Median(int iters, cudaStream_t stream, const Run& run) {
   return t[t.size() / 2];
 }
 
+// The rows of K or V in one kind of memory; freed on destruction.
+class Rows {
+ public:
+  Rows(const std::string& memory, size_t bytes)
+      : memory_(memory), bytes_(bytes) {}
+  Rows(const Rows&) = delete;
+  Rows& operator=(const Rows&) = delete;
+  ~Rows() {
+    if (memory_ == "host_alloc") {
+      if (data_ != nullptr) cudaFreeHost(data_);
+      return;
+    }
+    if (registered_) cudaHostUnregister(data_);
+    if (data_ != nullptr) munmap(data_, bytes_);
+  }
+
+  // Allocates (and registers) the rows, then writes them with `fill`.
+  int Make(char fill) {
+    if (memory_ == "host_alloc") {
+      if (Check(cudaHostAlloc(&data_, bytes_, cudaHostAllocMapped),
+                "cudaHostAlloc")) {
+        data_ = nullptr;
+        return 1;
+      }
+    } else {
+      void* p = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+      if (p == MAP_FAILED) {
+        std::perror("gather_bandwidth: mmap");
+        return 1;
+      }
+      data_ = p;
+      if (memory_ == "registered_huge" &&
+          madvise(data_, bytes_, MADV_HUGEPAGE) != 0) {
+        std::perror("gather_bandwidth: madvise(MADV_HUGEPAGE)");
+      }
+      if (Check(cudaHostRegister(data_, bytes_, cudaHostRegisterMapped),
+                "cudaHostRegister")) {
+        return 1;
+      }
+      registered_ = true;
+    }
+    std::fill_n(static_cast<char*>(data_), bytes_, fill);
+    return 0;
+  }
+
+  void* data() const { return data_; }
+
+  // Bytes of this mapping the kernel backs with huge pages
+  // (/proc/self/smaps' AnonHugePages); 0 for cudaHostAlloc's.
+  long HugeBytes() const {
+    std::ifstream smaps("/proc/self/smaps");
+    std::string line;
+    bool ours = false;
+    const auto at = reinterpret_cast<uintptr_t>(data_);
+    while (std::getline(smaps, line)) {
+      uintptr_t lo = 0, hi = 0;
+      if (std::sscanf(line.c_str(), "%lx-%lx ", &lo, &hi) == 2 &&
+          line.find(':') > line.find(' ')) {
+        ours = lo <= at && at < hi;
+        continue;
+      }
+      long kb = 0;
+      if (ours && std::sscanf(line.c_str(), "AnonHugePages: %ld kB", &kb) == 1) {
+        return kb * 1024;
+      }
+    }
+    return 0;
+  }
+
+ private:
+  const std::string memory_;
+  const size_t bytes_;
+  void* data_ = nullptr;
+  bool registered_ = false;
+};
+
+double SecondsSince(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+      .count();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "One-sided gather bandwidth from mapped host memory, against a pinned "
       "copy.\n  gather_bandwidth [--heads=32] [--ctx=32768] [--row_bytes=256] "
-      "[--fractions=1,0.1] [--iters=20] [--json]");
+      "[--fractions=1,0.1] [--iters=20]\n"
+      "                   [--memory=host_alloc,registered,registered_huge] "
+      "[--json]");
   absl::ParseCommandLine(argc, argv);
   const int heads = absl::GetFlag(FLAGS_heads);
   const int ctx = absl::GetFlag(FLAGS_ctx);
@@ -93,6 +194,17 @@ int main(int argc, char** argv) {
     }
     fractions.push_back(f);
   }
+  std::vector<std::string> memories;
+  for (const auto& m : absl::StrSplit(absl::GetFlag(FLAGS_memory), ',')) {
+    if (m != "host_alloc" && m != "registered" && m != "registered_huge") {
+      std::fprintf(stderr,
+                   "gather_bandwidth: --memory takes host_alloc, registered "
+                   "and registered_huge, got '%s'\n",
+                   std::string(m).c_str());
+      return 2;
+    }
+    memories.emplace_back(m);
+  }
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
     std::fprintf(stderr, "gather_bandwidth: no CUDA device answers\n");
@@ -101,14 +213,10 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop;
   cudaGetDeviceProperties(&prop, 0);
   const size_t layer_bytes = static_cast<size_t>(heads) * ctx * row_bytes;
-  void *k = nullptr, *v = nullptr, *out = nullptr;
+  void* out = nullptr;
   int32_t *indices = nullptr, *offsets = nullptr;
   cudaStream_t stream;
-  if (Check(cudaHostAlloc(&k, layer_bytes, cudaHostAllocMapped),
-            "cudaHostAlloc") ||
-      Check(cudaHostAlloc(&v, layer_bytes, cudaHostAllocMapped),
-            "cudaHostAlloc") ||
-      Check(cudaMalloc(&out, 2 * layer_bytes), "cudaMalloc") ||
+  if (Check(cudaMalloc(&out, 2 * layer_bytes), "cudaMalloc") ||
       Check(cudaMalloc(&indices, sizeof(int32_t) * heads * ctx),
             "cudaMalloc") ||
       Check(cudaMalloc(&offsets, sizeof(int32_t) * (heads + 1)),
@@ -116,74 +224,109 @@ int main(int argc, char** argv) {
       Check(cudaStreamCreate(&stream), "cudaStreamCreate")) {
     return 1;
   }
-  std::fill_n(static_cast<char*>(k), layer_bytes, 1);
-  std::fill_n(static_cast<char*>(v), layer_bytes, 2);
   if (!absl::GetFlag(FLAGS_json)) {
     std::printf("device: %s; %d heads x %d slots x %d-byte rows\n"
-                "| fraction | rows | gather GB/s | pinned copy GB/s | ratio |\n"
-                "|---|---|---|---|---|\n",
+                "| memory | fraction | rows | gather GB/s | pinned copy GB/s "
+                "| ratio | first read of every row GB/s | allocate and "
+                "register ms | huge-page bytes |\n"
+                "|---|---|---|---|---|---|---|---|---|\n",
                 prop.name, heads, ctx, row_bytes);
   }
-  std::mt19937 rng(1);
-  for (double f : fractions) {
-    const int per_head = std::max(1, static_cast<int>(f * ctx));
-    std::vector<int32_t> plan, heads_at{0};
-    std::vector<int32_t> all(ctx);
-    std::iota(all.begin(), all.end(), 0);
-    for (int h = 0; h < heads; ++h) {
-      if (per_head < ctx) std::shuffle(all.begin(), all.end(), rng);
-      std::vector<int32_t> chosen(all.begin(), all.begin() + per_head);
-      std::sort(chosen.begin(), chosen.end());
-      plan.insert(plan.end(), chosen.begin(), chosen.end());
-      heads_at.push_back(static_cast<int32_t>(plan.size()));
-    }
-    if (Check(cudaMemcpy(indices, plan.data(), sizeof(int32_t) * plan.size(),
-                         cudaMemcpyHostToDevice),
-              "cudaMemcpy") ||
-        Check(cudaMemcpy(offsets, heads_at.data(),
-                         sizeof(int32_t) * heads_at.size(),
-                         cudaMemcpyHostToDevice),
-              "cudaMemcpy")) {
-      return 1;
-    }
+  for (const std::string& memory : memories) {
+    Rows k_rows(memory, layer_bytes), v_rows(memory, layer_bytes);
+    const auto t_make = std::chrono::steady_clock::now();
+    if (k_rows.Make(1) || v_rows.Make(2)) return 1;
+    // Allocation and registration, and the rows' first writes.
+    const double make_ms = 1e3 * SecondsSince(t_make);
+    const long huge = k_rows.HugeBytes() + v_rows.HugeBytes();
+    void* k = k_rows.data();
+    void* v = v_rows.data();
     infinigen::gpu_worker::GatherRowsParams p;
     p.k_rows = k;
     p.v_rows = v;
     p.head_stride = ctx;
-    p.indices = indices;
-    p.head_offsets = offsets;
     p.n_heads = heads;
-    p.n_rows = static_cast<long>(plan.size());
     p.row_bytes = row_bytes;
     p.out = out;
-    const size_t bytes = 2 * plan.size() * static_cast<size_t>(row_bytes);
-    int launch = 0;
-    const double tg = Median(iters, stream, [&] {
-      launch |= cuda::LaunchGatherRows(p, stream);
-    });
-    const double tc = Median(iters, stream, [&] {
-      cudaMemcpyAsync(out, k, bytes / 2, cudaMemcpyHostToDevice, stream);
-      cudaMemcpyAsync(static_cast<char*>(out) + bytes / 2, v, bytes / 2,
-                      cudaMemcpyHostToDevice, stream);
-    });
-    if (launch != 0) {
-      return Check(static_cast<cudaError_t>(launch), "LaunchGatherRows");
+    // The device's first read of every row: each head's leading rows (no
+    // indices), before any warm-up.
+    std::vector<int32_t> heads_all(heads + 1);
+    for (int h = 0; h <= heads; ++h) heads_all[h] = h * ctx;
+    if (Check(cudaMemcpy(offsets, heads_all.data(),
+                         sizeof(int32_t) * heads_all.size(),
+                         cudaMemcpyHostToDevice),
+              "cudaMemcpy")) {
+      return 1;
     }
-    if (Check(cudaGetLastError(), "run")) return 1;
-    const double gather_gbps = bytes / tg / 1e9, copy_gbps = bytes / tc / 1e9;
-    if (absl::GetFlag(FLAGS_json)) {
-      std::printf("{\"device\": \"%s\", \"heads\": %d, \"ctx\": %d, "
-                  "\"row_bytes\": %d, \"fraction\": %g, \"rows\": %zu, "
-                  "\"gather_gbps\": %.3f, \"pinned_copy_gbps\": %.3f}\n",
-                  prop.name, heads, ctx, row_bytes, f, plan.size(),
-                  gather_gbps, copy_gbps);
-    } else {
-      std::printf("| %g | %zu | %.2f | %.2f | %.2f |\n", f, plan.size(),
-                  gather_gbps, copy_gbps, gather_gbps / copy_gbps);
+    p.indices = nullptr;
+    p.head_offsets = offsets;
+    p.n_rows = static_cast<long>(heads) * ctx;
+    const auto t_first = std::chrono::steady_clock::now();
+    if (Check(static_cast<cudaError_t>(cuda::LaunchGatherRows(p, stream)),
+              "LaunchGatherRows") ||
+        Check(cudaStreamSynchronize(stream), "first read")) {
+      return 1;
+    }
+    const double first_gbps = 2.0 * layer_bytes / SecondsSince(t_first) / 1e9;
+    std::mt19937 rng(1);
+    for (double f : fractions) {
+      const int per_head = std::max(1, static_cast<int>(f * ctx));
+      std::vector<int32_t> plan, heads_at{0};
+      std::vector<int32_t> all(ctx);
+      std::iota(all.begin(), all.end(), 0);
+      for (int h = 0; h < heads; ++h) {
+        if (per_head < ctx) std::shuffle(all.begin(), all.end(), rng);
+        std::vector<int32_t> chosen(all.begin(), all.begin() + per_head);
+        std::sort(chosen.begin(), chosen.end());
+        plan.insert(plan.end(), chosen.begin(), chosen.end());
+        heads_at.push_back(static_cast<int32_t>(plan.size()));
+      }
+      if (Check(cudaMemcpy(indices, plan.data(),
+                           sizeof(int32_t) * plan.size(),
+                           cudaMemcpyHostToDevice),
+                "cudaMemcpy") ||
+          Check(cudaMemcpy(offsets, heads_at.data(),
+                           sizeof(int32_t) * heads_at.size(),
+                           cudaMemcpyHostToDevice),
+                "cudaMemcpy")) {
+        return 1;
+      }
+      p.indices = indices;
+      p.n_rows = static_cast<long>(plan.size());
+      const size_t bytes = 2 * plan.size() * static_cast<size_t>(row_bytes);
+      int launch = 0;
+      const double tg = Median(iters, stream, [&] {
+        launch |= cuda::LaunchGatherRows(p, stream);
+      });
+      const double tc = Median(iters, stream, [&] {
+        cudaMemcpyAsync(out, k, bytes / 2, cudaMemcpyHostToDevice, stream);
+        cudaMemcpyAsync(static_cast<char*>(out) + bytes / 2, v, bytes / 2,
+                        cudaMemcpyHostToDevice, stream);
+      });
+      if (launch != 0) {
+        return Check(static_cast<cudaError_t>(launch), "LaunchGatherRows");
+      }
+      if (Check(cudaGetLastError(), "run")) return 1;
+      const double gather_gbps = bytes / tg / 1e9, copy_gbps = bytes / tc / 1e9;
+      if (absl::GetFlag(FLAGS_json)) {
+        std::printf("{\"device\": \"%s\", \"memory\": \"%s\", "
+                    "\"heads\": %d, \"ctx\": %d, \"row_bytes\": %d, "
+                    "\"fraction\": %g, \"rows\": %zu, "
+                    "\"gather_gbps\": %.3f, \"pinned_copy_gbps\": %.3f, "
+                    "\"first_read_gbps\": %.3f, \"make_ms\": %.1f, "
+                    "\"huge_page_bytes\": %ld}\n",
+                    prop.name, memory.c_str(), heads, ctx, row_bytes, f,
+                    plan.size(), gather_gbps, copy_gbps, first_gbps, make_ms,
+                    huge);
+      } else {
+        std::printf("| %s | %g | %zu | %.2f | %.2f | %.2f | %.2f | %.1f | "
+                    "%ld |\n",
+                    memory.c_str(), f, plan.size(), gather_gbps, copy_gbps,
+                    gather_gbps / copy_gbps, first_gbps, make_ms, huge);
+      }
+      std::fflush(stdout);
     }
   }
-  cudaFreeHost(k);
-  cudaFreeHost(v);
   cudaFree(out);
   cudaFree(indices);
   cudaFree(offsets);

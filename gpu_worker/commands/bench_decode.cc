@@ -92,6 +92,11 @@ void PrintJson(const DecodeBenchResult& r) {
   j["tokens_per_s"] = r.tokens_per_second();
   j["p50_ms"] = r.step_ms(50);
   j["p99_ms"] = r.step_ms(99);
+  // Every step in order: the first after a prompt carries what the
+  // sequence's first decode sets up.
+  std::vector<double> steps_ms;
+  for (double t : r.step_seconds) steps_ms.push_back(1e3 * t);
+  j["step_ms"] = steps_ms;
   j["bytes_fetched_per_token"] =
       static_cast<double>(r.fetch.bytes_fetched) / r.tokens();
   j["fetch_fraction_mean"] = r.fetch.fraction_mean();
