@@ -103,6 +103,7 @@ void PrintJson(const DecodeBenchResult& r) {
   j["fetch_wait_fraction"] = r.fetch.wait_seconds / r.seconds;
   j["compute_fraction"] = 1.0 - r.fetch.wait_seconds / r.seconds;
   j["prefill_seconds"] = r.prefill_seconds;
+  j["warmup_seconds"] = r.warmup_seconds;
   // Prompt tokens computed per second of prefill (reused ones excluded).
   j["prefill_tokens_per_s"] =
       r.prefill_seconds > 0
@@ -229,8 +230,9 @@ int RunBenchDecode() {
 const Command& BenchDecodeCommand() {
   static const Command* command = new Command{
       "bench-decode",
-      "Fills --ctx tokens of context per sequence (from --text, else "
-      "synthetic), decodes --decode_tokens steps of --batch sequences under "
+      "After a warm-up (a 16-token prompt and one step, as the Transformers "
+      "baseline takes), fills --ctx tokens of context per sequence (from "
+      "--text, else synthetic), decodes --decode_tokens steps of --batch sequences under "
       "each policy of the comma-separated --policy, and reports per-token "
       "latency (p50, p99), tokens/s, KV bytes fetched per token, the time "
       "spent waiting on fetches, the KV memory held by the worker and by "

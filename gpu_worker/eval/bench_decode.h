@@ -25,6 +25,7 @@ struct DecodeBenchResult {
   std::vector<double> step_seconds;  // one DecodeBatch of every sequence
   double seconds = 0;                // all decode steps
   double prefill_seconds = 0;
+  double warmup_seconds = 0;  // the warm-up before the prefills
   long cached_tokens = 0;  // prefill tokens reused from the memory node
   FetchStats fetch;        // summed over the sequences
   int64_t worker_kv_bytes = 0;    // K/V, staging and policy state
@@ -41,7 +42,12 @@ struct DecodeBenchResult {
 std::vector<int> DecodeBenchSource(absl::Span<const int> text, size_t need,
                                    int vocab);
 
-// Sequence b (of engine.batch()) takes source[b * (ctx + steps), ...): its
+// Prompt tokens of the warm-up RunDecodeBench runs first (at most ctx).
+inline constexpr int kWarmupTokens = 16;
+
+// First a warm-up: a prompt of min(ctx, kWarmupTokens) tokens and one
+// decode step in slot 0, which is then reset (its time is warmup_seconds).
+// Then sequence b (of engine.batch()) takes source[b * (ctx + steps), ...): its
 // first ctx tokens are prefilled into slot b, the next `steps` are decoded
 // one step at a time with every other sequence. The engine's slots must be
 // empty and hold ctx + steps positions; `source` must hold

@@ -88,8 +88,26 @@ TEST_F(RunDecodeBenchTest, TimesEveryStepAndCountsFetchesOfEverySequence) {
   EXPECT_GT(r->worker_kv_bytes, 0);
   EXPECT_GT(r->memory_node_bytes, 0);
   EXPECT_GT(r->peak_rss_bytes, 0);
+  // The warm-up ran, and left nothing behind: no prompt reused a prefix of
+  // it, and slot 0's statistics are its benchmark sequence's alone.
+  EXPECT_GT(r->warmup_seconds, 0);
+  EXPECT_EQ(r->cached_tokens, 0);
+  EXPECT_EQ(engine->fetch_stats(0).steps, steps);
   // Each sequence decoded its own continuation: position ctx + steps.
   for (int b = 0; b < batch; ++b) EXPECT_EQ(engine->position(b), ctx + steps);
+}
+
+// A context shorter than the warm-up's prompt: the warm-up takes ctx
+// tokens, and its step still fits the slot.
+TEST_F(RunDecodeBenchTest, AShortContextWarmsUpWithinIt) {
+  const int ctx = 3, steps = 1;
+  auto engine = MakeEngine("full", 1, ctx + steps);
+  ASSERT_NE(engine, nullptr);
+  const std::vector<int> source = DecodeBenchSource({}, ctx + steps, 512);
+  auto r = RunDecodeBench(*engine, source, ctx, steps);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(engine->position(0), ctx + steps);
+  EXPECT_EQ(r->fetch.steps, steps);
 }
 
 TEST_F(RunDecodeBenchTest, TooLittleInputOrRoomIsRefused) {
