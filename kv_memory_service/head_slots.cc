@@ -4,6 +4,32 @@
 
 namespace infinigen::kv_memory_service {
 
+int32_t HeadSlots::PlaceRun(int32_t first, int32_t count) {
+  const int32_t slot0 = static_cast<int32_t>(slots_.size());
+  slots_.resize(slots_.size() + count);
+  const uint32_t base = static_cast<uint32_t>(leading_fetches_);
+  for (int32_t i = 0; i < count; ++i) {
+    Slot& s = slots_[slot0 + i];
+    s.position = first + i;
+    s.leading_base = base;
+    s.prev = i == 0 ? newest_ : slot0 + i - 1;
+    s.next = i + 1 < count ? slot0 + i + 1 : -1;
+  }
+  if (count > 0) {
+    if (newest_ >= 0) {
+      slots_[newest_].next = slot0;
+    } else {
+      oldest_ = slot0;
+    }
+    newest_ = slot0 + count - 1;
+    if (first_young_ < 0) first_young_ = slot0;
+    // What the run's last Place would leave: the walk stops before the
+    // slots past half the last position, the run's own among them.
+    AdvanceCandidates(first + count - 1);
+  }
+  return slot0;
+}
+
 int32_t HeadSlots::Place(int32_t position, int32_t* victim) {
   AdvanceCandidates(position);
   int32_t slot;

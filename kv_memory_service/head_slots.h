@@ -79,6 +79,12 @@ class HeadSlots {
     return !evicting_ || policy_ == EvictionPolicy::kFifo;
   }
 
+  // Place(first), ..., Place(first + count - 1) where none of them evicts
+  // (the head is not evicting and has room for count more slots): the same
+  // slots, statistics and eviction order, in one pass. Returns the first
+  // slot; the others follow it.
+  int32_t PlaceRun(int32_t first, int32_t count);
+
   // Takes a slot for `position` (the layer's length: positions arrive in
   // order), evicting a token by the policy when the head is full:
   // *victim is its position, else -1. The slot's statistics start at 0.

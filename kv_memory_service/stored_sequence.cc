@@ -124,6 +124,8 @@ absl::StatusOr<AppendResult> StoredSequence::Append(
     return absl::DeadlineExceededError(
         "the append's deadline passed before it ran; nothing appended");
   }
+  // Whether a head of the block's layers evicts (or has): then tokens are
+  // placed one at a time, in order.
   bool evicts = false;
   for (int32_t l = b.first_layer; l < b.first_layer + b.n_layers; ++l) {
     if (layer_length_[l] >
@@ -143,27 +145,51 @@ absl::StatusOr<AppendResult> StoredSequence::Append(
 
   AppendResult result;
   const size_t token_stride = static_cast<size_t>(g_.n_kv_heads) * row_elems_;
+  std::vector<int32_t> run;  // [h]: the head's first new slot
   for (int32_t i = 0; i < b.n_layers; ++i) {
     const int32_t layer = b.first_layer + i;
+    const int32_t first = layer_length_[layer];
     const uint16_t* k_src =
         b.k.data() + static_cast<size_t>(i) * b.n_tokens * token_stride;
     const uint16_t* v_src =
         b.v.data() + static_cast<size_t>(i) * b.n_tokens * token_stride;
-    for (int32_t t = 0; t < b.n_tokens; ++t) {
-      const int32_t position = layer_length_[layer];
-      for (int32_t h = 0; h < g_.n_kv_heads; ++h) {
-        int32_t victim;
-        const int32_t slot = HeadAt(layer, h).Place(position, &victim);
-        if (victim >= 0) {
-          result.evicted.push_back(EvictedToken{layer, h, victim});
+    auto copy_row = [&](int32_t t, int32_t h, int32_t slot) {
+      const size_t src = static_cast<size_t>(t) * token_stride +
+                         static_cast<size_t>(h) * row_elems_;
+      std::memcpy(Row(k_.get(), layer, h, slot), k_src + src, row_bytes_);
+      std::memcpy(Row(v_.get(), layer, h, slot), v_src + src, row_bytes_);
+    };
+    if (evicts) {
+      // Token by token, every head: the victims in that order.
+      for (int32_t t = 0; t < b.n_tokens; ++t) {
+        for (int32_t h = 0; h < g_.n_kv_heads; ++h) {
+          int32_t victim;
+          const int32_t slot = HeadAt(layer, h).Place(first + t, &victim);
+          if (victim >= 0) {
+            result.evicted.push_back(EvictedToken{layer, h, victim});
+          }
+          copy_row(t, h, slot);
         }
-        const size_t src = static_cast<size_t>(t) * token_stride +
-                           static_cast<size_t>(h) * row_elems_;
-        std::memcpy(Row(k_.get(), layer, h, slot), k_src + src, row_bytes_);
-        std::memcpy(Row(v_.get(), layer, h, slot), v_src + src, row_bytes_);
       }
-      layer_length_[layer] = position + 1;
+    } else {
+      // Each head's new slots are one run, placed at once. The block is
+      // token-major and the rows head-major: a transpose, done a tile of
+      // tokens at a time so that the tile's source rows and each head's
+      // destination rows stay within the TLB's reach (one token at a time,
+      // every row of a long block lands on a page of its own).
+      constexpr int32_t kTileTokens = 64;
+      run.resize(g_.n_kv_heads);
+      for (int32_t h = 0; h < g_.n_kv_heads; ++h) {
+        run[h] = HeadAt(layer, h).PlaceRun(first, b.n_tokens);
+      }
+      for (int32_t t0 = 0; t0 < b.n_tokens; t0 += kTileTokens) {
+        const int32_t t1 = std::min(b.n_tokens, t0 + kTileTokens);
+        for (int32_t h = 0; h < g_.n_kv_heads; ++h) {
+          for (int32_t t = t0; t < t1; ++t) copy_row(t, h, run[h] + t);
+        }
+      }
     }
+    layer_length_[layer] = first + b.n_tokens;
   }
   evicted_rows_ += static_cast<int64_t>(result.evicted.size());
   present_rows_ += int64_t{b.n_layers} * b.n_tokens * g_.n_kv_heads -

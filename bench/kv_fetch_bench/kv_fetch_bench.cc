@@ -18,6 +18,12 @@
 // (the worker reads the rows in place) costs the node;
 // note_leading_inproc/7b_layer/all and note_leading_shm/...: the same
 // whole-layer read noted by its head offsets alone (NoteLeadingFetched).
+// append_inproc/llama2_7b_layer/all: a prefill's append of a whole layer of
+// llama-2-7b's shape (32 KV heads x 128 dims, 32,768 tokens: 512 MiB of K
+// and V) in one token-major block into a fresh sequence (the rows' first
+// writes), against memcpy/llama2_7b_layer/all; append_resident_inproc/...:
+// the same into rows already in memory (as a device's registration for
+// one-sided reads leaves them).
 //
 //   bazel build //bench/kv_fetch_bench
 //   bazel-bin/bench/kv_fetch_bench/kv_fetch_bench
@@ -73,6 +79,8 @@ struct Shape {
 };
 constexpr Shape kSmall = {"small", 3, 64, 8192, 2};
 constexpr Shape k7b = {"7b_layer", 8, 128, 32768, 1};
+// llama-2-7b's layer (32 KV heads), for the prefill's append.
+constexpr Shape kLlama2 = {"llama2_7b_layer", 32, 128, 32768, 1};
 constexpr int kTokens[] = {16, 256, 4096};
 
 // One benchmark case: `tokens` rows of each head of layer `layer`; every
@@ -448,6 +456,75 @@ void BM_NoteLeading(benchmark::State& state, const std::string& plane_name,
   });
 }
 
+// A prefill's append of a whole layer, as the worker sends it (every token
+// of the layer in one block, token-major): into a fresh sequence each time,
+// so the node's rows are written for the first time, as a prompt's are.
+// resident: the sequence's rows are in memory before the append (written
+// once through GetDirectRows), as a device's registration for one-sided
+// reads leaves them; else the append is their first write.
+void BM_Append(benchmark::State& state, const std::string& plane_name,
+               const Case& c, bool resident) {
+  Plane& p = TheWorld().planes[plane_name];
+  if (!p.error.empty() || p.client == nullptr) {
+    return Skip(state, "set-up failed: " + p.error);
+  }
+  const Shape& shape = *c.shape;
+  const size_t layer_elems =
+      size_t{1} * shape.stored * shape.heads * shape.head_dim;
+  // The block's rows, made once: any values (the fetch benchmarks check
+  // theirs).
+  static const Rows* rows = [layer_elems] {
+    auto* r = new Rows;
+    r->k.resize(layer_elems);
+    r->v.resize(layer_elems);
+    for (size_t i = 0; i < layer_elems; ++i) {
+      r->k[i] = static_cast<uint16_t>(i);
+      r->v[i] = static_cast<uint16_t>(~i);
+    }
+    return r;
+  }();
+  SequenceGeometry g;
+  g.n_layers = 1;
+  g.n_kv_heads = shape.heads;
+  g.head_dim = shape.head_dim;
+  g.max_tokens = shape.stored;
+  AppendBlock block;
+  block.first_layer = 0;
+  block.n_layers = 1;
+  block.n_tokens = shape.stored;
+  block.k = absl::MakeConstSpan(rows->k);
+  block.v = absl::MakeConstSpan(rows->v);
+  std::vector<double> samples;
+  for (auto _ : state) {
+    absl::StatusOr<SequenceId> seq = p.client->Open(g);
+    if (!seq.ok()) {
+      state.SkipWithError(seq.status().ToString().c_str());
+      break;
+    }
+    if (resident) {
+      absl::StatusOr<DirectRows> rows = p.client->GetDirectRows(*seq);
+      if (!rows.ok()) {
+        state.SkipWithError(rows.status().ToString().c_str());
+        break;
+      }
+      std::memset(const_cast<uint16_t*>(rows->k), 0,
+                  rows->layer_values * sizeof(uint16_t));
+      std::memset(const_cast<uint16_t*>(rows->v), 0,
+                  rows->layer_values * sizeof(uint16_t));
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    absl::StatusOr<AppendResult> r = p.client->Append(*seq, block);
+    const auto t1 = std::chrono::steady_clock::now();
+    const absl::Status closed = p.client->Close(*seq);
+    if (!r.ok() || !closed.ok()) {
+      state.SkipWithError((r.ok() ? closed : r.status()).ToString().c_str());
+      break;
+    }
+    samples.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+  }
+  Report(state, samples, c, /*baseline=*/false);
+}
+
 std::string Machine() {
   std::ifstream cpuinfo("/proc/cpuinfo");
   std::string line, model = "unknown CPU";
@@ -526,6 +603,23 @@ int main(int argc, char** argv) {
             ->Unit(benchmark::kMicrosecond);
       }
     }
+  }
+  const Case append = {"llama2_7b_layer/all", &kLlama2, kLlama2.stored, true};
+  benchmark::RegisterBenchmark(
+      absl::StrCat("memcpy/", append.name).c_str(),
+      [append](benchmark::State& s) { BM_Memcpy(s, append, 1); })
+      ->UseRealTime()
+      ->Unit(benchmark::kMicrosecond);
+  for (const bool resident : {false, true}) {
+    benchmark::RegisterBenchmark(
+        absl::StrCat(resident ? "append_resident_inproc/" : "append_inproc/",
+                     append.name)
+            .c_str(),
+        [append, resident](benchmark::State& s) {
+          BM_Append(s, "inproc", append, resident);
+        })
+        ->UseRealTime()
+        ->Unit(benchmark::kMicrosecond);
   }
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
