@@ -764,6 +764,24 @@ TEST(SelectPartialColumns, SumsAbsoluteValuesOverTheGroupsHeads) {
               ElementsAre(1, 3, 4, 6));
 }
 
+// Keeping every column chooses nothing: whatever the sums, each head's
+// columns are 0 .. d - 1 in order (InfiniGen then skips the prompt's sums).
+TEST(SelectPartialColumns, KeepingEveryColumnIsEveryColumnInOrder) {
+  const int n_tokens = 7, n_heads = 4, n_kv_heads = 2, d = 16;
+  std::mt19937 rng(10);
+  std::vector<int32_t> in_order(n_kv_heads * d);
+  for (int g = 0; g < n_kv_heads; ++g) {
+    std::iota(in_order.begin() + g * d, in_order.begin() + (g + 1) * d, 0);
+  }
+  for (int trial = 0; trial < 3; ++trial) {
+    std::vector<float> q = RandomMatrix(n_tokens * n_heads, d, rng);
+    std::vector<int32_t> cols(n_kv_heads * d, -1);
+    SelectPartialColumns(q.data(), n_tokens, n_heads, n_kv_heads, d, d,
+                         cols.data());
+    EXPECT_EQ(cols, in_order);
+  }
+}
+
 TEST(SelectPartialColumns, MatchesNaiveRankingOnRandomData) {
   const int n_tokens = 33, n_heads = 9, n_kv_heads = 3, d = 16, n_cols = 5;
   std::mt19937 rng(9);

@@ -1650,6 +1650,22 @@ TEST_F(KvCacheTest, PrefillRowsAreEncodedOnTheDevice) {
     EXPECT_EQ(d->encodes, 2 * 3 * 12);
     if (kind == "full") EXPECT_EQ(d->copies_out, ideal->copies_out);
   }
+  // InfiniGen keeping every column observes nothing of the prompt: it
+  // copies out of the device what full does. Choosing a part of the
+  // columns, it copies each chunk's queries and keys to the host.
+  for (const float ratio : {1.0f, 0.3f}) {
+    SCOPED_TRACE(ratio);
+    FakeKvClient node;
+    auto device = std::make_unique<GuardedDeviceBackend>(&violations);
+    GuardedDeviceBackend* d = device.get();
+    EngineOptions o = Options("infinigen", &node);
+    o.kv.policy->partial_ratio = ratio;
+    auto e = Engine::Create(weights_, std::move(device), o);
+    ASSERT_TRUE(e.ok()) << e.status();
+    ASSERT_TRUE((*e)->Forward(t, false).ok());
+    EXPECT_EQ(d->copies_out,
+              ideal->copies_out + (ratio < 1.0f ? 2 * 3 * 12 : 0));
+  }
   EXPECT_THAT(violations, ::testing::IsEmpty());
 }
 

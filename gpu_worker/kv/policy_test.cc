@@ -654,6 +654,24 @@ TEST_F(PolicyTest, ColumnRankingByKeysChangesOnlyWhichColumns) {
   EXPECT_EQ(partial.nll.size(), by_q.nll.size());
 }
 
+// The prompt's column sums only choose columns: where every column is kept
+// (partial_ratio 1, what --target_fetch sets) InfiniGen neither observes
+// the prompt (no queries or keys copied to the host) nor keeps per-block
+// sums for prefix reuse; with a partial set it does both.
+TEST_F(PolicyTest, KeepingEveryColumnLeavesThePromptUnobserved) {
+  const std::unique_ptr<Prompt> prompt = MakePrompt(20, 64, 3);
+  for (const float ratio : {1.0f, 0.3f}) {
+    SCOPED_TRACE(ratio);
+    PolicyOptions o = Policy(PolicyKind::kInfiniGen);
+    o.skew = skew_;
+    o.partial_ratio = ratio;
+    auto policy = KvPolicy::Create(o, prompt->ctx);
+    ASSERT_TRUE(policy.ok()) << policy.status();
+    EXPECT_EQ((*policy)->ObservesPrefill(), ratio < 1.0f);
+    EXPECT_EQ((*policy)->PrefixStateFloats() > 0, ratio < 1.0f);
+  }
+}
+
 TEST_F(PolicyTest, H2OKeepsItsBudget) {
   PolicyOptions p = Policy(PolicyKind::kH2O);
   p.budget = 0.2f;

@@ -49,7 +49,7 @@ const speculator::TaskRunner* SelectionRunner(size_t scores) {
 // (PlanFetchOnBackend: nothing comes back to the host); the alpha rule,
 // score mass, sinks and recent tokens, and evicted positions select on the
 // host from the scores copied back. Choosing the partial columns (once per
-// prompt) runs on the host.
+// prompt, where fewer than every column are kept) runs on the host.
 class InfiniGenPolicy final : public KvPolicy {
  public:
   // `owned_skew`: the skew to use instead of o.skew (the oracle's identity).
@@ -197,9 +197,15 @@ class InfiniGenPolicy final : public KvPolicy {
     std::fill(k_col_sums_.begin(), k_col_sums_.end(), 0.0f);
   }
 
-  bool ObservesPrefill() const override { return true; }
+  // The prompt's column sums choose each head's partial columns; where
+  // every column is kept (partial_ratio 1, as --target_fetch sets it) they
+  // choose nothing, and the prompt is not observed at all.
+  bool SelectsColumns() const { return n_cols_ < config().head_dim; }
+
+  bool ObservesPrefill() const override { return SelectsColumns(); }
   void ObservePrefill(int layer, const float* q, const float* k, int n,
                       int first_pos, const float* prob_sums) override {
+    if (!SelectsColumns()) return;
     const model::ModelConfig& m = config();
     const size_t d = m.head_dim;
     Accumulate(layer, q, k, n, ColSums(layer, 0),
@@ -209,6 +215,7 @@ class InfiniGenPolicy final : public KvPolicy {
   // Per layer: the summed |q A| of each KV head's columns, then (with
   // rank_columns_by_keys) the summed |k A|.
   int PrefixStateFloats() const override {
+    if (!SelectsColumns()) return 0;
     const model::ModelConfig& m = config();
     return m.n_kv_heads * m.head_dim * (options_.rank_columns_by_keys ? 2 : 1);
   }
