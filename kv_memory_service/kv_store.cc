@@ -299,15 +299,30 @@ absl::StatusOr<OpenedSequence> KvStore::Open(const SequenceGeometry& geometry,
       prefix_cache_->capacity_bytes() > 0
           ? prefix_cache_->Attach(geometry, prefix.block_tokens, keys)
           : std::vector<std::shared_ptr<const PrefixBlock>>();
+  // The cache keeps at most its capacity, and a chain of blocks is of use
+  // from its first block on: blocks past what fits beside the attached
+  // ones would only push the chain's head out (and be copied for nothing).
+  // Only the leading blocks that fit are published.
   std::vector<PrefixKey> pending;
+  int64_t publish_bytes = 0;
   if (prefix_cache_->capacity_bytes() > 0 && prefix.may_publish) {
-    pending.assign(keys.begin() + blocks.size(), keys.end());
+    publish_bytes = prefix_cache_->capacity_bytes();
+    for (const auto& b : blocks) publish_bytes -= b->bytes();
+    const int64_t block_rows_bytes =
+        int64_t{2} * geometry.n_layers * geometry.n_kv_heads *
+        prefix.block_tokens * geometry.head_dim *
+        static_cast<int64_t>(sizeof(uint16_t));
+    const size_t fit = static_cast<size_t>(
+        std::max<int64_t>(publish_bytes, 0) / std::max<int64_t>(block_rows_bytes, 1));
+    pending.assign(keys.begin() + blocks.size(),
+                   keys.begin() + blocks.size() +
+                       std::min(fit, keys.size() - blocks.size()));
   }
   for (const auto& b : blocks) opened.prefix_meta.push_back(b->meta);
   auto s = Find(id);
   if (!s.ok()) return s.status();  // its session expired meanwhile
   opened.cached_tokens = (*s)->Attach(std::move(blocks), prefix.block_tokens,
-                                      std::move(pending));
+                                      std::move(pending), publish_bytes);
   return opened;
 }
 

@@ -280,6 +280,29 @@ TEST_F(PrefixStoreTest, EvictionKeepsBlocksInUseAndCountsThemOnce) {
   EXPECT_EQ(Prefill(5, "m", first).cached_tokens, 0);
 }
 
+// A prompt longer than the cache holds publishes its leading blocks, as
+// many as fit: a later prompt attaches those (publishing every block would
+// leave the cache holding the prompt's last blocks, which no prompt can
+// attach without the first).
+TEST_F(PrefixStoreTest, ALongPromptPublishesTheLeadingBlocksThatFit) {
+  const int64_t block_bytes = int64_t{2} * kLayers * kHeads * kBlock * kDim * 2;
+  KvStoreOptions o;
+  o.prefix_cache_bytes = 3 * block_bytes;
+  store_ = std::make_unique<KvStore>(o);
+  const std::vector<int32_t> tokens = Tokens(40);  // 10 blocks
+  const OpenedSequence a = Prefill(/*salt=*/1, "m", tokens);
+  StoreStats s = store_->GetStoreStats();
+  EXPECT_EQ(s.prefix_blocks, 3);
+  EXPECT_EQ(s.prefix_evicted_blocks, 0);
+  ASSERT_TRUE(store_->Close(a.id).ok());
+  const OpenedSequence b = Prefill(/*salt=*/2, "m", tokens);
+  EXPECT_EQ(b.cached_tokens, 3 * kBlock);
+  ExpectRows(b.id, /*salt=*/1, 0, 3 * kBlock);
+  ExpectRows(b.id, /*salt=*/2, 3 * kBlock, 40 - 3 * kBlock);
+  // B publishes nothing more: its attached blocks fill the cache.
+  EXPECT_EQ(store_->GetStoreStats().prefix_blocks, 3);
+}
+
 TEST_F(PrefixStoreTest, BadBlockSizeOpensNothing) {
   PrefixRequest p;
   p.block_tokens = 0;

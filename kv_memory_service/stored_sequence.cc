@@ -397,12 +397,14 @@ absl::Status StoredSequence::NoteLeadingFetched(
 
 int32_t StoredSequence::Attach(
     std::vector<std::shared_ptr<const PrefixBlock>> blocks,
-    int32_t block_tokens, std::vector<PrefixKey> pending) {
+    int32_t block_tokens, std::vector<PrefixKey> pending,
+    int64_t publish_bytes) {
   absl::MutexLock lock(&mu_);
   block_tokens_ = block_tokens;
   attached_ = std::move(blocks);
   pending_ = std::move(pending);
   next_pending_ = 0;
+  publish_bytes_ = publish_bytes;
   const int32_t tokens =
       static_cast<int32_t>(attached_.size()) * block_tokens;
   attached_tokens_ = tokens;
@@ -672,13 +674,24 @@ void StoredSequence::CollectPublishable(
     const int32_t block = first_block + static_cast<int32_t>(next_pending_);
     const int32_t begin = block * block_tokens_;
     if (begin + block_tokens_ > complete) return;
+    const size_t values = static_cast<size_t>(g_.n_layers) * g_.n_kv_heads *
+                          block_tokens_ * row_elems_;
+    const int64_t bytes =
+        static_cast<int64_t>(2 * values * sizeof(uint16_t)) +
+        static_cast<int64_t>(next_pending_ < pending_meta_.size()
+                                 ? pending_meta_[next_pending_].size()
+                                 : 0);
+    if (bytes > publish_bytes_) {
+      // The cache could not keep it beside the blocks before it.
+      next_pending_ = pending_.size();
+      return;
+    }
+    publish_bytes_ -= bytes;
     auto b = std::make_shared<PrefixBlock>();
     b->key = pending_[next_pending_];
     b->format = g_;
     b->format.max_tokens = 0;
     b->tokens = block_tokens_;
-    const size_t values = static_cast<size_t>(g_.n_layers) * g_.n_kv_heads *
-                          block_tokens_ * row_elems_;
     b->k.resize(values);
     b->v.resize(values);
     for (int32_t layer = 0; layer < g_.n_layers; ++layer) {

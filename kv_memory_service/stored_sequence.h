@@ -127,9 +127,11 @@ class StoredSequence {
   // Makes the attached blocks the sequence's first tokens (a fresh
   // sequence: nothing appended yet) and remembers `pending` (the keys of
   // the blocks after them) to publish each of those blocks once every
-  // layer's rows of it are appended. Returns the attached tokens.
+  // layer's rows of it are appended, in order, while their bytes (rows and
+  // annotation) stay within `publish_bytes`. Returns the attached tokens.
   int32_t Attach(std::vector<std::shared_ptr<const PrefixBlock>> blocks,
-                 int32_t block_tokens, std::vector<PrefixKey> pending);
+                 int32_t block_tokens, std::vector<PrefixKey> pending,
+                 int64_t publish_bytes);
 
   SequenceStats Stats() const;
   absl::StatusOr<std::vector<TokenFetchStats>> TokenStats(int32_t layer,
@@ -230,6 +232,9 @@ class StoredSequence {
   std::vector<PrefixKey> pending_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> pending_meta_ ABSL_GUARDED_BY(mu_);
   size_t next_pending_ ABSL_GUARDED_BY(mu_) = 0;
+  // Bytes the blocks still to publish may take (Attach's publish_bytes,
+  // less what was published).
+  int64_t publish_bytes_ ABSL_GUARDED_BY(mu_) = 0;
 
   // The fetch log (taken after mu_, held briefly).
   mutable absl::Mutex log_mu_ ABSL_ACQUIRED_AFTER(mu_);
