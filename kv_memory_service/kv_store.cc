@@ -312,8 +312,9 @@ absl::StatusOr<OpenedSequence> KvStore::Open(const SequenceGeometry& geometry,
         int64_t{2} * geometry.n_layers * geometry.n_kv_heads *
         prefix.block_tokens * geometry.head_dim *
         static_cast<int64_t>(sizeof(uint16_t));
-    const size_t fit = static_cast<size_t>(
-        std::max<int64_t>(publish_bytes, 0) / std::max<int64_t>(block_rows_bytes, 1));
+    const size_t fit =
+        static_cast<size_t>(std::max<int64_t>(publish_bytes, 0) /
+                            std::max<int64_t>(block_rows_bytes, 1));
     pending.assign(keys.begin() + blocks.size(),
                    keys.begin() + blocks.size() +
                        std::min(fit, keys.size() - blocks.size()));

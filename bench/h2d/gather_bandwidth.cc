@@ -137,13 +137,14 @@ class Rows {
     const auto at = reinterpret_cast<uintptr_t>(data_);
     while (std::getline(smaps, line)) {
       uintptr_t lo = 0, hi = 0;
-      if (std::sscanf(line.c_str(), "%lx-%lx ", &lo, &hi) == 2 &&
-          line.find(':') > line.find(' ')) {
+      if (std::sscanf(line.c_str(), "%lx-%lx ", &lo, &hi) == 2) {
+        // A mapping's first line: its address range.
         ours = lo <= at && at < hi;
         continue;
       }
       long kb = 0;
-      if (ours && std::sscanf(line.c_str(), "AnonHugePages: %ld kB", &kb) == 1) {
+      if (ours &&
+          std::sscanf(line.c_str(), "AnonHugePages: %ld kB", &kb) == 1) {
         return kb * 1024;
       }
     }

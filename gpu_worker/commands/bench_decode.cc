@@ -232,8 +232,9 @@ const Command& BenchDecodeCommand() {
       "bench-decode",
       "After a warm-up (a 16-token prompt and one step, as the Transformers "
       "baseline takes), fills --ctx tokens of context per sequence (from "
-      "--text, else synthetic), decodes --decode_tokens steps of --batch sequences under "
-      "each policy of the comma-separated --policy, and reports per-token "
+      "--text, else synthetic), decodes --decode_tokens steps of --batch "
+      "sequences under each policy of the comma-separated --policy, and "
+      "reports per-token "
       "latency (p50, p99), tokens/s, KV bytes fetched per token, the time "
       "spent waiting on fetches, the KV memory held by the worker and by "
       "the memory node, and the process's peak RSS.",
