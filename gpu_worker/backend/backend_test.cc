@@ -300,62 +300,76 @@ TEST(PolicyOps, BatchedProductsAndStridedPartialKeys) {
   }
 }
 
-TEST(CpuBackend, SlidingWindowAttentionSeesOnlyTheLastRows) {
+// Attention against a double-precision reference, with GQA and the
+// probabilities H2O accumulates: prefill rows (several queries, a sliding
+// window), and a decode step's single query (each KV head's rows read once
+// for its group of query heads), with and without a window.
+TEST(CpuBackend, AttentionMatchesAReferenceWithWindowsAndGroups) {
   auto cpu = NewCpuBackend();
-  constexpr int kHeads = 4, kKvHeads = 2, kDim = 8, kStride = 32;
-  constexpr int kN = 6, kLen0 = 20, kWindow = 7;
+  constexpr int kHeads = 6, kKvHeads = 2, kDim = 8, kStride = 32;
+  constexpr int kLen0 = 20;
   std::mt19937 rng(11);
   std::normal_distribution<float> dist;
-  std::vector<float> q(kN * kHeads * kDim), k(kKvHeads * kStride * kDim),
-      v(kKvHeads * kStride * kDim);
-  for (float& x : q) x = dist(rng);
-  for (float& x : k) x = dist(rng);
-  for (float& x : v) x = dist(rng);
-  const int kv_max = kLen0 + kN - 1;
-  std::vector<float> out(q.size()), sums(kHeads * kv_max, 0.0f);
-  AttentionParams p;
-  p.q = q.data();
-  p.k = k.data();
-  p.v = v.data();
-  p.out = out.data();
-  p.n = kN;
-  p.n_heads = kHeads;
-  p.n_kv_heads = kKvHeads;
-  p.head_dim = kDim;
-  p.kv_stride = kStride;
-  p.kv_len0 = kLen0;
-  p.scale = 0.5f;
-  p.window = kWindow;
-  p.prob_sums = sums.data();
-  cpu->Attention(p);
-  std::vector<float> want_sums(sums.size(), 0.0f);
-  for (int i = 0; i < kN; ++i) {
-    const int len = kLen0 + i, lo = len - kWindow;
-    for (int h = 0; h < kHeads; ++h) {
-      const int g = h / (kHeads / kKvHeads);
-      std::vector<double> w(len - lo);
-      double mx = -1e30, z = 0;
-      for (int t = lo; t < len; ++t) {
-        double s = 0;
-        for (int d = 0; d < kDim; ++d) {
-          s += q[(i * kHeads + h) * kDim + d] * k[(g * kStride + t) * kDim + d];
-        }
-        w[t - lo] = s * p.scale;
-        mx = std::max(mx, w[t - lo]);
-      }
-      for (double& x : w) z += (x = std::exp(x - mx));
-      for (int d = 0; d < kDim; ++d) {
-        double o = 0;
+  struct Case {
+    int n, window;
+  };
+  for (const Case c : {Case{6, 7}, Case{1, 7}, Case{1, 0}, Case{6, 0}}) {
+    SCOPED_TRACE(testing::Message() << c.n << " queries, window " << c.window);
+    std::vector<float> q(c.n * kHeads * kDim), k(kKvHeads * kStride * kDim),
+        v(kKvHeads * kStride * kDim);
+    for (float& x : q) x = dist(rng);
+    for (float& x : k) x = dist(rng);
+    for (float& x : v) x = dist(rng);
+    const int kv_max = kLen0 + c.n - 1;
+    std::vector<float> out(q.size()), sums(kHeads * kv_max, 0.0f);
+    AttentionParams p;
+    p.q = q.data();
+    p.k = k.data();
+    p.v = v.data();
+    p.out = out.data();
+    p.n = c.n;
+    p.n_heads = kHeads;
+    p.n_kv_heads = kKvHeads;
+    p.head_dim = kDim;
+    p.kv_stride = kStride;
+    p.kv_len0 = kLen0;
+    p.scale = 0.5f;
+    p.window = c.window;
+    p.prob_sums = sums.data();
+    cpu->Attention(p);
+    std::vector<float> want_sums(sums.size(), 0.0f);
+    for (int i = 0; i < c.n; ++i) {
+      const int len = kLen0 + i;
+      const int lo = c.window > 0 ? std::max(0, len - c.window) : 0;
+      for (int h = 0; h < kHeads; ++h) {
+        const int g = h / (kHeads / kKvHeads);
+        std::vector<double> w(len - lo);
+        double mx = -1e30, z = 0;
         for (int t = lo; t < len; ++t) {
-          o += w[t - lo] / z * v[(g * kStride + t) * kDim + d];
+          double s = 0;
+          for (int d = 0; d < kDim; ++d) {
+            s += q[(i * kHeads + h) * kDim + d] *
+                 k[(g * kStride + t) * kDim + d];
+          }
+          w[t - lo] = s * p.scale;
+          mx = std::max(mx, w[t - lo]);
         }
-        EXPECT_NEAR(out[(i * kHeads + h) * kDim + d], o, 1e-5) << i << h;
+        for (double& x : w) z += (x = std::exp(x - mx));
+        for (int d = 0; d < kDim; ++d) {
+          double o = 0;
+          for (int t = lo; t < len; ++t) {
+            o += w[t - lo] / z * v[(g * kStride + t) * kDim + d];
+          }
+          EXPECT_NEAR(out[(i * kHeads + h) * kDim + d], o, 1e-5) << i << h;
+        }
+        for (int t = lo; t < len; ++t) {
+          want_sums[h * kv_max + t] += w[t - lo] / z;
+        }
       }
-      for (int t = lo; t < len; ++t) want_sums[h * kv_max + t] += w[t - lo] / z;
     }
-  }
-  for (size_t j = 0; j < sums.size(); ++j) {
-    EXPECT_NEAR(sums[j], want_sums[j], 1e-5) << j;
+    for (size_t j = 0; j < sums.size(); ++j) {
+      EXPECT_NEAR(sums[j], want_sums[j], 1e-5) << j;
+    }
   }
 }
 

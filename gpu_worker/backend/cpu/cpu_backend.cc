@@ -127,6 +127,7 @@ class CpuBackend final : public Backend {
     // cover [first, kv_max) only.
     const int first = p.window > 0 ? std::max(0, p.kv_len0 - p.window) : 0;
     const int cols = kv_max - first;
+    if (p.n == 1) return AttendOneQuery(p, group, first, cols);
     scores_.resize(static_cast<size_t>(p.n) * cols);
     for (int h = 0; h < p.n_heads; ++h) {
       const int g = h / group;
@@ -154,6 +155,37 @@ class CpuBackend final : public Backend {
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, p.n, p.head_dim,
                   cols, 1.0f, scores_.data(), cols, v, p.head_dim, 0.0f,
                   p.out + h * p.head_dim, q_stride);
+    }
+  }
+
+  // One query row (a decode step): the query heads of a KV head are
+  // contiguous, so each KV head's rows are read once for its whole group
+  // (GQA), in one product each way, where a product per query head would
+  // read them group times. Every row in [first, first + cols) is visible.
+  void AttendOneQuery(const AttentionParams& p, int group, int first,
+                      int cols) {
+    const int d = p.head_dim;
+    const int kv_max = p.kv_len0;
+    scores_.resize(static_cast<size_t>(group) * cols);
+    for (int g = 0; g < p.n_kv_heads; ++g) {
+      const long at = (static_cast<long>(g) * p.kv_stride + first) * d;
+      const float* q = p.q + static_cast<long>(g) * group * d;
+      // scores[group, cols] = scale * q_g[group, d] . k[first.., d]^T
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, group, cols, d,
+                  p.scale, q, d, p.k + at, d, 0.0f, scores_.data(), cols);
+      for (int r = 0; r < group; ++r) {
+        float* s = scores_.data() + static_cast<long>(r) * cols;
+        Softmax(s, cols);
+        if (p.prob_sums != nullptr) {
+          float* acc = p.prob_sums +
+                       static_cast<long>(g * group + r) * kv_max + first;
+          for (int t = 0; t < cols; ++t) acc[t] += s[t];
+        }
+      }
+      // out_g[group, d] = probs[group, cols] . v[first.., d]
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, group, d, cols,
+                  1.0f, scores_.data(), cols, p.v + at, d, 0.0f,
+                  p.out + static_cast<long>(g) * group * d, d);
     }
   }
 
