@@ -308,10 +308,9 @@ absl::StatusOr<OpenedSequence> KvStore::Open(const SequenceGeometry& geometry,
   if (prefix_cache_->capacity_bytes() > 0 && prefix.may_publish) {
     publish_bytes = prefix_cache_->capacity_bytes();
     for (const auto& b : blocks) publish_bytes -= b->bytes();
-    const int64_t block_rows_bytes =
-        int64_t{2} * geometry.n_layers * geometry.n_kv_heads *
-        prefix.block_tokens * geometry.head_dim *
-        static_cast<int64_t>(sizeof(uint16_t));
+    const int64_t block_rows_bytes = static_cast<int64_t>(
+        2 * PrefixBlock::RowValues(geometry, prefix.block_tokens) *
+        sizeof(uint16_t));
     const size_t fit =
         static_cast<size_t>(std::max<int64_t>(publish_bytes, 0) /
                             std::max<int64_t>(block_rows_bytes, 1));

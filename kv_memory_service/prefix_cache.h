@@ -44,6 +44,12 @@ struct PrefixBlock {
   std::vector<uint16_t> k, v;
   std::string meta;  // AppendBlock::prefix_meta, opaque
 
+  // Values of K (and as many of V) in a block of `tokens` tokens of
+  // `format`.
+  static size_t RowValues(const SequenceGeometry& format, int32_t tokens) {
+    return static_cast<size_t>(format.n_layers) * format.n_kv_heads *
+           tokens * format.head_dim;
+  }
   int64_t bytes() const {
     return static_cast<int64_t>(k.size() + v.size()) * sizeof(uint16_t) +
            static_cast<int64_t>(meta.size());

@@ -145,7 +145,7 @@ absl::StatusOr<AppendResult> StoredSequence::Append(
 
   AppendResult result;
   const size_t token_stride = static_cast<size_t>(g_.n_kv_heads) * row_elems_;
-  std::vector<int32_t> run;  // [h]: the head's first new slot
+  std::vector<int32_t>& run = run_slots_;  // [h]: the head's first new slot
   for (int32_t i = 0; i < b.n_layers; ++i) {
     const int32_t layer = b.first_layer + i;
     const int32_t first = layer_length_[layer];
@@ -674,8 +674,7 @@ void StoredSequence::CollectPublishable(
     const int32_t block = first_block + static_cast<int32_t>(next_pending_);
     const int32_t begin = block * block_tokens_;
     if (begin + block_tokens_ > complete) return;
-    const size_t values = static_cast<size_t>(g_.n_layers) * g_.n_kv_heads *
-                          block_tokens_ * row_elems_;
+    const size_t values = PrefixBlock::RowValues(g_, block_tokens_);
     const int64_t bytes =
         static_cast<int64_t>(2 * values * sizeof(uint16_t)) +
         static_cast<int64_t>(next_pending_ < pending_meta_.size()

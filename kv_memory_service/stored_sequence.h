@@ -235,6 +235,9 @@ class StoredSequence {
   // Bytes the blocks still to publish may take (Attach's publish_bytes,
   // less what was published).
   int64_t publish_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  // Append's first new slot of each head, kept to spare an allocation a
+  // call.
+  std::vector<int32_t> run_slots_ ABSL_GUARDED_BY(mu_);
 
   // The fetch log (taken after mu_, held briefly).
   mutable absl::Mutex log_mu_ ABSL_ACQUIRED_AFTER(mu_);

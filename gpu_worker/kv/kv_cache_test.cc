@@ -1201,13 +1201,11 @@ TEST_F(KvCacheTest, AnFp16DeviceKeepsTheLocalCacheInHalf) {
     auto engine = Engine::Create(w, std::move(backend), o);
     ASSERT_TRUE(engine.ok()) << engine.status();
     bytes[half] = (*engine)->worker_kv_bytes();
-    auto got = (*engine)->Forward(absl::MakeConstSpan(t).subspan(0, 40),
-                                  false);
-    for (int i = 40; i < 60; ++i) {
-      ASSERT_TRUE(got.ok()) << got.status();
-      logits[half].emplace_back(got->begin(), got->end());
-      got = (*engine)->Forward({t[i]}, false);
-    }
+    const ForcedRun run =
+        Forced(**engine, std::vector<int>(t.begin(), t.begin() + 40),
+               std::vector<int>(t.begin() + 40, t.end()));
+    ASSERT_TRUE(run.status.ok()) << run.status;
+    logits[half] = run.logits;
     EXPECT_THAT(violations, ::testing::IsEmpty());
   }
   EXPECT_EQ(bytes[true] * 2, bytes[false]);
@@ -1246,13 +1244,11 @@ TEST_F(KvCacheTest, OffloadedPrefillAttendsOverFp16RowsOnAnFp16Device) {
           Engine::Create(weights_, std::move(backend), Options(kind, &node));
       ASSERT_TRUE(engine.ok()) << engine.status();
       bytes[half] = (*engine)->worker_kv_bytes();
-      auto got = (*engine)->Forward(absl::MakeConstSpan(t).subspan(0, 30),
-                                    false);
-      for (int i = 30; i < 40; ++i) {
-        ASSERT_TRUE(got.ok()) << got.status();
-        logits[half].emplace_back(got->begin(), got->end());
-        got = (*engine)->Forward({t[i]}, false);
-      }
+      const ForcedRun run =
+          Forced(**engine, std::vector<int>(t.begin(), t.begin() + 30),
+                 std::vector<int>(t.begin() + 30, t.end()));
+      ASSERT_TRUE(run.status.ok()) << run.status;
+      logits[half] = run.logits;
       EXPECT_THAT(violations, ::testing::IsEmpty());
       if (half) half_attentions = d->half_attentions;
     }
