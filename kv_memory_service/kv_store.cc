@@ -254,7 +254,8 @@ absl::StatusOr<AppendResult> KvStore::Append(SequenceId seq,
   IG_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(seq));
   std::vector<std::shared_ptr<const PrefixBlock>> published;
   absl::StatusOr<AppendResult> result =
-      s->Append(block, options_.max_append_tokens, *totals_, &published);
+      s->Append(block, options_.max_append_tokens, *totals_, &published,
+                gather_pool_.get());
   for (auto& b : published) prefix_cache_->Insert(std::move(b));
   return result;
 }

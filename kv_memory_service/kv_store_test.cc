@@ -18,6 +18,7 @@
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kv_memory_service/stored_sequence.h"
 #include "kv_memory_service/testing/kv_test_data.h"
 
 namespace infinigen::kv_memory_service {
@@ -868,6 +869,32 @@ TEST(KvStoreTest, LargeGathersSplitAcrossThreadsAreBitExact) {
     const SequenceStats stats = *store.GetSequenceStats(id);
     EXPECT_EQ(stats.fetches, 1);
     EXPECT_EQ(stats.fetched_rows, static_cast<int64_t>(plan.indices.size()));
+  }
+}
+
+// A prefill's large append is copied by the pool's threads, a range of KV
+// heads each (five heads over three threads: uneven ranges), in blocks of
+// several layers and continuing a layer already started: every row lands
+// where one thread puts it, and a small append after it too.
+TEST(KvStoreTest, LargeAppendsSplitAcrossThreadsAreBitExact) {
+  const SequenceGeometry g = Geo(2, 5, 64, 9000);
+  const size_t block_bytes = 2 * size_t{4096} * g.n_kv_heads * g.head_dim * 2;
+  ASSERT_GT(block_bytes, StoredSequence::kAppendSplitBytes);
+  for (int threads : {1, 3}) {
+    SCOPED_TRACE(threads);
+    KvStoreOptions options;
+    options.gather_threads = threads;
+    KvStore store(options);
+    const SequenceId id = *store.Open(g);
+    Block head = MakeBlock(5, g, 0, 2, 0, 100);
+    ASSERT_OK(store.Append(id, head.block).status());
+    Block big = MakeBlock(5, g, 0, 2, 100, 4096);
+    ASSERT_OK(store.Append(id, big.block).status());
+    Block one = MakeBlock(5, g, 0, 2, 4196, 1);
+    ASSERT_OK(store.Append(id, one.block).status());
+    ExpectAllRows(store, id, 5, g, 4197);
+    EXPECT_EQ(store.GetSequenceStats(id)->present_rows,
+              int64_t{2} * g.n_kv_heads * 4197);
   }
 }
 

@@ -65,7 +65,8 @@ StoredSequence::StoredSequence(SequenceId id, const SequenceGeometry& g,
 
 absl::StatusOr<AppendResult> StoredSequence::Append(
     const AppendBlock& b, int32_t max_append_tokens, StoreTotals& totals,
-    std::vector<std::shared_ptr<const PrefixBlock>>* published) {
+    std::vector<std::shared_ptr<const PrefixBlock>>* published,
+    GatherPool* pool) {
   if (b.first_layer < 0 || b.n_layers <= 0 ||
       b.first_layer > g_.n_layers - b.n_layers) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -182,11 +183,34 @@ absl::StatusOr<AppendResult> StoredSequence::Append(
       for (int32_t h = 0; h < g_.n_kv_heads; ++h) {
         run[h] = HeadAt(layer, h).PlaceRun(first, b.n_tokens);
       }
-      for (int32_t t0 = 0; t0 < b.n_tokens; t0 += kTileTokens) {
-        const int32_t t1 = std::min(b.n_tokens, t0 + kTileTokens);
-        for (int32_t h = 0; h < g_.n_kv_heads; ++h) {
-          for (int32_t t = t0; t < t1; ++t) copy_row(t, h, run[h] + t);
+      auto copy_heads = [&](int32_t h0, int32_t h1) {
+        for (int32_t t0 = 0; t0 < b.n_tokens; t0 += kTileTokens) {
+          const int32_t t1 = std::min(b.n_tokens, t0 + kTileTokens);
+          for (int32_t h = h0; h < h1; ++h) {
+            for (int32_t t = t0; t < t1; ++t) copy_row(t, h, run[h] + t);
+          }
         }
+      };
+      // A prefill's layer (hundreds of MiB at long contexts) is split
+      // across the pool's threads, a range of KV heads each: their rows
+      // are disjoint, and one thread's copy runs far below the memory's
+      // bandwidth. A decode step's few rows are copied here.
+      const size_t bytes =
+          2 * static_cast<size_t>(b.n_tokens) * g_.n_kv_heads * row_bytes_;
+      const int tasks =
+          pool == nullptr || bytes < kAppendSplitBytes
+              ? 1
+              : static_cast<int>(std::min<size_t>(
+                    {static_cast<size_t>(pool->threads()),
+                     static_cast<size_t>(g_.n_kv_heads),
+                     bytes / kAppendTaskBytes}));
+      if (tasks <= 1) {
+        copy_heads(0, g_.n_kv_heads);
+      } else {
+        pool->Run(tasks, [&](int task) {
+          copy_heads(g_.n_kv_heads * task / tasks,
+                     g_.n_kv_heads * (task + 1) / tasks);
+        });
       }
     }
     layer_length_[layer] = first + b.n_tokens;

@@ -95,10 +95,14 @@ class StoredSequence {
 
   // KvStore::Append on this sequence, at most max_append_tokens per call.
   // `published` receives the prefix blocks this append completed (see
-  // Attach), for the store to share.
+  // Attach), for the store to share. `pool` (may be null) splits a layer's
+  // rows above kAppendSplitBytes across its threads by KV head.
   absl::StatusOr<AppendResult> Append(
       const AppendBlock& b, int32_t max_append_tokens, StoreTotals& totals,
-      std::vector<std::shared_ptr<const PrefixBlock>>* published);
+      std::vector<std::shared_ptr<const PrefixBlock>>* published,
+      GatherPool* pool = nullptr);
+  static constexpr size_t kAppendSplitBytes = size_t{4} << 20;
+  static constexpr size_t kAppendTaskBytes = size_t{1} << 20;
 
   // KvStore::Gather on this sequence; `pool` (may be null) splits large
   // gathers.
