@@ -183,10 +183,13 @@ def markdown(report):
         f"the rows): {fmt(g['gather_gbps'])} GB/s against a pinned copy's "
         f"{fmt(g['pinned_copy_gbps'])} GB/s" +
         ("." if g.get("first_read_gbps") is None or g["fraction"] != 1 else
-         f"; its first read of every row {fmt(g['first_read_gbps'])} GB/s, "
-         f"after {fmt(g.get('make_ms'), 0)} ms to allocate, register and "
-         f"write the rows ({g.get('huge_page_bytes', 0) >> 20} MiB in huge "
-         "pages).")
+         f"; its first read of every row {fmt(g['first_read_gbps'])} GB/s" +
+         ("" if g.get("first_copy_gbps") is None else
+          f" (the copy engine's {fmt(g['first_copy_gbps'])} GB/s)") +
+         f", after {fmt(g.get('make_ms'), 0)} ms to allocate, register" +
+         (", touch" if g.get("memory") == "registered_touched" else "") +
+         f" and write the rows ({g.get('huge_page_bytes', 0) >> 20} MiB in "
+         "huge pages).")
         for g in report.get("gather", [])] + [
              "", "| system | policy | reads | ctx | batch | decode tok/s | "
              "p50 ms/step | first step ms | "

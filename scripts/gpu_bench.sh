@@ -12,11 +12,13 @@
 # and int4, each under what is left of the budget (default 480 s; a run the
 # budget cuts short is recorded as timed out, later ones as skipped):
 #   h2d_bandwidth                 pinned and pageable host-to-device copies
-#   gather_bandwidth              one-sided reads of a layer's rows from
-#                                 cudaHostAlloc'd and from registered mmap
-#                                 memory (4 KiB and huge pages), and the
-#                                 first read of freshly registered rows;
-#                                 mapped host memory (all, and 10%)
+#   gather_bandwidth              one-sided reads of a layer's rows (all,
+#                                 and 10%) from cudaHostAlloc'd and from
+#                                 registered mmap memory (4 KiB pages, huge
+#                                 pages, and touched by the device before
+#                                 the rows are written, as the CUDA
+#                                 backend's PinHost does), and the first
+#                                 read of freshly registered rows
 #   infinigen skew                once, on dummy weights and synthetic tokens
 #                                 (--skew=PATH: kept there and reused by a
 #                                 later call; default OUT_DIR/runs/dummy.skew)
@@ -149,7 +151,7 @@ run() {
 
 run h2d "$(dirname "${INFINIGEN}")/h2d_bandwidth" --sizes=192K,3M,48M --json
 run gather "$(dirname "${INFINIGEN}")/gather_bandwidth" --fractions=1,0.1 \
-  --memory=host_alloc,registered,registered_huge --json
+  --memory=host_alloc,registered,registered_huge,registered_touched --json
 # The skew depends only on the model's shape (the dummy weights are
 # deterministic): one made by an earlier call is reused.
 if [ -s "${SKEW}" ]; then

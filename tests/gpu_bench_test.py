@@ -169,6 +169,10 @@ class GpuBench(unittest.TestCase):
             '"gather_gbps": 45.0, "pinned_copy_gbps": 50.0, '
             '"first_read_gbps": 20.0, "make_ms": 300.0, '
             '"huge_page_bytes": 2097152}\n'
+            '{"memory": "registered_touched", "fraction": 1, '
+            '"gather_gbps": 46.0, "pinned_copy_gbps": 50.0, '
+            '"first_read_gbps": 44.0, "first_copy_gbps": 48.0, '
+            '"make_ms": 350.0, "huge_page_bytes": 0}\n'
             '{"memory": "registered_huge", "fraction": 0.1, '
             '"gather_gbps": 44.0, "pinned_copy_gbps": 50.0, '
             '"first_read_gbps": 20.0, "make_ms": 300.0, '
@@ -247,6 +251,11 @@ class GpuBench(unittest.TestCase):
                       "pinned copy's 50.0 GB/s; its first read of every row "
                       "20.0 GB/s, after 300 ms to allocate, register and "
                       "write the rows (2 MiB in huge pages).", md)
+        self.assertIn("(registered_touched, 1 of the rows): 46.0 GB/s against "
+                      "a pinned copy's 50.0 GB/s; its first read of every row "
+                      "44.0 GB/s (the copy engine's 48.0 GB/s), after 350 ms "
+                      "to allocate, register, touch and write the rows (0 MiB "
+                      "in huge pages).", md)
         self.assertIn("(registered_huge, 0.1 of the rows): 44.0 GB/s against "
                       "a pinned copy's 50.0 GB/s.", md)
         self.assertIn("refused: infinigen: policy ideal needs 96.0 GiB", md)

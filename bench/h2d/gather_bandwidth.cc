@@ -6,7 +6,8 @@
 //
 //   gather_bandwidth [--heads=32] [--ctx=32768] [--row_bytes=256]
 //                    [--fractions=1,0.1] [--iters=20]
-//                    [--memory=host_alloc,registered,registered_huge] [--json]
+//                    [--memory=host_alloc,registered,registered_huge,
+//                              registered_touched] [--json]
 //
 // For each fraction f, each head's plan is f * ctx distinct slots drawn at
 // random and sorted (f = 1: every slot, in order). GB/s counts the K and V
@@ -14,10 +15,14 @@
 //
 // --memory says where the rows lie: host_alloc (cudaHostAlloc), registered
 // (as the memory node's rows read one-sided: an anonymous mmap registered
-// with cudaHostRegister before the rows are written) or registered_huge
-// (the same, advised to transparent huge pages first). Each also reports
-// the time to allocate and register the rows and the first read of every
-// row (the device's first touch of each page), before any warm-up.
+// with cudaHostRegister before the rows are written), registered_huge
+// (the same, advised to transparent huge pages first) or
+// registered_touched (registered, then one word of every page read by the
+// device, as the CUDA backend's PinHost does, then written). Each also
+// reports the time to allocate and register the rows (and touch them), and
+// the first read of every row (the device's first access to each page
+// since it was written), before any warm-up: by the gather kernel, and by
+// the copy engine from a third range of the same kind.
 #include <cuda_runtime.h>
 #include <sys/mman.h>
 
@@ -48,7 +53,9 @@ ABSL_FLAG(std::string, memory, "host_alloc",
           "Comma-separated: host_alloc (cudaHostAlloc), registered (an "
           "anonymous mmap registered with cudaHostRegister, as the memory "
           "node's rows for one-sided reads), registered_huge (the same, "
-          "advised to transparent huge pages).");
+          "advised to transparent huge pages), registered_touched "
+          "(registered, then one word of every page read by the device "
+          "before the rows are written).");
 ABSL_FLAG(bool, json, false,
           "One JSON object per memory and fraction on stdout.");
 
@@ -96,8 +103,9 @@ class Rows {
     if (data_ != nullptr) munmap(data_, bytes_);
   }
 
-  // Allocates (and registers) the rows, then writes them with `fill`.
-  int Make(char fill) {
+  // Allocates (and registers, and touches) the rows, then writes them with
+  // `fill`.
+  int Make(char fill, cudaStream_t stream, unsigned* sink) {
     if (memory_ == "host_alloc") {
       if (Check(cudaHostAlloc(&data_, bytes_, cudaHostAllocMapped),
                 "cudaHostAlloc")) {
@@ -121,6 +129,23 @@ class Rows {
         return 1;
       }
       registered_ = true;
+      if (memory_ == "registered_touched") {
+        void* device = nullptr;
+        if (Check(cudaHostGetDevicePointer(&device, data_, 0),
+                  "cudaHostGetDevicePointer")) {
+          return 1;
+        }
+        cuda::TouchPagesParams t;
+        t.data = device;
+        t.bytes = bytes_ / 4 * 4;
+        t.page_bytes = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+        t.sink = sink;
+        if (Check(static_cast<cudaError_t>(cuda::LaunchTouchPages(t, stream)),
+                  "LaunchTouchPages") ||
+            Check(cudaStreamSynchronize(stream), "touch")) {
+          return 1;
+        }
+      }
     }
     std::fill_n(static_cast<char*>(data_), bytes_, fill);
     return 0;
@@ -170,8 +195,8 @@ int main(int argc, char** argv) {
       "One-sided gather bandwidth from mapped host memory, against a pinned "
       "copy.\n  gather_bandwidth [--heads=32] [--ctx=32768] [--row_bytes=256] "
       "[--fractions=1,0.1] [--iters=20]\n"
-      "                   [--memory=host_alloc,registered,registered_huge] "
-      "[--json]");
+      "                   [--memory=host_alloc,registered,registered_huge,"
+      "registered_touched] [--json]");
   absl::ParseCommandLine(argc, argv);
   const int heads = absl::GetFlag(FLAGS_heads);
   const int ctx = absl::GetFlag(FLAGS_ctx);
@@ -197,10 +222,11 @@ int main(int argc, char** argv) {
   }
   std::vector<std::string> memories;
   for (const auto& m : absl::StrSplit(absl::GetFlag(FLAGS_memory), ',')) {
-    if (m != "host_alloc" && m != "registered" && m != "registered_huge") {
+    if (m != "host_alloc" && m != "registered" && m != "registered_huge" &&
+        m != "registered_touched") {
       std::fprintf(stderr,
-                   "gather_bandwidth: --memory takes host_alloc, registered "
-                   "and registered_huge, got '%s'\n",
+                   "gather_bandwidth: --memory takes host_alloc, registered, "
+                   "registered_huge and registered_touched, got '%s'\n",
                    std::string(m).c_str());
       return 2;
     }
@@ -215,6 +241,7 @@ int main(int argc, char** argv) {
   cudaGetDeviceProperties(&prop, 0);
   const size_t layer_bytes = static_cast<size_t>(heads) * ctx * row_bytes;
   void* out = nullptr;
+  unsigned* sink = nullptr;
   int32_t *indices = nullptr, *offsets = nullptr;
   cudaStream_t stream;
   if (Check(cudaMalloc(&out, 2 * layer_bytes), "cudaMalloc") ||
@@ -222,23 +249,38 @@ int main(int argc, char** argv) {
             "cudaMalloc") ||
       Check(cudaMalloc(&offsets, sizeof(int32_t) * (heads + 1)),
             "cudaMalloc") ||
-      Check(cudaStreamCreate(&stream), "cudaStreamCreate")) {
+      Check(cudaStreamCreate(&stream), "cudaStreamCreate") ||
+      Check(cudaMalloc(&sink, sizeof(unsigned)), "cudaMalloc")) {
     return 1;
   }
   if (!absl::GetFlag(FLAGS_json)) {
     std::printf("device: %s; %d heads x %d slots x %d-byte rows\n"
                 "| memory | fraction | rows | gather GB/s | pinned copy GB/s "
-                "| ratio | first read of every row GB/s | allocate and "
-                "register ms | huge-page bytes |\n"
-                "|---|---|---|---|---|---|---|---|---|\n",
+                "| ratio | first read of every row GB/s (kernel) | first "
+                "copy GB/s | allocate and register ms | huge-page bytes |\n"
+                "|---|---|---|---|---|---|---|---|---|---|\n",
                 prop.name, heads, ctx, row_bytes);
   }
   for (const std::string& memory : memories) {
-    Rows k_rows(memory, layer_bytes), v_rows(memory, layer_bytes);
+    Rows k_rows(memory, layer_bytes), v_rows(memory, layer_bytes),
+        w_rows(memory, layer_bytes);
     const auto t_make = std::chrono::steady_clock::now();
-    if (k_rows.Make(1) || v_rows.Make(2)) return 1;
-    // Allocation and registration, and the rows' first writes.
+    if (k_rows.Make(1, stream, sink) || v_rows.Make(2, stream, sink)) {
+      return 1;
+    }
+    // Allocation and registration (and the touch), and the rows' first
+    // writes.
     const double make_ms = 1e3 * SecondsSince(t_make);
+    if (w_rows.Make(3, stream, sink)) return 1;
+    // The copy engine's first read of a range of the same kind.
+    const auto t_copy = std::chrono::steady_clock::now();
+    if (Check(cudaMemcpyAsync(out, w_rows.data(), layer_bytes,
+                              cudaMemcpyHostToDevice, stream),
+              "cudaMemcpyAsync") ||
+        Check(cudaStreamSynchronize(stream), "first copy")) {
+      return 1;
+    }
+    const double first_copy_gbps = layer_bytes / SecondsSince(t_copy) / 1e9;
     const long huge = k_rows.HugeBytes() + v_rows.HugeBytes();
     void* k = k_rows.data();
     void* v = v_rows.data();
@@ -314,16 +356,17 @@ int main(int argc, char** argv) {
                     "\"heads\": %d, \"ctx\": %d, \"row_bytes\": %d, "
                     "\"fraction\": %g, \"rows\": %zu, "
                     "\"gather_gbps\": %.3f, \"pinned_copy_gbps\": %.3f, "
-                    "\"first_read_gbps\": %.3f, \"make_ms\": %.1f, "
-                    "\"huge_page_bytes\": %ld}\n",
+                    "\"first_read_gbps\": %.3f, \"first_copy_gbps\": %.3f, "
+                    "\"make_ms\": %.1f, \"huge_page_bytes\": %ld}\n",
                     prop.name, memory.c_str(), heads, ctx, row_bytes, f,
-                    plan.size(), gather_gbps, copy_gbps, first_gbps, make_ms,
-                    huge);
+                    plan.size(), gather_gbps, copy_gbps, first_gbps,
+                    first_copy_gbps, make_ms, huge);
       } else {
-        std::printf("| %s | %g | %zu | %.2f | %.2f | %.2f | %.2f | %.1f | "
-                    "%ld |\n",
+        std::printf("| %s | %g | %zu | %.2f | %.2f | %.2f | %.2f | %.2f | "
+                    "%.1f | %ld |\n",
                     memory.c_str(), f, plan.size(), gather_gbps, copy_gbps,
-                    gather_gbps / copy_gbps, first_gbps, make_ms, huge);
+                    gather_gbps / copy_gbps, first_gbps, first_copy_gbps,
+                    make_ms, huge);
       }
       std::fflush(stdout);
     }
@@ -331,5 +374,6 @@ int main(int argc, char** argv) {
   cudaFree(out);
   cudaFree(indices);
   cudaFree(offsets);
+  cudaFree(sink);
   return 0;
 }

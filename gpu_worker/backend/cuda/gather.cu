@@ -9,6 +9,8 @@
 // issues kUnroll independent loads before storing any, so that enough PCIe
 // reads are in flight to fill the link. The address arithmetic is
 // gather_rows.h's, shared with the host reference.
+//
+// LaunchTouchPages reads one word of every page of such memory.
 #include <cuda_runtime.h>
 
 #include "gpu_worker/backend/cuda/kernels.h"
@@ -62,7 +64,38 @@ int Launch(const GatherRowsParams& p, int sm_count, cudaStream_t stream) {
   return static_cast<int>(cudaGetLastError());
 }
 
+__global__ void __launch_bounds__(kThreads)
+    TouchPagesKernel(const unsigned* data, size_t pages, size_t page_words,
+                     unsigned* sink) {
+  unsigned acc = 0;
+  const size_t stride = static_cast<size_t>(gridDim.x) * kThreads;
+  for (size_t i = static_cast<size_t>(blockIdx.x) * kThreads + threadIdx.x;
+       i < pages; i += stride) {
+    acc ^= *reinterpret_cast<const volatile unsigned*>(data + i * page_words);
+  }
+  atomicXor(sink, acc);
+}
+
 }  // namespace
+
+int LaunchTouchPages(const TouchPagesParams& p, void* stream) {
+  const int invalid = static_cast<int>(cudaErrorInvalidValue);
+  if (!p.data || !p.sink || p.bytes == 0 || p.bytes % 4 != 0 ||
+      reinterpret_cast<uintptr_t>(p.data) % 4 != 0 || p.page_bytes < 4 ||
+      (p.page_bytes & (p.page_bytes - 1)) != 0) {
+    return invalid;
+  }
+  const size_t pages = (p.bytes + p.page_bytes - 1) / p.page_bytes;
+  // A few blocks: the loads wait on the link (or on whatever the first
+  // access to a page costs), not on the SMs, which other work keeps.
+  constexpr size_t kMaxBlocks = 64;
+  const size_t want = (pages + kThreads - 1) / kThreads;
+  const unsigned blocks =
+      static_cast<unsigned>(want < kMaxBlocks ? want : kMaxBlocks);
+  TouchPagesKernel<<<blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const unsigned*>(p.data), pages, p.page_bytes / 4, p.sink);
+  return static_cast<int>(cudaGetLastError());
+}
 
 int LaunchGatherRows(const GatherRowsParams& p, void* stream) {
   const int invalid = static_cast<int>(cudaErrorInvalidValue);

@@ -275,6 +275,19 @@ int LaunchFlashAttention(const AttentionKernelParams& p, void* stream);
 // plan and missing pointers.
 int LaunchGatherRows(const GatherRowsParams& p, void* stream);
 
+// One word read from every page of a range of host memory mapped for the
+// device, so that the device's first access to each page is done before a
+// read that needs the rows. *sink ^= the xor of every page's first 32-bit
+// word (so the loads stay; a test checks the value). bytes and the address
+// must be multiples of 4, page_bytes a power of two of at least 4.
+struct TouchPagesParams {
+  const void* data = nullptr;  // device address of the mapped range
+  size_t bytes = 0;
+  size_t page_bytes = 4096;
+  unsigned* sink = nullptr;  // device memory, one word
+};
+int LaunchTouchPages(const TouchPagesParams& p, void* stream);
+
 // ----------------------------------------------------------- speculation
 
 // speculator::SpeculateScores on the device (SpeculationParams, in

@@ -502,6 +502,33 @@ TEST_F(CudaKernels, GatherRowsReadsLeadingRows) {
   cudaFreeHost(v_src);
 }
 
+// The first touch of every page: one word of each (the last page partial),
+// xor'ed into the sink, at two page sizes.
+TEST_F(CudaKernels, TouchPagesReadsEveryPagesFirstWord) {
+  const size_t bytes = 10 * 4096 + 100;
+  void* host = nullptr;
+  ASSERT_EQ(cudaHostAlloc(&host, bytes, cudaHostAllocMapped), cudaSuccess);
+  std::uniform_int_distribution<unsigned> word;
+  auto* words = static_cast<unsigned*>(host);
+  for (size_t i = 0; i < bytes / 4; ++i) words[i] = word(rng_);
+  void* mapped = nullptr;
+  ASSERT_EQ(cudaHostGetDevicePointer(&mapped, host, 0), cudaSuccess);
+  for (size_t page : {size_t{4096}, size_t{64}}) {
+    SCOPED_TRACE(page);
+    unsigned want = 0x12345678u;
+    for (size_t at = 0; at < bytes; at += page) want ^= words[at / 4];
+    DeviceArray<unsigned> sink(std::vector<unsigned>{0x12345678u});
+    TouchPagesParams p;
+    p.data = mapped;
+    p.bytes = bytes;
+    p.page_bytes = page;
+    p.sink = sink.get();
+    ExpectRan(LaunchTouchPages(p, nullptr));
+    EXPECT_EQ(sink.ToHost()[0], want);
+  }
+  cudaFreeHost(host);
+}
+
 // Sorted random partial columns per KV head, as SelectPartialColumns gives.
 std::vector<int32_t> RandomColumns(int n_kv_heads, int d, int n_cols,
                                    std::mt19937& rng) {
@@ -904,6 +931,23 @@ TEST(CudaKernelArguments, RejectedBeforeLaunch) {
   bad_g = g;
   bad_g.head_stride = 0;
   EXPECT_EQ(LaunchGatherRows(bad_g, nullptr), bad);
+
+  TouchPagesParams touch;
+  touch.data = f;
+  touch.bytes = 4096;
+  touch.sink = reinterpret_cast<unsigned*>(i32);
+  TouchPagesParams bad_touch = touch;
+  bad_touch.bytes = 4098;  // not whole words
+  EXPECT_EQ(LaunchTouchPages(bad_touch, nullptr), bad);
+  bad_touch = touch;
+  bad_touch.page_bytes = 3000;  // not a power of two
+  EXPECT_EQ(LaunchTouchPages(bad_touch, nullptr), bad);
+  bad_touch = touch;
+  bad_touch.sink = nullptr;
+  EXPECT_EQ(LaunchTouchPages(bad_touch, nullptr), bad);
+  bad_touch = touch;
+  bad_touch.bytes = 0;
+  EXPECT_EQ(LaunchTouchPages(bad_touch, nullptr), bad);
 
   uint8_t* u8 = reinterpret_cast<uint8_t*>(0x1000);
   SpeculationParams s{f, u8, i32, f, 9, 3, 64, 100, 100, 19};
