@@ -83,7 +83,8 @@ def collect(out_dir, config, gpu_bytes):
                    "decode_tokens_per_s": None, "prefill_tokens_per_s": None,
                    "fetch_gbps": None, "decode_fetch_gbps": None,
                    "fetch_fraction": None, "p50_ms": None,
-                   "first_step_ms": None,
+                   "first_step_ms": None, "prefill_open_seconds": None,
+                   "prefill_append_wait_seconds": None,
                    "direct_reads": flag(cmd, "kv_direct_reads", "false")
                    in ("true", "1"),
                    "kv_exceeds_gpu": bool(gpu_bytes) and
@@ -95,6 +96,10 @@ def collect(out_dir, config, gpu_bytes):
                     row["p50_ms"] = j.get("p50_ms")
                     steps = j.get("step_ms") or []
                     row["first_step_ms"] = steps[0] if steps else None
+                    if policy != "ideal":
+                        for k in ("prefill_open_seconds",
+                                  "prefill_append_wait_seconds"):
+                            row[k] = j.get(k)
                     if policy != "ideal":  # nothing fetched
                         row["fetch_gbps"] = j.get("fetch_gbps")
                         row["decode_fetch_gbps"] = j.get("decode_fetch_gbps")

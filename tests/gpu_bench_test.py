@@ -158,7 +158,9 @@ class GpuBench(unittest.TestCase):
                                "decode_fetch_gbps": decode_gbps,
                                "fetch_fraction_mean": frac,
                                "p50_ms": sorted(steps)[len(steps) // 2],
-                               "step_ms": list(steps)})
+                               "step_ms": list(steps),
+                               "prefill_open_seconds": 2.5,
+                               "prefill_append_wait_seconds": 4.0})
 
         put("h2d", ["h2d_bandwidth"],
             '{"pinned_gbps": 50.0}\n{"pinned_gbps": 55.0}\n')
@@ -242,6 +244,11 @@ class GpuBench(unittest.TestCase):
                       "210.0 | 500.0 |", md)
         self.assertEqual(rows[("infinigen", "full", 32768, 1)]
                          ["first_step_ms"], 500.0)
+        # Where an offloaded prefill waited.
+        self.assertEqual(rows[("infinigen", "full", 32768, 1)]
+                         ["prefill_open_seconds"], 2.5)
+        self.assertEqual(rows[("infinigen", "full", 32768, 1)]
+                         ["prefill_append_wait_seconds"], 4.0)
         self.assertIn("| infinigen | full | gather | 32768 | 1 | 1.00 |", md)
         self.assertIn("One-sided gather from mapped host memory (host_alloc, "
                       "1 of the rows): 40.0 GB/s against a pinned copy's "

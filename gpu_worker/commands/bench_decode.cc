@@ -104,6 +104,12 @@ void PrintJson(const DecodeBenchResult& r) {
   j["compute_fraction"] = 1.0 - r.fetch.wait_seconds / r.seconds;
   j["prefill_seconds"] = r.prefill_seconds;
   j["warmup_seconds"] = r.warmup_seconds;
+  // Of the prefill (offloaded policies, summed over the batch): opening
+  // the sequences at the memory node (and pinning their rows for one-sided
+  // reads), and waiting on a layer's append to the node once the next
+  // layer's work was done.
+  j["prefill_open_seconds"] = r.fetch.open_seconds;
+  j["prefill_append_wait_seconds"] = r.fetch.prefill_append_wait_seconds;
   // Prompt tokens computed per second of prefill (reused ones excluded).
   j["prefill_tokens_per_s"] =
       r.prefill_seconds > 0

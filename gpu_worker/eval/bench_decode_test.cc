@@ -85,6 +85,12 @@ TEST_F(RunDecodeBenchTest, TimesEveryStepAndCountsFetchesOfEverySequence) {
   EXPECT_EQ(r->fetch.steps, static_cast<long>(batch) * steps);
   EXPECT_NEAR(r->fetch.fraction_mean(), 1.0, 1e-9);
   EXPECT_GT(r->fetch.bytes_fetched, 0);
+  // Each prefill opened its sequence at the node (timed), and waited on
+  // its layers' appends for some time or none.
+  EXPECT_GT(r->fetch.open_seconds, 0);
+  EXPECT_GE(r->fetch.prefill_append_wait_seconds, 0);
+  EXPECT_LT(r->fetch.open_seconds + r->fetch.prefill_append_wait_seconds,
+            r->prefill_seconds);
   EXPECT_GT(r->worker_kv_bytes, 0);
   EXPECT_GT(r->memory_node_bytes, 0);
   EXPECT_GT(r->peak_rss_bytes, 0);
@@ -95,6 +101,11 @@ TEST_F(RunDecodeBenchTest, TimesEveryStepAndCountsFetchesOfEverySequence) {
   EXPECT_EQ(engine->fetch_stats(0).steps, steps);
   // Each sequence decoded its own continuation: position ctx + steps.
   for (int b = 0; b < batch; ++b) EXPECT_EQ(engine->position(b), ctx + steps);
+  // A slot's prefill figures are its own sequence's, until it is reset.
+  EXPECT_GT(engine->fetch_stats(0).open_seconds, 0);
+  ASSERT_TRUE(engine->Reset(0).ok());
+  EXPECT_EQ(engine->fetch_stats(0).open_seconds, 0);
+  EXPECT_EQ(engine->fetch_stats(0).prefill_append_wait_seconds, 0);
 }
 
 // A context shorter than the warm-up's prompt: the warm-up takes ctx

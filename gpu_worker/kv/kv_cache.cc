@@ -21,6 +21,8 @@ void FetchStats::Add(const FetchStats& o) {
   rows_read_in_place += o.rows_read_in_place;
   bytes_fetched += o.bytes_fetched;
   wait_seconds += o.wait_seconds;
+  open_seconds += o.open_seconds;
+  prefill_append_wait_seconds += o.prefill_append_wait_seconds;
 }
 
 void QueueAttention(Backend& backend, const model::ModelConfig& c,

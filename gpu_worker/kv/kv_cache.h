@@ -66,7 +66,8 @@
 
 namespace infinigen::gpu_worker {
 
-// What a slot's policy moved, over its decode steps since its last Reset.
+// What a slot's policy moved, over its decode steps since its last Reset,
+// and what its prompt's prefill waited for.
 struct FetchStats {
   long steps = 0;
   double fraction_sum = 0;   // sum over steps of fetched rows / cached rows
@@ -77,6 +78,11 @@ struct FetchStats {
   // reads, KvOptions::direct_reads) instead of gathered by it.
   long rows_read_in_place = 0;
   double wait_seconds = 0;   // blocked in fetch Wait()
+  // Prefill: opening the sequence at the memory node (with its rows pinned
+  // for one-sided reads), and blocked on a layer's append to the node
+  // after the next layer's work was done.
+  double open_seconds = 0;
+  double prefill_append_wait_seconds = 0;
   double fraction_mean() const { return steps ? fraction_sum / steps : 0.0; }
   void Add(const FetchStats& o);
 };

@@ -31,7 +31,11 @@ absl::StatusOr<int> OffloadedKvCache::BeginPrefill(
   Sequence& s = sequences_[slot];
   int cached = 0;
   if (s.seq == 0) {
+    const auto t0 = std::chrono::steady_clock::now();
     IG_ASSIGN_OR_RETURN(cached, OpenSequence(s, tokens, reuse));
+    s.stats.open_seconds += std::chrono::duration<double>(
+                                std::chrono::steady_clock::now() - t0)
+                                .count();
   }
   prefill_slot_ = slot;
   prefill_first_ = cached;
@@ -233,7 +237,11 @@ absl::Status OffloadedKvCache::EndPrefillLayer(int layer) {
 absl::Status OffloadedKvCache::WaitPrefillAppend() {
   PrefillAppend& a = prefill_append_;
   if (!a.thread.joinable()) return absl::OkStatus();
+  const auto t0 = std::chrono::steady_clock::now();
   a.thread.join();
+  sequences_[a.slot].stats.prefill_append_wait_seconds +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+          .count();
   if (!a.status.ok()) return a.status;
   MarkAppended(sequences_[a.slot], a.layer, 1, a.first, a.n, a.result);
   return absl::OkStatus();
