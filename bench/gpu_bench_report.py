@@ -62,7 +62,7 @@ def collect(out_dir, config, gpu_bytes):
         name = meta.get("name", "")
         base = meta_path[: -len(".meta.json")]
         cmd = read(base + ".cmd").splitlines()
-        if name in ("h2d", "skew", "gather"):
+        if name in ("h2d", "skew", "gather", "flash"):
             continue
         system = "hf-transformers" if "hf_baseline.py" in " ".join(cmd) \
             else "infinigen"
@@ -196,6 +196,11 @@ def markdown(report):
          f" and write the rows ({g.get('huge_page_bytes', 0) >> 20} MiB in "
          "huge pages).")
         for g in report.get("gather", [])] + [
+        f"Prefill attention ({f['heads']} heads x {f['head_dim']} dims, "
+        f"{f['chunk']} queries after {f['prefix']} rows, fp16 K and V): "
+        f"{fmt(f['tflops'])} TFLOP/s on tensor cores with the scores in "
+        f"registers, {fmt(f['wmma_tflops'])} through shared memory (WMMA)."
+        for f in report.get("flash", [])] + [
              "", "| system | policy | reads | ctx | batch | decode tok/s | "
              "p50 ms/step | first step ms | "
              "prefill tok/s | fetch GB/s (wait) | fetch GB/s (decode) | "
@@ -249,6 +254,8 @@ def main(argv):
               "h2d_pinned_gbps": max([x for x in h2d if x] or [0]) or None,
               "gather": json_lines(read(os.path.join(args.out_dir, "runs",
                                                      "gather.out"))),
+              "flash": json_lines(read(os.path.join(args.out_dir, "runs",
+                                                    "flash.out"))),
               "runs": runs}
     report["goals"] = goals(runs, report["h2d_pinned_gbps"])
     with open(os.path.join(args.out_dir, "gpu_bench.json"), "w") as f:

@@ -19,6 +19,10 @@
 #                                 the rows are written, as the CUDA
 #                                 backend's PinHost does), and the first
 #                                 read of freshly registered rows
+#   flash_attention_bench         prefill attention TFLOP/s (llama-2-7b's
+#                                 heads, a 2048-query chunk, first and last
+#                                 of a 32768-token prompt) against the WMMA
+#                                 kernel
 #   infinigen skew                once, on dummy weights and synthetic tokens
 #                                 (--skew=PATH: kept there and reused by a
 #                                 later call; default OUT_DIR/runs/dummy.skew)
@@ -152,6 +156,8 @@ run() {
 run h2d "$(dirname "${INFINIGEN}")/h2d_bandwidth" --sizes=192K,3M,48M --json
 run gather "$(dirname "${INFINIGEN}")/gather_bandwidth" --fractions=1,0.1 \
   --memory=host_alloc,registered,registered_huge,registered_touched --json
+run flash "$(dirname "${INFINIGEN}")/flash_attention_bench" --prefixes=0,30720 \
+  --json
 # The skew depends only on the model's shape (the dummy weights are
 # deterministic): one made by an earlier call is reused.
 if [ -s "${SKEW}" ]; then

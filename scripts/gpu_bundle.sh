@@ -6,9 +6,9 @@
 #
 # DIR (default device_bundle/, git-ignored) receives bin/ (infinigen with
 # its CUDA backend plugin libinfinigen_cuda.so beside it, kv_memory_server,
-# h2d_bandwidth, gather_bandwidth and the CUDA test binaries), lib/ (every
-# shared library they load that is not part of the C library or the NVIDIA
-# driver), models/stories260K, the SmolLM2 GGUF when the fetch script has
+# h2d_bandwidth, gather_bandwidth, flash_attention_bench and the CUDA test
+# binaries), lib/ (every shared library they load that is not part of the
+# C library or the NVIDIA driver), models/stories260K, the SmolLM2 GGUF when the fetch script has
 # cached it, run.sh (scripts/gpu_host_run.sh) and gpu_bench.sh
 # (scripts/gpu_bench.sh, with bench/hf_baseline.py and its report). On the
 # GPU host:
@@ -52,6 +52,7 @@ TARGETS=(
   //kv_memory_service:kv_memory_server
   //bench/h2d:h2d_bandwidth
   //bench/h2d:gather_bandwidth
+  //bench/gpu:flash_attention_bench
   //gpu_worker/backend/cuda:kernels_test
   //gpu_worker/backend/cuda:cuda_backend_test
   //tests:cuda_engine_parity_test

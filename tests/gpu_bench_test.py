@@ -179,6 +179,9 @@ class GpuBench(unittest.TestCase):
             '"gather_gbps": 44.0, "pinned_copy_gbps": 50.0, '
             '"first_read_gbps": 20.0, "make_ms": 300.0, '
             '"huge_page_bytes": 2097152}\n')
+        put("flash", ["flash_attention_bench"],
+            '{"heads": 32, "head_dim": 128, "chunk": 2048, "prefix": 30720, '
+            '"tflops": 150.0, "wmma_tflops": 40.0}\n')
         put("ig_full", ["infinigen", "--ctx=32768", "--batch=1",
                         "--policy=full,h2o"],
             ig("full", 32768, 1, 1.0, gbps=45.0, decode_gbps=20.0) + "\n" +
@@ -266,6 +269,11 @@ class GpuBench(unittest.TestCase):
         self.assertIn("(registered_huge, 0.1 of the rows): 44.0 GB/s against "
                       "a pinned copy's 50.0 GB/s.", md)
         self.assertIn("refused: infinigen: policy ideal needs 96.0 GiB", md)
+        self.assertEqual(report["flash"][0]["tflops"], 150.0)
+        self.assertIn("Prefill attention (32 heads x 128 dims, 2048 queries "
+                      "after 30720 rows, fp16 K and V): 150.0 TFLOP/s on "
+                      "tensor cores with the scores in registers, 40.0 "
+                      "through shared memory (WMMA).", md)
 
     def test_kv_bytes_of_the_presets(self):
         cfg = hf_baseline.PRESETS["llama-2-7b"]

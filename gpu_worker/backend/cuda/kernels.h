@@ -257,9 +257,17 @@ size_t FlashAttentionSharedBytes(int head_dim);
 // scores, softmax and sums in fp32. One block of 4 warps per 64 queries
 // and query head walks the KV rows in tiles of 64 (FlashAttention's
 // tiling and online softmax), so each K and V row is read once per 64
-// queries instead of once per query. Rejects (cudaErrorInvalidValue) what
-// FlashAttentionSupports does not take and LaunchAttention's bad shapes.
+// queries instead of once per query. head_dim 64 and 128 keep scores,
+// probabilities and outputs in registers (mma.sync fragments); other
+// head_dims pass them through shared memory (WMMA). Rejects
+// (cudaErrorInvalidValue) what FlashAttentionSupports does not take and
+// LaunchAttention's bad shapes.
 int LaunchFlashAttention(const AttentionKernelParams& p, void* stream);
+
+// The same through the shared-memory (WMMA) kernel at every head_dim: the
+// baseline the register-resident kernel is measured against
+// (bench/gpu/flash_attention_bench) and tested beside.
+int LaunchFlashAttentionWmma(const AttentionKernelParams& p, void* stream);
 
 // --------------------------------------------------------- one-sided reads
 

@@ -353,9 +353,12 @@ TEST_F(CudaKernels, AttentionMatchesCpu) {
   }
 }
 
-// The tensor-core kernel rounds q, k and v to fp16 (a relative 5e-4 each)
-// and its probabilities too: outputs within 5e-3 * (1 + |want|) of the CPU
-// backend's fp32. A masking or tiling error moves an output by O(0.1).
+// The tensor-core kernels round q, k and v to fp16 (a relative 5e-4 each)
+// and their probabilities too: outputs within 5e-3 * (1 + |want|) of the
+// CPU backend's fp32, with K and V given in fp32 or as fp16 rows (a local
+// cache kept in fp16). head_dim 64 and 128 run the register-resident
+// kernel, the others the WMMA one, which runs every case too. A masking,
+// tiling or fragment-layout error moves an output by O(0.1).
 TEST_F(CudaKernels, FlashAttentionMatchesCpu) {
   // {n, heads, kv_heads, head_dim, kv_len0, extra_stride}: odd lengths,
   // tiles cut short, GQA, the first query seeing one row, long prefixes.
@@ -364,23 +367,43 @@ TEST_F(CudaKernels, FlashAttentionMatchesCpu) {
       {130, 8, 2, 128, 1, 0, false},   {200, 9, 3, 128, 57, 0, false},
       {64, 4, 1, 256, 300, 5, false},  {1, 2, 2, 64, 10, 0, false},
       {257, 2, 1, 64, 4000, 0, false}, {100, 32, 32, 128, 1, 0, false},
-      {63, 6, 6, 80, 2, 1, false},
+      {63, 6, 6, 80, 2, 1, false},     {333, 8, 2, 128, 1500, 7, false},
+      {17, 4, 4, 64, 1, 0, false},
   };
   for (const AttentionCase& c : cases) {
     const AttentionProblem prob = MakeAttentionProblem(c, rng_, *cpu_);
     DeviceArray<float> dq(prob.q), dk(prob.k), dv(prob.v),
         dout(prob.want.size());
-    const AttentionKernelParams p =
-        KernelParams(prob, dq.get(), dk.get(), dv.get(), dout.get());
-    ASSERT_TRUE(FlashAttentionSupports(p)) << "head_dim " << c.head_dim;
-    ExpectRan(LaunchFlashAttention(p, nullptr));
-    const std::vector<float> got = dout.ToHost();
-    for (size_t i = 0; i < got.size(); ++i) {
-      ASSERT_NEAR(got[i], prob.want[i], 5e-3f * (1 + std::abs(prob.want[i])))
-          << "n=" << c.n << " heads=" << c.n_heads << "/" << c.n_kv_heads
-          << " head_dim=" << c.head_dim << " kv_len0=" << c.kv_len0
-          << " query " << i / (c.n_heads * c.head_dim) << " head "
-          << i / c.head_dim % c.n_heads << " dim " << i % c.head_dim;
+    std::vector<uint16_t> k16(prob.k.size()), v16(prob.v.size());
+    for (size_t i = 0; i < k16.size(); ++i) k16[i] = FloatToHalf(prob.k[i]);
+    for (size_t i = 0; i < v16.size(); ++i) v16[i] = FloatToHalf(prob.v[i]);
+    DeviceArray<uint16_t> dk16(k16), dv16(v16);
+    for (const bool half_kv : {false, true}) {
+      AttentionKernelParams p =
+          KernelParams(prob, dq.get(), dk.get(), dv.get(), dout.get());
+      if (half_kv) {
+        p.k = p.v = nullptr;
+        p.k_half = dk16.get();
+        p.v_half = dv16.get();
+      }
+      ASSERT_TRUE(FlashAttentionSupports(p)) << "head_dim " << c.head_dim;
+      for (const bool wmma : {false, true}) {
+        // NaN everywhere first: every output must be written.
+        ASSERT_EQ(cudaMemset(dout.get(), 0xff, prob.want.size() * sizeof(float)),
+                  cudaSuccess);
+        ExpectRan(wmma ? LaunchFlashAttentionWmma(p, nullptr)
+                       : LaunchFlashAttention(p, nullptr));
+        const std::vector<float> got = dout.ToHost();
+        for (size_t i = 0; i < got.size(); ++i) {
+          ASSERT_NEAR(got[i], prob.want[i],
+                      5e-3f * (1 + std::abs(prob.want[i])))
+              << "n=" << c.n << " heads=" << c.n_heads << "/" << c.n_kv_heads
+              << " head_dim=" << c.head_dim << " kv_len0=" << c.kv_len0
+              << " fp16 K/V " << half_kv << " WMMA " << wmma << " query "
+              << i / (c.n_heads * c.head_dim) << " head "
+              << i / c.head_dim % c.n_heads << " dim " << i % c.head_dim;
+        }
+      }
     }
   }
 }
@@ -885,6 +908,7 @@ TEST(CudaKernelArguments, RejectedBeforeLaunch) {
   b.head_dim = 72;  // not a multiple of 16
   EXPECT_FALSE(FlashAttentionSupports(b));
   EXPECT_EQ(LaunchFlashAttention(b, nullptr), bad);
+  EXPECT_EQ(LaunchFlashAttentionWmma(b, nullptr), bad);
   b = a;
   b.head_dim = kMaxFlashHeadDim + 16;
   EXPECT_EQ(LaunchFlashAttention(b, nullptr), bad);
@@ -901,6 +925,7 @@ TEST(CudaKernelArguments, RejectedBeforeLaunch) {
   b = a;
   b.kv_len0 = 0;
   EXPECT_EQ(LaunchFlashAttention(b, nullptr), bad);
+  EXPECT_EQ(LaunchFlashAttentionWmma(b, nullptr), bad);
   b = a;
   b.n_kv_heads = 2;
   EXPECT_EQ(LaunchFlashAttention(b, nullptr), bad);
