@@ -315,11 +315,12 @@ class CudaBackend final : public Backend {
   // On an H200 the first decode step after a prompt took about 50 ms per
   // GB of the memory node's rows longer than the next ones, in proportion
   // to the pages of the rows it read (InfiniGen's 10% of the rows touch
-  // about 80% of the pages, and cost about 80% of full's): the device's
-  // first access to a page of newly registered memory costs more than a
-  // read. A kernel on a stream of its own reads one word of every page
-  // here, beside whatever the device does next (a prompt's prefill).
-  // Small ranges (fetch buffers, plans) are left alone.
+  // about 80% of the pages, and cost about 80% of full's), which points at
+  // the device's first access to each page of newly registered memory. A
+  // kernel on a stream of its own reads one word of every page here,
+  // beside whatever the device does next (a prompt's prefill), so that
+  // cost is paid there. Small ranges (fetch buffers, plans) are left
+  // alone.
   void TouchPages(void* device, size_t bytes) {
     constexpr size_t kTouchBytes = size_t{2} << 20;
     if (bytes < kTouchBytes) return;
