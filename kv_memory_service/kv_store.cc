@@ -303,21 +303,13 @@ absl::StatusOr<OpenedSequence> KvStore::Open(const SequenceGeometry& geometry,
   // The cache keeps at most its capacity, and a chain of blocks is of use
   // from its first block on: blocks past what fits beside the attached
   // ones would only push the chain's head out (and be copied for nothing).
-  // Only the leading blocks that fit are published.
+  // The sequence publishes only the leading blocks that fit (Attach).
   std::vector<PrefixKey> pending;
   int64_t publish_bytes = 0;
   if (prefix_cache_->capacity_bytes() > 0 && prefix.may_publish) {
     publish_bytes = prefix_cache_->capacity_bytes();
     for (const auto& b : blocks) publish_bytes -= b->bytes();
-    const int64_t block_rows_bytes = static_cast<int64_t>(
-        2 * PrefixBlock::RowValues(geometry, prefix.block_tokens) *
-        sizeof(uint16_t));
-    const size_t fit =
-        static_cast<size_t>(std::max<int64_t>(publish_bytes, 0) /
-                            std::max<int64_t>(block_rows_bytes, 1));
-    pending.assign(keys.begin() + blocks.size(),
-                   keys.begin() + blocks.size() +
-                       std::min(fit, keys.size() - blocks.size()));
+    pending.assign(keys.begin() + blocks.size(), keys.end());
   }
   for (const auto& b : blocks) opened.prefix_meta.push_back(b->meta);
   auto s = Find(id);

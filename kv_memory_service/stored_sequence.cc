@@ -426,6 +426,12 @@ int32_t StoredSequence::Attach(
   absl::MutexLock lock(&mu_);
   block_tokens_ = block_tokens;
   attached_ = std::move(blocks);
+  // Only the blocks whose rows fit the budget are kept to publish (with
+  // their annotations, as they come): the rest would never be.
+  const int64_t rows_bytes = std::max<int64_t>(PublishedRowBytes(), 1);
+  pending.resize(std::min<size_t>(
+      pending.size(),
+      static_cast<size_t>(std::max<int64_t>(publish_bytes, 0) / rows_bytes)));
   pending_ = std::move(pending);
   next_pending_ = 0;
   publish_bytes_ = publish_bytes;
@@ -700,7 +706,7 @@ void StoredSequence::CollectPublishable(
     if (begin + block_tokens_ > complete) return;
     const size_t values = PrefixBlock::RowValues(g_, block_tokens_);
     const int64_t bytes =
-        static_cast<int64_t>(2 * values * sizeof(uint16_t)) +
+        PublishedRowBytes() +
         static_cast<int64_t>(next_pending_ < pending_meta_.size()
                                  ? pending_meta_[next_pending_].size()
                                  : 0);

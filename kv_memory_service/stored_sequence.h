@@ -239,6 +239,11 @@ class StoredSequence {
   // Bytes the blocks still to publish may take (Attach's publish_bytes,
   // less what was published).
   int64_t publish_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  // K and V bytes of a published block's rows.
+  int64_t PublishedRowBytes() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return static_cast<int64_t>(
+        2 * PrefixBlock::RowValues(g_, block_tokens_) * sizeof(uint16_t));
+  }
   // Append's first new slot of each head, kept to spare an allocation a
   // call.
   std::vector<int32_t> run_slots_ ABSL_GUARDED_BY(mu_);

@@ -15,7 +15,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <chrono>
 #include <cstdio>
 #include <random>
 #include <string>
@@ -26,6 +25,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
+#include "bench/gpu/cuda_bench.h"
 #include "common/half.h"
 #include "gpu_worker/backend/cuda/kernels.h"
 
@@ -43,27 +43,10 @@ namespace {
 
 namespace cuda = infinigen::gpu_worker::cuda;
 
-int Check(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return 0;
-  std::fprintf(stderr, "flash_attention_bench: %s: %s\n", what,
-               cudaGetErrorString(e));
-  return 1;
-}
+constexpr char kProg[] = "flash_attention_bench";
 
-template <typename Launch>
-double MedianSeconds(int iters, const Launch& launch, int* status) {
-  std::vector<double> t;
-  for (int i = 0; i < iters + 1; ++i) {  // the first is a warm-up
-    const auto t0 = std::chrono::steady_clock::now();
-    *status |= launch();
-    cudaDeviceSynchronize();
-    const double s = std::chrono::duration<double>(
-                         std::chrono::steady_clock::now() - t0)
-                         .count();
-    if (i > 0) t.push_back(s);
-  }
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
+int Check(cudaError_t e, const char* what) {
+  return infinigen::bench::CudaCheck(kProg, e, what);
 }
 
 }  // namespace
@@ -101,13 +84,8 @@ int main(int argc, char** argv) {
     }
     prefixes.push_back(v);
   }
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
-    std::fprintf(stderr, "flash_attention_bench: no CUDA device answers\n");
-    return 1;
-  }
   cudaDeviceProp prop;
-  cudaGetDeviceProperties(&prop, 0);
+  if (!infinigen::bench::FirstDevice(kProg, &prop)) return 1;
   const int max_prefix = *std::max_element(prefixes.begin(), prefixes.end());
   const long stride = static_cast<long>(max_prefix) + chunk;
   const size_t q_values = static_cast<size_t>(chunk) * heads * d;
@@ -159,13 +137,14 @@ int main(int argc, char** argv) {
     const double pairs =
         static_cast<double>(chunk) * prefix + chunk * (chunk + 1.0) / 2;
     const double flops = 4.0 * d * heads * pairs;
+    // One warm-up each; the launches go to the default stream.
     int status = 0;
-    const double t_mma = MedianSeconds(
-        iters, [&] { return cuda::LaunchFlashAttention(p, nullptr); },
-        &status);
-    const double t_wmma = MedianSeconds(
-        iters, [&] { return cuda::LaunchFlashAttentionWmma(p, nullptr); },
-        &status);
+    const double t_mma = infinigen::bench::MedianSeconds(
+        1, iters, nullptr,
+        [&] { status |= cuda::LaunchFlashAttention(p, nullptr); });
+    const double t_wmma = infinigen::bench::MedianSeconds(
+        1, iters, nullptr,
+        [&] { status |= cuda::LaunchFlashAttentionWmma(p, nullptr); });
     if (status != 0) {
       return Check(static_cast<cudaError_t>(status), "LaunchFlashAttention");
     }

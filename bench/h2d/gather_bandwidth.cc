@@ -41,6 +41,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
+#include "bench/gpu/cuda_bench.h"
 #include "gpu_worker/backend/cuda/kernels.h"
 
 ABSL_FLAG(int, heads, 32, "KV heads of the layer.");
@@ -63,28 +64,10 @@ namespace {
 
 namespace cuda = infinigen::gpu_worker::cuda;
 
-int Check(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return 0;
-  std::fprintf(stderr, "gather_bandwidth: %s: %s\n", what,
-               cudaGetErrorString(e));
-  return 1;
-}
+constexpr char kProg[] = "gather_bandwidth";
 
-// Median seconds of `iters` runs of `run` (after two warm-ups).
-template <typename Run>
-double Median(int iters, cudaStream_t stream, const Run& run) {
-  std::vector<double> t;
-  for (int i = 0; i < iters + 2; ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
-    run();
-    cudaStreamSynchronize(stream);
-    const double s = std::chrono::duration<double>(
-                         std::chrono::steady_clock::now() - t0)
-                         .count();
-    if (i >= 2) t.push_back(s);
-  }
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
+int Check(cudaError_t e, const char* what) {
+  return infinigen::bench::CudaCheck(kProg, e, what);
 }
 
 // The rows of K or V in one kind of memory; freed on destruction.
@@ -232,13 +215,8 @@ int main(int argc, char** argv) {
     }
     memories.emplace_back(m);
   }
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
-    std::fprintf(stderr, "gather_bandwidth: no CUDA device answers\n");
-    return 1;
-  }
   cudaDeviceProp prop;
-  cudaGetDeviceProperties(&prop, 0);
+  if (!infinigen::bench::FirstDevice(kProg, &prop)) return 1;
   const size_t layer_bytes = static_cast<size_t>(heads) * ctx * row_bytes;
   void* out = nullptr;
   unsigned* sink = nullptr;
@@ -338,10 +316,10 @@ int main(int argc, char** argv) {
       p.n_rows = static_cast<long>(plan.size());
       const size_t bytes = 2 * plan.size() * static_cast<size_t>(row_bytes);
       int launch = 0;
-      const double tg = Median(iters, stream, [&] {
+      const double tg = infinigen::bench::MedianSeconds(2, iters, stream, [&] {
         launch |= cuda::LaunchGatherRows(p, stream);
       });
-      const double tc = Median(iters, stream, [&] {
+      const double tc = infinigen::bench::MedianSeconds(2, iters, stream, [&] {
         cudaMemcpyAsync(out, k, bytes / 2, cudaMemcpyHostToDevice, stream);
         cudaMemcpyAsync(static_cast<char*>(out) + bytes / 2, v, bytes / 2,
                         cudaMemcpyHostToDevice, stream);

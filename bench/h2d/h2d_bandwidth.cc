@@ -6,7 +6,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -17,6 +16,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
+#include "bench/gpu/cuda_bench.h"
 
 ABSL_FLAG(std::string, sizes, "16K,192K,3M,48M",
           "Copy sizes (K, M suffixes are binary multiples).");
@@ -39,27 +39,19 @@ bool ParseSize(const std::string& s, size_t* out) {
   return true;
 }
 
+constexpr char kProg[] = "h2d_bandwidth";
+
 int Check(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return 0;
-  std::fprintf(stderr, "h2d_bandwidth: %s: %s\n", what, cudaGetErrorString(e));
-  return 1;
+  return infinigen::bench::CudaCheck(kProg, e, what);
 }
 
-// Median seconds of `iters` copies of `bytes` from `src` to `dst`.
+// Median seconds of `iters` copies of `bytes` from `src` to `dst` (after
+// two warm-up copies).
 double TimeCopies(void* dst, const void* src, size_t bytes, int iters,
                   cudaStream_t stream) {
-  std::vector<double> t;
-  for (int i = 0; i < iters + 2; ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
+  return infinigen::bench::MedianSeconds(2, iters, stream, [&] {
     cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream);
-    cudaStreamSynchronize(stream);
-    const double s = std::chrono::duration<double>(
-                         std::chrono::steady_clock::now() - t0)
-                         .count();
-    if (i >= 2) t.push_back(s);  // two warm-up copies
-  }
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
+  });
 }
 
 }  // namespace
@@ -84,13 +76,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "h2d_bandwidth: --iters must be >= 1\n");
     return 2;
   }
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
-    std::fprintf(stderr, "h2d_bandwidth: no CUDA device answers\n");
-    return 1;
-  }
   cudaDeviceProp prop;
-  cudaGetDeviceProperties(&prop, 0);
+  if (!infinigen::bench::FirstDevice(kProg, &prop)) return 1;
   const size_t max_bytes = *std::max_element(sizes.begin(), sizes.end());
   void *pinned = nullptr, *device = nullptr;
   cudaStream_t stream;

@@ -22,11 +22,14 @@
 namespace infinigen::gpu_worker::cuda {
 namespace {
 
+// A transparent huge page: the least range PinHost advises to huge pages
+// and touches from the device.
+constexpr size_t kHugePage = size_t{2} << 20;
+
 // madvise(MADV_HUGEPAGE) over the pages [p, p + bytes) lies on, for a
-// range of a huge page (2 MiB) or more; where the kernel refuses (no
-// transparent huge pages), nothing changes.
+// range of a huge page or more; where the kernel refuses (no transparent
+// huge pages), nothing changes.
 void AdviseHugePages(void* p, size_t bytes) {
-  constexpr size_t kHugePage = size_t{2} << 20;
   if (bytes < kHugePage) return;
   const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
   const uintptr_t begin = reinterpret_cast<uintptr_t>(p) / page * page;
@@ -319,11 +322,10 @@ class CudaBackend final : public Backend {
   // the device's first access to each page of newly registered memory. A
   // kernel on a stream of its own reads one word of every page here,
   // beside whatever the device does next (a prompt's prefill), so that
-  // cost is paid there. Small ranges (fetch buffers, plans) are left
-  // alone.
+  // cost is paid there. Ranges under a huge page (plans, small fetch
+  // buffers) are left alone.
   void TouchPages(void* device, size_t bytes) {
-    constexpr size_t kTouchBytes = size_t{2} << 20;
-    if (bytes < kTouchBytes) return;
+    if (bytes < kHugePage) return;
     if (touch_stream_ == nullptr) {
       if (cudaStreamCreateWithFlags(&touch_stream_, cudaStreamNonBlocking) !=
               cudaSuccess ||
