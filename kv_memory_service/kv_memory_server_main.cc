@@ -115,6 +115,11 @@ ABSL_FLAG(int64_t, shm_max_client_bytes, int64_t{4} << 30,
 ABSL_FLAG(int64_t, shm_max_total_bytes, int64_t{16} << 30,
           "With --shm_listen: most bytes of slots all clients together may "
           "have mapped.");
+ABSL_FLAG(int32_t, shm_max_pinned_sequences, 64,
+          "With --shm_listen: most closed sequences whose rows one client "
+          "session may keep mapped or held (one-sided reads); mapping the "
+          "rows of another sequence beyond it is RESOURCE_EXHAUSTED. Such "
+          "rows count against --capacity_bytes until released either way.");
 ABSL_FLAG(std::string, rdma_device, "",
           "Also serve the RDMA data plane (clients connect to "
           "rdma://HOST:PORT of --listen) on this ibverbs device, or on the "
@@ -167,6 +172,7 @@ std::string Usage() {
         "fetch_handshake_timeout", "fetch_idle_timeout", "drain_timeout",
         "log_interval",
         "shm_listen", "shm_max_client_bytes", "shm_max_total_bytes",
+        "shm_max_pinned_sequences",
         "rdma_device", "lease_timeout", "tls_cert", "tls_key",
         "tls_client_ca", "allow_insecure",
         "ready_file", "metrics_listen"}) {
@@ -245,6 +251,11 @@ int Run() {
   if (options.shm_max_client_bytes <= 0 || options.shm_max_total_bytes <= 0) {
     return UsageError("--shm_max_client_bytes and --shm_max_total_bytes must "
                       "be positive");
+  }
+  options.store.max_pinned_sequences =
+      absl::GetFlag(FLAGS_shm_max_pinned_sequences);
+  if (options.store.max_pinned_sequences < 0) {
+    return UsageError("--shm_max_pinned_sequences must not be negative");
   }
   options.store.capacity_bytes = absl::GetFlag(FLAGS_capacity_bytes);
   options.store.max_sequences = absl::GetFlag(FLAGS_max_sequences);

@@ -13,8 +13,11 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/status.h"
+#include "common/log.h"
 #include "kv_memory_service/gather_pool.h"
+#include "kv_memory_service/pinned_rows.h"
 #include "kv_memory_service/prefix_cache.h"
 #include "kv_memory_service/prefix_keys.h"
 #include "kv_memory_service/stored_sequence.h"
@@ -43,7 +46,16 @@ KvStore::KvStore(const KvStoreOptions& options)
       totals_(new StoreTotals),
       prefix_cache_(new PrefixCache(options.prefix_cache_bytes)),
       gather_pool_(
-          new GatherPool(GatherPool::Resolve(options.gather_threads))) {}
+          new GatherPool(GatherPool::Resolve(options.gather_threads))) {
+  if (options_.max_shared_sequences > 0) {
+    absl::StatusOr<std::unique_ptr<PinnedRows>> pinned = PinnedRows::Create();
+    if (pinned.ok()) {
+      pinned_ = *std::move(pinned);
+    } else {
+      IG_LOG(WARNING) << "one-sided reads are off: " << pinned.status();
+    }
+  }
+}
 
 KvStore::~KvStore() = default;
 
@@ -57,6 +69,25 @@ absl::StatusOr<SequenceId> KvStore::Open(const SequenceGeometry& geometry,
   const int64_t bytes = ReservedBytes(geometry);
   SequenceId id;
   std::vector<std::shared_ptr<Sequence>> freed;  // released after mu_
+  int64_t pinned = 0;
+  if (pinned_ != nullptr) {
+    pinned_->Reap();
+    pinned = pinned_->bytes();
+    // Rows released just now may not have been reported yet: a sequence
+    // that does not fit waits a little for the kernel before it is refused.
+    const absl::Time deadline = absl::Now() + absl::Milliseconds(100);
+    while (pinned > 0 && options_.capacity_bytes > 0 &&
+           absl::Now() < deadline) {
+      int64_t reserved;
+      {
+        absl::ReaderMutexLock lock(&mu_);
+        reserved = bytes_reserved_;
+      }
+      if (bytes <= options_.capacity_bytes - reserved - pinned) break;
+      pinned_->AwaitReap(absl::Milliseconds(10));
+      pinned = pinned_->bytes();
+    }
+  }
   {
     absl::MutexLock lock(&mu_);
     Session* owner = nullptr;
@@ -69,11 +100,16 @@ absl::StatusOr<SequenceId> KvStore::Open(const SequenceGeometry& geometry,
                        options_.max_sequences, " sequences"));
     }
     if (options_.capacity_bytes > 0 &&
-        bytes > options_.capacity_bytes - bytes_reserved_) {
+        bytes > options_.capacity_bytes - bytes_reserved_ - pinned) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "the sequence needs ", bytes, " bytes; the store has ",
-          options_.capacity_bytes - bytes_reserved_, " of its ",
-          options_.capacity_bytes, " left"));
+          std::max<int64_t>(0, options_.capacity_bytes - bytes_reserved_ -
+                                   pinned),
+          " of its ", options_.capacity_bytes, " left",
+          pinned > 0 ? absl::StrCat(" (", pinned,
+                                    " bytes of closed sequences are still "
+                                    "held by the clients that mapped them)")
+                     : ""));
     }
     bytes_reserved_ += bytes;
     do {
@@ -216,6 +252,13 @@ ExpiredSession KvStore::ExpireLocked(
   return out;
 }
 
+void KvStore::OutliveLocked(SequenceId seq, SessionId session,
+                            const Sequence& s) {
+  if (shared_.erase(seq) == 0) return;
+  pinned_->Outlive(s.k_fd(), seq, session);
+  pinned_->Outlive(s.v_fd(), seq, session);
+}
+
 ExpiredSession KvStore::EndSessionLocked(
     SessionId id, absl::Time now,
     std::vector<std::shared_ptr<Sequence>>* freed) {
@@ -228,7 +271,11 @@ ExpiredSession KvStore::EndSessionLocked(
     auto s = sequences_.find(seq);
     if (s == sequences_.end()) continue;
     // A placeholder (rows still being allocated) goes too: Open notices.
-    if (s->second != nullptr) freed->push_back(std::move(s->second));
+    if (s->second != nullptr) {
+      if (shared_.contains(seq)) ++out.shared;
+      OutliveLocked(seq, id, *s->second);
+      freed->push_back(std::move(s->second));
+    }
     sequences_.erase(s);
     owner_.erase(seq);
     bytes_reserved_ -= bytes;
@@ -348,8 +395,8 @@ absl::StatusOr<DirectRows> KvStore::GetDirectRows(
   return rows;
 }
 
-absl::StatusOr<KvStore::SharedRows> KvStore::ShareRows(
-    SequenceId seq, SessionId session) const {
+absl::StatusOr<KvStore::SharedRows> KvStore::ShareRows(SequenceId seq,
+                                                       SessionId session) {
   IG_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, FindOwned(seq, session));
   if (s->attached()) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -361,8 +408,48 @@ absl::StatusOr<KvStore::SharedRows> KvStore::ShareRows(
         "the rows of sequence ", seq, " are in the node's private memory "
         "(not shared with readers on its host): fetches gather them"));
   }
-  // Read-only descriptors of the same memfds: a mapping through them can
-  // never write the node's rows.
+  if (pinned_ == nullptr) {
+    return absl::FailedPreconditionError(
+        "the node cannot watch shared memory (no inotify): fetches gather "
+        "the rows");
+  }
+  bool first_share;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    first_share = !shared_.contains(seq);
+  }
+  if (first_share) {
+    // As in Open: rows released just now may not be reported yet.
+    pinned_->Reap();
+    for (int i = 0; i < 10 && pinned_->sequences_of(session) > 0 &&
+                    pinned_->sequences_of(session) >=
+                        options_.max_pinned_sequences;
+         ++i) {
+      pinned_->AwaitReap(absl::Milliseconds(10));
+    }
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = sequences_.find(seq);
+    if (it == sequences_.end() || it->second != s) {  // closed meanwhile
+      return absl::NotFoundError(absl::StrCat("no open sequence ", seq));
+    }
+    if (!shared_.contains(seq)) {
+      const int64_t held = pinned_->sequences_of(session);
+      if (held >= options_.max_pinned_sequences) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "session ", session, " still holds the rows of ", held,
+            " closed sequences, the node's limit "
+            "(--shm_max_pinned_sequences=", options_.max_pinned_sequences,
+            "): unmap them and close their descriptors"));
+      }
+      IG_RETURN_IF_ERROR(pinned_->Watch(s->k_fd()));
+      IG_RETURN_IF_ERROR(pinned_->Watch(s->v_fd()));
+      shared_.insert(seq);
+    }
+  }
+  // Read-only descriptors of the same memfds, which are sealed (kRowSeals):
+  // reopened writable or not, nothing through them changes the node's rows.
   SharedRows rows;
   rows.k_fd = open(absl::StrCat("/proc/self/fd/", s->k_fd()).c_str(),
                    O_RDONLY | O_CLOEXEC);
@@ -426,6 +513,8 @@ absl::Status KvStore::Close(SequenceId seq) {
   s = std::move(it->second);
   sequences_.erase(it);
   bytes_reserved_ -= ReservedBytes(s->geometry());
+  auto owner = owner_.find(seq);
+  OutliveLocked(seq, owner == owner_.end() ? 0 : owner->second, *s);
   ForgetOwnerLocked(seq);
   return absl::OkStatus();
 }
@@ -455,6 +544,11 @@ StoreStats KvStore::GetStoreStats() const {
     s.open_sessions = static_cast<int32_t>(sessions_.size());
     s.expired_sessions = expired_sessions_;
     s.expired_sequences = expired_sequences_;
+  }
+  if (pinned_ != nullptr) {
+    pinned_->Reap();
+    s.pinned_bytes = pinned_->bytes();
+    s.pinned_sequences = pinned_->sequences();
   }
   s.lease_timeout_ms = absl::ToInt64Milliseconds(options_.lease_timeout);
   s.max_sequences = options_.max_sequences;

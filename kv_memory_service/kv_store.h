@@ -14,8 +14,11 @@
 // head) bookkeeping has one entry per present token, so a sequence's
 // memory is bounded by the rows it holds (at most its reservation plus the
 // bookkeeping of max_tokens tokens per head), however many positions were
-// ever appended. Close returns all of it. Each eviction costs O(log
-// max_tokens), whatever the policy.
+// ever appended. Close returns all of it, except rows a reader on this host
+// still holds through ShareRows' descriptors or mappings: those pages stay
+// committed until the reader lets go, and until then they count against
+// capacity_bytes as pinned bytes (pinned_rows.h). Each eviction costs
+// O(log max_tokens), whatever the policy.
 //
 // Prefix sharing. A sequence opened with a PrefixRequest attaches the
 // longest run of its leading blocks already in the store's PrefixCache
@@ -43,8 +46,10 @@
 //  - OutOfRange: a position at or beyond the layer's current length (it
 //    may become valid after more appends).
 //  - FailedPrecondition: a position that was evicted (it never comes back).
-//  - ResourceExhausted: Open beyond max_sequences or capacity_bytes; an
-//    append or fetch beyond the per-call limits in KvStoreOptions.
+//  - ResourceExhausted: Open beyond max_sequences or capacity_bytes
+//    (pinned bytes included); ShareRows for a session that keeps
+//    max_pinned_sequences closed sequences pinned; an append or fetch
+//    beyond the per-call limits in KvStoreOptions.
 //  - Cancelled / DeadlineExceeded: an append whose caller gave up, or whose
 //    deadline came, while it waited for its sequence (AppendBlock).
 // A call that fails changes nothing: no row, length or counter.
@@ -71,6 +76,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -82,6 +88,7 @@
 namespace infinigen::kv_memory_service {
 
 class GatherPool;
+class PinnedRows;
 class PrefixCache;
 
 // A session whose lease ExpireSessions found run out.
@@ -89,6 +96,9 @@ struct ExpiredSession {
   SessionId session = 0;
   int32_t sequences = 0;    // closed with it
   int64_t bytes_freed = 0;  // their ReservedBytes
+  // Of those, the sequences whose rows the client was given (ShareRows):
+  // their pages stay pinned while the client holds them.
+  int32_t shared = 0;
   absl::Duration idle;      // since the session's last renewal
 };
 
@@ -173,17 +183,22 @@ class KvStore {
   // One-sided reads for a reader on this host in another process (the shm
   // data plane): read-only descriptors of the memfds holding `seq`'s K and
   // V rows, for `session` (CheckOwner), in GetDirectRows' layout. The
-  // caller owns the descriptors. FailedPrecondition where the rows are in
-  // private memory (KvStoreOptions::max_shared_sequences) or the sequence
-  // has an attached prefix; NotFound as CheckOwner.
+  // caller owns the descriptors. The memfds are sealed (kRowSeals): whoever
+  // holds a descriptor, even reopened writable, can only read. From the
+  // first share on, the rows' memory is watched, and after the sequence's
+  // close it counts as pinned while any holder keeps it. FailedPrecondition
+  // where the rows are in private memory (KvStoreOptions::
+  // max_shared_sequences), the sequence has an attached prefix, or the node
+  // cannot watch shared memory; ResourceExhausted when `session` already
+  // keeps max_pinned_sequences closed sequences pinned; NotFound as
+  // CheckOwner.
   struct SharedRows {
     int k_fd = -1;
     int v_fd = -1;
     size_t layer_values = 0;
     int32_t max_tokens = 0;
   };
-  absl::StatusOr<SharedRows> ShareRows(SequenceId seq,
-                                       SessionId session) const;
+  absl::StatusOr<SharedRows> ShareRows(SequenceId seq, SessionId session);
 
   // Records a fetch of `plan` from `layer` that its reader did itself
   // (GetDirectRows), as Gather records its own: the fetch statistics and
@@ -247,6 +262,10 @@ class KvStore {
   ExpiredSession ExpireLocked(SessionId id, absl::Time now,
                               std::vector<std::shared_ptr<Sequence>>* freed)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The rows of `s` (sequence `seq` of `session`), just taken out of the
+  // store: if they were shared, they count as pinned until released.
+  void OutliveLocked(SequenceId seq, SessionId session, const Sequence& s)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // ExpireLocked without the expiry counts; what it closed.
   ExpiredSession EndSessionLocked(SessionId id, absl::Time now,
                                   std::vector<std::shared_ptr<Sequence>>* freed)
@@ -272,6 +291,11 @@ class KvStore {
   absl::flat_hash_map<SessionId, Session> sessions_ ABSL_GUARDED_BY(mu_);
   // The session of each sequence that has one.
   absl::flat_hash_map<SequenceId, SessionId> owner_ ABSL_GUARDED_BY(mu_);
+  // Open sequences whose rows ShareRows has handed out (watched by
+  // pinned_).
+  absl::flat_hash_set<SequenceId> shared_ ABSL_GUARDED_BY(mu_);
+  // Null where the kernel gives no inotify: then nothing is shared.
+  std::unique_ptr<PinnedRows> pinned_;
   int64_t expired_sessions_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t expired_sequences_ ABSL_GUARDED_BY(mu_) = 0;
 

@@ -44,6 +44,11 @@ struct KvStoreOptions {
   // those beyond it, or where a memfd cannot be made, keep private memory
   // and are gathered. 0: none.
   int32_t max_shared_sequences = 0;
+  // Most closed sequences whose shared rows one session's client may keep
+  // pinned (still mapped or held after the close); ShareRows of a new
+  // sequence beyond it is ResourceExhausted. Their bytes count against
+  // capacity_bytes either way.
+  int32_t max_pinned_sequences = 64;
   // The clock leases are measured on; tests pass a fake. Null: absl::Now.
   std::function<absl::Time()> clock;
 };

@@ -1,5 +1,6 @@
 #include "kv_memory_service/kv_store.h"
 
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -15,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -1476,6 +1478,157 @@ TEST(KvStoreDirectRows, SharedRowsAreTheOwnersAndReadOnly) {
   auto d = private_store.Open(g);
   ASSERT_OK(d.status());
   EXPECT_CODE(private_store.ShareRows(*d, 0).status(), kFailedPrecondition);
+}
+
+// The store's stats once at most `sequences` closed sequences stay pinned:
+// the kernel reports a freed inode a jiffy or so after its last holder
+// lets go.
+StoreStats UntilUnpinned(KvStore& store, int64_t sequences = 0) {
+  StoreStats st = store.GetStoreStats();
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  while (st.pinned_sequences > sequences && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(10));
+    st = store.GetStoreStats();
+  }
+  return st;
+}
+
+// A shared descriptor reopened writable through /proc (a memfd's inode is
+// mode 0777) can neither write, resize nor punch holes in the node's rows:
+// they are sealed before any descriptor leaves the store.
+TEST(KvStoreDirectRows, SharedRowsCannotBeChangedThroughAReopenedDescriptor) {
+  const SequenceGeometry g = Geo(1, 1, 8, 16);
+  KvStoreOptions options;
+  options.max_shared_sequences = 1;
+  KvStore store(options);
+  auto a = store.Open(g);
+  ASSERT_OK(a.status());
+  Block block = MakeBlock(3, g, 0, 1, 0, 4);
+  ASSERT_TRUE(store.Append(*a, block.block).ok());
+  auto shared = store.ShareRows(*a, 0);
+  ASSERT_OK(shared.status());
+  const int writable =
+      open(absl::StrCat("/proc/self/fd/", shared->k_fd).c_str(), O_RDWR);
+  ASSERT_GE(writable, 0) << "a memfd may be reopened writable: " << errno;
+  const uint16_t junk[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+  EXPECT_EQ(pwrite(writable, junk, sizeof(junk), 0), -1);
+  EXPECT_EQ(ftruncate(writable, 0), -1);
+  EXPECT_EQ(ftruncate(writable, 1 << 20), -1);
+  EXPECT_EQ(fallocate(writable, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0,
+                      4096),
+            -1);
+  EXPECT_EQ(mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, writable,
+                 0),
+            MAP_FAILED);
+  EXPECT_EQ(fcntl(writable, F_ADD_SEALS, F_SEAL_WRITE), -1);
+  close(writable);
+  // The node still writes its own rows, and reads them back unchanged.
+  Block more = MakeBlock(3, g, 0, 1, 4, 2);
+  ASSERT_TRUE(store.Append(*a, more.block).ok());
+  ExpectAllRows(store, *a, 3, g, 6);
+  close(shared->k_fd);
+  close(shared->v_fd);
+}
+
+// Rows a reader still maps after their sequence's close stay committed:
+// the store counts them as pinned against capacity_bytes until the reader
+// lets go, and caps the closed sequences one session may keep pinned.
+TEST(KvStoreDirectRows, RowsHeldAfterCloseArePinnedUntilReleased) {
+  const SequenceGeometry g = Geo(1, 1, 256, 1024);  // 1 MiB of rows
+  const int64_t reserved = ReservedBytes(g);
+  KvStoreOptions options;
+  options.max_shared_sequences = 8;
+  options.max_pinned_sequences = 1;
+  options.capacity_bytes = reserved + reserved / 2;
+  KvStore store(options);
+  auto session = store.OpenSession();
+  ASSERT_OK(session.status());
+  auto a = store.Open(g, *session);
+  ASSERT_OK(a.status());
+  Block block = MakeBlock(5, g, 0, 1, 0, 1024);
+  ASSERT_TRUE(store.Append(*a, block.block).ok());
+  auto shared = store.ShareRows(*a, *session);
+  ASSERT_OK(shared.status());
+  const size_t bytes = reserved / 2;
+  void* k = mmap(nullptr, bytes, PROT_READ, MAP_SHARED, shared->k_fd, 0);
+  ASSERT_NE(k, MAP_FAILED);
+  close(shared->k_fd);  // the mapping alone holds K; V's descriptor is kept
+  EXPECT_EQ(store.GetStoreStats().pinned_bytes, 0);  // open: reserved
+  ASSERT_OK(store.Close(*a));
+
+  StoreStats st = store.GetStoreStats();
+  EXPECT_EQ(st.bytes_reserved, 0);
+  EXPECT_EQ(st.pinned_sequences, 1);
+  EXPECT_GE(st.pinned_bytes, reserved);  // both halves, every page written
+  // The pinned bytes leave no room for another sequence of the size.
+  absl::StatusOr<SequenceId> refused = store.Open(g, *session);
+  EXPECT_CODE(refused.status(), kResourceExhausted);
+  EXPECT_THAT(std::string(refused.status().message()),
+              testing::HasSubstr("still held by the clients"));
+
+  // V let go: K's mapping still pins its half.
+  close(shared->v_fd);
+  st = store.GetStoreStats();
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  while (st.pinned_bytes >= reserved && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(10));
+    st = store.GetStoreStats();
+  }
+  EXPECT_EQ(st.pinned_sequences, 1);
+  EXPECT_GE(st.pinned_bytes, reserved / 2);
+  EXPECT_LT(st.pinned_bytes, reserved);
+  // A small sequence fits beside it, but the session keeps its limit of
+  // one pinned sequence: its rows are not shared.
+  auto small = store.Open(Geo(1, 1, 8, 16), *session);
+  ASSERT_OK(small.status());
+  absl::StatusOr<KvStore::SharedRows> over = store.ShareRows(*small, *session);
+  EXPECT_CODE(over.status(), kResourceExhausted);
+  EXPECT_THAT(std::string(over.status().message()),
+              testing::HasSubstr("--shm_max_pinned_sequences=1"));
+
+  munmap(k, bytes);
+  st = UntilUnpinned(store);
+  EXPECT_EQ(st.pinned_bytes, 0);
+  EXPECT_EQ(st.pinned_sequences, 0);
+  auto shared_small = store.ShareRows(*small, *session);
+  ASSERT_OK(shared_small.status());
+  close(shared_small->k_fd);
+  close(shared_small->v_fd);
+  ASSERT_OK(store.Close(*small));
+  // Released before its close, the small sequence pins nothing.
+  EXPECT_EQ(UntilUnpinned(store).pinned_bytes, 0);
+  ASSERT_OK(store.Open(g, *session).status());
+}
+
+// A session that expires with its rows still mapped leaves them pinned:
+// the expiry says so, and the bytes stay counted until released.
+TEST(KvStoreDirectRows, AnExpiredSessionsMappedRowsStayPinned) {
+  const SequenceGeometry g = Geo(1, 1, 64, 64);
+  absl::Time now = absl::UnixEpoch();
+  KvStoreOptions options;
+  options.max_shared_sequences = 4;
+  options.lease_timeout = absl::Seconds(1);
+  options.clock = [&now] { return now; };
+  KvStore store(options);
+  auto session = store.OpenSession();
+  ASSERT_OK(session.status());
+  auto a = store.Open(g, *session);
+  ASSERT_OK(a.status());
+  Block block = MakeBlock(6, g, 0, 1, 0, 64);
+  ASSERT_TRUE(store.Append(*a, block.block).ok());
+  auto shared = store.ShareRows(*a, *session);
+  ASSERT_OK(shared.status());
+  now += absl::Seconds(2);
+  std::vector<ExpiredSession> expired = store.ExpireSessions();
+  ASSERT_EQ(expired.size(), 1u);
+  EXPECT_EQ(expired[0].sequences, 1);
+  EXPECT_EQ(expired[0].shared, 1);
+  EXPECT_GT(store.GetStoreStats().pinned_bytes, 0);
+  close(shared->k_fd);
+  close(shared->v_fd);
+  const StoreStats st = UntilUnpinned(store);
+  EXPECT_EQ(st.pinned_bytes, 0);
+  EXPECT_EQ(st.pinned_sequences, 0);
 }
 
 }  // namespace

@@ -298,6 +298,11 @@ struct StoreStats {
   int64_t prefix_hit_tokens = 0;      // tokens attached at Open, life total
   int64_t prefix_lookup_tokens = 0;   // tokens Open was asked to attach
   int64_t prefix_evicted_blocks = 0;  // dropped to make room, life total
+  // Rows of closed sequences that a reader on the node's host still holds
+  // (one-sided reads: KvStore::ShareRows), counted against capacity_bytes
+  // until released.
+  int64_t pinned_bytes = 0;
+  int64_t pinned_sequences = 0;
 };
 
 }  // namespace infinigen::kv_memory_service

@@ -10,6 +10,11 @@ std::string NodeSummaryLine(const StoreStats& now, const StoreStats& before,
   constexpr double kGiB = 1024.0 * 1024 * 1024;
   std::string held = absl::StrFormat("%.2f GiB reserved",
                                      now.bytes_reserved / kGiB);
+  if (now.pinned_bytes > 0) {
+    held += absl::StrFormat(
+        " + %.2f GiB pinned by clients (%d closed sequences)",
+        now.pinned_bytes / kGiB, now.pinned_sequences);
+  }
   if (now.capacity_bytes > 0) {
     held += absl::StrFormat(" of %.2f GiB", now.capacity_bytes / kGiB);
   }
@@ -30,7 +35,8 @@ bool NodeWasBusy(const StoreStats& now, const StoreStats& before,
   return now.fetches != before.fetches ||
          now.appended_rows != before.appended_rows ||
          now.open_sequences != before.open_sequences ||
-         now.open_sessions != before.open_sessions || served.fetched > 0 ||
+         now.open_sessions != before.open_sessions ||
+         now.pinned_bytes != before.pinned_bytes || served.fetched > 0 ||
          served.appended > 0;
 }
 

@@ -34,6 +34,18 @@ TEST(NodeSummaryLine, HoldingsAndTheIntervalsWork) {
   StoreStats opened = idle;
   opened.open_sessions = 1;
   EXPECT_TRUE(NodeWasBusy(opened, idle, ServedBytes{}));
+  // Rows that clients still hold after their sequences closed are shown
+  // beside the reservations, and their release is news.
+  StoreStats pinned = idle;
+  pinned.pinned_bytes = int64_t{1} << 29;
+  pinned.pinned_sequences = 4;
+  pinned.capacity_bytes = int64_t{1} << 30;
+  EXPECT_EQ(NodeSummaryLine(pinned, idle, ServedBytes{}, 10.0),
+            "kv_memory_server: 0 sequences, 0 sessions, 0.00 GiB reserved + "
+            "0.50 GiB pinned by clients (4 closed sequences) of 1.00 GiB; "
+            "fetch 0.000 GB/s (0 fetches/s, 0 rows/s), append 0.000 GB/s (0 "
+            "rows/s), 0 rows/s evicted");
+  EXPECT_TRUE(NodeWasBusy(idle, pinned, ServedBytes{}));
 }
 
 }  // namespace

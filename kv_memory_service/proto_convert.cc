@@ -119,6 +119,8 @@ void ToProto(const StoreStats& s, kv::StoreStats* out) {
   out->set_prefix_hit_tokens(s.prefix_hit_tokens);
   out->set_prefix_lookup_tokens(s.prefix_lookup_tokens);
   out->set_prefix_evicted_blocks(s.prefix_evicted_blocks);
+  out->set_pinned_bytes(s.pinned_bytes);
+  out->set_pinned_sequences(s.pinned_sequences);
 }
 
 void ToProto(const PrefixRequest& p, kv::OpenSequenceRequest* out) {
@@ -177,6 +179,8 @@ StoreStats FromProto(const kv::StoreStats& s) {
   out.prefix_hit_tokens = s.prefix_hit_tokens();
   out.prefix_lookup_tokens = s.prefix_lookup_tokens();
   out.prefix_evicted_blocks = s.prefix_evicted_blocks();
+  out.pinned_bytes = s.pinned_bytes();
+  out.pinned_sequences = s.pinned_sequences();
   return out;
 }
 

@@ -21,6 +21,13 @@ std::vector<prometheus::MetricFamily> StoreMetrics::Collect() const {
   add("infinigen_kv_pool_capacity_bytes",
       "The pool's capacity (--capacity_bytes; 0: unlimited).",
       MetricType::Gauge, st.capacity_bytes);
+  add("infinigen_kv_pinned_bytes",
+      "Bytes of closed sequences' rows that clients on this host still map "
+      "or hold (one-sided reads); counted against the capacity.",
+      MetricType::Gauge, st.pinned_bytes);
+  add("infinigen_kv_pinned_sequences",
+      "Closed sequences whose rows a client still maps or holds.",
+      MetricType::Gauge, st.pinned_sequences);
   add("infinigen_kv_sequences", "Open sequences.", MetricType::Gauge,
       st.open_sequences);
   add("infinigen_kv_sessions", "Open client sessions (leases).",

@@ -23,6 +23,8 @@
 #ifndef INFINIGEN_KV_MEMORY_SERVICE_STORED_SEQUENCE_H_
 #define INFINIGEN_KV_MEMORY_SERVICE_STORED_SEQUENCE_H_
 
+#include <fcntl.h>
+
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -43,9 +45,19 @@
 
 namespace infinigen::kv_memory_service {
 
+#ifndef F_SEAL_FUTURE_WRITE
+#define F_SEAL_FUTURE_WRITE 0x0010  // Linux 5.1
+#endif
+
+// The seals on every memfd of shareable rows: no one may shrink, grow or
+// write it (the node writes through the mapping it made before sealing),
+// nor change the seals.
+inline constexpr int kRowSeals =
+    F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL;
+
 // The rows of a sequence: an anonymous private mapping, or with
-// `shareable` a memfd's shared one that a reader on this host may map too
-// (fd()); either way the kernel commits its pages only as rows are written
+// `shareable` a sealed memfd's shared one (kRowSeals) that a reader on this
+// host may map read-only too (fd()); either way the kernel commits its pages only as rows are written
 // (an Open reserves capacity, it does not take memory), and Close returns
 // all of it at once. Page-aligned, so a data plane may register it (RDMA,
 // CUDA).

@@ -31,6 +31,7 @@ case "$config" in
       //gpu_worker:backend_test
       //gpu_worker:perplexity_test
       //common:address_test
+      //common:acceptor_test
     )
     ;;
   tsan)

@@ -323,8 +323,16 @@ void KvServer::ExpireLeases() {
                    << " expired (no heartbeat for "
                    << absl::FormatDuration(
                           absl::Trunc(e.idle, absl::Milliseconds(1)))
-                   << "): closed " << e.sequences << " sequences, freed "
-                   << e.bytes_freed << " bytes";
+                   << "): closed " << e.sequences << " sequences, "
+                   << "released their " << e.bytes_freed
+                   << " reserved bytes"
+                   << (e.shared > 0
+                           ? absl::StrCat("; ", e.shared,
+                                          " of them had their rows mapped by "
+                                          "the client, whose pages stay "
+                                          "pinned (pinned_bytes) until it "
+                                          "lets them go")
+                           : "");
     }
   }
 }

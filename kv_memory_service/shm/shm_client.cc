@@ -328,15 +328,18 @@ class ShmKvClient final : public KvClientWrapper {
   }
 
   // Unmaps the sequence's rows (GetDirectRows) whatever the node answers.
+  // The rows are unmapped first: the node frees them at the close instead
+  // of counting them as pinned until this client lets go.
   absl::Status Close(SequenceId seq) override {
-    const absl::Status closed = KvClientWrapper::Close(seq);
-    absl::MutexLock lock(&rows_mu_);
-    auto it = rows_.find(seq);
-    if (it != rows_.end()) {
-      UnmapRows(it->second);
-      rows_.erase(it);
+    {
+      absl::MutexLock lock(&rows_mu_);
+      auto it = rows_.find(seq);
+      if (it != rows_.end()) {
+        UnmapRows(it->second);
+        rows_.erase(it);
+      }
     }
-    return closed;
+    return KvClientWrapper::Close(seq);
   }
 
   std::string data_plane() const override { return "shm"; }

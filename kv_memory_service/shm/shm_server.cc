@@ -632,10 +632,13 @@ void ShmServer::AcceptLoop() {
       return;
     }
     if (stopping_.load() || (fds[1].revents & POLLIN) != 0) return;
+    // Out of descriptors, the pending peer is shed and the loop backs off
+    // (acceptor.h) instead of polling a readable socket at full speed.
+    const int socket = n > 0 && (fds[0].revents & POLLIN) != 0
+                           ? acceptor_.Accept(listen_fd_, SOCK_CLOEXEC)
+                           : -1;
     absl::MutexLock lock(&mu_);
     ReapFinished();
-    if (n <= 0 || (fds[0].revents & POLLIN) == 0) continue;
-    const int socket = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
     if (socket < 0) continue;
     // Admission: attached clients up to max_connections; those still in
     // their handshake (not yet authenticated, perhaps silent) apart, at

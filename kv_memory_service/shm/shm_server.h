@@ -27,6 +27,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/acceptor.h"
 #include "kv_memory_service/server/credentials.h"
 #include "kv_memory_service/kv_store.h"
 #include "kv_memory_service/request_metrics.h"
@@ -101,6 +102,7 @@ class ShmServer {
   mutable absl::Mutex mu_;
   std::list<std::unique_ptr<Connection>> connections_ ABSL_GUARDED_BY(mu_);
   int64_t dropped_handshakes_ ABSL_GUARDED_BY(mu_) = 0;
+  Acceptor acceptor_;  // used by the accept thread alone
   std::thread accept_thread_;
 };
 

@@ -146,18 +146,18 @@ FetchSocketStats FetchSocketServer::GetStats() const {
 void FetchSocketServer::AcceptLoop() {
   size_t next_loop = 0;
   while (true) {
-    const int fd =
-        accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    // Out of descriptors, the pending peer is shed and the loop backs off
+    // (acceptor.h) until connections close.
+    const int fd = accept_.Accept(listen_fd_, SOCK_CLOEXEC | SOCK_NONBLOCK);
     if (fd < 0) {
-      if (errno == EINTR || errno == ECONNABORTED) continue;
+      const int err = errno;
+      if (err == EINTR || err == ECONNABORTED) continue;
       {
         absl::MutexLock lock(&mu_);
         if (stopping_) return;
       }
-      if (errno == EMFILE || errno == ENFILE) {
-        usleep(10000);  // out of descriptors: let connections close
-        continue;
-      }
+      if (err == EMFILE || err == ENFILE) continue;
+      errno = err;
       IG_LOG(ERROR) << "fetch socket: accept failed: " << std::strerror(errno);
       return;
     }

@@ -45,6 +45,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/acceptor.h"
 #include "kv_memory_service/server/credentials.h"
 #include "kv_memory_service/kv_store.h"
 #include "kv_memory_service/request_metrics.h"
@@ -133,6 +134,7 @@ class FetchSocketServer {
   const int listen_fd_;
   const int port_;
   std::vector<std::unique_ptr<Loop>> loops_;
+  Acceptor accept_;  // used by the acceptor thread alone
   std::thread acceptor_;
 
   mutable absl::Mutex mu_;

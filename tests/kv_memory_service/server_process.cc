@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -39,14 +40,26 @@ std::string BinaryPath() {
 }
 
 // Spawns the binary; stdout/stderr go to the given files, or are inherited
-// when empty.
+// when empty. With max_descriptors > 0 the child's RLIMIT_NOFILE (soft and
+// hard) is that.
 pid_t Spawn(const std::vector<std::string>& args, const std::string& out,
-            const std::string& err) {
+            const std::string& err, int max_descriptors = 0) {
   std::vector<std::string> all = {BinaryPath()};
   all.insert(all.end(), args.begin(), args.end());
   std::vector<char*> argv;
   for (std::string& a : all) argv.push_back(a.data());
   argv.push_back(nullptr);
+  if (max_descriptors > 0) {
+    const pid_t pid = fork();
+    if (pid == 0) {  // only async-signal-safe calls until exec
+      const rlimit limit = {static_cast<rlim_t>(max_descriptors),
+                            static_cast<rlim_t>(max_descriptors)};
+      if (setrlimit(RLIMIT_NOFILE, &limit) != 0) _exit(127);
+      execve(argv[0], argv.data(), environ);
+      _exit(127);
+    }
+    return pid;
+  }
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
   if (!out.empty()) {
@@ -88,7 +101,7 @@ std::string ServerProcess::SocketPath(const std::string& name) {
 }
 
 absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
-    const std::vector<std::string>& flags) {
+    const std::vector<std::string>& flags, int max_descriptors) {
   const std::string ready = TempPath("ready");
   std::vector<std::string> args = flags;
   args.push_back("--ready_file=" + ready);
@@ -100,7 +113,7 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
       }
     }
   }
-  p->pid_ = Spawn(args, "", "");
+  p->pid_ = Spawn(args, "", "", max_descriptors);
   if (p->pid_ < 0) {
     return absl::UnavailableError("cannot spawn " + BinaryPath());
   }

@@ -19,9 +19,11 @@ namespace infinigen::kv_memory_service {
 class ServerProcess {
  public:
   // Flags such as "--listen=127.0.0.1:0" or "--listen=unix:PATH".
-  // Unavailable if the server exits or does not listen within 60 s.
+  // Unavailable if the server exits or does not listen within 60 s. With
+  // max_descriptors > 0 the server runs with that RLIMIT_NOFILE (soft and
+  // hard, so that it cannot raise it).
   static absl::StatusOr<std::unique_ptr<ServerProcess>> Start(
-      const std::vector<std::string>& flags);
+      const std::vector<std::string>& flags, int max_descriptors = 0);
   ~ServerProcess();
 
   const std::string& address() const { return address_; }
