@@ -40,6 +40,7 @@ if ! command -v "$CXX" >/dev/null; then
 fi
 
 store_srcs=(kv_memory_service/kv_store.cc kv_memory_service/stored_sequence.cc
+            kv_memory_service/pinned_rows.cc
             kv_memory_service/head_slots.cc kv_memory_service/kv_types.cc
             kv_memory_service/gather_pool.cc
             kv_memory_service/prefix_cache.cc kv_memory_service/prefix_keys.cc
@@ -54,7 +55,7 @@ sources_of() {
       echo common/log.cc "${store_srcs[@]}" \
         kv_memory_service/request_metrics.cc \
         kv_memory_service/tcp/fetch_wire.cc kv_memory_service/tcp/fetch_tls.cc \
-        kv_memory_service/tcp/fetch_socket_server.cc \
+        common/acceptor.cc kv_memory_service/tcp/fetch_socket_server.cc \
         kv_memory_service/tcp/fetch_socket_loop.cc \
         kv_memory_service/tcp/fetch_socket_protocol.cc ;;
     shm_protocol_fuzzer) echo kv_memory_service/shm/shm_protocol.cc ;;
