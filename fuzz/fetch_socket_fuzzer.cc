@@ -26,7 +26,7 @@
 #include <string>
 
 #include "absl/time/time.h"
-#include "kv_memory_service/kv_store.h"
+#include "kv_memory_service/store/kv_store.h"
 #include "kv_memory_service/tcp/fetch_socket_server.h"
 #include "kv_memory_service/tcp/fetch_wire.h"
 

@@ -13,8 +13,8 @@
 #include <vector>
 
 #include "grpcpp/server_context.h"
-#include "kv_memory_service/kv_store.h"
-#include "kv_memory_service/kv_types.h"
+#include "kv_memory_service/store/kv_store.h"
+#include "kv_memory_service/client/kv_types.h"
 #include "kv_memory_service/server/kv_service.h"
 
 namespace kvm = infinigen::kv_memory_service;

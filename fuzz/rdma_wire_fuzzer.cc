@@ -13,8 +13,8 @@
 #include <string>
 #include <vector>
 
-#include "kv_memory_service/kv_store.h"
-#include "kv_memory_service/kv_types.h"
+#include "kv_memory_service/store/kv_store.h"
+#include "kv_memory_service/client/kv_types.h"
 #include "kv_memory_service/rdma/rdma_wire.h"
 
 namespace kvm = infinigen::kv_memory_service;

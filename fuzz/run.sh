@@ -39,12 +39,14 @@ if ! command -v "$CXX" >/dev/null; then
   exit 2
 fi
 
-store_srcs=(kv_memory_service/kv_store.cc kv_memory_service/stored_sequence.cc
-            kv_memory_service/pinned_rows.cc
-            kv_memory_service/head_slots.cc kv_memory_service/kv_types.cc
-            kv_memory_service/gather_pool.cc
-            kv_memory_service/prefix_cache.cc kv_memory_service/prefix_keys.cc
-            kv_memory_service/server/credentials.cc)
+store_srcs=(kv_memory_service/store/kv_store.cc
+            kv_memory_service/store/stored_sequence.cc
+            kv_memory_service/store/pinned_rows.cc
+            kv_memory_service/store/head_slots.cc
+            kv_memory_service/client/kv_types.cc common/thread_pool.cc
+            kv_memory_service/store/prefix_cache.cc
+            kv_memory_service/client/prefix_keys.cc
+            kv_memory_service/serving/credentials.cc)
 model_srcs=(common/file.cc common/log.cc model/gguf.cc model/ggml_quants.cc
             model/gguf_llama.cc model/bpe_tokenizer.cc model/spm_tokenizer.cc
             model/tokenizer.cc model/config.cc model/weights.cc
@@ -53,7 +55,7 @@ sources_of() {
   case "$1" in
     fetch_socket_fuzzer)
       echo common/log.cc "${store_srcs[@]}" \
-        kv_memory_service/request_metrics.cc \
+        kv_memory_service/serving/request_metrics.cc \
         kv_memory_service/tcp/fetch_wire.cc kv_memory_service/tcp/fetch_tls.cc \
         common/acceptor.cc kv_memory_service/tcp/fetch_socket_server.cc \
         kv_memory_service/tcp/fetch_socket_loop.cc \
@@ -64,8 +66,8 @@ sources_of() {
         kv_memory_service/rdma/rdma_wire.cc \
         fuzz/out/gen/proto/kv_rdma.pb.cc ;;
     kv_service_fuzzer)
-      echo common/log.cc "${store_srcs[@]}" kv_memory_service/proto_convert.cc \
-        kv_memory_service/request_metrics.cc \
+      echo common/log.cc "${store_srcs[@]}" kv_memory_service/control/proto_convert.cc \
+        kv_memory_service/serving/request_metrics.cc \
         kv_memory_service/server/kv_service.cc \
         fuzz/out/gen/proto/kv_memory.pb.cc \
         fuzz/out/gen/proto/kv_memory.grpc.pb.cc ;;

@@ -18,11 +18,11 @@ shift || true
 case "$config" in
   asan)
     targets=(
-      //kv_memory_service:kv_store_test
-      //kv_memory_service:gather_pool_test
-      //kv_memory_service:prefix_test
-      //kv_memory_service:kv_client_test
-      //kv_memory_service:tls_test
+      //kv_memory_service/store:kv_store_test
+      //common:thread_pool_test
+      //kv_memory_service/store:prefix_test
+      //kv_memory_service/client:kv_client_test
+      //kv_memory_service/server:tls_test
       //kv_memory_service/tcp:fetch_socket_server_test
       //kv_memory_service/shm:shm_test
       //kv_memory_service/sharded:sharded_kv_client_test
@@ -36,9 +36,9 @@ case "$config" in
     ;;
   tsan)
     targets=(
-      //kv_memory_service:kv_store_test
-      //kv_memory_service:gather_pool_test
-      //kv_memory_service:prefix_test
+      //kv_memory_service/store:kv_store_test
+      //common:thread_pool_test
+      //kv_memory_service/store:prefix_test
       //kv_memory_service/tcp:fetch_socket_server_test
       //kv_memory_service/shm:shm_test
       //gpu_worker:kv_cache_test

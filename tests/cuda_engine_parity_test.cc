@@ -33,7 +33,7 @@
 #include "gpu_worker/backend/cuda/cuda_backend.h"
 #include "gpu_worker/engine.h"
 #include "gtest/gtest.h"
-#include "kv_memory_service/kv_client.h"
+#include "kv_memory_service/client/kv_client.h"
 #include "model/loader.h"
 
 namespace infinigen {

@@ -19,7 +19,7 @@
 #include "gpu_worker/backend/cpu/cpu_backend.h"
 #include "gpu_worker/engine.h"
 #include "gtest/gtest.h"
-#include "kv_memory_service/kv_client.h"
+#include "kv_memory_service/client/kv_client.h"
 #include "model/llama2c.h"
 #include "tests/kv_memory_service/server_process.h"
 

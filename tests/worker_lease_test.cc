@@ -31,7 +31,7 @@
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
-#include "kv_memory_service/kv_client.h"
+#include "kv_memory_service/client/kv_client.h"
 #include "model/llama2c.h"
 #include "proto/health.grpc.pb.h"
 #include "proto/worker.grpc.pb.h"

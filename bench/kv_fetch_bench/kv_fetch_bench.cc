@@ -63,7 +63,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "benchmark/benchmark.h"
-#include "kv_memory_service/kv_client.h"
+#include "kv_memory_service/client/kv_client.h"
 #include "kv_memory_service/server/kv_server.h"
 
 namespace infinigen::kv_memory_service {

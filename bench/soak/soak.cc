@@ -36,7 +36,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "kv_memory_service/kv_client.h"
+#include "kv_memory_service/client/kv_client.h"
 #include "kv_memory_service/tcp/fetch_wire.h"
 #include "kv_memory_service/testing/kv_test_data.h"
 

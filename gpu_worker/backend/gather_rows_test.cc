@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "kv_memory_service/kv_store.h"
+#include "kv_memory_service/store/kv_store.h"
 
 namespace infinigen::gpu_worker {
 namespace {

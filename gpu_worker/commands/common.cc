@@ -23,7 +23,7 @@
 #include "gpu_worker/kv/policies/registry.h"
 #include "gpu_worker/kv/kv_policy.h"
 #include "gpu_worker/kv/model_identity.h"
-#include "kv_memory_service/kv_store.h"
+#include "kv_memory_service/store/kv_store.h"
 #include "model/dummy.h"
 
 ABSL_FLAG(std::string, model, "",

@@ -18,7 +18,7 @@
 #include "absl/types/span.h"
 #include "gpu_worker/eval/calibrate.h"
 #include "gpu_worker/engine.h"
-#include "kv_memory_service/kv_client.h"
+#include "kv_memory_service/client/kv_client.h"
 #include "model/loader.h"
 #include "speculator/speculator.h"
 

@@ -31,7 +31,7 @@
 #include "gpu_worker/kv/kv_policy.h"
 #include "gpu_worker/kv/model_identity.h"
 #include "gpu_worker/kv/policies/registry.h"
-#include "kv_memory_service/kv_store.h"
+#include "kv_memory_service/store/kv_store.h"
 #include "models/calibration/calibration_text.h"
 
 ABSL_FLAG(double, alpha, 5.0,

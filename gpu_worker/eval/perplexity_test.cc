@@ -7,7 +7,7 @@
 #include "gmock/gmock.h"
 #include "gpu_worker/backend/cpu/cpu_backend.h"
 #include "gtest/gtest.h"
-#include "kv_memory_service/kv_client.h"
+#include "kv_memory_service/client/kv_client.h"
 #include "model/llama2c.h"
 
 namespace infinigen::gpu_worker {

@@ -61,7 +61,7 @@
 #include "gpu_worker/backend/backend.h"
 #include "gpu_worker/kv/fetch_schedule.h"
 #include "gpu_worker/kv/kv_policy.h"
-#include "kv_memory_service/kv_client.h"
+#include "kv_memory_service/client/kv_client.h"
 #include "model/weights.h"
 
 namespace infinigen::gpu_worker {

@@ -23,7 +23,7 @@
 #include "gpu_worker/eval/calibrate.h"
 #include "gtest/gtest.h"
 #include "absl/synchronization/mutex.h"
-#include "kv_memory_service/kv_store.h"
+#include "kv_memory_service/store/kv_store.h"
 
 namespace infinigen::gpu_worker {
 namespace {

@@ -49,7 +49,7 @@
 #include "absl/strings/string_view.h"
 #include "gpu_worker/backend/backend.h"
 #include "gpu_worker/backend/kv_rows.h"
-#include "kv_memory_service/kv_types.h"
+#include "kv_memory_service/client/kv_types.h"
 #include "model/weights.h"
 #include "speculator/speculator.h"
 

@@ -11,7 +11,7 @@
 #include "absl/strings/str_format.h"
 #include "common/log.h"
 #include "common/status.h"
-#include "kv_memory_service/prefix_keys.h"
+#include "kv_memory_service/client/prefix_keys.h"
 
 namespace infinigen::gpu_worker {
 namespace offloaded {

@@ -28,7 +28,7 @@
 #include "absl/synchronization/mutex.h"
 #include "gpu_worker/kv/fetch_schedule.h"
 #include "gpu_worker/kv/kv_cache_impl.h"
-#include "kv_memory_service/kv_client.h"
+#include "kv_memory_service/client/kv_client.h"
 
 namespace infinigen::gpu_worker {
 namespace offloaded {

@@ -19,7 +19,7 @@
 #include "gpu_worker/kv/policies/registry.h"
 #include "gpu_worker/serving/sampler.h"
 #include "gtest/gtest.h"
-#include "kv_memory_service/kv_client.h"
+#include "kv_memory_service/client/kv_client.h"
 #include "model/llama2c.h"
 
 namespace infinigen::gpu_worker {

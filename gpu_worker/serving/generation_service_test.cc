@@ -28,7 +28,7 @@
 #include "gpu_worker/backend/backend.h"
 #include "gpu_worker/engine.h"
 #include "gpu_worker/serving/generation_scheduler.h"
-#include "kv_memory_service/kv_client.h"
+#include "kv_memory_service/client/kv_client.h"
 #include "model/llama2c.h"
 #include "proto/health.grpc.pb.h"
 #include "proto/worker.grpc.pb.h"

@@ -19,7 +19,7 @@
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/channel_arguments.h"
-#include "kv_memory_service/proto_convert.h"
+#include "kv_memory_service/control/proto_convert.h"
 #include "kv_memory_service/tcp/fetch_connection.h"
 #include "proto/kv_memory.grpc.pb.h"
 

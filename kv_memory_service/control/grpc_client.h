@@ -37,7 +37,7 @@
 
 #include "absl/status/statusor.h"
 #include "grpcpp/channel.h"
-#include "kv_memory_service/kv_client.h"
+#include "kv_memory_service/client/kv_client.h"
 
 namespace infinigen::kv_memory_service {
 

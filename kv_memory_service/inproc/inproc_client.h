@@ -14,8 +14,8 @@
 
 #include <memory>
 
-#include "kv_memory_service/kv_client.h"
-#include "kv_memory_service/kv_store.h"
+#include "kv_memory_service/client/kv_client.h"
+#include "kv_memory_service/store/kv_store.h"
 
 namespace infinigen::kv_memory_service {
 

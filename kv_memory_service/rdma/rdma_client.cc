@@ -18,11 +18,11 @@
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/channel_arguments.h"
-#include "kv_memory_service/proto_convert.h"
+#include "kv_memory_service/control/proto_convert.h"
 #include "kv_memory_service/rdma/queue_pair.h"
 #include "kv_memory_service/rdma/rdma_device.h"
 #include "kv_memory_service/rdma/rdma_wire.h"
-#include "kv_memory_service/shm/cuda_host_register.h"
+#include "common/cuda_host_register.h"
 #include "proto/kv_rdma.grpc.pb.h"
 
 namespace infinigen::kv_memory_service {
@@ -371,13 +371,13 @@ absl::StatusOr<std::unique_ptr<FetchBuffer>> RdmaKvClient::NewFetchBuffer(
   kv::RdmaRegisterBufferResponse resp;
   absl::Status registered = FromGrpcStatus(p_.stub->RegisterBuffer(&ctx, req, &resp));
   if (!registered.ok()) return undo(registered);
-  const bool pinned = shm::CudaHostRegister(m.data.get(), data_bytes);
+  const bool pinned = CudaHostRegister(m.data.get(), data_bytes);
   return std::unique_ptr<FetchBuffer>(
       new RdmaFetchBuffer(this, slot, std::move(m), pinned));
 }
 
 RdmaFetchBuffer::~RdmaFetchBuffer() {
-  if (pinned_) shm::CudaHostUnregister(memory_.data.get());
+  if (pinned_) CudaHostUnregister(memory_.data.get());
   client_->ReleaseSlot(slot_);
 }
 

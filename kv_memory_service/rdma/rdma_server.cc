@@ -14,7 +14,7 @@
 #include "absl/time/clock.h"
 #include "common/log.h"
 #include "common/status.h"
-#include "kv_memory_service/proto_convert.h"
+#include "kv_memory_service/control/proto_convert.h"
 #include "kv_memory_service/rdma/queue_pair.h"
 #include "kv_memory_service/rdma/rdma_device.h"
 #include "kv_memory_service/rdma/rdma_wire.h"

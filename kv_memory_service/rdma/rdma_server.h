@@ -22,9 +22,9 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "grpcpp/impl/service_type.h"
-#include "kv_memory_service/server/credentials.h"
-#include "kv_memory_service/kv_store.h"
-#include "kv_memory_service/request_metrics.h"
+#include "kv_memory_service/serving/credentials.h"
+#include "kv_memory_service/store/kv_store.h"
+#include "kv_memory_service/serving/request_metrics.h"
 
 namespace infinigen::kv_memory_service {
 

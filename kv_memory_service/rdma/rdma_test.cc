@@ -11,7 +11,7 @@
 
 #include "absl/strings/match.h"
 #include "gtest/gtest.h"
-#include "kv_memory_service/kv_client.h"
+#include "kv_memory_service/client/kv_client.h"
 #include "kv_memory_service/rdma/queue_pair.h"
 #include "kv_memory_service/rdma/rdma_device.h"
 #include "kv_memory_service/rdma/rdma_server.h"

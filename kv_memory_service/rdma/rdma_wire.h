@@ -25,7 +25,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "kv_memory_service/kv_types.h"
+#include "kv_memory_service/client/kv_types.h"
 #include "proto/kv_rdma.pb.h"
 
 namespace infinigen::kv_memory_service::rdma {

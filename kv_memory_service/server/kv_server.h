@@ -22,9 +22,9 @@
 #include "absl/time/time.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/server.h"
-#include "kv_memory_service/kv_store.h"
-#include "kv_memory_service/server/credentials.h"
-#include "kv_memory_service/request_metrics.h"
+#include "kv_memory_service/store/kv_store.h"
+#include "kv_memory_service/serving/credentials.h"
+#include "kv_memory_service/serving/request_metrics.h"
 #include "kv_memory_service/tcp/fetch_socket_server.h"
 
 namespace infinigen::kv_memory_service {

@@ -6,8 +6,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
-#include "kv_memory_service/proto_convert.h"
-#include "kv_memory_service/server/serve_fetch.h"
+#include "kv_memory_service/control/proto_convert.h"
+#include "kv_memory_service/serving/serve_fetch.h"
 
 namespace infinigen::kv_memory_service {
 namespace {

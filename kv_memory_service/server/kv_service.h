@@ -17,9 +17,9 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
-#include "kv_memory_service/kv_store.h"
-#include "kv_memory_service/server/credentials.h"
-#include "kv_memory_service/request_metrics.h"
+#include "kv_memory_service/store/kv_store.h"
+#include "kv_memory_service/serving/credentials.h"
+#include "kv_memory_service/serving/request_metrics.h"
 #include "proto/kv_memory.grpc.pb.h"
 
 namespace infinigen::kv_memory_service {

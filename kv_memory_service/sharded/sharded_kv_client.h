@@ -50,7 +50,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "kv_memory_service/kv_client.h"
+#include "kv_memory_service/client/kv_client.h"
 
 namespace infinigen::kv_memory_service {
 

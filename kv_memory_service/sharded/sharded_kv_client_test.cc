@@ -13,8 +13,8 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "kv_memory_service/kv_store.h"
-#include "kv_memory_service/prefix_keys.h"
+#include "kv_memory_service/store/kv_store.h"
+#include "kv_memory_service/client/prefix_keys.h"
 #include "kv_memory_service/testing/fault_injection_client.h"
 #include "kv_memory_service/testing/kv_test_data.h"
 

@@ -22,7 +22,7 @@
 #include "absl/time/clock.h"
 #include "common/address.h"
 #include "common/status.h"
-#include "kv_memory_service/shm/cuda_host_register.h"
+#include "common/cuda_host_register.h"
 #include "kv_memory_service/shm/shm_protocol.h"
 
 namespace infinigen::kv_memory_service {
@@ -594,13 +594,13 @@ absl::StatusOr<std::unique_ptr<FetchBuffer>> ShmKvClient::NewFetchBuffer(
   absl::Status mapped = Call(map, fd);
   if (!mapped.ok()) return undo(mapped);
   SlotMapped(slot, fd, elements);
-  const bool pinned = shm::CudaHostRegister(m.data, m.data_bytes);
+  const bool pinned = CudaHostRegister(m.data, m.data_bytes);
   return std::unique_ptr<FetchBuffer>(
       new ShmFetchBuffer(this, slot, control, m, pinned));
 }
 
 ShmFetchBuffer::~ShmFetchBuffer() {
-  if (pinned_) shm::CudaHostUnregister(memory_.data);
+  if (pinned_) CudaHostUnregister(memory_.data);
   // An abandoned slot stays taken: the server may still be writing it.
   if (!abandoned_) client_->ReleaseSlot(slot_);
   munmap(memory_.data, memory_.data_bytes);
@@ -710,7 +710,7 @@ absl::Status ShmFetchBuffer::GiveUp(absl::Status why) {
   // so that the caller's memory stays valid and the server's late writes
   // land where nobody looks.
   if (pinned_) {
-    shm::CudaHostUnregister(memory_.data);
+    CudaHostUnregister(memory_.data);
     pinned_ = false;
   }
   mmap(memory_.data, memory_.data_bytes, PROT_READ | PROT_WRITE,

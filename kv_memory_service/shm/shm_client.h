@@ -31,7 +31,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "kv_memory_service/kv_client.h"
+#include "kv_memory_service/client/kv_client.h"
 
 namespace infinigen::kv_memory_service {
 

@@ -17,7 +17,7 @@
 #include "common/log.h"
 #include "common/status.h"
 #include "grpcpp/client_context.h"
-#include "kv_memory_service/proto_convert.h"
+#include "kv_memory_service/control/proto_convert.h"
 #include "kv_memory_service/tcp/fetch_tls.h"
 #include "kv_memory_service/tcp/fetch_wire.h"
 

@@ -18,7 +18,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
-#include "kv_memory_service/server/serve_fetch.h"
+#include "kv_memory_service/serving/serve_fetch.h"
 #include "kv_memory_service/tcp/fetch_tls.h"
 #include "kv_memory_service/tcp/fetch_wire.h"
 #include "openssl/err.h"

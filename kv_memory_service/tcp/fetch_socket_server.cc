@@ -19,7 +19,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
-#include "kv_memory_service/server/serve_fetch.h"
+#include "kv_memory_service/serving/serve_fetch.h"
 #include "kv_memory_service/tcp/fetch_tls.h"
 #include "kv_memory_service/tcp/fetch_socket_loop.h"
 #include "kv_memory_service/tcp/fetch_wire.h"

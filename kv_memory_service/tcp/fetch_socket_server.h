@@ -46,9 +46,9 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/acceptor.h"
-#include "kv_memory_service/server/credentials.h"
-#include "kv_memory_service/kv_store.h"
-#include "kv_memory_service/request_metrics.h"
+#include "kv_memory_service/serving/credentials.h"
+#include "kv_memory_service/store/kv_store.h"
+#include "kv_memory_service/serving/request_metrics.h"
 #include "openssl/ssl.h"
 
 namespace infinigen::kv_memory_service {

@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "kv_memory_service/kv_types.h"
+#include "kv_memory_service/client/kv_types.h"
 
 namespace infinigen::kv_memory_service::testdata {
 

@@ -15,7 +15,7 @@
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "kv_memory_service/kv_client.h"
+#include "kv_memory_service/client/kv_client.h"
 #include "kv_memory_service/testing/kv_test_data.h"
 #include "tests/kv_memory_service/server_process.h"
 

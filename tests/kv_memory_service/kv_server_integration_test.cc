@@ -18,7 +18,7 @@
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "gtest/gtest.h"
-#include "kv_memory_service/kv_client.h"
+#include "kv_memory_service/client/kv_client.h"
 #include "kv_memory_service/testing/kv_test_data.h"
 #include "proto/health.grpc.pb.h"
 #include "proto/kv_memory.grpc.pb.h"

@@ -20,7 +20,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
-#include "kv_memory_service/kv_client.h"
+#include "kv_memory_service/client/kv_client.h"
 #include "kv_memory_service/testing/kv_test_data.h"
 
 ABSL_FLAG(std::string, kv_service, "", "The memory node's address.");

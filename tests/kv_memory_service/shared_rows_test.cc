@@ -37,7 +37,7 @@
 #include "gmock/gmock.h"
 #include "common/status.h"
 #include "gtest/gtest.h"
-#include "kv_memory_service/kv_client.h"
+#include "kv_memory_service/client/kv_client.h"
 #include "kv_memory_service/shm/shm_protocol.h"
 #include "kv_memory_service/testing/kv_test_data.h"
 #include "tests/kv_memory_service/server_process.h"

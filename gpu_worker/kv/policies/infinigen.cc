@@ -12,7 +12,7 @@
 #include "gpu_worker/kv/policies/policy_util.h"
 #include "speculator/partial_keys.h"
 #include "gpu_worker/kv/policies/registry.h"
-#include "kv_memory_service/gather_pool.h"
+#include "common/thread_pool.h"
 
 namespace infinigen::gpu_worker {
 namespace {
@@ -26,8 +26,7 @@ using kv_memory_service::OwnedFetchPlan;
 const speculator::TaskRunner* SelectionRunner(size_t scores) {
   if (scores < (size_t{1} << 16)) return nullptr;
   static const speculator::TaskRunner* runner = [] {
-    auto* pool = new kv_memory_service::GatherPool(
-        kv_memory_service::GatherPool::Resolve(0));
+    auto* pool = new ThreadPool(ThreadPool::Resolve(0));
     return new speculator::TaskRunner(
         [pool](int n, absl::FunctionRef<void(int)> fn) { pool->Run(n, fn); });
   }();

@@ -1,0 +1,274 @@
+// StoredSequence: one sequence of the memory node's store (kv_store.h), its
+// K and V rows [layer][kv_head][slot][head_dim] and, per (layer, KV head),
+// a HeadSlots (head_slots.h) saying which slot holds which position.
+// Private to the store.
+//
+// Memory follows what is stored, not what was reserved or ever appended:
+// the rows are an mmap the kernel commits page by page as rows are
+// written; the bookkeeping is HeadSlots'. Consecutive positions stored side
+// by side are gathered as one block, scattered ones with fixed-size copies
+// prefetched ahead, and gathers over 1 MiB are split across the store's
+// ThreadPool.
+//
+// Fetches do no bookkeeping on their path: a gather copies rows under a
+// reader lock (several gathers of a sequence run at once) and appends its
+// plan to the sequence's fetch log, 4 bytes a row. The log is applied to
+// the per-token statistics, in order: by an append that evicts or that
+// finds it holding half as many positions as rows present, before the
+// statistics are read, and by a gather that finds it at four times the rows
+// present.
+//
+// Thread-safe: appends and statistics take the sequence's lock, gathers
+// share it.
+#ifndef INFINIGEN_KV_MEMORY_SERVICE_STORE_STORED_SEQUENCE_H_
+#define INFINIGEN_KV_MEMORY_SERVICE_STORE_STORED_SEQUENCE_H_
+
+#include <fcntl.h>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
+#include "common/thread_pool.h"
+#include "kv_memory_service/store/head_slots.h"
+#include "kv_memory_service/client/kv_types.h"
+#include "kv_memory_service/store/prefix_cache.h"
+
+namespace infinigen::kv_memory_service {
+
+#ifndef F_SEAL_FUTURE_WRITE
+#define F_SEAL_FUTURE_WRITE 0x0010  // Linux 5.1
+#endif
+
+// The seals on every memfd of shareable rows: no one may shrink, grow or
+// write it (the node writes through the mapping it made before sealing),
+// nor change the seals.
+inline constexpr int kRowSeals =
+    F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL;
+
+// The rows of a sequence: an anonymous private mapping, or with
+// `shareable` a sealed memfd's shared one (kRowSeals) that a reader on this
+// host may map read-only too (fd()); either way the kernel commits its pages only as rows are written
+// (an Open reserves capacity, it does not take memory), and Close returns
+// all of it at once. Page-aligned, so a data plane may register it (RDMA,
+// CUDA).
+class RowMemory {
+ public:
+  RowMemory() = default;
+  // Null (get() == nullptr) when the mapping fails. Shareable while
+  // `memfds` (counting the live ones; null: none) stays below `max_memfds`;
+  // private memory (fd() < 0) beyond it or where no memfd can be made.
+  RowMemory(size_t bytes, std::shared_ptr<std::atomic<int64_t>> memfds,
+            int64_t max_memfds);
+  RowMemory(RowMemory&& o) noexcept
+      : data_(o.data_), bytes_(o.bytes_), fd_(o.fd_),
+        memfds_(std::move(o.memfds_)) {
+    o.data_ = nullptr;
+    o.fd_ = -1;
+  }
+  RowMemory& operator=(RowMemory&&) = delete;
+  RowMemory(const RowMemory&) = delete;
+  ~RowMemory();
+  uint16_t* get() const { return data_; }
+  bool operator==(std::nullptr_t) const { return data_ == nullptr; }
+  // The memfd holding the rows, or -1 (private memory).
+  int fd() const { return fd_; }
+
+ private:
+  uint16_t* data_ = nullptr;
+  size_t bytes_ = 0;
+  int fd_ = -1;
+  std::shared_ptr<std::atomic<int64_t>> memfds_;  // counts fd_ while >= 0
+};
+
+// The store's running totals, which every sequence adds to.
+struct StoreTotals {
+  std::atomic<int64_t> appended_rows{0};
+  std::atomic<int64_t> evicted_rows{0};
+  std::atomic<int64_t> fetches{0};
+  std::atomic<int64_t> fetched_rows{0};
+};
+
+class StoredSequence {
+ public:
+  StoredSequence(SequenceId id, const SequenceGeometry& g,
+                 EvictionPolicy policy, RowMemory k, RowMemory v);
+
+  const SequenceGeometry& geometry() const { return g_; }
+
+  // KvStore::Append on this sequence, at most max_append_tokens per call.
+  // `published` receives the prefix blocks this append completed (see
+  // Attach), for the store to share. `pool` (may be null) splits a layer's
+  // rows above kAppendSplitBytes across its threads by KV head.
+  absl::StatusOr<AppendResult> Append(
+      const AppendBlock& b, int32_t max_append_tokens, StoreTotals& totals,
+      std::vector<std::shared_ptr<const PrefixBlock>>* published,
+      ThreadPool* pool = nullptr);
+  static constexpr size_t kAppendSplitBytes = size_t{4} << 20;
+  static constexpr size_t kAppendTaskBytes = size_t{1} << 20;
+
+  // KvStore::Gather on this sequence; `pool` (may be null) splits large
+  // gathers.
+  absl::Status Gather(int32_t layer, const FetchPlan& plan,
+                      absl::Span<uint16_t> dest, StoreTotals& totals,
+                      ThreadPool* pool);
+
+  // KvStore::NoteFetched on this sequence.
+  absl::Status NoteFetched(int32_t layer, const FetchPlan& plan,
+                           StoreTotals& totals);
+  // KvStore::NoteLeadingFetched on this sequence.
+  absl::Status NoteLeadingFetched(int32_t layer,
+                                  absl::Span<const int32_t> head_offsets,
+                                  StoreTotals& totals);
+
+  // The rows, [layer][kv_head][slot][head_dim] (KvStore::DirectRows).
+  const uint16_t* k_rows() const { return k_.get(); }
+  const uint16_t* v_rows() const { return v_.get(); }
+  // The memfds of k_rows() and v_rows(), or -1 (RowMemory::fd).
+  int k_fd() const { return k_.fd(); }
+  int v_fd() const { return v_.fd(); }
+  // Whether every position appended from now on is addressable in place:
+  // no prefix block attached (its rows live in the block).
+  bool attached() const;
+
+  // Makes the attached blocks the sequence's first tokens (a fresh
+  // sequence: nothing appended yet) and remembers `pending` (the keys of
+  // the blocks after them) to publish each of those blocks once every
+  // layer's rows of it are appended, in order, while their bytes (rows and
+  // annotation) stay within `publish_bytes`. Returns the attached tokens.
+  int32_t Attach(std::vector<std::shared_ptr<const PrefixBlock>> blocks,
+                 int32_t block_tokens, std::vector<PrefixKey> pending,
+                 int64_t publish_bytes);
+
+  SequenceStats Stats() const;
+  absl::StatusOr<std::vector<TokenFetchStats>> TokenStats(int32_t layer,
+                                                          int32_t kv_head);
+
+ private:
+  // One gather in the fetch log; its plan is at log_positions_[begin...]:
+  // n_kv_heads + 1 head offsets, then the indices, or (leading) the head
+  // offsets alone, head h having read positions [0, its count).
+  struct LoggedFetch {
+    uint64_t clock;
+    int32_t layer;
+    size_t begin;
+    bool leading;
+  };
+  // The K and V rows of a present position, and how many positions from it
+  // on are stored one after the other from there (at least 1).
+  struct RowRef {
+    const uint16_t* k = nullptr;  // null: the position was evicted
+    const uint16_t* v = nullptr;
+    int32_t run = 0;
+  };
+
+  HeadSlots& HeadAt(int32_t layer, int32_t h)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return heads_[static_cast<size_t>(layer) * g_.n_kv_heads + h];
+  }
+  const HeadSlots& HeadAt(int32_t layer, int32_t h) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    return heads_[static_cast<size_t>(layer) * g_.n_kv_heads + h];
+  }
+  uint16_t* Row(uint16_t* base, int32_t layer, int32_t h, int32_t slot) const {
+    return base +
+           (static_cast<size_t>(layer) * g_.n_kv_heads + h) * head_elems_ +
+           static_cast<size_t>(slot) * row_elems_;
+  }
+
+  // InvalidArgument naming `layer` unless 0 <= layer < n_layers.
+  absl::Status CheckLayer(int32_t layer) const;
+  RowRef Locate(const HeadSlots& head, int32_t layer, int32_t h, int32_t pos,
+                int32_t length) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  absl::Status CopyRows(int32_t layer, int32_t length, const FetchPlan& plan,
+                        size_t begin, size_t end, uint16_t* dest) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  absl::Status CopyHead(int32_t layer, int32_t h, int32_t length,
+                        absl::Span<const int32_t> indices, size_t j, size_t end,
+                        uint16_t* k_out, uint16_t* v_out) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  void Prefetch(const uint16_t* p) const;
+  void CopyRow(uint16_t* dst, const uint16_t* src) const;
+
+  // Logs a fetch of `plan` (a gather's, or one read in place) under the
+  // sequence's reader lock; true when the log should then be applied.
+  bool LogFetch(int32_t layer, const FetchPlan& plan, bool leading = false)
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+
+  // After LogFetch, the lock released: counts the fetch and applies the log
+  // when LogFetch asked for it.
+  void FinishFetch(size_t rows, bool apply, StoreTotals& totals);
+
+  size_t LogPositions() const;
+  void LogFetchLocked(int32_t layer, const FetchPlan& plan, bool leading)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(log_mu_);
+  void ApplyLogLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const uint16_t* RowOf(bool v, int32_t layer, int32_t h, int32_t slot,
+                        const HeadSlots::Slot& s) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  void CollectPublishable(std::vector<std::shared_ptr<const PrefixBlock>>* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const SequenceId id_;
+  const SequenceGeometry g_;
+  const EvictionPolicy policy_;
+  const size_t row_elems_;   // head_dim
+  const size_t row_bytes_;   // head_dim * 2
+  const size_t head_elems_;  // max_tokens * head_dim
+  // The rows never move; their contents and all below change under mu_.
+  const RowMemory k_;
+  const RowMemory v_;
+
+  mutable absl::Mutex mu_;
+  std::vector<HeadSlots> heads_ ABSL_GUARDED_BY(mu_);  // [layer * n_kv + h]
+  std::vector<int32_t> layer_length_ ABSL_GUARDED_BY(mu_);
+  int64_t present_rows_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t evicted_rows_ ABSL_GUARDED_BY(mu_) = 0;
+  // ApplyLogLocked's scratch, kept for its capacity.
+  std::vector<LoggedFetch> applying_ ABSL_GUARDED_BY(mu_);
+  std::vector<int32_t> applying_positions_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::pair<int32_t, int32_t>> dirty_ ABSL_GUARDED_BY(mu_);
+  std::vector<int32_t> dirty_slots_ ABSL_GUARDED_BY(mu_);  // one head's
+  // Shared prefix blocks this sequence reads its first tokens from, and
+  // the keys of the blocks it will publish (Attach).
+  int32_t block_tokens_ ABSL_GUARDED_BY(mu_) = 1;
+  int32_t attached_tokens_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<std::shared_ptr<const PrefixBlock>> attached_
+      ABSL_GUARDED_BY(mu_);
+  std::vector<PrefixKey> pending_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> pending_meta_ ABSL_GUARDED_BY(mu_);
+  size_t next_pending_ ABSL_GUARDED_BY(mu_) = 0;
+  // Bytes the blocks still to publish may take (Attach's publish_bytes,
+  // less what was published).
+  int64_t publish_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  // K and V bytes of a published block's rows.
+  int64_t PublishedRowBytes() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return static_cast<int64_t>(
+        2 * PrefixBlock::RowValues(g_, block_tokens_) * sizeof(uint16_t));
+  }
+  // Append's first new slot of each head, kept to spare an allocation a
+  // call.
+  std::vector<int32_t> run_slots_ ABSL_GUARDED_BY(mu_);
+
+  // The fetch log (taken after mu_, held briefly).
+  mutable absl::Mutex log_mu_ ABSL_ACQUIRED_AFTER(mu_);
+  uint64_t clock_ ABSL_GUARDED_BY(log_mu_) = 0;  // one tick per Gather
+  int64_t fetches_ ABSL_GUARDED_BY(log_mu_) = 0;
+  int64_t fetched_rows_ ABSL_GUARDED_BY(log_mu_) = 0;
+  std::vector<LoggedFetch> log_ ABSL_GUARDED_BY(log_mu_);
+  std::vector<int32_t> log_positions_ ABSL_GUARDED_BY(log_mu_);
+};
+
+}  // namespace infinigen::kv_memory_service
+
+#endif  // INFINIGEN_KV_MEMORY_SERVICE_STORE_STORED_SEQUENCE_H_
