@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "absl/strings/str_format.h"
+#include "common/utf8.h"
 
 namespace infinigen::model {
 namespace {
@@ -288,60 +289,6 @@ CharClass Classify(uint32_t cp) {
   return CharClass::kOther;
 }
 
-// Decodes the UTF-8 character at s[i]; sets *len to its byte length. A byte
-// that does not start a valid sequence is one character of its own (classed
-// kOther), so arbitrary bytes still round-trip.
-uint32_t DecodeUtf8(std::string_view s, size_t i, int* len) {
-  const auto b = [&](size_t k) { return static_cast<uint8_t>(s[k]); };
-  const uint8_t c = b(i);
-  const auto cont = [&](size_t k) {
-    return k < s.size() && (b(k) & 0xC0) == 0x80;
-  };
-  if (c < 0x80) {
-    *len = 1;
-    return c;
-  }
-  if ((c & 0xE0) == 0xC0 && c >= 0xC2 && cont(i + 1)) {
-    *len = 2;
-    return ((c & 0x1Fu) << 6) | (b(i + 1) & 0x3Fu);
-  }
-  if ((c & 0xF0) == 0xE0 && cont(i + 1) && cont(i + 2)) {
-    uint32_t cp =
-        ((c & 0x0Fu) << 12) | ((b(i + 1) & 0x3Fu) << 6) | (b(i + 2) & 0x3Fu);
-    if (cp >= 0x800 && (cp < 0xD800 || cp > 0xDFFF)) {
-      *len = 3;
-      return cp;
-    }
-  }
-  if ((c & 0xF8) == 0xF0 && cont(i + 1) && cont(i + 2) && cont(i + 3)) {
-    uint32_t cp = ((c & 0x07u) << 18) | ((b(i + 1) & 0x3Fu) << 12) |
-                  ((b(i + 2) & 0x3Fu) << 6) | (b(i + 3) & 0x3Fu);
-    if (cp >= 0x10000 && cp <= 0x10FFFF) {
-      *len = 4;
-      return cp;
-    }
-  }
-  *len = 1;
-  return 0xFFFD;
-}
-
-void AppendUtf8(uint32_t cp, std::string& out) {
-  if (cp < 0x80) {
-    out += static_cast<char>(cp);
-  } else if (cp < 0x800) {
-    out += static_cast<char>(0xC0 | (cp >> 6));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else if (cp < 0x10000) {
-    out += static_cast<char>(0xE0 | (cp >> 12));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else {
-    out += static_cast<char>(0xF0 | (cp >> 18));
-    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  }
-}
 
 // GPT-2's bytes_to_unicode(): printable bytes map to themselves, the other
 // 68 to U+0100 onwards in byte order, so every byte is one visible character
@@ -378,7 +325,7 @@ void SplitGpt2(std::string_view s, std::vector<std::string_view>& out) {
   chars.reserve(s.size());
   for (size_t i = 0; i < s.size();) {
     int len;
-    uint32_t cp = DecodeUtf8(s, i, &len);
+    uint32_t cp = utf8::Decode(s, i, &len);
     chars.push_back({static_cast<uint32_t>(i), Classify(cp)});
     i += len;
   }
@@ -436,7 +383,7 @@ void SplitDigitsThenGpt2(std::string_view s,
   size_t start = 0;
   for (size_t i = 0; i < s.size();) {
     int len;
-    uint32_t cp = DecodeUtf8(s, i, &len);
+    uint32_t cp = utf8::Decode(s, i, &len);
     if (Classify(cp) == CharClass::kNumber) {
       if (i > start) SplitGpt2(s.substr(start, i - start), out);
       out.push_back(s.substr(i, len));
@@ -490,7 +437,7 @@ absl::StatusOr<std::unique_ptr<BpeTokenizer>> BpeTokenizer::Create(
         std::string& bytes = t->decoded_[id];
         for (size_t i = 0; i < text.size();) {
           int len;
-          uint32_t cp = DecodeUtf8(text, i, &len);
+          uint32_t cp = utf8::Decode(text, i, &len);
           auto it = alphabet.to_byte.find(cp);
           if (it != alphabet.to_byte.end()) {
             bytes += static_cast<char>(it->second);
@@ -513,7 +460,7 @@ absl::StatusOr<std::unique_ptr<BpeTokenizer>> BpeTokenizer::Create(
                    });
   for (int b = 0; b < 256; ++b) {
     std::string ch;
-    AppendUtf8(alphabet.to_unicode[b], ch);
+    utf8::Append(alphabet.to_unicode[b], ch);
     t->byte_token_[b] = t->TokenId(ch);
   }
 

@@ -8,6 +8,7 @@
 #include "absl/strings/str_format.h"
 #include "common/file.h"
 #include "common/status.h"
+#include "common/utf8.h"
 
 namespace infinigen::model {
 namespace {
@@ -219,7 +220,7 @@ std::vector<int> Llama2cTokenizer::Encode(std::string_view text,
       // One UTF-8 codepoint: a lead byte and up to three continuation bytes.
       size_t n = 1;
       while (i + n < source.size() && n < 4 &&
-             (static_cast<uint8_t>(source[i + n]) & 0xC0) == 0x80) {
+             utf8::IsContinuation(static_cast<uint8_t>(source[i + n]))) {
         ++n;
       }
       int id = Lookup(std::string_view(source).substr(i, n));

@@ -6,20 +6,12 @@
 #include <utility>
 
 #include "absl/strings/str_format.h"
+#include "common/utf8.h"
 
 namespace infinigen::model {
 namespace {
 
 constexpr std::string_view kSpaceMark = "\xE2\x96\x81";  // U+2581 '▁'
-
-// Bytes of the UTF-8 character whose lead byte is `c`, by its high nibble, as
-// llama.cpp's unicode_len_utf8: a stray continuation byte counts as one
-// character of its own.
-size_t Utf8Len(char c) {
-  static constexpr size_t kLen[16] = {1, 1, 1, 1, 1, 1, 1, 1,
-                                      1, 1, 1, 1, 2, 2, 3, 4};
-  return kLen[static_cast<uint8_t>(c) >> 4];
-}
 
 // "<0xNN>" (as llama.cpp spells byte tokens); -1 if `piece` is not one.
 int ParseByteToken(const std::string& piece) {
@@ -188,7 +180,7 @@ void SpmTokenizer::EncodeFragment(std::string_view text,
   std::vector<Symbol> symbols;
   symbols.reserve(text.size());
   for (size_t offset = 0; offset < text.size();) {
-    const size_t len = std::min(Utf8Len(text[offset]), text.size() - offset);
+    const size_t len = std::min(utf8::LengthByLeadNibble(text[offset]), text.size() - offset);
     const int index = static_cast<int>(symbols.size());
     symbols.push_back({static_cast<uint32_t>(offset),
                        static_cast<uint32_t>(len), index - 1,

@@ -7,46 +7,10 @@
 #include "absl/strings/str_format.h"
 #include "common/log.h"
 #include "common/status.h"
+#include "common/utf8.h"
 
 namespace infinigen::gpu_worker {
 namespace {
-
-constexpr char kReplacement[] = "\xEF\xBF\xBD";  // U+FFFD
-
-// Length of the UTF-8 sequence `lead` starts; 0 if it starts none.
-int Utf8Length(unsigned char lead) {
-  if (lead < 0x80) return 1;
-  if ((lead & 0xE0) == 0xC0) return 2;
-  if ((lead & 0xF0) == 0xE0) return 3;
-  if ((lead & 0xF8) == 0xF0) return 4;
-  return 0;
-}
-
-bool IsContinuation(unsigned char c) { return (c & 0xC0) == 0x80; }
-
-// Whether s[0, len) is one well-formed character (no overlong forms,
-// surrogates or code points above U+10FFFF, as protobuf requires).
-bool WellFormed(const unsigned char* s, int len) {
-  for (int i = 1; i < len; ++i) {
-    if (!IsContinuation(s[i])) return false;
-  }
-  uint32_t cp = 0;
-  switch (len) {
-    case 1:
-      return true;
-    case 2:
-      cp = (s[0] & 0x1F) << 6 | (s[1] & 0x3F);
-      return cp >= 0x80;
-    case 3:
-      cp = (s[0] & 0x0F) << 12 | (s[1] & 0x3F) << 6 | (s[2] & 0x3F);
-      return cp >= 0x800 && (cp < 0xD800 || cp > 0xDFFF);
-    case 4:
-      cp = (s[0] & 0x07) << 18 | (s[1] & 0x3F) << 12 | (s[2] & 0x3F) << 6 |
-           (s[3] & 0x3F);
-      return cp >= 0x10000 && cp <= 0x10FFFF;
-  }
-  return false;
-}
 
 // The engine's (or memory node's) error, same code, saying where.
 absl::Status EngineError(const char* stage, const absl::Status& status) {
@@ -82,19 +46,21 @@ std::string Utf8Assembler::Add(std::string_view bytes) {
   std::string out;
   size_t i = 0;
   while (i < n) {
-    const int len = Utf8Length(s[i]);
+    const int len = utf8::SequenceLength(s[i]);
     if (len > 0 && i + len > n) {
       // An unfinished character: keep it for the next piece unless what
       // is there already cannot continue it.
       bool can_continue = true;
-      for (size_t j = i + 1; j < n; ++j) can_continue &= IsContinuation(s[j]);
+      for (size_t j = i + 1; j < n; ++j) {
+        can_continue &= utf8::IsContinuation(s[j]);
+      }
       if (can_continue) break;
     }
-    if (len > 0 && i + len <= n && WellFormed(s + i, len)) {
+    if (len > 0 && i + len <= n && utf8::WellFormed(held_, i, len)) {
       out.append(held_, i, len);
       i += len;
     } else {
-      out += kReplacement;
+      out += utf8::kReplacement;
       ++i;
     }
   }
@@ -103,7 +69,7 @@ std::string Utf8Assembler::Add(std::string_view bytes) {
 }
 
 std::string Utf8Assembler::Flush() {
-  std::string out = held_.empty() ? "" : kReplacement;
+  std::string out = held_.empty() ? "" : utf8::kReplacement;
   held_.clear();
   return out;
 }
