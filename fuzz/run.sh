@@ -50,7 +50,8 @@ store_srcs=(kv_memory_service/store/kv_store.cc
 model_srcs=(common/file.cc common/log.cc common/utf8.cc model/gguf.cc
             model/ggml_quants.cc model/gguf_llama.cc model/bpe_tokenizer.cc
             model/spm_tokenizer.cc model/tokenizer.cc model/config.cc
-            model/weights.cc model/llama2c.cc model/safetensors.cc)
+            model/weights.cc model/llama2c.cc model/safetensors.cc
+            model/hf_config.cc model/safetensors_llama.cc)
 sources_of() {
   case "$1" in
     fetch_socket_fuzzer)
