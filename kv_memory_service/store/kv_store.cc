@@ -71,22 +71,17 @@ absl::StatusOr<SequenceId> KvStore::Open(const SequenceGeometry& geometry,
   std::vector<std::shared_ptr<Sequence>> freed;  // released after mu_
   int64_t pinned = 0;
   if (pinned_ != nullptr) {
-    pinned_->Reap();
-    pinned = pinned_->bytes();
     // Rows released just now may not have been reported yet: a sequence
     // that does not fit waits a little for the kernel before it is refused.
-    const absl::Time deadline = absl::Now() + absl::Milliseconds(100);
-    while (pinned > 0 && options_.capacity_bytes > 0 &&
-           absl::Now() < deadline) {
-      int64_t reserved;
-      {
-        absl::ReaderMutexLock lock(&mu_);
-        reserved = bytes_reserved_;
-      }
-      if (bytes <= options_.capacity_bytes - reserved - pinned) break;
-      pinned_->AwaitReap(absl::Milliseconds(10));
-      pinned = pinned_->bytes();
-    }
+    pinned_->ReapUnless(
+        [&] {
+          const int64_t held = pinned_->bytes();
+          if (held == 0 || options_.capacity_bytes == 0) return false;
+          absl::ReaderMutexLock lock(&mu_);
+          return bytes > options_.capacity_bytes - bytes_reserved_ - held;
+        },
+        absl::Milliseconds(100));
+    pinned = pinned_->bytes();
   }
   {
     absl::MutexLock lock(&mu_);
@@ -254,9 +249,11 @@ ExpiredSession KvStore::ExpireLocked(
 
 void KvStore::OutliveLocked(SequenceId seq, SessionId session,
                             const Sequence& s) {
-  if (shared_.erase(seq) == 0) return;
-  pinned_->Outlive(s.k_fd(), seq, session);
-  pinned_->Outlive(s.v_fd(), seq, session);
+  auto it = shared_.find(seq);
+  if (it == shared_.end()) return;
+  pinned_->Outlive(it->second.first, s.k_fd(), seq, session);
+  pinned_->Outlive(it->second.second, s.v_fd(), seq, session);
+  shared_.erase(it);
 }
 
 ExpiredSession KvStore::EndSessionLocked(
@@ -420,13 +417,12 @@ absl::StatusOr<KvStore::SharedRows> KvStore::ShareRows(SequenceId seq,
   }
   if (first_share) {
     // As in Open: rows released just now may not be reported yet.
-    pinned_->Reap();
-    for (int i = 0; i < 10 && pinned_->sequences_of(session) > 0 &&
-                    pinned_->sequences_of(session) >=
-                        options_.max_pinned_sequences;
-         ++i) {
-      pinned_->AwaitReap(absl::Milliseconds(10));
-    }
+    pinned_->ReapUnless(
+        [&] {
+          const int64_t held = pinned_->sequences_of(session);
+          return held > 0 && held >= options_.max_pinned_sequences;
+        },
+        absl::Milliseconds(100));
   }
   {
     absl::MutexLock lock(&mu_);
@@ -443,9 +439,9 @@ absl::StatusOr<KvStore::SharedRows> KvStore::ShareRows(SequenceId seq,
             "(--shm_max_pinned_sequences=", options_.max_pinned_sequences,
             "): unmap them and close their descriptors"));
       }
-      IG_RETURN_IF_ERROR(pinned_->Watch(s->k_fd()));
-      IG_RETURN_IF_ERROR(pinned_->Watch(s->v_fd()));
-      shared_.insert(seq);
+      IG_ASSIGN_OR_RETURN(const int k_watch, pinned_->Watch(s->k_fd()));
+      IG_ASSIGN_OR_RETURN(const int v_watch, pinned_->Watch(s->v_fd()));
+      shared_[seq] = {k_watch, v_watch};
     }
   }
   // Read-only descriptors of the same memfds, which are sealed (kRowSeals):

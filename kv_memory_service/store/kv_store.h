@@ -72,11 +72,11 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
-#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -294,9 +294,10 @@ class KvStore {
   absl::flat_hash_map<SessionId, Session> sessions_ ABSL_GUARDED_BY(mu_);
   // The session of each sequence that has one.
   absl::flat_hash_map<SequenceId, SessionId> owner_ ABSL_GUARDED_BY(mu_);
-  // Open sequences whose rows ShareRows has handed out (watched by
-  // pinned_).
-  absl::flat_hash_set<SequenceId> shared_ ABSL_GUARDED_BY(mu_);
+  // Open sequences whose rows ShareRows has handed out, with pinned_'s
+  // watches of their K and V memfds.
+  absl::flat_hash_map<SequenceId, std::pair<int, int>> shared_
+      ABSL_GUARDED_BY(mu_);
   // Null where the kernel gives no inotify: then nothing is shared.
   std::unique_ptr<PinnedRows> pinned_;
   int64_t expired_sessions_ ABSL_GUARDED_BY(mu_) = 0;

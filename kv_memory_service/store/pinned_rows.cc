@@ -10,6 +10,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 
 namespace infinigen::kv_memory_service {
 namespace {
@@ -36,7 +37,7 @@ absl::StatusOr<std::unique_ptr<PinnedRows>> PinnedRows::Create() {
 
 PinnedRows::~PinnedRows() { close(inotify_fd_); }
 
-absl::Status PinnedRows::Watch(int fd) {
+absl::StatusOr<int> PinnedRows::Watch(int fd) {
   absl::MutexLock lock(&mu_);
   const int wd = AddWatch(inotify_fd_, fd);
   if (wd < 0) {
@@ -49,16 +50,16 @@ absl::Status PinnedRows::Watch(int fd) {
                      absl::StrCat("inotify_add_watch: ", std::strerror(err)));
   }
   watches_.try_emplace(wd);
-  return absl::OkStatus();
+  return wd;
 }
 
-void PinnedRows::Outlive(int fd, SequenceId seq, SessionId session) {
+void PinnedRows::Outlive(int watch, int fd, SequenceId seq,
+                         SessionId session) {
   struct stat st {};
   if (fstat(fd, &st) != 0) return;
   absl::MutexLock lock(&mu_);
-  const int wd = AddWatch(inotify_fd_, fd);
-  auto it = watches_.find(wd);
-  if (wd < 0 || it == watches_.end() || it->second.closed) return;
+  auto it = watches_.find(watch);
+  if (it == watches_.end() || it->second.closed) return;
   Pinned& p = it->second;
   p.closed = true;
   p.seq = seq;
@@ -73,10 +74,15 @@ void PinnedRows::Reap() {
   ReapLocked();
 }
 
-void PinnedRows::AwaitReap(absl::Duration timeout) {
-  pollfd p = {inotify_fd_, POLLIN, 0};
-  poll(&p, 1, static_cast<int>(absl::ToInt64Milliseconds(timeout)));
+void PinnedRows::ReapUnless(absl::FunctionRef<bool()> held,
+                            absl::Duration within) {
   Reap();
+  const absl::Time deadline = absl::Now() + within;
+  while (held() && absl::Now() < deadline) {
+    pollfd p = {inotify_fd_, POLLIN, 0};
+    poll(&p, 1, 10);  // ms
+    Reap();
+  }
 }
 
 void PinnedRows::ReapLocked() {

@@ -9,8 +9,8 @@
 // which such memory is still held and by whose sequence:
 //  - Watch(fd) starts watching a memfd's inode (inotify) before its first
 //    descriptor leaves the node;
-//  - Outlive(fd, seq, session) at the sequence's close records the bytes
-//    the memfd holds (its committed pages) as pinned by `session`;
+//  - Outlive(watch, fd, seq, session) at the sequence's close records the
+//    bytes the memfd holds (its committed pages) as pinned by `session`;
 //  - Reap() reads the kernel's notices: an inode freed (IN_IGNORED) takes
 //    its bytes out of the counts.
 // The store counts pinned bytes against capacity_bytes like a reservation,
@@ -25,6 +25,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -43,21 +44,23 @@ class PinnedRows {
   PinnedRows& operator=(const PinnedRows&) = delete;
 
   // Watches the inode of `fd` (a memfd the node still holds open) from now
-  // on; watching one twice is one watch. ResourceExhausted when the kernel
-  // refuses another watch (fs.inotify.max_user_watches).
-  absl::Status Watch(int fd);
-  // At the close of sequence `seq`, whose memfd `fd` is (watched, still
-  // open here): its committed bytes count as pinned by `session` until the
-  // kernel frees the inode. The node closes `fd` afterwards.
-  void Outlive(int fd, SequenceId seq, SessionId session);
+  // on and returns the watch; watching one twice is one watch.
+  // ResourceExhausted when the kernel refuses another watch
+  // (fs.inotify.max_user_watches).
+  absl::StatusOr<int> Watch(int fd);
+  // At the close of sequence `seq`, whose memfd `fd` (still open here) is
+  // watched by `watch`: its committed bytes count as pinned by `session`
+  // until the kernel frees the inode. The node closes `fd` afterwards.
+  void Outlive(int watch, int fd, SequenceId seq, SessionId session);
 
   // Applies the kernel's notices of freed inodes. Cheap when there are
   // none (one non-blocking read).
   void Reap();
-  // Reap, waiting up to `timeout` for a notice if none is queued: the
-  // kernel reports a freed inode a jiffy or so after its last holder lets
-  // go, so memory released just now may not have been reported yet.
-  void AwaitReap(absl::Duration timeout);
+  // Reap, then while `held()` is true, waits up to `within` in all for
+  // more notices: the kernel reports a freed inode a jiffy or so after its
+  // last holder lets go, so memory released just now may not have been
+  // reported yet. `held` is called without the lock held.
+  void ReapUnless(absl::FunctionRef<bool()> held, absl::Duration within);
 
   // Bytes and closed sequences still held by readers (any of their
   // memfds), in all and of `session`, as of the last Reap.

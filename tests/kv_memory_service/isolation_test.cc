@@ -40,21 +40,6 @@ using testdata::MakeTestBlock;
 
 constexpr int64_t kMiB = 1 << 20;
 
-// The server's resident set, in bytes; -1 if unreadable.
-int64_t RssBytes(pid_t pid) {
-  std::ifstream in(absl::StrCat("/proc/", pid, "/status"));
-  std::string line;
-  while (std::getline(in, line)) {
-    if (absl::StartsWith(line, "VmRSS:")) {
-      std::istringstream fields(line.substr(6));
-      int64_t kb = -1;
-      fields >> kb;
-      return kb * 1024;
-    }
-  }
-  return -1;
-}
-
 KvClientOptions Options() {
   KvClientOptions options;
   options.rpc_timeout = absl::Seconds(30);
@@ -247,7 +232,7 @@ TEST(IsolationTest, FifoChurnOfAMillionPositionsKeepsRssFlat) {
       ASSERT_TRUE(r.ok()) << r.status();
       ASSERT_EQ(r->evicted.size(),
                 static_cast<size_t>(pos == 0 ? (kChunk - 16) * 16 : kChunk * 16));
-      const int64_t rss = RssBytes((*server)->pid());
+      const int64_t rss = (*server)->RssBytes();
       if (round == 0 && pos == 16 * kChunk) warm = rss;
       if (warm > 0) peak = std::max(peak, rss);
       if (pos % (1 << 18) == 0) {
@@ -281,7 +266,7 @@ TEST(IsolationTest, AReservationCommitsNoMemory) {
   // 4 bytes x 4 layers x 4 heads x 4 dims x 2^20 tokens = 256 MiB.
   const SequenceGeometry g = MakeGeometry(4, 4, 4, 1 << 20);
   ASSERT_EQ(ReservedBytes(g), 256 * kMiB);
-  const int64_t before = RssBytes((*server)->pid());
+  const int64_t before = (*server)->RssBytes();
   auto id = client->Open(g);
   ASSERT_TRUE(id.ok()) << id.status();
   auto store = client->GetStoreStats();
@@ -290,7 +275,7 @@ TEST(IsolationTest, AReservationCommitsNoMemory) {
   // The capacity is spoken for.
   EXPECT_EQ(client->Open(MakeGeometry(1, 1, 4, 16)).status().code(),
             absl::StatusCode::kResourceExhausted);
-  const int64_t after = RssBytes((*server)->pid());
+  const int64_t after = (*server)->RssBytes();
   std::cout << "server RSS " << before / kMiB << " MiB before the Open, "
             << after / kMiB << " MiB after\n";
   EXPECT_LT(after - before, 16 * kMiB);
@@ -385,7 +370,7 @@ TEST(IsolationTest, WaitingPrefixAnnotationsAreBoundedByTheRowsHeld) {
   prefix.keys = PrefixKeys("annotations", kBlock, tokens);
   auto opened = client->OpenSequence(g, prefix);
   ASSERT_TRUE(opened.ok()) << opened.status();
-  const int64_t before = RssBytes((*server)->pid());
+  const int64_t before = (*server)->RssBytes();
   testdata::TestBlock one = MakeTestBlock(7, g, 0, 1, 0, 1);
   const std::vector<std::string> big = {std::string(1 << 20, 'x')};
   one.block.prefix_meta = big;
@@ -400,7 +385,7 @@ TEST(IsolationTest, WaitingPrefixAnnotationsAreBoundedByTheRowsHeld) {
     b.block.prefix_meta_first_block = 1 + i * 60;  // ahead of the rows
     ASSERT_TRUE(client->Append(opened->id, b.block).ok()) << i;
   }
-  const int64_t after = RssBytes((*server)->pid());
+  const int64_t after = (*server)->RssBytes();
   std::cout << "server RSS " << before / kMiB << " MiB before, "
             << after / kMiB << " MiB after the annotated appends\n";
   EXPECT_LT(after - before, 8 * kMiB);
@@ -462,11 +447,11 @@ TEST(IsolationTest, ShmSlotsCostTheServerNothingUntilUsed) {
   ASSERT_TRUE(server.ok()) << server.status();
   auto client = Connect("shm:unix:" + shm);
   ASSERT_NE(client, nullptr);
-  const int64_t before = RssBytes((*server)->pid());
+  const int64_t before = (*server)->RssBytes();
   // 2^26 values: 128 MiB of rows.
   auto buffer = client->NewFetchBuffer(size_t{1} << 26);
   ASSERT_TRUE(buffer.ok()) << buffer.status();
-  const int64_t after = RssBytes((*server)->pid());
+  const int64_t after = (*server)->RssBytes();
   std::cout << "server RSS " << before / kMiB << " MiB before a 128 MiB slot, "
             << after / kMiB << " MiB after\n";
   EXPECT_LT(after - before, 32 * kMiB);

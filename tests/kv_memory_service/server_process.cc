@@ -183,6 +183,43 @@ int ServerProcess::WaitExit() {
   return wait_status_;
 }
 
+bool ServerProcess::Running() const {
+  const std::string stat = ReadAll(absl::StrCat("/proc/", pid_, "/stat"));
+  const size_t paren = stat.rfind(')');
+  return paren != std::string::npos && paren + 2 < stat.size() &&
+         stat[paren + 2] != 'Z' && stat[paren + 2] != 'X';
+}
+
+int64_t ServerProcess::RssBytes() const {
+  std::istringstream in(ReadAll(absl::StrCat("/proc/", pid_, "/status")));
+  std::string line;
+  while (std::getline(in, line)) {
+    if (absl::StartsWith(line, "VmRSS:")) {
+      std::istringstream fields(line.substr(6));
+      int64_t kb = -1;
+      fields >> kb;
+      return kb * 1024;
+    }
+  }
+  return -1;
+}
+
+double ServerProcess::CpuSeconds() const {
+  const std::string stat = ReadAll(absl::StrCat("/proc/", pid_, "/stat"));
+  const size_t paren = stat.rfind(')');
+  if (paren == std::string::npos) return -1;
+  // After the name: state (field 3), ..., utime (14), stime (15).
+  std::istringstream fields(stat.substr(paren + 2));
+  std::string field;
+  int64_t utime = -1, stime = -1;
+  for (int i = 3; i <= 15 && fields >> field; ++i) {
+    if (i == 14) utime = std::atoll(field.c_str());
+    if (i == 15) stime = std::atoll(field.c_str());
+  }
+  if (utime < 0 || stime < 0) return -1;
+  return static_cast<double>(utime + stime) / sysconf(_SC_CLK_TCK);
+}
+
 ServerProcess::Result ServerProcess::Run(const std::vector<std::string>& args) {
   const std::string out = TempPath("out"), err = TempPath("err");
   Result r;

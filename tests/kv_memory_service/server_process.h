@@ -8,6 +8,7 @@
 
 #include <sys/types.h>
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -36,6 +37,13 @@ class ServerProcess {
   void Continue();
   // Waits for the process to end; returns its waitpid status.
   int WaitExit();
+
+  // From /proc/PID: whether it runs (a killed child is a zombie until
+  // reaped), its resident set in bytes (-1 if unreadable), and its user
+  // plus system CPU time in seconds (-1 if unreadable).
+  bool Running() const;
+  int64_t RssBytes() const;
+  double CpuSeconds() const;
 
   // Runs the binary with `args` to completion (for flag tests).
   struct Result {

@@ -23,7 +23,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <fstream>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -31,7 +30,6 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
@@ -229,53 +227,10 @@ absl::Status CheckRows(Tenant& t) {
   return absl::OkStatus();
 }
 
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-// Running, not dead (a killed child stays a zombie until reaped).
-bool Alive(const ServerProcess& p) {
-  const std::string stat = ReadFile(absl::StrCat("/proc/", p.pid(), "/stat"));
-  const size_t paren = stat.rfind(')');
-  return paren != std::string::npos && paren + 2 < stat.size() &&
-         stat[paren + 2] != 'Z' && stat[paren + 2] != 'X';
-}
-
-// utime + stime of `pid`, in seconds.
-double CpuSeconds(pid_t pid) {
-  const std::string stat = ReadFile(absl::StrCat("/proc/", pid, "/stat"));
-  const size_t paren = stat.rfind(')');
-  if (paren == std::string::npos) return -1;
-  std::vector<std::string> f = absl::StrSplit(stat.substr(paren + 2), ' ');
-  // Fields after the name start at 3 (state); utime is 14, stime 15.
-  int64_t utime = 0, stime = 0;
-  if (f.size() < 13 || !absl::SimpleAtoi(f[11], &utime) ||
-      !absl::SimpleAtoi(f[12], &stime)) {
-    return -1;
-  }
-  return static_cast<double>(utime + stime) / sysconf(_SC_CLK_TCK);
-}
-
 // The pages a memfd holds (the same for every holder: one file).
 int64_t CommittedBytes(int fd) {
   struct stat st {};
   return fstat(fd, &st) == 0 ? static_cast<int64_t>(st.st_blocks) * 512 : -1;
-}
-
-int64_t RssBytes(pid_t pid) {
-  std::istringstream in(ReadFile(absl::StrCat("/proc/", pid, "/status")));
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("VmRSS:", 0) == 0) {
-      int64_t kb = 0;
-      std::istringstream(line.substr(6)) >> kb;
-      return kb * 1024;
-    }
-  }
-  return -1;
 }
 
 // The node's /metrics page.
@@ -409,7 +364,7 @@ TEST(SharedRowsTest, AReopenedDescriptorCannotChangeOrShrinkTheRows) {
     EXPECT_EQ(worked, 0) << "as uid " << uid << ": attacks that worked "
                          << worked << " (1 wrote, 2 shrank, 4 grew, "
                          << "8 punched, 16 mapped writable; 100+: setuid)";
-    ASSERT_TRUE(Alive(*node.process)) << "the node died after uid " << uid;
+    ASSERT_TRUE(node.process->Running()) << "the node died after uid " << uid;
     EXPECT_TRUE(CheckRows(owner).ok()) << CheckRows(owner);
     EXPECT_TRUE(CheckRows(canary).ok()) << CheckRows(canary);
   }
@@ -427,7 +382,7 @@ TEST(SharedRowsTest, AReopenedDescriptorCannotChangeOrShrinkTheRows) {
   munmap(rows, 2 * layer_values * 2);
   close(*k);
   close(*v);
-  EXPECT_TRUE(Alive(*node.process));
+  EXPECT_TRUE(node.process->Running());
 }
 
 // Finding: closed sequences whose descriptors a client keeps stayed
@@ -477,7 +432,7 @@ TEST(SharedRowsTest, RowsHoardedAfterCloseCountAgainstCapacityUntilReleased) {
     ASSERT_OK((*hoarder)->Close(*id));
   }
   EXPECT_EQ(opened, 4);  // 16 MiB of capacity, 4 MiB each
-  ASSERT_TRUE(Alive(*node.process));
+  ASSERT_TRUE(node.process->Running());
   auto stats = (*hoarder)->GetStoreStats();
   ASSERT_TRUE(stats.ok()) << stats.status();
   EXPECT_EQ(stats->bytes_reserved, 0);
@@ -493,7 +448,7 @@ TEST(SharedRowsTest, RowsHoardedAfterCloseCountAgainstCapacityUntilReleased) {
   // code, heap and gRPC buffers).
   EXPECT_EQ(hoarded, stats->pinned_bytes);
   EXPECT_LE(hoarded, kCapacity);
-  EXPECT_LE(RssBytes(node.process->pid()) + hoarded,
+  EXPECT_LE(node.process->RssBytes() + hoarded,
             kCapacity + (int64_t{48} << 20));
 
   // Another tenant is refused too: the memory is really taken.
@@ -619,9 +574,9 @@ TEST(SharedRowsTest, AtTheDescriptorLimitAPendingPeerDoesNotSpin) {
     }
   }
   ASSERT_GE(waiting, 0) << "the node never ran out of descriptors";
-  const double cpu_before = CpuSeconds(node.process->pid());
+  const double cpu_before = node.process->CpuSeconds();
   absl::SleepFor(absl::Seconds(3));
-  const double cpu = CpuSeconds(node.process->pid()) - cpu_before;
+  const double cpu = node.process->CpuSeconds() - cpu_before;
   // A spinning accept loop takes 2.5-3 s of CPU in 3 s; the idle peers'
   // wake-ups (20 a second each) and the lease thread's take far less.
   EXPECT_LT(cpu, 1.0) << "the node used " << cpu << " s of CPU in 3 s at "
@@ -635,7 +590,7 @@ TEST(SharedRowsTest, AtTheDescriptorLimitAPendingPeerDoesNotSpin) {
   EXPECT_EQ(recv(waiting, &c, 1, MSG_DONTWAIT), 0);
   close(waiting);
   for (int s : greeted) close(s);
-  ASSERT_TRUE(Alive(*node.process));
+  ASSERT_TRUE(node.process->Running());
   // Descriptors free again: new peers attach, and the canary is intact.
   peers.clear();
   absl::SleepFor(absl::Milliseconds(200));  // the node reaps them
