@@ -1,0 +1,45 @@
+#include "gpu_worker/kv/offloaded/layout.h"
+
+#include <algorithm>
+#include <memory>
+
+#include "common/status.h"
+
+namespace infinigen::gpu_worker {
+namespace offloaded {
+
+absl::StatusOr<Layout> MakeLayout(const model::Weights& weights,
+                                  bool operates_on_host,
+                                  const KvCacheOptions& options) {
+  KvPolicy::Context ctx;
+  ctx.weights = &weights;
+  ctx.max_seq_len = options.max_seq_len;
+  IG_ASSIGN_OR_RETURN(std::unique_ptr<KvPolicy> policy,
+                      KvPolicy::CreateUninitialized(*options.kv.policy, ctx));
+  Layout z;
+  z.row_width = policy->RowWidth();
+  z.plan_rows = static_cast<size_t>(weights.config.n_kv_heads) *
+                policy->MaxPlanRows(options.max_seq_len);
+  z.fetch_values = 2 * z.plan_rows * z.row_width;
+  z.staged = !operates_on_host;
+  const bool backend_plans = policy->MaxBackendPlanRows(options.max_seq_len) > 0;
+  // As Init's geometry: a node that never evicts keeps positions at their
+  // slots, which one-sided reads need.
+  const bool reads_direct =
+      z.staged && options.kv.direct_reads &&
+      std::max(1, static_cast<int>(options.kv.kv_capacity *
+                                   options.max_seq_len)) >= options.max_seq_len;
+  z.plan_buffers = z.staged || backend_plans;
+  z.plan_room = reads_direct || backend_plans ? z.plan_rows : 0;
+  z.attention_probs = policy->WantsAttentionProbs();
+  z.prefill_probs = policy->WantsPrefillProbs();
+  z.half_rows = z.staged && options.half_local_kv &&
+                policy->row_format() == KvRowFormat::kHalf &&
+                policy->ReusesPrefix() && !z.prefill_probs;
+  IG_ASSIGN_OR_RETURN(z.policy_bytes,
+                      KvPolicy::StateBytes(*options.kv.policy, ctx));
+  return z;
+}
+
+}  // namespace offloaded
+}  // namespace infinigen::gpu_worker

@@ -1,0 +1,415 @@
+#include "gpu_worker/kv/offloaded/row_source.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <numeric>
+
+#include "absl/strings/str_format.h"
+#include "common/log.h"
+#include "common/status.h"
+
+namespace infinigen::gpu_worker {
+namespace offloaded {
+namespace {
+
+using kv_memory_service::SequenceId;
+using PlanKind = LayerFetch::PlanKind;
+
+double SecondsSince(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+      .count();
+}
+
+absl::Status AtNode(const RowSourceContext& ctx, const absl::Status& status) {
+  return kv_memory_service::AtNode(ctx.node_address, status);
+}
+
+// The plan's indices on the host where they stayed on the backend, or
+// written out where the plan was leading (the node's gather needs them),
+// the layer's note then left to the gather.
+absl::Status PlanToHost(const RowSourceContext& ctx, LayerFetch& f,
+                        int layer, BackendNotes& notes) {
+  kv_memory_service::OwnedFetchPlan& plan = f.plan;
+  const PlanKind kind = f.kind;
+  f.kind = PlanKind::kIndices;
+  if (kind == PlanKind::kIndices) return absl::OkStatus();
+  plan.indices.resize(plan.head_offsets.back());
+  if (kind == PlanKind::kLeading) {
+    for (size_t g = 0; g + 1 < plan.head_offsets.size(); ++g) {
+      std::iota(plan.indices.begin() + plan.head_offsets[g],
+                plan.indices.begin() + plan.head_offsets[g + 1], 0);
+    }
+    return absl::OkStatus();
+  }
+  notes.Drop(layer);
+  return ctx.backend->CopyToHost(plan.indices.data(), f.plan_dev.data(),
+                                 plan.indices.size() * sizeof(int32_t));
+}
+
+class NodeGatherSource final : public RowSource {
+ public:
+  NodeGatherSource(const RowSourceContext& ctx, SequenceId seq)
+      : ctx_(ctx), seq_(seq) {}
+  bool one_sided() const override { return false; }
+
+  absl::Status Issue(LayerFetch& f, int layer, int position,
+                     FetchStats& stats) override {
+    f.one_sided = false;
+    // A note of one-sided reads may still hold the buffer (they ended).
+    IG_RETURN_IF_ERROR(AtNode(ctx_, f.handle.Wait()));
+    f.handle = ctx_.client->FetchAsync(seq_, layer, f.plan.view(),
+                                       f.buffer.get());
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<bool> Upload(FetchPair& fetches, int layer,
+                              FetchStats& stats) override {
+    LayerFetch& f = fetches.For(layer);
+    const auto t0 = std::chrono::steady_clock::now();
+    const absl::Status fetched = f.handle.Wait();
+    stats.wait_seconds += SecondsSince(t0);
+    IG_RETURN_IF_ERROR(AtNode(ctx_, fetched));
+    const Layout& z = *ctx_.layout;
+    if (z.staged) {
+      // K rows of every head, then V rows, as stored.
+      const size_t values = 2 * f.plan.indices.size() * z.row_width;
+      ctx_.backend->CopyFromHost(f.staged.data(), f.buffer->data(),
+                                 values * sizeof(uint16_t), f.staged_free);
+      f.UploadOffsets(*ctx_.backend, z.plan_room);
+    }
+    f.uploaded = true;
+    return true;
+  }
+
+  absl::Status Attend(LayerFetch& f, int layer,
+                      const RowAttention& a) override {
+    ctx_.attention->Gathered(f, a);
+    return absl::OkStatus();
+  }
+
+ private:
+  const RowSourceContext& ctx_;
+  const SequenceId seq_;
+};
+
+// What both one-sided sources do: check each plan against the rows, note
+// each read to the node, unpin the rows (a device's) at the end.
+class OneSidedSource : public RowSource {
+ public:
+  OneSidedSource(const RowSourceContext& ctx, SequenceId seq,
+                 const kv_memory_service::DirectRows& rows, bool pinned)
+      : ctx_(ctx), seq_(seq), rows_(rows), pinned_(pinned) {}
+  ~OneSidedSource() override {
+    if (!pinned_) return;
+    ctx_.backend->UnpinHost(const_cast<uint16_t*>(rows_.k));
+    ctx_.backend->UnpinHost(const_cast<uint16_t*>(rows_.v));
+  }
+  bool one_sided() const override { return true; }
+
+  absl::Status Issue(LayerFetch& f, int layer, int position,
+                     FetchStats& stats) override {
+    // Read before the node checks the plan (its note is waited for
+    // later): every index must lie within the sequence's rows.
+    f.one_sided = true;
+    IG_RETURN_IF_ERROR(CheckPlan(f, layer, position));
+    stats.rows_read_in_place += static_cast<long>(f.rows());
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<bool> Upload(FetchPair& fetches, int layer,
+                              FetchStats& stats) override {
+    LayerFetch& f = fetches.For(layer);
+    f.one_sided = false;
+    const auto t0 = std::chrono::steady_clock::now();
+    if (!Read(f, layer)) return false;
+    if (f.kind == PlanKind::kOnBackend) {
+      f.uploaded = true;  // noted with the step's appends
+      return true;
+    }
+    // The node learns of the fetch (statistics, eviction candidates) and
+    // checks that every position was at its own slot; the note goes out
+    // through the idle fetch buffer and is waited for when the buffer is
+    // next needed (two layers on) or at the step's end.
+    const absl::Status noted = f.handle.Wait();
+    stats.wait_seconds += SecondsSince(t0);
+    IG_RETURN_IF_ERROR(AtNode(ctx_, noted));
+    f.handle = f.kind == PlanKind::kLeading
+                   ? ctx_.client->NoteLeadingFetchedAsync(
+                         seq_, layer, f.plan.head_offsets, f.buffer.get())
+                   : ctx_.client->NoteFetchedAsync(seq_, layer, f.plan.view(),
+                                                   f.buffer.get());
+    f.uploaded = true;
+    return true;
+  }
+
+  absl::Status HandOff(FetchPair& fetches, int layer, BackendNotes& notes,
+                       FetchStats& stats) override {
+    const bool next_planned = fetches.For(layer + 1).one_sided;
+    for (int l : {layer, layer + 1}) {
+      if (l != layer && !next_planned) continue;
+      LayerFetch& f = fetches.For(l);
+      f.one_sided = false;
+      IG_RETURN_IF_ERROR(PlanToHost(ctx_, f, l, notes));
+      stats.rows_read_in_place -= static_cast<long>(f.rows());
+      IG_RETURN_IF_ERROR(AtNode(ctx_, f.handle.Wait()));
+      f.handle = ctx_.client->FetchAsync(seq_, l, f.plan.view(),
+                                         f.buffer.get());
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status EndStep(FetchPair& fetches) override {
+    // The step's last notes of one-sided reads.
+    for (LayerFetch& f : fetches) {
+      IG_RETURN_IF_ERROR(AtNode(ctx_, f.handle.Wait()));
+    }
+    return absl::OkStatus();
+  }
+
+ protected:
+  // Makes the plan's rows readable where the source's attention reads
+  // them; false where the backend cannot.
+  virtual bool Read(LayerFetch& f, int layer) = 0;
+
+  const RowSourceContext& ctx_;
+  const SequenceId seq_;
+  const kv_memory_service::DirectRows rows_;
+
+ private:
+  absl::Status CheckPlan(const LayerFetch& f, int layer, int position) const {
+    const int max_tokens = rows_.max_tokens;
+    // A plan made on the backend, or a leading one, names positions below
+    // `position` only.
+    if (f.kind != PlanKind::kIndices) {
+      if (position <= max_tokens) return absl::OkStatus();
+      return absl::InternalError(absl::StrFormat(
+          "kv cache: layer %d's plan (%s) is for position %d, beyond the %d "
+          "rows a head holds",
+          layer,
+          f.kind == PlanKind::kLeading ? "every row" : "made on the backend",
+          position, max_tokens));
+    }
+    // The least and greatest position tell (a loop the compiler
+    // vectorizes); the offender is looked up only to name it.
+    const std::vector<int32_t>& indices = f.plan.indices;
+    int32_t lo = 0, hi = 0;
+    for (const int32_t p : indices) {
+      lo = p < lo ? p : lo;
+      hi = p > hi ? p : hi;
+    }
+    if (lo >= 0 && hi < max_tokens) return absl::OkStatus();
+    for (const int32_t p : indices) {
+      if (p < 0 || p >= max_tokens) {
+        return absl::InternalError(absl::StrFormat(
+            "kv cache: policy %s planned position %d of layer %d, outside "
+            "the %d rows a head holds",
+            ctx_.policy_name, p, layer, max_tokens));
+      }
+    }
+    return absl::OkStatus();  // unreachable: lo or hi was out of range
+  }
+
+  const bool pinned_;
+};
+
+// The device reads each plan's rows from the node's memory into the
+// fetch's staging.
+class DeviceGatherSource final : public OneSidedSource {
+ public:
+  using OneSidedSource::OneSidedSource;
+
+  absl::Status Attend(LayerFetch& f, int layer,
+                      const RowAttention& a) override {
+    ctx_.attention->Gathered(f, a);
+    return absl::OkStatus();
+  }
+
+ private:
+  bool Read(LayerFetch& f, int layer) override {
+    const size_t n = f.rows();
+    const size_t room = ctx_.layout->plan_room;
+    // The plan reaches the device on the copy queue once the rows the
+    // staging last held (and so this plan buffer's last reader) were used;
+    // indices made on the backend are there already. Through the pinned
+    // plan_host, laid out as plan_dev (the last copy out of it has
+    // finished: the fetch was issued after the copies).
+    int32_t* indices = f.plan_dev.data();
+    int32_t* offsets = indices + room;
+    if (n > 0 && f.kind == PlanKind::kIndices) {
+      int32_t* host = f.plan_host.data();
+      std::memcpy(host, f.plan.indices.data(), n * sizeof(int32_t));
+      ctx_.backend->CopyFromHost(indices, host, n * sizeof(int32_t),
+                                 f.staged_free);
+    }
+    f.UploadOffsets(*ctx_.backend, room);
+    if (n == 0) return true;  // nothing to read
+    const size_t at = static_cast<size_t>(layer) * rows_.layer_values;
+    GatherRowsParams p;
+    p.k_rows = rows_.k + at;
+    p.v_rows = rows_.v + at;
+    p.head_stride = rows_.max_tokens;
+    // Null: each head's leading rows.
+    p.indices = f.kind == PlanKind::kLeading ? nullptr : indices;
+    p.head_offsets = offsets;
+    p.n_heads = ctx_.config->n_kv_heads;
+    p.n_rows = static_cast<long>(n);
+    p.row_bytes =
+        ctx_.layout->row_width * static_cast<int>(sizeof(uint16_t));
+    p.out = f.staged.data();
+    return ctx_.backend->GatherRows(p);
+  }
+};
+
+// A host backend's attention reads the node's rows where they lie.
+class InPlaceSource final : public OneSidedSource {
+ public:
+  using OneSidedSource::OneSidedSource;
+
+  absl::Status Attend(LayerFetch& f, int layer,
+                      const RowAttention& a) override {
+    const size_t at = static_cast<size_t>(layer) * rows_.layer_values;
+    StoredRowsAt where;
+    where.k = rows_.k + at;
+    where.v = rows_.v + at;
+    where.head_values =
+        static_cast<size_t>(rows_.max_tokens) * ctx_.layout->row_width;
+    // A leading plan's rows are the head's first: no indices.
+    where.by_index = f.kind != PlanKind::kLeading;
+    // MakeRowSource made sure the backend reads the node's rows in place.
+    if (!ctx_.attention->InPlace(f, where, a)) {
+      return absl::InternalError(
+          "kv cache: the backend refused to attend over the node's rows in "
+          "place");
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  bool Read(LayerFetch& f, int layer) override { return true; }
+};
+
+// Whether a host backend's attention reads stored rows of `format` by
+// index where they lie: one new row and no stored one, the backend
+// answers for the format and for rows read by index, touching nothing of
+// the node.
+bool AttendsNodeRows(const RowSourceContext& ctx, KvRowFormat format) {
+  const int hd = ctx.config->head_dim;
+  std::vector<float> q(hd, 0.0f), row(hd, 0.0f), out(hd);
+  const int32_t no_index = 0;
+  StoredRowsAttention p;
+  p.q = q.data();
+  p.k_new = p.v_new = row.data();
+  p.out = out.data();
+  p.group = 1;
+  p.count = 0;
+  p.head_dim = hd;
+  p.row_width = ctx.layout->row_width;
+  p.format = format;
+  p.indices = &no_index;
+  return ctx.backend->AttendStoredRows(p);
+}
+
+}  // namespace
+
+absl::Status BackendNotes::Allocate(Backend& backend, int n_layers,
+                                    size_t rows, bool& pin_warned) {
+  rows_ = rows;
+  indices_.assign(static_cast<size_t>(n_layers) * rows, 0);
+  offsets_.assign(n_layers, {});
+  layers_.reserve(n_layers);
+  const absl::Status pinned =
+      backend.PinHost(indices_.data(), indices_.size() * sizeof(int32_t));
+  if (!pinned.ok() && !pin_warned) {
+    IG_LOG(WARNING) << "engine: plan notes stay pageable (copies run "
+                       "slower): "
+                    << pinned.message();
+    pin_warned = true;
+  }
+  return absl::OkStatus();
+}
+
+void BackendNotes::Release(Backend& backend) {
+  if (!indices_.empty()) backend.UnpinHost(indices_.data());
+}
+
+void BackendNotes::Queue(Backend& backend, int layer, const int32_t* indices,
+                         const std::vector<int32_t>& head_offsets) {
+  backend.QueueCopyToHost(indices_.data() + static_cast<size_t>(layer) * rows_,
+                          indices, head_offsets.back() * sizeof(int32_t));
+  offsets_[layer] = head_offsets;
+  layers_.push_back(layer);
+}
+
+void BackendNotes::Drop(int layer) {
+  layers_.erase(std::remove(layers_.begin(), layers_.end(), layer),
+                layers_.end());
+}
+
+absl::Status BackendNotes::Send(const RowSourceContext& ctx, SequenceId seq,
+                                FetchPair& fetches) {
+  for (const int layer : layers_) {
+    const std::vector<int32_t>& offsets = offsets_[layer];
+    kv_memory_service::FetchPlan plan;
+    plan.indices = absl::MakeConstSpan(
+        indices_.data() + static_cast<size_t>(layer) * rows_, offsets.back());
+    plan.head_offsets = offsets;
+    // Each fetch buffer carries one note at a time.
+    LayerFetch& f = fetches.For(layer);
+    IG_RETURN_IF_ERROR(AtNode(ctx, f.handle.Wait()));
+    f.handle = ctx.client->NoteFetchedAsync(seq, layer, plan, f.buffer.get());
+  }
+  layers_.clear();
+  return absl::OkStatus();
+}
+
+std::unique_ptr<RowSource> NodeGather(const RowSourceContext& ctx,
+                                      SequenceId seq) {
+  return std::make_unique<NodeGatherSource>(ctx, seq);
+}
+
+std::unique_ptr<RowSource> MakeRowSource(const RowSourceContext& ctx,
+                                         SequenceId seq,
+                                         bool one_sided_allowed,
+                                         KvRowFormat format,
+                                         bool& refusal_logged) {
+  const bool staged = ctx.layout->staged;
+  if (!one_sided_allowed || (!staged && !AttendsNodeRows(ctx, format))) {
+    return NodeGather(ctx, seq);
+  }
+  absl::StatusOr<kv_memory_service::DirectRows> rows =
+      ctx.client->GetDirectRows(seq);
+  if (!rows.ok()) {
+    // A node elsewhere, or rows it does not share: the node gathers.
+    if (!refusal_logged) {
+      IG_LOG(INFO) << "kv cache: --kv_direct_reads: the node gathers instead ("
+                   << rows.status().message() << ")";
+      refusal_logged = true;
+    }
+    return NodeGather(ctx, seq);
+  }
+  const size_t bytes = static_cast<size_t>(ctx.config->n_layers) *
+                       rows->layer_values * sizeof(uint16_t);
+  // The rows never move while the sequence is open; PinHost takes them
+  // read-only in effect (nothing here writes through them).
+  auto* k = const_cast<uint16_t*>(rows->k);
+  auto* v = const_cast<uint16_t*>(rows->v);
+  absl::Status pinned = ctx.backend->PinHost(k, bytes);
+  if (pinned.ok()) {
+    pinned = ctx.backend->PinHost(v, bytes);
+    if (!pinned.ok()) ctx.backend->UnpinHost(k);
+  }
+  if (!pinned.ok()) {
+    IG_LOG(WARNING) << "kv cache: the node's rows could not be pinned for "
+                       "one-sided reads; the node gathers them: "
+                    << pinned.message();
+    return NodeGather(ctx, seq);
+  }
+  if (staged) {
+    return std::make_unique<DeviceGatherSource>(ctx, seq, *rows, true);
+  }
+  return std::make_unique<InPlaceSource>(ctx, seq, *rows, true);
+}
+
+}  // namespace offloaded
+}  // namespace infinigen::gpu_worker
