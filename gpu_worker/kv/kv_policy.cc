@@ -128,6 +128,19 @@ void KvPolicy::EncodeRows(const float* rows, int n_rows, uint16_t* out) const {
   EncodeKvRows(row_format(), rows, n_rows, config().head_dim, out);
 }
 
+PlanMade KvPolicy::PlanEveryRow(const PlanRequest& request,
+                                OwnedFetchPlan& plan) const {
+  if (!request.every_row_ok) {
+    PlanAllPresent(request.p, request.present, plan);
+    return PlanMade::kIndices;
+  }
+  const int n_kv = config().n_kv_heads;
+  plan.indices.clear();
+  plan.head_offsets.resize(n_kv + 1);
+  for (int g = 0; g <= n_kv; ++g) plan.head_offsets[g] = g * request.p;
+  return PlanMade::kEveryRow;
+}
+
 void KvPolicy::PlanAllPresent(int p, const uint8_t* present,
                               OwnedFetchPlan& plan) const {
   const int n_kv = config().n_kv_heads;
@@ -177,7 +190,10 @@ absl::StatusOr<std::unique_ptr<KvPolicy>> KvPolicy::Create(
 absl::StatusOr<std::unique_ptr<KvPolicy>> KvPolicy::CreateUninitialized(
     const PolicyOptions& options, const Context& context) {
   IG_ASSIGN_OR_RETURN(const PolicyEntry* entry, ValidEntry(options));
-  return entry->create(options, context);
+  IG_ASSIGN_OR_RETURN(std::unique_ptr<KvPolicy> policy,
+                      entry->create(options, context));
+  policy->traits_ = entry->traits;
+  return policy;
 }
 
 }  // namespace infinigen::gpu_worker

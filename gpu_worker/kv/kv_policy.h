@@ -185,6 +185,113 @@ struct PolicyOptions : SelectionOptions, InfiniGenOptions, QuestOptions {
 absl::Status SetTargetFetch(double fraction, int n_layers,
                             PolicyOptions& options);
 
+// What a policy is, declared once in its registry entry
+// (kv/policies/registry.h) and read by the cache before and while it acts.
+struct PolicyTraits {
+  // Whether a layer's rows are chosen rather than all read: dense_layers,
+  // budget, sink and recent tokens apply, and layer 0 selects when
+  // dense_layers is 0.
+  bool selects = false;
+  // Whether a layer's rows are chosen from that layer's own input (the
+  // fetch cannot leave early) rather than the previous layer's.
+  bool own_input = false;
+  // InfiniGen's rehearsal: the policy needs a skew, and may speculate after
+  // the attention (PolicyOptions::speculation_input).
+  bool speculates = false;
+  // Whether it takes per-(layer, KV head) budgets from a head profile.
+  bool adaptive_budgets = false;
+  // Whether it reads attention probabilities: the prefill's summed ones
+  // (ObservePrefill's prob_sums) and each step's (ObserveAttention).
+  bool attention_probs = false;
+  // Whether a sequence may start from the rows of a prompt prefix another
+  // sequence computed (kv_cache.h): not where the policy needs the whole
+  // prompt's attention itself (h2o) or where its stored rows are far from
+  // the exact ones (int4). A policy that reuses attends, in its prefill,
+  // over its rows as stored (as it does over a reused prefix's), so that
+  // reuse never changes an answer.
+  bool reuses_prefix = true;
+  // How it stores K and V rows.
+  KvRowFormat row_format = KvRowFormat::kHalf;
+
+  // An entry's traits read as a phrase: PolicyTraits().Selects().OwnInput().
+  constexpr PolicyTraits Selects() const {
+    return With(&PolicyTraits::selects, true);
+  }
+  constexpr PolicyTraits OwnInput() const {
+    return With(&PolicyTraits::own_input, true);
+  }
+  constexpr PolicyTraits Speculates() const {
+    return With(&PolicyTraits::speculates, true);
+  }
+  constexpr PolicyTraits AdaptiveBudgets() const {
+    return With(&PolicyTraits::adaptive_budgets, true);
+  }
+  constexpr PolicyTraits AttentionProbs() const {
+    return With(&PolicyTraits::attention_probs, true);
+  }
+  constexpr PolicyTraits NoPrefixReuse() const {
+    return With(&PolicyTraits::reuses_prefix, false);
+  }
+  constexpr PolicyTraits Rows(KvRowFormat format) const {
+    PolicyTraits t = *this;
+    t.row_format = format;
+    return t;
+  }
+
+ private:
+  constexpr PolicyTraits With(bool PolicyTraits::*field, bool value) const {
+    PolicyTraits t = *this;
+    t.*field = value;
+    return t;
+  }
+};
+
+// What a policy derives from prefill queries and keys beyond the stored
+// rows, per layer, as floats that add up over tokens (InfiniGen: the
+// summed |q A| its partial columns rank by). A reused prefix block carries
+// its tokens' sums, so that a sequence ranks as if it had seen them.
+class PrefixSummary {
+ public:
+  virtual ~PrefixSummary() = default;
+  // Floats per layer.
+  virtual int floats() const = 0;
+  // Adds the contribution of n prefill tokens of `layer` (q, k as in
+  // KvPolicy::ObservePrefill) to out [floats()].
+  virtual void Summarize(int layer, const float* q, const float* k, int n,
+                         float* out) const = 0;
+  // Counts a reused block's summary of `layer` as if ObservePrefill had
+  // seen its tokens.
+  virtual void Add(int layer, const float* state) = 0;
+};
+
+// What the cache allows a plan of `layer` to be, when positions [0, p)
+// are cached.
+struct PlanRequest {
+  int layer = 0;
+  int p = 0;
+  // Layer - 1's attention input [dim] in the backend's memory (null for
+  // layer 0 at the step's start; the layer's own input for policies that
+  // choose from it).
+  const float* input = nullptr;
+  // [n_kv_heads, max_seq_len] on the host, 0 where the pool evicted a
+  // token.
+  const uint8_t* present = nullptr;
+  // The cache reads each head's first p rows without indices (every
+  // position present): a plan of every row may say so (kEveryRow).
+  bool every_row_ok = false;
+  // Backend memory with room for n_kv_heads * MaxBackendPlanRows(p)
+  // indices, where a plan may be made on the backend (every position
+  // present); null where it is the host's.
+  int32_t* backend_indices = nullptr;
+};
+
+// What KvPolicy::Plan made.
+enum class PlanMade {
+  kIndices,    // plan.indices and head_offsets, on the host
+  kEveryRow,   // each head's first p rows; plan.head_offsets alone
+  kOnBackend,  // the indices in backend_indices; plan.head_offsets
+};
+
 class KvPolicy {
  public:
   struct Context {
@@ -199,7 +306,7 @@ class KvPolicy {
   static absl::StatusOr<std::unique_ptr<KvPolicy>> Create(
       const PolicyOptions& options, const Context& context);
   // The same without allocating its state: for the sizes and properties
-  // below (RowWidth, MaxPlanRows, Wants*), not for use.
+  // below (RowWidth, MaxPlanRows, traits), not for use.
   static absl::StatusOr<std::unique_ptr<KvPolicy>> CreateUninitialized(
       const PolicyOptions& options, const Context& context);
   // Bytes of per-sequence state a policy of these options holds on the
@@ -209,8 +316,19 @@ class KvPolicy {
                                             const Context& context);
   virtual ~KvPolicy() = default;
 
-  // How this policy stores K and V rows (fp16 unless it quantizes).
-  virtual KvRowFormat row_format() const { return KvRowFormat::kHalf; }
+  // Its registry entry's.
+  const PolicyTraits& traits() const { return traits_; }
+  KvRowFormat row_format() const { return traits_.row_format; }
+  bool ReusesPrefix() const { return traits_.reuses_prefix; }
+  bool WantsAttentionProbs() const { return traits_.attention_probs; }
+  // Whether ObservePrefill and the prefix summary read q and k (the cache
+  // then copies them to the host; else it passes null and the prefill's
+  // rows never leave the backend but encoded). Fixed at creation.
+  bool ObservesPrefill() const { return observes_prefill_; }
+  // The policy's prefix summary; null where it keeps none. Fixed at
+  // creation.
+  PrefixSummary* prefix_summary() const { return prefix_summary_; }
+
   // uint16_t values per stored K or V row.
   int RowWidth() const;
   // rows [n_rows, head_dim] fp32 -> out [n_rows, RowWidth()], on the host
@@ -219,42 +337,21 @@ class KvPolicy {
   // Most rows of one (layer, KV head) a plan of this policy names when
   // positions [0, p) are cached: what the fetch staging must hold.
   virtual int MaxPlanRows(int p) const { return p; }
+  // Plans made where the scores are (device-side selection): the most rows
+  // of one KV head a plan made on the backend names when positions [0, p)
+  // are cached; 0 where the policy plans on the host only.
+  virtual int MaxBackendPlanRows(int p) const { return 0; }
 
   // A new sequence begins.
   virtual void Reset() {}
 
   // Prefill, layer by layer, each layer in chunks: layer's post-RoPE
   // queries q [n, n_heads, head_dim] and keys k [n, n_kv_heads, head_dim]
-  // of positions [first_pos, first_pos + n) (host-readable), and, when
-  // WantsPrefillProbs, the summed attention probabilities prob_sums
-  // [n_heads, first_pos + n].
-  virtual bool WantsPrefillProbs() const { return false; }
-  // Whether ObservePrefill and SummarizePrefill read q and k (the cache
-  // then copies them to the host; else it passes null and the prefill's
-  // rows never leave the backend but encoded).
-  virtual bool ObservesPrefill() const { return false; }
+  // of positions [first_pos, first_pos + n) (host-readable; null unless
+  // ObservesPrefill), and, with the attention_probs trait, the summed
+  // attention probabilities prob_sums [n_heads, first_pos + n].
   virtual void ObservePrefill(int layer, const float* q, const float* k,
                               int n, int first_pos, const float* prob_sums) {}
-
-  // Prefix reuse (kv_cache.h): a sequence may start from the rows of a
-  // prompt prefix another sequence computed. Whether this policy can:
-  // false where it needs the whole prompt's attention itself (h2o) or
-  // where its stored rows are far from the exact ones (int4). A policy that
-  // reuses attends, in its prefill, over its rows as stored (as it does
-  // over a reused prefix's), so that reuse never changes an answer.
-  virtual bool ReusesPrefix() const { return true; }
-  // What the policy derives from prefill queries and keys beyond the
-  // stored rows, per layer, as floats that add up over tokens (InfiniGen:
-  // the summed |q A| its partial columns rank by). A reused block carries
-  // its tokens' sums, so that the sequence ranks as if it had seen them.
-  virtual int PrefixStateFloats() const { return 0; }
-  // Adds the contribution of n prefill tokens of `layer` (q, k as in
-  // ObservePrefill) to out [PrefixStateFloats()].
-  virtual void SummarizePrefill(int layer, const float* q, const float* k,
-                                int n, float* out) const {}
-  // Counts a reused block's summary of `layer` as if ObservePrefill had
-  // seen its tokens.
-  virtual void AddPrefixState(int layer, const float* state) {}
 
   // After layer's last prefill chunk: keys [n_kv_heads, key_stride,
   // head_dim] (backend memory) hold its post-RoPE keys of positions
@@ -264,42 +361,16 @@ class KvPolicy {
     return absl::OkStatus();
   }
 
-  // The rows `layer` attends to when positions [0, p) are cached. xb_prev
-  // is layer - 1's attention input [dim] in the backend's memory (null for
-  // layer 0); present is [n_kv_heads, max_seq_len] on the host, 0 where the
-  // pool evicted a token. Errors are the backend's. By default every
-  // present row (full, int4).
-  virtual absl::Status PlanFetch(int layer, int p, const float* xb_prev,
-                                 const uint8_t* present,
-                                 kv_memory_service::OwnedFetchPlan& plan) {
-    PlanAllPresent(p, present, plan);
-    return absl::OkStatus();
-  }
-
-  // Whether PlanFetch(layer, p, input, ...) plans every present row (its
-  // default), whatever p: a cache holding every position can then read
-  // each head's first p rows without a plan's indices. `input` is
-  // PlanFetch's xb_prev. Default false: full and int4, which keep the
-  // default PlanFetch, and the policies' dense layers answer true.
-  virtual bool PlansEveryRow(int layer, const float* input) const {
-    return false;
-  }
-
-  // Plans made where the scores are (device-side selection): the most rows
-  // of one KV head a plan of PlanFetchOnBackend names when positions
-  // [0, p) are cached; 0 where the policy plans on the host only.
-  virtual int MaxBackendPlanRows(int p) const { return 0; }
-  // Where this policy can make `layer`'s plan on the backend (its scores
-  // never leaving the backend's memory) and every position [0, p) is
-  // present in every KV head: writes the plan's indices to `indices`
-  // (backend memory, room for n_kv_heads * MaxBackendPlanRows(p)), each
-  // head's ascending, and its head offsets to `head_offsets` (host), and
-  // returns true. False, having done nothing, where this layer's plan is
-  // the host's (PlanFetch). Errors are the backend's.
-  virtual absl::StatusOr<bool> PlanFetchOnBackend(
-      int layer, int p, const float* xb_prev, int32_t* indices,
-      std::vector<int32_t>& head_offsets) {
-    return false;
+  // The rows `request.layer` attends to: where the plan is every present
+  // row and request.every_row_ok, kEveryRow (head offsets alone); where
+  // the policy can make it on the backend (its scores never leaving the
+  // backend's memory) and request.backend_indices is set, kOnBackend
+  // (each head's indices ascending there, its head offsets in `plan`);
+  // else kIndices with plan's indices on the host. By default every
+  // present row (full, int4). Errors are the backend's.
+  virtual absl::StatusOr<PlanMade> Plan(
+      const PlanRequest& request, kv_memory_service::OwnedFetchPlan& plan) {
+    return PlanEveryRow(request, plan);
   }
 
   // After `layer`'s attention over `plan`'s rows plus the new token:
@@ -308,7 +379,6 @@ class KvPolicy {
   virtual void ObserveAttention(int layer,
                                 const kv_memory_service::FetchPlan& plan,
                                 const float* probs, int stride) {}
-  virtual bool WantsAttentionProbs() const { return false; }
 
   // After a decode step: key [n_kv_heads, head_dim] (backend memory) is the
   // post-RoPE key of the new token at position p of `layer`.
@@ -318,12 +388,22 @@ class KvPolicy {
   explicit KvPolicy(const Context& context) : ctx_(context) {}
   // Allocates what the policy keeps in the backend's memory.
   virtual absl::Status Init() { return absl::OkStatus(); }
-  // Every present position of each head, ascending.
+  // Every present row: kEveryRow where the request allows it, else each
+  // head's present positions, ascending.
+  PlanMade PlanEveryRow(const PlanRequest& request,
+                        kv_memory_service::OwnedFetchPlan& plan) const;
   void PlanAllPresent(int p, const uint8_t* present,
                       kv_memory_service::OwnedFetchPlan& plan) const;
   const model::ModelConfig& config() const { return ctx_.weights->config; }
+  void set_observes_prefill(bool observes) { observes_prefill_ = observes; }
+  void set_prefix_summary(PrefixSummary* summary) { prefix_summary_ = summary; }
 
   Context ctx_;
+
+ private:
+  PolicyTraits traits_;
+  bool observes_prefill_ = false;
+  PrefixSummary* prefix_summary_ = nullptr;
 };
 
 }  // namespace infinigen::gpu_worker

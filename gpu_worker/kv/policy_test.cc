@@ -668,7 +668,9 @@ TEST_F(PolicyTest, KeepingEveryColumnLeavesThePromptUnobserved) {
     auto policy = KvPolicy::Create(o, prompt->ctx);
     ASSERT_TRUE(policy.ok()) << policy.status();
     EXPECT_EQ((*policy)->ObservesPrefill(), ratio < 1.0f);
-    EXPECT_EQ((*policy)->PrefixStateFloats() > 0, ratio < 1.0f);
+    EXPECT_EQ((*policy)->prefix_summary() != nullptr &&
+                  (*policy)->prefix_summary()->floats() > 0,
+              ratio < 1.0f);
   }
 }
 
@@ -771,17 +773,25 @@ TEST_F(PolicyTest, PlansOnTheBackendAreTheHostsPlans) {
     for (int l = 0; l < m.n_layers; ++l) {
       SCOPED_TRACE(l);
       kv_memory_service::OwnedFetchPlan host;
-      ASSERT_TRUE(
-          p.PlanFetch(l, n, x, prompt->present.data(), host).ok());
+      PlanRequest request;
+      request.layer = l;
+      request.p = n;
+      request.input = x;
+      request.present = prompt->present.data();
+      auto host_made = p.Plan(request, host);
+      ASSERT_TRUE(host_made.ok()) << host_made.status();
+      ASSERT_EQ(*host_made, PlanMade::kIndices);
       std::vector<int32_t> indices(
           static_cast<size_t>(m.n_kv_heads) * std::max(1, p.MaxBackendPlanRows(n)),
           -1);
-      std::vector<int32_t> offsets;
-      auto made = p.PlanFetchOnBackend(l, n, x, indices.data(), offsets);
+      kv_memory_service::OwnedFetchPlan on_backend;
+      request.backend_indices = indices.data();
+      auto made = p.Plan(request, on_backend);
       ASSERT_TRUE(made.ok()) << made.status();
       const bool selects = l >= c.options.dense_layers;
-      EXPECT_EQ(*made, c.on_backend && selects);
-      if (!*made) continue;
+      EXPECT_EQ(*made == PlanMade::kOnBackend, c.on_backend && selects);
+      if (*made != PlanMade::kOnBackend) continue;
+      const std::vector<int32_t>& offsets = on_backend.head_offsets;
       // Each head its cap of the 50 cached tokens.
       EXPECT_EQ(offsets.back(),
                 m.n_kv_heads * static_cast<int>(n * c.options.budget));
@@ -792,10 +802,10 @@ TEST_F(PolicyTest, PlansOnTheBackendAreTheHostsPlans) {
   }
 }
 
-// Where a policy says its plan is every row (PlansEveryRow: the cache then
-// reads each head's first rows with no indices), PlanFetch plans exactly
-// every present position of every head, in order. Every policy, every
-// layer, with and without an input.
+// Where a policy says its plan is every row (kEveryRow: the cache then
+// reads each head's first rows with no indices), its plan with indices
+// names exactly every present position of every head, in order. Every
+// policy, every layer, with and without an input.
 TEST_F(PolicyTest, PlansOfEveryRowAreEveryPresentRow) {
   const model::ModelConfig& m = weights_->config;
   const int n = 50;
@@ -816,10 +826,19 @@ TEST_F(PolicyTest, PlansOfEveryRowAreEveryPresentRow) {
                                      prompt->x.data())}) {
         SCOPED_TRACE(absl::StrCat("layer ", l, input ? " with" : " without",
                                   " an input"));
+        PlanRequest request;
+        request.layer = l;
+        request.p = n;
+        request.input = input;
+        request.present = prompt->present.data();
+        request.every_row_ok = true;
+        kv_memory_service::OwnedFetchPlan leading;
+        auto leading_made = p.Plan(request, leading);
+        ASSERT_TRUE(leading_made.ok()) << leading_made.status();
+        request.every_row_ok = false;
         kv_memory_service::OwnedFetchPlan plan;
-        ASSERT_TRUE(
-            p.PlanFetch(l, n, input, prompt->present.data(), plan).ok());
-        const bool all = p.PlansEveryRow(l, input);
+        ASSERT_TRUE(p.Plan(request, plan).ok());
+        const bool all = *leading_made == PlanMade::kEveryRow;
         every_row += all;
         if (!all) continue;
         ASSERT_EQ(plan.head_offsets.back(), m.n_kv_heads * n);

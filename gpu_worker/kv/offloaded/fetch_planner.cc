@@ -13,24 +13,23 @@ absl::Status FetchPlanner::Plan(KvPolicy& policy, const RowPresence& presence,
                                 bool one_sided, BackendNotes& notes,
                                 LayerFetch& f) const {
   kv_memory_service::OwnedFetchPlan& plan = f.plan;
-  f.kind = PlanKind::kIndices;
   const bool whole = presence.Whole(layer, p);
-  if (whole && one_sided && !policy.WantsAttentionProbs() &&
-      policy.PlansEveryRow(layer, xb_prev)) {
-    // Each head's first p rows, read in place as a whole: no indices to
-    // write, upload, check or send.
-    plan.indices.clear();
-    plan.head_offsets.resize(n_kv_heads_ + 1);
-    for (int g = 0; g <= n_kv_heads_; ++g) plan.head_offsets[g] = g * p;
-    f.kind = PlanKind::kLeading;
-    return CheckRows(static_cast<size_t>(n_kv_heads_) * p, layer);
-  }
-  if (whole && f.plan_dev.data() != nullptr) {
-    IG_ASSIGN_OR_RETURN(const bool made,
-                        policy.PlanFetchOnBackend(layer, p, xb_prev,
-                                                  f.plan_dev.data(),
-                                                  plan.head_offsets));
-    if (made) {
+  PlanRequest request;
+  request.layer = layer;
+  request.p = p;
+  request.input = xb_prev;
+  request.present = presence.layer(layer);
+  // Each head's first p rows read in place as a whole: no indices to
+  // write, upload, check or send.
+  request.every_row_ok = whole && one_sided && !policy.WantsAttentionProbs();
+  request.backend_indices = whole ? f.plan_dev.data() : nullptr;
+  IG_ASSIGN_OR_RETURN(const PlanMade made, policy.Plan(request, plan));
+  f.kind = PlanKind::kIndices;
+  switch (made) {
+    case PlanMade::kEveryRow:
+      f.kind = PlanKind::kLeading;
+      return CheckRows(static_cast<size_t>(n_kv_heads_) * p, layer);
+    case PlanMade::kOnBackend: {
       const size_t rows = plan.head_offsets.back();
       IG_RETURN_IF_ERROR(CheckRows(rows, layer));
       if (one_sided && layout_.staged && notes.capacity() > 0 &&
@@ -47,9 +46,9 @@ absl::Status FetchPlanner::Plan(KvPolicy& policy, const RowPresence& presence,
       return backend_.CopyToHost(plan.indices.data(), f.plan_dev.data(),
                                  rows * sizeof(int32_t));
     }
+    case PlanMade::kIndices:
+      break;
   }
-  IG_RETURN_IF_ERROR(
-      policy.PlanFetch(layer, p, xb_prev, presence.layer(layer), plan));
   return CheckRows(plan.indices.size(), layer);
 }
 

@@ -32,7 +32,7 @@ absl::StatusOr<Layout> MakeLayout(const model::Weights& weights,
   z.plan_buffers = z.staged || backend_plans;
   z.plan_room = reads_direct || backend_plans ? z.plan_rows : 0;
   z.attention_probs = policy->WantsAttentionProbs();
-  z.prefill_probs = policy->WantsPrefillProbs();
+  z.prefill_probs = policy->WantsAttentionProbs();
   z.half_rows = z.staged && options.half_local_kv &&
                 policy->row_format() == KvRowFormat::kHalf &&
                 policy->ReusesPrefix() && !z.prefill_probs;

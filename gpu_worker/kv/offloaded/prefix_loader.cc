@@ -34,7 +34,9 @@ PrefixLoader::PrefixLoader(const KvCacheOptions& options,
       static_cast<int>(policy.row_format()), geometry.n_layers,
       geometry.n_kv_heads, geometry.head_dim,
       static_cast<int>(geometry.dtype));
-  state_floats_ = policy.PrefixStateFloats();
+  if (policy.prefix_summary() != nullptr) {
+    state_floats_ = policy.prefix_summary()->floats();
+  }
 }
 
 kv_memory_service::PrefixRequest PrefixLoader::Request(
@@ -91,7 +93,7 @@ absl::Status PrefixLoader::Attach(
       std::memcpy(summary.data(),
                   meta.data() + l * summary.size() * sizeof(float),
                   summary.size() * sizeof(float));
-      policy.AddPrefixState(l, summary.data());
+      policy.prefix_summary()->Add(l, summary.data());
     }
   }
   state.cached = cached;
@@ -158,7 +160,7 @@ void PrefixLoader::Summarize(KvPolicy& policy, int layer, int pos, int rows,
     const int run = std::min(
         rows - i, (b + state.annotated_first + 1) * block_ - (pos + i));
     if (b >= 0 && static_cast<size_t>(b) < blocks) {
-      policy.SummarizePrefill(
+      policy.prefix_summary()->Summarize(
           layer, q + static_cast<size_t>(i) * c_.q_dim(),
           k + static_cast<size_t>(i) * c_.kv_dim(), run,
           &state.block_state[b * per_block +

@@ -10,7 +10,6 @@ namespace {
 class FullPolicy final : public KvPolicy {
  public:
   explicit FullPolicy(const Context& c) : KvPolicy(c) {}
-  bool PlansEveryRow(int, const float*) const override { return true; }
 
   static absl::StatusOr<std::unique_ptr<KvPolicy>> Make(
       const PolicyOptions&, const Context& c) {

@@ -62,11 +62,6 @@ class H2OPolicy final : public KvPolicy {
     std::fill(kept_.begin(), kept_.end(), 1);
   }
 
-  bool WantsPrefillProbs() const override { return true; }
-  // Heavy hitters rank by the prompt's own attention: no reuse.
-  bool ReusesPrefix() const override { return false; }
-  bool WantsAttentionProbs() const override { return true; }
-
   void ObservePrefill(int layer, const float* q, const float* k, int n,
                       int first_pos, const float* prob_sums) override {
     const int kv_len = first_pos + n;
@@ -78,9 +73,10 @@ class H2OPolicy final : public KvPolicy {
     }
   }
 
-  absl::Status PlanFetch(int layer, int p, const float* xb_prev,
-                         const uint8_t* present,
-                         OwnedFetchPlan& plan) override {
+  absl::StatusOr<PlanMade> Plan(const PlanRequest& request,
+                                OwnedFetchPlan& plan) override {
+    const int layer = request.layer, p = request.p;
+    const uint8_t* present = request.present;
     const int n_kv = config().n_kv_heads;
     const int half = std::max(1, static_cast<int>(p * budget_ / 2));
     const int recent_start = std::max(0, p - half);
@@ -109,7 +105,7 @@ class H2OPolicy final : public KvPolicy {
       }
       plan.head_offsets[g + 1] = static_cast<int32_t>(plan.indices.size());
     }
-    return absl::OkStatus();
+    return PlanMade::kIndices;
   }
 
   void ObserveAttention(int layer, const FetchPlan& plan, const float* probs,
@@ -160,7 +156,8 @@ extern const PolicyEntry kH2OPolicy = {
     PolicyKind::kH2O, "h2o",
     "heavy hitters plus a recent window, a budget of the sequence, evicted "
     "for good",
-    PolicyTraits(),
+    // Heavy hitters rank by the prompt's own attention: no reuse.
+    PolicyTraits().AttentionProbs().NoPrefixReuse(),
     &H2OPolicy::SetTargetFetch, &H2OPolicy::Make, &H2OPolicy::StateBytes,
     &ValidateSelection, kH2OFlags,
 };

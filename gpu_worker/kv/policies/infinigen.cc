@@ -49,7 +49,7 @@ const speculator::TaskRunner* SelectionRunner(size_t scores) {
 // score mass, sinks and recent tokens, and evicted positions select on the
 // host from the scores copied back. Choosing the partial columns (once per
 // prompt, where fewer than every column are kept) runs on the host.
-class InfiniGenPolicy final : public KvPolicy {
+class InfiniGenPolicy final : public KvPolicy, private PrefixSummary {
  public:
   // `owned_skew`: the skew to use instead of o.skew (the oracle's identity).
   InfiniGenPolicy(const Context& c, const PolicyOptions& o,
@@ -62,7 +62,12 @@ class InfiniGenPolicy final : public KvPolicy {
         n_cols_(speculator::PartialColumnCount(c.weights->config.head_dim,
                                                o.partial_ratio)),
         format_(KeyFormat(o)),
-        row_bytes_(speculator::PartialKeyRowBytes(n_cols_, format_)) {}
+        row_bytes_(speculator::PartialKeyRowBytes(n_cols_, format_)) {
+    // Where every column is kept the prompt chooses none: nothing to
+    // observe or to summarize.
+    set_observes_prefill(SelectsColumns());
+    set_prefix_summary(SelectsColumns() ? this : nullptr);
+  }
 
   // The exact diagnostics (the oracle, same_layer_input,
   // exact_partial_keys) rank by fp32 partial keys; infinigen keeps 4-bit
@@ -201,7 +206,6 @@ class InfiniGenPolicy final : public KvPolicy {
   // choose nothing, and the prompt is not observed at all.
   bool SelectsColumns() const { return n_cols_ < config().head_dim; }
 
-  bool ObservesPrefill() const override { return SelectsColumns(); }
   void ObservePrefill(int layer, const float* q, const float* k, int n,
                       int first_pos, const float* prob_sums) override {
     if (!SelectsColumns()) return;
@@ -213,18 +217,18 @@ class InfiniGenPolicy final : public KvPolicy {
 
   // Per layer: the summed |q A| of each KV head's columns, then (with
   // rank_columns_by_keys) the summed |k A|.
-  int PrefixStateFloats() const override {
+  int floats() const override {
     if (!SelectsColumns()) return 0;
     const model::ModelConfig& m = config();
     return m.n_kv_heads * m.head_dim * (options_.rank_columns_by_keys ? 2 : 1);
   }
-  void SummarizePrefill(int layer, const float* q, const float* k, int n,
-                        float* out) const override {
+  void Summarize(int layer, const float* q, const float* k, int n,
+                 float* out) const override {
     const model::ModelConfig& m = config();
     Accumulate(layer, q, k, n, out,
                out + static_cast<size_t>(m.n_kv_heads) * m.head_dim);
   }
-  void AddPrefixState(int layer, const float* state) override {
+  void Add(int layer, const float* state) override {
     const model::ModelConfig& m = config();
     const size_t n = static_cast<size_t>(m.n_kv_heads) * m.head_dim;
     float* q_sums = ColSums(layer, 0);
@@ -312,13 +316,27 @@ class InfiniGenPolicy final : public KvPolicy {
     return absl::OkStatus();
   }
 
-  bool PlansEveryRow(int layer, const float* xb_prev) const override {
+  absl::StatusOr<PlanMade> Plan(const PlanRequest& r,
+                                OwnedFetchPlan& plan) override {
+    if (PlansEveryRow(r.layer, r.input)) return PlanEveryRow(r, plan);
+    if (r.backend_indices != nullptr) {
+      IG_ASSIGN_OR_RETURN(const bool made,
+                          PlanOnBackend(r.layer, r.p, r.input,
+                                        r.backend_indices, plan.head_offsets));
+      if (made) return PlanMade::kOnBackend;
+    }
+    IG_RETURN_IF_ERROR(PlanOnHost(r.layer, r.p, r.input, r.present, plan));
+    return PlanMade::kIndices;
+  }
+
+  // Dense layers, and layer 0 before its input is known, read every row.
+  bool PlansEveryRow(int layer, const float* xb_prev) const {
     return layer < options_.dense_layers || xb_prev == nullptr;
   }
 
-  absl::Status PlanFetch(int layer, int p, const float* xb_prev,
-                         const uint8_t* present,
-                         OwnedFetchPlan& plan) override {
+  // The speculated plan on the host.
+  absl::Status PlanOnHost(int layer, int p, const float* xb_prev,
+                          const uint8_t* present, OwnedFetchPlan& plan) {
     if (PlansEveryRow(layer, xb_prev)) {
       PlanAllPresent(p, present, plan);
       return absl::OkStatus();
@@ -407,9 +425,12 @@ class InfiniGenPolicy final : public KvPolicy {
         p, std::max(1, static_cast<int>(static_cast<float>(p) * budget)));
   }
 
-  absl::StatusOr<bool> PlanFetchOnBackend(
-      int layer, int p, const float* xb_prev, int32_t* indices,
-      std::vector<int32_t>& head_offsets) override {
+  // The speculated plan made on the backend: its indices to `indices`,
+  // its head offsets here; false, having done nothing, where the policy
+  // cannot (the alpha rule, score mass, sink or recent tokens).
+  absl::StatusOr<bool> PlanOnBackend(int layer, int p, const float* xb_prev,
+                                     int32_t* indices,
+                                     std::vector<int32_t>& head_offsets) {
     if (PlansEveryRow(layer, xb_prev) || p <= 0 ||
         !SelectsOnBackend(options_)) {
       return false;

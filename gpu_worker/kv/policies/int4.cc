@@ -13,14 +13,6 @@ namespace {
 class Int4Policy final : public KvPolicy {
  public:
   explicit Int4Policy(const Context& c) : KvPolicy(c) {}
-  KvRowFormat row_format() const override { return KvRowFormat::kInt4; }
-  bool PlansEveryRow(int, const float*) const override { return true; }
-  // A reused prefix's rows come back quantized, and a prefill that gives
-  // the same answer with and without reuse must then attend over quantized
-  // rows too (+3.9% perplexity on stories260K, against FlexGen's prefill
-  // over the exact rows); int4 keeps the exact prefill and computes every
-  // prompt.
-  bool ReusesPrefix() const override { return false; }
 
   static absl::StatusOr<std::unique_ptr<KvPolicy>> Make(
       const PolicyOptions&, const Context& c) {
@@ -39,7 +31,12 @@ class Int4Policy final : public KvPolicy {
 extern const PolicyEntry kInt4Policy = {
     PolicyKind::kInt4, "int4",
     "rows stored group-wise 4-bit (asymmetric, group 64); every row fetched",
-    PolicyTraits(),
+    // No prefix reuse: a reused prefix's rows come back quantized, and a
+    // prefill that gives the same answer with and without reuse must then
+    // attend over quantized rows too (+3.9% perplexity on stories260K,
+    // against FlexGen's prefill over the exact rows); int4 keeps the exact
+    // prefill and computes every prompt.
+    PolicyTraits().Rows(KvRowFormat::kInt4).NoPrefixReuse(),
     /*set_target_fetch=*/nullptr, &Int4Policy::Make, &NoStateBytes,
     /*validate=*/nullptr, /*flags=*/{},
 };

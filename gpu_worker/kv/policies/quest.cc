@@ -91,7 +91,7 @@ class QuestPolicy final : public KvPolicy {
   }
 
   void OnDecodeAppend(int layer, int p, const float* key) override {
-    // Errors of the copy surface at the next PlanFetch's copy.
+    // Errors of the copy surface at the next Plan's copy.
     if (!ctx_.backend->CopyToHost(key_host_.data(), key,
                                   key_host_.size() * sizeof(float))
              .ok()) {
@@ -103,16 +103,13 @@ class QuestPolicy final : public KvPolicy {
     }
   }
 
-  bool PlansEveryRow(int layer, const float* x) const override {
-    return layer < dense_layers_ || x == nullptr;
-  }
-
-  absl::Status PlanFetch(int layer, int p, const float* x,
-                         const uint8_t* present,
-                         OwnedFetchPlan& plan) override {
-    if (PlansEveryRow(layer, x)) {
-      PlanAllPresent(p, present, plan);
-      return absl::OkStatus();
+  absl::StatusOr<PlanMade> Plan(const PlanRequest& request,
+                                OwnedFetchPlan& plan) override {
+    const int layer = request.layer, p = request.p;
+    const float* x = request.input;
+    const uint8_t* present = request.present;
+    if (layer < dense_layers_ || x == nullptr) {
+      return PlanEveryRow(request, plan);
     }
     const model::ModelConfig& m = config();
     const model::LayerWeights& w = ctx_.weights->layers[layer];
@@ -182,7 +179,7 @@ class QuestPolicy final : public KvPolicy {
       }
       plan.head_offsets[g + 1] = static_cast<int32_t>(plan.indices.size());
     }
-    return absl::OkStatus();
+    return PlanMade::kIndices;
   }
 
  private:

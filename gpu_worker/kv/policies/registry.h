@@ -20,42 +20,6 @@
 
 namespace infinigen::gpu_worker {
 
-struct PolicyTraits {
-  // Whether a layer's rows are chosen rather than all read: dense_layers,
-  // budget, sink and recent tokens apply, and layer 0 selects when
-  // dense_layers is 0.
-  bool selects = false;
-  // Whether a layer's rows are chosen from that layer's own input (the
-  // fetch cannot leave early) rather than the previous layer's.
-  bool own_input = false;
-  // InfiniGen's rehearsal: the policy needs a skew, and may speculate after
-  // the attention (PolicyOptions::speculation_input).
-  bool speculates = false;
-  // Whether it takes per-(layer, KV head) budgets from a head profile.
-  bool adaptive_budgets = false;
-
-  // An entry's traits read as a phrase: PolicyTraits().Selects().OwnInput().
-  constexpr PolicyTraits Selects() const {
-    return With(&PolicyTraits::selects, true);
-  }
-  constexpr PolicyTraits OwnInput() const {
-    return With(&PolicyTraits::own_input, true);
-  }
-  constexpr PolicyTraits Speculates() const {
-    return With(&PolicyTraits::speculates, true);
-  }
-  constexpr PolicyTraits AdaptiveBudgets() const {
-    return With(&PolicyTraits::adaptive_budgets, true);
-  }
-
- private:
-  constexpr PolicyTraits With(bool PolicyTraits::*field, bool value) const {
-    PolicyTraits t = *this;
-    t.*field = value;
-    return t;
-  }
-};
-
 struct PolicyEntry {
   PolicyKind kind;
   const char* name;
