@@ -141,7 +141,7 @@ int main(int argc, char** argv) {
                  command->name, rest[1]);
     return kExitUsage;
   }
-  const int threads = absl::GetFlag(FLAGS_threads);
+  const int threads = ReadEngineFlags().threads;
   if (threads > 0) openblas_set_num_threads(threads);
   // The one-shot commands report every memory node failure in their own
   // last line (a failed TLS handshake with gRPC's reason included), so

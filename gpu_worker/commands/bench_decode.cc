@@ -35,7 +35,7 @@ using gpu_worker::DecodeBenchResult;
 // The input: --text's tokens repeated to fill, else synthetic ids.
 absl::StatusOr<std::vector<int>> SourceFromFlags(const model::LoadedModel& m,
                                                  size_t need) {
-  const std::string path = absl::GetFlag(FLAGS_text);
+  const std::string path = ReadRunFlags().text;
   std::vector<int> text;
   if (!path.empty()) {
     IG_ASSIGN_OR_RETURN(std::string s, ReadFileToString(path));
@@ -57,7 +57,7 @@ void PrintTable(const std::vector<DecodeBenchResult>& results) {
   std::printf(
       "bench-decode: %s, ctx %d, batch %d, %d steps, KV node %s, backend %s\n",
       ModelNameFromFlags().c_str(), first.ctx, first.batch, first.steps,
-      absl::GetFlag(FLAGS_kv_service).c_str(), first.backend.c_str());
+      ReadMemoryNodeFlags().kv_service.c_str(), first.backend.c_str());
   std::printf("| policy | tokens/s | p50 ms/step | p99 ms/step | KV bytes "
               "fetched/token | rows fetched | fetch wait | prefill s | "
               "worker KV MiB | node KV MiB | peak RSS MiB |\n"
@@ -85,7 +85,7 @@ void PrintJson(const DecodeBenchResult& r) {
   j["model"] = ModelNameFromFlags();
   j["policy"] = r.policy;
   j["backend"] = r.backend;
-  j["kv_service"] = absl::GetFlag(FLAGS_kv_service);
+  j["kv_service"] = ReadMemoryNodeFlags().kv_service;
   j["ctx"] = r.ctx;
   j["batch"] = r.batch;
   j["decode_tokens"] = r.steps;
@@ -125,7 +125,7 @@ void PrintJson(const DecodeBenchResult& r) {
   // at least (one-sided reads leave no wait on the host to time).
   j["decode_fetch_gbps"] =
       r.seconds > 0 ? r.fetch.bytes_fetched / r.seconds / 1e9 : 0.0;
-  j["kv_direct_reads"] = absl::GetFlag(FLAGS_kv_direct_reads);
+  j["kv_direct_reads"] = ReadMemoryNodeFlags().kv_direct_reads;
   // Of the rows fetched, the share read where the node keeps them.
   j["fetch_in_place_fraction"] =
       r.fetch.rows_fetched > 0
@@ -186,7 +186,7 @@ int BenchPolicy(const std::string& policy, const model::LoadedModel& m,
 }
 
 int RunBenchDecode() {
-  const int ctx = absl::GetFlag(FLAGS_ctx);
+  const int ctx = ReadRunFlags().ctx;
   const int batch = absl::GetFlag(FLAGS_batch);
   const int steps = absl::GetFlag(FLAGS_decode_tokens);
   if (ctx < 1 || batch < 1 || steps < 2) {
@@ -195,7 +195,7 @@ int RunBenchDecode() {
                     "--ctx and --batch must be >= 1, --decode_tokens >= 2"));
   }
   const std::vector<std::string> policies =
-      absl::StrSplit(absl::GetFlag(FLAGS_policy), ',');
+      absl::StrSplit(ReadEngineFlags().policy, ',');
   for (const std::string& p : policies) {
     gpu_worker::KvOptions chosen;
     if (absl::Status st = gpu_worker::ChoosePolicy(p, chosen); !st.ok()) {
@@ -204,7 +204,7 @@ int RunBenchDecode() {
   }
   auto kv_options = KvClientOptionsFromFlags();
   if (!kv_options.ok()) return Fail(kExitUsage, kv_options.status());
-  auto m = LoadFromFlags(/*need_tokenizer=*/!absl::GetFlag(FLAGS_text).empty());
+  auto m = LoadFromFlags(/*need_tokenizer=*/!ReadRunFlags().text.empty());
   if (!m.ok()) return LoadFailure(m.status());
   if (ctx + steps > m->weights.config.max_seq_len) {
     return Fail(kExitUsage, absl::InvalidArgumentError(absl::StrFormat(
@@ -225,7 +225,7 @@ int RunBenchDecode() {
   }
   if (absl::GetFlag(FLAGS_plan_only)) return 0;
   PrintTable(results);
-  if (absl::GetFlag(FLAGS_json)) {
+  if (ReadRunFlags().json) {
     for (const auto& r : results) PrintJson(r);
   }
   return 0;

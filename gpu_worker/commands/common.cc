@@ -138,6 +138,44 @@ namespace infinigen::commands {
 using gpu_worker::Engine;
 using gpu_worker::EngineOptions;
 
+ModelFlags ReadModelFlags() {
+  ModelFlags f;
+  f.path = absl::GetFlag(FLAGS_model);
+  f.load_format = absl::GetFlag(FLAGS_load_format);
+  f.max_seq_len = absl::GetFlag(FLAGS_max_seq_len);
+  f.chat_template = absl::GetFlag(FLAGS_chat_template);
+  return f;
+}
+
+RunFlags ReadRunFlags() {
+  RunFlags f;
+  f.text = absl::GetFlag(FLAGS_text);
+  f.ctx = absl::GetFlag(FLAGS_ctx);
+  f.json = absl::GetFlag(FLAGS_json);
+  return f;
+}
+
+EngineFlags ReadEngineFlags() {
+  EngineFlags f;
+  f.policy = absl::GetFlag(FLAGS_policy);
+  f.backend = absl::GetFlag(FLAGS_backend);
+  f.threads = absl::GetFlag(FLAGS_threads);
+  return f;
+}
+
+MemoryNodeFlags ReadMemoryNodeFlags() {
+  MemoryNodeFlags f;
+  f.kv_service = absl::GetFlag(FLAGS_kv_service);
+  f.kv_capacity = absl::GetFlag(FLAGS_kv_capacity);
+  f.kv_direct_reads = absl::GetFlag(FLAGS_kv_direct_reads);
+  f.eviction = absl::GetFlag(FLAGS_eviction);
+  f.max_worker_kv_bytes = absl::GetFlag(FLAGS_max_worker_kv_bytes);
+  f.prefix_block_tokens = absl::GetFlag(FLAGS_prefix_block_tokens);
+  f.prefix_cache_bytes = absl::GetFlag(FLAGS_prefix_cache_bytes);
+  f.on_kv_loss = absl::GetFlag(FLAGS_on_kv_loss);
+  return f;
+}
+
 std::vector<const char*> WithEngineFlags(std::vector<const char*> own) {
   for (const char* f :
        {"policy", "alpha", "partial_ratio", "partial_key_bits",

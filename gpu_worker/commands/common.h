@@ -1,18 +1,20 @@
-// What the commands of `infinigen` share: the flags more than one command
-// reads (declared here; defined in common.cc with the memory-node flags,
-// and in policy_setup.cc, the policies' flags), the exit codes and how a
-// failure becomes one line on stderr, model loading, and the KV policy and
-// memory node set up from the flags (policy_setup.cc). Each command lives in its own file (generate.cc, perplexity.cc,
-// bench_decode.cc, skew.cc, serve.cc) and returns its exit status.
+// What the commands of `infinigen` share: the shared flags as parsed
+// (defined in common.cc with the memory-node flags, and in policy_setup.cc
+// the policies' flags; commands read them through the structs below), the
+// exit codes and how a failure becomes one line on stderr, model loading,
+// and the KV policy and memory node set up from the flags
+// (policy_setup.cc). Each command lives in its own file (generate.cc,
+// perplexity.cc, bench_decode.cc, skew.cc, serve.cc) and returns its exit
+// status.
 #ifndef INFINIGEN_GPU_WORKER_COMMANDS_COMMON_H_
 #define INFINIGEN_GPU_WORKER_COMMANDS_COMMON_H_
 
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
-#include "absl/flags/declare.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
@@ -21,27 +23,6 @@
 #include "kv_memory_service/client/kv_client.h"
 #include "model/loader.h"
 #include "speculator/speculator.h"
-
-ABSL_DECLARE_FLAG(std::string, model);
-ABSL_DECLARE_FLAG(std::string, tokenizer);
-ABSL_DECLARE_FLAG(std::string, load_format);
-ABSL_DECLARE_FLAG(std::string, text);
-ABSL_DECLARE_FLAG(int, ctx);
-ABSL_DECLARE_FLAG(bool, json);
-ABSL_DECLARE_FLAG(int, max_seq_len);
-ABSL_DECLARE_FLAG(std::string, backend);
-ABSL_DECLARE_FLAG(int, threads);
-ABSL_DECLARE_FLAG(std::string, policy);
-ABSL_DECLARE_FLAG(std::string, skew);
-ABSL_DECLARE_FLAG(std::string, kv_service);
-ABSL_DECLARE_FLAG(double, kv_capacity);
-ABSL_DECLARE_FLAG(bool, kv_direct_reads);
-ABSL_DECLARE_FLAG(std::string, eviction);
-ABSL_DECLARE_FLAG(int, calibration_tokens);
-ABSL_DECLARE_FLAG(std::string, partial_ratio);
-ABSL_DECLARE_FLAG(std::string, speculate_from);
-ABSL_DECLARE_FLAG(int, partial_key_bits);
-ABSL_DECLARE_FLAG(std::string, chat_template);
 
 namespace infinigen::commands {
 
@@ -57,6 +38,49 @@ struct Command {
   std::vector<const char*> flags;
   int (*run)();
 };
+
+// The model flags (common.cc), as parsed.
+struct ModelFlags {
+  std::string path;           // --model
+  std::string load_format;    // --load_format
+  int max_seq_len = 0;        // --max_seq_len; 0: the model's
+  std::string chat_template;  // --chat_template; empty: the model's
+};
+ModelFlags ReadModelFlags();
+
+// The flags of a run over a text and of its report (common.cc).
+struct RunFlags {
+  std::string text;   // --text
+  int ctx = 0;        // --ctx
+  bool json = false;  // --json
+};
+RunFlags ReadRunFlags();
+
+// Where the engine runs (common.cc).
+struct EngineFlags {
+  std::string policy;   // --policy: one name, or a list for bench-decode
+  std::string backend;  // --backend
+  int threads = 0;      // --threads; 0: all cores
+};
+EngineFlags ReadEngineFlags();
+
+// The memory node, prefix reuse and recovery (common.cc); the client's
+// credentials come from KvClientOptionsFromFlags.
+struct MemoryNodeFlags {
+  std::string kv_service;            // --kv_service
+  double kv_capacity = 1.0;          // --kv_capacity
+  bool kv_direct_reads = false;      // --kv_direct_reads
+  std::string eviction;              // --eviction
+  int64_t max_worker_kv_bytes = 0;   // --max_worker_kv_bytes
+  int prefix_block_tokens = 0;       // --prefix_block_tokens
+  int64_t prefix_cache_bytes = 0;    // --prefix_cache_bytes
+  std::string on_kv_loss;            // --on_kv_loss
+};
+MemoryNodeFlags ReadMemoryNodeFlags();
+
+// --calibration_tokens (policy_setup.cc): the tokens of the calibration
+// text InfiniGen's skew is calibrated on.
+int CalibrationTokensFromFlags();
 
 // `own` followed by the flags of every command that builds an engine: the
 // KV policy, the memory node and the device.

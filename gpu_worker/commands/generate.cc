@@ -58,9 +58,9 @@ absl::StatusOr<std::string> PromptFromFlags() {
     IG_ASSIGN_OR_RETURN(prompt, ReadFileToString(file));
   }
   if (!absl::GetFlag(FLAGS_chat)) return prompt;
+  const ModelFlags flags = ReadModelFlags();
   IG_ASSIGN_OR_RETURN(auto t, gpu_worker::ChatTemplateForModel(
-                                  absl::GetFlag(FLAGS_model),
-                                  absl::GetFlag(FLAGS_chat_template)));
+                                  flags.path, flags.chat_template));
   return gpu_worker::ApplyChatTemplate(t, {{"user", prompt}});
 }
 
@@ -119,13 +119,13 @@ int GenerateEngine(const model::LoadedModel& m, const std::vector<int>& tokens,
                    int max_new,
                    const kv_memory_service::KvClientOptions& kv_options,
                    PolicySetup& setup, std::unique_ptr<Engine>& engine) {
-  auto s = SetUpPolicy(absl::GetFlag(FLAGS_policy), m, kv_options,
+  auto s = SetUpPolicy(ReadEngineFlags().policy, m, kv_options,
                        /*serving=*/true);
   if (!s.ok()) return SetupFailure(s.status());
-  WarnIgnoredPolicyFlags({absl::GetFlag(FLAGS_policy)});
+  WarnIgnoredPolicyFlags({ReadEngineFlags().policy});
   setup = *std::move(s);
   EngineOptions& options = setup.options;
-  options.max_seq_len = absl::GetFlag(FLAGS_max_seq_len);
+  options.max_seq_len = ReadModelFlags().max_seq_len;
   if (options.max_seq_len == 0) {
     options.max_seq_len =
         std::min<int>(m.weights.config.max_seq_len, tokens.size() + max_new);
@@ -189,7 +189,7 @@ int RunGenerate() {
       "generated %d tokens in %.3f s (%.1f tokens/s)",
       tokens.size(), engine->cached_tokens(), prefill_s, c->tokens,
       decode_s, decode_s > 0 ? c->tokens / decode_s : 0.0);
-  if (absl::GetFlag(FLAGS_json)) {
+  if (ReadRunFlags().json) {
     PrintJson(*engine, tokens.size(), prefill_s, *c, decode_s);
   }
   return 0;

@@ -60,7 +60,7 @@ int64_t TokensToScore(size_t text_tokens, const gpu_worker::PerplexityOptions& o
 void PrintResult(const gpu_worker::PerplexityOptions& o,
                  const gpu_worker::KvOptions& kv,
                  const gpu_worker::PerplexityResult& r) {
-  const std::string text = absl::GetFlag(FLAGS_text);
+  const std::string text = ReadRunFlags().text;
   const std::string name = kv.policy_name();
   // The local cache's settings print as PolicyOptions' defaults.
   const gpu_worker::PolicyOptions policy =
@@ -71,9 +71,9 @@ void PrintResult(const gpu_worker::PerplexityOptions& o,
               text.c_str(), r.windows, o.ctx, r.predicted, name.c_str(), r.nll,
               r.perplexity(), 100.0 * r.fetch.fraction_mean(),
               100.0 * r.fetch.fraction_max, r.seconds);
-  if (!absl::GetFlag(FLAGS_json)) return;
+  if (!ReadRunFlags().json) return;
   nlohmann::json j;
-  j["model"] = absl::GetFlag(FLAGS_model);
+  j["model"] = ReadModelFlags().path;
   j["text"] = text;
   j["ctx"] = o.ctx;
   j["windows"] = r.windows;
@@ -88,8 +88,8 @@ void PrintResult(const gpu_worker::PerplexityOptions& o,
                                                           : "layer_input";
   j["dense_layers"] = policy.dense_layers;
   j["budget"] = decimal(policy.budget);
-  j["kv_capacity"] = absl::GetFlag(FLAGS_kv_capacity);
-  j["eviction"] = absl::GetFlag(FLAGS_eviction);
+  j["kv_capacity"] = ReadMemoryNodeFlags().kv_capacity;
+  j["eviction"] = ReadMemoryNodeFlags().eviction;
   j["tokens"] = r.predicted;
   j["nll"] = r.nll;
   j["ppl"] = r.perplexity();
@@ -106,7 +106,7 @@ void PrintResult(const gpu_worker::PerplexityOptions& o,
 
 int RunPerplexity() {
   gpu_worker::PerplexityOptions o;
-  o.ctx = absl::GetFlag(FLAGS_ctx);
+  o.ctx = ReadRunFlags().ctx;
   o.max_windows = absl::GetFlag(FLAGS_max_windows);
   o.prompt_tokens = absl::GetFlag(FLAGS_prompt_tokens);
   if (auto ok = gpu_worker::PerplexityWindows(0, o); !ok.ok()) {
@@ -127,9 +127,9 @@ int RunPerplexity() {
   if (*gpu_worker::PerplexityWindows(run->tokens.size(), o) == 0) {
     return Fail(kExitUsage, absl::InvalidArgumentError(absl::StrFormat(
                                 "%s holds too little text to score",
-                                absl::GetFlag(FLAGS_text))));
+                                ReadRunFlags().text)));
   }
-  const std::string policy = absl::GetFlag(FLAGS_policy);
+  const std::string policy = ReadEngineFlags().policy;
   gpu_worker::KvOptions chosen;
   if (absl::Status st = gpu_worker::ChoosePolicy(policy, chosen); !st.ok()) {
     return Fail(kExitUsage, st);

@@ -120,12 +120,6 @@ ABSL_FLAG(std::string, skew_cache_dir, "auto",
           "auto: $XDG_CACHE_HOME/infinigen, else $HOME/.cache/infinigen; "
           "none: calibrate at every start.");
 
-// Defined in common.cc with the memory-node and recovery flags.
-ABSL_DECLARE_FLAG(int64_t, max_worker_kv_bytes);
-ABSL_DECLARE_FLAG(int, prefix_block_tokens);
-ABSL_DECLARE_FLAG(int64_t, prefix_cache_bytes);
-ABSL_DECLARE_FLAG(std::string, on_kv_loss);
-
 namespace infinigen::commands {
 
 using gpu_worker::EngineOptions;
@@ -219,19 +213,20 @@ absl::StatusOr<EngineOptions> EngineOptionsFromFlags(
   const int n_layers = gpu_worker::OffloadedLayerCount(config);
   const bool global_layers_only = config.sliding_window > 0;
   EngineOptions options;
-  const std::string on_loss = absl::GetFlag(FLAGS_on_kv_loss);
+  const MemoryNodeFlags node = ReadMemoryNodeFlags();
+  const std::string on_loss = node.on_kv_loss;
   if (on_loss != "recompute" && on_loss != "fail") {
     return absl::InvalidArgumentError(absl::StrFormat(
         "--on_kv_loss must be recompute or fail, got '%s'", on_loss));
   }
   options.recompute_on_kv_loss = serving && on_loss == "recompute";
-  const int block = absl::GetFlag(FLAGS_prefix_block_tokens);
+  const int block = node.prefix_block_tokens;
   if (block < 0 || block > kv_memory_service::KvStore::kMaxBlockTokens) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "--prefix_block_tokens must be in [0, %d], got %d",
         kv_memory_service::KvStore::kMaxBlockTokens, block));
   }
-  if (absl::GetFlag(FLAGS_prefix_cache_bytes) < 0) {
+  if (node.prefix_cache_bytes < 0) {
     return absl::InvalidArgumentError("--prefix_cache_bytes must be >= 0");
   }
   IG_RETURN_IF_ERROR(gpu_worker::ChoosePolicy(policy, options.kv));
@@ -276,9 +271,9 @@ absl::StatusOr<EngineOptions> EngineOptionsFromFlags(
   p.page_tokens = absl::GetFlag(FLAGS_page_tokens);
   p.score_mass = static_cast<float>(absl::GetFlag(FLAGS_score_mass));
   p.budget_floor = static_cast<float>(absl::GetFlag(FLAGS_budget_floor));
-  options.kv.kv_capacity = absl::GetFlag(FLAGS_kv_capacity);
-  options.kv.direct_reads = absl::GetFlag(FLAGS_kv_direct_reads);
-  options.kv.max_worker_bytes = absl::GetFlag(FLAGS_max_worker_kv_bytes);
+  options.kv.kv_capacity = node.kv_capacity;
+  options.kv.direct_reads = node.kv_direct_reads;
+  options.kv.max_worker_bytes = node.max_worker_kv_bytes;
   if (options.kv.max_worker_bytes < 0) {
     return absl::InvalidArgumentError(
         absl::StrFormat("--max_worker_kv_bytes must be >= 0, got %d",
@@ -401,7 +396,7 @@ absl::StatusOr<std::unique_ptr<speculator::SkewMatrices>> SkewFromFlags(
                                           : "synthetic ids (no tokenizer)")
                << (cached.empty() ? "" : ", kept in " + cached);
   IG_ASSIGN_OR_RETURN(auto backend,
-                      gpu_worker::NewBackend(absl::GetFlag(FLAGS_backend)));
+                      gpu_worker::NewBackend(ReadEngineFlags().backend));
   IG_ASSIGN_OR_RETURN(auto skew,
                       gpu_worker::CalibrateSkew(weights, tokens, speculation,
                                                 std::move(backend),
@@ -475,6 +470,10 @@ void WarnIgnoredPolicyFlags(absl::Span<const std::string> policies) {
   }
 }
 
+int CalibrationTokensFromFlags() {
+  return absl::GetFlag(FLAGS_calibration_tokens);
+}
+
 absl::StatusOr<PolicySetup> SetUpPolicy(
     const std::string& policy, const model::LoadedModel& m,
     const kv_memory_service::KvClientOptions& kv_options, bool serving) {
@@ -507,14 +506,14 @@ absl::StatusOr<PolicySetup> SetUpPolicy(
     p.adaptive_budgets = false;
   }
   if (p.adaptive_budgets) p.profile = &s.skew->profile;
+  const MemoryNodeFlags node = ReadMemoryNodeFlags();
   kv_memory_service::KvClientOptions client_options = kv_options;
   IG_ASSIGN_OR_RETURN(
       client_options.inproc_store_options.eviction,
-      kv_memory_service::ParseEvictionPolicy(absl::GetFlag(FLAGS_eviction)));
+      kv_memory_service::ParseEvictionPolicy(node.eviction));
   client_options.inproc_store_options.prefix_cache_bytes =
-      absl::GetFlag(FLAGS_prefix_cache_bytes);
-  if (const int block = absl::GetFlag(FLAGS_prefix_block_tokens);
-      serving && block > 0) {
+      node.prefix_cache_bytes;
+  if (const int block = node.prefix_block_tokens; serving && block > 0) {
     s.options.kv.prefix_block_tokens = block;
     if (weights_identity.empty()) {
       weights_identity = gpu_worker::WeightsIdentity(weights);
@@ -522,7 +521,7 @@ absl::StatusOr<PolicySetup> SetUpPolicy(
     s.options.kv.model_identity =
         gpu_worker::ModelIdentity(weights_identity, s.skew.get());
   }
-  const std::string kv_service = absl::GetFlag(FLAGS_kv_service);
+  const std::string kv_service = node.kv_service;
   IG_ASSIGN_OR_RETURN(s.client, kv_memory_service::ConnectKvClient(
                                     kv_service, client_options));
   s.options.kv.kv_client = s.client.get();

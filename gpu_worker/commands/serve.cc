@@ -147,7 +147,7 @@ absl::Status CheckServeFlags() {
   }
   gpu_worker::KvOptions chosen;
   IG_RETURN_IF_ERROR(
-      gpu_worker::ChoosePolicy(absl::GetFlag(FLAGS_policy), chosen));
+      gpu_worker::ChoosePolicy(ReadEngineFlags().policy, chosen));
   return absl::OkStatus();
 }
 
@@ -158,15 +158,14 @@ absl::StatusOr<gpu_worker::HttpApiOptions> HttpOptionsFromFlags(
   gpu_worker::HttpApiOptions http;
   http.listen = absl::GetFlag(FLAGS_http_listen);
   http.model_id = absl::GetFlag(FLAGS_served_model_name);
-  if (http.model_id.empty()) {
-    http.model_id = ModelIdFromPath(absl::GetFlag(FLAGS_model));
-  }
-  http.chat_template = gpu_worker::ChatTemplateForModel(
-      absl::GetFlag(FLAGS_model), absl::GetFlag(FLAGS_chat_template));
+  const ModelFlags flags = ReadModelFlags();
+  if (http.model_id.empty()) http.model_id = ModelIdFromPath(flags.path);
+  http.chat_template =
+      gpu_worker::ChatTemplateForModel(flags.path, flags.chat_template);
   if (!http.chat_template.ok() &&
       http.chat_template.status().code() ==
           absl::StatusCode::kInvalidArgument &&
-      !absl::GetFlag(FLAGS_chat_template).empty()) {
+      !flags.chat_template.empty()) {
     return http.chat_template.status();
   }
   if (const std::string key_file = absl::GetFlag(FLAGS_api_key_file);
@@ -193,12 +192,12 @@ int StartScheduler(const model::LoadedModel& m,
                    std::shared_ptr<gpu_worker::ServeLog> serve_log,
                    PolicySetup& setup,
                    std::unique_ptr<gpu_worker::GenerationScheduler>& out) {
-  auto s = SetUpPolicy(absl::GetFlag(FLAGS_policy), m, kv_options,
+  auto s = SetUpPolicy(ReadEngineFlags().policy, m, kv_options,
                        /*serving=*/true);
   if (!s.ok()) return SetupFailure(s.status());
-  WarnIgnoredPolicyFlags({absl::GetFlag(FLAGS_policy)});
+  WarnIgnoredPolicyFlags({ReadEngineFlags().policy});
   setup = *std::move(s);
-  setup.options.max_seq_len = absl::GetFlag(FLAGS_max_seq_len);
+  setup.options.max_seq_len = ReadModelFlags().max_seq_len;
   setup.options.batch = absl::GetFlag(FLAGS_max_batch);
   auto engine =
       CreateEngine(m.weights, setup.options, /*prefill_progress=*/false);

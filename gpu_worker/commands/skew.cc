@@ -22,8 +22,8 @@ int RunSkew() {
   }
   // Dummy weights have no tokenizer: they calibrate on bench-decode's
   // synthetic tokens (a skew for speed measurements, not for accuracy).
-  const bool synthetic = absl::GetFlag(FLAGS_load_format) == "dummy" &&
-                         absl::GetFlag(FLAGS_text).empty();
+  const bool synthetic =
+      ReadModelFlags().load_format == "dummy" && ReadRunFlags().text.empty();
   absl::StatusOr<TextRun> run;
   if (synthetic) {
     auto m = LoadFromFlags(/*need_tokenizer=*/false);
@@ -31,21 +31,21 @@ int RunSkew() {
     run.emplace();
     run->model = *std::move(m);
     run->tokens = gpu_worker::DecodeBenchSource(
-        {}, absl::GetFlag(FLAGS_calibration_tokens),
+        {}, CalibrationTokensFromFlags(),
         run->model.weights.config.vocab_size);
   } else {
     run = LoadTextRun();
   }
   if (!run.ok()) return LoadFailure(run.status());
   const int n = std::min<int>({static_cast<int>(run->tokens.size()),
-                               absl::GetFlag(FLAGS_calibration_tokens),
+                               CalibrationTokensFromFlags(),
                                run->model.weights.config.max_seq_len});
   const auto t0 = std::chrono::steady_clock::now();
   // The profile is for adaptive head budgets, which infinigen uses under
   // --target_fetch: measured with that mode's speculation by default.
   const auto speculation = SpeculationFromFlags(true);
   if (!speculation.ok()) return Fail(kExitUsage, speculation.status());
-  auto backend = gpu_worker::NewBackend(absl::GetFlag(FLAGS_backend));
+  auto backend = gpu_worker::NewBackend(ReadEngineFlags().backend);
   if (!backend.ok()) return Fail(kExitUsage, backend.status());
   auto skew = gpu_worker::CalibrateSkew(
       run->model.weights, absl::MakeConstSpan(run->tokens).subspan(0, n),

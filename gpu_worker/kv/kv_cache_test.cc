@@ -23,7 +23,7 @@
 #include "gpu_worker/eval/calibrate.h"
 #include "gtest/gtest.h"
 #include "absl/synchronization/mutex.h"
-#include "kv_memory_service/store/kv_store.h"
+#include "kv_memory_service/client/kv_client.h"
 
 namespace infinigen::gpu_worker {
 namespace {
@@ -36,7 +36,6 @@ using kv_memory_service::FetchBuffer;
 using kv_memory_service::FetchHandle;
 using kv_memory_service::FetchPlan;
 using kv_memory_service::KvClient;
-using kv_memory_service::KvStore;
 using kv_memory_service::SequenceGeometry;
 using kv_memory_service::SequenceId;
 using model::Architecture;
@@ -44,10 +43,11 @@ using model::LayerWeights;
 using model::ModelConfig;
 using model::Weights;
 
-// A memory node in a KvStore that records every call, and can fail the
-// n-th append. The offloaded cache appends from its writer thread while the
-// test reads, so every record is behind a mutex and read as a copy.
-class FakeKvClient final : public KvClient {
+// A memory node in this process (the public `inproc:` client) that records
+// every call, and can fail the n-th append or note. The offloaded cache
+// appends from its writer thread while the test reads, so every record is
+// behind a mutex and read as a copy.
+class FakeKvClient final : public kv_memory_service::KvClientWrapper {
  public:
   struct AppendCall {
     int first_layer, n_layers, n_tokens;
@@ -62,7 +62,7 @@ class FakeKvClient final : public KvClient {
     bool leading = false;  // a note by head offsets alone
   };
 
-  FakeKvClient() : store_(WithPrefixCache()) {}
+  FakeKvClient() : KvClientWrapper(InprocNode()) {}
 
   // The memory node loses every sequence opened so far (a restart, an
   // eviction, a replacement).
@@ -72,7 +72,7 @@ class FakeKvClient final : public KvClient {
       absl::MutexLock lock(&mu_);
       opened = opened_;
     }
-    for (SequenceId seq : opened) store_.Close(seq).IgnoreError();
+    for (SequenceId seq : opened) target()->Close(seq).IgnoreError();
   }
   // The n-th append from now on (counting from 1) fails as a lost node.
   void FailAppendAt(int n) {
@@ -101,6 +101,10 @@ class FakeKvClient final : public KvClient {
     absl::MutexLock lock(&mu_);
     return fetches_;
   }
+  std::vector<FetchCall> notes() const {
+    absl::MutexLock lock(&mu_);
+    return notes_;
+  }
   int opens() const {
     absl::MutexLock lock(&mu_);
     return opens_;
@@ -110,57 +114,13 @@ class FakeKvClient final : public KvClient {
     return closes_;
   }
 
-  absl::StatusOr<kv_memory_service::OpenedSequence> OpenSequence(
-      const SequenceGeometry& g,
-      const kv_memory_service::PrefixRequest& prefix) override {
-    auto opened = store_.Open(g, 0, prefix);
-    absl::MutexLock lock(&mu_);
-    ++opens_;
-    if (opened.ok()) opened_.push_back(opened->id);
-    return opened;
-  }
-  absl::StatusOr<AppendResult> Append(SequenceId seq,
-                                      const AppendBlock& block) override {
-    {
-      absl::MutexLock lock(&mu_);
-      if (fail_append_at_ > 0 && ++append_count_ == fail_append_at_) {
-        return absl::UnavailableError("fake: the memory node went away");
-      }
-      appends_.push_back({block.first_layer, block.n_layers, block.n_tokens});
-    }
-    return store_.Append(seq, block);
-  }
-  absl::StatusOr<std::unique_ptr<FetchBuffer>> NewFetchBuffer(
-      size_t elements) override {
-    return std::unique_ptr<FetchBuffer>(new Buffer(this, elements));
-  }
-  FetchHandle FetchAsync(SequenceId seq, int32_t layer, const FetchPlan& plan,
-                         FetchBuffer* dest) override {
-    auto* buffer = static_cast<Buffer*>(dest);
-    absl::Status begun = buffer->Begin();
-    if (!begun.ok()) return FetchHandle(begun);
-    {
-      absl::MutexLock lock(&mu_);
-      fetches_.push_back({layer, plan.indices.size()});
-    }
-    buffer->Complete(store_.Gather(seq, layer, plan, buffer->span()));
-    return FetchHandle(buffer);
-  }
-  absl::StatusOr<kv_memory_service::DirectRows> GetDirectRows(
-      SequenceId seq) override {
-    return store_.GetDirectRows(seq);
-  }
   // The K then V rows the first sequence opened holds, every layer and
   // head, slots [0, n) (`width` values a row).
   std::vector<uint16_t> StoredRows(int n_layers, int n_kv_heads, int n,
                                    int width) {
-    SequenceId seq;
-    {
-      absl::MutexLock lock(&mu_);
-      if (opened_.empty()) return {};
-      seq = opened_.front();
-    }
-    auto rows = store_.GetDirectRows(seq);
+    SequenceId seq = FirstOpened();
+    if (seq == 0) return {};
+    auto rows = target()->GetDirectRows(seq);
     EXPECT_TRUE(rows.ok()) << rows.status();
     if (!rows.ok()) return {};
     std::vector<uint16_t> out;
@@ -176,102 +136,114 @@ class FakeKvClient final : public KvClient {
     }
     return out;
   }
-  kv_memory_service::FetchHandle NoteFetchedAsync(
-      SequenceId seq, int32_t layer, const FetchPlan& plan,
-      FetchBuffer*) override {
-    {
-      absl::MutexLock lock(&mu_);
-      if (fail_note_at_ > 0 && ++note_count_ == fail_note_at_) {
-        return kv_memory_service::FetchHandle(
-            absl::NotFoundError("fake: no open sequence"));
-      }
-      notes_.push_back({layer, plan.indices.size()});
-    }
-    return kv_memory_service::FetchHandle(store_.NoteFetched(seq, layer, plan));
-  }
-  kv_memory_service::FetchHandle NoteLeadingFetchedAsync(
-      SequenceId seq, int32_t layer, absl::Span<const int32_t> head_offsets,
-      FetchBuffer*) override {
-    {
-      absl::MutexLock lock(&mu_);
-      if (fail_note_at_ > 0 && ++note_count_ == fail_note_at_) {
-        return kv_memory_service::FetchHandle(
-            absl::NotFoundError("fake: no open sequence"));
-      }
-      notes_.push_back(
-          {layer, static_cast<size_t>(head_offsets.back()), true});
-    }
-    return kv_memory_service::FetchHandle(
-        store_.NoteLeadingFetched(seq, layer, head_offsets));
-  }
   // The fetch statistics of every token of the first sequence opened.
   std::vector<kv_memory_service::TokenFetchStats> TokenStats(int n_layers,
                                                              int n_kv_heads) {
-    SequenceId seq;
-    {
-      absl::MutexLock lock(&mu_);
-      if (opened_.empty()) return {};
-      seq = opened_.front();
-    }
+    SequenceId seq = FirstOpened();
+    if (seq == 0) return {};
     std::vector<kv_memory_service::TokenFetchStats> out;
     for (int l = 0; l < n_layers; ++l) {
       for (int g = 0; g < n_kv_heads; ++g) {
-        auto tokens = store_.GetTokenStats(seq, l, g);
+        auto tokens = target()->GetTokenStats(seq, l, g);
         EXPECT_TRUE(tokens.ok()) << tokens.status();
         if (tokens.ok()) out.insert(out.end(), tokens->begin(), tokens->end());
       }
     }
     return out;
   }
-  std::vector<FetchCall> notes() const {
+
+  absl::StatusOr<kv_memory_service::OpenedSequence> OpenSequence(
+      const SequenceGeometry& g,
+      const kv_memory_service::PrefixRequest& prefix) override {
+    auto opened = target()->OpenSequence(g, prefix);
     absl::MutexLock lock(&mu_);
-    return notes_;
+    ++opens_;
+    if (opened.ok()) opened_.push_back(opened->id);
+    return opened;
+  }
+  absl::StatusOr<AppendResult> Append(SequenceId seq,
+                                      const AppendBlock& block) override {
+    {
+      absl::MutexLock lock(&mu_);
+      if (fail_append_at_ > 0 && ++append_count_ == fail_append_at_) {
+        return absl::UnavailableError("fake: the memory node went away");
+      }
+      appends_.push_back({block.first_layer, block.n_layers, block.n_tokens});
+    }
+    return target()->Append(seq, block);
+  }
+  FetchHandle FetchAsync(SequenceId seq, int32_t layer, const FetchPlan& plan,
+                         FetchBuffer* dest) override {
+    {
+      absl::MutexLock lock(&mu_);
+      fetches_.push_back({layer, plan.indices.size()});
+    }
+    return target()->FetchAsync(seq, layer, plan, dest);
+  }
+  absl::StatusOr<kv_memory_service::DirectRows> GetDirectRows(
+      SequenceId seq) override {
+    return target()->GetDirectRows(seq);
+  }
+  FetchHandle NoteFetchedAsync(SequenceId seq, int32_t layer,
+                               const FetchPlan& plan,
+                               FetchBuffer* via) override {
+    {
+      absl::MutexLock lock(&mu_);
+      if (fail_note_at_ > 0 && ++note_count_ == fail_note_at_) {
+        return FetchHandle(absl::NotFoundError("fake: no open sequence"));
+      }
+      notes_.push_back({layer, plan.indices.size()});
+    }
+    return target()->NoteFetchedAsync(seq, layer, plan, via);
+  }
+  FetchHandle NoteLeadingFetchedAsync(SequenceId seq, int32_t layer,
+                                      absl::Span<const int32_t> head_offsets,
+                                      FetchBuffer* via) override {
+    {
+      absl::MutexLock lock(&mu_);
+      if (fail_note_at_ > 0 && ++note_count_ == fail_note_at_) {
+        return FetchHandle(absl::NotFoundError("fake: no open sequence"));
+      }
+      notes_.push_back(
+          {layer, static_cast<size_t>(head_offsets.back()), true});
+    }
+    return target()->NoteLeadingFetchedAsync(seq, layer, head_offsets, via);
   }
   absl::Status Close(SequenceId seq) override {
     {
       absl::MutexLock lock(&mu_);
       ++closes_;
     }
-    return store_.Close(seq);
-  }
-  absl::StatusOr<kv_memory_service::SequenceStats> GetSequenceStats(
-      SequenceId seq) override {
-    return store_.GetSequenceStats(seq);
-  }
-  absl::StatusOr<kv_memory_service::StoreStats> GetStoreStats() override {
-    return store_.GetStoreStats();
+    return target()->Close(seq);
   }
   std::string data_plane() const override { return "fake"; }
 
  private:
-  using KvStoreOptions = kv_memory_service::KvStoreOptions;
-  class Buffer final : public FetchBuffer {
-   public:
-    Buffer(const void* owner, size_t n)
-        : Buffer(owner, new uint16_t[n], n) {}
-    absl::Status Begin() { return BeginFetch(); }
-    void Complete(absl::Status s) { CompleteFetch(std::move(s)); }
-
-   private:
-    Buffer(const void* owner, uint16_t* data, size_t n)
-        : FetchBuffer(owner, data, n), memory_(data) {}
-    std::unique_ptr<uint16_t[]> memory_;
-  };
-
-  static KvStoreOptions WithPrefixCache() {
-    KvStoreOptions o;
-    o.prefix_cache_bytes = 64 << 20;
-    return o;
+  // A private in-process node with a 64 MiB prefix cache.
+  static std::unique_ptr<KvClient> InprocNode() {
+    kv_memory_service::KvClientOptions o;
+    o.inproc_store_options.prefix_cache_bytes = 64 << 20;
+    auto client = kv_memory_service::ConnectKvClient("inproc:", o);
+    EXPECT_TRUE(client.ok()) << client.status();
+    return client.ok() ? *std::move(client) : nullptr;
+  }
+  // 0 before the first sequence opens.
+  SequenceId FirstOpened() const {
+    absl::MutexLock lock(&mu_);
+    return opened_.empty() ? 0 : opened_.front();
   }
 
-  KvStore store_;  // thread-safe itself
   mutable absl::Mutex mu_;
-  int opens_ = 0, closes_ = 0, fail_append_at_ = 0, append_count_ = 0;
-  int fail_note_at_ = 0, note_count_ = 0;
-  std::vector<AppendCall> appends_;
-  std::vector<FetchCall> fetches_;
+  int opens_ ABSL_GUARDED_BY(mu_) = 0;
+  int closes_ ABSL_GUARDED_BY(mu_) = 0;
+  int fail_append_at_ ABSL_GUARDED_BY(mu_) = 0;
+  int append_count_ ABSL_GUARDED_BY(mu_) = 0;
+  int fail_note_at_ ABSL_GUARDED_BY(mu_) = 0;
+  int note_count_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<AppendCall> appends_ ABSL_GUARDED_BY(mu_);
+  std::vector<FetchCall> fetches_ ABSL_GUARDED_BY(mu_);
   std::vector<FetchCall> notes_ ABSL_GUARDED_BY(mu_);
-  std::vector<SequenceId> opened_;
+  std::vector<SequenceId> opened_ ABSL_GUARDED_BY(mu_);
 };
 
 // A random Llama-shaped model with many layers and a small width: worker

@@ -69,6 +69,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -316,6 +317,15 @@ class KvClient {
 
   virtual absl::StatusOr<SequenceStats> GetSequenceStats(SequenceId seq) = 0;
   virtual absl::StatusOr<StoreStats> GetStoreStats() = 0;
+  // The present tokens of (layer, kv_head) of `seq`, by increasing
+  // position, with their fetch statistics (KvStore::GetTokenStats), for
+  // tests and tools that check what the node counted. Unimplemented where
+  // the data plane does not report them (the default; inproc: does).
+  virtual absl::StatusOr<std::vector<TokenFetchStats>> GetTokenStats(
+      SequenceId seq, int32_t layer, int32_t kv_head) {
+    return absl::UnimplementedError(
+        "this data plane does not report token statistics");
+  }
 
   // The data plane, for logs: "inproc", "tcp", "shm", "rdma".
   virtual std::string data_plane() const = 0;
@@ -381,6 +391,10 @@ class KvClientWrapper : public KvClient {
   }
   absl::StatusOr<StoreStats> GetStoreStats() override {
     return target_->GetStoreStats();
+  }
+  absl::StatusOr<std::vector<TokenFetchStats>> GetTokenStats(
+      SequenceId seq, int32_t layer, int32_t kv_head) override {
+    return target_->GetTokenStats(seq, layer, kv_head);
   }
   std::string data_plane() const override { return target_->data_plane(); }
   std::string address() const override { return target_->address(); }

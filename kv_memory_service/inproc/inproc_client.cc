@@ -101,6 +101,10 @@ class InprocKvClient final : public KvClient {
   absl::StatusOr<StoreStats> GetStoreStats() override {
     return store_->GetStoreStats();
   }
+  absl::StatusOr<std::vector<TokenFetchStats>> GetTokenStats(
+      SequenceId seq, int32_t layer, int32_t kv_head) override {
+    return store_->GetTokenStats(seq, layer, kv_head);
+  }
   std::string data_plane() const override { return "inproc"; }
 
  private:

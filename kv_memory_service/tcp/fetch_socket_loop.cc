@@ -25,8 +25,8 @@
 
 namespace infinigen::kv_memory_service {
 
-absl::StatusOr<std::unique_ptr<FetchSocketServer::Loop>>
-FetchSocketServer::Loop::Create() {
+absl::StatusOr<std::unique_ptr<FetchSocketLoop>>
+FetchSocketLoop::Create() {
   const int epoll_fd = epoll_create1(EPOLL_CLOEXEC);
   const int wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   struct epoll_event ev = {};
@@ -41,10 +41,11 @@ FetchSocketServer::Loop::Create() {
         absl::StrCat("fetch socket: cannot make an event loop: ",
                      std::strerror(err)));
   }
-  return std::unique_ptr<Loop>(new Loop(epoll_fd, wake_fd));
+  return std::unique_ptr<FetchSocketLoop>(
+      new FetchSocketLoop(epoll_fd, wake_fd));
 }
 
-void FetchSocketServer::Loop::Add(std::unique_ptr<Connection> c) {
+void FetchSocketLoop::Add(std::unique_ptr<Connection> c) {
   c->loop = this;
   {
     absl::MutexLock lock(&mu_);
@@ -53,7 +54,7 @@ void FetchSocketServer::Loop::Add(std::unique_ptr<Connection> c) {
   Wake();
 }
 
-void FetchSocketServer::Loop::Stop() {
+void FetchSocketLoop::Stop() {
   {
     absl::MutexLock lock(&mu_);
     stop_ = true;
@@ -62,7 +63,7 @@ void FetchSocketServer::Loop::Stop() {
   thread_.join();
 }
 
-void FetchSocketServer::Loop::Run() {
+void FetchSocketLoop::Run() {
   struct epoll_event events[64];
   while (true) {
     int timeout_ms = -1;
@@ -96,7 +97,7 @@ void FetchSocketServer::Loop::Run() {
   }
 }
 
-bool FetchSocketServer::Loop::TakeIncoming() {
+bool FetchSocketLoop::TakeIncoming() {
   uint64_t count;
   (void)!read(wake_fd_, &count, sizeof(count));
   std::vector<std::unique_ptr<Connection>> incoming;
@@ -121,7 +122,7 @@ bool FetchSocketServer::Loop::TakeIncoming() {
   return !stop;
 }
 
-void FetchSocketServer::Loop::CloseAll() {
+void FetchSocketLoop::CloseAll() {
   {
     absl::MutexLock lock(&mu_);
     for (auto& c : incoming_) conns_[c.get()] = std::move(c);
@@ -130,7 +131,7 @@ void FetchSocketServer::Loop::CloseAll() {
   while (!conns_.empty()) Close(conns_.begin()->first);
 }
 
-void FetchSocketServer::Loop::ReadReady() {
+void FetchSocketLoop::ReadReady() {
   if (ready_.empty()) return;
   std::vector<Connection*> ready(ready_.begin(), ready_.end());
   ready_.clear();
@@ -140,7 +141,7 @@ void FetchSocketServer::Loop::ReadReady() {
   }
 }
 
-void FetchSocketServer::Loop::ExpireDeadlines() {
+void FetchSocketLoop::ExpireDeadlines() {
   const absl::Time now = absl::Now();
   next_check_ = absl::InfiniteFuture();
   std::vector<Connection*> expired;
@@ -154,7 +155,7 @@ void FetchSocketServer::Loop::ExpireDeadlines() {
   for (Connection* c : expired) Close(c, /*timed_out=*/true);
 }
 
-void FetchSocketServer::Loop::Touch(Connection* c) {
+void FetchSocketLoop::Touch(Connection* c) {
   if (c->state == Connection::State::kTls ||
       c->state == Connection::State::kHello ||
       c->state == Connection::State::kToken) {
@@ -166,7 +167,7 @@ void FetchSocketServer::Loop::Touch(Connection* c) {
   next_check_ = std::min(next_check_, c->deadline);
 }
 
-void FetchSocketServer::Loop::Close(Connection* c, bool timed_out) {
+void FetchSocketLoop::Close(Connection* c, bool timed_out) {
   if (c->ssl != nullptr && SSL_is_init_finished(c->ssl.get())) {
     // close_notify, best effort: the peer reads a clean end, not a cut.
     ERR_clear_error();
@@ -180,14 +181,14 @@ void FetchSocketServer::Loop::Close(Connection* c, bool timed_out) {
   conns_.erase(c);
 }
 
-void FetchSocketServer::Loop::Account(Connection* c) {
+void FetchSocketLoop::Account(Connection* c) {
   const int64_t now = static_cast<int64_t>(c->body.capacity() * 4 +
                                            c->rows.capacity() * 2);
   server_->buffer_bytes_.fetch_add(now - c->buffer_counted);
   c->buffer_counted = now;
 }
 
-void FetchSocketServer::Loop::Handle(Connection* c, uint32_t events) {
+void FetchSocketLoop::Handle(Connection* c, uint32_t events) {
   if (c->state == Connection::State::kSending) {
     // Done sending: the session may hold the next request already.
     if (Send(c)) Read(c);
@@ -198,7 +199,7 @@ void FetchSocketServer::Loop::Handle(Connection* c, uint32_t events) {
   Read(c);
 }
 
-void FetchSocketServer::Loop::Watch(Connection* c, uint32_t events) {
+void FetchSocketLoop::Watch(Connection* c, uint32_t events) {
   struct epoll_event ev = {};
   ev.events = events;
   ev.data.ptr = c;

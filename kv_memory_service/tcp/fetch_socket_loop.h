@@ -1,6 +1,7 @@
 // The fetch socket's event loops (fetch_socket_server.h): a connection's
-// state, and a Loop, one epoll set with the connections it owns and its
-// thread. fetch_socket_loop.cc runs the loop (epoll, deadlines, closing);
+// state, and a FetchSocketLoop, one epoll set with the connections it owns
+// and its thread, serving for its host (fetch_socket_host.h: the server).
+// fetch_socket_loop.cc runs the loop (epoll, deadlines, closing);
 // fetch_socket_protocol.cc moves bytes (TLS, framing, judging requests,
 // replies). Private to tcp/.
 #ifndef INFINIGEN_KV_MEMORY_SERVICE_TCP_FETCH_SOCKET_LOOP_H_
@@ -24,7 +25,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "kv_memory_service/tcp/fetch_socket_server.h"
+#include "kv_memory_service/tcp/fetch_socket_host.h"
 #include "kv_memory_service/tcp/fetch_tls.h"
 #include "kv_memory_service/tcp/fetch_wire.h"
 
@@ -32,7 +33,7 @@ namespace infinigen::kv_memory_service {
 
 // One connection, served by one loop. Fields below `loop` are touched only
 // by that loop's thread; the flags are the server's (mu_).
-struct FetchSocketServer::Connection {
+struct FetchSocketConnection {
   enum class State {
     kTls,      // the TLS handshake (TLS servers only)
     kHello,    // reading the Hello
@@ -53,7 +54,7 @@ struct FetchSocketServer::Connection {
   bool handshake = true;  // counted in handshakes_ and its peer
   bool counted = false;   // counted as a connection
   bool dropped = false;   // dropped for a newer handshake: shut down
-  Loop* loop = nullptr;
+  FetchSocketLoop* loop = nullptr;
 
   State state = State::kHello;
   State after = State::kHeader;  // once the reply is sent
@@ -76,15 +77,17 @@ struct FetchSocketServer::Connection {
 };
 
 
-class FetchSocketServer::Loop {
+class FetchSocketLoop {
  public:
-  static absl::StatusOr<std::unique_ptr<Loop>> Create();
-  ~Loop() {
+  using Connection = FetchSocketConnection;
+
+  static absl::StatusOr<std::unique_ptr<FetchSocketLoop>> Create();
+  ~FetchSocketLoop() {
     close(epoll_fd_);
     close(wake_fd_);
   }
 
-  void Start(FetchSocketServer* server) {
+  void Start(FetchSocketHost* server) {
     server_ = server;
     thread_ = std::thread([this] { Run(); });
   }
@@ -94,7 +97,8 @@ class FetchSocketServer::Loop {
   void Stop();
 
  private:
-  Loop(int epoll_fd, int wake_fd) : epoll_fd_(epoll_fd), wake_fd_(wake_fd) {}
+  FetchSocketLoop(int epoll_fd, int wake_fd)
+      : epoll_fd_(epoll_fd), wake_fd_(wake_fd) {}
 
   void Wake() {
     const uint64_t one = 1;
@@ -182,7 +186,7 @@ class FetchSocketServer::Loop {
 
   const int epoll_fd_;
   const int wake_fd_;
-  FetchSocketServer* server_ = nullptr;
+  FetchSocketHost* server_ = nullptr;
   std::thread thread_;
 
   absl::Mutex mu_;

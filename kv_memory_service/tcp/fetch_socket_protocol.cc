@@ -36,7 +36,7 @@ absl::string_view Truncated(const absl::Status& status) {
 
 }  // namespace
 
-ssize_t FetchSocketServer::Loop::Receive(Connection* c, char* dst, size_t want) {
+ssize_t FetchSocketLoop::Receive(Connection* c, char* dst, size_t want) {
   if (c->ssl == nullptr) {
     while (true) {
       const ssize_t n = recv(c->fd, dst, want, 0);
@@ -65,7 +65,7 @@ ssize_t FetchSocketServer::Loop::Receive(Connection* c, char* dst, size_t want) 
   }
 }
 
-bool FetchSocketServer::Loop::Handshake(Connection* c) {
+bool FetchSocketLoop::Handshake(Connection* c) {
   if (c->ssl == nullptr) {
     unsigned char first;
     ssize_t n;
@@ -128,7 +128,7 @@ bool FetchSocketServer::Loop::Handshake(Connection* c) {
   return false;
 }
 
-void FetchSocketServer::Loop::Read(Connection* c) {
+void FetchSocketLoop::Read(Connection* c) {
   char scratch[16384];
   for (int steps = 0; steps < 64; ++steps) {
     char* dst = nullptr;
@@ -194,7 +194,7 @@ void FetchSocketServer::Loop::Read(Connection* c) {
   if (c->ssl != nullptr) ready_.insert(c);
 }
 
-bool FetchSocketServer::Loop::Advance(Connection* c) {
+bool FetchSocketLoop::Advance(Connection* c) {
   c->got = 0;
   switch (c->state) {
     case Connection::State::kHello: {
@@ -249,7 +249,7 @@ bool FetchSocketServer::Loop::Advance(Connection* c) {
   return true;
 }
 
-bool FetchSocketServer::Loop::HelloReply(Connection* c, const absl::Status& status) {
+bool FetchSocketLoop::HelloReply(Connection* c, const absl::Status& status) {
   if (server_->options_.metrics != nullptr) {
     server_->options_.metrics->Rejected(Plane::kTcp, status);
   }
@@ -265,7 +265,7 @@ bool FetchSocketServer::Loop::HelloReply(Connection* c, const absl::Status& stat
   return StartSend(c);
 }
 
-bool FetchSocketServer::Loop::Respond(Connection* c, uint64_t request_id, const absl::Status& status,
+bool FetchSocketLoop::Respond(Connection* c, uint64_t request_id, const absl::Status& status,
              size_t rows_bytes, Connection::State after) {
   if (server_->options_.metrics != nullptr) {
     server_->options_.metrics->Rejected(Plane::kTcp, status);
@@ -283,7 +283,7 @@ bool FetchSocketServer::Loop::Respond(Connection* c, uint64_t request_id, const 
   return StartSend(c);
 }
 
-bool FetchSocketServer::Loop::Judge(Connection* c) {
+bool FetchSocketLoop::Judge(Connection* c) {
   const fetch_wire::FetchRequestHeader& q = c->q;
   const int32_t max_message = server_->options_.max_message_bytes;
   if (q.magic != fetch_wire::kRequestMagic) {
@@ -328,7 +328,7 @@ bool FetchSocketServer::Loop::Judge(Connection* c) {
   return Serve(c);
 }
 
-bool FetchSocketServer::Loop::Serve(Connection* c) {
+bool FetchSocketLoop::Serve(Connection* c) {
   const fetch_wire::FetchRequestHeader& q = c->q;
   const FetchPlan plan{
       absl::Span<const int32_t>(c->body.data() + q.n_offsets, q.n_indices),
@@ -348,7 +348,7 @@ bool FetchSocketServer::Loop::Serve(Connection* c) {
                  Connection::State::kHeader);
 }
 
-bool FetchSocketServer::Loop::StartSend(Connection* c) {
+bool FetchSocketLoop::StartSend(Connection* c) {
   c->state = Connection::State::kSending;
   c->sent = 0;
   c->rows_in_out = 0;
@@ -363,7 +363,7 @@ bool FetchSocketServer::Loop::StartSend(Connection* c) {
   return Send(c);
 }
 
-bool FetchSocketServer::Loop::Send(Connection* c) {
+bool FetchSocketLoop::Send(Connection* c) {
   if (c->ssl != nullptr) return SendTls(c);
   const size_t total = c->out.size() + c->out_rows_bytes;
   while (c->sent < total) {
@@ -398,7 +398,7 @@ bool FetchSocketServer::Loop::Send(Connection* c) {
   return Sent(c);
 }
 
-bool FetchSocketServer::Loop::Sent(Connection* c) {
+bool FetchSocketLoop::Sent(Connection* c) {
   if (c->close_after_send) {
     Close(c);
     return false;
@@ -408,7 +408,7 @@ bool FetchSocketServer::Loop::Sent(Connection* c) {
   return true;
 }
 
-bool FetchSocketServer::Loop::SendTls(Connection* c) {
+bool FetchSocketLoop::SendTls(Connection* c) {
   const size_t total = c->out.size() + c->out_rows_bytes - c->rows_in_out;
   while (c->sent < total) {
     const char* data;

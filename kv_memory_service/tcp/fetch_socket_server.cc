@@ -110,9 +110,7 @@ absl::StatusOr<std::unique_ptr<FetchSocketServer>> FetchSocketServer::Start(
 FetchSocketServer::FetchSocketServer(std::shared_ptr<KvStore> store,
                                      const FetchSocketServerOptions& options,
                                      int listen_fd, int port)
-    : store_(std::move(store)),
-      options_(options),
-      credentials_(options.credentials),
+    : FetchSocketHost(std::move(store), options),
       listen_fd_(listen_fd),
       port_(port) {}
 

@@ -46,40 +46,10 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/acceptor.h"
-#include "kv_memory_service/serving/credentials.h"
 #include "kv_memory_service/store/kv_store.h"
-#include "kv_memory_service/serving/request_metrics.h"
-#include "openssl/ssl.h"
+#include "kv_memory_service/tcp/fetch_socket_host.h"
 
 namespace infinigen::kv_memory_service {
-
-struct FetchSocketServerOptions {
-  std::string host = "127.0.0.1";  // to bind; "0.0.0.0" / "::" for all
-  int port = 0;                    // 0: any free port
-  Credentials credentials;         // empty: no check
-  // Largest request frame and largest response rows.
-  int32_t max_message_bytes = 64 << 20;
-  // Event-loop threads serving all connections.
-  int32_t threads = 2;
-  // Most connections past the Hello, in all and from one peer address.
-  // Beyond them a Hello is answered ResourceExhausted.
-  int32_t max_connections = 1024;
-  int32_t max_connections_per_peer = 256;
-  // Most connections waiting for their Hello, in all and from one peer
-  // address; one more drops the oldest.
-  int32_t max_handshakes = 64;
-  int32_t max_handshakes_per_peer = 16;
-  // A connection must complete its Hello within handshake_timeout, and is
-  // closed after idle_timeout without progress either way (zero: never).
-  absl::Duration handshake_timeout = absl::Seconds(5);
-  absl::Duration idle_timeout = absl::Minutes(10);
-  // Records each fetch served and each Hello or request refused (not owned,
-  // outlives the server; null: none).
-  RequestMetrics* metrics = nullptr;
-  // A server context (NewServerTlsContext, common/server_tls.h): every
-  // connection speaks TLS. Null: plaintext.
-  std::shared_ptr<SSL_CTX> tls;
-};
 
 // What the server holds now, and what it has refused.
 struct FetchSocketStats {
@@ -93,7 +63,7 @@ struct FetchSocketStats {
   int64_t timed_out = 0;             // handshake or idle timeout
 };
 
-class FetchSocketServer {
+class FetchSocketServer final : private FetchSocketHost {
  public:
   // Unavailable when the address cannot be bound; InvalidArgument for an
   // option out of range.
@@ -106,8 +76,8 @@ class FetchSocketServer {
   void Stop();
 
  private:
-  class Loop;
-  struct Connection;
+  using Loop = FetchSocketLoop;
+  using Connection = FetchSocketConnection;
 
   FetchSocketServer(std::shared_ptr<KvStore> store,
                     const FetchSocketServerOptions& options, int listen_fd,
@@ -117,20 +87,12 @@ class FetchSocketServer {
   // handshake of the peer, or of all, when a pool is full.
   void MakeRoomForHandshakeLocked(const std::string& peer)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The Hello of `c` was valid: OK if it may become a connection (counted
-  // as one from now), ResourceExhausted at the limits.
-  absl::Status Admit(Connection* c);
+  absl::Status Admit(Connection* c) override;
   // `c`, counted as a handshake, is one no longer.
   void ForgetHandshakeLocked(Connection* c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A Hello refused for its form or its token.
-  void CountRefused();
-  // Uncounts `c` (counting a timeout if it `timed_out`) and closes its
-  // descriptor; it leaves every list.
-  void Release(Connection* c, bool timed_out);
+  void CountRefused() override;
+  void Release(Connection* c, bool timed_out) override;
 
-  const std::shared_ptr<KvStore> store_;
-  const FetchSocketServerOptions options_;
-  const Credentials credentials_;
   const int listen_fd_;
   const int port_;
   std::vector<std::unique_ptr<Loop>> loops_;
@@ -151,8 +113,6 @@ class FetchSocketServer {
   int64_t dropped_handshakes_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t refused_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t timed_out_ ABSL_GUARDED_BY(mu_) = 0;
-  std::atomic<int64_t> buffer_bytes_{0};
-  std::atomic<int64_t> body_bytes_received_{0};
 };
 
 }  // namespace infinigen::kv_memory_service

@@ -14,9 +14,10 @@
 #include <vector>
 
 #include "gpu_worker/backend/backend.h"
-#include "gpu_worker/backend/cuda/cuda_backend.h"
 
 namespace infinigen::gpu_worker::cuda {
+
+struct CudaBackendOptions;  // cuda_backend.h
 
 // Events MarkIssued records round-robin on the compute stream.
 constexpr int kMarkEvents = 64;
