@@ -1,11 +1,12 @@
 // The RDMA data plane without a device: handshake and packet encodings,
-// queue-pair state-machine parameters, and the "no RDMA device" errors end
-// to end. Where a device exists, a loopback fetch test runs too; elsewhere
-// it says why it skips.
+// queue-pair state-machine parameters, and the "no RDMA device" errors of
+// the client and the plane's server. KvServer hosting the plane, and a
+// loopback fetch where a device exists, are
+// tests/kv_memory_service/rdma_kv_server_test.cc's.
 #include <infiniband/verbs.h>
 
 #include <cstring>
-#include <random>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -16,8 +17,7 @@
 #include "kv_memory_service/rdma/rdma_device.h"
 #include "kv_memory_service/rdma/rdma_server.h"
 #include "kv_memory_service/rdma/rdma_wire.h"
-#include "kv_memory_service/server/kv_server.h"
-#include "kv_memory_service/testing/kv_test_data.h"
+#include "kv_memory_service/store/kv_store.h"
 
 namespace infinigen::kv_memory_service::rdma {
 namespace {
@@ -267,60 +267,12 @@ TEST(NoDeviceTest, EveryEntryPointSaysSo) {
   EXPECT_CODE(ConnectKvClient("rdma://127.0.0.1:1?device=mlx5_0").status(),
               kUnavailable);
 
-  // The server side, alone and hosted by KvServer.
+  // The server side.
   auto store = std::make_shared<KvStore>(KvStoreOptions{});
   absl::StatusOr<std::unique_ptr<RdmaServer>> server =
       RdmaServer::Start(store, RdmaServerOptions{});
   EXPECT_CODE(server.status(), kUnavailable);
   EXPECT_TRUE(absl::StartsWith(server.status().message(), "no RDMA device: "));
-  KvServerOptions options;
-  options.listen = "127.0.0.1:0";
-  options.rdma_device = "any";
-  absl::StatusOr<std::unique_ptr<KvServer>> kv_server = KvServer::Start(options);
-  EXPECT_CODE(kv_server.status(), kUnavailable);
-  EXPECT_TRUE(absl::StrContains(kv_server.status().message(), "no RDMA device"))
-      << kv_server.status();
-}
-
-// A KvServer with the RDMA data plane and a client over loopback: rows
-// bit-exact, errors with the store's codes. Needs a device (a real adapter
-// or soft-RoCE: README.md).
-TEST(RdmaLoopbackTest, FetchesAreBitExact) {
-  std::string why;
-  if (!HasDevice(&why)) GTEST_SKIP() << why;
-  KvServerOptions options;
-  options.listen = "127.0.0.1:0";
-  options.rdma_device = "any";
-  absl::StatusOr<std::unique_ptr<KvServer>> server = KvServer::Start(options);
-  ASSERT_TRUE(server.ok()) << server.status();
-  const std::string address =
-      "rdma://127.0.0.1:" + std::to_string((*server)->port());
-  absl::StatusOr<std::unique_ptr<KvClient>> client = ConnectKvClient(address);
-  ASSERT_TRUE(client.ok()) << client.status();
-  EXPECT_EQ((*client)->data_plane(), "rdma");
-  const SequenceGeometry g = testdata::MakeGeometry(2, 3, 64, 4096);
-  absl::StatusOr<SequenceId> id = (*client)->Open(g);
-  ASSERT_TRUE(id.ok());
-  testdata::TestBlock b = testdata::MakeTestBlock(3, g, 0, 2, 0, 4096);
-  ASSERT_TRUE((*client)->Append(*id, b.block).ok());
-  auto buffer = (*client)->NewFetchBuffer(2 * 3 * 64 * 4096);
-  ASSERT_TRUE(buffer.ok()) << buffer.status();
-  std::mt19937 rng(1);
-  for (int n : {1, 16, 256, 4096}) {  // inline plans, and one read by RDMA
-    std::vector<std::vector<int32_t>> per_head(3);
-    for (auto& p : per_head) {
-      for (int i = 0; i < n; ++i) p.push_back(rng() % 4096);
-    }
-    const OwnedFetchPlan plan = OwnedFetchPlan::PerHead(per_head);
-    ASSERT_TRUE((*client)->Fetch(*id, 1, plan.view(), buffer->get()).ok());
-    const std::vector<uint16_t> want = testdata::ExpectedRows(3, g, 1, plan.view());
-    ASSERT_EQ(std::vector<uint16_t>((*buffer)->data(), (*buffer)->data() + want.size()),
-              want)
-        << n;
-  }
-  const OwnedFetchPlan beyond = OwnedFetchPlan::SameForAllHeads(3, {5000});
-  EXPECT_CODE((*client)->Fetch(*id, 0, beyond.view(), buffer->get()), kOutOfRange);
-  EXPECT_CODE((*client)->Fetch(*id + 1, 0, beyond.view(), buffer->get()), kNotFound);
 }
 
 }  // namespace

@@ -1,11 +1,8 @@
+// StoredSequence (stored_sequence.h): construction, appends, attached and
+// published prefix blocks, and the statistics.
 #include "kv_memory_service/store/stored_sequence.h"
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <unistd.h>
-
 #include <algorithm>
-#include <array>
 #include <cstring>
 #include <limits>
 
@@ -13,48 +10,6 @@
 #include "common/status.h"
 
 namespace infinigen::kv_memory_service {
-
-RowMemory::RowMemory(size_t bytes,
-                     std::shared_ptr<std::atomic<int64_t>> memfds,
-                     int64_t max_memfds)
-    : bytes_(bytes == 0 ? 1 : bytes) {
-  if (memfds != nullptr && memfds->fetch_add(1) < max_memfds) {
-    // A sparse memfd: pages are taken as rows are written, as below. Sealed
-    // once the node holds its own writable mapping, before any descriptor
-    // can leave the node: whoever holds one, even reopened writable
-    // through /proc, can neither write, resize nor punch holes, so the node
-    // never faults on its own rows. Without the seals the rows stay
-    // private.
-    const int fd =
-        memfd_create("infinigen-kv-rows", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-    if (fd >= 0 && ftruncate(fd, static_cast<off_t>(bytes_)) == 0) {
-      void* p = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE,
-                     MAP_SHARED | MAP_NORESERVE, fd, 0);
-      if (p != MAP_FAILED) {
-        if (fcntl(fd, F_ADD_SEALS, kRowSeals) == 0) {
-          data_ = static_cast<uint16_t*>(p);
-          fd_ = fd;
-          memfds_ = std::move(memfds);
-          return;
-        }
-        munmap(p, bytes_);
-      }
-    }
-    if (fd >= 0) close(fd);
-  }
-  if (memfds != nullptr) memfds->fetch_sub(1);
-  void* p = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE,
-                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  data_ = p == MAP_FAILED ? nullptr : static_cast<uint16_t*>(p);
-}
-
-RowMemory::~RowMemory() {
-  if (data_ != nullptr) munmap(data_, bytes_);
-  if (fd_ >= 0) {
-    close(fd_);
-    memfds_->fetch_sub(1);
-  }
-}
 
 StoredSequence::StoredSequence(SequenceId id, const SequenceGeometry& g,
                                EvictionPolicy policy, RowMemory k, RowMemory v)
@@ -77,6 +32,40 @@ absl::StatusOr<AppendResult> StoredSequence::Append(
     const AppendBlock& b, int32_t max_append_tokens, StoreTotals& totals,
     std::vector<std::shared_ptr<const PrefixBlock>>* published,
     ThreadPool* pool) {
+  IG_RETURN_IF_ERROR(CheckAppend(b, max_append_tokens));
+  absl::MutexLock lock(&mu_);
+  IG_ASSIGN_OR_RETURN(const bool evicts, AdmitAppendLocked(b));
+
+  AppendResult result;
+  const size_t token_stride = static_cast<size_t>(g_.n_kv_heads) * row_elems_;
+  for (int32_t i = 0; i < b.n_layers; ++i) {
+    const int32_t layer = b.first_layer + i;
+    const uint16_t* k_src =
+        b.k.data() + static_cast<size_t>(i) * b.n_tokens * token_stride;
+    const uint16_t* v_src =
+        b.v.data() + static_cast<size_t>(i) * b.n_tokens * token_stride;
+    if (evicts) {
+      AppendEvictingLayer(layer, k_src, v_src, b.n_tokens, &result.evicted);
+    } else {
+      AppendLayerRuns(layer, k_src, v_src, b.n_tokens, pool);
+    }
+    layer_length_[layer] += b.n_tokens;
+  }
+  evicted_rows_ += static_cast<int64_t>(result.evicted.size());
+  present_rows_ += int64_t{b.n_layers} * b.n_tokens * g_.n_kv_heads -
+                   static_cast<int64_t>(result.evicted.size());
+  KeepPendingMeta(b);
+  CollectPublishable(published);
+  totals.appended_rows.fetch_add(
+      int64_t{b.n_layers} * b.n_tokens * g_.n_kv_heads,
+      std::memory_order_relaxed);
+  totals.evicted_rows.fetch_add(static_cast<int64_t>(result.evicted.size()),
+                                std::memory_order_relaxed);
+  return result;
+}
+
+absl::Status StoredSequence::CheckAppend(const AppendBlock& b,
+                                         int32_t max_append_tokens) const {
   if (b.first_layer < 0 || b.n_layers <= 0 ||
       b.first_layer > g_.n_layers - b.n_layers) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -111,7 +100,10 @@ absl::StatusOr<AppendResult> StoredSequence::Append(
         " layers x ", b.n_tokens, " tokens x ", g_.n_kv_heads, " KV heads x ",
         g_.head_dim, " dims needs ", want));
   }
-  absl::MutexLock lock(&mu_);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<bool> StoredSequence::AdmitAppendLocked(const AppendBlock& b) {
   // An annotation says something of its block's rows: at most twice the
   // bytes they hold (InfiniGen's column sums of one-token blocks, ranked by
   // q and k, are that), so that what waits to be published stays within
@@ -153,81 +145,87 @@ absl::StatusOr<AppendResult> StoredSequence::Append(
   if (evicts || LogPositions() > static_cast<size_t>(present_rows_ / 2)) {
     ApplyLogLocked();
   }
+  return evicts;
+}
 
-  AppendResult result;
-  const size_t token_stride = static_cast<size_t>(g_.n_kv_heads) * row_elems_;
+inline void StoredSequence::CopyAppendedRow(int32_t layer,
+                                            const uint16_t* k_src,
+                                            const uint16_t* v_src, int32_t t,
+                                            int32_t h, int32_t slot) {
+  const size_t src =
+      static_cast<size_t>(t) * g_.n_kv_heads * row_elems_ +
+      static_cast<size_t>(h) * row_elems_;
+  std::memcpy(Row(k_.get(), layer, h, slot), k_src + src, row_bytes_);
+  std::memcpy(Row(v_.get(), layer, h, slot), v_src + src, row_bytes_);
+}
+
+void StoredSequence::AppendEvictingLayer(int32_t layer, const uint16_t* k_src,
+                                         const uint16_t* v_src,
+                                         int32_t n_tokens,
+                                         std::vector<EvictedToken>* evicted) {
+  const int32_t first = layer_length_[layer];
+  // Token by token, every head: the victims in that order.
+  for (int32_t t = 0; t < n_tokens; ++t) {
+    for (int32_t h = 0; h < g_.n_kv_heads; ++h) {
+      int32_t victim;
+      const int32_t slot = HeadAt(layer, h).Place(first + t, &victim);
+      if (victim >= 0) {
+        evicted->push_back(EvictedToken{layer, h, victim});
+      }
+      CopyAppendedRow(layer, k_src, v_src, t, h, slot);
+    }
+  }
+}
+
+void StoredSequence::AppendLayerRuns(int32_t layer, const uint16_t* k_src,
+                                     const uint16_t* v_src, int32_t n_tokens,
+                                     ThreadPool* pool) {
+  const int32_t first = layer_length_[layer];
+  // Each head's new slots are one run, placed at once. The block is
+  // token-major and the rows head-major: a transpose, done a tile of
+  // tokens at a time so that the tile's source rows and each head's
+  // destination rows stay within the TLB's reach (one token at a time,
+  // every row of a long block lands on a page of its own).
+  constexpr int32_t kTileTokens = 64;
   std::vector<int32_t>& run = run_slots_;  // [h]: the head's first new slot
-  for (int32_t i = 0; i < b.n_layers; ++i) {
-    const int32_t layer = b.first_layer + i;
-    const int32_t first = layer_length_[layer];
-    const uint16_t* k_src =
-        b.k.data() + static_cast<size_t>(i) * b.n_tokens * token_stride;
-    const uint16_t* v_src =
-        b.v.data() + static_cast<size_t>(i) * b.n_tokens * token_stride;
-    auto copy_row = [&](int32_t t, int32_t h, int32_t slot) {
-      const size_t src = static_cast<size_t>(t) * token_stride +
-                         static_cast<size_t>(h) * row_elems_;
-      std::memcpy(Row(k_.get(), layer, h, slot), k_src + src, row_bytes_);
-      std::memcpy(Row(v_.get(), layer, h, slot), v_src + src, row_bytes_);
-    };
-    if (evicts) {
-      // Token by token, every head: the victims in that order.
-      for (int32_t t = 0; t < b.n_tokens; ++t) {
-        for (int32_t h = 0; h < g_.n_kv_heads; ++h) {
-          int32_t victim;
-          const int32_t slot = HeadAt(layer, h).Place(first + t, &victim);
-          if (victim >= 0) {
-            result.evicted.push_back(EvictedToken{layer, h, victim});
-          }
-          copy_row(t, h, slot);
+  run.resize(g_.n_kv_heads);
+  for (int32_t h = 0; h < g_.n_kv_heads; ++h) {
+    run[h] = HeadAt(layer, h).PlaceRun(first, n_tokens);
+  }
+  auto copy_heads = [&](int32_t h0, int32_t h1) {
+    for (int32_t t0 = 0; t0 < n_tokens; t0 += kTileTokens) {
+      const int32_t t1 = std::min(n_tokens, t0 + kTileTokens);
+      for (int32_t h = h0; h < h1; ++h) {
+        for (int32_t t = t0; t < t1; ++t) {
+          CopyAppendedRow(layer, k_src, v_src, t, h, run[h] + t);
         }
-      }
-    } else {
-      // Each head's new slots are one run, placed at once. The block is
-      // token-major and the rows head-major: a transpose, done a tile of
-      // tokens at a time so that the tile's source rows and each head's
-      // destination rows stay within the TLB's reach (one token at a time,
-      // every row of a long block lands on a page of its own).
-      constexpr int32_t kTileTokens = 64;
-      run.resize(g_.n_kv_heads);
-      for (int32_t h = 0; h < g_.n_kv_heads; ++h) {
-        run[h] = HeadAt(layer, h).PlaceRun(first, b.n_tokens);
-      }
-      auto copy_heads = [&](int32_t h0, int32_t h1) {
-        for (int32_t t0 = 0; t0 < b.n_tokens; t0 += kTileTokens) {
-          const int32_t t1 = std::min(b.n_tokens, t0 + kTileTokens);
-          for (int32_t h = h0; h < h1; ++h) {
-            for (int32_t t = t0; t < t1; ++t) copy_row(t, h, run[h] + t);
-          }
-        }
-      };
-      // A prefill's layer (hundreds of MiB at long contexts) is split
-      // across the pool's threads, a range of KV heads each: their rows
-      // are disjoint, and one thread's copy runs far below the memory's
-      // bandwidth. A decode step's few rows are copied here.
-      const size_t bytes =
-          2 * static_cast<size_t>(b.n_tokens) * g_.n_kv_heads * row_bytes_;
-      const int tasks =
-          pool == nullptr || bytes < kAppendSplitBytes
-              ? 1
-              : static_cast<int>(std::min<size_t>(
-                    {static_cast<size_t>(pool->threads()),
-                     static_cast<size_t>(g_.n_kv_heads),
-                     bytes / kAppendTaskBytes}));
-      if (tasks <= 1) {
-        copy_heads(0, g_.n_kv_heads);
-      } else {
-        pool->Run(tasks, [&](int task) {
-          copy_heads(g_.n_kv_heads * task / tasks,
-                     g_.n_kv_heads * (task + 1) / tasks);
-        });
       }
     }
-    layer_length_[layer] = first + b.n_tokens;
+  };
+  // A prefill's layer (hundreds of MiB at long contexts) is split
+  // across the pool's threads, a range of KV heads each: their rows
+  // are disjoint, and one thread's copy runs far below the memory's
+  // bandwidth. A decode step's few rows are copied here.
+  const size_t bytes =
+      2 * static_cast<size_t>(n_tokens) * g_.n_kv_heads * row_bytes_;
+  const int tasks =
+      pool == nullptr || bytes < kAppendSplitBytes
+          ? 1
+          : static_cast<int>(std::min<size_t>(
+                {static_cast<size_t>(pool->threads()),
+                 static_cast<size_t>(g_.n_kv_heads),
+                 bytes / kAppendTaskBytes}));
+  if (tasks <= 1) {
+    copy_heads(0, g_.n_kv_heads);
+  } else {
+    pool->Run(tasks, [&](int task) {
+      copy_heads(g_.n_kv_heads * task / tasks,
+                 g_.n_kv_heads * (task + 1) / tasks);
+    });
   }
-  evicted_rows_ += static_cast<int64_t>(result.evicted.size());
-  present_rows_ += int64_t{b.n_layers} * b.n_tokens * g_.n_kv_heads -
-                   static_cast<int64_t>(result.evicted.size());
+}
+
+void StoredSequence::KeepPendingMeta(const AppendBlock& b) {
   // Annotations of blocks still to publish are kept until then, only for
   // blocks whose rows are in (the longest layer covers them): at most one
   // per whole block of rows held.
@@ -244,33 +242,7 @@ absl::StatusOr<AppendResult> StoredSequence::Append(
     pending_meta_.resize(pending_.size());
     pending_meta_[block - attached_.size()] = b.prefix_meta[i];
   }
-  CollectPublishable(published);
-  totals.appended_rows.fetch_add(
-      int64_t{b.n_layers} * b.n_tokens * g_.n_kv_heads,
-      std::memory_order_relaxed);
-  totals.evicted_rows.fetch_add(static_cast<int64_t>(result.evicted.size()),
-                                std::memory_order_relaxed);
-  return result;
 }
-
-namespace {
-
-// A plan's position against its layer's length: InvalidArgument when
-// negative, OutOfRange past the end (what Gather and NoteFetched answer).
-absl::Status CheckPosition(int32_t pos, int32_t layer, int32_t h,
-                           int32_t length) {
-  if (pos < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "negative position ", pos, " for layer ", layer, " head ", h));
-  }
-  if (pos >= length) {
-    return absl::OutOfRangeError(absl::StrCat(
-        "position ", pos, " is beyond layer ", layer, "'s length ", length));
-  }
-  return absl::OkStatus();
-}
-
-}  // namespace
 
 absl::Status StoredSequence::CheckLayer(int32_t layer) const {
   if (layer < 0 || layer >= g_.n_layers) {
@@ -281,152 +253,9 @@ absl::Status StoredSequence::CheckLayer(int32_t layer) const {
   return absl::OkStatus();
 }
 
-absl::Status StoredSequence::Gather(int32_t layer, const FetchPlan& plan,
-                                    absl::Span<uint16_t> dest,
-                                    StoreTotals& totals, ThreadPool* pool) {
-  IG_RETURN_IF_ERROR(CheckLayer(layer));
-  IG_RETURN_IF_ERROR(ValidatePlanShape(plan, g_.n_kv_heads));
-  const size_t n = plan.indices.size();
-  const size_t need = FetchElements(plan, g_.head_dim);
-  if (dest.size() < need) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "destination holds ", dest.size(), " values; the plan's ", n,
-        " rows of K and V need ", need));
-  }
-  // Split across the pool's threads above kSplitBytes, a range of the
-  // plan's rows each (at least kTaskBytes of rows a task).
-  constexpr size_t kSplitBytes = size_t{1} << 20;
-  constexpr size_t kTaskBytes = size_t{256} << 10;
-  constexpr int kMaxTasks = 16;
-  const size_t bytes = need * sizeof(uint16_t);
-  int tasks = 1;
-  if (pool != nullptr && bytes >= kSplitBytes) {
-    tasks = static_cast<int>(std::min<size_t>(
-        {static_cast<size_t>(pool->threads()), bytes / kTaskBytes,
-         static_cast<size_t>(kMaxTasks)}));
-  }
-  bool apply = false;
-  {
-    absl::ReaderMutexLock lock(&mu_);
-    const int32_t length = layer_length_[layer];
-    absl::Status status;
-    if (tasks <= 1) {
-      status = CopyRows(layer, length, plan, 0, n, dest.data());
-    } else {
-      std::array<absl::Status, kMaxTasks> statuses;
-      pool->Run(tasks, [&](int t) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-        statuses[t] = CopyRows(layer, length, plan, n * t / tasks,
-                               n * (t + 1) / tasks, dest.data());
-      });
-      for (int t = 0; t < tasks && status.ok(); ++t) status = statuses[t];
-    }
-    // Nothing is recorded for a gather that failed.
-    if (!status.ok()) return status;
-    apply = LogFetch(layer, plan);
-  }
-  FinishFetch(n, apply, totals);
-  return absl::OkStatus();
-}
-
 bool StoredSequence::attached() const {
   absl::ReaderMutexLock lock(&mu_);
   return attached_tokens_ > 0;
-}
-
-bool StoredSequence::LogFetch(int32_t layer, const FetchPlan& plan,
-                              bool leading) {
-  absl::MutexLock log_lock(&log_mu_);
-  LogFetchLocked(layer, plan, leading);
-  // A sequence fetched without appends applies its log here.
-  return log_positions_.size() >
-         std::max<size_t>(size_t{1} << 16, 4 * present_rows_);
-}
-
-void StoredSequence::FinishFetch(size_t rows, bool apply,
-                                 StoreTotals& totals) {
-  totals.fetches.fetch_add(1, std::memory_order_relaxed);
-  totals.fetched_rows.fetch_add(static_cast<int64_t>(rows),
-                                std::memory_order_relaxed);
-  if (apply) {
-    absl::MutexLock lock(&mu_);
-    ApplyLogLocked();
-  }
-}
-
-absl::Status StoredSequence::NoteFetched(int32_t layer, const FetchPlan& plan,
-                                         StoreTotals& totals) {
-  IG_RETURN_IF_ERROR(CheckLayer(layer));
-  IG_RETURN_IF_ERROR(ValidatePlanShape(plan, g_.n_kv_heads));
-  bool apply = false;
-  {
-    absl::ReaderMutexLock lock(&mu_);
-    const int32_t length = layer_length_[layer];
-    // The reader addressed position p of head h at slot p of the
-    // sequence's own rows: true while the head has not evicted and p is
-    // past the attached prefix.
-    for (int32_t h = 0; h < g_.n_kv_heads; ++h) {
-      const bool moved = HeadAt(layer, h).evicting();
-      const int32_t begin = plan.head_offsets[h], end = plan.head_offsets[h + 1];
-      if (begin == end) continue;
-      // Every position within [attached prefix, length) of a head that has
-      // not evicted: the head's least and greatest position tell (a loop
-      // the compiler vectorizes); the first offender is looked up only to
-      // say which.
-      int32_t lo = plan.indices[begin], hi = lo;
-      for (int32_t j = begin; j < end; ++j) {
-        const int32_t pos = plan.indices[j];
-        lo = pos < lo ? pos : lo;
-        hi = pos > hi ? pos : hi;
-      }
-      if (!moved && lo >= 0 && lo >= attached_tokens_ && hi < length) continue;
-      for (int32_t j = begin; j < end; ++j) {
-        const int32_t pos = plan.indices[j];
-        IG_RETURN_IF_ERROR(CheckPosition(pos, layer, h, length));
-        if (moved || pos < attached_tokens_) {
-          return absl::FailedPreconditionError(absl::StrCat(
-              "position ", pos, " of layer ", layer, " head ", h,
-              " is not at its slot of the sequence's rows (",
-              moved ? "the head evicts" : "an attached prefix block",
-              "): it cannot be read in place"));
-        }
-      }
-    }
-    apply = LogFetch(layer, plan);
-  }
-  FinishFetch(plan.indices.size(), apply, totals);
-  return absl::OkStatus();
-}
-
-absl::Status StoredSequence::NoteLeadingFetched(
-    int32_t layer, absl::Span<const int32_t> head_offsets,
-    StoreTotals& totals) {
-  IG_RETURN_IF_ERROR(CheckLayer(layer));
-  IG_RETURN_IF_ERROR(ValidateHeadOffsets(head_offsets, g_.n_kv_heads));
-  FetchPlan plan;
-  plan.head_offsets = head_offsets;
-  bool apply = false;
-  {
-    absl::ReaderMutexLock lock(&mu_);
-    const int32_t length = layer_length_[layer];
-    // Head h read positions [0, count) at slots [0, count): true while the
-    // head has not evicted and nothing is attached.
-    for (int32_t h = 0; h < g_.n_kv_heads; ++h) {
-      const int32_t count = head_offsets[h + 1] - head_offsets[h];
-      if (count == 0) continue;
-      IG_RETURN_IF_ERROR(CheckPosition(count - 1, layer, h, length));
-      const bool moved = HeadAt(layer, h).evicting();
-      if (moved || attached_tokens_ > 0) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "position 0 of layer ", layer, " head ", h,
-            " is not at its slot of the sequence's rows (",
-            moved ? "the head evicts" : "an attached prefix block",
-            "): it cannot be read in place"));
-      }
-    }
-    apply = LogFetch(layer, plan, /*leading=*/true);
-  }
-  FinishFetch(static_cast<size_t>(head_offsets.back()), apply, totals);
-  return absl::OkStatus();
 }
 
 int32_t StoredSequence::Attach(
@@ -494,198 +323,6 @@ absl::StatusOr<std::vector<TokenFetchStats>> StoredSequence::TokenStats(
                                   head.LastFetch(slot)});
   }
   return out;
-}
-
-// Where the rows of `pos` (0 <= pos < length) of (layer, h) are.
-inline StoredSequence::RowRef StoredSequence::Locate(const HeadSlots& head,
-                                              int32_t layer, int32_t h,
-                                              int32_t pos,
-                                              int32_t length) const {
-  RowRef r;
-  const int32_t slot = head.SlotOf(pos, length);
-  if (slot < 0) return r;
-  if (pos < attached_tokens_ && head.slot(slot).shared) {
-    const PrefixBlock& b = *attached_[pos / block_tokens_];
-    const size_t at = b.RowOffset(layer, h, pos % block_tokens_);
-    r.k = b.k.data() + at;
-    r.v = b.v.data() + at;
-    // The rest of the block, while slot == position.
-    r.run = !head.arithmetic()
-                ? 1
-                : block_tokens_ - pos % block_tokens_;
-    return r;
-  }
-  r.k = Row(k_.get(), layer, h, slot);
-  r.v = Row(v_.get(), layer, h, slot);
-  if (!head.evicting()) {
-    r.run = length - pos;
-  } else if (policy_ == EvictionPolicy::kFifo) {
-    r.run = std::min(length - pos, g_.max_tokens - slot);
-  } else {
-    r.run = 1;
-  }
-  return r;
-}
-
-// Copies the rows of plan indices [begin, end) (any heads) into dest,
-// laid out as the whole plan's destination.
-absl::Status StoredSequence::CopyRows(int32_t layer, int32_t length,
-                                      const FetchPlan& plan, size_t begin,
-                                      size_t end, uint16_t* dest) const {
-  const size_t n = plan.indices.size();
-  if (begin >= end) return absl::OkStatus();
-  // The head of index `begin`: the last h with head_offsets[h] <= begin.
-  int32_t h =
-      static_cast<int32_t>(std::upper_bound(plan.head_offsets.begin(),
-                                            plan.head_offsets.end(),
-                                            static_cast<int32_t>(begin)) -
-                           plan.head_offsets.begin()) -
-      1;
-  size_t j = begin;
-  while (j < end) {
-    const size_t head_end =
-        std::min(end, static_cast<size_t>(plan.head_offsets[h + 1]));
-    if (j < head_end) {
-      IG_RETURN_IF_ERROR(CopyHead(layer, h, length, plan.indices, j, head_end,
-                                  dest + j * row_elems_,
-                                  dest + (n + j) * row_elems_));
-    }
-    j = head_end;
-    ++h;
-  }
-  return absl::OkStatus();
-}
-
-// Copies the rows of indices [j, end) of head h to k_out and v_out.
-absl::Status StoredSequence::CopyHead(int32_t layer, int32_t h,
-                                      int32_t length,
-                                      absl::Span<const int32_t> indices,
-                                      size_t j, size_t end, uint16_t* k_out,
-                                      uint16_t* v_out) const {
-  const HeadSlots& head = HeadAt(layer, h);
-  // Scattered rows: fetch the row kPrefetch indices ahead while this one
-  // is copied (where its place is arithmetic).
-  constexpr size_t kPrefetch = 8;
-  const bool arithmetic = head.arithmetic();
-  while (j < end) {
-    const int32_t pos = indices[j];
-    IG_RETURN_IF_ERROR(CheckPosition(pos, layer, h, length));
-    const RowRef r = Locate(head, layer, h, pos, length);
-    if (r.k == nullptr) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("position ", pos, " of layer ", layer, " head ", h,
-                       " was evicted"));
-    }
-    // Following indices that name the next positions, stored next.
-    size_t m = 1;
-    const size_t most = std::min(end - j, static_cast<size_t>(r.run));
-    while (m < most && indices[j + m] == pos + static_cast<int32_t>(m)) ++m;
-    if (m == 1) {
-      if (arithmetic && j + kPrefetch < end) {
-        const int32_t ahead = indices[j + kPrefetch];
-        if (ahead >= attached_tokens_ && ahead < length) {
-          const int32_t slot =
-              head.evicting() ? ahead % g_.max_tokens : ahead;
-          Prefetch(Row(k_.get(), layer, h, slot));
-          Prefetch(Row(v_.get(), layer, h, slot));
-        }
-      }
-      CopyRow(k_out, r.k);
-      CopyRow(v_out, r.v);
-    } else {
-      std::memcpy(k_out, r.k, m * row_bytes_);
-      std::memcpy(v_out, r.v, m * row_bytes_);
-    }
-    k_out += m * row_elems_;
-    v_out += m * row_elems_;
-    j += m;
-  }
-  return absl::OkStatus();
-}
-
-// Asks for every cache line of the row at `p`.
-inline void StoredSequence::Prefetch(const uint16_t* p) const {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (size_t off = 0; off < row_bytes_; off += 64) {
-    __builtin_prefetch(c + off, /*rw=*/0, /*locality=*/0);
-  }
-}
-
-// One row; the common widths as fixed-size copies the compiler inlines.
-inline void StoredSequence::CopyRow(uint16_t* dst,
-                                    const uint16_t* src) const {
-  switch (row_bytes_) {
-    case 128:
-      std::memcpy(dst, src, 128);
-      return;
-    case 256:
-      std::memcpy(dst, src, 256);
-      return;
-    case 512:
-      std::memcpy(dst, src, 512);
-      return;
-    default:
-      std::memcpy(dst, src, row_bytes_);
-  }
-}
-
-size_t StoredSequence::LogPositions() const {
-  absl::MutexLock lock(&log_mu_);
-  return log_positions_.size();
-}
-
-// Appends a successful gather's plan to the fetch log.
-void StoredSequence::LogFetchLocked(int32_t layer, const FetchPlan& plan,
-                                    bool leading) {
-  log_.push_back(
-      LoggedFetch{++clock_, layer, log_positions_.size(), leading});
-  log_positions_.insert(log_positions_.end(), plan.head_offsets.begin(),
-                        plan.head_offsets.end());
-  log_positions_.insert(log_positions_.end(), plan.indices.begin(),
-                        plan.indices.end());
-  ++fetches_;
-  fetched_rows_ += plan.head_offsets.back();
-}
-
-// Applies the fetch log to the per-token statistics, in the order of the
-// gathers, and refreshes the heap entries of the candidates they touched.
-// Every logged position is present: nothing was evicted since its gather
-// (an append that evicts applies the log first).
-void StoredSequence::ApplyLogLocked() {
-  {
-    absl::MutexLock lock(&log_mu_);
-    if (log_.empty()) return;
-    applying_.swap(log_);
-    applying_positions_.swap(log_positions_);
-  }
-  const size_t heads = static_cast<size_t>(g_.n_kv_heads);
-  for (const LoggedFetch& f : applying_) {
-    const int32_t* offsets = applying_positions_.data() + f.begin;
-    const int32_t* indices = offsets + heads + 1;
-    const int32_t length = layer_length_[f.layer];
-    for (int32_t h = 0; h < g_.n_kv_heads; ++h) {
-      dirty_slots_.clear();
-      HeadSlots& head = HeadAt(f.layer, h);
-      const int32_t count = offsets[h + 1] - offsets[h];
-      if (f.leading) {
-        head.NoteLeadingFetches(count, length, f.clock, dirty_slots_);
-      } else {
-        head.NoteFetches(indices + offsets[h], count, length, f.clock,
-                         dirty_slots_);
-      }
-      for (const int32_t slot : dirty_slots_) {
-        dirty_.push_back({f.layer * g_.n_kv_heads + h, slot});
-      }
-    }
-  }
-  // A candidate's key changed: its heap entry is stale, push a fresh one
-  // (the stale one is skipped when it surfaces).
-  for (const auto& [head_index, slot] : dirty_) {
-    heads_[head_index].RefreshCandidate(slot);
-  }
-  dirty_.clear();
-  applying_.clear();
-  applying_positions_.clear();
 }
 
 // Where the K (v = false) or V row of `slot` is: its attached block's

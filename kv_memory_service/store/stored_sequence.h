@@ -20,10 +20,12 @@
 //
 // Thread-safe: appends and statistics take the sequence's lock, gathers
 // share it.
+//
+// Defined in stored_sequence.cc (construction, appends, prefix blocks,
+// statistics), stored_sequence_gather.cc (gathers) and
+// stored_sequence_fetch_log.cc (reads in place and the fetch log).
 #ifndef INFINIGEN_KV_MEMORY_SERVICE_STORE_STORED_SEQUENCE_H_
 #define INFINIGEN_KV_MEMORY_SERVICE_STORE_STORED_SEQUENCE_H_
-
-#include <fcntl.h>
 
 #include <atomic>
 #include <cstddef>
@@ -36,59 +38,16 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
 #include "common/thread_pool.h"
 #include "kv_memory_service/store/head_slots.h"
 #include "kv_memory_service/client/kv_types.h"
 #include "kv_memory_service/store/prefix_cache.h"
+#include "kv_memory_service/store/row_memory.h"
 
 namespace infinigen::kv_memory_service {
-
-#ifndef F_SEAL_FUTURE_WRITE
-#define F_SEAL_FUTURE_WRITE 0x0010  // Linux 5.1
-#endif
-
-// The seals on every memfd of shareable rows: no one may shrink, grow or
-// write it (the node writes through the mapping it made before sealing),
-// nor change the seals.
-inline constexpr int kRowSeals =
-    F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL;
-
-// The rows of a sequence: an anonymous private mapping, or with
-// `shareable` a sealed memfd's shared one (kRowSeals) that a reader on this
-// host may map read-only too (fd()); either way the kernel commits its pages only as rows are written
-// (an Open reserves capacity, it does not take memory), and Close returns
-// all of it at once. Page-aligned, so a data plane may register it (RDMA,
-// CUDA).
-class RowMemory {
- public:
-  RowMemory() = default;
-  // Null (get() == nullptr) when the mapping fails. Shareable while
-  // `memfds` (counting the live ones; null: none) stays below `max_memfds`;
-  // private memory (fd() < 0) beyond it or where no memfd can be made.
-  RowMemory(size_t bytes, std::shared_ptr<std::atomic<int64_t>> memfds,
-            int64_t max_memfds);
-  RowMemory(RowMemory&& o) noexcept
-      : data_(o.data_), bytes_(o.bytes_), fd_(o.fd_),
-        memfds_(std::move(o.memfds_)) {
-    o.data_ = nullptr;
-    o.fd_ = -1;
-  }
-  RowMemory& operator=(RowMemory&&) = delete;
-  RowMemory(const RowMemory&) = delete;
-  ~RowMemory();
-  uint16_t* get() const { return data_; }
-  bool operator==(std::nullptr_t) const { return data_ == nullptr; }
-  // The memfd holding the rows, or -1 (private memory).
-  int fd() const { return fd_; }
-
- private:
-  uint16_t* data_ = nullptr;
-  size_t bytes_ = 0;
-  int fd_ = -1;
-  std::shared_ptr<std::atomic<int64_t>> memfds_;  // counts fd_ while >= 0
-};
 
 // The store's running totals, which every sequence adds to.
 struct StoreTotals {
@@ -185,8 +144,42 @@ class StoredSequence {
            static_cast<size_t>(slot) * row_elems_;
   }
 
+  // Append's steps, in order. The checks that need no lock: the block's
+  // layers, sizes and annotations against the geometry and the limit.
+  absl::Status CheckAppend(const AppendBlock& b,
+                           int32_t max_append_tokens) const;
+  // The checks once the sequence is ours (annotations against the block
+  // size, cancellation, deadline, positions); returns whether a head of the
+  // block's layers evicts (or has), and brings the fetch statistics up to
+  // date when it does or when the log has grown long.
+  absl::StatusOr<bool> AdmitAppendLocked(const AppendBlock& b)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Places layer `layer`'s n_tokens new positions and copies their rows
+  // from k_src and v_src ([token][kv_head][head_dim]): token by token,
+  // every head, noting the victims (a layer that evicts), or each head's
+  // new slots as one run, split across `pool` when large.
+  void AppendEvictingLayer(int32_t layer, const uint16_t* k_src,
+                           const uint16_t* v_src, int32_t n_tokens,
+                           std::vector<EvictedToken>* evicted)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void AppendLayerRuns(int32_t layer, const uint16_t* k_src,
+                       const uint16_t* v_src, int32_t n_tokens,
+                       ThreadPool* pool) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Copies token t, head h of an appended layer's rows (as above) to
+  // `slot` of (layer, h).
+  void CopyAppendedRow(int32_t layer, const uint16_t* k_src,
+                       const uint16_t* v_src, int32_t t, int32_t h,
+                       int32_t slot);
+  // Keeps the annotations of b's blocks still to publish whose rows are in.
+  void KeepPendingMeta(const AppendBlock& b)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   // InvalidArgument naming `layer` unless 0 <= layer < n_layers.
   absl::Status CheckLayer(int32_t layer) const;
+  // A plan's position against its layer's length: InvalidArgument when
+  // negative, OutOfRange past the end (what Gather and NoteFetched answer).
+  static absl::Status CheckPosition(int32_t pos, int32_t layer, int32_t h,
+                                    int32_t length);
   RowRef Locate(const HeadSlots& head, int32_t layer, int32_t h, int32_t pos,
                 int32_t length) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   absl::Status CopyRows(int32_t layer, int32_t length, const FetchPlan& plan,
@@ -268,6 +261,20 @@ class StoredSequence {
   std::vector<LoggedFetch> log_ ABSL_GUARDED_BY(log_mu_);
   std::vector<int32_t> log_positions_ ABSL_GUARDED_BY(log_mu_);
 };
+
+// Inline: Gather checks every index of a plan.
+inline absl::Status StoredSequence::CheckPosition(int32_t pos, int32_t layer,
+                                                  int32_t h, int32_t length) {
+  if (pos < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "negative position ", pos, " for layer ", layer, " head ", h));
+  }
+  if (pos >= length) {
+    return absl::OutOfRangeError(absl::StrCat(
+        "position ", pos, " is beyond layer ", layer, "'s length ", length));
+  }
+  return absl::OkStatus();
+}
 
 }  // namespace infinigen::kv_memory_service
 

@@ -1,6 +1,6 @@
 // The CUDA backend's private parts shared by its files: device memory
-// bookkeeping (cuda_backend.cc) and the backend's construction from the
-// handles CreateCudaBackend makes (cuda_device.cc).
+// bookkeeping (CudaBackend's, cuda_backend_class.h) and the backend's
+// construction from the handles CreateCudaBackend makes (cuda_device.cc).
 #ifndef INFINIGEN_GPU_WORKER_BACKEND_CUDA_CUDA_BACKEND_IMPL_H_
 #define INFINIGEN_GPU_WORKER_BACKEND_CUDA_CUDA_BACKEND_IMPL_H_
 
