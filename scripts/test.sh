@@ -54,6 +54,17 @@ else
 fi
 counted+=("$dlog" "docs")
 
+# The tree's shape (scripts/check_layers.sh: file sizes, the layers, no
+# two units including each other's headers; one check in the count).
+llog="$(mktemp)"
+if bash scripts/check_layers.sh; then
+  echo "//scripts:check_layers PASSED" >"$llog"
+else
+  echo "//scripts:check_layers FAILED" >"$llog"
+  [ "$rc" -eq 0 ] && rc=1
+fi
+counted+=("$llog" "scripts")
+
 # Then a focused set of unit tests under ASan+UBSan and under TSan
 # (scripts/sanitizer_tests.sh), counted in the same line.
 for config in asan tsan; do

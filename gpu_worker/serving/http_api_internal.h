@@ -13,7 +13,7 @@
 
 #include "absl/status/status.h"
 #include "gpu_worker/serving/generation_scheduler.h"
-#include "gpu_worker/serving/http_api.h"
+#include "gpu_worker/serving/http_api_options.h"
 #include "gpu_worker/serving/openai_request.h"
 #include "gpu_worker/serving/openai_response.h"
 #include "httplib.h"
