@@ -77,7 +77,7 @@ class CudaEngineParity : public ::testing::Test {
     o.batch = 2;
     EXPECT_TRUE(gpu_worker::ChoosePolicy(policy, o.kv).ok()) << policy;
     if (o.kv.policy) {
-      o.kv.policy->skew = skew;
+      o.kv.policy->infinigen.skew = skew;
       if (tweak) tweak(*o.kv.policy);
     }
     o.kv.kv_client = client->get();
@@ -198,16 +198,16 @@ TEST_F(CudaEngineParity, Stories260KEveryPolicy) {
   for (std::string kind : {"infinigen", "oracle"}) {
     SCOPED_TRACE("target fetch " + kind);
     auto tweak = [&](gpu_worker::PolicyOptions& p) {
-      if (kind == "infinigen") p.dense_layers = 0;
+      if (kind == "infinigen") p.selection.dense_layers = 0;
       ASSERT_TRUE(gpu_worker::SetTargetFetch(
                       0.6, m->weights.config.n_layers, p).ok());
       if (kind != "infinigen") return;
-      p.skew = &*tuned;
-      p.partial_ratio = 1.0f;
-      p.speculation_input =
-          gpu_worker::PolicyOptions::SpeculationInput::kPostAttention;
-      p.adaptive_budgets = true;
-      p.profile = &tuned->profile;
+      p.infinigen.skew = &*tuned;
+      p.infinigen.partial_ratio = 1.0f;
+      p.infinigen.speculation_input =
+          gpu_worker::InfiniGenOptions::SpeculationInput::kPostAttention;
+      p.infinigen.adaptive_budgets = true;
+      p.infinigen.profile = &tuned->profile;
     };
     const DecodeRun cpu = Decode(m->weights, tokens,
                                  gpu_worker::NewCpuBackend(), kind, nullptr,

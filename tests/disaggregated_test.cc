@@ -65,7 +65,7 @@ class Disaggregated : public ::testing::Test {
     options.max_seq_len = 96;
     options.batch = 2;
     options.kv.policy.emplace().kind = kind;
-    options.kv.policy->skew = &skew_;
+    options.kv.policy->infinigen.skew = &skew_;
     options.kv.kv_client = client->get();
     options.kv.direct_reads = direct;
     auto engine = Engine::Create(weights_, gpu_worker::NewCpuBackend(), options);
@@ -144,7 +144,7 @@ TEST(DisaggregatedGemma3, HybridCacheGivesTheSameLogitsOnEveryPlane) {
     options.batch = 2;
     EXPECT_TRUE(gpu_worker::ChoosePolicy(policy, options.kv).ok());
     if (options.kv.policy) {
-      options.kv.policy->skew = &*skew;
+      options.kv.policy->infinigen.skew = &*skew;
       options.kv.kv_client = client->get();
     }
     auto engine =

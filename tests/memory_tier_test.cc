@@ -83,7 +83,7 @@ class MemoryTier : public ::testing::Test {
     options.max_seq_len = 96;
     options.batch = 2;
     options.kv.policy.emplace().kind = kind;
-    options.kv.policy->skew = &skew_;
+    options.kv.policy->infinigen.skew = &skew_;
     options.kv.kv_client = client;
     auto engine = Engine::Create(weights_, gpu_worker::NewCpuBackend(), options);
     EXPECT_TRUE(engine.ok()) << engine.status();

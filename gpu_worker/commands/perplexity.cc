@@ -81,13 +81,13 @@ void PrintResult(const gpu_worker::PerplexityOptions& o,
   j["policy"] = name;
   // The policy's float settings as the decimals they were given as.
   auto decimal = [](float x) { return std::stod(absl::StrFormat("%g", x)); };
-  j["alpha"] = decimal(policy.alpha);
-  j["partial_ratio"] = decimal(policy.partial_ratio);
-  j["partial_key_bits"] = policy.exact_partial_keys ? 32 : 4;
+  j["alpha"] = decimal(policy.infinigen.alpha);
+  j["partial_ratio"] = decimal(policy.infinigen.partial_ratio);
+  j["partial_key_bits"] = policy.infinigen.exact_partial_keys ? 32 : 4;
   j["speculate_from"] = policy.SpeculatesAfterAttention() ? "post_attention"
                                                           : "layer_input";
-  j["dense_layers"] = policy.dense_layers;
-  j["budget"] = decimal(policy.budget);
+  j["dense_layers"] = policy.selection.dense_layers;
+  j["budget"] = decimal(policy.selection.budget);
   j["kv_capacity"] = ReadMemoryNodeFlags().kv_capacity;
   j["eviction"] = ReadMemoryNodeFlags().eviction;
   j["tokens"] = r.predicted;

@@ -237,40 +237,41 @@ absl::StatusOr<EngineOptions> EngineOptionsFromFlags(
       gpu_worker::PolicyOptions());
   const bool speculates =
       !local && gpu_worker::PolicyEntryOf(p.kind).traits.speculates;
-  p.alpha = static_cast<float>(absl::GetFlag(FLAGS_alpha));
+  p.infinigen.alpha = static_cast<float>(absl::GetFlag(FLAGS_alpha));
   IG_ASSIGN_OR_RETURN(const double target, TargetFetchFromFlags(policy));
   // The --target_fetch defaults of infinigen (auto flags).
   const bool tuned = speculates && target != 0;
   IG_ASSIGN_OR_RETURN(const gpu_worker::SpeculationOptions speculation,
                       SpeculationFromFlags(tuned));
-  p.partial_ratio = static_cast<float>(speculation.partial_ratio);
-  p.speculation_input =
+  p.infinigen.partial_ratio = static_cast<float>(speculation.partial_ratio);
+  p.infinigen.speculation_input =
       speculation.post_attention
-          ? gpu_worker::PolicyOptions::SpeculationInput::kPostAttention
-          : gpu_worker::PolicyOptions::SpeculationInput::kLayerInput;
-  p.exact_partial_keys = speculation.exact_keys;
+          ? gpu_worker::InfiniGenOptions::SpeculationInput::kPostAttention
+          : gpu_worker::InfiniGenOptions::SpeculationInput::kLayerInput;
+  p.infinigen.exact_partial_keys = speculation.exact_keys;
   IG_ASSIGN_OR_RETURN(
-      p.dense_layers,
+      p.selection.dense_layers,
       DenseLayersFromFlags(speculates && speculation.post_attention,
                            global_layers_only));
-  if (p.dense_layers > n_layers) {
+  if (p.selection.dense_layers > n_layers) {
     return absl::InvalidArgumentError(
         absl::StrFormat("--dense_layers is %d, the model has %d layers",
-                        p.dense_layers, n_layers));
+                        p.selection.dense_layers, n_layers));
   }
-  p.budget = static_cast<float>(absl::GetFlag(FLAGS_budget));
+  p.selection.budget = static_cast<float>(absl::GetFlag(FLAGS_budget));
   const std::string rank = absl::GetFlag(FLAGS_partial_rank);
   if (rank != "q" && rank != "qk") {
     return absl::InvalidArgumentError(
         absl::StrFormat("--partial_rank must be q or qk, got '%s'", rank));
   }
-  p.rank_columns_by_keys = rank == "qk";
-  p.same_layer_input = absl::GetFlag(FLAGS_same_layer_input);
-  p.sink_tokens = absl::GetFlag(FLAGS_sink_tokens);
-  p.recent_tokens = absl::GetFlag(FLAGS_recent_tokens);
-  p.page_tokens = absl::GetFlag(FLAGS_page_tokens);
-  p.score_mass = static_cast<float>(absl::GetFlag(FLAGS_score_mass));
-  p.budget_floor = static_cast<float>(absl::GetFlag(FLAGS_budget_floor));
+  p.infinigen.rank_columns_by_keys = rank == "qk";
+  p.infinigen.same_layer_input = absl::GetFlag(FLAGS_same_layer_input);
+  p.selection.sink_tokens = absl::GetFlag(FLAGS_sink_tokens);
+  p.selection.recent_tokens = absl::GetFlag(FLAGS_recent_tokens);
+  p.quest.page_tokens = absl::GetFlag(FLAGS_page_tokens);
+  p.infinigen.score_mass = static_cast<float>(absl::GetFlag(FLAGS_score_mass));
+  p.infinigen.budget_floor =
+      static_cast<float>(absl::GetFlag(FLAGS_budget_floor));
   options.kv.kv_capacity = node.kv_capacity;
   options.kv.direct_reads = node.kv_direct_reads;
   options.kv.max_worker_bytes = node.max_worker_kv_bytes;
@@ -291,8 +292,9 @@ absl::StatusOr<EngineOptions> EngineOptionsFromFlags(
       return absl::InvalidArgumentError(
           absl::StrCat("--target_fetch: ", st.message()));
     }
-    IG_LOG(INFO) << "--target_fetch=" << target << ": --budget=" << p.budget
-                 << " for " << gpu_worker::PolicyName(p.kind);
+    IG_LOG(INFO) << "--target_fetch=" << target
+                 << ": --budget=" << p.selection.budget << " for "
+                 << gpu_worker::PolicyName(p.kind);
   }
   const std::string budgets = absl::GetFlag(FLAGS_head_budgets);
   if (budgets != "auto" && budgets != "uniform" && budgets != "adaptive") {
@@ -300,9 +302,8 @@ absl::StatusOr<EngineOptions> EngineOptionsFromFlags(
         "--head_budgets must be auto, uniform or adaptive, got '%s'",
         budgets));
   }
-  p.adaptive_budgets =
-      budgets == "adaptive" ||
-      (budgets == "auto" && speculates && target != 0);
+  p.infinigen.adaptive_budgets =
+      budgets == "adaptive" || (budgets == "auto" && speculates && target != 0);
   if (!local) options.kv.policy = p;
   return options;
 }
@@ -365,8 +366,8 @@ absl::StatusOr<std::unique_ptr<speculator::SkewMatrices>> SkewFromFlags(
         n, c.head_dim));
   }
   const gpu_worker::SpeculationOptions speculation = {
-      options.partial_ratio, options.SpeculatesAfterAttention(),
-      options.exact_partial_keys, options.dense_layers};
+      options.infinigen.partial_ratio, options.SpeculatesAfterAttention(),
+      options.infinigen.exact_partial_keys, options.selection.dense_layers};
   // One file per model, calibration and speculation settings.
   const std::string dir = SkewCacheDir();
   std::string cached;
@@ -487,11 +488,11 @@ absl::StatusOr<PolicySetup> SetUpPolicy(
   if (!s.options.kv.policy) return s;
   gpu_worker::PolicyOptions& p = *s.options.kv.policy;
   const bool speculates = gpu_worker::PolicyEntryOf(p.kind).traits.speculates;
-  if (speculates || p.adaptive_budgets) {
+  if (speculates || p.infinigen.adaptive_budgets) {
     IG_ASSIGN_OR_RETURN(s.skew, SkewFromFlags(m, p, weights_identity));
-    if (speculates) p.skew = s.skew.get();
+    if (speculates) p.infinigen.skew = s.skew.get();
   }
-  if (p.adaptive_budgets && s.skew->profile.empty()) {
+  if (p.infinigen.adaptive_budgets && s.skew->profile.empty()) {
     if (absl::GetFlag(FLAGS_head_budgets) == "adaptive") {
       return absl::InvalidArgumentError(absl::StrFormat(
           "--head_budgets=adaptive needs the calibration's head profile, and "
@@ -503,9 +504,9 @@ absl::StatusOr<PolicySetup> SetUpPolicy(
                     << " has no head profile (written before it existed): "
                        "uniform head budgets; rerun 'infinigen skew' for "
                        "adaptive ones";
-    p.adaptive_budgets = false;
+    p.infinigen.adaptive_budgets = false;
   }
-  if (p.adaptive_budgets) p.profile = &s.skew->profile;
+  if (p.infinigen.adaptive_budgets) p.infinigen.profile = &s.skew->profile;
   const MemoryNodeFlags node = ReadMemoryNodeFlags();
   kv_memory_service::KvClientOptions client_options = kv_options;
   IG_ASSIGN_OR_RETURN(

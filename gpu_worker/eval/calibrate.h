@@ -28,7 +28,7 @@ namespace infinigen::gpu_worker {
 struct SpeculationOptions {
   double partial_ratio = 0.3;  // of each head's columns
   // From the residual after the previous layer's attention
-  // (PolicyOptions::SpeculationInput::kPostAttention), else from the
+  // (InfiniGenOptions::SpeculationInput::kPostAttention), else from the
   // previous layer's input.
   bool post_attention = false;
   // fp32 partial keys (PolicyOptions::exact_partial_keys), else 4-bit rows.

@@ -46,8 +46,9 @@ TEST(FetchSchedule, InfiniGenSpeculatesOneLayerAhead) {
 
 TEST(FetchSchedule, PostAttentionSpeculationWaitsForTheAttention) {
   PolicyOptions o = Of(PolicyKind::kInfiniGen);
-  o.speculation_input = PolicyOptions::SpeculationInput::kPostAttention;
-  o.dense_layers = 0;  // layer 0 selects from its own input
+  o.infinigen.speculation_input =
+      InfiniGenOptions::SpeculationInput::kPostAttention;
+  o.selection.dense_layers = 0;  // layer 0 selects from its own input
   const FetchSchedule s = FetchSchedule::Of(o, 3);
   EXPECT_EQ(Points(s), (std::vector<P>{P::kOwnInput, P::kPreviousAttention,
                                        P::kPreviousAttention}));
@@ -66,13 +67,13 @@ TEST(FetchSchedule, OwnInputPoliciesCannotFetchEarly) {
                                          P::kOwnInput}));
     EXPECT_FALSE(s.UploadsEarly(1));
     EXPECT_EQ(s.DueAt(P::kOwnInput, 2), 2);
-    o.dense_layers = 0;
+    o.selection.dense_layers = 0;
     s = FetchSchedule::Of(o, 3);
     EXPECT_EQ(s.at(0), P::kOwnInput);
   }
   // The same_layer_input diagnostic moves infinigen to its own input.
   PolicyOptions o = Of(PolicyKind::kInfiniGen);
-  o.same_layer_input = true;
+  o.infinigen.same_layer_input = true;
   EXPECT_EQ(FetchSchedule::Of(o, 2).at(1), P::kOwnInput);
 }
 

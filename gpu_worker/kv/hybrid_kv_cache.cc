@@ -94,8 +94,8 @@ absl::StatusOr<std::unique_ptr<GlobalModel>> MakeGlobalModel(
   g->options = options;
   g->options.kv.prefix_block_tokens = 0;  // the node lacks the window layers
   PolicyOptions& p = *g->options.kv.policy;
-  if (p.skew != nullptr) {
-    const speculator::SkewMatrices& full = *p.skew;
+  if (p.infinigen.skew != nullptr) {
+    const speculator::SkewMatrices& full = *p.infinigen.skew;
     if (full.n_layers != c.n_layers) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "kv cache: the skew has %d layers, the model %d", full.n_layers,
@@ -115,17 +115,17 @@ absl::StatusOr<std::unique_ptr<GlobalModel>> MakeGlobalModel(
       skew->profile = CutProfile(full.profile, g->real);
     }
     g->skew = std::move(skew);
-    p.skew = g->skew.get();
+    p.infinigen.skew = g->skew.get();
   }
-  if (p.profile != nullptr && !p.profile->empty()) {
-    if (p.profile->n_layers != c.n_layers) {
+  if (p.infinigen.profile != nullptr && !p.infinigen.profile->empty()) {
+    if (p.infinigen.profile->n_layers != c.n_layers) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "kv cache: the head profile has %d layers, the model %d",
-          p.profile->n_layers, c.n_layers));
+          p.infinigen.profile->n_layers, c.n_layers));
     }
     g->profile = std::make_unique<speculator::HeadProfile>(
-        CutProfile(*p.profile, g->real));
-    p.profile = g->profile.get();
+        CutProfile(*p.infinigen.profile, g->real));
+    p.infinigen.profile = g->profile.get();
   }
   return g;
 }

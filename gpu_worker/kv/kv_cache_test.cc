@@ -343,7 +343,7 @@ class KvCacheTest : public ::testing::Test {
     o.max_seq_len = 256;
     o.max_chunk = 16;
     EXPECT_TRUE(ChoosePolicy(policy, o.kv).ok()) << policy;
-    if (o.kv.policy) o.kv.policy->skew = &identity_;
+    if (o.kv.policy) o.kv.policy->infinigen.skew = &identity_;
     o.kv.kv_client = client;
     return o;
   }
@@ -483,7 +483,7 @@ TEST(KvCacheSizing, SmolLm2ShapeAtContext4096Batch4) {
     kv.batch = 4;
     kv.max_seq_len = max_seq;
     EXPECT_TRUE(ChoosePolicy(policy, kv.kv).ok());
-    if (kv.kv.policy) kv.kv.policy->skew = &skew;
+    if (kv.kv.policy) kv.kv.policy->infinigen.skew = &skew;
     kv.kv.kv_client = &node;
     auto b = KvCache::WorkerBytes(w, kv);
     EXPECT_TRUE(b.ok()) << b.status();
@@ -779,7 +779,7 @@ TEST_F(KvCacheTest, EveryPolicyGivesTheSameLogitsWithAndWithoutReuse) {
                                       : " (skew calibrated on the prompt)"));
     FakeKvClient node;
     EngineOptions o = Options(config.policy, &node);
-    o.kv.policy->skew = config.skew;
+    o.kv.policy->infinigen.skew = config.skew;
     o.kv.prefix_block_tokens = 8;
     o.kv.model_identity = "test-model";
     EngineOptions plain = o;
@@ -1475,7 +1475,7 @@ TEST_F(KvCacheTest, PlansMadeOnTheDeviceReachTheNodeAfterTheStep) {
   // Sink tokens are added on the host: the scores come back.
   FakeKvClient node;
   EngineOptions o = TargetOptions("infinigen", &node, true);
-  o.kv.policy->sink_tokens = 2;
+  o.kv.policy->selection.sink_tokens = 2;
   GuardedDeviceBackend* d = nullptr;
   auto sinks = OnDevice(weights_, o, &violations, &d);
   ASSERT_TRUE(sinks.ok()) << sinks.status();
@@ -1627,7 +1627,7 @@ TEST_F(KvCacheTest, PrefillRowsAreEncodedOnTheDevice) {
     auto device = std::make_unique<GuardedDeviceBackend>(&violations);
     GuardedDeviceBackend* d = device.get();
     EngineOptions o = Options("infinigen", &node);
-    o.kv.policy->partial_ratio = ratio;
+    o.kv.policy->infinigen.partial_ratio = ratio;
     auto e = Engine::Create(weights_, std::move(device), o);
     ASSERT_TRUE(e.ok()) << e.status();
     ASSERT_TRUE((*e)->Forward(t, false).ok());
@@ -1696,7 +1696,7 @@ TEST_F(KvCacheTest, OneSidedReadsFallBackToTheNodesGather) {
     auto options = [&](FakeKvClient* node, bool direct) {
       EngineOptions o = Options(selects ? "infinigen" : "full", node);
       if (selects) {
-        o.kv.policy->dense_layers = 0;
+        o.kv.policy->selection.dense_layers = 0;
         EXPECT_TRUE(SetTargetFetch(0.4, 12, *o.kv.policy).ok());
       }
       o.kv.direct_reads = direct;

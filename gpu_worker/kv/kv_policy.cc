@@ -12,60 +12,6 @@ namespace infinigen::gpu_worker {
 
 using kv_memory_service::OwnedFetchPlan;
 
-absl::Status SelectionOptions::Validate() const {
-  if (!(budget > 0.0f && budget <= 1.0f)) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("budget must be in (0, 1], got %g", budget));
-  }
-  if (dense_layers < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("dense_layers must be >= 0, got %d", dense_layers));
-  }
-  if (sink_tokens < 0 || recent_tokens < 0) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "sink_tokens and recent_tokens must be >= 0, got %d and %d",
-        sink_tokens, recent_tokens));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status InfiniGenOptions::Validate() const {
-  if (!(alpha >= 0.0f)) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("alpha must be >= 0, got %g", alpha));
-  }
-  if (!(partial_ratio > 0.0f && partial_ratio <= 1.0f)) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "partial_ratio must be in (0, 1], got %g", partial_ratio));
-  }
-  if (!(score_mass >= 0.0f && score_mass <= 1.0f)) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "score_mass must be in [0, 1] (0: the alpha rule), got %g",
-        score_mass));
-  }
-  if (adaptive_budgets) {
-    if (profile == nullptr || profile->empty()) {
-      return absl::InvalidArgumentError(
-          "adaptive budgets need a head profile (written by 'infinigen "
-          "skew' since the profile was added)");
-    }
-    if (!(budget_floor >= 0.0f && budget_floor <= 1.0f)) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "budget_floor must be in [0, 1], got %g", budget_floor));
-    }
-  }
-  return absl::OkStatus();
-}
-
-absl::Status QuestOptions::Validate() const {
-  if (page_tokens < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("page_tokens must be >= 1, got %d", page_tokens));
-  }
-  return absl::OkStatus();
-}
-
-
 int KvPolicy::RowWidth() const {
   return KvRowWidth(row_format(), config().head_dim);
 }

@@ -49,6 +49,9 @@
 #include "absl/strings/string_view.h"
 #include "gpu_worker/backend/backend.h"
 #include "gpu_worker/backend/kv_rows.h"
+#include "gpu_worker/kv/policies/infinigen_options.h"
+#include "gpu_worker/kv/policies/quest_options.h"
+#include "gpu_worker/kv/policies/selection_options.h"
 #include "kv_memory_service/client/kv_types.h"
 #include "model/weights.h"
 #include "speculator/speculator.h"
@@ -66,97 +69,18 @@ enum class PolicyKind {
 absl::StatusOr<PolicyKind> ParsePolicy(absl::string_view name);
 const char* PolicyName(PolicyKind kind);
 
-// Each policy's options are a struct of its own; PolicyOptions carries
-// them all, and a policy reads only its own (its registry entry validates
-// those and names the flags that set them).
+// Each policy reads its own options struct, declared beside it under
+// kv/policies/ (its registry entry validates them and names the flags that
+// set them); PolicyOptions carries one of each.
 
-// What the policies that choose their rows read (infinigen, oracle, quest;
-// h2o its budget).
-struct SelectionOptions {
-  // infinigen: cap on the tokens fetched per head, as a fraction of the
-  // cached tokens; oracle, quest: the fraction (of tokens, of pages) each
-  // head takes. h2o: the kept fraction (half heavy hitters, half recent).
-  float budget = 0.2f;
-  // infinigen, oracle and quest: the first sink_tokens positions (attention
-  // sinks) and the last recent_tokens before the new token are fetched at
-  // every speculated layer, besides the speculated selection (quest: the
-  // pages that hold them).
-  int sink_tokens = 0;
-  int recent_tokens = 0;
-  // infinigen, oracle and quest: the first dense_layers layers read every
-  // row (the paper's InfiniGen and Quest: 2). With 0, layer 0 ranks its
-  // rows by its own attention input (exact for its query; its fetch leaves
-  // at the start of the layer, where the whole layer's left at the start
-  // of the step) and every layer shares the budget.
-  int dense_layers = 2;
-
-  // InvalidArgument naming the field out of range.
-  absl::Status Validate() const;
-};
-
-// InfiniGen's own options (the oracle ranks with the same machinery and
-// reads those of its ranking: alpha, score_mass, adaptive budgets).
-struct InfiniGenOptions {
-  // A token is a candidate when its speculated score is within alpha of the
-  // head's maximum.
-  float alpha = 5.0f;
-  // Fraction of each head's columns kept in the partial query weight and
-  // partial key cache (4-bit rows, speculator/partial_keys.h).
-  float partial_ratio = 0.3f;
-  // How partial columns are ranked over the prompt. false: by the summed
-  // |q A| (the reference); true: by summed |q A| times summed |k A|, the
-  // columns whose products carry the scores (our variant).
-  bool rank_columns_by_keys = false;
-  // Diagnostic (accuracy only): speculate each layer's selection from that
-  // layer's own attention input instead of the previous layer's, so the
-  // fetch cannot leave early. Separates the loss of attending to a subset
-  // from the error of speculating one layer ahead.
-  bool same_layer_input = false;
-  // Where layer l + 1's query is speculated from. kLayerInput (the paper):
-  // layer l's attention input (its norm of the residual stream), so the
-  // fetch overlaps layer l's attention and MLP. kPostAttention: layer l +
-  // 1's attention norm of the residual stream after layer l's attention,
-  // the input layer l + 1 would see if layer l's MLP added nothing; the
-  // fetch overlaps layer l's MLP only.
-  enum class SpeculationInput { kLayerInput, kPostAttention };
-  SpeculationInput speculation_input = SpeculationInput::kLayerInput;
-  // Diagnostic: fp32 partial key rows instead of 4-bit ones
-  // (speculator/partial_keys.h), to measure what the 4 bits cost. The
-  // oracle and same_layer_input always rank by fp32 keys.
-  bool exact_partial_keys = false;
-  // The skew matrices (not owned; must outlive the engine). Required.
-  const speculator::SkewMatrices* skew = nullptr;
-  // infinigen and oracle: 0 selects by alpha (the paper's rule, one k per
-  // layer); in (0, 1], each KV head takes its top tokens until they carry
-  // this share of its speculated attention, at most `budget` of the cached
-  // tokens (speculator::SelectByMass: budgets adapt across layers and
-  // heads).
-  float score_mass = 0.0f;
-  // infinigen and oracle: each (layer, KV head) of the selecting layers
-  // takes its own share of the cached tokens, allocated from `profile`
-  // (speculator::AllocateBudgets) so that their mean is `budget` and the
-  // summed calibration error is least (infinigen: the error of its
-  // speculated ranking; oracle: of the exact one); each takes at least
-  // budget_floor times `budget`. Replaces the alpha rule and score_mass.
-  bool adaptive_budgets = false;
-  float budget_floor = 0.25f;
-  // The calibration's head profile (not owned; must outlive the engine).
-  // Required with adaptive_budgets.
-  const speculator::HeadProfile* profile = nullptr;
-
-  // InvalidArgument naming the field out of range or what is missing.
-  absl::Status Validate() const;
-};
-
-// Quest's own options.
-struct QuestOptions {
-  int page_tokens = 16;  // tokens per page
-
-  absl::Status Validate() const;
-};
-
-struct PolicyOptions : SelectionOptions, InfiniGenOptions, QuestOptions {
+struct PolicyOptions {
   PolicyKind kind = PolicyKind::kFull;
+  // infinigen, oracle, quest; h2o its budget.
+  SelectionOptions selection;
+  // infinigen and oracle.
+  InfiniGenOptions infinigen;
+  // quest.
+  QuestOptions quest;
 
   // Whether a layer's fetch is chosen from that layer's own input
   // (same_layer_input, oracle, quest) rather than the previous layer's.
@@ -176,7 +100,7 @@ struct PolicyOptions : SelectionOptions, InfiniGenOptions, QuestOptions {
 // Sets `options` (its kind already chosen) so that the mean fraction of
 // cached rows fetched per decode step lands at `fraction` on a model of
 // `n_layers` layers: infinigen, oracle and quest read their first
-// D = options.dense_layers layers whole, so the selecting layers take
+// D = options.selection.dense_layers layers whole, so the selecting layers take
 // budget (fraction * n_layers - D) / (n_layers - D), with the alpha rule
 // off (alpha 1e9: the cap decides) and no score mass; h2o keeps
 // `fraction`. Sink and recent tokens come on top. InvalidArgument for a

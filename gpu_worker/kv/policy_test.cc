@@ -225,9 +225,9 @@ TEST_F(PolicyTest, FullMatchesIdealUpToFp16) {
 
 TEST_F(PolicyTest, InfiniGenSelectingEverythingIsExactlyFull) {
   PolicyOptions all = Policy(PolicyKind::kInfiniGen);
-  all.alpha = 1e9f;
-  all.budget = 1.0f;
-  all.skew = skew_;
+  all.infinigen.alpha = 1e9f;
+  all.selection.budget = 1.0f;
+  all.infinigen.skew = skew_;
   Run inf = TeacherForced(all, 8);
   Run full = TeacherForced(Policy(PolicyKind::kFull), 8);
   ASSERT_EQ(inf.logits.size(), full.logits.size());
@@ -239,8 +239,8 @@ TEST_F(PolicyTest, InfiniGenSelectingEverythingIsExactlyFull) {
 
 TEST_F(PolicyTest, InfiniGenFetchesWithinTheCapAndTracksFull) {
   PolicyOptions p = Policy(PolicyKind::kInfiniGen);
-  p.skew = skew_;
-  p.budget = 0.2f;
+  p.infinigen.skew = skew_;
+  p.selection.budget = 0.2f;
   Run inf = TeacherForced(p, 8);
   // Layers 0 and 1 of 5 read everything; layers 2..4 at most 20% + 1 row.
   EXPECT_GT(inf.stats.fraction_mean(), 0.4);
@@ -248,8 +248,8 @@ TEST_F(PolicyTest, InfiniGenFetchesWithinTheCapAndTracksFull) {
   Run full = TeacherForced(Policy(PolicyKind::kFull), 8);
   Run tight = TeacherForced([&] {
     PolicyOptions t = p;
-    t.budget = 0.05f;
-    t.alpha = 0.5f;
+    t.selection.budget = 0.05f;
+    t.infinigen.alpha = 0.5f;
     return t;
   }(), 8);
   // Fewer rows cost accuracy, in order.
@@ -259,20 +259,20 @@ TEST_F(PolicyTest, InfiniGenFetchesWithinTheCapAndTracksFull) {
 
 TEST_F(PolicyTest, SameLayerInputSpeculatesFromTheLayersOwnInput) {
   PolicyOptions all = Policy(PolicyKind::kInfiniGen);
-  all.alpha = 1e9f;
-  all.budget = 1.0f;
-  all.skew = skew_;
-  all.same_layer_input = true;
+  all.infinigen.alpha = 1e9f;
+  all.selection.budget = 1.0f;
+  all.infinigen.skew = skew_;
+  all.infinigen.same_layer_input = true;
   Run every = TeacherForced(all, 8);
   Run full = TeacherForced(Policy(PolicyKind::kFull), 8);
   ASSERT_EQ(every.logits, full.logits);
   // At a 20% cap the layer's own query picks other rows than the previous
   // layer's input does, within the same cap.
   PolicyOptions own = all;
-  own.budget = 0.2f;
-  own.partial_ratio = 1.0f;
+  own.selection.budget = 0.2f;
+  own.infinigen.partial_ratio = 1.0f;
   PolicyOptions ahead = own;
-  ahead.same_layer_input = false;
+  ahead.infinigen.same_layer_input = false;
   Run by_own = TeacherForced(own, 8);
   Run by_ahead = TeacherForced(ahead, 8);
   EXPECT_NE(by_own.logits, by_ahead.logits);
@@ -314,23 +314,25 @@ TEST_F(PolicyTest, PostAttentionSpeculationIsExactWhenTheMlpAddsNothing) {
     }
     EXPECT_GT(input_gap, 1e-3);
     PolicyOptions oracle = Policy(PolicyKind::kOracle);
-    oracle.budget = 0.2f;
-    oracle.dense_layers = dense;
+    oracle.selection.budget = 0.2f;
+    oracle.selection.dense_layers = dense;
     PolicyOptions post = Policy(PolicyKind::kInfiniGen);
-    post.skew = &*skew;
-    post.budget = 0.2f;
-    post.alpha = 1e30f;
-    post.partial_ratio = 1.0f;
-    post.speculation_input = PolicyOptions::SpeculationInput::kPostAttention;
-    post.exact_partial_keys = true;
-    post.dense_layers = dense;
+    post.infinigen.skew = &*skew;
+    post.selection.budget = 0.2f;
+    post.infinigen.alpha = 1e30f;
+    post.infinigen.partial_ratio = 1.0f;
+    post.infinigen.speculation_input =
+        InfiniGenOptions::SpeculationInput::kPostAttention;
+    post.infinigen.exact_partial_keys = true;
+    post.selection.dense_layers = dense;
     const auto kLru = kv_memory_service::EvictionPolicy::kLru;
     Run a = TeacherForced(oracle, 8, 1.0, kLru, &no_mlp);
     Run b = TeacherForced(post, 8, 1.0, kLru, &no_mlp);
     EXPECT_LE(LargestLogitGap(a, b), kSameSelection);
     EXPECT_EQ(a.stats.rows_fetched, b.stats.rows_fetched);
     PolicyOptions ahead = post;
-    ahead.speculation_input = PolicyOptions::SpeculationInput::kLayerInput;
+    ahead.infinigen.speculation_input =
+        InfiniGenOptions::SpeculationInput::kLayerInput;
     Run c = TeacherForced(ahead, 8, 1.0, kLru, &no_mlp);
     EXPECT_EQ(c.stats.rows_fetched, a.stats.rows_fetched);
     EXPECT_GT(LargestLogitGap(a, c), 10 * kSameSelection);
@@ -345,22 +347,23 @@ TEST_F(PolicyTest, WithNoDenseLayersEveryLayerSharesTheBudget) {
   const int layers = weights_->config.n_layers;  // 5: 2 dense are 40%
   const Run full = TeacherForced(Policy(PolicyKind::kFull), 8);
   PolicyOptions post = Policy(PolicyKind::kInfiniGen);
-  post.speculation_input = PolicyOptions::SpeculationInput::kPostAttention;
+  post.infinigen.speculation_input =
+      InfiniGenOptions::SpeculationInput::kPostAttention;
   for (PolicyOptions p :
        {Policy(PolicyKind::kOracle), Policy(PolicyKind::kQuest),
         Policy(PolicyKind::kInfiniGen), post}) {
     SCOPED_TRACE(absl::StrCat(PolicyName(p.kind), " after attention ",
                               p.SpeculatesAfterAttention()));
-    p.skew = skew_;
-    p.dense_layers = 0;
-    p.page_tokens = 1;
+    p.infinigen.skew = skew_;
+    p.selection.dense_layers = 0;
+    p.quest.page_tokens = 1;
     EXPECT_TRUE(p.SelectsLayerZero());
     PolicyOptions every = p;
-    every.budget = 1.0f;
-    every.alpha = 1e30f;
+    every.selection.budget = 1.0f;
+    every.infinigen.alpha = 1e30f;
     EXPECT_EQ(TeacherForced(every, 8).logits, full.logits);
     ASSERT_TRUE(SetTargetFetch(0.3, layers, p).ok());
-    EXPECT_FLOAT_EQ(p.budget, 0.3f);
+    EXPECT_FLOAT_EQ(p.selection.budget, 0.3f);
     const Run run = TeacherForced(p, 8);
     EXPECT_NEAR(run.stats.fraction_mean(), 0.3, 0.03);
     EXPECT_LE(run.stats.fraction_max, 0.3 + 1e-9);
@@ -371,8 +374,8 @@ TEST_F(PolicyTest, WithNoDenseLayersEveryLayerSharesTheBudget) {
   EXPECT_FALSE(dense.SelectsLayerZero());
   EXPECT_EQ(SetTargetFetch(0.3, layers, dense).code(),
             absl::StatusCode::kInvalidArgument);
-  dense.dense_layers = -1;
-  dense.skew = skew_;
+  dense.selection.dense_layers = -1;
+  dense.infinigen.skew = skew_;
   EXPECT_EQ(dense.Validate().code(), absl::StatusCode::kInvalidArgument);
 }
 
@@ -380,20 +383,20 @@ TEST_F(PolicyTest, WithNoDenseLayersEveryLayerSharesTheBudget) {
 // cut, needing no skew: the same logits and fetches as spelling it out.
 TEST_F(PolicyTest, OracleIsTheExactTopKOfTheLayersOwnScores) {
   PolicyOptions oracle = Policy(PolicyKind::kOracle);
-  oracle.budget = 0.2f;
+  oracle.selection.budget = 0.2f;
   PolicyOptions spelled = Policy(PolicyKind::kInfiniGen);
-  spelled.skew = skew_;
-  spelled.budget = 0.2f;
-  spelled.alpha = 1e30f;
-  spelled.partial_ratio = 1.0f;
-  spelled.same_layer_input = true;
+  spelled.infinigen.skew = skew_;
+  spelled.selection.budget = 0.2f;
+  spelled.infinigen.alpha = 1e30f;
+  spelled.infinigen.partial_ratio = 1.0f;
+  spelled.infinigen.same_layer_input = true;
   Run a = TeacherForced(oracle, 8);
   Run b = TeacherForced(spelled, 8);
   // The skew rotates the scores (same ranking up to rounding).
   EXPECT_LE(LargestLogitGap(a, b), kSameSelection);
   EXPECT_EQ(a.stats.rows_fetched, b.stats.rows_fetched);
   // Everything at budget 1: exactly full.
-  oracle.budget = 1.0f;
+  oracle.selection.budget = 1.0f;
   EXPECT_EQ(TeacherForced(oracle, 8).logits,
             TeacherForced(Policy(PolicyKind::kFull), 8).logits);
 }
@@ -403,22 +406,22 @@ TEST_F(PolicyTest, OracleIsTheExactTopKOfTheLayersOwnScores) {
 // bigger pages the pages holding them are added.
 TEST_F(PolicyTest, QuestAddsTheSinkAndRecentPages) {
   PolicyOptions quest = Policy(PolicyKind::kQuest);
-  quest.budget = 0.1f;
-  quest.page_tokens = 1;
-  quest.sink_tokens = 2;
-  quest.recent_tokens = 3;
+  quest.selection.budget = 0.1f;
+  quest.quest.page_tokens = 1;
+  quest.selection.sink_tokens = 2;
+  quest.selection.recent_tokens = 3;
   PolicyOptions oracle = Policy(PolicyKind::kOracle);
-  oracle.budget = 0.1f;
-  oracle.sink_tokens = 2;
-  oracle.recent_tokens = 3;
+  oracle.selection.budget = 0.1f;
+  oracle.selection.sink_tokens = 2;
+  oracle.selection.recent_tokens = 3;
   Run a = TeacherForced(quest, 8);
   Run b = TeacherForced(oracle, 8);
   EXPECT_EQ(a.stats.rows_fetched, b.stats.rows_fetched);
   EXPECT_LE(LargestLogitGap(a, b), kSameSelection);
-  quest.page_tokens = 4;
+  quest.quest.page_tokens = 4;
   PolicyOptions plain = quest;
-  plain.sink_tokens = 0;
-  plain.recent_tokens = 0;
+  plain.selection.sink_tokens = 0;
+  plain.selection.recent_tokens = 0;
   Run with = TeacherForced(quest, 8);
   Run without = TeacherForced(plain, 8);
   EXPECT_GT(with.stats.rows_fetched, without.stats.rows_fetched);
@@ -459,11 +462,11 @@ TEST_F(PolicyTest, CalibrationMeasuresTheHeadProfile) {
 // profile, or for a policy that cannot use one, the options are refused.
 TEST_F(PolicyTest, AdaptiveBudgetsKeepTheMeanFetch) {
   PolicyOptions full_share = Policy(PolicyKind::kInfiniGen);
-  full_share.skew = skew_;
-  full_share.alpha = 1e9f;
-  full_share.budget = 1.0f;
-  full_share.adaptive_budgets = true;
-  full_share.profile = &skew_->profile;
+  full_share.infinigen.skew = skew_;
+  full_share.infinigen.alpha = 1e9f;
+  full_share.selection.budget = 1.0f;
+  full_share.infinigen.adaptive_budgets = true;
+  full_share.infinigen.profile = &skew_->profile;
   Run full = TeacherForced(Policy(PolicyKind::kFull), 8);
   Run all = TeacherForced(full_share, 8);
   ASSERT_EQ(all.logits.size(), full.logits.size());
@@ -475,13 +478,13 @@ TEST_F(PolicyTest, AdaptiveBudgetsKeepTheMeanFetch) {
 
   for (PolicyKind kind : {PolicyKind::kInfiniGen, PolicyKind::kOracle}) {
     PolicyOptions uniform = Policy(kind);
-    uniform.skew = skew_;
-    uniform.alpha = 1e9f;
-    uniform.budget = 0.3f;
+    uniform.infinigen.skew = skew_;
+    uniform.infinigen.alpha = 1e9f;
+    uniform.selection.budget = 0.3f;
     PolicyOptions adaptive = uniform;
-    adaptive.adaptive_budgets = true;
-    adaptive.profile = &skew_->profile;
-    adaptive.budget_floor = 0.0f;
+    adaptive.infinigen.adaptive_budgets = true;
+    adaptive.infinigen.profile = &skew_->profile;
+    adaptive.infinigen.budget_floor = 0.0f;
     Run u = TeacherForced(uniform, 8);
     Run a = TeacherForced(adaptive, 8);
     EXPECT_NE(a.logits, u.logits) << PolicyName(kind);
@@ -492,14 +495,14 @@ TEST_F(PolicyTest, AdaptiveBudgetsKeepTheMeanFetch) {
   }
 
   PolicyOptions bad = full_share;
-  bad.profile = nullptr;
+  bad.infinigen.profile = nullptr;
   EXPECT_THAT(std::string(bad.Validate().message()),
               HasSubstr("head profile"));
-  bad.profile = &skew_->profile;
+  bad.infinigen.profile = &skew_->profile;
   bad.kind = PolicyKind::kQuest;
   EXPECT_EQ(bad.Validate().code(), absl::StatusCode::kInvalidArgument);
   bad.kind = PolicyKind::kInfiniGen;
-  bad.budget_floor = 1.5f;
+  bad.infinigen.budget_floor = 1.5f;
   EXPECT_EQ(bad.Validate().code(), absl::StatusCode::kInvalidArgument);
 }
 
@@ -508,16 +511,16 @@ TEST_F(PolicyTest, AdaptiveBudgetsKeepTheMeanFetch) {
 // with every page, it is full.
 TEST_F(PolicyTest, QuestSelectsPagesByTheirKeyBounds) {
   PolicyOptions quest = Policy(PolicyKind::kQuest);
-  quest.budget = 0.25f;
-  quest.page_tokens = 1;
+  quest.selection.budget = 0.25f;
+  quest.quest.page_tokens = 1;
   PolicyOptions oracle = Policy(PolicyKind::kOracle);
-  oracle.budget = 0.25f;
+  oracle.selection.budget = 0.25f;
   Run a = TeacherForced(quest, 8);
   Run b = TeacherForced(oracle, 8);
   EXPECT_LE(LargestLogitGap(a, b), kSameSelection);
   EXPECT_EQ(a.stats.rows_fetched, b.stats.rows_fetched);
 
-  quest.page_tokens = 4;
+  quest.quest.page_tokens = 4;
   Run paged = TeacherForced(quest, 8);
   Run full = TeacherForced(Policy(PolicyKind::kFull), 8);
   // Whole pages, a quarter of them per speculated layer (at least one).
@@ -526,11 +529,11 @@ TEST_F(PolicyTest, QuestSelectsPagesByTheirKeyBounds) {
   EXPECT_NE(paged.logits, a.logits);
   EXPECT_LT(Mean(paged.nll) - Mean(full.nll), 0.5);
 
-  quest.budget = 1.0f;
+  quest.selection.budget = 1.0f;
   EXPECT_EQ(TeacherForced(quest, 8).logits, full.logits);
 
   EXPECT_EQ(*ParsePolicy("quest"), PolicyKind::kQuest);
-  quest.page_tokens = 0;
+  quest.quest.page_tokens = 0;
   EXPECT_EQ(quest.Validate().code(), absl::StatusCode::kInvalidArgument);
 }
 
@@ -545,30 +548,30 @@ TEST_F(PolicyTest, TargetFetchLandsTheMeanFetchedFraction) {
   for (PolicyKind kind : {PolicyKind::kOracle, PolicyKind::kInfiniGen}) {
     SCOPED_TRACE(PolicyName(kind));
     PolicyOptions p = Policy(kind);
-    p.skew = skew_;
-    p.score_mass = 0.5f;
+    p.infinigen.skew = skew_;
+    p.infinigen.score_mass = 0.5f;
     ASSERT_TRUE(SetTargetFetch(0.7, layers, p).ok());
-    EXPECT_FLOAT_EQ(p.budget, 0.5f);
-    EXPECT_EQ(p.score_mass, 0.0f);
-    EXPECT_GE(p.alpha, 1e9f);
+    EXPECT_FLOAT_EQ(p.selection.budget, 0.5f);
+    EXPECT_EQ(p.infinigen.score_mass, 0.0f);
+    EXPECT_GE(p.infinigen.alpha, 1e9f);
     Run run = TeacherForced(p, 8);
     EXPECT_NEAR(run.stats.fraction_mean(), 0.7, 0.05);
   }
   PolicyOptions h2o = Policy(PolicyKind::kH2O);
   ASSERT_TRUE(SetTargetFetch(0.3, layers, h2o).ok());
-  EXPECT_FLOAT_EQ(h2o.budget, 0.3f);
+  EXPECT_FLOAT_EQ(h2o.selection.budget, 0.3f);
   // SmolLM2-135M's 30 layers at 10%: 1/28 of each selecting layer.
   PolicyOptions oracle = Policy(PolicyKind::kOracle);
   ASSERT_TRUE(SetTargetFetch(0.1, 30, oracle).ok());
-  EXPECT_NEAR(oracle.budget, 1.0 / 28, 1e-6);
+  EXPECT_NEAR(oracle.selection.budget, 1.0 / 28, 1e-6);
   // Below what layers 0 and 1 fetch alone, out of range, or a policy that
   // does not choose its rows: InvalidArgument, options untouched.
-  oracle.budget = 0.25f;
+  oracle.selection.budget = 0.25f;
   absl::Status low = SetTargetFetch(0.3, layers, oracle);
   EXPECT_EQ(low.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(low.message()),
               HasSubstr("its 2 dense layers alone fetch 0.4"));
-  EXPECT_FLOAT_EQ(oracle.budget, 0.25f);
+  EXPECT_FLOAT_EQ(oracle.selection.budget, 0.25f);
   for (double bad : {0.0, -0.1, 1.5}) {
     EXPECT_EQ(SetTargetFetch(bad, layers, oracle).code(),
               absl::StatusCode::kInvalidArgument) << bad;
@@ -582,23 +585,23 @@ TEST_F(PolicyTest, TargetFetchLandsTheMeanFetchedFraction) {
 
 TEST_F(PolicyTest, ScoreMassAdaptsEachHeadsCount) {
   PolicyOptions p = Policy(PolicyKind::kInfiniGen);
-  p.skew = skew_;
-  p.budget = 0.5f;
+  p.infinigen.skew = skew_;
+  p.selection.budget = 0.5f;
   Run capped = TeacherForced(p, 8);
-  p.score_mass = 0.5f;
+  p.infinigen.score_mass = 0.5f;
   Run half = TeacherForced(p, 8);
   EXPECT_GT(half.stats.rows_fetched, 0);
   EXPECT_NE(half.logits, capped.logits);
-  p.score_mass = 0.99f;
+  p.infinigen.score_mass = 0.99f;
   Run most = TeacherForced(p, 8);
   EXPECT_GT(most.stats.rows_fetched, half.stats.rows_fetched);
   PolicyOptions o = Policy(PolicyKind::kOracle);
-  o.budget = 1.0f;
-  o.score_mass = 1.0f;
+  o.selection.budget = 1.0f;
+  o.infinigen.score_mass = 1.0f;
   EXPECT_EQ(TeacherForced(o, 8).logits,
             TeacherForced(Policy(PolicyKind::kFull), 8).logits);
   for (float bad : {-0.1f, 1.5f}) {
-    p.score_mass = bad;
+    p.infinigen.score_mass = bad;
     EXPECT_EQ(p.Validate().code(), absl::StatusCode::kInvalidArgument) << bad;
   }
 }
@@ -608,13 +611,13 @@ TEST_F(PolicyTest, ScoreMassAdaptsEachHeadsCount) {
 // everything.
 TEST_F(PolicyTest, SinksAndRecentTokensAreAlwaysFetched) {
   PolicyOptions p = Policy(PolicyKind::kInfiniGen);
-  p.skew = skew_;
-  p.budget = 0.05f;
-  p.alpha = 0.0f;  // the head's best token only
+  p.infinigen.skew = skew_;
+  p.selection.budget = 0.05f;
+  p.infinigen.alpha = 0.0f;  // the head's best token only
   Run bare = TeacherForced(p, 8);
   PolicyOptions with = p;
-  with.sink_tokens = 2;
-  with.recent_tokens = 4;
+  with.selection.sink_tokens = 2;
+  with.selection.recent_tokens = 4;
   Run more = TeacherForced(with, 8);
   EXPECT_GT(more.stats.rows_fetched, bare.stats.rows_fetched);
   // With every position a sink (or recent), the speculated layers read
@@ -623,7 +626,7 @@ TEST_F(PolicyTest, SinksAndRecentTokensAreAlwaysFetched) {
   const Run full = TeacherForced(Policy(PolicyKind::kFull), 8);
   for (bool sinks : {true, false}) {
     PolicyOptions all = p;
-    (sinks ? all.sink_tokens : all.recent_tokens) = 1000;
+    (sinks ? all.selection.sink_tokens : all.selection.recent_tokens) = 1000;
     const Run every = TeacherForced(all, 8);
     EXPECT_DOUBLE_EQ(every.stats.fraction_mean(), 1.0);
     ASSERT_EQ(every.logits.size(), full.logits.size());
@@ -640,15 +643,15 @@ TEST_F(PolicyTest, SinksAndRecentTokensAreAlwaysFetched) {
 TEST_F(PolicyTest, ColumnRankingByKeysChangesOnlyWhichColumns) {
   // With every column kept the ranking cannot matter: identical logits.
   PolicyOptions q = Policy(PolicyKind::kInfiniGen);
-  q.skew = skew_;
-  q.partial_ratio = 1.0f;
+  q.infinigen.skew = skew_;
+  q.infinigen.partial_ratio = 1.0f;
   PolicyOptions qk = q;
-  qk.rank_columns_by_keys = true;
+  qk.infinigen.rank_columns_by_keys = true;
   Run by_q = TeacherForced(q, 8);
   Run by_qk = TeacherForced(qk, 8);
   ASSERT_EQ(by_q.logits, by_qk.logits);
   // With a partial set it still fetches within the same cap.
-  qk.partial_ratio = 0.3f;
+  qk.infinigen.partial_ratio = 0.3f;
   Run partial = TeacherForced(qk, 8);
   EXPECT_LT(partial.stats.fraction_max, 0.4 + 0.6 * 0.2 + 0.6 / 8 + 1e-9);
   EXPECT_EQ(partial.nll.size(), by_q.nll.size());
@@ -663,8 +666,8 @@ TEST_F(PolicyTest, KeepingEveryColumnLeavesThePromptUnobserved) {
   for (const float ratio : {1.0f, 0.3f}) {
     SCOPED_TRACE(ratio);
     PolicyOptions o = Policy(PolicyKind::kInfiniGen);
-    o.skew = skew_;
-    o.partial_ratio = ratio;
+    o.infinigen.skew = skew_;
+    o.infinigen.partial_ratio = ratio;
     auto policy = KvPolicy::Create(o, prompt->ctx);
     ASSERT_TRUE(policy.ok()) << policy.status();
     EXPECT_EQ((*policy)->ObservesPrefill(), ratio < 1.0f);
@@ -676,7 +679,7 @@ TEST_F(PolicyTest, KeepingEveryColumnLeavesThePromptUnobserved) {
 
 TEST_F(PolicyTest, H2OKeepsItsBudget) {
   PolicyOptions p = Policy(PolicyKind::kH2O);
-  p.budget = 0.2f;
+  p.selection.budget = 0.2f;
   Run h2o = TeacherForced(p, 16);
   // Half recent and half heavy, each int(p * 0.1) rows at least one.
   EXPECT_LE(h2o.stats.fraction_max, 0.2 + 2.0 / 16 + 1e-9);
@@ -748,18 +751,18 @@ TEST_F(PolicyTest, PlansOnTheBackendAreTheHostsPlans) {
   std::vector<Case> cases;
   for (PolicyKind kind : {PolicyKind::kInfiniGen, PolicyKind::kOracle}) {
     PolicyOptions o = Policy(kind);
-    o.skew = skew_;
+    o.infinigen.skew = skew_;
     ASSERT_TRUE(SetTargetFetch(0.5, m.n_layers, o).ok());
     cases.push_back({PolicyName(kind), o, true});
   }
   PolicyOptions alpha = Policy(PolicyKind::kInfiniGen);
-  alpha.skew = skew_;
+  alpha.infinigen.skew = skew_;
   cases.push_back({"alpha rule", alpha, false});
   PolicyOptions mass = cases[0].options;
-  mass.score_mass = 0.9f;
+  mass.infinigen.score_mass = 0.9f;
   cases.push_back({"score mass", mass, false});
   PolicyOptions sinks = cases[0].options;
-  sinks.sink_tokens = 2;
+  sinks.selection.sink_tokens = 2;
   cases.push_back({"sink tokens", sinks, false});
 
   for (const Case& c : cases) {
@@ -788,13 +791,14 @@ TEST_F(PolicyTest, PlansOnTheBackendAreTheHostsPlans) {
       request.backend_indices = indices.data();
       auto made = p.Plan(request, on_backend);
       ASSERT_TRUE(made.ok()) << made.status();
-      const bool selects = l >= c.options.dense_layers;
+      const bool selects = l >= c.options.selection.dense_layers;
       EXPECT_EQ(*made == PlanMade::kOnBackend, c.on_backend && selects);
       if (*made != PlanMade::kOnBackend) continue;
       const std::vector<int32_t>& offsets = on_backend.head_offsets;
       // Each head its cap of the 50 cached tokens.
-      EXPECT_EQ(offsets.back(),
-                m.n_kv_heads * static_cast<int>(n * c.options.budget));
+      EXPECT_EQ(
+          offsets.back(),
+          m.n_kv_heads * static_cast<int>(n * c.options.selection.budget));
       EXPECT_EQ(offsets, host.head_offsets);
       indices.resize(offsets.back());
       EXPECT_EQ(indices, host.indices);
@@ -814,8 +818,8 @@ TEST_F(PolicyTest, PlansOfEveryRowAreEveryPresentRow) {
   for (const PolicyEntry* entry : Policies()) {
     SCOPED_TRACE(entry->name);
     PolicyOptions o = Policy(entry->kind);
-    o.skew = skew_;
-    o.budget = 0.3f;
+    o.infinigen.skew = skew_;
+    o.selection.budget = 0.3f;
     auto policy = KvPolicy::Create(o, prompt->ctx);
     ASSERT_TRUE(policy.ok()) << policy.status();
     KvPolicy& p = **policy;
@@ -998,7 +1002,7 @@ class RecordingBackend final : public BackendWrapper {
 
 TEST_F(PolicyTest, FetchedRowsMoveThroughPinnedCopiesInMarkOrder) {
   PolicyOptions inf = Policy(PolicyKind::kInfiniGen);
-  inf.skew = skew_;
+  inf.infinigen.skew = skew_;
   for (PolicyOptions policy :
        {Policy(PolicyKind::kFull), Policy(PolicyKind::kInt4), inf}) {
     SCOPED_TRACE(PolicyName(policy.kind));
@@ -1071,7 +1075,7 @@ TEST_F(PolicyTest, FetchedRowsMoveThroughPinnedCopiesInMarkOrder) {
 // the batched GEMMs, per-sequence attention and selection do not mix them.
 TEST_F(PolicyTest, BatchedDecodingMatchesSingleSequences) {
   PolicyOptions inf = Policy(PolicyKind::kInfiniGen);
-  inf.skew = skew_;
+  inf.infinigen.skew = skew_;
   for (std::optional<PolicyOptions> policy :
        {std::optional<PolicyOptions>(kLocalCache),
         std::optional<PolicyOptions>(Policy(PolicyKind::kFull)),
@@ -1151,8 +1155,8 @@ TEST_F(PolicyTest, BadOptionsAreRejected) {
   o.kv.policy = Policy(PolicyKind::kInfiniGen);
   EXPECT_EQ(Engine::Create(*weights_, NewCpuBackend(), o).status().code(),
             absl::StatusCode::kInvalidArgument);  // no skew
-  o.kv.policy->skew = skew_;
-  o.kv.policy->alpha = -1;
+  o.kv.policy->infinigen.skew = skew_;
+  o.kv.policy->infinigen.alpha = -1;
   EXPECT_EQ(Engine::Create(*weights_, NewCpuBackend(), o).status().code(),
             absl::StatusCode::kInvalidArgument);
   o.kv.policy = Policy(PolicyKind::kFull);
@@ -1171,7 +1175,7 @@ TEST_F(PolicyTest, BadOptionsAreRejected) {
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(*ParsePolicy("oracle"), PolicyKind::kOracle);
   PolicyOptions negative = Policy(PolicyKind::kOracle);
-  negative.sink_tokens = -1;
+  negative.selection.sink_tokens = -1;
   EXPECT_EQ(negative.Validate().code(), absl::StatusCode::kInvalidArgument);
 }
 

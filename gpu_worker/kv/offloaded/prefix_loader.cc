@@ -30,10 +30,9 @@ PrefixLoader::PrefixLoader(const KvCacheOptions& options,
       "%s|policy=%s|rank_by_keys=%d|format=%d|layers=%d|kv_heads=%d|"
       "width=%d|dtype=%d",
       options.kv.model_identity, policy_name_,
-      options.kv.policy->rank_columns_by_keys ? 1 : 0,
+      options.kv.policy->infinigen.rank_columns_by_keys ? 1 : 0,
       static_cast<int>(policy.row_format()), geometry.n_layers,
-      geometry.n_kv_heads, geometry.head_dim,
-      static_cast<int>(geometry.dtype));
+      geometry.n_kv_heads, geometry.head_dim, static_cast<int>(geometry.dtype));
   if (policy.prefix_summary() != nullptr) {
     state_floats_ = policy.prefix_summary()->floats();
   }

@@ -36,25 +36,26 @@ absl::Status SetTargetFetch(double fraction, int n_layers,
 }
 
 bool PolicyOptions::SpeculatesFromOwnInput() const {
-  return same_layer_input || PolicyEntryOf(kind).traits.own_input;
+  return infinigen.same_layer_input || PolicyEntryOf(kind).traits.own_input;
 }
 
 bool PolicyOptions::SpeculatesAfterAttention() const {
   return PolicyEntryOf(kind).traits.speculates && !SpeculatesFromOwnInput() &&
-         speculation_input == SpeculationInput::kPostAttention;
+         infinigen.speculation_input ==
+             InfiniGenOptions::SpeculationInput::kPostAttention;
 }
 
 bool PolicyOptions::SelectsLayerZero() const {
-  return dense_layers == 0 && PolicyEntryOf(kind).traits.selects;
+  return selection.dense_layers == 0 && PolicyEntryOf(kind).traits.selects;
 }
 
 absl::Status PolicyOptions::Validate() const {
   const PolicyEntry& entry = PolicyEntryOf(kind);
-  if (entry.traits.speculates && skew == nullptr) {
+  if (entry.traits.speculates && infinigen.skew == nullptr) {
     return absl::InvalidArgumentError(
         absl::StrFormat("the %s policy needs a skew", entry.name));
   }
-  if (adaptive_budgets && !entry.traits.adaptive_budgets) {
+  if (infinigen.adaptive_budgets && !entry.traits.adaptive_budgets) {
     std::vector<std::string> takers;
     for (const PolicyEntry* e : Policies()) {
       if (e->traits.adaptive_budgets) takers.push_back(e->name);

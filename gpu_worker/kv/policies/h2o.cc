@@ -34,13 +34,13 @@ class H2OPolicy final : public KvPolicy {
 
   static absl::StatusOr<std::unique_ptr<KvPolicy>> Make(
       const PolicyOptions& o, const Context& c) {
-    return std::make_unique<H2OPolicy>(c, o.budget);
+    return std::make_unique<H2OPolicy>(c, o.selection.budget);
   }
 
   // The budget is the kept fraction: what a target fetch sets.
   static absl::Status SetTargetFetch(double fraction, int,
                                      PolicyOptions& options) {
-    options.budget = static_cast<float>(fraction);
+    options.selection.budget = static_cast<float>(fraction);
     return absl::OkStatus();
   }
 

@@ -52,15 +52,15 @@ const speculator::TaskRunner* SelectionRunner(size_t scores) {
 class InfiniGenPolicy final : public KvPolicy, private PrefixSummary {
  public:
   // `owned_skew`: the skew to use instead of o.skew (the oracle's identity).
-  InfiniGenPolicy(const Context& c, const PolicyOptions& o,
-                  std::unique_ptr<const speculator::SkewMatrices> owned_skew =
-                      nullptr)
+  InfiniGenPolicy(
+      const Context& c, const PolicyOptions& o,
+      std::unique_ptr<const speculator::SkewMatrices> owned_skew = nullptr)
       : KvPolicy(c),
         owned_skew_(std::move(owned_skew)),
         options_(o),
-        skew_(owned_skew_ != nullptr ? *owned_skew_ : *o.skew),
+        skew_(owned_skew_ != nullptr ? *owned_skew_ : *o.infinigen.skew),
         n_cols_(speculator::PartialColumnCount(c.weights->config.head_dim,
-                                               o.partial_ratio)),
+                                               o.infinigen.partial_ratio)),
         format_(KeyFormat(o)),
         row_bytes_(speculator::PartialKeyRowBytes(n_cols_, format_)) {
     // Where every column is kept the prompt chooses none: nothing to
@@ -73,7 +73,7 @@ class InfiniGenPolicy final : public KvPolicy, private PrefixSummary {
   // exact_partial_keys) rank by fp32 partial keys; infinigen keeps 4-bit
   // rows (speculator/partial_keys.h).
   static speculator::PartialKeyFormat KeyFormat(const PolicyOptions& o) {
-    return o.SpeculatesFromOwnInput() || o.exact_partial_keys
+    return o.SpeculatesFromOwnInput() || o.infinigen.exact_partial_keys
                ? speculator::PartialKeyFormat::kFloat
                : speculator::PartialKeyFormat::kInt4;
   }
@@ -108,7 +108,8 @@ class InfiniGenPolicy final : public KvPolicy, private PrefixSummary {
     Sizes z;
     z.heads = static_cast<size_t>(m.n_layers) * m.n_kv_heads;
     z.d = m.head_dim;
-    z.n_cols = speculator::PartialColumnCount(m.head_dim, o.partial_ratio);
+    z.n_cols =
+        speculator::PartialColumnCount(m.head_dim, o.infinigen.partial_ratio);
     z.max_seq = c.max_seq_len;
     z.q_dim = m.q_dim();
     z.n_kv = m.n_kv_heads;
@@ -177,8 +178,8 @@ class InfiniGenPolicy final : public KvPolicy, private PrefixSummary {
     IG_ASSIGN_OR_RETURN(position_,
                         DeviceBuffer<int>::Make(b, 1, "speculated position"));
     present_.reserve(z.n_kv * z.max_seq);
-    if (options_.adaptive_budgets) {
-      const speculator::HeadProfile& pr = *options_.profile;
+    if (options_.infinigen.adaptive_budgets) {
+      const speculator::HeadProfile& pr = *options_.infinigen.profile;
       if (pr.n_layers != m.n_layers || pr.n_kv_heads != m.n_kv_heads) {
         return absl::InvalidArgumentError(absl::StrFormat(
             "the head profile is for %d layers x %d KV heads, the model has "
@@ -188,10 +189,11 @@ class InfiniGenPolicy final : public KvPolicy, private PrefixSummary {
       // InfiniGen's selection is judged by the errors of its own ranking;
       // the oracle's (and a same-layer diagnostic's) by the exact one.
       const bool exact = options_.kind == PolicyKind::kOracle ||
-                         options_.same_layer_input;
+                         options_.infinigen.same_layer_input;
       head_budgets_ = speculator::AllocateBudgets(
-          pr, exact ? pr.error : pr.speculated_error, options_.budget,
-          options_.dense_layers, options_.budget_floor * options_.budget);
+          pr, exact ? pr.error : pr.speculated_error, options_.selection.budget,
+          options_.selection.dense_layers,
+          options_.infinigen.budget_floor * options_.selection.budget);
     }
     return absl::OkStatus();
   }
@@ -220,7 +222,8 @@ class InfiniGenPolicy final : public KvPolicy, private PrefixSummary {
   int floats() const override {
     if (!SelectsColumns()) return 0;
     const model::ModelConfig& m = config();
-    return m.n_kv_heads * m.head_dim * (options_.rank_columns_by_keys ? 2 : 1);
+    return m.n_kv_heads * m.head_dim *
+           (options_.infinigen.rank_columns_by_keys ? 2 : 1);
   }
   void Summarize(int layer, const float* q, const float* k, int n,
                  float* out) const override {
@@ -233,7 +236,7 @@ class InfiniGenPolicy final : public KvPolicy, private PrefixSummary {
     const size_t n = static_cast<size_t>(m.n_kv_heads) * m.head_dim;
     float* q_sums = ColSums(layer, 0);
     for (size_t i = 0; i < n; ++i) q_sums[i] += state[i];
-    if (!options_.rank_columns_by_keys) return;
+    if (!options_.infinigen.rank_columns_by_keys) return;
     float* k_sums = k_col_sums_.data() + Head(layer, 0) * m.head_dim;
     for (size_t i = 0; i < n; ++i) k_sums[i] += state[n + i];
   }
@@ -271,14 +274,15 @@ class InfiniGenPolicy final : public KvPolicy, private PrefixSummary {
       }
     };
     add(q, m.n_heads, group, q_sums);
-    if (options_.rank_columns_by_keys) add(k, m.n_kv_heads, 1, k_sums);
+    if (options_.infinigen.rank_columns_by_keys)
+      add(k, m.n_kv_heads, 1, k_sums);
   }
 
   absl::Status FinishPrefillLayer(int l, int n_tokens, const float* keys,
                                   int key_stride) override {
     const model::ModelConfig& m = config();
     const int d = m.head_dim;
-    if (options_.rank_columns_by_keys) {
+    if (options_.infinigen.rank_columns_by_keys) {
       for (int g = 0; g < m.n_kv_heads; ++g) {
         const float* k_sums = k_col_sums_.data() + Head(l, g) * d;
         float* sums = ColSums(l, g);
@@ -331,7 +335,7 @@ class InfiniGenPolicy final : public KvPolicy, private PrefixSummary {
 
   // Dense layers, and layer 0 before its input is known, read every row.
   bool PlansEveryRow(int layer, const float* xb_prev) const {
-    return layer < options_.dense_layers || xb_prev == nullptr;
+    return layer < options_.selection.dense_layers || xb_prev == nullptr;
   }
 
   // The speculated plan on the host.
@@ -371,20 +375,21 @@ class InfiniGenPolicy final : public KvPolicy, private PrefixSummary {
       speculator::SelectTopKPerHead(scores, m.n_kv_heads, p,
                                     present_.data(), head_k_.data(),
                                     plan.indices, plan.head_offsets, run);
-    } else if (options_.score_mass > 0.0f) {
-      speculator::SelectByMass(scores, m.n_kv_heads, p,
-                               present_.data(), options_.score_mass,
-                               options_.budget, plan.indices,
+    } else if (options_.infinigen.score_mass > 0.0f) {
+      speculator::SelectByMass(scores, m.n_kv_heads, p, present_.data(),
+                               options_.infinigen.score_mass,
+                               options_.selection.budget, plan.indices,
                                plan.head_offsets);
     } else {
       speculator::SelectionOptions sel;
-      sel.alpha = options_.alpha;
-      sel.max_fraction = options_.budget;
+      sel.alpha = options_.infinigen.alpha;
+      sel.max_fraction = options_.selection.budget;
       speculator::SelectTokens(scores, m.n_kv_heads, p,
                                present_.data(), sel, plan.indices,
                                plan.head_offsets, run);
     }
-    if (options_.sink_tokens > 0 || options_.recent_tokens > 0) {
+    if (options_.selection.sink_tokens > 0 ||
+        options_.selection.recent_tokens > 0) {
       AddSinksAndRecent(p, plan);
     }
     return absl::OkStatus();
@@ -393,14 +398,15 @@ class InfiniGenPolicy final : public KvPolicy, private PrefixSummary {
   // Each head takes its top k: adaptive budgets, or the cap alone (alpha
   // off, kAlphaOff: SelectTokens' k would be the cap), with no score mass.
   static bool RanksTopK(const PolicyOptions& o) {
-    return o.adaptive_budgets ||
-           (o.score_mass == 0.0f && o.alpha >= kAlphaOff);
+    return o.infinigen.adaptive_budgets ||
+           (o.infinigen.score_mass == 0.0f && o.infinigen.alpha >= kAlphaOff);
   }
   bool RanksTopK() const { return RanksTopK(options_); }
   // Whether the backend selects (PlanFetchOnBackend): top k, no sink or
   // recent tokens to add.
   static bool SelectsOnBackend(const PolicyOptions& o) {
-    return RanksTopK(o) && o.sink_tokens == 0 && o.recent_tokens == 0;
+    return RanksTopK(o) && o.selection.sink_tokens == 0 &&
+           o.selection.recent_tokens == 0;
   }
 
   // Each KV head's k at `layer` with positions [0, p) cached (RanksTopK;
@@ -410,7 +416,7 @@ class InfiniGenPolicy final : public KvPolicy, private PrefixSummary {
     k.resize(n_kv);
     for (int g = 0; g < n_kv; ++g) {
       const float budget = head_budgets_.empty()
-                               ? options_.budget
+                               ? options_.selection.budget
                                : head_budgets_[Head(layer, g)];
       k[g] = std::min(
           p, std::max(1, static_cast<int>(static_cast<float>(p) * budget)));
@@ -419,7 +425,7 @@ class InfiniGenPolicy final : public KvPolicy, private PrefixSummary {
 
   int MaxBackendPlanRows(int p) const override {
     if (!SelectsOnBackend(options_)) return 0;
-    float budget = options_.budget;
+    float budget = options_.selection.budget;
     for (float b : head_budgets_) budget = std::max(budget, b);
     return std::min(
         p, std::max(1, static_cast<int>(static_cast<float>(p) * budget)));
@@ -493,8 +499,9 @@ class InfiniGenPolicy final : public KvPolicy, private PrefixSummary {
   // lacks (present_ is [kv_head][p]).
   void AddSinksAndRecent(int p, OwnedFetchPlan& plan) {
     const int n_kv = config().n_kv_heads;
-    const int sinks = std::min(options_.sink_tokens, p);
-    const int recent_from = std::max(sinks, p - options_.recent_tokens);
+    const int sinks = std::min(options_.selection.sink_tokens, p);
+    const int recent_from =
+        std::max(sinks, p - options_.selection.recent_tokens);
     std::vector<int32_t> indices;
     std::vector<int32_t> offsets(1, 0);
     indices.reserve(plan.indices.size() +
@@ -632,7 +639,8 @@ namespace {
 absl::StatusOr<std::unique_ptr<KvPolicy>> MakeInfiniGen(
     const PolicyOptions& o, const KvPolicy::Context& c) {
   const model::ModelConfig& m = c.weights->config;
-  IG_RETURN_IF_ERROR(o.skew->CheckShape(m.n_layers, m.n_kv_heads, m.head_dim));
+  IG_RETURN_IF_ERROR(
+      o.infinigen.skew->CheckShape(m.n_layers, m.n_kv_heads, m.head_dim));
   return NewInfiniGenPolicy(c, o);
 }
 

@@ -11,10 +11,10 @@ namespace {
 // an identity skew (a rotation changes no score), on each layer's own
 // input: the speculated scores are the exact ones.
 PolicyOptions OracleOptions(PolicyOptions o) {
-  o.partial_ratio = 1.0f;
-  o.alpha = 1e30f;
-  o.same_layer_input = true;
-  o.rank_columns_by_keys = false;
+  o.infinigen.partial_ratio = 1.0f;
+  o.infinigen.alpha = 1e30f;
+  o.infinigen.same_layer_input = true;
+  o.infinigen.rank_columns_by_keys = false;
   return o;
 }
 

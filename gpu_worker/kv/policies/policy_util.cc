@@ -30,7 +30,7 @@ void ProjectQuery(Backend& b, const model::ModelConfig& m,
 
 absl::Status SetSelectedLayersTargetFetch(double fraction, int n_layers,
                                           PolicyOptions& options) {
-  const int dense_layers = options.dense_layers;  // read whole
+  const int dense_layers = options.selection.dense_layers;  // read whole
   const double dense = static_cast<double>(dense_layers) / n_layers;
   if (dense_layers >= n_layers || fraction <= dense) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -39,24 +39,25 @@ absl::Status SetSelectedLayersTargetFetch(double fraction, int n_layers,
         fraction, PolicyName(options.kind), n_layers, dense_layers,
         std::min(1.0, dense)));
   }
-  options.budget = static_cast<float>((fraction - dense) / (1.0 - dense));
-  options.alpha = kAlphaOff;
-  options.score_mass = 0.0f;
+  options.selection.budget =
+      static_cast<float>((fraction - dense) / (1.0 - dense));
+  options.infinigen.alpha = kAlphaOff;
+  options.infinigen.score_mass = 0.0f;
   return absl::OkStatus();
 }
 
 absl::Status ValidateSelection(const PolicyOptions& options) {
-  return options.SelectionOptions::Validate();
+  return options.selection.Validate();
 }
 
 absl::Status ValidateSelectionAndInfiniGen(const PolicyOptions& options) {
-  IG_RETURN_IF_ERROR(options.SelectionOptions::Validate());
-  return options.InfiniGenOptions::Validate();
+  IG_RETURN_IF_ERROR(options.selection.Validate());
+  return options.infinigen.Validate();
 }
 
 absl::Status ValidateSelectionAndQuest(const PolicyOptions& options) {
-  IG_RETURN_IF_ERROR(options.SelectionOptions::Validate());
-  return options.QuestOptions::Validate();
+  IG_RETURN_IF_ERROR(options.selection.Validate());
+  return options.quest.Validate();
 }
 
 absl::StatusOr<int64_t> NoStateBytes(const PolicyOptions&,

@@ -25,10 +25,11 @@ void ProjectQuery(Backend& b, const model::ModelConfig& m,
 // within it of the head's max, so the cap alone decides (SetTargetFetch's).
 constexpr float kAlphaOff = 1e9f;
 
-// SetTargetFetch for a policy that reads its first options.dense_layers
-// layers whole and selects in the others: the selecting layers take budget
-// (fraction * n_layers - D) / (n_layers - D), the alpha rule off and no
-// score mass. InvalidArgument where the dense layers alone fetch more.
+// SetTargetFetch for a policy that reads its first
+// options.selection.dense_layers layers whole and selects in the others: the
+// selecting layers take budget (fraction * n_layers - D) / (n_layers - D), the
+// alpha rule off and no score mass. InvalidArgument where the dense layers
+// alone fetch more.
 absl::Status SetSelectedLayersTargetFetch(double fraction, int n_layers,
                                           PolicyOptions& options);
 

@@ -30,12 +30,13 @@ class QuestPolicy final : public KvPolicy {
  public:
   QuestPolicy(const Context& c, const PolicyOptions& o)
       : KvPolicy(c),
-        budget_(o.budget),
-        sink_tokens_(o.sink_tokens),
-        recent_tokens_(o.recent_tokens),
-        page_(o.page_tokens),
-        dense_layers_(o.dense_layers),
-        max_pages_((c.max_seq_len + o.page_tokens - 1) / o.page_tokens) {}
+        budget_(o.selection.budget),
+        sink_tokens_(o.selection.sink_tokens),
+        recent_tokens_(o.selection.recent_tokens),
+        page_(o.quest.page_tokens),
+        dense_layers_(o.selection.dense_layers),
+        max_pages_((c.max_seq_len + o.quest.page_tokens - 1) /
+                   o.quest.page_tokens) {}
 
   static absl::StatusOr<std::unique_ptr<KvPolicy>> Make(
       const PolicyOptions& o, const Context& c) {
@@ -45,7 +46,8 @@ class QuestPolicy final : public KvPolicy {
   static absl::StatusOr<int64_t> StateBytes(const PolicyOptions& o,
                                             const Context& c) {
     const model::ModelConfig& m = c.weights->config;
-    const int64_t pages = (c.max_seq_len + o.page_tokens - 1) / o.page_tokens;
+    const int64_t pages =
+        (c.max_seq_len + o.quest.page_tokens - 1) / o.quest.page_tokens;
     return 2 * int64_t{m.n_layers} * m.n_kv_heads * pages * m.head_dim *
                int64_t{sizeof(float)} +                    // min_, max_
            2 * int64_t{m.q_dim()} * int64_t{sizeof(float)} +  // q_, q_host_

@@ -46,9 +46,9 @@ TEST(PolicyRegistry, IdealIsTheLocalCacheNotAPolicy) {
   ASSERT_TRUE(kv.policy.has_value());
   EXPECT_EQ(kv.policy->kind, PolicyKind::kInfiniGen);
   EXPECT_STREQ(kv.policy_name(), "infinigen");
-  kv.policy->budget = 0.5f;
+  kv.policy->selection.budget = 0.5f;
   ASSERT_TRUE(ChoosePolicy("h2o", kv).ok());  // keeps the other fields
-  EXPECT_EQ(kv.policy->budget, 0.5f);
+  EXPECT_EQ(kv.policy->selection.budget, 0.5f);
   ASSERT_TRUE(ChoosePolicy("ideal", kv).ok());
   EXPECT_FALSE(kv.policy.has_value());
   EXPECT_STREQ(kv.policy_name(), "ideal");
@@ -93,7 +93,7 @@ TEST_F(PolicyFactoryTest, EveryOffloadingPolicyBuildsAndSizesItsState) {
     SCOPED_TRACE(entry->name);
     PolicyOptions options;
     options.kind = entry->kind;
-    options.skew = &skew_;
+    options.infinigen.skew = &skew_;
     absl::StatusOr<int64_t> bytes = KvPolicy::StateBytes(options, context);
     auto policy = KvPolicy::CreateUninitialized(options, context);
     ASSERT_TRUE(bytes.ok()) << bytes.status();
@@ -112,7 +112,7 @@ TEST(PolicyRegistry, TraitsDecideTheOptionChecks) {
   EXPECT_THAT(std::string(options.Validate().message()),
               HasSubstr("infinigen policy needs a skew"));
   options.kind = PolicyKind::kQuest;
-  options.adaptive_budgets = true;
+  options.infinigen.adaptive_budgets = true;
   const absl::Status adaptive = options.Validate();
   EXPECT_EQ(adaptive.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(adaptive.message()),
@@ -124,13 +124,13 @@ TEST(PolicyRegistry, TraitsDecideTheOptionChecks) {
   EXPECT_THAT(std::string(target.message()),
               HasSubstr("applies to infinigen, h2o, oracle, quest, not full"));
   options.kind = PolicyKind::kQuest;
-  options.dense_layers = 0;
+  options.selection.dense_layers = 0;
   EXPECT_TRUE(options.SelectsLayerZero());
   EXPECT_TRUE(options.SpeculatesFromOwnInput());
   options.kind = PolicyKind::kH2O;
   EXPECT_FALSE(options.SelectsLayerZero());
   ASSERT_TRUE(SetTargetFetch(0.25, 8, options).ok());
-  EXPECT_FLOAT_EQ(options.budget, 0.25f);
+  EXPECT_FLOAT_EQ(options.selection.budget, 0.25f);
 }
 
 // Each policy checks the options structs it reads, and no other's.
@@ -139,21 +139,21 @@ TEST(PolicyRegistry, EachPolicyChecksItsOwnOptions) {
   auto check = [&](PolicyKind kind, void (*set)(PolicyOptions&)) {
     PolicyOptions options;
     options.kind = kind;
-    options.skew = &skew;
+    options.infinigen.skew = &skew;
     set(options);
     return options.Validate();
   };
-  auto no_pages = [](PolicyOptions& o) { o.page_tokens = 0; };
+  auto no_pages = [](PolicyOptions& o) { o.quest.page_tokens = 0; };
   EXPECT_THAT(std::string(check(PolicyKind::kQuest, no_pages).message()),
               HasSubstr("page_tokens must be >= 1"));
   EXPECT_TRUE(check(PolicyKind::kInfiniGen, no_pages).ok());
   EXPECT_TRUE(check(PolicyKind::kFull, no_pages).ok());
-  auto bad_alpha = [](PolicyOptions& o) { o.alpha = -1; };
+  auto bad_alpha = [](PolicyOptions& o) { o.infinigen.alpha = -1; };
   EXPECT_THAT(std::string(check(PolicyKind::kInfiniGen, bad_alpha).message()),
               HasSubstr("alpha must be >= 0"));
   EXPECT_TRUE(check(PolicyKind::kQuest, bad_alpha).ok());
   EXPECT_TRUE(check(PolicyKind::kH2O, bad_alpha).ok());
-  auto bad_budget = [](PolicyOptions& o) { o.budget = 2; };
+  auto bad_budget = [](PolicyOptions& o) { o.selection.budget = 2; };
   for (PolicyKind kind : {PolicyKind::kH2O, PolicyKind::kQuest,
                           PolicyKind::kOracle, PolicyKind::kInfiniGen}) {
     EXPECT_THAT(std::string(check(kind, bad_budget).message()),
