@@ -15,7 +15,8 @@
 # daemon answers, podman otherwise (docker/containers.conf). Where the
 # Debian base cannot be pulled it is made with mmdebstrap (cached in
 # .cache/images/). podman and mmdebstrap: scripts/install_deps.sh --containers.
-# $BAZEL_FLAGS is passed to the host's bazel build.
+# $BAZEL_FLAGS is passed to the host's bazel build. Exit status 3: no base
+# image could be had (neither pulled nor made).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,7 +28,7 @@ while [ $# -gt 0 ]; do
     --engine) engine="${2:?--engine needs docker or podman}"; shift ;;
     --registry) registry="${2:?--registry needs a value}"; shift ;;
     --tag) tag="${2:?--tag needs a value}"; shift ;;
-    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "build_images: unknown option $1 (try --help)" >&2; exit 2 ;;
   esac
   shift
@@ -60,7 +61,12 @@ if ! "$engine" image inspect docker.io/library/debian:bookworm >/dev/null 2>&1 &
   tar=.cache/images/bookworm.tar
   if [ ! -s "$tar" ]; then
     say "making debian:bookworm with mmdebstrap"
-    mmdebstrap --quiet --variant=minbase bookworm "$tar.tmp" && mv "$tar.tmp" "$tar"
+    if ! mmdebstrap --quiet --variant=minbase --format=tar bookworm "$tar.tmp"; then
+      rm -rf "$tar.tmp"
+      say "mmdebstrap could not make debian:bookworm (are Debian's mirrors reachable?)"
+      exit 3
+    fi
+    mv "$tar.tmp" "$tar"
   fi
   "$engine" import --change "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin" \
     "$tar" docker.io/library/debian:bookworm >/dev/null
