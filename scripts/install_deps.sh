@@ -1,7 +1,21 @@
 #!/usr/bin/env bash
 # Installs every Debian package the build and the tests need. Idempotent:
 # quiet and quick when everything is already there.
+#
+#   scripts/install_deps.sh               # the build's and the tests' packages
+#   scripts/install_deps.sh --containers  # plus podman, runc, catatonit and
+#                                         # mmdebstrap (scripts/build_images.sh,
+#                                         # scripts/container_test.sh)
 set -euo pipefail
+
+containers=0
+for arg in "$@"; do
+  case "$arg" in
+    --containers) containers=1 ;;
+    -h|--help) sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "install_deps: unknown option $arg (try --help)" >&2; exit 2 ;;
+  esac
+done
 
 PKGS=(
   bazel-bootstrap
@@ -41,6 +55,12 @@ PKGS=(
 # already installed is never replaced.
 if ! command -v kubectl >/dev/null 2>&1; then
   PKGS+=(kubernetes-client)
+fi
+# Containers without a Docker daemon: Debian's podman with runc (crun
+# refuses hybrid cgroups), catatonit for pods' infra containers, mmdebstrap
+# to make a Debian base image where no registry serves one.
+if [ "$containers" = 1 ]; then
+  PKGS+=(podman runc catatonit mmdebstrap)
 fi
 
 missing=()
