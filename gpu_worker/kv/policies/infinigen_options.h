@@ -1,5 +1,5 @@
 // InfiniGen's options (PolicyOptions::infinigen; read by infinigen.cc and
-// the oracle, which ranks with its machinery). Validate is in infinigen.cc.
+// the oracle, which ranks with its machinery).
 #ifndef INFINIGEN_GPU_WORKER_KV_POLICIES_INFINIGEN_OPTIONS_H_
 #define INFINIGEN_GPU_WORKER_KV_POLICIES_INFINIGEN_OPTIONS_H_
 

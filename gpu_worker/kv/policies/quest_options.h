@@ -1,4 +1,4 @@
-// Quest's options (PolicyOptions::quest). Validate is in quest.cc.
+// Quest's options (PolicyOptions::quest).
 #ifndef INFINIGEN_GPU_WORKER_KV_POLICIES_QUEST_OPTIONS_H_
 #define INFINIGEN_GPU_WORKER_KV_POLICIES_QUEST_OPTIONS_H_
 

@@ -1,6 +1,5 @@
 // The options every policy that chooses its rows reads (PolicyOptions::
-// selection; their flags: the registry entries' `flags`). Validate is in
-// policy_util.cc.
+// selection; their flags: the registry entries' `flags`).
 #ifndef INFINIGEN_GPU_WORKER_KV_POLICIES_SELECTION_OPTIONS_H_
 #define INFINIGEN_GPU_WORKER_KV_POLICIES_SELECTION_OPTIONS_H_
 
