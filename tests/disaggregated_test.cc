@@ -53,11 +53,12 @@ class Disaggregated : public ::testing::Test {
   // batch, through the memory node at `address`.
   // With `direct`, one-sided reads (KvOptions::direct_reads); *in_place
   // (may be null) gets the rows read where the node keeps them, of
-  // *fetched.
-  std::vector<std::vector<float>> Decode(const std::string& address,
-                                         PolicyKind kind, bool direct = false,
-                                         long* in_place = nullptr,
-                                         long* fetched = nullptr) {
+  // *fetched. `row_cache`: KvOptions::row_cache; *stats (may be null) the
+  // two sequences' fetch statistics.
+  std::vector<std::vector<float>> Decode(
+      const std::string& address, PolicyKind kind, bool direct = false,
+      long* in_place = nullptr, long* fetched = nullptr,
+      double row_cache = 0.0, gpu_worker::FetchStats* stats = nullptr) {
     auto client = kv_memory_service::ConnectKvClient(address);
     EXPECT_TRUE(client.ok()) << client.status();
     if (!client.ok()) return {};
@@ -68,6 +69,7 @@ class Disaggregated : public ::testing::Test {
     options.kv.policy->infinigen.skew = &skew_;
     options.kv.kv_client = client->get();
     options.kv.direct_reads = direct;
+    options.kv.row_cache = row_cache;
     auto engine = Engine::Create(weights_, gpu_worker::NewCpuBackend(), options);
     EXPECT_TRUE(engine.ok()) << engine.status();
     if (!engine.ok()) return {};
@@ -86,6 +88,10 @@ class Disaggregated : public ::testing::Test {
     }
     if (in_place != nullptr) *in_place = (*engine)->fetch_stats().rows_read_in_place;
     if (fetched != nullptr) *fetched = (*engine)->fetch_stats().rows_fetched;
+    if (stats != nullptr) {
+      *stats = gpu_worker::FetchStats();
+      for (int s = 0; s < 2; ++s) stats->Add((*engine)->fetch_stats(s));
+    }
     return out;
   }
 
@@ -118,6 +124,36 @@ TEST_F(Disaggregated, RemoteMemoryNodesGiveExactlyTheInProcessLogits) {
       EXPECT_EQ(Decode(address, kind, true, &in_place, &fetched), want);
       EXPECT_GT(fetched, 0);
       EXPECT_EQ(in_place, kind == PolicyKind::kInt4 ? 0 : fetched);
+    }
+  }
+}
+
+// The worker's row cache over every data plane, two sequences in a batch
+// (each its own cache): the logits of fetching every selected row, bit for
+// bit, with only the rows the worker did not hold fetched.
+TEST_F(Disaggregated, TheRowCacheGivesTheSameLogitsOnEveryPlane) {
+  auto tcp = ServerProcess::Start({"--listen=127.0.0.1:0"});
+  ASSERT_TRUE(tcp.ok()) << tcp.status();
+  const std::string shm_sock = ServerProcess::SocketPath("dis_rows.sock");
+  auto shm = ServerProcess::Start(
+      {"--listen=127.0.0.1:0", "--shm_listen=unix:" + shm_sock});
+  ASSERT_TRUE(shm.ok()) << shm.status();
+  for (PolicyKind kind : {PolicyKind::kInfiniGen, PolicyKind::kOracle,
+                          PolicyKind::kQuest, PolicyKind::kH2O}) {
+    SCOPED_TRACE(gpu_worker::PolicyName(kind));
+    gpu_worker::FetchStats all;
+    const auto want =
+        Decode("inproc:", kind, false, nullptr, nullptr, 0.0, &all);
+    ASSERT_FALSE(want.empty());
+    for (const std::string address :
+         {std::string("inproc:"), (*tcp)->address(), "shm:unix:" + shm_sock}) {
+      SCOPED_TRACE(address);
+      gpu_worker::FetchStats got;
+      EXPECT_EQ(Decode(address, kind, false, nullptr, nullptr, 0.5, &got),
+                want);
+      EXPECT_EQ(got.row_cache_lookups, all.rows_fetched);
+      EXPECT_GT(got.row_cache_hits, 0);
+      EXPECT_EQ(got.rows_fetched, all.rows_fetched - got.row_cache_hits);
     }
   }
 }

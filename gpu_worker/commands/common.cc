@@ -112,6 +112,13 @@ ABSL_FLAG(bool, kv_direct_reads, false,
           "attention reads them in place. TCP and RDMA, reused prefixes, "
           "--kv_capacity < 1 and int4 rows on the CPU keep the node's "
           "gather.");
+ABSL_FLAG(double, row_cache, 0.25,
+          "The worker's row cache, for the policies that select rows (on the "
+          "CPU, where the node gathers them): the rows a decode step fetched "
+          "stay on the worker, up to this fraction of each sequence's cached "
+          "tokens per layer and KV head, and later steps fetch only the rows "
+          "they do not hold, replacing the least recently selected; the "
+          "output is the same. 0 = fetch every selected row each step.");
 ABSL_FLAG(int, prefix_block_tokens, 16,
           "Prefix reuse: a prompt's leading tokens whose KV rows the memory "
           "node already holds (from any earlier request of any worker with "
@@ -168,6 +175,7 @@ MemoryNodeFlags ReadMemoryNodeFlags() {
   f.kv_service = absl::GetFlag(FLAGS_kv_service);
   f.kv_capacity = absl::GetFlag(FLAGS_kv_capacity);
   f.kv_direct_reads = absl::GetFlag(FLAGS_kv_direct_reads);
+  f.row_cache = absl::GetFlag(FLAGS_row_cache);
   f.eviction = absl::GetFlag(FLAGS_eviction);
   f.max_worker_kv_bytes = absl::GetFlag(FLAGS_max_worker_kv_bytes);
   f.prefix_block_tokens = absl::GetFlag(FLAGS_prefix_block_tokens);
@@ -185,7 +193,7 @@ std::vector<const char*> WithEngineFlags(std::vector<const char*> own) {
         "skew_cache_dir",
         "kv_service", "kv_auth_token_file", "kv_tls_ca", "kv_tls_cert",
         "kv_tls_key", "kv_tls_server_name", "kv_capacity", "kv_direct_reads",
-        "eviction",
+        "row_cache", "eviction",
         "max_worker_kv_bytes", "backend", "threads", "prefill_chunk",
         "load_format", "model_config"}) {
     own.push_back(f);

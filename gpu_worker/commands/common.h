@@ -70,6 +70,7 @@ struct MemoryNodeFlags {
   std::string kv_service;            // --kv_service
   double kv_capacity = 1.0;          // --kv_capacity
   bool kv_direct_reads = false;      // --kv_direct_reads
+  double row_cache = 0.0;            // --row_cache
   std::string eviction;              // --eviction
   int64_t max_worker_kv_bytes = 0;   // --max_worker_kv_bytes
   int prefix_block_tokens = 0;       // --prefix_block_tokens

@@ -274,6 +274,11 @@ absl::StatusOr<EngineOptions> EngineOptionsFromFlags(
       static_cast<float>(absl::GetFlag(FLAGS_budget_floor));
   options.kv.kv_capacity = node.kv_capacity;
   options.kv.direct_reads = node.kv_direct_reads;
+  options.kv.row_cache = node.row_cache;
+  if (!(node.row_cache >= 0.0 && node.row_cache <= 1.0)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--row_cache must be in [0, 1], got %g", node.row_cache));
+  }
   options.kv.max_worker_bytes = node.max_worker_kv_bytes;
   if (options.kv.max_worker_bytes < 0) {
     return absl::InvalidArgumentError(
@@ -461,7 +466,8 @@ void WarnIgnoredPolicyFlags(absl::Span<const std::string> policies) {
   }
   if (!all_local) return;
   for (const char* flag :
-       {"kv_service", "kv_capacity", "kv_direct_reads", "eviction"}) {
+       {"kv_service", "kv_capacity", "kv_direct_reads", "row_cache",
+        "eviction"}) {
     if (set(flag)) {
       IG_LOG(WARNING) << "--" << flag << " has no effect on "
                       << gpu_worker::kLocalCacheName

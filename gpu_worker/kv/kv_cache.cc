@@ -4,6 +4,7 @@
 #include "gpu_worker/kv/kv_cache.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "absl/strings/str_format.h"
 #include "common/status.h"
@@ -21,6 +22,15 @@ void FetchStats::Add(const FetchStats& o) {
   wait_seconds += o.wait_seconds;
   open_seconds += o.open_seconds;
   prefill_append_wait_seconds += o.prefill_append_wait_seconds;
+  row_cache_lookups += o.row_cache_lookups;
+  row_cache_hits += o.row_cache_hits;
+  for (auto [mine, theirs] :
+       {std::pair{&row_cache_layer_lookups, &o.row_cache_layer_lookups},
+        std::pair{&row_cache_layer_hits, &o.row_cache_layer_hits}}) {
+    if (mine->size() < theirs->size()) mine->resize(theirs->size(), 0);
+    for (size_t l = 0; l < theirs->size(); ++l) (*mine)[l] += (*theirs)[l];
+  }
+  row_cache_bytes += o.row_cache_bytes;
 }
 
 absl::Status KvOptions::Validate() const {
@@ -34,6 +44,10 @@ absl::Status KvOptions::Validate() const {
   if (!(kv_capacity > 0.0 && kv_capacity <= 1.0)) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "kv_capacity must be in (0, 1], got %g", kv_capacity));
+  }
+  if (!(row_cache >= 0.0 && row_cache <= 1.0)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "row_cache must be in [0, 1], got %g", row_cache));
   }
   if (max_worker_bytes < 0) {
     return absl::InvalidArgumentError(absl::StrFormat(

@@ -53,6 +53,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -78,12 +79,25 @@ struct FetchStats {
   // reads, KvOptions::direct_reads) instead of gathered by it.
   long rows_read_in_place = 0;
   double wait_seconds = 0;   // blocked in fetch Wait()
+  // The worker's row cache (KvOptions::row_cache): planned rows looked up
+  // and those it held (not fetched: rows_fetched and bytes_fetched count
+  // the rest), in all and per layer; and the bytes of the rows it holds
+  // at the last step's end.
+  long row_cache_lookups = 0;
+  long row_cache_hits = 0;
+  std::vector<long> row_cache_layer_lookups, row_cache_layer_hits;
+  int64_t row_cache_bytes = 0;
   // Prefill: opening the sequence at the memory node (with its rows pinned
   // for one-sided reads), and blocked on a layer's append to the node
   // after the next layer's work was done.
   double open_seconds = 0;
   double prefill_append_wait_seconds = 0;
   double fraction_mean() const { return steps ? fraction_sum / steps : 0.0; }
+  double row_cache_hit_rate() const {
+    return row_cache_lookups
+               ? static_cast<double>(row_cache_hits) / row_cache_lookups
+               : 0.0;
+  }
   void Add(const FetchStats& o);
 };
 
@@ -117,6 +131,13 @@ struct KvOptions {
   // Sequences with a reused prefix, or that the node may evict from
   // (kv_capacity < 1), and the CPU's int4 rows are gathered by the node.
   bool direct_reads = false;
+  // The worker's row cache: rows a decode step fetched stay on the worker,
+  // up to this fraction of a sequence's cached tokens per (layer, KV head),
+  // and a later step fetches only the rows it does not hold
+  // (offloaded/row_cache.h); attention computes the same. For the policies
+  // that select rows, on a host backend, where the node gathers (not with
+  // one-sided reads, which copy nothing). 0 = none; at most 1.
+  double row_cache = 0.0;
   // Names the model and everything its rows depend on (weights, skew;
   // ModelIdentity in the worker's commands); the cache adds the policy and
   // row format. Reuse needs it non-empty.

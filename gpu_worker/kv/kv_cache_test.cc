@@ -1351,6 +1351,86 @@ TEST_F(KvCacheTest, OneSidedReadsOnTheCpuAttendOverTheNodesRowsInPlace) {
   }
 }
 
+// The row cache: each step fetches only the selected rows the worker does
+// not hold, and attention over the held and fetched rows gives the logits
+// of a cache that fetches every selected row, bit for bit. The node hears
+// of the held rows too (a note): it counts every token's fetches as the
+// other node does. The policies that read every row fetch as before.
+TEST_F(KvCacheTest, TheRowCacheFetchesOnlyWhatChangedWithTheSameLogits) {
+  for (std::string kind : {"infinigen", "oracle", "quest", "h2o", "full",
+                           "int4"}) {
+    SCOPED_TRACE(kind);
+    FakeKvClient cached_node, gather_node;
+    EngineOptions cached_options = Options(kind, &cached_node);
+    cached_options.kv.row_cache = 0.5;
+    auto cached = Engine::Create(weights_, NewCpuBackend(), cached_options);
+    auto gather = Engine::Create(weights_, NewCpuBackend(),
+                                 Options(kind, &gather_node));
+    ASSERT_TRUE(cached.ok()) << cached.status();
+    ASSERT_TRUE(gather.ok()) << gather.status();
+    ASSERT_NO_FATAL_FAILURE(ExpectSameDecoding(**cached, **gather));
+    const FetchStats& got = (*cached)->fetch_stats();
+    const FetchStats& want = (*gather)->fetch_stats();
+    EXPECT_EQ(got.fraction_sum, want.fraction_sum);  // the same selection
+    long node_rows = 0, node_rows_gathered = 0;
+    for (const auto& f : cached_node.fetches()) node_rows += f.rows;
+    for (const auto& f : gather_node.fetches()) node_rows_gathered += f.rows;
+    if (kind == "full" || kind == "int4") {
+      EXPECT_EQ(got.row_cache_lookups, 0);
+      EXPECT_EQ(node_rows, node_rows_gathered);
+      EXPECT_TRUE(cached_node.notes().empty());
+      continue;
+    }
+    EXPECT_EQ(got.row_cache_lookups, want.rows_fetched);
+    EXPECT_GT(got.row_cache_hits, 0);
+    EXPECT_EQ(got.rows_fetched, want.rows_fetched - got.row_cache_hits);
+    EXPECT_EQ(got.bytes_fetched * want.rows_fetched,
+              want.bytes_fetched * got.rows_fetched);
+    EXPECT_EQ(node_rows, got.rows_fetched);
+    ASSERT_EQ(got.row_cache_layer_hits.size(), 12u);
+    long layer_hits = 0, layer_lookups = 0;
+    for (int l = 0; l < 12; ++l) {
+      layer_hits += got.row_cache_layer_hits[l];
+      layer_lookups += got.row_cache_layer_lookups[l];
+    }
+    EXPECT_EQ(layer_hits, got.row_cache_hits);
+    EXPECT_EQ(layer_lookups, got.row_cache_lookups);
+    EXPECT_GT(got.row_cache_bytes, 0);
+    // Each step's held rows were noted: every token counted as often.
+    long noted = 0;
+    for (const auto& n : cached_node.notes()) noted += n.rows;
+    EXPECT_EQ(noted, got.row_cache_hits);
+    const auto want_tokens = gather_node.TokenStats(12, 2);
+    const auto got_tokens = cached_node.TokenStats(12, 2);
+    ASSERT_EQ(got_tokens.size(), want_tokens.size());
+    for (size_t j = 0; j < got_tokens.size(); ++j) {
+      EXPECT_EQ(got_tokens[j].position, want_tokens[j].position) << j;
+      EXPECT_EQ(got_tokens[j].fetch_count, want_tokens[j].fetch_count) << j;
+    }
+  }
+}
+
+// The row cache is worker memory: its bound counts in worker_kv_bytes.
+TEST_F(KvCacheTest, TheRowCacheCountsInTheWorkersBytes) {
+  FakeKvClient a, b;
+  EngineOptions with = Options("infinigen", &a);
+  with.kv.row_cache = 0.5;
+  auto cached = Engine::Create(weights_, NewCpuBackend(), with);
+  auto plain = Engine::Create(weights_, NewCpuBackend(),
+                              Options("infinigen", &b));
+  ASSERT_TRUE(cached.ok() && plain.ok());
+  // 12 layers, 2 KV heads, 128 slots of K and V fp16 rows of 8, and the
+  // maps (256 positions, 3 x 129 slots).
+  EXPECT_EQ((*cached)->worker_kv_bytes() - (*plain)->worker_kv_bytes(),
+            12 * 2 * (2 * 128 * 8 * 2 + (256 + 3 * 129) * 4));
+  with.kv.row_cache = 1.5;
+  auto refused = Engine::Create(weights_, NewCpuBackend(), with);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(refused.status().message()),
+              ::testing::HasSubstr("row_cache"));
+}
+
 // A plan of every row (full, int4, InfiniGen's dense layers) is read with
 // one-sided reads as each head's first rows, whole: no indices are written,
 // copied to the device or sent; the node hears of each such layer by its

@@ -34,6 +34,7 @@ OffloadedKvCache::OffloadedKvCache(const model::Weights& weights,
   sources_.layout = &layout_;
   sources_.config = &c_;
   sources_.attention = &attention_;
+  sources_.max_seq_len = max_seq_;
   sources_.node_address = node_address_;
   sources_.policy_name = PolicyName(options.kv.policy->kind);
 }

@@ -97,7 +97,7 @@ absl::Status OffloadedKvCache::Step::End() {
     // Notes in the background are the appender's, and so are their waits.
     if (!s.notes_in_background) {
       IG_RETURN_IF_ERROR(cache_.NoteBackendPlans(s));
-      IG_RETURN_IF_ERROR(s.source->EndStep(s.fetches));
+      IG_RETURN_IF_ERROR(s.source->EndStep(s.fetches, s.stats));
     }
     const long cached = s.presence.total();
     const double fraction =
@@ -142,9 +142,13 @@ absl::Status OffloadedKvCache::IssueFetch(Sequence& s, int layer,
                                    f));
   const long rows = static_cast<long>(f.rows());
   s.step_rows += rows;
-  s.stats.rows_fetched += rows;
-  s.stats.bytes_fetched += rows * 2 * layout_.row_width * 2;
-  return s.source->Issue(f, layer, s.position, s.stats);
+  // What moves: the plan's rows less those the row cache holds.
+  const long held = s.stats.row_cache_hits;
+  IG_RETURN_IF_ERROR(s.source->Issue(f, layer, s.position, s.stats));
+  const long moved = rows - (s.stats.row_cache_hits - held);
+  s.stats.rows_fetched += moved;
+  s.stats.bytes_fetched += moved * 2 * layout_.row_width * 2;
+  return absl::OkStatus();
 }
 
 absl::Status OffloadedKvCache::UploadFetched(Sequence& s, int layer) {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "absl/container/inlined_vector.h"
 #include "common/status.h"
 
 namespace infinigen::gpu_worker {
@@ -28,28 +29,43 @@ absl::Status DecodedRows::Allocate(Backend& backend,
 
 bool FetchedAttention::InPlace(const LayerFetch& f, const StoredRowsAt& at,
                                const RowAttention& a) {
-  const int hd = c_.head_dim, group = c_.n_heads / c_.n_kv_heads;
   const kv_memory_service::OwnedFetchPlan& plan = f.plan;
   const int width = layout_.row_width;
+  absl::InlinedVector<HeadRowsAt, 8> heads(c_.n_kv_heads);
+  for (int g = 0; g < c_.n_kv_heads; ++g) {
+    const int begin = plan.head_offsets[g];
+    HeadRowsAt& h = heads[g];
+    if (at.head_values > 0) {
+      h.k = at.k + g * at.head_values;
+      h.v = at.v + g * at.head_values;
+      if (at.by_index) h.indices = plan.indices.data() + begin;
+    } else {
+      h.k = at.k + static_cast<size_t>(begin) * width;
+      h.v = at.v + static_cast<size_t>(begin) * width;
+    }
+  }
+  return InPlace(f, heads, a);
+}
+
+bool FetchedAttention::InPlace(const LayerFetch& f,
+                               absl::Span<const HeadRowsAt> heads,
+                               const RowAttention& a) {
+  const int hd = c_.head_dim, group = c_.n_heads / c_.n_kv_heads;
+  const kv_memory_service::OwnedFetchPlan& plan = f.plan;
   for (int g = 0; g < c_.n_kv_heads; ++g) {
     const int begin = plan.head_offsets[g];
     StoredRowsAttention p;
     p.q = a.q + static_cast<size_t>(g) * group * hd;
-    if (at.head_values > 0) {
-      p.k = at.k + g * at.head_values;
-      p.v = at.v + g * at.head_values;
-      if (at.by_index) p.indices = plan.indices.data() + begin;
-    } else {
-      p.k = at.k + static_cast<size_t>(begin) * width;
-      p.v = at.v + static_cast<size_t>(begin) * width;
-    }
+    p.k = heads[g].k;
+    p.v = heads[g].v;
+    p.indices = heads[g].indices;
     p.k_new = a.k_new + static_cast<size_t>(g) * hd;
     p.v_new = a.v_new + static_cast<size_t>(g) * hd;
     p.out = a.out + static_cast<size_t>(g) * group * hd;
     p.group = group;
     p.count = plan.head_offsets[g + 1] - begin;
     p.head_dim = hd;
-    p.row_width = width;
+    p.row_width = layout_.row_width;
     p.format = a.format;
     p.scale = 1.0f / std::sqrt(static_cast<float>(hd));
     if (a.prob_sums != nullptr) {

@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "absl/types/span.h"
 #include "gpu_worker/backend/backend.h"
 #include "gpu_worker/backend/kv_rows.h"
 #include "gpu_worker/kv/offloaded/layer_fetch.h"
@@ -55,6 +56,15 @@ struct StoredRowsAt {
   bool by_index = false;
 };
 
+// Where one KV head's stored rows lie for attention in place: row t of
+// the head's plan is row indices[t] of k and v where indices is set, else
+// row t.
+struct HeadRowsAt {
+  const uint16_t* k = nullptr;
+  const uint16_t* v = nullptr;
+  const int32_t* indices = nullptr;
+};
+
 class FetchedAttention {
  public:
   FetchedAttention(Backend& backend, const model::ModelConfig& config,
@@ -64,6 +74,9 @@ class FetchedAttention {
   // Over rows where they lie (Backend::AttendStoredRows, head by head);
   // false, having done nothing, where the backend cannot.
   bool InPlace(const LayerFetch& f, const StoredRowsAt& at,
+               const RowAttention& a);
+  // The same, each head's rows where heads[g] says.
+  bool InPlace(const LayerFetch& f, absl::Span<const HeadRowsAt> heads,
                const RowAttention& a);
   // Over the fetch's staged rows, every head in one operation
   // (Backend::AttendStagedRows); false, having done nothing, where the

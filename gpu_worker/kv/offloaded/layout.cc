@@ -4,6 +4,7 @@
 #include <memory>
 
 #include "common/status.h"
+#include "gpu_worker/kv/policies/registry.h"
 
 namespace infinigen::gpu_worker {
 namespace offloaded {
@@ -36,6 +37,12 @@ absl::StatusOr<Layout> MakeLayout(const model::Weights& weights,
   z.half_rows = z.staged && options.half_local_kv &&
                 policy->row_format() == KvRowFormat::kHalf &&
                 policy->ReusesPrefix() && !z.prefill_probs;
+  // A policy whose fetch is chosen (it takes a target fetch) selects rows
+  // that later steps select again; the others read every row.
+  if (!z.staged &&
+      PolicyEntryOf(options.kv.policy->kind).set_target_fetch != nullptr) {
+    z.row_cache = options.kv.row_cache;
+  }
   IG_ASSIGN_OR_RETURN(z.policy_bytes,
                       KvPolicy::StateBytes(*options.kv.policy, ctx));
   return z;

@@ -9,6 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "gpu_worker/kv/kv_cache.h"
+#include "gpu_worker/kv/offloaded/row_cache.h"
 #include "model/weights.h"
 
 namespace infinigen::gpu_worker {
@@ -35,6 +36,10 @@ struct Layout {
   // values as the fp32 rows, at half the bytes to read.
   bool half_rows = false;
   int64_t policy_bytes = 0;
+  // The row cache's fraction (KvOptions::row_cache) where a sequence may
+  // have one: a policy that selects rows (one that takes a target fetch),
+  // on a host backend; else 0.
+  double row_cache = 0.0;
 
   int64_t PerSequence(const model::ModelConfig& c, int max_seq) const {
     const int64_t fetch = 2 * static_cast<int64_t>(fetch_values) * 2;
@@ -47,7 +52,10 @@ struct Layout {
            int64_t{2} * c.n_layers * c.kv_dim() * 4 +        // step rows
            int64_t{2} * c.n_layers * c.n_kv_heads * row_width * 2 +  // encoded
            int64_t{c.n_layers} * c.n_kv_heads * max_seq +    // presence
-           int64_t{c.n_layers} * 8 + policy_bytes;
+           int64_t{c.n_layers} * 8 + policy_bytes +
+           (row_cache > 0 ? RowCache::Bytes(c.n_layers, c.n_kv_heads, max_seq,
+                                            row_width, row_cache)
+                          : 0);
   }
   int64_t Shared(const model::ModelConfig& c, int max_seq,
                  int max_chunk) const {

@@ -8,6 +8,7 @@
 #include "absl/strings/str_format.h"
 #include "common/log.h"
 #include "common/status.h"
+#include "gpu_worker/kv/offloaded/row_cache.h"
 
 namespace infinigen::gpu_worker {
 namespace offloaded {
@@ -93,6 +94,108 @@ class NodeGatherSource final : public RowSource {
   const SequenceId seq_;
 };
 
+// The node gathers the rows the sequence's row cache does not hold; they
+// land in the cache's slots, and attention reads every planned row from
+// there, in plan order (RowCache). The node hears of the rows held through
+// the idle fetch buffer, as of one-sided reads, where its data plane takes
+// such notes.
+class CachedGatherSource final : public RowSource {
+ public:
+  CachedGatherSource(const RowSourceContext& ctx, SequenceId seq)
+      : ctx_(ctx),
+        seq_(seq),
+        cache_(ctx.config->n_layers, ctx.config->n_kv_heads, ctx.max_seq_len,
+               ctx.layout->row_width, ctx.layout->row_cache),
+        heads_(ctx.config->n_kv_heads) {}
+  bool one_sided() const override { return false; }
+
+  absl::Status Issue(LayerFetch& f, int layer, int position,
+                     FetchStats& stats) override {
+    f.one_sided = false;
+    // The note of the rows held two layers back may still hold the buffer.
+    IG_RETURN_IF_ERROR(AtNode(ctx_, f.handle.Wait()));
+    IG_ASSIGN_OR_RETURN(const long hits,
+                        cache_.Split(layer, f.plan.view(), position));
+    const int n_layers = ctx_.config->n_layers;
+    if (stats.row_cache_layer_lookups.size() < static_cast<size_t>(n_layers)) {
+      stats.row_cache_layer_lookups.resize(n_layers, 0);
+      stats.row_cache_layer_hits.resize(n_layers, 0);
+    }
+    const long rows = static_cast<long>(f.rows());
+    stats.row_cache_lookups += rows;
+    stats.row_cache_hits += hits;
+    stats.row_cache_layer_lookups[layer] += rows;
+    stats.row_cache_layer_hits[layer] += hits;
+    f.handle = ctx_.client->FetchAsync(seq_, layer,
+                                       cache_.misses(layer).view(),
+                                       f.buffer.get());
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<bool> Upload(FetchPair& fetches, int layer,
+                              FetchStats& stats) override {
+    LayerFetch& f = fetches.For(layer);
+    const auto t0 = std::chrono::steady_clock::now();
+    const absl::Status fetched = f.handle.Wait();
+    stats.wait_seconds += SecondsSince(t0);
+    IG_RETURN_IF_ERROR(AtNode(ctx_, fetched));
+    cache_.Fill(layer, f.buffer->data());
+    f.uploaded = true;
+    const kv_memory_service::OwnedFetchPlan& hits = cache_.hits(layer);
+    if (!notes_ || hits.indices.empty()) return true;
+    // The rows held were read all the same: the node's statistics and
+    // eviction see them, as they see the misses' gather. Only the first
+    // note waits, to learn whether the data plane takes notes at all. The
+    // buffer is read (by attention over skipped heads) before the note
+    // is sent; a note writes nothing into it.
+    f.handle =
+        ctx_.client->NoteFetchedAsync(seq_, layer, hits.view(), f.buffer.get());
+    if (!noted_once_) {
+      noted_once_ = true;
+      const absl::Status noted = f.handle.Wait();
+      f.handle = kv_memory_service::FetchHandle();
+      if (absl::IsUnimplemented(noted)) {
+        notes_ = false;
+        IG_LOG(INFO) << "kv cache: the row cache's hits are not noted to the "
+                        "node (" << noted.message() << ")";
+        return true;
+      }
+      IG_RETURN_IF_ERROR(AtNode(ctx_, noted));
+    }
+    return true;
+  }
+
+  absl::Status Attend(LayerFetch& f, int layer,
+                      const RowAttention& a) override {
+    for (int g = 0; g < ctx_.config->n_kv_heads; ++g) {
+      const RowCache::HeadRows h = cache_.Head(layer, g, f.buffer->data());
+      heads_[g] = HeadRowsAt{h.k, h.v, h.indices};
+    }
+    // MakeRowSource made sure the backend attends over stored rows.
+    if (!ctx_.attention->InPlace(f, heads_, a)) {
+      return absl::InternalError(
+          "kv cache: the backend refused to attend over the row cache");
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status EndStep(FetchPair& fetches, FetchStats& stats) override {
+    for (LayerFetch& f : fetches) {
+      IG_RETURN_IF_ERROR(AtNode(ctx_, f.handle.Wait()));
+    }
+    stats.row_cache_bytes = cache_.bytes();
+    return absl::OkStatus();
+  }
+
+ private:
+  const RowSourceContext& ctx_;
+  const SequenceId seq_;
+  RowCache cache_;
+  std::vector<HeadRowsAt> heads_;
+  bool notes_ = true;        // the data plane takes notes, as far as known
+  bool noted_once_ = false;  // the first note was waited for
+};
+
 // What both one-sided sources do: check each plan against the rows, note
 // each read to the node, unpin the rows (a device's) at the end.
 class OneSidedSource : public RowSource {
@@ -159,7 +262,7 @@ class OneSidedSource : public RowSource {
     return absl::OkStatus();
   }
 
-  absl::Status EndStep(FetchPair& fetches) override {
+  absl::Status EndStep(FetchPair& fetches, FetchStats& stats) override {
     // The step's last notes of one-sided reads.
     for (LayerFetch& f : fetches) {
       IG_RETURN_IF_ERROR(AtNode(ctx_, f.handle.Wait()));
@@ -374,9 +477,15 @@ std::unique_ptr<RowSource> MakeRowSource(const RowSourceContext& ctx,
                                          KvRowFormat format,
                                          bool& refusal_logged) {
   const bool staged = ctx.layout->staged;
-  if (!one_sided_allowed || (!staged && !AttendsNodeRows(ctx, format))) {
+  const bool attends_stored = !staged && AttendsNodeRows(ctx, format);
+  // The node's gather, through the row cache where there is one.
+  auto gather = [&]() -> std::unique_ptr<RowSource> {
+    if (ctx.layout->row_cache > 0 && attends_stored) {
+      return std::make_unique<CachedGatherSource>(ctx, seq);
+    }
     return NodeGather(ctx, seq);
-  }
+  };
+  if (!one_sided_allowed || (!staged && !attends_stored)) return gather();
   absl::StatusOr<kv_memory_service::DirectRows> rows =
       ctx.client->GetDirectRows(seq);
   if (!rows.ok()) {
@@ -386,7 +495,7 @@ std::unique_ptr<RowSource> MakeRowSource(const RowSourceContext& ctx,
                    << rows.status().message() << ")";
       refusal_logged = true;
     }
-    return NodeGather(ctx, seq);
+    return gather();
   }
   const size_t bytes = static_cast<size_t>(ctx.config->n_layers) *
                        rows->layer_values * sizeof(uint16_t);
@@ -403,7 +512,7 @@ std::unique_ptr<RowSource> MakeRowSource(const RowSourceContext& ctx,
     IG_LOG(WARNING) << "kv cache: the node's rows could not be pinned for "
                        "one-sided reads; the node gathers them: "
                     << pinned.message();
-    return NodeGather(ctx, seq);
+    return gather();
   }
   if (staged) {
     return std::make_unique<DeviceGatherSource>(ctx, seq, *rows, true);

@@ -11,6 +11,10 @@
 //   in place      one-sided reads on a host backend: attention reads the
 //                 node's rows where they lie (Backend::AttendStoredRows by
 //                 index), noted the same way.
+//   cached gather on a host backend with a row cache (Layout::row_cache):
+//                 the node gathers the rows the sequence's RowCache does
+//                 not hold, and attention reads every planned row from the
+//                 cache's slots by index; the rows held are noted.
 //
 // One-sided reads need every position at its own slot (no attached prefix,
 // a node that never evicts) and rows the node shares; a device gather the
@@ -44,6 +48,7 @@ struct RowSourceContext {
   const Layout* layout = nullptr;
   const model::ModelConfig* config = nullptr;
   FetchedAttention* attention = nullptr;
+  int max_seq_len = 0;
   std::string node_address;  // for messages (kv_memory_service::AtNode)
   std::string policy_name;   // for messages
 };
@@ -104,8 +109,9 @@ class RowSource {
                                BackendNotes& notes, FetchStats& stats) {
     return absl::OkStatus();
   }
-  // At the step's end: the node has heard of every read.
-  virtual absl::Status EndStep(FetchPair& fetches) {
+  // At the step's end: the node has heard of every read; `stats` has the
+  // row cache's bytes.
+  virtual absl::Status EndStep(FetchPair& fetches, FetchStats& stats) {
     return absl::OkStatus();
   }
 };
@@ -116,7 +122,8 @@ std::unique_ptr<RowSource> NodeGather(const RowSourceContext& ctx,
 
 // One-sided reads of `rows` (KvClient::GetDirectRows, then pinned here for
 // a device; unpinned with the source) where `one_sided_allowed` and the
-// node shares them, else the node's gather. `refusal_logged`: the one line
+// node shares them, else the node's gather: through a row cache where the
+// layout has one and the backend attends over stored rows of `format`. `refusal_logged`: the one line
 // per cache saying why the node gathers instead.
 std::unique_ptr<RowSource> MakeRowSource(const RowSourceContext& ctx,
                                          kv_memory_service::SequenceId seq,

@@ -86,7 +86,7 @@ class RowSourceTest : public ::testing::Test {
     a.v_new = v_new.data();
     a.out = out.data();
     EXPECT_TRUE(source.Attend(f, layer, a).ok());
-    EXPECT_TRUE(source.EndStep(fetches_).ok());
+    EXPECT_TRUE(source.EndStep(fetches_, stats).ok());
     return out;
   }
 

@@ -1,0 +1,153 @@
+#include "gpu_worker/kv/offloaded/row_cache.h"
+
+#include <cstdint>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace infinigen::gpu_worker::offloaded {
+namespace {
+
+using kv_memory_service::OwnedFetchPlan;
+
+constexpr int kLayers = 2, kHeads = 2, kTokens = 16, kWidth = 3;
+
+// The stored K value of (layer, head, position, column); V's is K's plus
+// 5000.
+uint16_t KValue(int layer, int g, int p, int col) {
+  return static_cast<uint16_t>(1000 * layer + 100 * g + 4 * p + col);
+}
+
+// What the node's gather writes for `misses`: K rows of every head in
+// plan order, then V rows.
+std::vector<uint16_t> Gather(int layer, const OwnedFetchPlan& misses) {
+  const size_t n = misses.indices.size();
+  std::vector<uint16_t> out(2 * n * kWidth);
+  for (int g = 0; g < kHeads; ++g) {
+    for (int i = misses.head_offsets[g]; i < misses.head_offsets[g + 1];
+         ++i) {
+      for (int c = 0; c < kWidth; ++c) {
+        const uint16_t k = KValue(layer, g, misses.indices[i], c);
+        out[i * kWidth + c] = k;
+        out[(n + i) * kWidth + c] = k + 5000;
+      }
+    }
+  }
+  return out;
+}
+
+// Splits `plan`, fills the misses as the node would and checks that every
+// planned row reads back as the true K and V in plan order; returns hits.
+long Step(RowCache& cache, int layer, const OwnedFetchPlan& plan,
+          int cached_tokens, std::vector<uint16_t>& fetched) {
+  absl::StatusOr<long> hits = cache.Split(layer, plan.view(), cached_tokens);
+  EXPECT_TRUE(hits.ok()) << hits.status();
+  fetched = Gather(layer, cache.misses(layer));
+  cache.Fill(layer, fetched.data());
+  for (int g = 0; g < kHeads; ++g) {
+    const RowCache::HeadRows h = cache.Head(layer, g, fetched.data());
+    for (int t = plan.head_offsets[g]; t < plan.head_offsets[g + 1]; ++t) {
+      const int local = t - plan.head_offsets[g];
+      const int row = h.indices != nullptr ? h.indices[local] : local;
+      for (int c = 0; c < kWidth; ++c) {
+        EXPECT_EQ(h.k[row * kWidth + c], KValue(layer, g, plan.indices[t], c))
+            << "layer " << layer << " head " << g << " plan row " << t;
+        EXPECT_EQ(h.v[row * kWidth + c],
+                  KValue(layer, g, plan.indices[t], c) + 5000);
+      }
+    }
+  }
+  return *hits;
+}
+
+TEST(RowCacheTest, FetchesOnlyTheRowsItDoesNotHold) {
+  RowCache cache(kLayers, kHeads, kTokens, kWidth, 0.5);  // 8 slots a head
+  std::vector<uint16_t> fetched;
+  const OwnedFetchPlan first = OwnedFetchPlan::PerHead({{0, 3, 5}, {1, 2}});
+  EXPECT_EQ(Step(cache, 1, first, 16, fetched), 0);
+  EXPECT_EQ(cache.misses(1).indices, first.indices);
+  EXPECT_TRUE(cache.hits(1).indices.empty());
+
+  // The next step keeps 3 and 5 of head 0 and 2 of head 1: only 7, 9 and
+  // 4 move, and the rows read are in the new plan's order.
+  const OwnedFetchPlan second = OwnedFetchPlan::PerHead({{5, 7, 3}, {9, 2, 4}});
+  EXPECT_EQ(Step(cache, 1, second, 16, fetched), 3);
+  EXPECT_EQ(cache.misses(1).indices, (std::vector<int32_t>{7, 9, 4}));
+  EXPECT_EQ(cache.misses(1).head_offsets, (std::vector<int32_t>{0, 1, 3}));
+  EXPECT_EQ(cache.hits(1).indices, (std::vector<int32_t>{5, 3, 2}));
+  EXPECT_EQ(cache.hits(1).head_offsets, (std::vector<int32_t>{0, 2, 3}));
+  // Layers are apart: layer 0 holds nothing.
+  EXPECT_EQ(Step(cache, 0, second, 16, fetched), 0);
+  EXPECT_EQ(cache.bytes(), (4 + 4 + 3 + 3) * 2 * kWidth * 2);
+}
+
+TEST(RowCacheTest, EvictsTheLeastRecentlySelectedNeverTheStepsOwn) {
+  RowCache cache(1, kHeads, kTokens, kWidth, 0.25);  // 4 slots a head
+  ASSERT_EQ(cache.capacity(), 4);
+  std::vector<uint16_t> fetched;
+  Step(cache, 0, OwnedFetchPlan::PerHead({{0, 1, 2, 3}, {}}), 16, fetched);
+  Step(cache, 0, OwnedFetchPlan::PerHead({{2, 0}, {}}), 16, fetched);
+  // Full: 1 and 3 are the least recent (1 before 3); 8 takes 1's slot.
+  EXPECT_EQ(Step(cache, 0, OwnedFetchPlan::PerHead({{8, 2}, {}}), 16, fetched),
+            1);
+  EXPECT_EQ(Step(cache, 0, OwnedFetchPlan::PerHead({{3, 0, 2, 8}, {}}), 16,
+                 fetched),
+            4);
+  // Four new rows: each takes the slot of a row this step did not select,
+  // and 2, selected again, stays.
+  EXPECT_EQ(Step(cache, 0, OwnedFetchPlan::PerHead({{9, 2, 10, 11}, {}}), 16,
+                 fetched),
+            1);
+  EXPECT_EQ(Step(cache, 0, OwnedFetchPlan::PerHead({{11, 10, 9, 2}, {}}), 16,
+                 fetched),
+            4);
+}
+
+TEST(RowCacheTest, AHeadLargerThanItsRoomIsReadFromTheFetch) {
+  RowCache cache(1, kHeads, kTokens, kWidth, 0.25);
+  std::vector<uint16_t> fetched;
+  // 8 cached tokens: room for 2 rows a head. Head 0's three skip the
+  // cache (fetched, and read from the fetch); head 1's two are cached.
+  const OwnedFetchPlan plan = OwnedFetchPlan::PerHead({{4, 1, 6}, {2, 3}});
+  EXPECT_EQ(Step(cache, 0, plan, 8, fetched), 0);
+  EXPECT_EQ(cache.Head(0, 0, fetched.data()).indices, nullptr);
+  EXPECT_EQ(Step(cache, 0, plan, 8, fetched), 2);
+  EXPECT_EQ(cache.misses(0).indices, (std::vector<int32_t>{4, 1, 6}));
+  // With more cached tokens the room grows, and head 0 is cached too.
+  EXPECT_EQ(Step(cache, 0, plan, 16, fetched), 2);
+  EXPECT_EQ(Step(cache, 0, plan, 16, fetched), 5);
+  EXPECT_TRUE(cache.misses(0).indices.empty());
+}
+
+TEST(RowCacheTest, APositionPlannedTwiceIsFetchedOnce) {
+  RowCache cache(1, kHeads, kTokens, kWidth, 0.5);
+  std::vector<uint16_t> fetched;
+  Step(cache, 0, OwnedFetchPlan::PerHead({{5, 5, 6}, {}}), 16, fetched);
+  EXPECT_EQ(cache.misses(0).indices, (std::vector<int32_t>{5, 6}));
+}
+
+TEST(RowCacheTest, RefusesAPositionOutsideTheSequence) {
+  RowCache cache(1, kHeads, kTokens, kWidth, 0.5);
+  std::vector<uint16_t> fetched;
+  Step(cache, 0, OwnedFetchPlan::PerHead({{1}, {2}}), 16, fetched);
+  for (int32_t bad : {-1, kTokens}) {
+    absl::StatusOr<long> split = cache.Split(
+        0, OwnedFetchPlan::PerHead({{1}, {bad}}).view(), kTokens);
+    ASSERT_FALSE(split.ok());
+    EXPECT_EQ(split.status().code(), absl::StatusCode::kInternal);
+    EXPECT_NE(split.status().message().find(std::to_string(bad)),
+              std::string::npos);
+  }
+  // Unchanged: the last good split still reads.
+  EXPECT_EQ(Step(cache, 0, OwnedFetchPlan::PerHead({{1}, {2}}), 16, fetched),
+            2);
+}
+
+TEST(RowCacheTest, BytesCountSlotsAndMaps) {
+  // 4 slots a head: K and V rows, position -> slot, and 3 arrays of 5.
+  EXPECT_EQ(RowCache::Bytes(kLayers, kHeads, kTokens, kWidth, 0.25),
+            kLayers * kHeads * (2 * 4 * kWidth * 2 + (kTokens + 3 * 5) * 4));
+}
+
+}  // namespace
+}  // namespace infinigen::gpu_worker::offloaded
