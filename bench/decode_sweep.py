@@ -110,6 +110,11 @@ def main():
     ap.add_argument("--planes", default="inproc,shm,tcp")
     ap.add_argument("--skew", default="",
                     help="skew file (default: calibrate on the context)")
+    ap.add_argument("--row_caches", default="",
+                    help="comma-separated --row_cache values: one run each, "
+                         "against the same server (the policies that read "
+                         "every row in the first alone); empty: the "
+                         "binary's default")
     ap.add_argument("--extra", default="",
                     help="more flags for bench-decode, space-separated")
     ap.add_argument("--out", help="output path without suffix (default: a new directory under ./bench_out)")
@@ -135,35 +140,50 @@ def main():
             if plane != "inproc":
                 proc, address = start_server(a.server, plane, tmp)
             try:
-                for batch in a.batches.split(","):
-                    for ctx in a.contexts.split(","):
-                        cmd = [a.binary, "bench-decode", f"--model={a.model}",
-                               f"--ctx={ctx}", f"--batch={batch}",
-                               f"--decode_tokens={a.decode_tokens}",
-                               f"--policy={a.policies}",
-                               f"--kv_service={address}", "--json"]
-                        if a.tokenizer:
-                            cmd.append(f"--tokenizer={a.tokenizer}")
-                        if a.text:
-                            cmd.append(f"--text={a.text}")
-                        if a.skew:
-                            cmd.append(f"--skew={a.skew}")
-                        cmd += a.extra.split()
-                        print("+", " ".join(cmd), file=sys.stderr, flush=True)
-                        out = subprocess.run(cmd, stdout=subprocess.PIPE,
-                                             stderr=subprocess.PIPE, text=True)
-                        if out.returncode != 0:
-                            sys.exit(f"decode_sweep.py: failed:\n"
-                                     f"{out.stderr[-2000:]}")
-                        for line in out.stdout.splitlines():
-                            if line.startswith("{"):
-                                r = json.loads(line)
-                                r["plane"] = plane
-                                rows.append(r)
-                                print(f"{plane:6s} b{batch} ctx {ctx:>5} "
-                                      f"{r['policy']:9s} "
-                                      f"{r['tokens_per_s']:8.2f} tok/s",
-                                      file=sys.stderr, flush=True)
+                runs = [(a.policies, None)]
+                if a.row_caches:
+                    caches = a.row_caches.split(",")
+                    selecting = ",".join(
+                        p for p in a.policies.split(",")
+                        if p not in ("ideal", "full", "int4"))
+                    runs = [(a.policies, caches[0])] + [
+                        (selecting, c) for c in caches[1:] if selecting]
+                for batch, ctx, (policies, cache) in (
+                    (b, c, r) for b in a.batches.split(",")
+                    for c in a.contexts.split(",") for r in runs):
+                    cmd = [a.binary, "bench-decode", f"--model={a.model}",
+                           f"--ctx={ctx}", f"--batch={batch}",
+                           f"--decode_tokens={a.decode_tokens}",
+                           f"--policy={policies}",
+                           f"--kv_service={address}", "--json"]
+                    if cache is not None:
+                        cmd.append(f"--row_cache={cache}")
+                    if a.tokenizer:
+                        cmd.append(f"--tokenizer={a.tokenizer}")
+                    if a.text:
+                        cmd.append(f"--text={a.text}")
+                    if a.skew:
+                        cmd.append(f"--skew={a.skew}")
+                    cmd += a.extra.split()
+                    print("+", " ".join(cmd), file=sys.stderr, flush=True)
+                    out = subprocess.run(cmd, stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, text=True)
+                    if out.returncode != 0:
+                        sys.exit(f"decode_sweep.py: failed:\n"
+                                 f"{out.stderr[-2000:]}")
+                    for line in out.stdout.splitlines():
+                        if line.startswith("{"):
+                            r = json.loads(line)
+                            r["plane"] = plane
+                            # A selecting policy's row names its cache.
+                            if a.row_caches and r["policy"] not in (
+                                    "ideal", "full", "int4"):
+                                r["policy"] += f" rc={r['row_cache']:g}"
+                            rows.append(r)
+                            print(f"{plane:6s} b{batch} ctx {ctx:>5} "
+                                  f"{r['policy']:9s} "
+                                  f"{r['tokens_per_s']:8.2f} tok/s",
+                                  file=sys.stderr, flush=True)
             finally:
                 if proc is not None:
                     proc.send_signal(signal.SIGTERM)
@@ -182,8 +202,9 @@ def main():
             by = {r["policy"]: r for r in rs}
             f.write(f"## {plane}, batch {batch}, context {ctx}\n\n"
                     "| policy | tokens/s | vs full | vs ideal | p50 ms/step | "
-                    "p99 ms/step | KV bytes/token | rows fetched | "
-                    "fetch wait |\n|---|---|---|---|---|---|---|---|---|\n")
+                    "p99 ms/step | KV bytes/token | rows selected | "
+                    "row cache hits | fetch wait | peak RSS MiB |\n"
+                    "|---|---|---|---|---|---|---|---|---|---|---|\n")
             for r in rs:
                 vs_full = (f"{r['tokens_per_s'] / by['full']['tokens_per_s']:.2f}x"
                            if "full" in by else "")
@@ -194,13 +215,17 @@ def main():
                         f"{r['p99_ms']:.1f} | "
                         f"{r['bytes_fetched_per_token']:.0f} | "
                         f"{100 * r['fetch_fraction_mean']:.1f}% | "
-                        f"{100 * r['fetch_wait_fraction']:.1f}% |\n")
+                        f"{100 * r.get('row_cache_hit_rate', 0):.1f}% | "
+                        f"{100 * r['fetch_wait_fraction']:.1f}% | "
+                        f"{r['peak_rss_bytes'] / 2**20:.0f} |\n")
             f.write("\n")
     with open(a.out + ".csv", "w", newline="") as f:
         keys = ["plane", "policy", "ctx", "batch", "decode_tokens",
                 "tokens_per_s", "p50_ms", "p99_ms", "bytes_fetched_per_token",
                 "fetch_fraction_mean", "fetch_wait_fraction",
-                "prefill_seconds"]
+                "prefill_seconds", "row_cache", "row_cache_hit_rate",
+                "rows_fetched_per_token", "row_cache_bytes",
+                "peak_rss_bytes"]
         w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)

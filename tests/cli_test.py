@@ -505,6 +505,36 @@ class Cli(unittest.TestCase):
         self.assertEqual(rows[0]["bytes_fetched_per_token"], 0)
         self.assertGreater(rows[1]["bytes_fetched_per_token"], 0)
 
+    def test_bench_decode_reports_the_row_caches_hits(self):
+        common = [f"--model={MODEL}", f"--tokenizer={TOK}", f"--text={TEXT}",
+                  "--ctx=120", "--decode_tokens=6", "--json", "--backend=cpu",
+                  "--policy=infinigen"]
+        rows = {}
+        for cache in ("0", "0.5"):
+            r = run("bench-decode", *common, f"--row_cache={cache}")
+            self.assertEqual(r.returncode, 0, r.stderr)
+            rows[cache] = json.loads(r.stdout.strip().splitlines()[-1])
+        on, off = rows["0.5"], rows["0"]
+        self.assertEqual(off["row_cache_hit_rate"], 0)
+        self.assertEqual(off["row_cache_step_hit_rate"], [])
+        self.assertEqual(off["row_cache_bytes"], 0)
+        self.assertGreater(on["row_cache_hit_rate"], 0)
+        self.assertLessEqual(on["row_cache_hit_rate"], 1)
+        # Every step looks rows up; the first holds none yet.
+        self.assertEqual(len(on["row_cache_step_hit_rate"]), 6)
+        self.assertEqual(on["row_cache_step_hit_rate"][0], 0)
+        self.assertEqual(len(on["row_cache_layer_hit_rate"]), 5)
+        self.assertGreater(on["row_cache_bytes"], 0)
+        # The same selection; fewer rows and bytes move.
+        self.assertEqual(on["fetch_fraction_mean"], off["fetch_fraction_mean"])
+        self.assertLess(on["rows_fetched_per_token"],
+                        off["rows_fetched_per_token"])
+        self.assertAlmostEqual(
+            on["bytes_fetched_per_token"] / off["bytes_fetched_per_token"],
+            on["rows_fetched_per_token"] / off["rows_fetched_per_token"])
+        r = run("bench-decode", *common, "--row_cache=2")
+        self.assert_one_line_failure(r, 2, ["--row_cache", "2"])
+
     def test_worker_kv_limit_refuses_ideal_and_serves_full_and_infinigen(self):
         common = [f"--model={MODEL}", f"--tokenizer={TOK}", f"--text={TEXT}",
                   "--ctx=200", "--decode_tokens=4", "--batch=4", "--json",

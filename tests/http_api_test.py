@@ -756,6 +756,32 @@ class Metrics(unittest.TestCase):
             server.stop()
 
 
+    def test_row_cache_series_count_a_selecting_policys_lookups(self):
+        mport = free_port()
+        server = Server("--policy=infinigen", "--row_cache=0.5",
+                        f"--metrics_listen=127.0.0.1:{mport}")
+        try:
+            url = f"http://127.0.0.1:{mport}/metrics"
+            before = scrape(url)
+            code, body = post(server.base + "/v1/completions",
+                              {"prompt": "Once upon a time",
+                               "max_tokens": 20, "temperature": 0})
+            self.assertEqual(code, 200, body)
+            after = scrape(url)
+
+            def delta(name):
+                self.assertIn((name, ()), after)
+                return after[(name, ())] - before.get((name, ()), 0)
+            lookups = delta("infinigen_worker_kv_row_cache_lookups_total")
+            hits = delta("infinigen_worker_kv_row_cache_hits_total")
+            self.assertGreater(lookups, 0)
+            self.assertGreater(hits, 0)
+            self.assertLessEqual(hits, lookups)
+            self.assertGreaterEqual(
+                after[("infinigen_worker_kv_row_cache_bytes", ())], 0)
+        finally:
+            server.stop()
+
     def test_serve_logs_its_throughput_while_busy_and_each_request(self):
         server = Server("--policy=full", "--log_interval=100ms",
                         "--log_requests")

@@ -132,6 +132,22 @@ void PrintJson(const DecodeBenchResult& r) {
           ? static_cast<double>(r.fetch.rows_read_in_place) /
                 r.fetch.rows_fetched
           : 0.0;
+  // The row cache (--row_cache): the share of selected rows it held, over
+  // the run, per step and per layer, the rows that moved per token and the
+  // bytes it held at the end (summed over the batch).
+  j["row_cache"] = ReadMemoryNodeFlags().row_cache;
+  j["row_cache_hit_rate"] = r.fetch.row_cache_hit_rate();
+  j["row_cache_step_hit_rate"] = r.step_row_cache_hit_rate;
+  std::vector<double> layer_hit_rate;
+  for (size_t l = 0; l < r.fetch.row_cache_layer_lookups.size(); ++l) {
+    const long n = r.fetch.row_cache_layer_lookups[l];
+    layer_hit_rate.push_back(
+        n > 0 ? static_cast<double>(r.fetch.row_cache_layer_hits[l]) / n : 0.0);
+  }
+  j["row_cache_layer_hit_rate"] = layer_hit_rate;
+  j["row_cache_bytes"] = r.fetch.row_cache_bytes;
+  j["rows_fetched_per_token"] =
+      static_cast<double>(r.fetch.rows_fetched) / r.tokens();
   j["worker_kv_bytes"] = r.worker_kv_bytes;
   j["memory_node_bytes"] = r.memory_node_bytes;
   j["peak_rss_bytes"] = r.peak_rss_bytes;

@@ -114,11 +114,13 @@ ABSL_FLAG(bool, kv_direct_reads, false,
           "gather.");
 ABSL_FLAG(double, row_cache, 0.25,
           "The worker's row cache, for the policies that select rows (on the "
-          "CPU, where the node gathers them): the rows a decode step fetched "
-          "stay on the worker, up to this fraction of each sequence's cached "
-          "tokens per layer and KV head, and later steps fetch only the rows "
-          "they do not hold, replacing the least recently selected; the "
-          "output is the same. 0 = fetch every selected row each step.");
+          "CPU, where the node gathers them and never evicts): the rows a "
+          "decode step fetched stay on the worker, up to this fraction of "
+          "each sequence's cached rows (a policy's dense layers held whole "
+          "where that leaves room for the others), and later steps fetch "
+          "only the rows they do not hold, replacing the least recently "
+          "selected; the output is the same. 0 = fetch every selected row "
+          "each step.");
 ABSL_FLAG(int, prefix_block_tokens, 16,
           "Prefix reuse: a prompt's leading tokens whose KV rows the memory "
           "node already holds (from any earlier request of any worker with "

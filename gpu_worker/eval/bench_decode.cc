@@ -90,11 +90,24 @@ absl::StatusOr<DecodeBenchResult> RunDecodeBench(
   }
   r.prefill_seconds = SecondsSince(t0);
   t0 = std::chrono::steady_clock::now();
+  // The row caches' counts so far (the prefill looks nothing up).
+  long last_lookups = 0, last_hits = 0;
   for (int step = 0; step < steps; ++step) {
     for (int b = 0; b < batch; ++b) next[b] = source[b * stride + ctx + step];
     const auto s0 = std::chrono::steady_clock::now();
     IG_RETURN_IF_ERROR(engine.DecodeBatch(slots, next).status());
     r.step_seconds.push_back(SecondsSince(s0));
+    long lookups = 0, hits = 0;
+    for (int b = 0; b < batch; ++b) {
+      lookups += engine.fetch_stats(b).row_cache_lookups;
+      hits += engine.fetch_stats(b).row_cache_hits;
+    }
+    if (lookups > last_lookups) {
+      r.step_row_cache_hit_rate.push_back(
+          static_cast<double>(hits - last_hits) / (lookups - last_lookups));
+    }
+    last_lookups = lookups;
+    last_hits = hits;
     if (on_step) on_step(step + 1);
   }
   r.seconds = SecondsSince(t0);

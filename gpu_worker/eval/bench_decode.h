@@ -23,6 +23,8 @@ struct DecodeBenchResult {
   int batch = 0;
   int steps = 0;
   std::vector<double> step_seconds;  // one DecodeBatch of every sequence
+  // Each step's row cache hit rate over the batch (empty without lookups).
+  std::vector<double> step_row_cache_hit_rate;
   double seconds = 0;                // all decode steps
   double prefill_seconds = 0;
   double warmup_seconds = 0;  // the warm-up before the prefills

@@ -1410,6 +1410,25 @@ TEST_F(KvCacheTest, TheRowCacheFetchesOnlyWhatChangedWithTheSameLogits) {
   }
 }
 
+// A node that evicts hears of no held rows (its notes need every position
+// at its slot): its sequences fetch every selected row, as without a cache.
+TEST_F(KvCacheTest, TheRowCacheStaysOffWhereTheNodeEvicts) {
+  FakeKvClient cached_node, gather_node;
+  EngineOptions with = Options("infinigen", &cached_node);
+  with.kv.kv_capacity = 0.5;
+  EngineOptions without = Options("infinigen", &gather_node);
+  without.kv.kv_capacity = 0.5;
+  with.kv.row_cache = 0.5;
+  auto cached = Engine::Create(weights_, NewCpuBackend(), with);
+  auto gather = Engine::Create(weights_, NewCpuBackend(), without);
+  ASSERT_TRUE(cached.ok() && gather.ok());
+  EXPECT_EQ((*cached)->worker_kv_bytes(), (*gather)->worker_kv_bytes());
+  ASSERT_NO_FATAL_FAILURE(ExpectSameDecoding(**cached, **gather));
+  EXPECT_EQ((*cached)->fetch_stats().row_cache_lookups, 0);
+  EXPECT_EQ((*cached)->fetch_stats().rows_fetched,
+            (*gather)->fetch_stats().rows_fetched);
+}
+
 // The row cache is worker memory: its bound counts in worker_kv_bytes.
 TEST_F(KvCacheTest, TheRowCacheCountsInTheWorkersBytes) {
   FakeKvClient a, b;
@@ -1419,10 +1438,26 @@ TEST_F(KvCacheTest, TheRowCacheCountsInTheWorkersBytes) {
   auto plain = Engine::Create(weights_, NewCpuBackend(),
                               Options("infinigen", &b));
   ASSERT_TRUE(cached.ok() && plain.ok());
-  // 12 layers, 2 KV heads, 128 slots of K and V fp16 rows of 8, and the
-  // maps (256 positions, 3 x 129 slots).
+  // Half of 12 layers' rows of 256 tokens: InfiniGen's 2 dense layers
+  // whole, the other 10 a share of 0.4 each (103 slots); per KV head (2),
+  // K and V fp16 rows of 8, and the maps (256 positions, 3 x slots + 1).
+  auto layer = [](int64_t slots) {
+    return 2 * (2 * slots * 8 * 2 + (256 + 3 * (slots + 1)) * 4);
+  };
   EXPECT_EQ((*cached)->worker_kv_bytes() - (*plain)->worker_kv_bytes(),
-            12 * 2 * (2 * 128 * 8 * 2 + (256 + 3 * 129) * 4));
+            2 * layer(256) + 10 * layer(103));
+  // Under a limit it takes what is left, or nothing.
+  for (int64_t spare : {int64_t{65536}, int64_t{0}}) {
+    EngineOptions limited = with;
+    limited.kv.max_worker_bytes = (*plain)->worker_kv_bytes() + spare;
+    FakeKvClient c;
+    limited.kv.kv_client = &c;
+    auto fitted = Engine::Create(weights_, NewCpuBackend(), limited);
+    ASSERT_TRUE(fitted.ok()) << fitted.status();
+    EXPECT_LE((*fitted)->worker_kv_bytes(), limited.kv.max_worker_bytes);
+    EXPECT_EQ((*fitted)->worker_kv_bytes() > (*plain)->worker_kv_bytes(),
+              spare > 0);
+  }
   with.kv.row_cache = 1.5;
   auto refused = Engine::Create(weights_, NewCpuBackend(), with);
   ASSERT_FALSE(refused.ok());

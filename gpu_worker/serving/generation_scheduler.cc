@@ -302,10 +302,15 @@ void GenerationScheduler::Shutdown(absl::Duration grace) {
   if (thread_.joinable()) thread_.join();
 }
 
-void GenerationScheduler::NoteRecoveries() {
+void GenerationScheduler::NoteEngineStats() {
   const long recoveries = static_cast<long>(engine_->kv_recoveries());
+  int64_t row_cache_bytes = 0;
+  for (int slot = 0; slot < engine_->batch(); ++slot) {
+    row_cache_bytes += engine_->fetch_stats(slot).row_cache_bytes;
+  }
   absl::MutexLock lock(&mu_);
   stats_.kv_recoveries = recoveries;
+  stats_.row_cache_bytes = row_cache_bytes;
 }
 
 SchedulerStats GenerationScheduler::stats() const {
@@ -443,7 +448,7 @@ void GenerationScheduler::Prefill(Sequence& seq) {
   } else {
     logits = engine_->Forward(seq.slot, seq.prompt, /*all_logits=*/false);
   }
-  NoteRecoveries();
+  NoteEngineStats();
   if (!logits.ok()) {
     NoteKvDownSince(seq.prefill_start);
     const absl::Status error = EngineError("prefill", logits.status());
@@ -468,7 +473,7 @@ void GenerationScheduler::DecodeStep() {
   const absl::Time step_start = absl::Now();
   absl::StatusOr<absl::Span<const float>> logits =
       engine_->DecodeBatch(step_slots_, step_tokens_);
-  NoteRecoveries();
+  NoteEngineStats();
   if (!logits.ok()) {
     NoteKvDownSince(step_start);
     const absl::Status error = EngineError("decode step", logits.status());

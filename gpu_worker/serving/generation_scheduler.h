@@ -185,6 +185,8 @@ struct SchedulerStats {
   int queued = 0;      // waiting for a slot now
   int active = 0;      // in a slot now
   long kv_recoveries = 0;  // engine calls that recomputed a lost KV
+  // Bytes the sequences' row caches hold now (KvOptions::row_cache).
+  int64_t row_cache_bytes = 0;
   long prompt_tokens = 0;     // prompt tokens prefilled (reused ones too)
   long generated_tokens = 0;  // tokens generated, as they came
 };
@@ -268,8 +270,9 @@ class GenerationScheduler {
       const GenerationRequest& request);
   void Loop();
   void Prefill(Sequence& seq);
-  // Copies the engine's recovery count into stats_ (after each engine call).
-  void NoteRecoveries();
+  // Copies the engine's recovery count and its row caches' bytes into
+  // stats_ (after each engine call).
+  void NoteEngineStats();
   // Samples from `logits` and streams the token, or ends the sequence.
   void Advance(Sequence& seq, absl::Span<const float> logits);
   void DecodeStep();

@@ -48,7 +48,13 @@ class SchedulerCollector : public prometheus::Collectable {
         "the worker recomputed it from their tokens (--on_kv_loss=recompute).",
         MetricType::Counter);
     AddSample(&recoveries, st.kv_recoveries);
-    return {requests, queue, running, slots, recoveries};
+    prometheus::MetricFamily row_cache = NewFamily(
+        "infinigen_worker_kv_row_cache_bytes",
+        "Bytes of K and V rows the sequences' row caches hold on the worker "
+        "now (--row_cache).",
+        MetricType::Gauge);
+    AddSample(&row_cache, static_cast<double>(st.row_cache_bytes));
+    return {requests, queue, running, slots, recoveries, row_cache};
   }
 
  private:
@@ -113,6 +119,14 @@ WorkerMetrics::WorkerMetrics()
   kv_fetch_wait_ =
       NewCounter(*registry_, "infinigen_worker_kv_fetch_wait_seconds_total",
                  "Time decode steps spent waiting on KV fetches.");
+  row_cache_lookups_ = NewCounter(
+      *registry_, "infinigen_worker_kv_row_cache_lookups_total",
+      "Selected rows a decode step looked up in the worker's row cache "
+      "(--row_cache), all layers and KV heads.");
+  row_cache_hits_ = NewCounter(
+      *registry_, "infinigen_worker_kv_row_cache_hits_total",
+      "Of the row cache's lookups, the rows it held: not fetched from the "
+      "memory node.");
 }
 
 void WorkerMetrics::OnSequenceDone(const SequenceRecord& r) {
@@ -123,6 +137,8 @@ void WorkerMetrics::OnSequenceDone(const SequenceRecord& r) {
   if (r.tpot_seconds >= 0) tpot_->Observe(r.tpot_seconds);
   kv_bytes_fetched_->Increment(static_cast<double>(r.fetch.bytes_fetched));
   kv_fetch_wait_->Increment(r.fetch.wait_seconds);
+  row_cache_lookups_->Increment(static_cast<double>(r.fetch.row_cache_lookups));
+  row_cache_hits_->Increment(static_cast<double>(r.fetch.row_cache_hits));
   if (r.fetch.steps > 0) {
     fetch_fraction_->Observe(r.fetch.fraction_mean());
     fetch_wait_per_step_->Observe(r.fetch.wait_seconds / r.fetch.steps);

@@ -1,10 +1,11 @@
 // The Prometheus metrics of `infinigen serve` (prometheus-cpp): requests by
-// outcome, queue depth and running batch (read from the scheduler's own
-// SchedulerStats at scrape time), and, per sequence as it leaves its slot
-// (GenerationSchedulerOptions::on_sequence_done), time to first token, time
-// per output token, prompt and generated tokens, and what its KV policy
-// fetched: bytes, the fraction of cached rows fetched (a sequence's mean
-// over its decode steps) and the fetch wait per step.
+// outcome, queue depth, running batch and the row caches' bytes (read from
+// the scheduler's own SchedulerStats at scrape time), and, per sequence as
+// it leaves its slot (GenerationSchedulerOptions::on_sequence_done), time
+// to first token, time per output token, prompt and generated tokens, and
+// what its KV policy fetched: bytes, the fraction of cached rows fetched (a
+// sequence's mean over its decode steps), the fetch wait per step and the
+// row cache's lookups and hits.
 //
 // Thread-safe: OnSequenceDone runs on the scheduler thread, Collect on a
 // scraper's.
@@ -53,6 +54,8 @@ class WorkerMetrics {
   prometheus::Counter* generated_tokens_;
   prometheus::Counter* kv_bytes_fetched_;
   prometheus::Counter* kv_fetch_wait_;
+  prometheus::Counter* row_cache_lookups_;
+  prometheus::Counter* row_cache_hits_;
 };
 
 }  // namespace infinigen::gpu_worker

@@ -4,10 +4,46 @@
 #include <memory>
 
 #include "common/status.h"
+#include "gpu_worker/kv/kv_cache_impl.h"
 #include "gpu_worker/kv/policies/registry.h"
 
 namespace infinigen::gpu_worker {
 namespace offloaded {
+
+namespace {
+
+// The row cache yields to the rest of the cache: with it, the worker holds
+// less than the whole cache would there (the local cache, `ideal`) and no
+// more than KvOptions::max_worker_bytes. Its fraction shrinks to fit; where
+// not even its maps fit, there is none.
+void FitRowCache(const model::ModelConfig& c, const KvCacheOptions& o,
+                 Layout& z) {
+  const double wanted = z.row_cache;
+  z.row_cache = 0;
+  const int64_t rest = o.batch * z.PerSequence(c, o.max_seq_len) +
+                       z.Shared(c, o.max_seq_len, o.max_chunk);
+  int64_t room = LocalKvCacheBytes(c, o) - 1 - rest;
+  if (o.kv.max_worker_bytes > 0) {
+    room = std::min(room, o.kv.max_worker_bytes - rest);
+  }
+  auto bytes = [&](double f) {
+    return o.batch * RowCache::Bytes(c.n_layers, z.row_cache_whole_layers,
+                                     c.n_kv_heads, o.max_seq_len, z.row_width,
+                                     f);
+  };
+  double fits = wanted;
+  if (bytes(fits) > room) {
+    double lo = 0, hi = wanted;
+    for (int i = 0; i < 30; ++i) {
+      const double mid = (lo + hi) / 2;
+      (bytes(mid) <= room ? lo : hi) = mid;
+    }
+    fits = lo;
+  }
+  if (fits > 0 && bytes(fits) <= room) z.row_cache = fits;
+}
+
+}  // namespace
 
 absl::StatusOr<Layout> MakeLayout(const model::Weights& weights,
                                   bool operates_on_host,
@@ -39,12 +75,23 @@ absl::StatusOr<Layout> MakeLayout(const model::Weights& weights,
                 policy->ReusesPrefix() && !z.prefill_probs;
   // A policy whose fetch is chosen (it takes a target fetch) selects rows
   // that later steps select again; the others read every row.
-  if (!z.staged &&
-      PolicyEntryOf(options.kv.policy->kind).set_target_fetch != nullptr) {
+  // Not where the node evicts: its notes of the rows held need every
+  // position at its own slot.
+  const bool node_evicts =
+      std::max(1, static_cast<int>(options.kv.kv_capacity *
+                                   options.max_seq_len)) < options.max_seq_len;
+  const PolicyEntry& entry = PolicyEntryOf(options.kv.policy->kind);
+  if (!z.staged && !node_evicts && entry.set_target_fetch != nullptr) {
     z.row_cache = options.kv.row_cache;
+    // Its dense layers' plans name every row: the cache holds them whole
+    // where its bound allows.
+    if (entry.traits.selects) {
+      z.row_cache_whole_layers = options.kv.policy->selection.dense_layers;
+    }
   }
   IG_ASSIGN_OR_RETURN(z.policy_bytes,
                       KvPolicy::StateBytes(*options.kv.policy, ctx));
+  if (z.row_cache > 0) FitRowCache(weights.config, options, z);
   return z;
 }
 

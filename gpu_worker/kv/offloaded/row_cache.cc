@@ -8,44 +8,75 @@
 
 namespace infinigen::gpu_worker {
 namespace offloaded {
-namespace {
-
-int Capacity(int max_tokens, double fraction) {
-  const double rows = std::ceil(fraction * max_tokens);
-  return static_cast<int>(std::clamp(rows, 1.0, static_cast<double>(max_tokens)));
+std::vector<RowCache::LayerRoom> RowCache::Rooms(int n_layers,
+                                                 int whole_layers,
+                                                 int n_kv_heads,
+                                                 int max_tokens,
+                                                 double fraction) {
+  // The bound, in layers' worth of rows: fraction * n_layers. Whole layers
+  // first where they fit with room left for the others.
+  const double bound = fraction * n_layers;
+  int whole = std::clamp(whole_layers, 0, n_layers);
+  if (whole > 0 && !(bound >= whole && (bound > whole || whole == n_layers))) {
+    whole = 0;
+  }
+  const double rest =
+      whole < n_layers ? (bound - whole) / (n_layers - whole) : 0.0;
+  std::vector<LayerRoom> rooms(n_layers);
+  size_t row = 0;
+  for (int l = 0; l < n_layers; ++l) {
+    LayerRoom& r = rooms[l];
+    r.fraction = l < whole ? 1.0 : std::min(rest, 1.0);
+    r.capacity = static_cast<int>(
+        std::clamp(std::ceil(r.fraction * max_tokens), 1.0,
+                   static_cast<double>(max_tokens)));
+    r.first_row = row;
+    row += static_cast<size_t>(n_kv_heads) * 2 * r.capacity;
+  }
+  return rooms;
 }
 
-}  // namespace
-
-RowCache::RowCache(int n_layers, int n_kv_heads, int max_tokens,
-                   int row_width, double fraction)
+RowCache::RowCache(int n_layers, int whole_layers, int n_kv_heads,
+                   int max_tokens, int row_width, double fraction)
     : n_kv_heads_(n_kv_heads),
       max_tokens_(max_tokens),
       row_width_(row_width),
-      capacity_(Capacity(max_tokens, fraction)),
-      fraction_(fraction),
+      layer_room_(
+          Rooms(n_layers, whole_layers, n_kv_heads, max_tokens, fraction)),
       slots_(static_cast<size_t>(n_layers) * n_kv_heads),
-      layers_(n_layers),
-      // Default-initialized: pages are touched only as slots fill.
-      rows_(new uint16_t[static_cast<size_t>(n_layers) * n_kv_heads * 2 *
-                         capacity_ * row_width]) {
-  for (Slots& s : slots_) {
-    s.slot_of.assign(max_tokens_, -1);
-    s.position.assign(capacity_, -1);
-    s.prev.assign(capacity_ + 1, capacity_);
-    s.next.assign(capacity_ + 1, capacity_);
+      layers_(n_layers) {
+  size_t rows = 0;
+  for (const LayerRoom& r : layer_room_) {
+    rows += static_cast<size_t>(n_kv_heads) * 2 * r.capacity;
+  }
+  // Default-initialized: pages are touched only as slots fill.
+  rows_.reset(new uint16_t[rows * row_width]);
+  for (int l = 0; l < n_layers; ++l) {
+    const int capacity = layer_room_[l].capacity;
+    for (int g = 0; g < n_kv_heads; ++g) {
+      Slots& s = At(l, g);
+      s.slot_of.assign(max_tokens_, -1);
+      s.position.assign(capacity, -1);
+      s.prev.assign(capacity + 1, capacity);
+      s.next.assign(capacity + 1, capacity);
+    }
   }
 }
 
-int64_t RowCache::Bytes(int n_layers, int n_kv_heads, int max_tokens,
-                        int row_width, double fraction) {
-  const int64_t capacity = Capacity(max_tokens, fraction);
-  // K and V slots, and the maps: position -> slot, slot -> position and
-  // the recency list.
-  const int64_t per_head = 2 * capacity * row_width * sizeof(uint16_t) +
-                           (max_tokens + 3 * (capacity + 1)) *
-                               static_cast<int64_t>(sizeof(int32_t));
-  return static_cast<int64_t>(n_layers) * n_kv_heads * per_head;
+int64_t RowCache::Bytes(int n_layers, int whole_layers, int n_kv_heads,
+                        int max_tokens, int row_width, double fraction) {
+  int64_t bytes = 0;
+  for (const LayerRoom& r :
+       Rooms(n_layers, whole_layers, n_kv_heads, max_tokens, fraction)) {
+    // K and V slots, and the maps: position -> slot, slot -> position and
+    // the recency list.
+    const int64_t capacity = r.capacity;
+    bytes += n_kv_heads *
+             (2 * capacity * row_width * static_cast<int64_t>(sizeof(uint16_t)) +
+              (max_tokens + 3 * (capacity + 1)) *
+                  static_cast<int64_t>(sizeof(int32_t)));
+  }
+  return bytes;
 }
 
 int64_t RowCache::bytes() const {
@@ -55,13 +86,14 @@ int64_t RowCache::bytes() const {
 }
 
 uint16_t* RowCache::KSlot(int layer, int g, int slot) const {
-  const size_t head = static_cast<size_t>(layer) * n_kv_heads_ + g;
+  const LayerRoom& r = layer_room_[layer];
   return rows_.get() +
-         (head * 2 * capacity_ + static_cast<size_t>(slot)) * row_width_;
+         (r.first_row + static_cast<size_t>(g) * 2 * r.capacity + slot) *
+             row_width_;
 }
 
 void RowCache::MoveToFront(Slots& s, int slot) {
-  const int sentinel = capacity_;
+  const int sentinel = static_cast<int>(s.position.size());
   // Unlink (a slot just taken is linked nowhere: its links are its own
   // neighbours' business only once linked).
   if (s.next[slot] != slot || s.prev[slot] != slot) {
@@ -95,9 +127,11 @@ absl::StatusOr<long> RowCache::Split(
   split.hits.head_offsets.assign(1, 0);
   split.miss_slot.clear();
   split.skipped.assign(n_kv_heads_, 0);
+  const LayerRoom& share = layer_room_[layer];
   const int room = std::min(
-      capacity_, std::max(1, static_cast<int>(std::ceil(
-                                 fraction_ * std::max(cached_tokens, 1)))));
+      share.capacity,
+      std::max(1, static_cast<int>(std::ceil(
+                      share.fraction * std::max(cached_tokens, 1)))));
   long hits = 0;
   for (int g = 0; g < n_kv_heads_; ++g) {
     const int begin = plan.head_offsets[g], end = plan.head_offsets[g + 1];
@@ -129,7 +163,7 @@ absl::StatusOr<long> RowCache::Split(
             slot = s.used++;
             s.next[slot] = s.prev[slot] = slot;  // not linked yet
           } else {
-            slot = s.prev[capacity_];  // the least recently selected
+            slot = s.prev[share.capacity];  // the least recently selected
             s.slot_of[s.position[slot]] = -1;
           }
           s.slot_of[p] = slot;
@@ -153,7 +187,8 @@ void RowCache::Fill(int layer, const uint16_t* fetched) {
   const LayerSplit& split = layers_[layer];
   const size_t total = split.misses.indices.size();
   const size_t bytes = static_cast<size_t>(row_width_) * sizeof(uint16_t);
-  const size_t v_at = static_cast<size_t>(capacity_) * row_width_;
+  const size_t v_at =
+      static_cast<size_t>(layer_room_[layer].capacity) * row_width_;
   for (int g = 0; g < n_kv_heads_; ++g) {
     if (split.skipped[g]) continue;
     for (int i = split.misses.head_offsets[g];
@@ -180,7 +215,7 @@ RowCache::HeadRows RowCache::Head(int layer, int g,
     return h;
   }
   h.k = KSlot(layer, g, 0);
-  h.v = h.k + static_cast<size_t>(capacity_) * row_width_;
+  h.v = h.k + static_cast<size_t>(layer_room_[layer].capacity) * row_width_;
   h.indices = split.slots.data() + split.plan_offsets[g];
   return h;
 }

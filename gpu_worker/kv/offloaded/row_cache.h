@@ -33,16 +33,19 @@ namespace offloaded {
 
 class RowCache {
  public:
-  // Room for ceil(fraction * max_tokens) rows of `row_width` values per
-  // (layer, KV head); fraction in (0, 1].
-  RowCache(int n_layers, int n_kv_heads, int max_tokens, int row_width,
-           double fraction);
+  // Room for `fraction` (in (0, 1]) of the cached tokens' rows of every
+  // layer, `row_width` values a row. The first `whole_layers` layers (a
+  // policy's dense layers: their plans name every row) get room for every
+  // token where the bound allows it, and the other layers share the rest;
+  // where it does not, every layer gets `fraction`.
+  RowCache(int n_layers, int whole_layers, int n_kv_heads, int max_tokens,
+           int row_width, double fraction);
 
-  // Slots per (layer, KV head), and the bytes the cache can take (slots
-  // and maps).
-  int capacity() const { return capacity_; }
-  static int64_t Bytes(int n_layers, int n_kv_heads, int max_tokens,
-                       int row_width, double fraction);
+  // Slots per (layer, KV head) of `layer`, and the bytes the cache can
+  // take (slots and maps).
+  int capacity(int layer) const { return layer_room_[layer].capacity; }
+  static int64_t Bytes(int n_layers, int whole_layers, int n_kv_heads,
+                       int max_tokens, int row_width, double fraction);
   // Bytes of the rows the slots hold.
   int64_t bytes() const;
 
@@ -77,8 +80,8 @@ class RowCache {
   HeadRows Head(int layer, int g, const uint16_t* fetched) const;
 
  private:
-  // One (layer, KV head)'s slots; slot capacity_ is the recency list's
-  // sentinel (next: the most recent, prev: the least).
+  // One (layer, KV head)'s slots; slot `capacity` (position.size()) is
+  // the recency list's sentinel (next: the most recent, prev: the least).
   struct Slots {
     std::vector<int32_t> slot_of;   // [max_tokens] position -> slot, -1
     std::vector<int32_t> position;  // [capacity] slot -> position
@@ -94,13 +97,22 @@ class RowCache {
     std::vector<char> skipped;       // [head]: read from the fetch
   };
 
+  // A layer's share: of the cached tokens, and at most (slots a head).
+  struct LayerRoom {
+    double fraction = 0;
+    int capacity = 0;
+    size_t first_row = 0;  // its first head's K slots in rows_
+  };
+  static std::vector<LayerRoom> Rooms(int n_layers, int whole_layers,
+                                      int n_kv_heads, int max_tokens,
+                                      double fraction);
+
   Slots& At(int layer, int g) { return slots_[layer * n_kv_heads_ + g]; }
   uint16_t* KSlot(int layer, int g, int slot) const;
   void MoveToFront(Slots& s, int slot);
 
   const int n_kv_heads_, max_tokens_, row_width_;
-  const int capacity_;
-  const double fraction_;
+  const std::vector<LayerRoom> layer_room_;  // [layer]
   std::vector<Slots> slots_;        // [layer][head]
   std::vector<LayerSplit> layers_;  // [layer]
   // [layer][head][K then V][capacity][row_width], left uninitialized.

@@ -61,7 +61,7 @@ long Step(RowCache& cache, int layer, const OwnedFetchPlan& plan,
 }
 
 TEST(RowCacheTest, FetchesOnlyTheRowsItDoesNotHold) {
-  RowCache cache(kLayers, kHeads, kTokens, kWidth, 0.5);  // 8 slots a head
+  RowCache cache(kLayers, 0, kHeads, kTokens, kWidth, 0.5);  // 8 slots a head
   std::vector<uint16_t> fetched;
   const OwnedFetchPlan first = OwnedFetchPlan::PerHead({{0, 3, 5}, {1, 2}});
   EXPECT_EQ(Step(cache, 1, first, 16, fetched), 0);
@@ -82,8 +82,8 @@ TEST(RowCacheTest, FetchesOnlyTheRowsItDoesNotHold) {
 }
 
 TEST(RowCacheTest, EvictsTheLeastRecentlySelectedNeverTheStepsOwn) {
-  RowCache cache(1, kHeads, kTokens, kWidth, 0.25);  // 4 slots a head
-  ASSERT_EQ(cache.capacity(), 4);
+  RowCache cache(1, 0, kHeads, kTokens, kWidth, 0.25);  // 4 slots a head
+  ASSERT_EQ(cache.capacity(0), 4);
   std::vector<uint16_t> fetched;
   Step(cache, 0, OwnedFetchPlan::PerHead({{0, 1, 2, 3}, {}}), 16, fetched);
   Step(cache, 0, OwnedFetchPlan::PerHead({{2, 0}, {}}), 16, fetched);
@@ -104,7 +104,7 @@ TEST(RowCacheTest, EvictsTheLeastRecentlySelectedNeverTheStepsOwn) {
 }
 
 TEST(RowCacheTest, AHeadLargerThanItsRoomIsReadFromTheFetch) {
-  RowCache cache(1, kHeads, kTokens, kWidth, 0.25);
+  RowCache cache(1, 0, kHeads, kTokens, kWidth, 0.25);
   std::vector<uint16_t> fetched;
   // 8 cached tokens: room for 2 rows a head. Head 0's three skip the
   // cache (fetched, and read from the fetch); head 1's two are cached.
@@ -120,14 +120,14 @@ TEST(RowCacheTest, AHeadLargerThanItsRoomIsReadFromTheFetch) {
 }
 
 TEST(RowCacheTest, APositionPlannedTwiceIsFetchedOnce) {
-  RowCache cache(1, kHeads, kTokens, kWidth, 0.5);
+  RowCache cache(1, 0, kHeads, kTokens, kWidth, 0.5);
   std::vector<uint16_t> fetched;
   Step(cache, 0, OwnedFetchPlan::PerHead({{5, 5, 6}, {}}), 16, fetched);
   EXPECT_EQ(cache.misses(0).indices, (std::vector<int32_t>{5, 6}));
 }
 
 TEST(RowCacheTest, RefusesAPositionOutsideTheSequence) {
-  RowCache cache(1, kHeads, kTokens, kWidth, 0.5);
+  RowCache cache(1, 0, kHeads, kTokens, kWidth, 0.5);
   std::vector<uint16_t> fetched;
   Step(cache, 0, OwnedFetchPlan::PerHead({{1}, {2}}), 16, fetched);
   for (int32_t bad : {-1, kTokens}) {
@@ -143,10 +143,36 @@ TEST(RowCacheTest, RefusesAPositionOutsideTheSequence) {
             2);
 }
 
+TEST(RowCacheTest, DenseLayersAreHeldWholeWhereTheBoundAllows) {
+  // Half of 4 layers' rows: layer 0 whole, the other three a third each.
+  RowCache cache(4, 1, kHeads, kTokens, kWidth, 0.5);
+  EXPECT_EQ(cache.capacity(0), kTokens);
+  EXPECT_EQ(cache.capacity(1), 6);  // ceil(16 / 3)
+  EXPECT_EQ(cache.capacity(3), 6);
+  std::vector<int32_t> every(kTokens);
+  for (int p = 0; p < kTokens; ++p) every[p] = p;
+  const OwnedFetchPlan whole = OwnedFetchPlan::PerHead({every, every});
+  std::vector<uint16_t> fetched;
+  EXPECT_EQ(Step(cache, 0, whole, kTokens, fetched), 0);
+  EXPECT_EQ(Step(cache, 0, whole, kTokens, fetched), 2 * kTokens);
+  // A selecting layer's room is its share: 16 rows are more than its 6,
+  // fetched and read from the fetch.
+  EXPECT_EQ(Step(cache, 1, whole, kTokens, fetched), 0);
+  EXPECT_EQ(cache.Head(1, 0, fetched.data()).indices, nullptr);
+  // A fifth of 4 layers is less than one layer: every layer gets a fifth.
+  RowCache small(4, 1, kHeads, kTokens, kWidth, 0.2);
+  EXPECT_EQ(small.capacity(0), 4);
+  EXPECT_EQ(small.capacity(1), 4);
+}
+
 TEST(RowCacheTest, BytesCountSlotsAndMaps) {
   // 4 slots a head: K and V rows, position -> slot, and 3 arrays of 5.
-  EXPECT_EQ(RowCache::Bytes(kLayers, kHeads, kTokens, kWidth, 0.25),
+  EXPECT_EQ(RowCache::Bytes(kLayers, 0, kHeads, kTokens, kWidth, 0.25),
             kLayers * kHeads * (2 * 4 * kWidth * 2 + (kTokens + 3 * 5) * 4));
+  // Layer 0 whole (16 slots), layer 1 the rest: half (8 slots).
+  EXPECT_EQ(RowCache::Bytes(2, 1, kHeads, kTokens, kWidth, 0.75),
+            kHeads * (2 * 16 * kWidth * 2 + (kTokens + 3 * 17) * 4) +
+                kHeads * (2 * 8 * kWidth * 2 + (kTokens + 3 * 9) * 4));
 }
 
 }  // namespace

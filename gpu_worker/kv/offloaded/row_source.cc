@@ -104,8 +104,9 @@ class CachedGatherSource final : public RowSource {
   CachedGatherSource(const RowSourceContext& ctx, SequenceId seq)
       : ctx_(ctx),
         seq_(seq),
-        cache_(ctx.config->n_layers, ctx.config->n_kv_heads, ctx.max_seq_len,
-               ctx.layout->row_width, ctx.layout->row_cache),
+        cache_(ctx.config->n_layers, ctx.layout->row_cache_whole_layers,
+               ctx.config->n_kv_heads, ctx.max_seq_len, ctx.layout->row_width,
+               ctx.layout->row_cache),
         heads_(ctx.config->n_kv_heads) {}
   bool one_sided() const override { return false; }
 
