@@ -539,7 +539,10 @@ class Cli(unittest.TestCase):
         common = [f"--model={MODEL}", f"--tokenizer={TOK}", f"--text={TEXT}",
                   "--ctx=200", "--decode_tokens=4", "--batch=4", "--json",
                   "--backend=cpu"]
-        r = run("bench-decode", *common, "--policy=ideal,full,infinigen")
+        # Without the row cache, which keeps fetched rows on the worker by
+        # choice (--row_cache; under a limit it takes what is left).
+        r = run("bench-decode", *common, "--policy=ideal,full,infinigen",
+                "--row_cache=0")
         self.assertEqual(r.returncode, 0, r.stderr)
         # Progress with the time left: every prefilled sequence, and the
         # decode steps (at least their end).
@@ -573,6 +576,9 @@ class Cli(unittest.TestCase):
         served = [json.loads(l) for l in r.stdout.splitlines()
                   if l.startswith("{")]
         self.assertEqual([x["policy"] for x in served], ["full", "infinigen"])
+        # infinigen's row cache took what the limit left, if anything.
+        for x in served:
+            self.assertLess(x["worker_kv_bytes"], ideal)
         r = run("bench-decode", *common, "--policy=full",
                 "--max_worker_kv_bytes=-5")
         self.assert_one_line_failure(r, 2, ["--max_worker_kv_bytes"])

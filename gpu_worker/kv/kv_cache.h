@@ -137,9 +137,8 @@ struct KvOptions {
   // (offloaded/row_cache.h); attention computes the same. For the policies
   // that select rows, on a host backend, where the node gathers (not with
   // one-sided reads, which copy nothing) and never evicts (kv_capacity 1).
-  // It yields to the rest of the cache: less, or none, where the worker
-  // would otherwise hold as much as the local cache would, or more than
-  // max_worker_bytes. 0 = none; at most 1.
+  // Under max_worker_bytes it takes what the rest leaves: less, or none.
+  // 0 = none; at most 1.
   double row_cache = 0.0;
   // Names the model and everything its rows depend on (weights, skew;
   // ModelIdentity in the worker's commands); the cache adds the policy and

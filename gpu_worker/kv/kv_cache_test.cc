@@ -248,7 +248,7 @@ class FakeKvClient final : public kv_memory_service::KvClientWrapper {
 
 // A random Llama-shaped model with many layers and a small width: worker
 // memory per layer is what these tests measure.
-Weights ManyLayers(int n_layers, int max_seq) {
+Weights ManyLayers(int n_layers, int max_seq, int head_dim = 8) {
   std::mt19937 rng(7);
   std::normal_distribution<float> normal(0.0f, 0.3f);
   auto rnd = [&](size_t n) {
@@ -264,7 +264,7 @@ Weights ManyLayers(int n_layers, int max_seq) {
   c.n_layers = n_layers;
   c.n_heads = 4;
   c.n_kv_heads = 2;
-  c.head_dim = 8;
+  c.head_dim = head_dim;
   c.vocab_size = 64;
   c.max_seq_len = max_seq;
   c.bos_id = 0;
@@ -273,10 +273,10 @@ Weights ManyLayers(int n_layers, int max_seq) {
   for (int i = 0; i < n_layers; ++i) {
     LayerWeights l;
     l.attn_norm = rnd(32);
-    l.wq = rnd(32 * 32);
+    l.wq = rnd(32 * c.q_dim());
     l.wk = rnd(32 * c.kv_dim());
     l.wv = rnd(32 * c.kv_dim());
-    l.wo = rnd(32 * 32);
+    l.wo = rnd(c.q_dim() * 32);
     l.ffn_norm = rnd(32);
     l.w1 = rnd(48 * 32);
     l.w2 = rnd(48 * 32);
@@ -335,7 +335,9 @@ class KvCacheTest : public ::testing::Test {
  protected:
   KvCacheTest()
       : weights_(ManyLayers(12, 1024)),
-        identity_(speculator::SkewMatrices::Identity(12, 2, 8)) {}
+        identity_(speculator::SkewMatrices::Identity(12, 2, 8)),
+        wide_(ManyLayers(12, 1024, 32)),
+        wide_identity_(speculator::SkewMatrices::Identity(12, 2, 32)) {}
 
   // `policy` by its --policy name: "ideal" is the local cache.
   EngineOptions Options(const std::string& policy, KvClient* client) {
@@ -360,6 +362,15 @@ class KvCacheTest : public ::testing::Test {
 
   Weights weights_;
   speculator::SkewMatrices identity_;
+  // Rows of 32 values: a row cache's slots outweigh its maps, as in a
+  // real model (for the row cache's tests).
+  Weights wide_;
+  speculator::SkewMatrices wide_identity_;
+  EngineOptions WideOptions(const std::string& policy, KvClient* client) {
+    EngineOptions o = Options(policy, client);
+    if (o.kv.policy) o.kv.policy->infinigen.skew = &wide_identity_;
+    return o;
+  }
 };
 
 TEST_F(KvCacheTest, PrefillSendsEachLayerBeforeTheNextAndDecodeFetches) {
@@ -708,6 +719,45 @@ TEST_F(KvCacheTest, APrefixReusedFromTheNodeDecodesAsWithoutReuse) {
     ASSERT_TRUE(fourth.ok());
     ASSERT_TRUE((*fourth)->Forward(prompt, false).ok());
     EXPECT_EQ((*fourth)->cached_tokens(), 0);
+  }
+}
+
+// A reused prefix and the row cache: the decode of a prompt whose prefix
+// the node held, through the row cache, is the decode computed in full
+// without one: the same tokens, the same selection. The node takes no
+// notes of a sequence whose positions are not at their own slots, so the
+// rows held are not noted.
+TEST_F(KvCacheTest, TheRowCacheDecodesAReusedPrefixAsWithoutEither) {
+  for (std::string kind : {"infinigen", "oracle", "quest"}) {
+    SCOPED_TRACE(kind);
+    FakeKvClient node;
+    EngineOptions o = WideOptions(kind, &node);
+    o.kv.prefix_block_tokens = 8;
+    o.kv.model_identity = "test-model";
+    o.kv.row_cache = 0.5;
+    const std::vector<int> shared = Tokens(70);
+    std::vector<int> prompt = shared;
+    prompt.push_back(5);
+    prompt.push_back(9);
+    auto first = Engine::Create(wide_, NewCpuBackend(), o);
+    ASSERT_TRUE(first.ok());
+    ASSERT_TRUE((*first)->Forward(shared, false).ok());
+    auto second = Engine::Create(wide_, NewCpuBackend(), o);
+    ASSERT_TRUE(second.ok());
+    const std::vector<int> reused = Greedy(**second, prompt, 12);
+    EXPECT_EQ((*second)->cached_tokens(), 64);
+    EngineOptions plain = o;
+    plain.kv.prefix_block_tokens = 0;
+    plain.kv.row_cache = 0;
+    auto third = Engine::Create(wide_, NewCpuBackend(), plain);
+    ASSERT_TRUE(third.ok());
+    EXPECT_EQ(reused, Greedy(**third, prompt, 12));
+    const FetchStats& got = (*second)->fetch_stats();
+    const FetchStats& want = (*third)->fetch_stats();
+    EXPECT_EQ(got.fraction_sum, want.fraction_sum);
+    EXPECT_EQ(got.row_cache_lookups, want.rows_fetched);
+    EXPECT_GT(got.row_cache_hits, 0);
+    EXPECT_TRUE(node.notes().empty());
   }
 }
 
@@ -1361,11 +1411,11 @@ TEST_F(KvCacheTest, TheRowCacheFetchesOnlyWhatChangedWithTheSameLogits) {
                            "int4"}) {
     SCOPED_TRACE(kind);
     FakeKvClient cached_node, gather_node;
-    EngineOptions cached_options = Options(kind, &cached_node);
+    EngineOptions cached_options = WideOptions(kind, &cached_node);
     cached_options.kv.row_cache = 0.5;
-    auto cached = Engine::Create(weights_, NewCpuBackend(), cached_options);
-    auto gather = Engine::Create(weights_, NewCpuBackend(),
-                                 Options(kind, &gather_node));
+    auto cached = Engine::Create(wide_, NewCpuBackend(), cached_options);
+    auto gather = Engine::Create(wide_, NewCpuBackend(),
+                                 WideOptions(kind, &gather_node));
     ASSERT_TRUE(cached.ok()) << cached.status();
     ASSERT_TRUE(gather.ok()) << gather.status();
     ASSERT_NO_FATAL_FAILURE(ExpectSameDecoding(**cached, **gather));
@@ -1414,13 +1464,13 @@ TEST_F(KvCacheTest, TheRowCacheFetchesOnlyWhatChangedWithTheSameLogits) {
 // at its slot): its sequences fetch every selected row, as without a cache.
 TEST_F(KvCacheTest, TheRowCacheStaysOffWhereTheNodeEvicts) {
   FakeKvClient cached_node, gather_node;
-  EngineOptions with = Options("infinigen", &cached_node);
+  EngineOptions with = WideOptions("infinigen", &cached_node);
   with.kv.kv_capacity = 0.5;
-  EngineOptions without = Options("infinigen", &gather_node);
+  EngineOptions without = WideOptions("infinigen", &gather_node);
   without.kv.kv_capacity = 0.5;
   with.kv.row_cache = 0.5;
-  auto cached = Engine::Create(weights_, NewCpuBackend(), with);
-  auto gather = Engine::Create(weights_, NewCpuBackend(), without);
+  auto cached = Engine::Create(wide_, NewCpuBackend(), with);
+  auto gather = Engine::Create(wide_, NewCpuBackend(), without);
   ASSERT_TRUE(cached.ok() && gather.ok());
   EXPECT_EQ((*cached)->worker_kv_bytes(), (*gather)->worker_kv_bytes());
   ASSERT_NO_FATAL_FAILURE(ExpectSameDecoding(**cached, **gather));
@@ -1432,34 +1482,38 @@ TEST_F(KvCacheTest, TheRowCacheStaysOffWhereTheNodeEvicts) {
 // The row cache is worker memory: its bound counts in worker_kv_bytes.
 TEST_F(KvCacheTest, TheRowCacheCountsInTheWorkersBytes) {
   FakeKvClient a, b;
-  EngineOptions with = Options("infinigen", &a);
+  EngineOptions with = WideOptions("infinigen", &a);
   with.kv.row_cache = 0.5;
-  auto cached = Engine::Create(weights_, NewCpuBackend(), with);
-  auto plain = Engine::Create(weights_, NewCpuBackend(),
-                              Options("infinigen", &b));
+  auto cached = Engine::Create(wide_, NewCpuBackend(), with);
+  auto plain = Engine::Create(wide_, NewCpuBackend(),
+                              WideOptions("infinigen", &b));
   ASSERT_TRUE(cached.ok() && plain.ok());
   // Half of 12 layers' rows of 256 tokens: InfiniGen's 2 dense layers
   // whole, the other 10 a share of 0.4 each (103 slots); per KV head (2),
-  // K and V fp16 rows of 8, and the maps (256 positions, 3 x slots + 1).
+  // K and V fp16 rows of 32, and the maps (256 positions, 3 x slots + 1).
   auto layer = [](int64_t slots) {
-    return 2 * (2 * slots * 8 * 2 + (256 + 3 * (slots + 1)) * 4);
+    return 2 * (2 * slots * 32 * 2 + (256 + 3 * (slots + 1)) * 4);
   };
   EXPECT_EQ((*cached)->worker_kv_bytes() - (*plain)->worker_kv_bytes(),
             2 * layer(256) + 10 * layer(103));
-  // Under a limit it takes what is left, or nothing.
-  for (int64_t spare : {int64_t{65536}, int64_t{0}}) {
-    EngineOptions limited = with;
-    limited.kv.max_worker_bytes = (*plain)->worker_kv_bytes() + spare;
-    FakeKvClient c;
-    limited.kv.kv_client = &c;
-    auto fitted = Engine::Create(weights_, NewCpuBackend(), limited);
-    ASSERT_TRUE(fitted.ok()) << fitted.status();
-    EXPECT_LE((*fitted)->worker_kv_bytes(), limited.kv.max_worker_bytes);
-    EXPECT_EQ((*fitted)->worker_kv_bytes() > (*plain)->worker_kv_bytes(),
-              spare > 0);
-  }
+  // Under a limit it takes what is left: all of it.
+  KvCacheOptions no_cache;
+  no_cache.max_seq_len = with.max_seq_len;
+  no_cache.max_chunk = with.max_chunk;
+  no_cache.kv = WideOptions("infinigen", &b).kv;
+  auto limit = KvCache::WorkerBytes(wide_, no_cache);
+  ASSERT_TRUE(limit.ok());
+  ASSERT_GT((*cached)->worker_kv_bytes(), *limit);
+  EngineOptions limited = with;
+  limited.kv.max_worker_bytes = *limit;
+  FakeKvClient c;
+  limited.kv.kv_client = &c;
+  auto fitted = Engine::Create(wide_, NewCpuBackend(), limited);
+  ASSERT_TRUE(fitted.ok()) << fitted.status();
+  EXPECT_LE((*fitted)->worker_kv_bytes(), *limit);
+  EXPECT_GT((*fitted)->worker_kv_bytes(), (*plain)->worker_kv_bytes());
   with.kv.row_cache = 1.5;
-  auto refused = Engine::Create(weights_, NewCpuBackend(), with);
+  auto refused = Engine::Create(wide_, NewCpuBackend(), with);
   ASSERT_FALSE(refused.ok());
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(refused.status().message()),

@@ -223,10 +223,10 @@ absl::StatusOr<int> OffloadedKvCache::OpenSequence(
   if (cached > 0) s.presence.Mark(0, c_.n_layers, 0, cached, {});
   // Positions stay at their own slots only without an attached prefix and
   // without eviction.
-  const bool one_sided = options_.kv.direct_reads && cached == 0 &&
-                         geometry_.max_tokens >= max_seq_;
-  s.source = MakeRowSource(sources_, s.seq, one_sided, s.policy->row_format(),
-                           direct_refusal_logged_);
+  const bool own_slots = cached == 0 && geometry_.max_tokens >= max_seq_;
+  s.source = MakeRowSource(sources_, s.seq, own_slots,
+                           options_.kv.direct_reads && own_slots,
+                           s.policy->row_format(), direct_refusal_logged_);
   return cached;
 }
 
@@ -292,12 +292,18 @@ absl::Status OffloadedKvCache::FinishAppends() {
 
 absl::StatusOr<int64_t> OffloadedKvCacheBytes(const model::Weights& weights,
                                               const KvCacheOptions& options) {
-  // Sized as for a device backend (with staging): the larger of the two.
-  IG_ASSIGN_OR_RETURN(
-      const offloaded::Layout z,
-      offloaded::MakeLayout(weights, /*operates_on_host=*/false, options));
-  return options.batch * z.PerSequence(weights.config, options.max_seq_len) +
-         z.Shared(weights.config, options.max_seq_len, options.max_chunk);
+  // The larger of a device backend's (with staging) and a host backend's
+  // (with a row cache).
+  int64_t bytes = 0;
+  for (const bool on_host : {false, true}) {
+    IG_ASSIGN_OR_RETURN(const offloaded::Layout z,
+                        offloaded::MakeLayout(weights, on_host, options));
+    bytes = std::max(
+        bytes,
+        options.batch * z.PerSequence(weights.config, options.max_seq_len) +
+            z.Shared(weights.config, options.max_seq_len, options.max_chunk));
+  }
+  return bytes;
 }
 
 absl::StatusOr<std::unique_ptr<KvCache>> NewOffloadedKvCache(

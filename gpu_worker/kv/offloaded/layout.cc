@@ -4,7 +4,6 @@
 #include <memory>
 
 #include "common/status.h"
-#include "gpu_worker/kv/kv_cache_impl.h"
 #include "gpu_worker/kv/policies/registry.h"
 
 namespace infinigen::gpu_worker {
@@ -12,20 +11,17 @@ namespace offloaded {
 
 namespace {
 
-// The row cache yields to the rest of the cache: with it, the worker holds
-// less than the whole cache would there (the local cache, `ideal`) and no
-// more than KvOptions::max_worker_bytes. Its fraction shrinks to fit; where
-// not even its maps fit, there is none.
+// The row cache yields to the rest of the cache under a worker limit
+// (KvOptions::max_worker_bytes): its fraction shrinks to what the limit
+// leaves; where not even its maps fit, there is none.
 void FitRowCache(const model::ModelConfig& c, const KvCacheOptions& o,
                  Layout& z) {
+  if (o.kv.max_worker_bytes <= 0) return;
   const double wanted = z.row_cache;
   z.row_cache = 0;
-  const int64_t rest = o.batch * z.PerSequence(c, o.max_seq_len) +
-                       z.Shared(c, o.max_seq_len, o.max_chunk);
-  int64_t room = LocalKvCacheBytes(c, o) - 1 - rest;
-  if (o.kv.max_worker_bytes > 0) {
-    room = std::min(room, o.kv.max_worker_bytes - rest);
-  }
+  const int64_t room = o.kv.max_worker_bytes -
+                       (o.batch * z.PerSequence(c, o.max_seq_len) +
+                        z.Shared(c, o.max_seq_len, o.max_chunk));
   auto bytes = [&](double f) {
     return o.batch * RowCache::Bytes(c.n_layers, z.row_cache_whole_layers,
                                      c.n_kv_heads, o.max_seq_len, z.row_width,

@@ -38,9 +38,8 @@ struct Layout {
   int64_t policy_bytes = 0;
   // The row cache's fraction (KvOptions::row_cache) where a sequence may
   // have one: a policy that selects rows (one that takes a target fetch),
-  // on a host backend, a node that never evicts; else 0. Less where the
-  // cache would otherwise hold as much as the local cache would, or more
-  // than max_worker_bytes: it yields to the rest.
+  // on a host backend, a node that never evicts; else 0. Less, or 0,
+  // where the rest leaves less under max_worker_bytes.
   double row_cache = 0.0;
   int row_cache_whole_layers = 0;  // the policy's dense layers
 

@@ -101,13 +101,17 @@ class NodeGatherSource final : public RowSource {
 // such notes.
 class CachedGatherSource final : public RowSource {
  public:
-  CachedGatherSource(const RowSourceContext& ctx, SequenceId seq)
+  // `notes`: the node takes notes of the sequence's rows (each position
+  // at its own slot: no attached prefix).
+  CachedGatherSource(const RowSourceContext& ctx, SequenceId seq, bool notes)
       : ctx_(ctx),
         seq_(seq),
         cache_(ctx.config->n_layers, ctx.layout->row_cache_whole_layers,
                ctx.config->n_kv_heads, ctx.max_seq_len, ctx.layout->row_width,
                ctx.layout->row_cache),
-        heads_(ctx.config->n_kv_heads) {}
+        heads_(ctx.config->n_kv_heads),
+        split_(ctx.config->n_layers, 0),
+        notes_(notes) {}
   bool one_sided() const override { return false; }
 
   absl::Status Issue(LayerFetch& f, int layer, int position,
@@ -130,6 +134,7 @@ class CachedGatherSource final : public RowSource {
     f.handle = ctx_.client->FetchAsync(seq_, layer,
                                        cache_.misses(layer).view(),
                                        f.buffer.get());
+    split_[layer] = 1;
     return absl::OkStatus();
   }
 
@@ -140,8 +145,12 @@ class CachedGatherSource final : public RowSource {
     const absl::Status fetched = f.handle.Wait();
     stats.wait_seconds += SecondsSince(t0);
     IG_RETURN_IF_ERROR(AtNode(ctx_, fetched));
-    cache_.Fill(layer, f.buffer->data());
     f.uploaded = true;
+    // A fetch the cache did not split (a reused prefix's rows, which the
+    // prefill reads) is read from the buffer as it came.
+    if (!split_[layer]) return true;
+    split_[layer] = 0;
+    cache_.Fill(layer, f.buffer->data());
     const kv_memory_service::OwnedFetchPlan& hits = cache_.hits(layer);
     if (!notes_ || hits.indices.empty()) return true;
     // The rows held were read all the same: the node's statistics and
@@ -193,7 +202,8 @@ class CachedGatherSource final : public RowSource {
   const SequenceId seq_;
   RowCache cache_;
   std::vector<HeadRowsAt> heads_;
-  bool notes_ = true;        // the data plane takes notes, as far as known
+  std::vector<char> split_;  // [layer]: its fetch in flight is the misses
+  bool notes_;               // the node takes notes, as far as known
   bool noted_once_ = false;  // the first note was waited for
 };
 
@@ -474,6 +484,7 @@ std::unique_ptr<RowSource> NodeGather(const RowSourceContext& ctx,
 
 std::unique_ptr<RowSource> MakeRowSource(const RowSourceContext& ctx,
                                          SequenceId seq,
+                                         bool own_slots,
                                          bool one_sided_allowed,
                                          KvRowFormat format,
                                          bool& refusal_logged) {
@@ -482,7 +493,7 @@ std::unique_ptr<RowSource> MakeRowSource(const RowSourceContext& ctx,
   // The node's gather, through the row cache where there is one.
   auto gather = [&]() -> std::unique_ptr<RowSource> {
     if (ctx.layout->row_cache > 0 && attends_stored) {
-      return std::make_unique<CachedGatherSource>(ctx, seq);
+      return std::make_unique<CachedGatherSource>(ctx, seq, own_slots);
     }
     return NodeGather(ctx, seq);
   };

@@ -14,7 +14,8 @@
 //   cached gather on a host backend with a row cache (Layout::row_cache):
 //                 the node gathers the rows the sequence's RowCache does
 //                 not hold, and attention reads every planned row from the
-//                 cache's slots by index; the rows held are noted.
+//                 cache's slots by index; the rows held are noted where
+//                 the node takes notes.
 //
 // One-sided reads need every position at its own slot (no attached prefix,
 // a node that never evicts) and rows the node shares; a device gather the
@@ -123,10 +124,13 @@ std::unique_ptr<RowSource> NodeGather(const RowSourceContext& ctx,
 // One-sided reads of `rows` (KvClient::GetDirectRows, then pinned here for
 // a device; unpinned with the source) where `one_sided_allowed` and the
 // node shares them, else the node's gather: through a row cache where the
-// layout has one and the backend attends over stored rows of `format`. `refusal_logged`: the one line
+// layout has one and the backend attends over stored rows of `format`,
+// its hits noted to the node where `own_slots` (every position at its own
+// slot: no attached prefix, a node that never evicts). `refusal_logged`: the one line
 // per cache saying why the node gathers instead.
 std::unique_ptr<RowSource> MakeRowSource(const RowSourceContext& ctx,
                                          kv_memory_service::SequenceId seq,
+                                         bool own_slots,
                                          bool one_sided_allowed,
                                          KvRowFormat format,
                                          bool& refusal_logged);
