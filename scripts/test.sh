@@ -43,6 +43,18 @@ else
 fi
 counted+=("$blog" "bench/kv_fetch_bench")
 
+# A short run of the decode path with and without the row cache
+# (bench/row_cache_smoke.sh): its ratios printed, one check in the count
+# (it fails only when a run fails or the selections differ, never on time).
+rlog="$(mktemp)"
+if bench/row_cache_smoke.sh; then
+  echo "//bench:row_cache_smoke PASSED" >"$rlog"
+else
+  echo "//bench:row_cache_smoke FAILED" >"$rlog"
+  [ "$rc" -eq 0 ] && rc=1
+fi
+counted+=("$rlog" "bench")
+
 # The docs, results and README speak to users: no words of how the project
 # was developed in them (one check in the count).
 dlog="$(mktemp)"

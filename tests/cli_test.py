@@ -525,6 +525,13 @@ class Cli(unittest.TestCase):
         self.assertEqual(on["row_cache_step_hit_rate"][0], 0)
         self.assertEqual(len(on["row_cache_layer_hit_rate"]), 5)
         self.assertGreater(on["row_cache_bytes"], 0)
+        # From the second step, each layer's share selected again.
+        overlap = on["selection_overlap_step_layer"]
+        self.assertEqual(len(overlap), 5)
+        self.assertTrue(all(len(s) == 5 for s in overlap))
+        self.assertTrue(all(0 <= x <= 1 for s in overlap for x in s))
+        self.assertGreater(max(x for s in overlap for x in s), 0)
+        self.assertEqual(off["selection_overlap_step_layer"], [])
         # The same selection; fewer rows and bytes move.
         self.assertEqual(on["fetch_fraction_mean"], off["fetch_fraction_mean"])
         self.assertLess(on["rows_fetched_per_token"],

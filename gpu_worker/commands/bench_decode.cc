@@ -145,6 +145,9 @@ void PrintJson(const DecodeBenchResult& r) {
         n > 0 ? static_cast<double>(r.fetch.row_cache_layer_hits[l]) / n : 0.0);
   }
   j["row_cache_layer_hit_rate"] = layer_hit_rate;
+  // Per step from the second, per layer: the share of the step's
+  // selection that the previous step selected too.
+  j["selection_overlap_step_layer"] = r.step_layer_overlap;
   j["row_cache_bytes"] = r.fetch.row_cache_bytes;
   j["rows_fetched_per_token"] =
       static_cast<double>(r.fetch.rows_fetched) / r.tokens();

@@ -116,11 +116,10 @@ ABSL_FLAG(double, row_cache, 0.25,
           "The worker's row cache, for the policies that select rows (on the "
           "CPU, where the node gathers them and never evicts): the rows a "
           "decode step fetched stay on the worker, up to this fraction of "
-          "each sequence's cached rows (a policy's dense layers held whole "
-          "where that leaves room for the others), and later steps fetch "
-          "only the rows they do not hold, replacing the least recently "
-          "selected; the output is the same. 0 = fetch every selected row "
-          "each step.");
+          "each sequence's cached rows (every layer and KV head together), "
+          "and later steps fetch only the rows they do not hold, replacing "
+          "each head's least recently selected; the output is the same. "
+          "0 = fetch every selected row each step.");
 ABSL_FLAG(int, prefix_block_tokens, 16,
           "Prefix reuse: a prompt's leading tokens whose KV rows the memory "
           "node already holds (from any earlier request of any worker with "

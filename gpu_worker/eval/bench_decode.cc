@@ -92,22 +92,39 @@ absl::StatusOr<DecodeBenchResult> RunDecodeBench(
   t0 = std::chrono::steady_clock::now();
   // The row caches' counts so far (the prefill looks nothing up).
   long last_lookups = 0, last_hits = 0;
+  FetchStats last;
   for (int step = 0; step < steps; ++step) {
     for (int b = 0; b < batch; ++b) next[b] = source[b * stride + ctx + step];
     const auto s0 = std::chrono::steady_clock::now();
     IG_RETURN_IF_ERROR(engine.DecodeBatch(slots, next).status());
     r.step_seconds.push_back(SecondsSince(s0));
     long lookups = 0, hits = 0;
-    for (int b = 0; b < batch; ++b) {
-      lookups += engine.fetch_stats(b).row_cache_lookups;
-      hits += engine.fetch_stats(b).row_cache_hits;
-    }
+    FetchStats now;
+    for (int b = 0; b < batch; ++b) now.Add(engine.fetch_stats(b));
+    lookups = now.row_cache_lookups;
+    hits = now.row_cache_hits;
     if (lookups > last_lookups) {
       r.step_row_cache_hit_rate.push_back(
           static_cast<double>(hits - last_hits) / (lookups - last_lookups));
     }
+    if (step > 0 && !now.selection_layer_repeats.empty()) {
+      std::vector<double> overlap;
+      for (size_t l = 0; l < now.selection_layer_repeats.size(); ++l) {
+        const long n = now.row_cache_layer_lookups[l] -
+                       (l < last.row_cache_layer_lookups.size()
+                            ? last.row_cache_layer_lookups[l]
+                            : 0);
+        const long repeated = now.selection_layer_repeats[l] -
+                              (l < last.selection_layer_repeats.size()
+                                   ? last.selection_layer_repeats[l]
+                                   : 0);
+        overlap.push_back(n > 0 ? static_cast<double>(repeated) / n : 0.0);
+      }
+      r.step_layer_overlap.push_back(std::move(overlap));
+    }
     last_lookups = lookups;
     last_hits = hits;
+    last = std::move(now);
     if (on_step) on_step(step + 1);
   }
   r.seconds = SecondsSince(t0);

@@ -23,8 +23,11 @@ struct DecodeBenchResult {
   int batch = 0;
   int steps = 0;
   std::vector<double> step_seconds;  // one DecodeBatch of every sequence
-  // Each step's row cache hit rate over the batch (empty without lookups).
+  // Each step's row cache hit rate over the batch (empty without lookups),
+  // and per layer the share of the step's selection that the previous
+  // step selected too (where a row cache watches; from the second step).
   std::vector<double> step_row_cache_hit_rate;
+  std::vector<std::vector<double>> step_layer_overlap;
   double seconds = 0;                // all decode steps
   double prefill_seconds = 0;
   double warmup_seconds = 0;  // the warm-up before the prefills

@@ -26,7 +26,8 @@ void FetchStats::Add(const FetchStats& o) {
   row_cache_hits += o.row_cache_hits;
   for (auto [mine, theirs] :
        {std::pair{&row_cache_layer_lookups, &o.row_cache_layer_lookups},
-        std::pair{&row_cache_layer_hits, &o.row_cache_layer_hits}}) {
+        std::pair{&row_cache_layer_hits, &o.row_cache_layer_hits},
+        std::pair{&selection_layer_repeats, &o.selection_layer_repeats}}) {
     if (mine->size() < theirs->size()) mine->resize(theirs->size(), 0);
     for (size_t l = 0; l < theirs->size(); ++l) (*mine)[l] += (*theirs)[l];
   }

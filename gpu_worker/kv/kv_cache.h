@@ -87,6 +87,10 @@ struct FetchStats {
   long row_cache_hits = 0;
   std::vector<long> row_cache_layer_lookups, row_cache_layer_hits;
   int64_t row_cache_bytes = 0;
+  // Per layer, where a row cache watches: selected rows the layer's
+  // previous step selected too (the overlap of consecutive selections;
+  // of row_cache_layer_lookups).
+  std::vector<long> selection_layer_repeats;
   // Prefill: opening the sequence at the memory node (with its rows pinned
   // for one-sided reads), and blocked on a layer's append to the node
   // after the next layer's work was done.
@@ -132,7 +136,8 @@ struct KvOptions {
   // (kv_capacity < 1), and the CPU's int4 rows are gathered by the node.
   bool direct_reads = false;
   // The worker's row cache: rows a decode step fetched stay on the worker,
-  // up to this fraction of a sequence's cached tokens per (layer, KV head),
+  // up to this fraction of a sequence's cached rows (all layers and KV
+  // heads together),
   // and a later step fetches only the rows it does not hold
   // (offloaded/row_cache.h); attention computes the same. For the policies
   // that select rows, on a host backend, where the node gathers (not with

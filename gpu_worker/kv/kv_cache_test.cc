@@ -1488,14 +1488,11 @@ TEST_F(KvCacheTest, TheRowCacheCountsInTheWorkersBytes) {
   auto plain = Engine::Create(wide_, NewCpuBackend(),
                               WideOptions("infinigen", &b));
   ASSERT_TRUE(cached.ok() && plain.ok());
-  // Half of 12 layers' rows of 256 tokens: InfiniGen's 2 dense layers
-  // whole, the other 10 a share of 0.4 each (103 slots); per KV head (2),
-  // K and V fp16 rows of 32, and the maps (256 positions, 3 x slots + 1).
-  auto layer = [](int64_t slots) {
-    return 2 * (2 * slots * 32 * 2 + (256 + 3 * (slots + 1)) * 4);
-  };
+  // Half of 12 layers x 2 KV heads x 256 tokens: 3072 rows of K and V in
+  // fp16 (32 values); two maps per position of each (layer, head), three
+  // per row.
   EXPECT_EQ((*cached)->worker_kv_bytes() - (*plain)->worker_kv_bytes(),
-            2 * layer(256) + 10 * layer(103));
+            3072 * 2 * 32 * 2 + (12 * 2 * 2 * 256 + 3 * 3072) * 4);
   // Under a limit it takes what is left: all of it.
   KvCacheOptions no_cache;
   no_cache.max_seq_len = with.max_seq_len;

@@ -23,9 +23,8 @@ void FitRowCache(const model::ModelConfig& c, const KvCacheOptions& o,
                        (o.batch * z.PerSequence(c, o.max_seq_len) +
                         z.Shared(c, o.max_seq_len, o.max_chunk));
   auto bytes = [&](double f) {
-    return o.batch * RowCache::Bytes(c.n_layers, z.row_cache_whole_layers,
-                                     c.n_kv_heads, o.max_seq_len, z.row_width,
-                                     f);
+    return o.batch * RowCache::Bytes(c.n_layers, c.n_kv_heads, o.max_seq_len,
+                                     z.row_width, f);
   };
   double fits = wanted;
   if (bytes(fits) > room) {
@@ -79,11 +78,6 @@ absl::StatusOr<Layout> MakeLayout(const model::Weights& weights,
   const PolicyEntry& entry = PolicyEntryOf(options.kv.policy->kind);
   if (!z.staged && !node_evicts && entry.set_target_fetch != nullptr) {
     z.row_cache = options.kv.row_cache;
-    // Its dense layers' plans name every row: the cache holds them whole
-    // where its bound allows.
-    if (entry.traits.selects) {
-      z.row_cache_whole_layers = options.kv.policy->selection.dense_layers;
-    }
   }
   IG_ASSIGN_OR_RETURN(z.policy_bytes,
                       KvPolicy::StateBytes(*options.kv.policy, ctx));

@@ -7,15 +7,22 @@
 // misses (Split); the misses alone are fetched, land in the slots Split
 // gave them (Fill), and attention reads every planned row from the slots
 // by index, in the plan's order (Head), so it computes what it would over
-// the fetched rows. Replacement is by recency of selection, across steps
-// only: Split moves the step's hits to the front of the order before it
-// takes slots for misses from the free ones or the least recently
-// selected, so no row the step selected is evicted. A head whose plan has
-// more rows than its room (`fraction` of the cached tokens) skips the
-// cache for that step: its rows are fetched and read from the fetch.
+// the fetched rows.
 //
-// A row's K and V never change while its sequence is open, whatever the
-// node does with its copy. Host memory, touched only as slots fill; not
+// The bound is one for the whole sequence: `fraction` of its cached rows,
+// every layer and KV head together, so that the heads that select many
+// rows (a dense layer's every row) hold as many as they need while the
+// bound lasts. A miss takes a new slot while the bound allows, else the
+// slot of its own head's least recently selected row; Split moves the
+// step's hits to the front of that order first, so no row the step
+// selected is evicted. A head that cannot hold all its misses that way
+// skips the cache for the step: its rows are fetched and read from the
+// fetch.
+//
+// The slots of every head lie in one array of K rows and one of V rows,
+// sized for the bound at the sequence's last position and touched only as
+// slots are taken. A row's K and V never change while its sequence is
+// open, whatever the node does with its copy. Host memory; not
 // thread-safe; one per sequence.
 #ifndef INFINIGEN_GPU_WORKER_KV_OFFLOADED_ROW_CACHE_H_
 #define INFINIGEN_GPU_WORKER_KV_OFFLOADED_ROW_CACHE_H_
@@ -34,29 +41,31 @@ namespace offloaded {
 class RowCache {
  public:
   // Room for `fraction` (in (0, 1]) of the cached tokens' rows of every
-  // layer, `row_width` values a row. The first `whole_layers` layers (a
-  // policy's dense layers: their plans name every row) get room for every
-  // token where the bound allows it, and the other layers share the rest;
-  // where it does not, every layer gets `fraction`.
-  RowCache(int n_layers, int whole_layers, int n_kv_heads, int max_tokens,
-           int row_width, double fraction);
+  // layer and KV head, `row_width` values a row.
+  RowCache(int n_layers, int n_kv_heads, int max_tokens, int row_width,
+           double fraction);
 
-  // Slots per (layer, KV head) of `layer`, and the bytes the cache can
-  // take (slots and maps).
-  int capacity(int layer) const { return layer_room_[layer].capacity; }
-  static int64_t Bytes(int n_layers, int whole_layers, int n_kv_heads,
-                       int max_tokens, int row_width, double fraction);
+  // The most bytes the cache takes (rows at the bound, and maps).
+  static int64_t Bytes(int n_layers, int n_kv_heads, int max_tokens,
+                       int row_width, double fraction);
   // Bytes of the rows the slots hold.
   int64_t bytes() const;
 
+  // Of a split plan: the rows held (hits), and the rows the layer's
+  // previous split selected too (repeats: the overlap of consecutive
+  // steps' selections, whatever the cache held).
+  struct Counts {
+    long hits = 0;
+    long repeats = 0;
+  };
   // Splits `plan` (layer `layer`, positions below `cached_tokens`) into
   // the rows to fetch (misses(), a plan of its own) and those held, and
   // gives each miss its slot. Until the layer's next Split, Fill and Head
-  // read this split. Returns the plan's hits; InternalError naming a
-  // position outside [0, max_tokens), the cache unchanged.
-  absl::StatusOr<long> Split(int layer,
-                             const kv_memory_service::FetchPlan& plan,
-                             int cached_tokens);
+  // read this split. InternalError naming a position outside
+  // [0, max_tokens), the cache unchanged.
+  absl::StatusOr<Counts> Split(int layer,
+                               const kv_memory_service::FetchPlan& plan,
+                               int cached_tokens);
   // The rows to fetch for `layer`'s last split, and those it held (for
   // the node's statistics: they were read all the same).
   const kv_memory_service::OwnedFetchPlan& misses(int layer) const {
@@ -80,13 +89,13 @@ class RowCache {
   HeadRows Head(int layer, int g, const uint16_t* fetched) const;
 
  private:
-  // One (layer, KV head)'s slots; slot `capacity` (position.size()) is
-  // the recency list's sentinel (next: the most recent, prev: the least).
+  // One (layer, KV head)'s slots: which position each holds, and their
+  // recency list through prev_ and next_ (-1 ends it).
   struct Slots {
     std::vector<int32_t> slot_of;   // [max_tokens] position -> slot, -1
-    std::vector<int32_t> position;  // [capacity] slot -> position
-    std::vector<int32_t> prev, next;
-    int used = 0;  // slots [0, used) hold rows
+    std::vector<int32_t> selected;  // [max_tokens] the last split naming it
+    int32_t front = -1, back = -1;  // the most and least recently selected
+    long held = 0;                  // slots it holds
   };
   // A layer's last split.
   struct LayerSplit {
@@ -95,28 +104,28 @@ class RowCache {
     std::vector<int32_t> slots;      // plan order: each row's slot
     std::vector<int32_t> miss_slot;  // misses order: each row's slot, -1
     std::vector<char> skipped;       // [head]: read from the fetch
+    int32_t count = 0;               // splits so far
   };
-
-  // A layer's share: of the cached tokens, and at most (slots a head).
-  struct LayerRoom {
-    double fraction = 0;
-    int capacity = 0;
-    size_t first_row = 0;  // its first head's K slots in rows_
-  };
-  static std::vector<LayerRoom> Rooms(int n_layers, int whole_layers,
-                                      int n_kv_heads, int max_tokens,
-                                      double fraction);
 
   Slots& At(int layer, int g) { return slots_[layer * n_kv_heads_ + g]; }
-  uint16_t* KSlot(int layer, int g, int slot) const;
-  void MoveToFront(Slots& s, int slot);
+  void Unlink(Slots& s, int32_t slot);
+  void LinkFront(Slots& s, int32_t slot);
+  // Head g's split into `split`: its hits, then its misses' slots, or its
+  // every row to fetch where they do not fit.
+  void SplitHead(Slots& s, const kv_memory_service::FetchPlan& plan, int g,
+                 long budget, LayerSplit& split, Counts& counts);
 
   const int n_kv_heads_, max_tokens_, row_width_;
-  const std::vector<LayerRoom> layer_room_;  // [layer]
+  const double fraction_;  // of every layer and head's cached rows
+  const long rows_per_token_;  // layers x KV heads
+  const long max_rows_;        // the bound at max_tokens
+  long held_ = 0;              // slots taken, all layers and heads
   std::vector<Slots> slots_;        // [layer][head]
   std::vector<LayerSplit> layers_;  // [layer]
-  // [layer][head][K then V][capacity][row_width], left uninitialized.
-  std::unique_ptr<uint16_t[]> rows_;
+  // [max_rows_][row_width] each, and per slot its position and neighbours;
+  // left uninitialized (written as slots are taken).
+  std::unique_ptr<uint16_t[]> k_, v_;
+  std::unique_ptr<int32_t[]> position_, prev_, next_;
 };
 
 }  // namespace offloaded

@@ -40,8 +40,10 @@ std::vector<uint16_t> Gather(int layer, const OwnedFetchPlan& misses) {
 // planned row reads back as the true K and V in plan order; returns hits.
 long Step(RowCache& cache, int layer, const OwnedFetchPlan& plan,
           int cached_tokens, std::vector<uint16_t>& fetched) {
-  absl::StatusOr<long> hits = cache.Split(layer, plan.view(), cached_tokens);
-  EXPECT_TRUE(hits.ok()) << hits.status();
+  absl::StatusOr<RowCache::Counts> counts =
+      cache.Split(layer, plan.view(), cached_tokens);
+  EXPECT_TRUE(counts.ok()) << counts.status();
+  if (!counts.ok()) return -1;
   fetched = Gather(layer, cache.misses(layer));
   cache.Fill(layer, fetched.data());
   for (int g = 0; g < kHeads; ++g) {
@@ -57,11 +59,11 @@ long Step(RowCache& cache, int layer, const OwnedFetchPlan& plan,
       }
     }
   }
-  return *hits;
+  return counts->hits;
 }
 
 TEST(RowCacheTest, FetchesOnlyTheRowsItDoesNotHold) {
-  RowCache cache(kLayers, 0, kHeads, kTokens, kWidth, 0.5);  // 8 slots a head
+  RowCache cache(kLayers, kHeads, kTokens, kWidth, 0.5);
   std::vector<uint16_t> fetched;
   const OwnedFetchPlan first = OwnedFetchPlan::PerHead({{0, 3, 5}, {1, 2}});
   EXPECT_EQ(Step(cache, 1, first, 16, fetched), 0);
@@ -82,56 +84,73 @@ TEST(RowCacheTest, FetchesOnlyTheRowsItDoesNotHold) {
 }
 
 TEST(RowCacheTest, EvictsTheLeastRecentlySelectedNeverTheStepsOwn) {
-  RowCache cache(1, 0, kHeads, kTokens, kWidth, 0.25);  // 4 slots a head
-  ASSERT_EQ(cache.capacity(0), 4);
+  // A quarter of 2 heads x 16 tokens: 8 rows, which the first step fills.
+  RowCache cache(1, kHeads, kTokens, kWidth, 0.25);
   std::vector<uint16_t> fetched;
-  Step(cache, 0, OwnedFetchPlan::PerHead({{0, 1, 2, 3}, {}}), 16, fetched);
-  Step(cache, 0, OwnedFetchPlan::PerHead({{2, 0}, {}}), 16, fetched);
-  // Full: 1 and 3 are the least recent (1 before 3); 8 takes 1's slot.
-  EXPECT_EQ(Step(cache, 0, OwnedFetchPlan::PerHead({{8, 2}, {}}), 16, fetched),
-            1);
-  EXPECT_EQ(Step(cache, 0, OwnedFetchPlan::PerHead({{3, 0, 2, 8}, {}}), 16,
-                 fetched),
-            4);
-  // Four new rows: each takes the slot of a row this step did not select,
-  // and 2, selected again, stays.
-  EXPECT_EQ(Step(cache, 0, OwnedFetchPlan::PerHead({{9, 2, 10, 11}, {}}), 16,
-                 fetched),
-            1);
-  EXPECT_EQ(Step(cache, 0, OwnedFetchPlan::PerHead({{11, 10, 9, 2}, {}}), 16,
-                 fetched),
-            4);
+  const std::vector<int32_t> h1 = {4, 5, 6, 7};  // head 1: always these
+  auto plan = [&](std::vector<int32_t> h0) {
+    return OwnedFetchPlan::PerHead({h0, h1});
+  };
+  EXPECT_EQ(Step(cache, 0, plan({0, 1, 2, 3}), 16, fetched), 0);
+  EXPECT_EQ(Step(cache, 0, plan({2, 0}), 16, fetched), 2 + 4);
+  // Full: head 0's least recent are 1, then 3; 8 takes 1's slot.
+  EXPECT_EQ(Step(cache, 0, plan({8, 2}), 16, fetched), 1 + 4);
+  EXPECT_EQ(Step(cache, 0, plan({3, 0, 2, 8}), 16, fetched), 4 + 4);
+  // Three new rows take the slots of rows this step did not select, and
+  // 2, selected again, stays.
+  EXPECT_EQ(Step(cache, 0, plan({9, 2, 10, 11}), 16, fetched), 1 + 4);
+  EXPECT_EQ(Step(cache, 0, plan({11, 10, 9, 2}), 16, fetched), 4 + 4);
+  EXPECT_EQ(cache.bytes(), 8 * 2 * kWidth * 2);
 }
 
-TEST(RowCacheTest, AHeadLargerThanItsRoomIsReadFromTheFetch) {
-  RowCache cache(1, 0, kHeads, kTokens, kWidth, 0.25);
+TEST(RowCacheTest, AHeadWhoseMissesDoNotFitIsReadFromTheFetch) {
+  RowCache cache(1, kHeads, kTokens, kWidth, 0.25);
   std::vector<uint16_t> fetched;
-  // 8 cached tokens: room for 2 rows a head. Head 0's three skip the
-  // cache (fetched, and read from the fetch); head 1's two are cached.
+  // 8 cached tokens: 4 rows in all. Head 0 takes 3; head 1's two do not
+  // fit in the one left: fetched, and read from the fetch.
   const OwnedFetchPlan plan = OwnedFetchPlan::PerHead({{4, 1, 6}, {2, 3}});
   EXPECT_EQ(Step(cache, 0, plan, 8, fetched), 0);
-  EXPECT_EQ(cache.Head(0, 0, fetched.data()).indices, nullptr);
-  EXPECT_EQ(Step(cache, 0, plan, 8, fetched), 2);
-  EXPECT_EQ(cache.misses(0).indices, (std::vector<int32_t>{4, 1, 6}));
-  // With more cached tokens the room grows, and head 0 is cached too.
-  EXPECT_EQ(Step(cache, 0, plan, 16, fetched), 2);
+  EXPECT_NE(cache.Head(0, 0, fetched.data()).indices, nullptr);
+  EXPECT_EQ(cache.Head(0, 1, fetched.data()).indices, nullptr);
+  EXPECT_EQ(Step(cache, 0, plan, 8, fetched), 3);
+  EXPECT_EQ(cache.misses(0).indices, (std::vector<int32_t>{2, 3}));
+  // With more cached tokens the bound grows, and head 1 is cached too.
+  EXPECT_EQ(Step(cache, 0, plan, 16, fetched), 3);
   EXPECT_EQ(Step(cache, 0, plan, 16, fetched), 5);
   EXPECT_TRUE(cache.misses(0).indices.empty());
 }
 
+TEST(RowCacheTest, TheBoundIsSharedByEveryLayerAndHead) {
+  // Half of 4 layers x 2 heads x 16 tokens: 64 rows. Layers that select
+  // every row hold them while the bound lasts; the next layer's do not fit.
+  RowCache cache(4, kHeads, kTokens, kWidth, 0.5);
+  std::vector<int32_t> every(kTokens);
+  for (int p = 0; p < kTokens; ++p) every[p] = p;
+  const OwnedFetchPlan whole = OwnedFetchPlan::PerHead({every, every});
+  std::vector<uint16_t> fetched;
+  for (int layer : {0, 1}) {
+    EXPECT_EQ(Step(cache, layer, whole, kTokens, fetched), 0);
+    EXPECT_EQ(Step(cache, layer, whole, kTokens, fetched), 2 * kTokens);
+  }
+  EXPECT_EQ(Step(cache, 2, whole, kTokens, fetched), 0);
+  EXPECT_EQ(cache.Head(2, 0, fetched.data()).indices, nullptr);
+  EXPECT_EQ(cache.Head(2, 1, fetched.data()).indices, nullptr);
+  EXPECT_EQ(cache.bytes(), 64 * 2 * kWidth * 2);
+}
+
 TEST(RowCacheTest, APositionPlannedTwiceIsFetchedOnce) {
-  RowCache cache(1, 0, kHeads, kTokens, kWidth, 0.5);
+  RowCache cache(1, kHeads, kTokens, kWidth, 0.5);
   std::vector<uint16_t> fetched;
   Step(cache, 0, OwnedFetchPlan::PerHead({{5, 5, 6}, {}}), 16, fetched);
   EXPECT_EQ(cache.misses(0).indices, (std::vector<int32_t>{5, 6}));
 }
 
 TEST(RowCacheTest, RefusesAPositionOutsideTheSequence) {
-  RowCache cache(1, 0, kHeads, kTokens, kWidth, 0.5);
+  RowCache cache(1, kHeads, kTokens, kWidth, 0.5);
   std::vector<uint16_t> fetched;
   Step(cache, 0, OwnedFetchPlan::PerHead({{1}, {2}}), 16, fetched);
   for (int32_t bad : {-1, kTokens}) {
-    absl::StatusOr<long> split = cache.Split(
+    absl::StatusOr<RowCache::Counts> split = cache.Split(
         0, OwnedFetchPlan::PerHead({{1}, {bad}}).view(), kTokens);
     ASSERT_FALSE(split.ok());
     EXPECT_EQ(split.status().code(), absl::StatusCode::kInternal);
@@ -143,36 +162,25 @@ TEST(RowCacheTest, RefusesAPositionOutsideTheSequence) {
             2);
 }
 
-TEST(RowCacheTest, DenseLayersAreHeldWholeWhereTheBoundAllows) {
-  // Half of 4 layers' rows: layer 0 whole, the other three a third each.
-  RowCache cache(4, 1, kHeads, kTokens, kWidth, 0.5);
-  EXPECT_EQ(cache.capacity(0), kTokens);
-  EXPECT_EQ(cache.capacity(1), 6);  // ceil(16 / 3)
-  EXPECT_EQ(cache.capacity(3), 6);
-  std::vector<int32_t> every(kTokens);
-  for (int p = 0; p < kTokens; ++p) every[p] = p;
-  const OwnedFetchPlan whole = OwnedFetchPlan::PerHead({every, every});
-  std::vector<uint16_t> fetched;
-  EXPECT_EQ(Step(cache, 0, whole, kTokens, fetched), 0);
-  EXPECT_EQ(Step(cache, 0, whole, kTokens, fetched), 2 * kTokens);
-  // A selecting layer's room is its share: 16 rows are more than its 6,
-  // fetched and read from the fetch.
-  EXPECT_EQ(Step(cache, 1, whole, kTokens, fetched), 0);
-  EXPECT_EQ(cache.Head(1, 0, fetched.data()).indices, nullptr);
-  // A fifth of 4 layers is less than one layer: every layer gets a fifth.
-  RowCache small(4, 1, kHeads, kTokens, kWidth, 0.2);
-  EXPECT_EQ(small.capacity(0), 4);
-  EXPECT_EQ(small.capacity(1), 4);
+TEST(RowCacheTest, CountsTheRowsThePreviousStepSelectedToo) {
+  RowCache cache(1, kHeads, kTokens, kWidth, 0.25);
+  auto repeats = [&](const OwnedFetchPlan& plan) {
+    absl::StatusOr<RowCache::Counts> c = cache.Split(0, plan.view(), 16);
+    EXPECT_TRUE(c.ok());
+    return c.ok() ? c->repeats : -1;
+  };
+  EXPECT_EQ(repeats(OwnedFetchPlan::PerHead({{1, 2}, {3}})), 0);
+  // 2 and 3 again; 1 was not selected at the last step, whatever the
+  // cache holds.
+  EXPECT_EQ(repeats(OwnedFetchPlan::PerHead({{2, 4, 5, 6, 7}, {3}})), 2);
+  EXPECT_EQ(repeats(OwnedFetchPlan::PerHead({{1, 4}, {9}})), 1);
 }
 
-TEST(RowCacheTest, BytesCountSlotsAndMaps) {
-  // 4 slots a head: K and V rows, position -> slot, and 3 arrays of 5.
-  EXPECT_EQ(RowCache::Bytes(kLayers, 0, kHeads, kTokens, kWidth, 0.25),
-            kLayers * kHeads * (2 * 4 * kWidth * 2 + (kTokens + 3 * 5) * 4));
-  // Layer 0 whole (16 slots), layer 1 the rest: half (8 slots).
-  EXPECT_EQ(RowCache::Bytes(2, 1, kHeads, kTokens, kWidth, 0.75),
-            kHeads * (2 * 16 * kWidth * 2 + (kTokens + 3 * 17) * 4) +
-                kHeads * (2 * 8 * kWidth * 2 + (kTokens + 3 * 9) * 4));
+TEST(RowCacheTest, BytesCountTheBoundsRowsAndTheMaps) {
+  // A quarter of 2 layers x 2 heads x 16 tokens: 16 rows of K and V; per
+  // position of each (layer, head) two maps, per row three.
+  EXPECT_EQ(RowCache::Bytes(kLayers, kHeads, kTokens, kWidth, 0.25),
+            16 * 2 * kWidth * 2 + (kLayers * kHeads * 2 * kTokens + 3 * 16) * 4);
 }
 
 }  // namespace

@@ -106,9 +106,8 @@ class CachedGatherSource final : public RowSource {
   CachedGatherSource(const RowSourceContext& ctx, SequenceId seq, bool notes)
       : ctx_(ctx),
         seq_(seq),
-        cache_(ctx.config->n_layers, ctx.layout->row_cache_whole_layers,
-               ctx.config->n_kv_heads, ctx.max_seq_len, ctx.layout->row_width,
-               ctx.layout->row_cache),
+        cache_(ctx.config->n_layers, ctx.config->n_kv_heads, ctx.max_seq_len,
+               ctx.layout->row_width, ctx.layout->row_cache),
         heads_(ctx.config->n_kv_heads),
         split_(ctx.config->n_layers, 0),
         notes_(notes) {}
@@ -119,18 +118,20 @@ class CachedGatherSource final : public RowSource {
     f.one_sided = false;
     // The note of the rows held two layers back may still hold the buffer.
     IG_RETURN_IF_ERROR(AtNode(ctx_, f.handle.Wait()));
-    IG_ASSIGN_OR_RETURN(const long hits,
+    IG_ASSIGN_OR_RETURN(const RowCache::Counts counts,
                         cache_.Split(layer, f.plan.view(), position));
-    const int n_layers = ctx_.config->n_layers;
-    if (stats.row_cache_layer_lookups.size() < static_cast<size_t>(n_layers)) {
-      stats.row_cache_layer_lookups.resize(n_layers, 0);
-      stats.row_cache_layer_hits.resize(n_layers, 0);
+    const size_t n_layers = ctx_.config->n_layers;
+    for (std::vector<long>* v :
+         {&stats.row_cache_layer_lookups, &stats.row_cache_layer_hits,
+          &stats.selection_layer_repeats}) {
+      if (v->size() < n_layers) v->resize(n_layers, 0);
     }
     const long rows = static_cast<long>(f.rows());
     stats.row_cache_lookups += rows;
-    stats.row_cache_hits += hits;
+    stats.row_cache_hits += counts.hits;
     stats.row_cache_layer_lookups[layer] += rows;
-    stats.row_cache_layer_hits[layer] += hits;
+    stats.row_cache_layer_hits[layer] += counts.hits;
+    stats.selection_layer_repeats[layer] += counts.repeats;
     f.handle = ctx_.client->FetchAsync(seq_, layer,
                                        cache_.misses(layer).view(),
                                        f.buffer.get());
