@@ -14,7 +14,7 @@ bin="${1:-bazel-bin/gpu_worker/infinigen}"
 model="${2:-$(scripts/fetch_smollm2.sh)}" || exit 1
 out="$(mktemp)"
 trap 'rm -f "$out"' EXIT
-for cache in 0 0.25; do
+for cache in 0 0.125; do
   "$bin" bench-decode --model="$model" \
     --ctx=1024 --decode_tokens=16 --policy=infinigen --row_cache="$cache" \
     --skew_cache_dir=none --calibration_tokens=512 --json 2>/dev/null |

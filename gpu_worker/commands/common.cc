@@ -112,7 +112,7 @@ ABSL_FLAG(bool, kv_direct_reads, false,
           "attention reads them in place. TCP and RDMA, reused prefixes, "
           "--kv_capacity < 1 and int4 rows on the CPU keep the node's "
           "gather.");
-ABSL_FLAG(double, row_cache, 0.25,
+ABSL_FLAG(double, row_cache, 0.125,
           "The worker's row cache, for the policies that select rows (on the "
           "CPU, where the node gathers them and never evicts): the rows a "
           "decode step fetched stay on the worker, up to this fraction of "
