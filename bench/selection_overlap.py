@@ -38,13 +38,8 @@ def histogram(values):
 
 
 def plot(overlap, out, title):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("selection_overlap.py: no matplotlib; skipped the plot",
-              file=sys.stderr)
+    plt = benchutil.pyplot("selection_overlap.py")
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.hist([x for step in overlap for x in step], bins=20, range=(0, 1))

@@ -90,40 +90,38 @@ absl::StatusOr<DecodeBenchResult> RunDecodeBench(
   }
   r.prefill_seconds = SecondsSince(t0);
   t0 = std::chrono::steady_clock::now();
-  // The row caches' counts so far (the prefill looks nothing up).
-  long last_lookups = 0, last_hits = 0;
+  // The row caches' counts after the previous step (the prefill looks
+  // nothing up).
   FetchStats last;
+  // A layer's count since the previous step (0 before its first).
+  auto since = [](const std::vector<long>& count,
+                  const std::vector<long>& before, size_t l) {
+    return count[l] - (l < before.size() ? before[l] : 0);
+  };
   for (int step = 0; step < steps; ++step) {
     for (int b = 0; b < batch; ++b) next[b] = source[b * stride + ctx + step];
     const auto s0 = std::chrono::steady_clock::now();
     IG_RETURN_IF_ERROR(engine.DecodeBatch(slots, next).status());
     r.step_seconds.push_back(SecondsSince(s0));
-    long lookups = 0, hits = 0;
     FetchStats now;
     for (int b = 0; b < batch; ++b) now.Add(engine.fetch_stats(b));
-    lookups = now.row_cache_lookups;
-    hits = now.row_cache_hits;
-    if (lookups > last_lookups) {
+    const long lookups = now.row_cache_lookups - last.row_cache_lookups;
+    if (lookups > 0) {
       r.step_row_cache_hit_rate.push_back(
-          static_cast<double>(hits - last_hits) / (lookups - last_lookups));
+          static_cast<double>(now.row_cache_hits - last.row_cache_hits) /
+          lookups);
     }
     if (step > 0 && !now.selection_layer_repeats.empty()) {
       std::vector<double> overlap;
       for (size_t l = 0; l < now.selection_layer_repeats.size(); ++l) {
-        const long n = now.row_cache_layer_lookups[l] -
-                       (l < last.row_cache_layer_lookups.size()
-                            ? last.row_cache_layer_lookups[l]
-                            : 0);
-        const long repeated = now.selection_layer_repeats[l] -
-                              (l < last.selection_layer_repeats.size()
-                                   ? last.selection_layer_repeats[l]
-                                   : 0);
+        const long n = since(now.row_cache_layer_lookups,
+                             last.row_cache_layer_lookups, l);
+        const long repeated = since(now.selection_layer_repeats,
+                                    last.selection_layer_repeats, l);
         overlap.push_back(n > 0 ? static_cast<double>(repeated) / n : 0.0);
       }
       r.step_layer_overlap.push_back(std::move(overlap));
     }
-    last_lookups = lookups;
-    last_hits = hits;
     last = std::move(now);
     if (on_step) on_step(step + 1);
   }

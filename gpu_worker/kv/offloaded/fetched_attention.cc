@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 
-#include "absl/container/inlined_vector.h"
 #include "common/status.h"
 
 namespace infinigen::gpu_worker {
@@ -31,10 +30,9 @@ bool FetchedAttention::InPlace(const LayerFetch& f, const StoredRowsAt& at,
                                const RowAttention& a) {
   const kv_memory_service::OwnedFetchPlan& plan = f.plan;
   const int width = layout_.row_width;
-  absl::InlinedVector<HeadRowsAt, 8> heads(c_.n_kv_heads);
   for (int g = 0; g < c_.n_kv_heads; ++g) {
     const int begin = plan.head_offsets[g];
-    HeadRowsAt& h = heads[g];
+    HeadRowsAt h;
     if (at.head_values > 0) {
       h.k = at.k + g * at.head_values;
       h.v = at.v + g * at.head_values;
@@ -43,40 +41,45 @@ bool FetchedAttention::InPlace(const LayerFetch& f, const StoredRowsAt& at,
       h.k = at.k + static_cast<size_t>(begin) * width;
       h.v = at.v + static_cast<size_t>(begin) * width;
     }
+    // The format is the same for every head: the first answer holds.
+    if (!AttendHead(f, g, h, a)) return false;
   }
-  return InPlace(f, heads, a);
+  return true;
 }
 
 bool FetchedAttention::InPlace(const LayerFetch& f,
                                absl::Span<const HeadRowsAt> heads,
                                const RowAttention& a) {
-  const int hd = c_.head_dim, group = c_.n_heads / c_.n_kv_heads;
-  const kv_memory_service::OwnedFetchPlan& plan = f.plan;
   for (int g = 0; g < c_.n_kv_heads; ++g) {
-    const int begin = plan.head_offsets[g];
-    StoredRowsAttention p;
-    p.q = a.q + static_cast<size_t>(g) * group * hd;
-    p.k = heads[g].k;
-    p.v = heads[g].v;
-    p.indices = heads[g].indices;
-    p.k_new = a.k_new + static_cast<size_t>(g) * hd;
-    p.v_new = a.v_new + static_cast<size_t>(g) * hd;
-    p.out = a.out + static_cast<size_t>(g) * group * hd;
-    p.group = group;
-    p.count = plan.head_offsets[g + 1] - begin;
-    p.head_dim = hd;
-    p.row_width = layout_.row_width;
-    p.format = a.format;
-    p.scale = 1.0f / std::sqrt(static_cast<float>(hd));
-    if (a.prob_sums != nullptr) {
-      p.prob_sums =
-          a.prob_sums + static_cast<size_t>(g) * group * decoded_.stride;
-      p.prob_stride = decoded_.stride;
-    }
-    // The format is the same for every head: the first answer holds.
-    if (!backend_.AttendStoredRows(p)) return false;
+    if (!AttendHead(f, g, heads[g], a)) return false;
   }
   return true;
+}
+
+bool FetchedAttention::AttendHead(const LayerFetch& f, int g,
+                                  const HeadRowsAt& h, const RowAttention& a) {
+  const int hd = c_.head_dim, group = c_.n_heads / c_.n_kv_heads;
+  const kv_memory_service::OwnedFetchPlan& plan = f.plan;
+  StoredRowsAttention p;
+  p.q = a.q + static_cast<size_t>(g) * group * hd;
+  p.k = h.k;
+  p.v = h.v;
+  p.indices = h.indices;
+  p.k_new = a.k_new + static_cast<size_t>(g) * hd;
+  p.v_new = a.v_new + static_cast<size_t>(g) * hd;
+  p.out = a.out + static_cast<size_t>(g) * group * hd;
+  p.group = group;
+  p.count = plan.head_offsets[g + 1] - plan.head_offsets[g];
+  p.head_dim = hd;
+  p.row_width = layout_.row_width;
+  p.format = a.format;
+  p.scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  if (a.prob_sums != nullptr) {
+    p.prob_sums =
+        a.prob_sums + static_cast<size_t>(g) * group * decoded_.stride;
+    p.prob_stride = decoded_.stride;
+  }
+  return backend_.AttendStoredRows(p);
 }
 
 bool FetchedAttention::Staged(LayerFetch& f, const RowAttention& a) {

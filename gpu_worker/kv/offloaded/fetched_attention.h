@@ -90,6 +90,10 @@ class FetchedAttention {
   void Gathered(LayerFetch& f, const RowAttention& a);
 
  private:
+  // Head g's attention over its rows at `h` (Backend::AttendStoredRows).
+  bool AttendHead(const LayerFetch& f, int g, const HeadRowsAt& h,
+                  const RowAttention& a);
+
   Backend& backend_;
   const model::ModelConfig& c_;
   const Layout& layout_;

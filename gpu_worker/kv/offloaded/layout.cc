@@ -22,20 +22,11 @@ void FitRowCache(const model::ModelConfig& c, const KvCacheOptions& o,
   const int64_t room = o.kv.max_worker_bytes -
                        (o.batch * z.PerSequence(c, o.max_seq_len) +
                         z.Shared(c, o.max_seq_len, o.max_chunk));
-  auto bytes = [&](double f) {
-    return o.batch * RowCache::Bytes(c.n_layers, c.n_kv_heads, o.max_seq_len,
-                                     z.row_width, f);
-  };
-  double fits = wanted;
-  if (bytes(fits) > room) {
-    double lo = 0, hi = wanted;
-    for (int i = 0; i < 30; ++i) {
-      const double mid = (lo + hi) / 2;
-      (bytes(mid) <= room ? lo : hi) = mid;
-    }
-    fits = lo;
-  }
-  if (fits > 0 && bytes(fits) <= room) z.row_cache = fits;
+  if (room <= 0) return;
+  z.row_cache = std::min(
+      wanted, RowCache::FractionWithin(room / o.batch, c.n_layers,
+                                       c.n_kv_heads, o.max_seq_len,
+                                       z.row_width));
 }
 
 }  // namespace
@@ -56,11 +47,11 @@ absl::StatusOr<Layout> MakeLayout(const model::Weights& weights,
   z.staged = !operates_on_host;
   const bool backend_plans = policy->MaxBackendPlanRows(options.max_seq_len) > 0;
   // As Init's geometry: a node that never evicts keeps positions at their
-  // slots, which one-sided reads need.
-  const bool reads_direct =
-      z.staged && options.kv.direct_reads &&
+  // slots, which one-sided reads and the node's notes of held rows need.
+  const bool own_slots =
       std::max(1, static_cast<int>(options.kv.kv_capacity *
                                    options.max_seq_len)) >= options.max_seq_len;
+  const bool reads_direct = z.staged && options.kv.direct_reads && own_slots;
   z.plan_buffers = z.staged || backend_plans;
   z.plan_room = reads_direct || backend_plans ? z.plan_rows : 0;
   z.attention_probs = policy->WantsAttentionProbs();
@@ -68,15 +59,11 @@ absl::StatusOr<Layout> MakeLayout(const model::Weights& weights,
   z.half_rows = z.staged && options.half_local_kv &&
                 policy->row_format() == KvRowFormat::kHalf &&
                 policy->ReusesPrefix() && !z.prefill_probs;
-  // A policy whose fetch is chosen (it takes a target fetch) selects rows
-  // that later steps select again; the others read every row.
-  // Not where the node evicts: its notes of the rows held need every
-  // position at its own slot.
-  const bool node_evicts =
-      std::max(1, static_cast<int>(options.kv.kv_capacity *
-                                   options.max_seq_len)) < options.max_seq_len;
+  // A row cache: for a policy whose fetch is chosen (it takes a target
+  // fetch: it selects rows that later steps select again; the others read
+  // every row), on the host, where positions keep their slots.
   const PolicyEntry& entry = PolicyEntryOf(options.kv.policy->kind);
-  if (!z.staged && !node_evicts && entry.set_target_fetch != nullptr) {
+  if (!z.staged && own_slots && entry.set_target_fetch != nullptr) {
     z.row_cache = options.kv.row_cache;
   }
   IG_ASSIGN_OR_RETURN(z.policy_bytes,

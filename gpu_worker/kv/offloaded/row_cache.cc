@@ -52,6 +52,26 @@ int64_t RowCache::Bytes(int n_layers, int n_kv_heads, int max_tokens,
              static_cast<int64_t>(sizeof(int32_t));
 }
 
+double RowCache::FractionWithin(int64_t bytes, int n_layers, int n_kv_heads,
+                                int max_tokens, int row_width) {
+  const int64_t rows_per_token = int64_t{n_layers} * n_kv_heads;
+  const int64_t maps = rows_per_token * 2 * max_tokens *
+                       static_cast<int64_t>(sizeof(int32_t));
+  const int64_t per_row = 2 * row_width * static_cast<int64_t>(sizeof(uint16_t)) +
+                          3 * static_cast<int64_t>(sizeof(int32_t));
+  const int64_t all = rows_per_token * max_tokens;
+  // Rows first, then the fraction that asks for no more (the bound rounds
+  // up: one row fewer where it rounds past them).
+  for (int64_t rows = std::min(all, (bytes - maps) / per_row); rows > 0;
+       --rows) {
+    const double f = static_cast<double>(rows) / all;
+    if (Bytes(n_layers, n_kv_heads, max_tokens, row_width, f) <= bytes) {
+      return f;
+    }
+  }
+  return 0.0;
+}
+
 int64_t RowCache::bytes() const {
   return static_cast<int64_t>(held_) * 2 * row_width_ *
          static_cast<int64_t>(sizeof(uint16_t));

@@ -48,6 +48,10 @@ class RowCache {
   // The most bytes the cache takes (rows at the bound, and maps).
   static int64_t Bytes(int n_layers, int n_kv_heads, int max_tokens,
                        int row_width, double fraction);
+  // The largest fraction whose Bytes are at most `bytes`; 0 where not even
+  // the maps and one row fit.
+  static double FractionWithin(int64_t bytes, int n_layers, int n_kv_heads,
+                               int max_tokens, int row_width);
   // Bytes of the rows the slots hold.
   int64_t bytes() const;
 

@@ -183,5 +183,23 @@ TEST(RowCacheTest, BytesCountTheBoundsRowsAndTheMaps) {
             16 * 2 * kWidth * 2 + (kLayers * kHeads * 2 * kTokens + 3 * 16) * 4);
 }
 
+TEST(RowCacheTest, FractionWithinIsTheLargestThatFits) {
+  const int64_t maps = kLayers * kHeads * 2 * kTokens * 4;
+  const int64_t per_row = 2 * kWidth * 2 + 3 * 4;
+  // Room for the maps and 10 rows (of 64), and a little to spare.
+  const double f = RowCache::FractionWithin(maps + 10 * per_row + 5, kLayers,
+                                            kHeads, kTokens, kWidth);
+  EXPECT_DOUBLE_EQ(f, 10.0 / 64);
+  EXPECT_LE(RowCache::Bytes(kLayers, kHeads, kTokens, kWidth, f),
+            maps + 10 * per_row + 5);
+  EXPECT_GT(RowCache::Bytes(kLayers, kHeads, kTokens, kWidth, 11.0 / 64),
+            maps + 10 * per_row + 5);
+  // Not even the maps and a row: none.
+  EXPECT_EQ(RowCache::FractionWithin(maps, kLayers, kHeads, kTokens, kWidth),
+            0.0);
+  EXPECT_EQ(RowCache::FractionWithin(-1, kLayers, kHeads, kTokens, kWidth),
+            0.0);
+}
+
 }  // namespace
 }  // namespace infinigen::gpu_worker::offloaded

@@ -26,6 +26,24 @@ absl::Status AtNode(const RowSourceContext& ctx, const absl::Status& status) {
   return kv_memory_service::AtNode(ctx.node_address, status);
 }
 
+// Waits for the node's gather into `f`'s buffer, timed into `stats`.
+absl::Status WaitGather(const RowSourceContext& ctx, LayerFetch& f,
+                        FetchStats& stats) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const absl::Status fetched = f.handle.Wait();
+  stats.wait_seconds += SecondsSince(t0);
+  return AtNode(ctx, fetched);
+}
+
+// Waits for whatever holds either buffer (the step's last gathers and
+// notes).
+absl::Status WaitBoth(const RowSourceContext& ctx, FetchPair& fetches) {
+  for (LayerFetch& f : fetches) {
+    IG_RETURN_IF_ERROR(AtNode(ctx, f.handle.Wait()));
+  }
+  return absl::OkStatus();
+}
+
 // The plan's indices on the host where they stayed on the backend, or
 // written out where the plan was leading (the node's gather needs them),
 // the layer's note then left to the gather.
@@ -67,10 +85,7 @@ class NodeGatherSource final : public RowSource {
   absl::StatusOr<bool> Upload(FetchPair& fetches, int layer,
                               FetchStats& stats) override {
     LayerFetch& f = fetches.For(layer);
-    const auto t0 = std::chrono::steady_clock::now();
-    const absl::Status fetched = f.handle.Wait();
-    stats.wait_seconds += SecondsSince(t0);
-    IG_RETURN_IF_ERROR(AtNode(ctx_, fetched));
+    IG_RETURN_IF_ERROR(WaitGather(ctx_, f, stats));
     const Layout& z = *ctx_.layout;
     if (z.staged) {
       // K rows of every head, then V rows, as stored.
@@ -142,10 +157,7 @@ class CachedGatherSource final : public RowSource {
   absl::StatusOr<bool> Upload(FetchPair& fetches, int layer,
                               FetchStats& stats) override {
     LayerFetch& f = fetches.For(layer);
-    const auto t0 = std::chrono::steady_clock::now();
-    const absl::Status fetched = f.handle.Wait();
-    stats.wait_seconds += SecondsSince(t0);
-    IG_RETURN_IF_ERROR(AtNode(ctx_, fetched));
+    IG_RETURN_IF_ERROR(WaitGather(ctx_, f, stats));
     f.uploaded = true;
     // A fetch the cache did not split (a reused prefix's rows, which the
     // prefill reads) is read from the buffer as it came.
@@ -191,9 +203,7 @@ class CachedGatherSource final : public RowSource {
   }
 
   absl::Status EndStep(FetchPair& fetches, FetchStats& stats) override {
-    for (LayerFetch& f : fetches) {
-      IG_RETURN_IF_ERROR(AtNode(ctx_, f.handle.Wait()));
-    }
+    IG_RETURN_IF_ERROR(WaitBoth(ctx_, fetches));
     stats.row_cache_bytes = cache_.bytes();
     return absl::OkStatus();
   }
@@ -275,11 +285,7 @@ class OneSidedSource : public RowSource {
   }
 
   absl::Status EndStep(FetchPair& fetches, FetchStats& stats) override {
-    // The step's last notes of one-sided reads.
-    for (LayerFetch& f : fetches) {
-      IG_RETURN_IF_ERROR(AtNode(ctx_, f.handle.Wait()));
-    }
-    return absl::OkStatus();
+    return WaitBoth(ctx_, fetches);  // the step's last notes
   }
 
  protected:
