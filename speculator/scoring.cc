@@ -94,46 +94,47 @@ void ScoreBlockAvx2(const float* rows, int n_cols, const float* qg,
 
 namespace {
 
-// SpeculateScores over fp32 rows [n_kv_heads][k_stride][n_cols].
-void SpeculateFloatScores(const float* q_skewed, int n_heads, int n_kv_heads,
-                          int d, const float* partial_k, int k_stride,
-                          int n_tokens, const int32_t* cols, int n_cols,
-                          float* scores) {
-  const int group = n_heads / n_kv_heads;
+// Tokens per task of SpeculateScores: a multiple of kLanes, so that a
+// range's blocks are the blocks a single pass would make (the same sums).
+constexpr int kScoreTaskTokens = 1024;
+
+// SpeculateScores over fp32 rows [n_kv_heads][k_stride][n_cols], KV head
+// g's tokens [t0, t1) (t0 a multiple of kLanes).
+void SpeculateFloatRange(const float* q_skewed, int group, int d,
+                         const float* partial_k, int k_stride, int n_tokens,
+                         const int32_t* cols, int n_cols, float* scores,
+                         int g, int t0, int t1) {
   const int q_stride = PaddedColumns(n_cols);
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   // The group's queries gathered to the partial columns, pre-scaled, and
-  // zero-padded to whole vectors: [group][q_stride]. Gathered once per KV
-  // head; each block of kLanes cached rows is then scored for all of them
-  // while it is in cache.
+  // zero-padded to whole vectors: [group][q_stride]; each block of kLanes
+  // cached rows is then scored for all of them while it is in cache.
   thread_local std::vector<float> qg;
   qg.assign(static_cast<size_t>(group) * q_stride, 0.0f);
-  for (int g = 0; g < n_kv_heads; ++g) {
-    const int32_t* cg = cols + static_cast<size_t>(g) * n_cols;
-    for (int j = 0; j < group; ++j) {
-      const float* qh = q_skewed + static_cast<size_t>(g * group + j) * d;
-      for (int c = 0; c < n_cols; ++c) {
-        qg[static_cast<size_t>(j) * q_stride + c] = qh[cg[c]] * scale;
-      }
+  const int32_t* cg = cols + static_cast<size_t>(g) * n_cols;
+  for (int j = 0; j < group; ++j) {
+    const float* qh = q_skewed + static_cast<size_t>(g * group + j) * d;
+    for (int c = 0; c < n_cols; ++c) {
+      qg[static_cast<size_t>(j) * q_stride + c] = qh[cg[c]] * scale;
     }
-    const float* kg = partial_k + static_cast<size_t>(g) * k_stride * n_cols;
-    float* out = scores + static_cast<size_t>(g) * group * n_tokens;
-    int t = 0;
+  }
+  const float* kg = partial_k + static_cast<size_t>(g) * k_stride * n_cols;
+  float* out = scores + static_cast<size_t>(g) * group * n_tokens;
+  int t = t0;
 #if INFINIGEN_SPECULATOR_AVX2
-    for (; t + kLanes <= n_tokens; t += kLanes) {
-      for (int j = 0; j < group; ++j) {
-        ScoreBlockAvx2(kg + static_cast<size_t>(t) * n_cols, n_cols,
-                       qg.data() + static_cast<size_t>(j) * q_stride, q_stride,
-                       1, out + static_cast<size_t>(j) * n_tokens + t);
-      }
+  for (; t + kLanes <= t1; t += kLanes) {
+    for (int j = 0; j < group; ++j) {
+      ScoreBlockAvx2(kg + static_cast<size_t>(t) * n_cols, n_cols,
+                     qg.data() + static_cast<size_t>(j) * q_stride, q_stride,
+                     1, out + static_cast<size_t>(j) * n_tokens + t);
     }
+  }
 #endif
-    for (; t < n_tokens; ++t) {
-      const float* row = kg + static_cast<size_t>(t) * n_cols;
-      for (int j = 0; j < group; ++j) {
-        out[static_cast<size_t>(j) * n_tokens + t] =
-            Dot(row, qg.data() + static_cast<size_t>(j) * q_stride, n_cols);
-      }
+  for (; t < t1; ++t) {
+    const float* row = kg + static_cast<size_t>(t) * n_cols;
+    for (int j = 0; j < group; ++j) {
+      out[static_cast<size_t>(j) * n_tokens + t] =
+          Dot(row, qg.data() + static_cast<size_t>(j) * q_stride, n_cols);
     }
   }
 }
@@ -159,18 +160,25 @@ inline void DecodeCodesChunked(const uint8_t* codes, int code_bytes,
                                float* out) {
   for (int at = 0; at < code_bytes; at += 8) {
     // code_bytes is a multiple of 4: a chunk has 8 bytes or the last 4.
-    uint8_t chunk[8] = {};
-    std::memcpy(chunk, codes + at, std::min(8, code_bytes - at));
 #if INFINIGEN_SPECULATOR_AVX2
-    uint64_t word;
-    std::memcpy(&word, chunk, 8);
-    const __m256i v =
-        _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(word)));
+    // Loaded straight from the row (a fixed-size load each, never through
+    // a staging copy, which would stall the load on its stores).
+    __m128i bytes;
+    if (code_bytes - at >= 8) {
+      bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + at));
+    } else {
+      int32_t word;
+      std::memcpy(&word, codes + at, sizeof(word));
+      bytes = _mm_cvtsi32_si128(word);
+    }
+    const __m256i v = _mm256_cvtepu8_epi32(bytes);
     _mm256_storeu_ps(out + 2 * at, _mm256_cvtepi32_ps(_mm256_and_si256(
                                        v, _mm256_set1_epi32(0xF))));
     _mm256_storeu_ps(out + 2 * at + 8,
                      _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)));
 #else
+    uint8_t chunk[8] = {};
+    std::memcpy(chunk, codes + at, std::min(8, code_bytes - at));
     for (int i = 0; i < 8; ++i) {
       out[2 * at + i] = static_cast<float>(chunk[i] & 0xF);
       out[2 * at + 8 + i] = static_cast<float>(chunk[i] >> 4);
@@ -181,18 +189,14 @@ inline void DecodeCodesChunked(const uint8_t* codes, int code_bytes,
 
 }  // namespace
 
-void SpeculateScores(const float* q_skewed, int n_heads, int n_kv_heads, int d,
-                     const uint8_t* partial_k, int k_stride, int n_tokens,
-                     const int32_t* cols, int n_cols, float* scores,
-                     PartialKeyFormat format) {
-  if (n_tokens <= 0) return;
-  if (format == PartialKeyFormat::kFloat) {
-    SpeculateFloatScores(q_skewed, n_heads, n_kv_heads, d,
-                         reinterpret_cast<const float*>(partial_k), k_stride,
-                         n_tokens, cols, n_cols, scores);
-    return;
-  }
-  const int group = n_heads / n_kv_heads;
+namespace {
+
+// SpeculateScores over 4-bit rows, KV head g's tokens [t0, t1) (t0 a
+// multiple of kLanes).
+void SpeculateInt4Range(const float* q_skewed, int group, int d,
+                        const uint8_t* partial_k, int k_stride, int n_tokens,
+                        const int32_t* cols, int n_cols, float* scores, int g,
+                        int t0, int t1) {
   const int row_bytes = PartialKeyRowBytes(n_cols);
   const int code_bytes = row_bytes - 2 * static_cast<int>(sizeof(float));
   const int width = ChunkedColumns(code_bytes);  // a multiple of kLanes
@@ -200,58 +204,82 @@ void SpeculateScores(const float* q_skewed, int n_heads, int n_kv_heads, int d,
   // The group's queries gathered to the partial columns in chunk order
   // (DecodeCodesChunked), pre-scaled, zero past n_cols: [group][width],
   // with each one's sum over the columns in column order (what a row's min
-  // multiplies). Gathered once per KV head; then each block of kLanes
-  // cached rows is decoded once for all of them: a row's score for head j
-  // is min * sum(q_j) + scale * (q_j . codes).
+  // multiplies). Then each block of kLanes cached rows is decoded once for
+  // all of them: a row's score for head j is
+  // min * sum(q_j) + scale * (q_j . codes).
   thread_local std::vector<float> qg, q_sums, codes;
   qg.assign(static_cast<size_t>(group) * width, 0.0f);
   q_sums.assign(group, 0.0f);
   codes.resize(static_cast<size_t>(kLanes) * width);
-  for (int g = 0; g < n_kv_heads; ++g) {
-    const int32_t* cg = cols + static_cast<size_t>(g) * n_cols;
-    for (int j = 0; j < group; ++j) {
-      const float* qh = q_skewed + static_cast<size_t>(g * group + j) * d;
-      float* qj = qg.data() + static_cast<size_t>(j) * width;
-      for (int at = 0; at < width; ++at) {
-        const int c = ChunkedColumn(at);
-        qj[at] = c < n_cols ? qh[cg[c]] * scale : 0.0f;
-      }
-      float sum = 0.0f;
-      for (int c = 0; c < n_cols; ++c) sum += qh[cg[c]] * scale;
-      q_sums[j] = sum;
+  const int32_t* cg = cols + static_cast<size_t>(g) * n_cols;
+  for (int j = 0; j < group; ++j) {
+    const float* qh = q_skewed + static_cast<size_t>(g * group + j) * d;
+    float* qj = qg.data() + static_cast<size_t>(j) * width;
+    for (int at = 0; at < width; ++at) {
+      const int c = ChunkedColumn(at);
+      qj[at] = c < n_cols ? qh[cg[c]] * scale : 0.0f;
     }
-    const uint8_t* kg =
-        partial_k + static_cast<size_t>(g) * k_stride * row_bytes;
-    float* out = scores + static_cast<size_t>(g) * group * n_tokens;
-    for (int t0 = 0; t0 < n_tokens; t0 += kLanes) {
-      const int m = std::min(kLanes, n_tokens - t0);
-      float lo[kLanes], row_scale[kLanes], dots[kLanes];
-      for (int i = 0; i < m; ++i) {
-        const uint8_t* row = kg + static_cast<size_t>(t0 + i) * row_bytes;
-        ReadPartialKeyRange(row, &lo[i], &row_scale[i]);
-        DecodeCodesChunked(row + 2 * sizeof(float), code_bytes,
-                           codes.data() + static_cast<size_t>(i) * width);
-      }
-      for (int j = 0; j < group; ++j) {
-        const float* qj = qg.data() + static_cast<size_t>(j) * width;
+    float sum = 0.0f;
+    for (int c = 0; c < n_cols; ++c) sum += qh[cg[c]] * scale;
+    q_sums[j] = sum;
+  }
+  const uint8_t* kg =
+      partial_k + static_cast<size_t>(g) * k_stride * row_bytes;
+  float* out = scores + static_cast<size_t>(g) * group * n_tokens;
+  for (int b = t0; b < t1; b += kLanes) {
+    const int m = std::min(kLanes, t1 - b);
+    float lo[kLanes], row_scale[kLanes], dots[kLanes];
+    for (int i = 0; i < m; ++i) {
+      const uint8_t* row = kg + static_cast<size_t>(b + i) * row_bytes;
+      ReadPartialKeyRange(row, &lo[i], &row_scale[i]);
+      DecodeCodesChunked(row + 2 * sizeof(float), code_bytes,
+                         codes.data() + static_cast<size_t>(i) * width);
+    }
+    for (int j = 0; j < group; ++j) {
+      const float* qj = qg.data() + static_cast<size_t>(j) * width;
 #if INFINIGEN_SPECULATOR_AVX2
-        if (m == kLanes) {
-          ScoreBlockAvx2(codes.data(), width, qj, width, 1, dots);
-        } else
+      if (m == kLanes) {
+        ScoreBlockAvx2(codes.data(), width, qj, width, 1, dots);
+      } else
 #endif
-        {
-          for (int i = 0; i < m; ++i) {
-            dots[i] = Dot(codes.data() + static_cast<size_t>(i) * width, qj,
-                          width);
-          }
-        }
-        float* out_j = out + static_cast<size_t>(j) * n_tokens + t0;
+      {
         for (int i = 0; i < m; ++i) {
-          out_j[i] = lo[i] * q_sums[j] + row_scale[i] * dots[i];
+          dots[i] = Dot(codes.data() + static_cast<size_t>(i) * width, qj,
+                        width);
         }
+      }
+      float* out_j = out + static_cast<size_t>(j) * n_tokens + b;
+      for (int i = 0; i < m; ++i) {
+        out_j[i] = lo[i] * q_sums[j] + row_scale[i] * dots[i];
       }
     }
   }
+}
+
+}  // namespace
+
+void SpeculateScores(const float* q_skewed, int n_heads, int n_kv_heads, int d,
+                     const uint8_t* partial_k, int k_stride, int n_tokens,
+                     const int32_t* cols, int n_cols, float* scores,
+                     PartialKeyFormat format, const TaskRunner* run) {
+  if (n_tokens <= 0) return;
+  const int group = n_heads / n_kv_heads;
+  // One task per KV head and range of tokens: every score is its own, so
+  // the results are the same however the tasks are spread.
+  const int ranges = (n_tokens + kScoreTaskTokens - 1) / kScoreTaskTokens;
+  internal::RunTasks(run, n_kv_heads * ranges, [&](int task) {
+    const int g = task / ranges;
+    const int t0 = (task % ranges) * kScoreTaskTokens;
+    const int t1 = std::min(n_tokens, t0 + kScoreTaskTokens);
+    if (format == PartialKeyFormat::kFloat) {
+      SpeculateFloatRange(q_skewed, group, d,
+                          reinterpret_cast<const float*>(partial_k), k_stride,
+                          n_tokens, cols, n_cols, scores, g, t0, t1);
+    } else {
+      SpeculateInt4Range(q_skewed, group, d, partial_k, k_stride, n_tokens,
+                         cols, n_cols, scores, g, t0, t1);
+    }
+  });
 }
 
 void CombineHeadScores(const float* head_scores, int n_heads, int n_kv_heads,
@@ -260,27 +288,46 @@ void CombineHeadScores(const float* head_scores, int n_heads, int n_kv_heads,
   if (n_tokens <= 0 || n_kv_heads <= 0) return;
   const int group = n_heads / n_kv_heads;
   const float none = -std::numeric_limits<float>::infinity();
-  internal::RunTasks(run, n_kv_heads, [&](int g) {
+  // Each query head's log-sum-exp over its present tokens, one task per
+  // head (none where nothing is present), then the max over each group,
+  // one task per KV head and range of tokens.
+  thread_local std::vector<float> lse;
+  lse.assign(n_heads, none);
+  float* head_lse = lse.data();
+  internal::RunTasks(run, n_heads, [&](int h) {
+    const int g = h / group;
+    const uint8_t* pr =
+        present != nullptr ? present + static_cast<size_t>(g) * n_tokens
+                           : nullptr;
+    const float* s = head_scores + static_cast<size_t>(h) * n_tokens;
+    float top = none;
+    for (int t = 0; t < n_tokens; ++t) {
+      if (pr == nullptr || pr[t]) top = std::max(top, s[t]);
+    }
+    if (top == none) return;
+    float sum = 0.0f;
+    for (int t = 0; t < n_tokens; ++t) {
+      if (pr == nullptr || pr[t]) sum += std::exp(s[t] - top);
+    }
+    head_lse[h] = top + std::log(sum);
+  });
+  const int ranges = (n_tokens + kScoreTaskTokens - 1) / kScoreTaskTokens;
+  internal::RunTasks(run, n_kv_heads * ranges, [&](int task) {
+    const int g = task / ranges;
+    const int t0 = (task % ranges) * kScoreTaskTokens;
+    const int t1 = std::min(n_tokens, t0 + kScoreTaskTokens);
     const uint8_t* pr =
         present != nullptr ? present + static_cast<size_t>(g) * n_tokens
                            : nullptr;
     float* out = scores + static_cast<size_t>(g) * n_tokens;
-    std::fill(out, out + n_tokens, none);
+    std::fill(out + t0, out + t1, none);
     for (int j = 0; j < group; ++j) {
+      const float l = head_lse[g * group + j];
+      if (l == none) continue;
       const float* s =
           head_scores + static_cast<size_t>(g * group + j) * n_tokens;
-      float top = none;
-      for (int t = 0; t < n_tokens; ++t) {
-        if (pr == nullptr || pr[t]) top = std::max(top, s[t]);
-      }
-      if (top == none) continue;
-      float sum = 0.0f;
-      for (int t = 0; t < n_tokens; ++t) {
-        if (pr == nullptr || pr[t]) sum += std::exp(s[t] - top);
-      }
-      const float lse = top + std::log(sum);
-      for (int t = 0; t < n_tokens; ++t) {
-        if (pr == nullptr || pr[t]) out[t] = std::max(out[t], s[t] - lse);
+      for (int t = t0; t < t1; ++t) {
+        if (pr == nullptr || pr[t]) out[t] = std::max(out[t], s[t] - l);
       }
     }
   });

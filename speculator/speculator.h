@@ -191,6 +191,19 @@ void QuantizePartialKeys(const float* keys, int n_rows, int n_cols,
 void DequantizePartialKeys(const uint8_t* rows, int n_rows, int n_cols,
                            float* keys);
 
+// Spreads independent tasks over threads: run(n, fn) calls fn(0), ...,
+// fn(n - 1), in any order and possibly at once, and returns when all have.
+// SpeculateScores, CombineHeadScores and the selections take one to work
+// on their KV heads (and ranges of tokens) in parallel, each task's output
+// its own; null: one task after another on the caller. The results are the
+// same either way.
+using TaskRunner = std::function<void(int, absl::FunctionRef<void(int)>)>;
+
+// The process's pool of the host's cores (ThreadPool::Resolve(0)) as a
+// TaskRunner, for a layer's `work` scores; null below 2^16 of them, where
+// threads cost more than they save.
+const TaskRunner* HostTasks(size_t work);
+
 // Speculated attention logits of one layer for one query, per query head
 // (the policies combine the heads of a group with CombineHeadScores):
 //   score[h][t] = sum_c q_skewed[h][cols_g[c]] * k_g,t[c] / sqrt(d)
@@ -204,14 +217,8 @@ void SpeculateScores(const float* q_skewed, int n_heads, int n_kv_heads,
                      int d, const uint8_t* partial_k, int k_stride,
                      int n_tokens, const int32_t* cols, int n_cols,
                      float* scores,
-                     PartialKeyFormat format = PartialKeyFormat::kInt4);
-
-// Spreads independent tasks over threads: run(n, fn) calls fn(0), ...,
-// fn(n - 1), in any order and possibly at once, and returns when all have.
-// CombineHeadScores and the selections take one to work on their KV heads
-// in parallel (each head's output is its own); null: one head after
-// another on the caller. The results are the same either way.
-using TaskRunner = std::function<void(int, absl::FunctionRef<void(int)>)>;
+                     PartialKeyFormat format = PartialKeyFormat::kInt4,
+                     const TaskRunner* run = nullptr);
 
 // Per KV head g and token t, the largest over g's query heads h of h's
 // speculated log-probability: head_scores [n_heads][n_tokens] (logits, as

@@ -674,6 +674,16 @@ TEST(SelectTopKPerHead, MatchesNaiveOnLongCaches) {
   }
 }
 
+TEST(TaskRunner, HostTasksRunEveryTaskOnceAboveTheThreshold) {
+  EXPECT_EQ(HostTasks((size_t{1} << 16) - 1), nullptr);
+  const TaskRunner* run = HostTasks(size_t{1} << 16);
+  ASSERT_NE(run, nullptr);
+  EXPECT_EQ(run, HostTasks(size_t{1} << 20));  // one pool for the process
+  std::vector<std::atomic<int>> calls(37);
+  (*run)(static_cast<int>(calls.size()), [&](int i) { ++calls[i]; });
+  for (size_t i = 0; i < calls.size(); ++i) EXPECT_EQ(calls[i], 1) << i;
+}
+
 TEST(TaskRunner, HeadsOnSeveralThreadsGiveTheSerialResults) {
   // A runner that takes the tasks in reverse order, each on its own thread.
   const TaskRunner threads = [](int n, absl::FunctionRef<void(int)> fn) {
@@ -990,6 +1000,50 @@ TEST(SpeculateScores, MatchesNaiveAcrossShapes) {
                     c.n_tokens, cols, c.n_cols),
         absl::StrFormat("fp32 n_heads=%d n_kv_heads=%d n_cols=%d n_tokens=%d",
                         c.n_heads, c.n_kv_heads, c.n_cols, c.n_tokens));
+  }
+}
+
+// The scores are split into tasks by KV head and range of tokens: a runner
+// that takes them in reverse order, each on its own thread, gives the very
+// scores of one pass on the caller, in both row formats (ranges of 1024
+// tokens; a token tail shorter than a block).
+TEST(SpeculateScores, TokenRangesOnSeveralThreadsGiveTheSerialScores) {
+  const TaskRunner threads = [](int n, absl::FunctionRef<void(int)> fn) {
+    std::vector<std::thread> pool;
+    for (int i = n - 1; i >= 0; --i) pool.emplace_back([&fn, i] { fn(i); });
+    for (std::thread& t : pool) t.join();
+  };
+  std::mt19937 rng(23);
+  const int n_heads = 9, n_kv_heads = 3, d = 64, n_cols = 19;
+  const int n_tokens = 2500, k_stride = 2600;
+  std::vector<float> q = RandomMatrix(n_heads, d, rng);
+  const std::vector<float> keys =
+      RandomMatrix(n_kv_heads * k_stride, n_cols, rng);
+  const std::vector<uint8_t> partial_k = Quantized(keys, n_cols);
+  std::vector<int32_t> cols;
+  for (int g = 0; g < n_kv_heads; ++g) {
+    for (int c = 0; c < n_cols; ++c) cols.push_back((3 * c + g) % d);
+  }
+  for (PartialKeyFormat format :
+       {PartialKeyFormat::kInt4, PartialKeyFormat::kFloat}) {
+    const uint8_t* rows = format == PartialKeyFormat::kInt4
+                              ? partial_k.data()
+                              : reinterpret_cast<const uint8_t*>(keys.data());
+    std::vector<float> serial(n_heads * n_tokens), parallel(serial.size());
+    SpeculateScores(q.data(), n_heads, n_kv_heads, d, rows, k_stride,
+                    n_tokens, cols.data(), n_cols, serial.data(), format);
+    SpeculateScores(q.data(), n_heads, n_kv_heads, d, rows, k_stride,
+                    n_tokens, cols.data(), n_cols, parallel.data(), format,
+                    &threads);
+    EXPECT_EQ(serial, parallel);
+    ExpectSameScores(
+        serial,
+        NaiveScores(q, n_heads, n_kv_heads, d,
+                    format == PartialKeyFormat::kInt4
+                        ? ReadBack(partial_k, n_cols)
+                        : keys,
+                    k_stride, n_tokens, cols, n_cols),
+        "ranges");
   }
 }
 

@@ -37,7 +37,9 @@ bool PolicyOps::EncodeKvRows(const float* rows, int n_rows, int head_dim,
 void PolicyOps::SpeculateScores(const SpeculationParams& p) {
   speculator::SpeculateScores(p.q_skewed, p.n_heads, p.n_kv_heads, p.d,
                               p.partial_k, p.k_stride, p.n_tokens, p.cols,
-                              p.n_cols, p.scores, p.format);
+                              p.n_cols, p.scores, p.format,
+                              speculator::HostTasks(
+                                  static_cast<size_t>(p.n_heads) * p.n_tokens));
 }
 
 void PolicyOps::QuantizePartialKeys(const float* keys, int n_rows,

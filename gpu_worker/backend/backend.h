@@ -155,7 +155,7 @@ class PolicyOps {
   virtual bool EncodeKvRows(const float* rows, int n_rows, int head_dim,
                             KvRowFormat format, uint16_t* out);
   // InfiniGen's speculated scores (speculation_params.h). Default:
-  // speculator::SpeculateScores on the host.
+  // speculator::SpeculateScores on the host, over speculator::HostTasks.
   virtual void SpeculateScores(const SpeculationParams& p);
   // InfiniGen's partial key rows: keys [n_rows, n_cols] -> n_rows rows of
   // speculator::PartialKeyRowBytes(n_cols) bytes (speculator/

@@ -12,26 +12,12 @@
 #include "gpu_worker/kv/policies/policy_util.h"
 #include "speculator/partial_keys.h"
 #include "gpu_worker/kv/policies/registry.h"
-#include "common/thread_pool.h"
 
 namespace infinigen::gpu_worker {
 namespace {
 
 using kv_memory_service::FetchPlan;
 using kv_memory_service::OwnedFetchPlan;
-
-// The host's selection spreads a layer's KV heads over a pool of threads
-// shared by every sequence of the process, once the layer's scores are
-// many enough to pay for it (null: the caller ranks every head).
-const speculator::TaskRunner* SelectionRunner(size_t scores) {
-  if (scores < (size_t{1} << 16)) return nullptr;
-  static const speculator::TaskRunner* runner = [] {
-    auto* pool = new ThreadPool(ThreadPool::Resolve(0));
-    return new speculator::TaskRunner(
-        [pool](int n, absl::FunctionRef<void(int)> fn) { pool->Run(n, fn); });
-  }();
-  return runner;
-}
 
 // InfiniGen (Lee et al., OSDI 2024): layers 0 and 1 read everything (dense_layers);
 // for layer l >= 2 the plan comes from speculation with layer l - 1's
@@ -362,7 +348,7 @@ class InfiniGenPolicy final : public KvPolicy, private PrefixSummary {
     // would shift them by a constant, and every selection below depends on
     // differences only (top k, within alpha of the max, softmax mass).
     const speculator::TaskRunner* run =
-        SelectionRunner(static_cast<size_t>(m.n_heads) * p);
+        speculator::HostTasks(static_cast<size_t>(m.n_heads) * p);
     const float* scores = head_scores_host_.data();
     if (group > 1) {
       speculator::CombineHeadScores(head_scores_host_.data(), m.n_heads,
@@ -456,7 +442,7 @@ class InfiniGenPolicy final : public KvPolicy, private PrefixSummary {
     t.head_offsets = head_offsets.data();
     t.indices = indices;
     t.combined = combined_.data();
-    t.run = SelectionRunner(static_cast<size_t>(m.n_heads) * p);
+    t.run = speculator::HostTasks(static_cast<size_t>(m.n_heads) * p);
     ctx_.backend->SelectTopK(t);
     return true;
   }
