@@ -168,7 +168,7 @@ class Endpoint:
     def complete(self, prompt, max_tokens):
         """Streams one greedy completion: its text, finish reason, token
         counts (the server's usage where it sends it), seconds in all and
-        to the first chunk."""
+        to the first text (to the end where there is none)."""
         body = {"model": self.model, "prompt": prompt,
                 "max_tokens": max_tokens, "temperature": 0, "stream": True}
         if self.usage_in_stream:
@@ -200,7 +200,9 @@ class Endpoint:
                     raise Fail(f"{self.root}/v1/completions: "
                                f"{chunk['error'].get('message', chunk)}")
                 for c in chunk.get("choices") or []:
-                    if first is None:
+                    # The first text, as vLLM's benchmarks time it (a
+                    # server may send empty chunks before).
+                    if first is None and c.get("text"):
                         first = time.perf_counter()
                     text.append(c.get("text") or "")
                     finish = c.get("finish_reason") or finish
@@ -511,10 +513,11 @@ def write_report(a, state, stopped):
             w("| **average** | " + " | ".join(cells) + " |\n")
 
         w("\n## Cost\n\nMeans per sample: seconds from sending the request "
-          "to the last token, and to the first (the prefill); prompt and "
+          "to the last token, and to the first text (the prefill, with "
+          "whatever the server reused of earlier prompts); prompt and "
           f"output tokens. Requests {a.jobs} at a time.\n\n")
         w("| length | line | prompt tokens | output tokens | s / sample | "
-          "s to first token |\n|---|---|---|---|---|---|\n")
+          "s to first text |\n|---|---|---|---|---|---|\n")
         for L in lengths:
             for line in lines:
                 rs = [r for r in rows if r["length"] == L
