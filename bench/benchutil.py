@@ -4,6 +4,7 @@ fresh output directory by default, and plots only where matplotlib is.
 import argparse
 import datetime
 import os
+import socket
 import sys
 import tempfile
 
@@ -70,3 +71,43 @@ def pyplot(script):
               "(pip install matplotlib); the tables are written",
               file=sys.stderr)
         return None
+
+
+def parse_runs(spec, script):
+    """--runs and --policies: POLICY or POLICY@FRACTION, comma-separated,
+    as [(policy, fraction or None)]; a bad item exits with one line."""
+    runs = []
+    for item in filter(None, spec.split(",")):
+        policy, _, frac = item.partition("@")
+        if not policy:
+            sys.exit(f"{script}: {item!r}: no policy before the @")
+        if frac:
+            try:
+                f = float(frac)
+            except ValueError:
+                sys.exit(f"{script}: bad fraction in {item!r}")
+            if not 0 < f <= 1:
+                sys.exit(f"{script}: {item!r}: the fraction must be in "
+                         "(0, 1]")
+            runs.append((policy, f))
+        else:
+            runs.append((policy, None))
+    if not runs:
+        sys.exit(f"{script}: no policy given")
+    return runs
+
+
+def policy_flags(policy, fraction):
+    """The infinigen flags of one run: the policy, and at a fraction its
+    target mean fetched fraction (--target_fetch)."""
+    flags = [f"--policy={policy}"]
+    if fraction is not None:
+        flags.append(f"--target_fetch={fraction}")
+    return flags
+
+
+def free_port():
+    """A TCP port on 127.0.0.1 free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

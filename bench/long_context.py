@@ -40,31 +40,11 @@ def key(text, ctx, policy, target):
             None if target is None else float(target))
 
 
-def parse_runs(spec):
-    runs = []
-    for item in filter(None, spec.split(",")):
-        policy, _, frac = item.partition("@")
-        if frac:
-            try:
-                f = float(frac)
-            except ValueError:
-                sys.exit(f"long_context.py: --runs: bad fraction in {item!r}")
-            if not 0 < f <= 1:
-                sys.exit(f"long_context.py: --runs: {item!r}: the fraction "
-                         "must be in (0, 1]")
-            runs.append((policy, f))
-        else:
-            runs.append((policy, None))
-    return runs
-
-
 def run_one(a, text, ctx, policy, target):
     cmd = [a.binary, "perplexity", f"--model={a.model}", f"--text={text}",
            f"--ctx={ctx}", "--max_windows=1",
-           f"--prompt_tokens={ctx - a.scored}", f"--policy={policy}",
-           "--json"] + a.extra
-    if target is not None:
-        cmd.append(f"--target_fetch={target}")
+           f"--prompt_tokens={ctx - a.scored}", "--json"]
+    cmd += benchutil.policy_flags(policy, target) + a.extra
     started = time.time()
     out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True)
@@ -184,7 +164,7 @@ def main():
         sys.exit(f"long_context.py: --contexts: not numbers: {a.contexts}")
     if any(c <= a.scored for c in contexts):
         sys.exit("long_context.py: every context must exceed --scored")
-    runs = parse_runs(a.runs)
+    runs = benchutil.parse_runs(a.runs, "long_context.py: --runs")
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     rows = []
     if a.report_only and not os.path.exists(a.out + ".jsonl"):

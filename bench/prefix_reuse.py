@@ -23,7 +23,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,12 +35,6 @@ BIN = benchutil.repo_path("bazel-bin")
 SERVER = BIN + "/kv_memory_service/kv_memory_server"
 WORKER = BIN + "/gpu_worker/infinigen"
 CLIENT = BIN + "/bench/ttft_client"
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(pred, what, procs, timeout=180):
@@ -83,7 +76,7 @@ def start(a, plane, block, tmp):
         kv = f"shm:unix:{shm}" if plane == "shm" else tcp
         addrs = []
         for i in range(2):
-            port = free_port()
+            port = benchutil.free_port()
             log = open(os.path.join(tmp, f"worker{i}.log"), "w")
             procs.append(subprocess.Popen(
                 [a.binary, "serve", f"--model={a.model}",

@@ -22,7 +22,6 @@ import csv
 import os
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,12 +38,6 @@ PROMPTS = ["Once upon a time", "The little dog", "Tom and his friend",
            "One day, a girl named Sue", "The sun was hot and"]
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def percentile(xs, q):
     xs = sorted(xs)
     if not xs:
@@ -55,7 +48,7 @@ def percentile(xs, q):
 
 
 def start_server(args):
-    port = free_port()
+    port = benchutil.free_port()
     cmd = [WORKER, "serve", f"--model={args.model}", "--listen=127.0.0.1:0",
            f"--http_listen=127.0.0.1:{port}", f"--max_batch={args.max_batch}",
            f"--threads={args.threads}", "--backend=" + args.backend]
