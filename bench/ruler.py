@@ -42,7 +42,7 @@ Prejudice as the text haystack):
   bench/ruler.py --model_file=$(scripts/fetch_smollm2.sh) \\
     --policies=full,infinigen@0.1,quest@0.1 --lengths=1024,2048,4096 \\
     --samples=10 --out=bench/results/ruler_smollm2 -- \\
-    --skew=bench/results/accuracy_smollm2.skew
+    --skew=smol.skew   # infinigen skew --model=... --out=smol.skew
   bench/ruler.py --base_url=http://localhost:8000/v1 --label=vllm \\
     --lengths=1024,2048,4096 --samples=10 --out=/tmp/ruler_vllm \\
     --tokenizer_json=tokenizer.json
