@@ -693,7 +693,8 @@ def parse_args():
         raise Fail("give --model_file, --base_url or --add")
     a.haystack = benchutil.repo_path(a.haystack)
     if (a.model_file or a.base_url) and not os.path.isfile(a.haystack):
-        raise Fail(f"--haystack: no file {a.haystack}")
+        raise Fail(f"--haystack: no file {a.haystack} (name a long text "
+                   f"file: a book, say)")
     if a.model_file:
         a.binary = benchutil.repo_path(a.binary)
         for flag, path in (("--binary", a.binary),

@@ -17,9 +17,11 @@ python3 bench/ruler_tasks.py --self_test
 
 # stories260K's context is 512 tokens, less than some tasks' shortest
 # prompt under its 512-token vocabulary: the servers hold 1280.
-serve=(--binary="$bin" --model_file="$model" --tokenizer_file="$tok")
+# The haystack is named every time: a clone has no ../shared.
+serve=(--binary="$bin" --model_file="$model" --tokenizer_file="$tok"
+       --haystack="$text")
 python3 bench/ruler.py "${serve[@]}" --policies=full,infinigen@0.5 \
-  --lengths=896,1280 --samples=2 --jobs=2 --haystack="$text" --json \
+  --lengths=896,1280 --samples=2 --jobs=2 --json \
   --out="$out" -- --threads=1 --max_seq_len=1280 \
   > "$out.stdout" 2> "$out.stderr"
 python3 - "$out" <<'PY'
@@ -83,7 +85,8 @@ fails() {  # the command must fail with one line on stderr naming $1
 fails "no policy nosuch" "${serve[@]}" --policies=full,nosuch@0.5
 fails "the fraction must be in" "${serve[@]}" --policies=h2o@2
 fails "no file" "${serve[@]}" --haystack="$dir/none.txt" --out="$out-x"
-fails "cannot reach" --base_url=http://127.0.0.1:1/v1 --out="$out-x"
+fails "cannot reach" --base_url=http://127.0.0.1:1/v1 --haystack="$text" \
+  --out="$out-x"
 fails "past the model's context" "${serve[@]}" --policies=full \
   --lengths=4096 --out="$out-x"
 head -c 600 "$text" > "$dir/short.txt"
