@@ -78,7 +78,7 @@ sources_of() {
     gguf_fuzzer | llama2c_tokenizer_fuzzer | safetensors_fuzzer)
       echo "${model_srcs[@]}" ;;
     skew_file_fuzzer)
-      echo common/file.cc common/log.cc \
+      echo common/file.cc common/log.cc common/thread_pool.cc \
         $(ls speculator/*.cc | grep -v '_test\.cc$') ;;
     *) return 1 ;;
   esac
