@@ -98,6 +98,18 @@ namespace {
 // range's blocks are the blocks a single pass would make (the same sums).
 constexpr int kScoreTaskTokens = 1024;
 
+// fn(g, t0, t1) for every KV head g and range [t0, t1) of at most
+// kScoreTaskTokens of its tokens (t0 a multiple of kLanes), a task each.
+template <typename Fn>
+void RunHeadRanges(const TaskRunner* run, int n_kv_heads, int n_tokens,
+                   Fn&& fn) {
+  const int ranges = (n_tokens + kScoreTaskTokens - 1) / kScoreTaskTokens;
+  internal::RunTasks(run, n_kv_heads * ranges, [&](int task) {
+    const int t0 = (task % ranges) * kScoreTaskTokens;
+    fn(task / ranges, t0, std::min(n_tokens, t0 + kScoreTaskTokens));
+  });
+}
+
 // SpeculateScores over fp32 rows [n_kv_heads][k_stride][n_cols], KV head
 // g's tokens [t0, t1) (t0 a multiple of kLanes).
 void SpeculateFloatRange(const float* q_skewed, int group, int d,
@@ -266,11 +278,7 @@ void SpeculateScores(const float* q_skewed, int n_heads, int n_kv_heads, int d,
   const int group = n_heads / n_kv_heads;
   // One task per KV head and range of tokens: every score is its own, so
   // the results are the same however the tasks are spread.
-  const int ranges = (n_tokens + kScoreTaskTokens - 1) / kScoreTaskTokens;
-  internal::RunTasks(run, n_kv_heads * ranges, [&](int task) {
-    const int g = task / ranges;
-    const int t0 = (task % ranges) * kScoreTaskTokens;
-    const int t1 = std::min(n_tokens, t0 + kScoreTaskTokens);
+  RunHeadRanges(run, n_kv_heads, n_tokens, [&](int g, int t0, int t1) {
     if (format == PartialKeyFormat::kFloat) {
       SpeculateFloatRange(q_skewed, group, d,
                           reinterpret_cast<const float*>(partial_k), k_stride,
@@ -311,11 +319,7 @@ void CombineHeadScores(const float* head_scores, int n_heads, int n_kv_heads,
     }
     head_lse[h] = top + std::log(sum);
   });
-  const int ranges = (n_tokens + kScoreTaskTokens - 1) / kScoreTaskTokens;
-  internal::RunTasks(run, n_kv_heads * ranges, [&](int task) {
-    const int g = task / ranges;
-    const int t0 = (task % ranges) * kScoreTaskTokens;
-    const int t1 = std::min(n_tokens, t0 + kScoreTaskTokens);
+  RunHeadRanges(run, n_kv_heads, n_tokens, [&](int g, int t0, int t1) {
     const uint8_t* pr =
         present != nullptr ? present + static_cast<size_t>(g) * n_tokens
                            : nullptr;

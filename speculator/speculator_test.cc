@@ -674,6 +674,15 @@ TEST(SelectTopKPerHead, MatchesNaiveOnLongCaches) {
   }
 }
 
+// A runner that takes the tasks in reverse order, each on its own thread.
+TaskRunner ReverseThreads() {
+  return [](int n, absl::FunctionRef<void(int)> fn) {
+    std::vector<std::thread> pool;
+    for (int i = n - 1; i >= 0; --i) pool.emplace_back([&fn, i] { fn(i); });
+    for (std::thread& t : pool) t.join();
+  };
+}
+
 TEST(TaskRunner, HostTasksRunEveryTaskOnceAboveTheThreshold) {
   EXPECT_EQ(HostTasks((size_t{1} << 16) - 1), nullptr);
   const TaskRunner* run = HostTasks(size_t{1} << 16);
@@ -685,12 +694,7 @@ TEST(TaskRunner, HostTasksRunEveryTaskOnceAboveTheThreshold) {
 }
 
 TEST(TaskRunner, HeadsOnSeveralThreadsGiveTheSerialResults) {
-  // A runner that takes the tasks in reverse order, each on its own thread.
-  const TaskRunner threads = [](int n, absl::FunctionRef<void(int)> fn) {
-    std::vector<std::thread> pool;
-    for (int i = n - 1; i >= 0; --i) pool.emplace_back([&fn, i] { fn(i); });
-    for (std::thread& t : pool) t.join();
-  };
+  const TaskRunner threads = ReverseThreads();
   std::mt19937 rng(22);
   std::uniform_int_distribution<int> coin(0, 9);
   const int n_heads = 8, n_kv = 4, n = 5000;
@@ -1008,11 +1012,7 @@ TEST(SpeculateScores, MatchesNaiveAcrossShapes) {
 // scores of one pass on the caller, in both row formats (ranges of 1024
 // tokens; a token tail shorter than a block).
 TEST(SpeculateScores, TokenRangesOnSeveralThreadsGiveTheSerialScores) {
-  const TaskRunner threads = [](int n, absl::FunctionRef<void(int)> fn) {
-    std::vector<std::thread> pool;
-    for (int i = n - 1; i >= 0; --i) pool.emplace_back([&fn, i] { fn(i); });
-    for (std::thread& t : pool) t.join();
-  };
+  const TaskRunner threads = ReverseThreads();
   std::mt19937 rng(23);
   const int n_heads = 9, n_kv_heads = 3, d = 64, n_cols = 19;
   const int n_tokens = 2500, k_stride = 2600;
