@@ -6,6 +6,8 @@
 //   infinigen bench-decode --model=PATH --ctx=N --batch=B --policy=P,Q ...
 //   infinigen skew         --model=PATH --text=FILE --out=FILE
 //   infinigen serve        --model=PATH --listen=HOST:PORT ...
+//   infinigen kv-check     --kv_service=ADDRESS ...
+//   infinigen health       --address=HOST:PORT [--service=NAME]
 //
 // Program output goes to stdout, logs and progress to stderr. Bad flags or
 // inputs exit with status 2 and one line saying why; runtime failures exit 1.
@@ -35,8 +37,9 @@ namespace {
 
 const std::vector<const Command*>& Commands() {
   static const auto* commands = new std::vector<const Command*>{
-      &BenchDecodeCommand(), &GenerateCommand(), &PerplexityCommand(),
-      &ServeCommand(), &SkewCommand()};
+      &BenchDecodeCommand(), &GenerateCommand(), &HealthCommand(),
+      &KvCheckCommand(),     &PerplexityCommand(), &ServeCommand(),
+      &SkewCommand()};
   return *commands;
 }
 

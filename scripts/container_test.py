@@ -13,19 +13,27 @@ Builds both images (scripts/build_images.sh, podman), then:
        worker against them over TCP (tcp://...:7070 and the fetch sockets);
      - single-node: the memory node and the worker sharing a tmpfs volume
        (the emptyDir of medium Memory) for the shm socket.
-     Each worker answers /health, the OpenAI API (/v1/completions,
+     Each memory node answers grpc.health.v1 and an append plus fetch from
+     outside its container (`infinigen health`, `infinigen kv-check` with
+     the node's token, over TCP and over shm through the shared volume; a
+     wrong token is refused). Each worker answers its gRPC health (and
+     infinigen.worker.Liveness), /health, the OpenAI API (/v1/completions,
      /v1/chat/completions) with the API key, and greedy text identical to
      the same image serving with the KV cache in its process.
-  3. Operator failures: the memory node killed -> /health 503 and requests
-     fail with the KV error; the node restarted -> serving resumes with the
+  3. Operator failures: the memory node killed -> /health 503, gRPC health
+     NOT_SERVING (liveness still SERVING) and requests fail with the KV
+     error; the node restarted -> serving resumes with the
      same text; SIGTERM to each container -> exit 0 within the manifest's
      terminationGracePeriodSeconds.
+  4. Both overlays played with `podman kube play` (converted as KUBE_CHANGES
+     says): every pod ready by its own startup and readiness probes, and the
+     OpenAI API answering through the worker's port with the same text.
 
 What differs from a cluster, stated: the pods share the host's network
 namespace, so the names of the memory pods (<sts>-<n>.<service>) are /etc/hosts
 entries for 127.0.0.1 and pod n>0 of the StatefulSet listens on 7070+2n
 (fetch 7071+2n), the worker's address rewritten to match; no resource limits
-or probes run (the test polls the same endpoints); Secrets are files of random
+or probes run (the test calls the same endpoints); Secrets are files of random
 content mounted read-only.
 
 The last line is `//k8s:container_test PASSED`, `FAILED` or `SKIPPED` (with
@@ -39,6 +47,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -51,6 +60,9 @@ import yaml
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAME = "//k8s:container_test"
 PREFIX = "infinigen-ct-"
+# The host's build of the worker binary (what the images carry): its
+# `health` and `kv-check` commands probe the containers from outside.
+INFINIGEN = os.path.join(ROOT, "bazel-bin", "gpu_worker", "infinigen")
 PROMPT = "Once upon a time"
 MAX_TOKENS = 24
 
@@ -140,6 +152,8 @@ class Spec:
         if "ALL" in (sc.get("capabilities") or {}).get("drop", []):
             self.run.append("--cap-drop=ALL")
         vols = {v["name"]: v for v in pod_spec.get("volumes", [])}
+        self.mounts = [(m["name"], m["mountPath"])
+                       for m in c.get("volumeMounts", [])]
         for m in c.get("volumeMounts", []):
             v = vols[m["name"]]
             path = m["mountPath"]
@@ -272,6 +286,48 @@ def plane(ct, name, want):
     log("%s: %s" % (name, m.group(0)))
 
 
+def grpc_health(port, service="", want="SERVING", timeout=60):
+    """grpc.health.v1 Check of 127.0.0.1:port until it answers `want`."""
+    deadline = time.time() + timeout
+    while True:
+        r = sh([INFINIGEN, "health", "--address=127.0.0.1:%d" % port,
+                "--service=" + service, "--timeout_s=3"], check=False)
+        line = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
+        if line.endswith(": " + want):
+            log("grpc.health.v1 %s" % line)
+            return
+        if time.time() > deadline:
+            raise Fail("grpc.health.v1 of 127.0.0.1:%d%s: want %s, last %r"
+                       % (port, " service " + service if service else "",
+                          want, r.stdout.strip()))
+        time.sleep(0.5)
+
+
+def kv_check(address, token_file):
+    """An append and fetch through the memory node, from outside, with the
+    node's token; and refused with another one."""
+    r = sh([INFINIGEN, "kv-check", "--kv_service=" + address,
+            "--kv_auth_token_file=" + token_file], check=False, timeout=120)
+    if r.returncode != 0 or "OK" not in r.stdout:
+        raise Fail("infinigen kv-check --kv_service=%s: exit %d\n%s"
+                   % (address, r.returncode, r.stdout[-2000:]))
+    log("kv-check: %s" % "\n".join(
+        l for l in r.stdout.strip().splitlines() if not l.startswith("I ")))
+    wrong = tempfile.NamedTemporaryFile("w", suffix=".token", delete=False)
+    try:
+        wrong.write(os.urandom(16).hex() + "\n")
+        wrong.close()
+        r = sh([INFINIGEN, "kv-check", "--kv_service=" + address,
+                "--kv_auth_token_file=" + wrong.name], check=False,
+               timeout=120)
+    finally:
+        os.unlink(wrong.name)
+    if r.returncode != 1 or "UNAUTHENTICATED" not in r.stdout:
+        raise Fail("kv-check with a wrong token: exit %d, want 1 and "
+                   "UNAUTHENTICATED:\n%s" % (r.returncode, r.stdout[-2000:]))
+    log("kv-check with a wrong token: %s" % r.stdout.strip())
+
+
 def sigterm(ct, name, grace):
     t0 = time.time()
     podman("kill", "--signal", "TERM", name)
@@ -368,6 +424,10 @@ def check_disaggregated(ct, secrets, key, ref):
     if want != got:
         raise Fail("the worker's --kv_service %s is not the StatefulSet's pods "
                    "(%s)" % (want, got))
+    token = os.path.join(secrets, "infinigen-kv-auth", "token")
+    for n in range(len(nodes)):
+        grpc_health(7070 + 2 * n)
+        kv_check("tcp://127.0.0.1:%d" % (7070 + 2 * n), token)
     argv = set_flag(worker.argv, "kv_service", ",".join(addrs))
     log("disaggregated: %d memory pods, worker --kv_service=%s"
         % (len(nodes), ",".join(addrs)))
@@ -375,11 +435,16 @@ def check_disaggregated(ct, secrets, key, ref):
     base = "http://127.0.0.1:8000"
     wait_health(base, ct=ct, name=w)
     plane(ct, w, "tcp")
+    grpc_health(8080)
+    grpc_health(8080, "infinigen.worker.Liveness")
     serve_checks(base, key, ref, "tcp")
 
     # The memory node killed: health says so, requests fail with the KV error.
     podman("kill", "--signal", "KILL", nodes[0])
     wait_health(base, want=503, timeout=30)
+    # gRPC readiness follows the memory tier; liveness does not.
+    grpc_health(8080, want="NOT_SERVING", timeout=30)
+    grpc_health(8080, "infinigen.worker.Liveness")
     s, b = http("POST", base + "/v1/completions", key,
                 {"model": "stories260K", "prompt": PROMPT, "max_tokens": 8})
     if s < 500:
@@ -389,6 +454,7 @@ def check_disaggregated(ct, secrets, key, ref):
     # Restarted (empty): serving resumes, the text recomputed is the same.
     podman("start", nodes[0])
     wait_health(base, timeout=60)
+    grpc_health(8080)
     deadline = time.time() + 30
     while True:
         try:
@@ -415,12 +481,24 @@ def check_single_node(ct, secrets, key, ref):
     if len(sidecars) != 1 or not flag(sidecars[0].argv, "shm_listen"):
         raise Fail("single-node: want one memory-node sidecar with --shm_listen")
     node = ct.start("kv-sidecar", sidecars[0])
-    time.sleep(1)
+    grpc_health(7070)
+    mount = [m for m in (sidecars[0].mounts or []) if m[0] in volumes]
+    shm = flag(sidecars[0].argv, "shm_listen")[len("unix:"):]
+    for vol, path in mount:
+        if shm.startswith(path.rstrip("/") + "/"):
+            host = podman("volume", "inspect", "-f", "{{.Mountpoint}}",
+                          volumes[vol]).stdout.strip()
+            kv_check("shm:unix:" + host + shm[len(path.rstrip("/")):],
+                     os.path.join(secrets, "infinigen-kv-auth", "token"))
+            break
+    else:
+        raise Fail("single-node: --shm_listen %s is on no shared volume" % shm)
     log("single-node: worker --kv_service=%s" % flag(worker.argv, "kv_service"))
     w = ct.start("worker-shm", worker)
     base = "http://127.0.0.1:8000"
     wait_health(base, ct=ct, name=w)
     plane(ct, w, "shm")
+    grpc_health(8080)
     serve_checks(base, key, ref, "shm")
     # The pod's grace covers the worker, then the sidecar.
     t0 = time.time()
@@ -450,8 +528,12 @@ KUBE_CHANGES = [
     "secret volumes: optional: false written out (podman 4.3 crashes on the "
     "field's absence); the Secrets made of random values, their data not "
     "base64-encoded (podman 4.3 writes it into the volume undecoded)",
-    "probes: podman runs none of the gRPC ones; the test polls the readiness "
-    "endpoint (/health on 8000) and the containers' state",
+    "probes: podman 4.3 runs no gRPC or readiness probes, so the test runs "
+    "each container's startupProbe and readinessProbe itself as the kubelet "
+    "would, from the host whose network the pods share (grpc: `infinigen "
+    "health`, httpGet, tcpSocket), within the probe's failureThreshold x "
+    "periodSeconds; the probes of pod n>0 of the StatefulSet on its port "
+    "7070+2n",
 ]
 
 
@@ -472,6 +554,11 @@ def kube_convert(docs):
                                      "fetch_port", str(7071 + 2 * n))
                 c["args"] = [a for a in c["args"]
                              if not a.startswith("--metrics_listen=")]
+                for kind in ("startupProbe", "readinessProbe",
+                             "livenessProbe"):
+                    for how in ("grpc", "tcpSocket"):
+                        if c.get(kind, {}).get(how, {}).get("port") == 7070:
+                            c[kind][how]["port"] = 7070 + 2 * n
             addrs.append("tcp://127.0.0.1:%d" % (7070 + 2 * n))
             out.append({"apiVersion": "v1", "kind": "Pod",
                         "metadata": {"name": name,
@@ -510,6 +597,63 @@ def kube_convert(docs):
     return [d for d in docs if d["kind"] == "ConfigMap"] + out
 
 
+def probe_once(probe):
+    """One try of a Kubernetes probe against 127.0.0.1; (passed, what)."""
+    timeout = probe.get("timeoutSeconds", 1)
+    if "grpc" in probe:
+        g = probe["grpc"]
+        r = sh([INFINIGEN, "health", "--address=127.0.0.1:%d" % g["port"],
+                "--service=" + g.get("service", ""),
+                "--timeout_s=%d" % timeout], check=False)
+        return r.returncode == 0, "grpc %d%s" % (
+            g["port"], " " + g["service"] if g.get("service") else "")
+    if "httpGet" in probe:
+        h = probe["httpGet"]
+        status, _ = http("GET", "http://127.0.0.1:%d%s" % (h["port"],
+                                                          h.get("path", "/")),
+                         timeout=timeout)
+        return 200 <= status < 400, "httpGet %d%s" % (h["port"],
+                                                      h.get("path", "/"))
+    if "tcpSocket" in probe:
+        port = probe["tcpSocket"]["port"]
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout).close()
+            return True, "tcpSocket %d" % port
+        except OSError:
+            return False, "tcpSocket %d" % port
+    raise Fail("a probe of no kind the test runs: %s" % probe)
+
+
+def run_probe(probe, t0):
+    """Runs `probe` every periodSeconds (at most 1 s apart here) until it
+    passes or its failureThreshold x periodSeconds have gone by since t0."""
+    period = probe.get("periodSeconds", 10)
+    limit = probe.get("failureThreshold", 3) * period + probe.get(
+        "initialDelaySeconds", 0)
+    while True:
+        ok, what = probe_once(probe)
+        if ok:
+            return what
+        if time.time() - t0 > limit:
+            raise Fail("%s: not passed within %d s" % (what, limit))
+        time.sleep(min(period, 1))
+
+
+def pods_ready(pods, t0):
+    """Each container's startupProbe, then its readinessProbe."""
+    for pod in pods:
+        if pod["kind"] != "Pod":
+            continue
+        for c in pod["spec"]["containers"]:
+            passed = []
+            for kind in ("startupProbe", "readinessProbe"):
+                if kind in c:
+                    passed.append("%s %s" % (kind, run_probe(c[kind], t0)))
+            log("pod %s container %s ready after %.1f s: %s" % (
+                pod["metadata"]["name"], c["name"], time.time() - t0,
+                ", ".join(passed) or "(no probes)"))
+
+
 def kube_play(ct, overlay, secrets, key, ref):
     docs = render(overlay)
     pods = kube_convert(docs)
@@ -534,13 +678,13 @@ def kube_play(ct, overlay, secrets, key, ref):
         podman("kube", "play", pfile)
         base = "http://127.0.0.1:8000"
         try:
-            wait_health(base, timeout=120)
+            pods_ready(pods, t0)
         except Fail as e:
             ps = podman("ps", "-a", "--format", "{{.Names}}").stdout.split()
             raise Fail("%s\n%s" % (e, "\n".join(
                 "--- %s\n%s" % (n, podman("logs", n, check=False).stdout[-1500:])
                 for n in ps if not n.endswith("-infra"))))
-        log("%s: kube play, worker ready (/health 200) after %.1f s"
+        log("%s: kube play, every pod ready by its own probes after %.1f s"
             % (overlay, time.time() - t0))
         ps = podman("ps", "-a", "--format", "{{.Names}} {{.Status}}").stdout
         for line in ps.splitlines():

@@ -57,9 +57,15 @@ class Cli(unittest.TestCase):
             self.assertEqual(r.returncode, 0, cmd)
             self.assertIn(cmd, r.stdout + r.stderr)
             self.assertIn("--model", r.stdout + r.stderr, cmd)
+        for cmd, flag in (("kv-check", "--kv_service"),
+                          ("health", "--address")):
+            r = run(cmd, "--help")
+            self.assertEqual(r.returncode, 0, cmd)
+            self.assertIn(flag, r.stdout, cmd)
         r = run("--help")
         self.assertEqual(r.returncode, 0)
-        self.assertIn("generate", r.stdout + r.stderr)
+        for cmd in ("generate", "kv-check", "health"):
+            self.assertIn(cmd, r.stdout + r.stderr)
 
     def test_help_lists_the_policies_with_their_flags(self):
         r = run("generate", "--help")
@@ -532,6 +538,17 @@ class Cli(unittest.TestCase):
         self.assertTrue(all(0 <= x <= 1 for s in overlap for x in s))
         self.assertGreater(max(x for s in overlap for x in s), 0)
         self.assertEqual(off["selection_overlap_step_layer"], [])
+        self.assertEqual(on["row_cache_replacement"], "recency")
+        # By frequency: the same selection, held and replaced otherwise.
+        r = run("bench-decode", *common, "--row_cache=0.05",
+                "--row_cache_replacement=frequency")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        freq = json.loads(r.stdout.strip().splitlines()[-1])
+        self.assertEqual(freq["row_cache_replacement"], "frequency")
+        self.assertEqual(freq["fetch_fraction_mean"], on["fetch_fraction_mean"])
+        self.assertGreater(freq["row_cache_hit_rate"], 0)
+        r = run("bench-decode", *common, "--row_cache_replacement=lfu")
+        self.assert_one_line_failure(r, 2, ["--row_cache_replacement", "lfu"])
         # The same selection; fewer rows and bytes move.
         self.assertEqual(on["fetch_fraction_mean"], off["fetch_fraction_mean"])
         self.assertLess(on["rows_fetched_per_token"],
@@ -637,6 +654,64 @@ class Cli(unittest.TestCase):
             finally:
                 server.send_signal(signal.SIGTERM)
                 server.wait(timeout=30)
+
+    def test_kv_check_and_health_probe_a_memory_server(self):
+        with tempfile.TemporaryDirectory() as d:
+            token = os.path.join(d, "token")
+            with open(token, "w") as f:
+                f.write("probe-token\n")
+            ready = os.path.join(d, "ready")
+            server = subprocess.Popen(
+                [SERVER, "--listen=127.0.0.1:0", f"--ready_file={ready}",
+                 f"--auth_token_file={token}"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            try:
+                for _ in range(400):
+                    if os.path.exists(ready):
+                        with open(ready) as f:
+                            if f.read().strip():
+                                break
+                    self.assertIsNone(server.poll(), "server exited")
+                    time.sleep(0.025)
+                with open(ready) as f:
+                    address = f.read().strip()
+                hostport = address[len("tcp://"):]
+                r = run("health", f"--address={hostport}")
+                self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+                self.assertEqual(r.stdout, f"{hostport}: SERVING\n")
+                r = run("health", f"--address={hostport}", "--service=nope")
+                self.assertEqual(r.returncode, 1)
+                self.assertIn("service nope", r.stdout)
+                # One OK line per node, every fetched row compared.
+                r = run("kv-check", f"--kv_service={address}",
+                        f"--kv_auth_token_file={token}", "--check_fetches=3")
+                self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+                lines = r.stdout.splitlines()
+                self.assertEqual(len(lines), 1, r.stdout)
+                for line in lines:
+                    self.assertTrue(line.startswith(
+                        f"memory node {address}: OK, data plane tcp: "), line)
+                    self.assertIn("384 rows equal to those appended", line)
+                # Without the token: FAILED with the node's refusal, exit 1.
+                r = run("kv-check", f"--kv_service={address}")
+                self.assertEqual(r.returncode, 1)
+                self.assertIn("FAILED, UNAUTHENTICATED: open: ", r.stdout)
+                r = run("kv-check", f"--kv_service={address}",
+                        "--check_rows=1000")
+                self.assert_one_line_failure(r, 2, ["--check_rows"])
+            finally:
+                server.send_signal(signal.SIGTERM)
+                server.wait(timeout=30)
+            # The node gone: no answer, exit 1.
+            r = run("health", f"--address={hostport}", "--timeout_s=2")
+            self.assertEqual(r.returncode, 1)
+            self.assertIn("no answer", r.stdout)
+            r = run("kv-check", f"--kv_service={address}",
+                    f"--kv_auth_token_file={token}")
+            self.assertEqual(r.returncode, 1)
+            self.assertIn("FAILED, UNAVAILABLE", r.stdout)
+        r = run("health")
+        self.assert_one_line_failure(r, 2, ["--address"])
 
 
 if __name__ == "__main__":

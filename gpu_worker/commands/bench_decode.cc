@@ -110,6 +110,8 @@ void PrintJson(const DecodeBenchResult& r) {
   // layer's work was done.
   j["prefill_open_seconds"] = r.fetch.open_seconds;
   j["prefill_append_wait_seconds"] = r.fetch.prefill_append_wait_seconds;
+  // The policy's own prefill work on the host (FetchStats).
+  j["prefill_policy_seconds"] = r.fetch.prefill_policy_seconds;
   // Prompt tokens computed per second of prefill (reused ones excluded).
   j["prefill_tokens_per_s"] =
       r.prefill_seconds > 0
@@ -136,6 +138,7 @@ void PrintJson(const DecodeBenchResult& r) {
   // the run, per step and per layer, the rows that moved per token and the
   // bytes it held at the end (summed over the batch).
   j["row_cache"] = ReadMemoryNodeFlags().row_cache;
+  j["row_cache_replacement"] = ReadMemoryNodeFlags().row_cache_replacement;
   j["row_cache_hit_rate"] = r.fetch.row_cache_hit_rate();
   j["row_cache_step_hit_rate"] = r.step_row_cache_hit_rate;
   std::vector<double> layer_hit_rate;

@@ -118,8 +118,13 @@ ABSL_FLAG(double, row_cache, 0.125,
           "decode step fetched stay on the worker, up to this fraction of "
           "each sequence's cached rows (every layer and KV head together), "
           "and later steps fetch only the rows they do not hold, replacing "
-          "each head's least recently selected; the output is the same. "
-          "0 = fetch every selected row each step.");
+          "each head's least recently selected (--row_cache_replacement); "
+          "the output is the same. 0 = fetch every selected row each step.");
+ABSL_FLAG(std::string, row_cache_replacement, "recency",
+          "Which held row a miss of the row cache replaces at its bound: "
+          "recency (the head's least recently selected row) or frequency "
+          "(its least often selected, the least recent of those); never a "
+          "row the step selected.");
 ABSL_FLAG(int, prefix_block_tokens, 16,
           "Prefix reuse: a prompt's leading tokens whose KV rows the memory "
           "node already holds (from any earlier request of any worker with "
@@ -177,6 +182,7 @@ MemoryNodeFlags ReadMemoryNodeFlags() {
   f.kv_capacity = absl::GetFlag(FLAGS_kv_capacity);
   f.kv_direct_reads = absl::GetFlag(FLAGS_kv_direct_reads);
   f.row_cache = absl::GetFlag(FLAGS_row_cache);
+  f.row_cache_replacement = absl::GetFlag(FLAGS_row_cache_replacement);
   f.eviction = absl::GetFlag(FLAGS_eviction);
   f.max_worker_kv_bytes = absl::GetFlag(FLAGS_max_worker_kv_bytes);
   f.prefix_block_tokens = absl::GetFlag(FLAGS_prefix_block_tokens);
@@ -194,7 +200,7 @@ std::vector<const char*> WithEngineFlags(std::vector<const char*> own) {
         "skew_cache_dir",
         "kv_service", "kv_auth_token_file", "kv_tls_ca", "kv_tls_cert",
         "kv_tls_key", "kv_tls_server_name", "kv_capacity", "kv_direct_reads",
-        "row_cache", "eviction",
+        "row_cache", "row_cache_replacement", "eviction",
         "max_worker_kv_bytes", "backend", "threads", "prefill_chunk",
         "load_format", "model_config"}) {
     own.push_back(f);

@@ -4,8 +4,8 @@
 // exit codes and how a failure becomes one line on stderr, model loading,
 // and the KV policy and memory node set up from the flags
 // (policy_setup.cc). Each command lives in its own file (generate.cc,
-// perplexity.cc, bench_decode.cc, skew.cc, serve.cc) and returns its exit
-// status.
+// perplexity.cc, bench_decode.cc, skew.cc, serve.cc; kv-check and health
+// in kv_check.cc) and returns its exit status.
 #ifndef INFINIGEN_GPU_WORKER_COMMANDS_COMMON_H_
 #define INFINIGEN_GPU_WORKER_COMMANDS_COMMON_H_
 
@@ -71,6 +71,7 @@ struct MemoryNodeFlags {
   double kv_capacity = 1.0;          // --kv_capacity
   bool kv_direct_reads = false;      // --kv_direct_reads
   double row_cache = 0.0;            // --row_cache
+  std::string row_cache_replacement;  // --row_cache_replacement
   std::string eviction;              // --eviction
   int64_t max_worker_kv_bytes = 0;   // --max_worker_kv_bytes
   int prefix_block_tokens = 0;       // --prefix_block_tokens
@@ -178,6 +179,8 @@ const Command& PerplexityCommand();
 const Command& BenchDecodeCommand();
 const Command& SkewCommand();
 const Command& ServeCommand();
+const Command& KvCheckCommand();  // and health, in kv_check.cc
+const Command& HealthCommand();
 
 }  // namespace infinigen::commands
 

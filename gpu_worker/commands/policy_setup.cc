@@ -279,6 +279,16 @@ absl::StatusOr<EngineOptions> EngineOptionsFromFlags(
     return absl::InvalidArgumentError(absl::StrFormat(
         "--row_cache must be in [0, 1], got %g", node.row_cache));
   }
+  if (node.row_cache_replacement == "recency") {
+    options.kv.row_cache_replacement = gpu_worker::RowCacheReplacement::kRecency;
+  } else if (node.row_cache_replacement == "frequency") {
+    options.kv.row_cache_replacement =
+        gpu_worker::RowCacheReplacement::kFrequency;
+  } else {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--row_cache_replacement must be recency or frequency, got '%s'",
+        node.row_cache_replacement));
+  }
   options.kv.max_worker_bytes = node.max_worker_kv_bytes;
   if (options.kv.max_worker_bytes < 0) {
     return absl::InvalidArgumentError(
@@ -467,7 +477,7 @@ void WarnIgnoredPolicyFlags(absl::Span<const std::string> policies) {
   if (!all_local) return;
   for (const char* flag :
        {"kv_service", "kv_capacity", "kv_direct_reads", "row_cache",
-        "eviction"}) {
+        "row_cache_replacement", "eviction"}) {
     if (set(flag)) {
       IG_LOG(WARNING) << "--" << flag << " has no effect on "
                       << gpu_worker::kLocalCacheName

@@ -110,6 +110,19 @@ TEST_F(RunDecodeBenchTest, TimesEveryStepAndCountsFetchesOfEverySequence) {
 
 // A context shorter than the warm-up's prompt: the warm-up takes ctx
 // tokens, and its step still fits the slot.
+// A policy that scores the prompt (H2O's accumulated attention) spends
+// part of the prefill on it, on the host, and the run says how much.
+TEST_F(RunDecodeBenchTest, CountsThePolicysOwnPrefillWork) {
+  const int ctx = 64, steps = 2;
+  auto engine = MakeEngine("h2o", 1, ctx + steps);
+  ASSERT_NE(engine, nullptr);
+  const std::vector<int> source = DecodeBenchSource({}, ctx + steps, 512);
+  auto r = RunDecodeBench(*engine, source, ctx, steps, nullptr);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_GT(r->fetch.prefill_policy_seconds, 0);
+  EXPECT_LT(r->fetch.prefill_policy_seconds, r->prefill_seconds);
+}
+
 TEST_F(RunDecodeBenchTest, AShortContextWarmsUpWithinIt) {
   const int ctx = 3, steps = 1;
   auto engine = MakeEngine("full", 1, ctx + steps);

@@ -22,6 +22,7 @@ void FetchStats::Add(const FetchStats& o) {
   wait_seconds += o.wait_seconds;
   open_seconds += o.open_seconds;
   prefill_append_wait_seconds += o.prefill_append_wait_seconds;
+  prefill_policy_seconds += o.prefill_policy_seconds;
   row_cache_lookups += o.row_cache_lookups;
   row_cache_hits += o.row_cache_hits;
   for (auto [mine, theirs] :

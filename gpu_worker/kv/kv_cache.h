@@ -96,6 +96,10 @@ struct FetchStats {
   // after the next layer's work was done.
   double open_seconds = 0;
   double prefill_append_wait_seconds = 0;
+  // Prefill: the policy's own work on the host, beside attention (its
+  // ObservePrefill, FinishPrefillLayer and prefix summaries: InfiniGen's
+  // partial keys, column sums and head profile; H2O's and oracle's scores).
+  double prefill_policy_seconds = 0;
   double fraction_mean() const { return steps ? fraction_sum / steps : 0.0; }
   double row_cache_hit_rate() const {
     return row_cache_lookups
@@ -104,6 +108,13 @@ struct FetchStats {
   }
   void Add(const FetchStats& o);
 };
+
+// Which held row a miss of the worker's row cache replaces once the cache
+// is at its bound (offloaded/row_cache.h): its head's least recently
+// selected row, or its least often selected one (selections since the row
+// last took its slot; the least recent of those on a tie). Never a row
+// the step selected.
+enum class RowCacheReplacement { kRecency, kFrequency };
 
 // How the KV cache keeps K and V, as its user chooses it (the engine's
 // EngineOptions::kv, copied whole into the cache's options).
@@ -145,6 +156,7 @@ struct KvOptions {
   // Under max_worker_bytes it takes what the rest leaves: less, or none.
   // 0 = none; at most 1.
   double row_cache = 0.0;
+  RowCacheReplacement row_cache_replacement = RowCacheReplacement::kRecency;
   // Names the model and everything its rows depend on (weights, skew;
   // ModelIdentity in the worker's commands); the cache adds the policy and
   // row format. Reuse needs it non-empty.

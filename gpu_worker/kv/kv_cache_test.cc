@@ -1406,13 +1406,24 @@ TEST_F(KvCacheTest, OneSidedReadsOnTheCpuAttendOverTheNodesRowsInPlace) {
 // of a cache that fetches every selected row, bit for bit. The node hears
 // of the held rows too (a note): it counts every token's fetches as the
 // other node does. The policies that read every row fetch as before.
+// Either replacement, with room to spare (0.5) and at a bound the steps
+// reach (0.15), where rows are replaced.
 TEST_F(KvCacheTest, TheRowCacheFetchesOnlyWhatChangedWithTheSameLogits) {
+  for (const auto& [replacement, fraction] :
+       std::vector<std::pair<RowCacheReplacement, double>>{
+           {RowCacheReplacement::kRecency, 0.5},
+           {RowCacheReplacement::kRecency, 0.15},
+           {RowCacheReplacement::kFrequency, 0.15}})
   for (std::string kind : {"infinigen", "oracle", "quest", "h2o", "full",
                            "int4"}) {
-    SCOPED_TRACE(kind);
+    SCOPED_TRACE(kind + (replacement == RowCacheReplacement::kFrequency
+                             ? " by frequency at "
+                             : " by recency at ") +
+                 std::to_string(fraction));
     FakeKvClient cached_node, gather_node;
     EngineOptions cached_options = WideOptions(kind, &cached_node);
-    cached_options.kv.row_cache = 0.5;
+    cached_options.kv.row_cache = fraction;
+    cached_options.kv.row_cache_replacement = replacement;
     auto cached = Engine::Create(wide_, NewCpuBackend(), cached_options);
     auto gather = Engine::Create(wide_, NewCpuBackend(),
                                  WideOptions(kind, &gather_node));

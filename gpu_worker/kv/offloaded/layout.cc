@@ -26,7 +26,7 @@ void FitRowCache(const model::ModelConfig& c, const KvCacheOptions& o,
   z.row_cache = std::min(
       wanted, RowCache::FractionWithin(room / o.batch, c.n_layers,
                                        c.n_kv_heads, o.max_seq_len,
-                                       z.row_width));
+                                       z.row_width, z.row_cache_replacement));
 }
 
 }  // namespace
@@ -65,6 +65,7 @@ absl::StatusOr<Layout> MakeLayout(const model::Weights& weights,
   const PolicyEntry& entry = PolicyEntryOf(options.kv.policy->kind);
   if (!z.staged && own_slots && entry.set_target_fetch != nullptr) {
     z.row_cache = options.kv.row_cache;
+    z.row_cache_replacement = options.kv.row_cache_replacement;
   }
   IG_ASSIGN_OR_RETURN(z.policy_bytes,
                       KvPolicy::StateBytes(*options.kv.policy, ctx));

@@ -41,6 +41,7 @@ struct Layout {
   // on a host backend, a node that never evicts; else 0. Less, or 0,
   // where the rest leaves less under max_worker_bytes.
   double row_cache = 0.0;
+  RowCacheReplacement row_cache_replacement = RowCacheReplacement::kRecency;
 
   int64_t PerSequence(const model::ModelConfig& c, int max_seq) const {
     const int64_t fetch = 2 * static_cast<int64_t>(fetch_values) * 2;
@@ -55,7 +56,8 @@ struct Layout {
            int64_t{c.n_layers} * c.n_kv_heads * max_seq +    // presence
            int64_t{c.n_layers} * 8 + policy_bytes +
            (row_cache > 0 ? RowCache::Bytes(c.n_layers, c.n_kv_heads, max_seq,
-                                            row_width, row_cache)
+                                            row_width, row_cache,
+                                            row_cache_replacement)
                           : 0);
   }
   int64_t Shared(const model::ModelConfig& c, int max_seq,

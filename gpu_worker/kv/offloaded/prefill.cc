@@ -1,6 +1,7 @@
 #include "gpu_worker/kv/offloaded/prefill.h"
 
 #include <algorithm>
+#include <chrono>
 #include <string>
 #include <utility>
 
@@ -188,12 +189,16 @@ absl::Status Prefill::Attention(const PrefixLoader& prefix, int layer,
     IG_RETURN_IF_ERROR(backend_.CopyToHost(probs_host_.data(), probs,
                                            prob_values * sizeof(float)));
   }
+  const auto t0 = std::chrono::steady_clock::now();
   policy.ObservePrefill(layer, observes ? q_host_.data() : nullptr,
                         observes ? k_host_.data() : nullptr, rows, pos,
                         probs != nullptr ? probs_host_.data() : nullptr);
   // Summaries of the whole blocks this sequence will share.
   prefix.Summarize(policy, layer, pos, rows, q_host_.data(), k_host_.data(),
                    *target_.prefix);
+  target_.stats->prefill_policy_seconds +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+          .count();
   return absl::OkStatus();
 }
 
@@ -227,8 +232,13 @@ absl::Status Prefill::EndLayer(const PrefixLoader& prefix, int layer) {
     return absl::OkStatus();
   });
   stage_ ^= 1;
-  return target_.policy->FinishPrefillLayer(layer, tokens_, decoded_.k.data(),
-                                            decoded_.stride);
+  const auto t0 = std::chrono::steady_clock::now();
+  absl::Status finished = target_.policy->FinishPrefillLayer(
+      layer, tokens_, decoded_.k.data(), decoded_.stride);
+  target_.stats->prefill_policy_seconds +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+          .count();
+  return finished;
 }
 
 absl::Status Prefill::WaitAppend() {

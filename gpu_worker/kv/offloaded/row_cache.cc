@@ -19,11 +19,13 @@ long BoundRows(double fraction, long rows_per_token, long tokens) {
 }  // namespace
 
 RowCache::RowCache(int n_layers, int n_kv_heads, int max_tokens,
-                   int row_width, double fraction)
+                   int row_width, double fraction,
+                   RowCacheReplacement replacement)
     : n_kv_heads_(n_kv_heads),
       max_tokens_(max_tokens),
       row_width_(row_width),
       fraction_(fraction),
+      replacement_(replacement),
       rows_per_token_(static_cast<long>(n_layers) * n_kv_heads),
       max_rows_(BoundRows(fraction, rows_per_token_, max_tokens)),
       slots_(static_cast<size_t>(n_layers) * n_kv_heads),
@@ -32,7 +34,10 @@ RowCache::RowCache(int n_layers, int n_kv_heads, int max_tokens,
       v_(new uint16_t[static_cast<size_t>(max_rows_) * row_width]),
       position_(new int32_t[max_rows_]),
       prev_(new int32_t[max_rows_]),
-      next_(new int32_t[max_rows_]) {
+      next_(new int32_t[max_rows_]),
+      uses_(replacement == RowCacheReplacement::kFrequency
+                ? new int32_t[max_rows_]
+                : nullptr) {
   for (Slots& s : slots_) {
     s.slot_of.assign(max_tokens_, -1);
     s.selected.assign(max_tokens_, -1);
@@ -40,32 +45,39 @@ RowCache::RowCache(int n_layers, int n_kv_heads, int max_tokens,
 }
 
 int64_t RowCache::Bytes(int n_layers, int n_kv_heads, int max_tokens,
-                        int row_width, double fraction) {
+                        int row_width, double fraction,
+                        RowCacheReplacement replacement) {
   const int64_t rows =
       BoundRows(fraction, static_cast<long>(n_layers) * n_kv_heads,
                 max_tokens);
   // K and V rows at the bound; per position of each (layer, head) its slot
   // and the split that last selected it; per slot its position and its
-  // neighbours in the recency list.
+  // neighbours in the recency list (and by frequency its selections).
+  const int64_t per_slot =
+      replacement == RowCacheReplacement::kFrequency ? 4 : 3;
   return rows * 2 * row_width * static_cast<int64_t>(sizeof(uint16_t)) +
-         (int64_t{n_layers} * n_kv_heads * 2 * max_tokens + 3 * rows) *
+         (int64_t{n_layers} * n_kv_heads * 2 * max_tokens + per_slot * rows) *
              static_cast<int64_t>(sizeof(int32_t));
 }
 
 double RowCache::FractionWithin(int64_t bytes, int n_layers, int n_kv_heads,
-                                int max_tokens, int row_width) {
+                                int max_tokens, int row_width,
+                                RowCacheReplacement replacement) {
   const int64_t rows_per_token = int64_t{n_layers} * n_kv_heads;
   const int64_t maps = rows_per_token * 2 * max_tokens *
                        static_cast<int64_t>(sizeof(int32_t));
+  const int64_t per_slot =
+      replacement == RowCacheReplacement::kFrequency ? 4 : 3;
   const int64_t per_row = 2 * row_width * static_cast<int64_t>(sizeof(uint16_t)) +
-                          3 * static_cast<int64_t>(sizeof(int32_t));
+                          per_slot * static_cast<int64_t>(sizeof(int32_t));
   const int64_t all = rows_per_token * max_tokens;
   // Rows first, then the fraction that asks for no more (the bound rounds
   // up: one row fewer where it rounds past them).
   for (int64_t rows = std::min(all, (bytes - maps) / per_row); rows > 0;
        --rows) {
     const double f = static_cast<double>(rows) / all;
-    if (Bytes(n_layers, n_kv_heads, max_tokens, row_width, f) <= bytes) {
+    if (Bytes(n_layers, n_kv_heads, max_tokens, row_width, f, replacement) <=
+        bytes) {
       return f;
     }
   }
@@ -90,6 +102,19 @@ void RowCache::LinkFront(Slots& s, int32_t slot) {
   s.front = slot;
 }
 
+int32_t RowCache::Victim(const Slots& s, int32_t count) const {
+  if (replacement_ == RowCacheReplacement::kRecency) return s.back;
+  // From the least recent forward, up to the first slot the step selected
+  // (they are all at the front): the least often selected, the least
+  // recent of those.
+  int32_t victim = s.back;
+  for (int32_t slot = s.back;
+       slot >= 0 && s.selected[position_[slot]] != count; slot = prev_[slot]) {
+    if (uses_[slot] < uses_[victim]) victim = slot;
+  }
+  return victim;
+}
+
 void RowCache::SplitHead(Slots& s, const kv_memory_service::FetchPlan& plan,
                          int g, long budget, LayerSplit& split,
                          Counts& counts) {
@@ -102,6 +127,7 @@ void RowCache::SplitHead(Slots& s, const kv_memory_service::FetchPlan& plan,
     split.slots[t] = slot;
     Unlink(s, slot);
     LinkFront(s, slot);
+    if (uses_ != nullptr) ++uses_[slot];
     ++hits;
   }
   // The misses fit in new slots the bound allows and the head's slots the
@@ -129,10 +155,11 @@ void RowCache::SplitHead(Slots& s, const kv_memory_service::FetchPlan& plan,
         slot = static_cast<int32_t>(held_++);
         ++s.held;
       } else {
-        slot = s.back;  // the least recently selected, not this step's
+        slot = Victim(s, split.count);  // not one of this step's
         Unlink(s, slot);
         s.slot_of[position_[slot]] = -1;
       }
+      if (uses_ != nullptr) uses_[slot] = 1;
       position_[slot] = p;
       s.slot_of[p] = slot;
       split.misses.indices.push_back(p);

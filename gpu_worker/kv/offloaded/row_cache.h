@@ -13,8 +13,9 @@
 // every layer and KV head together, so that the heads that select many
 // rows (a dense layer's every row) hold as many as they need while the
 // bound lasts. A miss takes a new slot while the bound allows, else the
-// slot of its own head's least recently selected row; Split moves the
-// step's hits to the front of that order first, so no row the step
+// slot of its own head's least recently selected row (or, by frequency,
+// its least often selected one: RowCacheReplacement); Split moves the
+// step's hits to the front of the recency order first, so no row the step
 // selected is evicted. A head that cannot hold all its misses that way
 // skips the cache for the step: its rows are fetched and read from the
 // fetch.
@@ -33,6 +34,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "gpu_worker/kv/kv_cache.h"
 #include "kv_memory_service/client/kv_types.h"
 
 namespace infinigen::gpu_worker {
@@ -43,15 +45,20 @@ class RowCache {
   // Room for `fraction` (in (0, 1]) of the cached tokens' rows of every
   // layer and KV head, `row_width` values a row.
   RowCache(int n_layers, int n_kv_heads, int max_tokens, int row_width,
-           double fraction);
+           double fraction,
+           RowCacheReplacement replacement = RowCacheReplacement::kRecency);
 
   // The most bytes the cache takes (rows at the bound, and maps).
-  static int64_t Bytes(int n_layers, int n_kv_heads, int max_tokens,
-                       int row_width, double fraction);
+  static int64_t Bytes(
+      int n_layers, int n_kv_heads, int max_tokens, int row_width,
+      double fraction,
+      RowCacheReplacement replacement = RowCacheReplacement::kRecency);
   // The largest fraction whose Bytes are at most `bytes`; 0 where not even
   // the maps and one row fit.
-  static double FractionWithin(int64_t bytes, int n_layers, int n_kv_heads,
-                               int max_tokens, int row_width);
+  static double FractionWithin(
+      int64_t bytes, int n_layers, int n_kv_heads, int max_tokens,
+      int row_width,
+      RowCacheReplacement replacement = RowCacheReplacement::kRecency);
   // Bytes of the rows the slots hold.
   int64_t bytes() const;
 
@@ -114,6 +121,10 @@ class RowCache {
   Slots& At(int layer, int g) { return slots_[layer * n_kv_heads_ + g]; }
   void Unlink(Slots& s, int32_t slot);
   void LinkFront(Slots& s, int32_t slot);
+  // The slot a miss takes from head `s` once the bound is reached, of
+  // those split `count` did not select (the back of the recency order):
+  // the least recent, or by frequency the least often selected.
+  int32_t Victim(const Slots& s, int32_t count) const;
   // Head g's split into `split`: its hits, then its misses' slots, or its
   // every row to fetch where they do not fit.
   void SplitHead(Slots& s, const kv_memory_service::FetchPlan& plan, int g,
@@ -121,6 +132,7 @@ class RowCache {
 
   const int n_kv_heads_, max_tokens_, row_width_;
   const double fraction_;  // of every layer and head's cached rows
+  const RowCacheReplacement replacement_;
   const long rows_per_token_;  // layers x KV heads
   const long max_rows_;        // the bound at max_tokens
   long held_ = 0;              // slots taken, all layers and heads
@@ -130,6 +142,8 @@ class RowCache {
   // left uninitialized (written as slots are taken).
   std::unique_ptr<uint16_t[]> k_, v_;
   std::unique_ptr<int32_t[]> position_, prev_, next_;
+  // By frequency: per slot, the selections since its row took it.
+  std::unique_ptr<int32_t[]> uses_;
 };
 
 }  // namespace offloaded

@@ -103,6 +103,33 @@ TEST(RowCacheTest, EvictsTheLeastRecentlySelectedNeverTheStepsOwn) {
   EXPECT_EQ(cache.bytes(), 8 * 2 * kWidth * 2);
 }
 
+TEST(RowCacheTest, ByFrequencyEvictsTheLeastOftenSelected) {
+  // Head 0 selects 1 three times, then 0, 2 and 3 once more each, so that
+  // 1 is the least recently selected and the most often. A new row takes
+  // 1's slot by recency, 0's by frequency (the least recent of the rows
+  // selected twice); the rows the step selected stay either way.
+  for (const RowCacheReplacement r :
+       {RowCacheReplacement::kRecency, RowCacheReplacement::kFrequency}) {
+    const bool frequency = r == RowCacheReplacement::kFrequency;
+    RowCache cache(1, kHeads, kTokens, kWidth, 0.25, r);
+    std::vector<uint16_t> fetched;
+    auto plan = [&](std::vector<int32_t> h0) {
+      return OwnedFetchPlan::PerHead({h0, {4, 5, 6, 7}});
+    };
+    EXPECT_EQ(Step(cache, 0, plan({0, 1, 2, 3}), 16, fetched), 0);
+    EXPECT_EQ(Step(cache, 0, plan({1}), 16, fetched), 1 + 4);
+    EXPECT_EQ(Step(cache, 0, plan({1}), 16, fetched), 1 + 4);
+    EXPECT_EQ(Step(cache, 0, plan({0, 2, 3}), 16, fetched), 3 + 4);
+    EXPECT_EQ(Step(cache, 0, plan({9, 2}), 16, fetched), 1 + 4);
+    EXPECT_EQ(Step(cache, 0, plan({1}), 16, fetched), (frequency ? 1 : 0) + 4)
+        << (frequency ? "frequency" : "recency");
+    EXPECT_EQ(Step(cache, 0, plan({9, 2, 3}), 16, fetched), 3 + 4);
+  }
+  EXPECT_EQ(RowCache::Bytes(kLayers, kHeads, kTokens, kWidth, 0.25,
+                            RowCacheReplacement::kFrequency),
+            RowCache::Bytes(kLayers, kHeads, kTokens, kWidth, 0.25) + 16 * 4);
+}
+
 TEST(RowCacheTest, AHeadWhoseMissesDoNotFitIsReadFromTheFetch) {
   RowCache cache(1, kHeads, kTokens, kWidth, 0.25);
   std::vector<uint16_t> fetched;

@@ -122,7 +122,8 @@ class CachedGatherSource final : public RowSource {
       : ctx_(ctx),
         seq_(seq),
         cache_(ctx.config->n_layers, ctx.config->n_kv_heads, ctx.max_seq_len,
-               ctx.layout->row_width, ctx.layout->row_cache),
+               ctx.layout->row_width, ctx.layout->row_cache,
+               ctx.layout->row_cache_replacement),
         heads_(ctx.config->n_kv_heads),
         split_(ctx.config->n_layers, 0),
         notes_(notes) {}
