@@ -85,6 +85,8 @@ def collect(out_dir, config, gpu_bytes):
                    "fetch_fraction": None, "p50_ms": None,
                    "first_step_ms": None, "prefill_open_seconds": None,
                    "prefill_append_wait_seconds": None,
+                   "prefill_policy_seconds": None,
+                   "bytes_per_step": None, "row_cache_hit_rate": None,
                    "direct_reads": flag(cmd, "kv_direct_reads", "false")
                    in ("true", "1"),
                    "kv_exceeds_gpu": bool(gpu_bytes) and
@@ -98,8 +100,13 @@ def collect(out_dir, config, gpu_bytes):
                     row["first_step_ms"] = steps[0] if steps else None
                     if policy != "ideal":
                         for k in ("prefill_open_seconds",
-                                  "prefill_append_wait_seconds"):
+                                  "prefill_append_wait_seconds",
+                                  "prefill_policy_seconds",
+                                  "row_cache_hit_rate"):
                             row[k] = j.get(k)
+                        # K and V bytes a decode step fetched per sequence.
+                        row["bytes_per_step"] = j.get(
+                            "bytes_fetched_per_token")
                     if policy != "ideal":  # nothing fetched
                         row["fetch_gbps"] = j.get("fetch_gbps")
                         row["decode_fetch_gbps"] = j.get("decode_fetch_gbps")
@@ -175,6 +182,14 @@ def fmt(x, digits=1):
     return "" if x is None else f"{x:.{digits}f}"
 
 
+def mb(x):
+    return "" if x is None else f"{x / 1e6:.1f}"
+
+
+def pct(x):
+    return "" if not x else f"{100 * x:.1f}%"
+
+
 def markdown(report):
     lines = [f"# GPU benchmark: {report['device']}", "",
              f"Model shape {report['model']} (dummy weights), commit "
@@ -204,8 +219,9 @@ def markdown(report):
              "", "| system | policy | reads | ctx | batch | decode tok/s | "
              "p50 ms/step | first step ms | "
              "prefill tok/s | fetch GB/s (wait) | fetch GB/s (decode) | "
-             "fetched | KV > GPU | status |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "fetched | MB/step | row cache hits | KV > GPU | status |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+             "---|"]
     for r in report["runs"]:
         status = ("refused: " + r.get("reason", "") if r["refused"] else
                   "timed out" if r.get("timed_out") else
@@ -221,7 +237,8 @@ def markdown(report):
             f"{'' if r.get('direct_reads') else fmt(r['fetch_gbps'], 2)} | "
             f"{fmt(r.get('decode_fetch_gbps'), 2)} "
             f"| {'' if frac is None else f'{100 * frac:.1f}%'} | "
-            f"{'yes' if r['kv_exceeds_gpu'] else 'no'} | {status} |")
+            f"{mb(r.get('bytes_per_step'))} | {pct(r.get('row_cache_hit_rate'))}"
+            f" | {'yes' if r['kv_exceeds_gpu'] else 'no'} | {status} |")
     lines += ["", "| goal | ratio | met |", "|---|---|---|"]
     for g in report["goals"]:
         met = "not measured" if g["met"] is None else \

@@ -62,11 +62,11 @@ done
 # compute-sanitizer on the kernels where a race or a stray access would
 # hide: the tensor-core prefill, the one-sided gather (by index and whole
 # layers), the strided copies, the device-side selection, the staged rows'
-# attention.
+# attention (by slot of a row cache too) and the row cache's scatter.
 if [ "${SANITIZE}" = 1 ]; then
   SAN="$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)"
   for tool in memcheck racecheck; do
-    for run in "kernels_test:*Flash*:*GatherRows*:*SelectTopK*:*Combine*:*Staged*" \
+    for run in "kernels_test:*Flash*:*GatherRows*:*SelectTopK*:*Combine*:*Staged*:*Slotted*" \
                "cuda_backend_test:*CopyRows*:*HalfPrecisionPrefill*:*HalfKvCache*:*SelectTopK*:*AttendStaged*:*QueuedCopies*:*BatchedProducts*:*EncodesHalf*:*LeadingRows*"; do
       t="${run%%:*}"; filter="${run#*:}"
       log="${OUT}/sanitize_${tool}_${t}.log"

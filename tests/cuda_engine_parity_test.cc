@@ -67,7 +67,8 @@ class CudaEngineParity : public ::testing::Test {
              std::unique_ptr<Backend> backend, const std::string& policy,
              const speculator::SkewMatrices* skew, int prompt, int steps,
              const std::function<void(gpu_worker::PolicyOptions&)>& tweak =
-                 nullptr) {
+                 nullptr,
+             double row_cache = 0.0) {
     DecodeRun run;
     auto client = kv_memory_service::ConnectKvClient("inproc:");
     EXPECT_TRUE(client.ok()) << client.status();
@@ -81,6 +82,7 @@ class CudaEngineParity : public ::testing::Test {
       if (tweak) tweak(*o.kv.policy);
     }
     o.kv.kv_client = client->get();
+    o.kv.row_cache = row_cache;
     auto engine = Engine::Create(w, std::move(backend), o);
     EXPECT_TRUE(engine.ok()) << engine.status();
     if (!engine.ok()) return run;
@@ -228,6 +230,44 @@ TEST_F(CudaEngineParity, Stories260KEveryPolicy) {
   const DecodeRun gpu = Decode(m->weights, tokens, std::move(*half),
                          "ideal", nullptr, 12, 24);
   ExpectClose(cpu, gpu, vocab, 0, 0.05, 0.9);
+}
+
+// The row cache in device memory: the misses staged and moved to their
+// slots, attention reading every row by slot, gives the logits of the
+// same device fetching every selected row, bit for bit (the same rows in
+// the same order through the same kernel), with room to spare and at a
+// bound the steps reach.
+TEST_F(CudaEngineParity, RowCacheOnTheDeviceGivesTheLogitsOfEveryRow) {
+  auto m = model::LoadModel(Root() + "models/stories260K/stories260K.bin",
+                            Root() + "models/stories260K/tok512.bin");
+  ASSERT_TRUE(m.ok()) << m.status();
+  const std::vector<int> tokens = m->tokenizer->Encode(
+      "Once upon a time, there was a little dog named Max. Max liked to run "
+      "in the big green park with his friend Sue. One day, Sue found a red "
+      "box under a tree. She opened it and saw a shiny key. She was happy.",
+      true);
+  ASSERT_GE(tokens.size(), 40u);
+  auto tweak = [&](gpu_worker::PolicyOptions& p) {
+    ASSERT_TRUE(gpu_worker::SetTargetFetch(
+                    0.3, m->weights.config.n_layers, p).ok());
+  };
+  for (std::string kind : {"oracle", "quest"}) {
+    for (double fraction : {0.5, 0.15}) {
+      SCOPED_TRACE(kind + " at " + std::to_string(fraction));
+      auto plain = gpu_worker::NewCudaBackend(0);
+      ASSERT_TRUE(plain.ok()) << plain.status();
+      const DecodeRun want = Decode(m->weights, tokens, std::move(*plain),
+                                    kind, nullptr, 12, 24, tweak);
+      auto cached = gpu_worker::NewCudaBackend(0);
+      ASSERT_TRUE(cached.ok());
+      const DecodeRun got = Decode(m->weights, tokens, std::move(*cached),
+                                   kind, nullptr, 12, 24, tweak, fraction);
+      ASSERT_EQ(got.logits.size(), want.logits.size());
+      for (size_t i = 0; i < want.logits.size(); ++i) {
+        EXPECT_EQ(got.logits[i], want.logits[i]) << "step " << i;
+      }
+    }
+  }
 }
 
 // Gemma 3's layer (query and key norms, post-norms, the GELU gate, scaled

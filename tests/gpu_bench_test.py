@@ -160,7 +160,11 @@ class GpuBench(unittest.TestCase):
                                "p50_ms": sorted(steps)[len(steps) // 2],
                                "step_ms": list(steps),
                                "prefill_open_seconds": 2.5,
-                               "prefill_append_wait_seconds": 4.0})
+                               "prefill_append_wait_seconds": 4.0,
+                               "prefill_policy_seconds": 1.5,
+                               "bytes_fetched_per_token": 160e6 * frac,
+                               "row_cache_hit_rate":
+                                   0.8 if policy == "infinigen" else 0.0})
 
         put("h2d", ["h2d_bandwidth"],
             '{"pinned_gbps": 50.0}\n{"pinned_gbps": 55.0}\n')
@@ -253,6 +257,13 @@ class GpuBench(unittest.TestCase):
         self.assertEqual(rows[("infinigen", "full", 32768, 1)]
                          ["prefill_append_wait_seconds"], 4.0)
         self.assertIn("| infinigen | full | gather | 32768 | 1 | 1.00 |", md)
+        # What a step moved, and the row cache's share held.
+        self.assertEqual(rows[("infinigen", "full", 32768, 1)]
+                         ["prefill_policy_seconds"], 1.5)
+        self.assertEqual(rows[("infinigen", "full", 32768, 1)]
+                         ["row_cache_hit_rate"], 0.0)
+        self.assertIn("MB/step | row cache hits |", md)
+        self.assertRegex(md, r"\| infinigen \| infinigen \|[^\n]*\| 80\.0% \|")
         self.assertIn("One-sided gather from mapped host memory (host_alloc, "
                       "1 of the rows): 40.0 GB/s against a pinned copy's "
                       "50.0 GB/s.", md)

@@ -84,6 +84,18 @@ void PolicyOps::SelectTopK(const TopKParams& p) {
   std::copy(indices.begin(), indices.end(), p.indices);
 }
 
+void PolicyOps::ScatterRows(const ScatterRowsParams& p) {
+  const size_t bytes = static_cast<size_t>(p.row_width) * sizeof(uint16_t);
+  for (long i = 0; i < p.n_rows; ++i) {
+    const int32_t s = p.slots[i];
+    if (s < 0) continue;
+    std::memcpy(p.slot_k + static_cast<size_t>(s) * p.row_width,
+                p.k_rows + static_cast<size_t>(i) * p.row_width, bytes);
+    std::memcpy(p.slot_v + static_cast<size_t>(s) * p.row_width,
+                p.v_rows + static_cast<size_t>(i) * p.row_width, bytes);
+  }
+}
+
 void AttendStagedRowsOnHost(const StagedRowsAttention& p) {
   const int hd = p.head_dim, group = p.n_heads / p.n_kv_heads;
   const int width = KvRowWidth(p.format, hd);
@@ -94,12 +106,23 @@ void AttendStagedRowsOnHost(const StagedRowsAttention& p) {
     // The head's rows decoded, then the new token's.
     k.resize(static_cast<size_t>(count + 1) * hd);
     v.resize(k.size());
-    gpu_worker::DecodeKvRows(p.format,
-                             p.k_rows + static_cast<size_t>(first) * width,
-                             count, hd, k.data());
-    gpu_worker::DecodeKvRows(p.format,
-                             p.v_rows + static_cast<size_t>(first) * width,
-                             count, hd, v.data());
+    if (p.slots == nullptr) {
+      gpu_worker::DecodeKvRows(p.format,
+                               p.k_rows + static_cast<size_t>(first) * width,
+                               count, hd, k.data());
+      gpu_worker::DecodeKvRows(p.format,
+                               p.v_rows + static_cast<size_t>(first) * width,
+                               count, hd, v.data());
+    } else {
+      for (int t = 0; t < count; ++t) {
+        const int32_t s = p.slots[first + t];
+        const size_t at = static_cast<size_t>(s >= 0 ? s : -1 - s) * width;
+        gpu_worker::DecodeKvRows(p.format, (s >= 0 ? p.slot_k : p.k_rows) + at,
+                                 1, hd, k.data() + static_cast<size_t>(t) * hd);
+        gpu_worker::DecodeKvRows(p.format, (s >= 0 ? p.slot_v : p.v_rows) + at,
+                                 1, hd, v.data() + static_cast<size_t>(t) * hd);
+      }
+    }
     std::copy_n(p.k_new + static_cast<size_t>(g) * hd, hd,
                 k.data() + static_cast<size_t>(count) * hd);
     std::copy_n(p.v_new + static_cast<size_t>(g) * hd, hd,

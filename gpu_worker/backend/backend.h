@@ -89,13 +89,20 @@ struct StoredRowsAttention {
 // V rows, as stored), every KV head at once: head g's rows are [head_offsets
 // [g], head_offsets[g + 1]) of k_rows and v_rows, then the new token's
 // exact row. head_offsets is backend memory (a plan made there needs no
-// host copy of it).
+// host copy of it). With a row cache's slots (slots set), plan row r lies
+// at row slots[r] of slot_k and slot_v where slots[r] >= 0, else at row
+// -1 - slots[r] of k_rows and v_rows (the fetch's staged misses).
 struct StagedRowsAttention {
   const float* q = nullptr;         // [n_heads, head_dim]
   const uint16_t* k_rows = nullptr;  // [rows, row_width] stored K rows
   const uint16_t* v_rows = nullptr;  // [rows, row_width] stored V rows
   const int32_t* head_offsets = nullptr;  // [n_kv_heads + 1]
   long rows = 0;                     // head_offsets[n_kv_heads]
+  const int32_t* slots = nullptr;    // [rows], backend memory, or null
+  const uint16_t* slot_k = nullptr;  // [slot_rows, row_width]
+  const uint16_t* slot_v = nullptr;
+  long slot_rows = 0;
+  long staged_rows = 0;              // with slots: rows k_rows holds
   const float* k_new = nullptr;      // [n_kv_heads, head_dim]
   const float* v_new = nullptr;      // [n_kv_heads, head_dim]
   float* out = nullptr;              // [n_heads, head_dim]
@@ -181,6 +188,9 @@ class PolicyOps {
   virtual bool AttendStagedRows(const StagedRowsAttention& p) {
     return false;
   }
+  // A row cache's misses into its slots (ScatterRowsParams, gather_rows.h),
+  // queued with the operations. Default: copies on the host.
+  virtual void ScatterRows(const ScatterRowsParams& p);
   // One-sided reads (gather_rows.h): the plan's K and V rows read from
   // p.k_rows and p.v_rows, which lie in host memory pinned with PinHost
   // (a device reads it over the bus), into backend memory p.out, queued
@@ -406,6 +416,9 @@ class BackendWrapper : public Backend {
   }
   bool AttendStagedRows(const StagedRowsAttention& p) override {
     return target_->AttendStagedRows(p);
+  }
+  void ScatterRows(const ScatterRowsParams& p) override {
+    target_->ScatterRows(p);
   }
   bool GatherRows(const GatherRowsParams& p) override {
     return target_->GatherRows(p);

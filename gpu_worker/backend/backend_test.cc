@@ -257,6 +257,90 @@ TEST(AttendStagedRowsOnHost, MatchesDecodedAttentionHeadByHead) {
   }
 }
 
+// A row cache's rows: some planned rows in slots (moved there by
+// ScatterRows, as a device's misses are), the rest in the staging, read by
+// slot, give the staged rows' attention bit for bit.
+TEST(AttendStagedRowsOnHost, ReadsARowCachesSlotsAsTheStagedRows) {
+  std::mt19937 rng(4);
+  std::normal_distribution<float> normal;
+  const int n_heads = 4, n_kv_heads = 2, hd = 16;
+  const std::vector<int32_t> offsets = {0, 9, 20};
+  const int rows = offsets.back();
+  std::vector<float> exact(static_cast<size_t>(rows) * hd);
+  std::vector<uint16_t> k_rows(exact.size()), v_rows(exact.size());
+  for (float& x : exact) x = normal(rng);
+  EncodeKvRows(KvRowFormat::kHalf, exact.data(), rows, hd, k_rows.data());
+  for (float& x : exact) x = normal(rng);
+  EncodeKvRows(KvRowFormat::kHalf, exact.data(), rows, hd, v_rows.data());
+  std::vector<float> q(n_heads * hd), k_new(n_kv_heads * hd),
+      v_new(n_kv_heads * hd);
+  for (auto* v : {&q, &k_new, &v_new}) {
+    for (float& x : *v) x = normal(rng);
+  }
+  StagedRowsAttention p;
+  std::vector<float> want(n_heads * hd), got(n_heads * hd, -1.0f);
+  p.q = q.data();
+  p.k_rows = k_rows.data();
+  p.v_rows = v_rows.data();
+  p.head_offsets = offsets.data();
+  p.rows = rows;
+  p.k_new = k_new.data();
+  p.v_new = v_new.data();
+  p.out = want.data();
+  p.n_heads = n_heads;
+  p.n_kv_heads = n_kv_heads;
+  p.head_dim = hd;
+  p.max_head_rows = 11;
+  p.format = KvRowFormat::kHalf;
+  p.scale = 0.25f;
+  AttendStagedRowsOnHost(p);
+  // Every third planned row is a miss in a staging of its own; the others
+  // sit in slots 40 - r of a slot array; the misses bound for slots go
+  // there through ScatterRows, one (the last) is read from the staging.
+  const int slot_rows = 48;
+  std::vector<uint16_t> slot_k(slot_rows * hd, 0), slot_v(slot_k.size(), 0);
+  std::vector<uint16_t> miss_k, miss_v;
+  std::vector<int32_t> slots(rows), miss_slots;
+  for (int r = 0; r < rows; ++r) {
+    const bool miss = r % 3 == 0;
+    if (miss) {
+      miss_k.insert(miss_k.end(), &k_rows[r * hd], &k_rows[r * hd] + hd);
+      miss_v.insert(miss_v.end(), &v_rows[r * hd], &v_rows[r * hd] + hd);
+      const bool skipped = r == rows - 2;
+      miss_slots.push_back(skipped ? -1 : 40 - r);
+      slots[r] = skipped ? -static_cast<int32_t>(miss_slots.size())
+                         : 40 - r;
+    } else {
+      std::copy_n(&k_rows[r * hd], hd, &slot_k[(40 - r) * hd]);
+      std::copy_n(&v_rows[r * hd], hd, &slot_v[(40 - r) * hd]);
+      slots[r] = 40 - r;
+    }
+  }
+  auto cpu = NewCpuBackend();
+  ScatterRowsParams s;
+  s.k_rows = miss_k.data();
+  s.v_rows = miss_v.data();
+  s.slots = miss_slots.data();
+  s.n_rows = static_cast<long>(miss_slots.size());
+  s.row_width = hd;
+  s.slot_k = slot_k.data();
+  s.slot_v = slot_v.data();
+  s.slot_rows = slot_rows;
+  cpu->ScatterRows(s);
+  p.k_rows = miss_k.data();
+  p.v_rows = miss_v.data();
+  p.slots = slots.data();
+  p.slot_k = slot_k.data();
+  p.slot_v = slot_v.data();
+  p.slot_rows = slot_rows;
+  p.staged_rows = static_cast<long>(miss_slots.size());
+  p.out = got.data();
+  AttendStagedRowsOnHost(p);
+  EXPECT_EQ(got, want);
+  // A slot no miss names is left alone.
+  EXPECT_EQ(slot_k[(40 - (rows - 2)) * hd], 0);
+}
+
 // LinearBatched is one Linear per batch entry at its strides; partial key
 // rows quantized at a stride are the packed rows, placed a stride apart
 // (the bytes between them untouched).

@@ -38,6 +38,22 @@ struct GatherRowsParams {
   void* out = nullptr;  // [2, n_rows, row_bytes]: K rows, then V rows
 };
 
+// A row cache's fetched misses into its slots, in the backend's memory:
+// staged row i of k_rows and v_rows (n_rows of them, as a fetch stages
+// them) to row slots[i] of slot_k and slot_v, where slots[i] >= 0 (a
+// negative entry is a row read from the staging itself). slots is backend
+// memory; no two entries name the same slot. Backend::ScatterRows.
+struct ScatterRowsParams {
+  const uint16_t* k_rows = nullptr;  // [n_rows, row_width]
+  const uint16_t* v_rows = nullptr;
+  const int32_t* slots = nullptr;    // [n_rows]
+  long n_rows = 0;
+  int row_width = 0;
+  uint16_t* slot_k = nullptr;        // [slot_rows, row_width]
+  uint16_t* slot_v = nullptr;
+  long slot_rows = 0;
+};
+
 // The head of plan row r (head_offsets[h] <= r < head_offsets[h + 1]; an
 // empty head owns no row): a binary search over the offsets.
 IG_HOST_DEVICE inline int GatherRowHead(const int32_t* head_offsets,

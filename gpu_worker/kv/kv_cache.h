@@ -151,8 +151,10 @@ struct KvOptions {
   // heads together),
   // and a later step fetches only the rows it does not hold
   // (offloaded/row_cache.h); attention computes the same. For the policies
-  // that select rows, on a host backend, where the node gathers (not with
-  // one-sided reads, which copy nothing) and never evicts (kv_capacity 1).
+  // that select rows, where the node gathers (not with one-sided reads,
+  // which copy nothing) and never evicts (kv_capacity 1): on a host
+  // backend in host memory, on a device in its memory for the policies
+  // that want no attention probabilities (not h2o).
   // Under max_worker_bytes it takes what the rest leaves: less, or none.
   // 0 = none; at most 1.
   double row_cache = 0.0;

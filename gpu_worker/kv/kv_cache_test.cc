@@ -1034,6 +1034,12 @@ class GuardedDeviceBackend final : public Backend {
         !InDevice(p.v_new) || !InDevice(p.out)) {
       violations_->push_back("staged attention outside device memory");
     }
+    if (p.slots != nullptr) {
+      ++slotted_attentions;
+      if (!InDevice(p.slots) || !InDevice(p.slot_k) || !InDevice(p.slot_v)) {
+        violations_->push_back("attention over slots outside device memory");
+      }
+    }
     int most = 0;
     for (int g = 0; g < p.n_kv_heads; ++g) {
       most = std::max(most, p.head_offsets[g + 1] - p.head_offsets[g]);
@@ -1044,6 +1050,15 @@ class GuardedDeviceBackend final : public Backend {
     }
     AttendStagedRowsOnHost(p);
     return true;
+  }
+  void ScatterRows(const ScatterRowsParams& p) override {
+    Open open(this);
+    ++scatters;
+    if (!InDevice(p.k_rows) || !InDevice(p.v_rows) || !InDevice(p.slots) ||
+        !InDevice(p.slot_k) || !InDevice(p.slot_v)) {
+      violations_->push_back("row cache scatter outside device memory");
+    }
+    Backend::ScatterRows(p);
   }
   bool EncodeKvRows(const float* rows, int n_rows, int head_dim,
                     KvRowFormat format, uint16_t* out) override {
@@ -1148,6 +1163,7 @@ class GuardedDeviceBackend final : public Backend {
   long gathers = 0, leading_gathers = 0, pins = 0, unpins = 0;
   long copies_out = 0, queued_copies_out = 0, selections = 0, encodes = 0;
   long staged_attentions = 0, half_attentions = 0;
+  long slotted_attentions = 0, scatters = 0;
   size_t largest_unpinned_copy_in = 0;
 
  private:
@@ -1473,6 +1489,56 @@ TEST_F(KvCacheTest, TheRowCacheFetchesOnlyWhatChangedWithTheSameLogits) {
 
 // A node that evicts hears of no held rows (its notes need every position
 // at its slot): its sequences fetch every selected row, as without a cache.
+// On a device the row cache's slots lie in its memory: the misses are
+// staged and moved into their slots there, and one attention per layer
+// reads every planned row by slot, with the logits of a device that
+// fetches every selected row. h2o, whose attention sums probabilities,
+// and the policies that read every row fetch as before.
+TEST_F(KvCacheTest, TheRowCacheOnADeviceKeepsItsRowsInDeviceMemory) {
+  for (const auto& [replacement, fraction] :
+       std::vector<std::pair<RowCacheReplacement, double>>{
+           {RowCacheReplacement::kRecency, 0.5},
+           {RowCacheReplacement::kFrequency, 0.15}})
+  for (std::string kind : {"infinigen", "oracle", "quest", "h2o", "full"}) {
+    SCOPED_TRACE(kind + " at " + std::to_string(fraction));
+    FakeKvClient cached_node, gather_node;
+    std::vector<std::string> violations;
+    auto device = std::make_unique<GuardedDeviceBackend>(&violations);
+    GuardedDeviceBackend* d = device.get();
+    EngineOptions cached_options = WideOptions(kind, &cached_node);
+    cached_options.kv.row_cache = fraction;
+    cached_options.kv.row_cache_replacement = replacement;
+    auto cached = Engine::Create(wide_, std::move(device), cached_options);
+    auto gather =
+        Engine::Create(wide_, std::make_unique<GuardedDeviceBackend>(&violations),
+                       WideOptions(kind, &gather_node));
+    ASSERT_TRUE(cached.ok()) << cached.status();
+    ASSERT_TRUE(gather.ok()) << gather.status();
+    ASSERT_NO_FATAL_FAILURE(ExpectSameDecoding(**cached, **gather));
+    EXPECT_THAT(violations, ::testing::IsEmpty());
+    const FetchStats& got = (*cached)->fetch_stats();
+    const FetchStats& want = (*gather)->fetch_stats();
+    EXPECT_EQ(got.fraction_sum, want.fraction_sum);
+    if (kind == "full" || kind == "h2o") {
+      EXPECT_EQ(got.row_cache_lookups, 0);
+      EXPECT_EQ(got.rows_fetched, want.rows_fetched);
+      EXPECT_EQ(d->scatters, 0);
+      continue;
+    }
+    EXPECT_EQ(got.row_cache_lookups, want.rows_fetched);
+    EXPECT_GT(got.row_cache_hits, 0);
+    EXPECT_EQ(got.rows_fetched, want.rows_fetched - got.row_cache_hits);
+    long node_rows = 0;
+    for (const auto& f : cached_node.fetches()) node_rows += f.rows;
+    EXPECT_EQ(node_rows, got.rows_fetched);
+    EXPECT_GT(got.row_cache_bytes, 0);
+    // Every selecting layer of every step read its rows by slot, after
+    // its misses went to their slots.
+    EXPECT_GT(d->slotted_attentions, 0);
+    EXPECT_EQ(d->scatters, d->slotted_attentions);
+  }
+}
+
 TEST_F(KvCacheTest, TheRowCacheStaysOffWhereTheNodeEvicts) {
   FakeKvClient cached_node, gather_node;
   EngineOptions with = WideOptions("infinigen", &cached_node);

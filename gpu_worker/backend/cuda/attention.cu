@@ -188,6 +188,34 @@ struct StagedRows {
   __device__ MixedRow V(int t) const { return Row(v, v_new, t); }
 };
 
+// The same with a row cache's slots: row t is the head's plan row t, at
+// slots[t] of the slot arrays where >= 0, else at -1 - slots[t] of the
+// staged misses; then the new token's exact row as row `count`.
+struct SlottedRows {
+  const uint16_t* k;  // the staged misses [*, row_width]
+  const uint16_t* v;
+  const uint16_t* slot_k;  // [slot rows, row_width]
+  const uint16_t* slot_v;
+  const int32_t* slots;  // this head's plan rows
+  const float* k_new;  // [head_dim]
+  const float* v_new;
+  int count;
+  int row_width;
+  int group;     // 0: fp16
+  int n_groups;
+  __device__ MixedRow Row(const uint16_t* staged, const uint16_t* held,
+                          const float* exact, int t) const {
+    if (t >= count) return MixedRow{nullptr, exact, 0, 0};
+    const int s = slots[t];
+    const uint16_t* row =
+        s >= 0 ? held + static_cast<long>(s) * row_width
+               : staged + static_cast<long>(-1 - s) * row_width;
+    return MixedRow{row, nullptr, group, n_groups};
+  }
+  __device__ MixedRow K(int t) const { return Row(k, slot_k, k_new, t); }
+  __device__ MixedRow V(int t) const { return Row(v, slot_v, v_new, t); }
+};
+
 // One warp's online softmax over its keys of [begin, end) (every kWarps-th
 // group of kKeysPerStep) of `rows` (FloatRows or StagedRows): m the max
 // score seen, l the sum of exp(score - m), acc this lane's dims of the sum
@@ -398,22 +426,39 @@ __global__ void __launch_bounds__(kThreads)
   const int chunk = (seen + p.kv_splits - 1) / p.kv_splits;
   const int begin = min(seen, split * chunk);
   const int end = min(seen, begin + chunk);
-  const long at = static_cast<long>(first) * p.row_width;
-  const StagedRows rows{p.k_rows + at,
-                        p.v_rows + at,
-                        p.k_new + static_cast<long>(g) * p.head_dim,
-                        p.v_new + static_cast<long>(g) * p.head_dim,
-                        count,
-                        p.row_width,
-                        p.int4_group,
-                        p.int4_group > 0 ? p.head_dim / p.int4_group : 0};
   float q[R];
   LoadLaneDims(p.q + static_cast<long>(h) * p.head_dim, p.head_dim, q);
   float m = -CUDART_INF_F;
   float l = 0.0f;
   float acc[R];
-  WarpOnlineSoftmax(rows, p.head_dim, p.scale, q, begin, end, warp, m, l,
-                    acc);
+  const int n_groups = p.int4_group > 0 ? p.head_dim / p.int4_group : 0;
+  if (p.slots != nullptr) {
+    const SlottedRows rows{p.k_rows,
+                           p.v_rows,
+                           p.slot_k,
+                           p.slot_v,
+                           p.slots + first,
+                           p.k_new + static_cast<long>(g) * p.head_dim,
+                           p.v_new + static_cast<long>(g) * p.head_dim,
+                           count,
+                           p.row_width,
+                           p.int4_group,
+                           n_groups};
+    WarpOnlineSoftmax(rows, p.head_dim, p.scale, q, begin, end, warp, m, l,
+                      acc);
+  } else {
+    const long at = static_cast<long>(first) * p.row_width;
+    const StagedRows rows{p.k_rows + at,
+                          p.v_rows + at,
+                          p.k_new + static_cast<long>(g) * p.head_dim,
+                          p.v_new + static_cast<long>(g) * p.head_dim,
+                          count,
+                          p.row_width,
+                          p.int4_group,
+                          n_groups};
+    WarpOnlineSoftmax(rows, p.head_dim, p.scale, q, begin, end, warp, m, l,
+                      acc);
+  }
   float max, inv_sum;
   MergeWarps(m, l, acc, p.head_dim, p.kv_splits, h, split, 1, p.n_heads,
              p.out, p.workspace, max, inv_sum);
@@ -519,6 +564,9 @@ int LaunchStagedAttention(const StagedAttentionParams& p, void* stream) {
     return invalid;
   }
   if (p.kv_splits > 1 && p.workspace == nullptr) return invalid;
+  if (p.slots != nullptr && (p.slot_k == nullptr || p.slot_v == nullptr)) {
+    return invalid;
+  }
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const int lane_dims = (p.head_dim + 31) / 32;
   if (lane_dims <= 1) return LaunchStagedWithLaneDims<1>(p, s);

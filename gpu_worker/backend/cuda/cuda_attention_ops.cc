@@ -135,11 +135,19 @@ bool CudaBackend::AttendStagedRows(const StagedRowsAttention& a) {
   const long q_count = static_cast<long>(a.n_heads) * a.head_dim;
   const long new_count = static_cast<long>(a.n_kv_heads) * a.head_dim;
   const int row_width = KvRowWidth(a.format, a.head_dim);
-  const long row_count = std::max(1L, a.rows) * row_width;
+  // With a row cache's slots the staging holds the misses alone.
+  const long row_count =
+      std::max(1L, a.slots != nullptr ? a.staged_rows : a.rows) * row_width;
   StagedAttentionParams p;
   p.q = In(a.q, q_count, kOp, "q");
   p.k_rows = In(a.k_rows, row_count, kOp, "k_rows");
   p.v_rows = In(a.v_rows, row_count, kOp, "v_rows");
+  if (a.slots != nullptr) {
+    const long slot_count = std::max(1L, a.slot_rows) * row_width;
+    p.slots = In(a.slots, std::max(1L, a.rows), kOp, "slots");
+    p.slot_k = In(a.slot_k, slot_count, kOp, "slot_k");
+    p.slot_v = In(a.slot_v, slot_count, kOp, "slot_v");
+  }
   p.head_offsets = In(a.head_offsets, a.n_kv_heads + 1L, kOp,
                       "head_offsets");
   p.k_new = In(a.k_new, new_count, kOp, "k_new");
@@ -169,6 +177,25 @@ bool CudaBackend::AttendStagedRows(const StagedRowsAttention& a) {
   }
   Launched(LaunchStagedAttention(p, stream_), kOp);
   return true;
+}
+
+void CudaBackend::ScatterRows(const ScatterRowsParams& a) {
+  constexpr const char* kOp = "ScatterRows";
+  if (!Begin() || a.n_rows == 0) return;
+  if (a.n_rows < 0 || a.row_width <= 0 || a.slot_rows <= 0) {
+    FailShape(kOp, absl::StrFormat("n_rows=%d row_width=%d slot_rows=%d",
+                                   a.n_rows, a.row_width, a.slot_rows));
+    return;
+  }
+  const long rows = a.n_rows * a.row_width;
+  const long slots = a.slot_rows * a.row_width;
+  ScatterRowsParams p = a;
+  p.k_rows = In(a.k_rows, rows, kOp, "k_rows");
+  p.v_rows = In(a.v_rows, rows, kOp, "v_rows");
+  p.slots = In(a.slots, a.n_rows, kOp, "slots");
+  p.slot_k = Out(a.slot_k, slots, kOp, "slot_k");
+  p.slot_v = Out(a.slot_v, slots, kOp, "slot_v");
+  if (ok()) Launched(LaunchScatterRows(p, stream_), kOp);
 }
 
 bool CudaBackend::EncodeKvRows(const float* rows, int n_rows, int head_dim,

@@ -108,6 +108,9 @@ class CudaBackend final : public Backend {
   // One launch for every head (LaunchStagedAttention), the counts read on
   // the device, fp16 and int4 rows decoded as they are read.
   bool AttendStagedRows(const StagedRowsAttention& a) override;
+  // A row cache's misses into its slots: one warp per row
+  // (LaunchScatterRows).
+  void ScatterRows(const ScatterRowsParams& a) override;
   // fp16 rows on the device (FloatToHalf, common/half.h's bits); int4 rows
   // are encoded on the host.
   bool EncodeKvRows(const float* rows, int n_rows, int head_dim,

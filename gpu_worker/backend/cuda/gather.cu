@@ -76,6 +76,34 @@ __global__ void __launch_bounds__(kThreads)
   atomicXor(sink, acc);
 }
 
+// One warp per row of a row cache's misses: its K and V rows, 4-byte
+// words (a row is head_dim or the int4 width of uint16_t values: a whole
+// number of words only where even, so 2-byte words otherwise), to the
+// row's slot.
+template <typename Word>
+__global__ void __launch_bounds__(kThreads)
+    ScatterRowsKernel(ScatterRowsParams p) {
+  const int lanes = 32;
+  const long row = (static_cast<long>(blockIdx.x) * kThreads + threadIdx.x) /
+                   lanes;
+  const int lane = threadIdx.x % lanes;
+  if (row >= p.n_rows) return;
+  const int slot = p.slots[row];
+  if (slot < 0) return;
+  const int words =
+      p.row_width * static_cast<int>(sizeof(uint16_t)) / sizeof(Word);
+  const Word* k = reinterpret_cast<const Word*>(p.k_rows + row * p.row_width);
+  const Word* v = reinterpret_cast<const Word*>(p.v_rows + row * p.row_width);
+  Word* dk = reinterpret_cast<Word*>(p.slot_k +
+                                     static_cast<long>(slot) * p.row_width);
+  Word* dv = reinterpret_cast<Word*>(p.slot_v +
+                                     static_cast<long>(slot) * p.row_width);
+  for (int w = lane; w < words; w += lanes) {
+    dk[w] = k[w];
+    dv[w] = v[w];
+  }
+}
+
 }  // namespace
 
 int LaunchTouchPages(const TouchPagesParams& p, void* stream) {
@@ -131,6 +159,25 @@ int LaunchGatherRows(const GatherRowsParams& p, void* stream) {
   if (fits(4)) return Launch<uint32_t>(p, sm_count, s);
   if (fits(2)) return Launch<uint16_t>(p, sm_count, s);
   return invalid;
+}
+
+int LaunchScatterRows(const ScatterRowsParams& p, void* stream) {
+  const int invalid = static_cast<int>(cudaErrorInvalidValue);
+  if (p.n_rows == 0) return 0;
+  if (p.n_rows < 0 || p.row_width <= 0 || !p.k_rows || !p.v_rows ||
+      !p.slots || !p.slot_k || !p.slot_v) {
+    return invalid;
+  }
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const long threads = p.n_rows * 32;
+  const unsigned blocks =
+      static_cast<unsigned>((threads + kThreads - 1) / kThreads);
+  if (p.row_width % 2 == 0) {
+    ScatterRowsKernel<unsigned><<<blocks, kThreads, 0, s>>>(p);
+  } else {
+    ScatterRowsKernel<unsigned short><<<blocks, kThreads, 0, s>>>(p);
+  }
+  return static_cast<int>(cudaGetLastError());
 }
 
 }  // namespace infinigen::gpu_worker::cuda

@@ -228,6 +228,11 @@ struct StagedAttentionParams {
   // Blocks each head's rows are split over; > 1 needs workspace.
   int kv_splits = 1;
   float* workspace = nullptr;    // [StagedAttentionWorkspaceFloats(*this)]
+  // A row cache's (StagedRowsAttention): plan row r at row slots[r] of
+  // slot_k/slot_v where >= 0, else row -1 - slots[r] of k_rows/v_rows.
+  const int32_t* slots = nullptr;  // [rows] or null
+  const uint16_t* slot_k = nullptr;
+  const uint16_t* slot_v = nullptr;
 };
 
 inline long StagedAttentionWorkspaceFloats(const StagedAttentionParams& p) {
@@ -237,6 +242,10 @@ inline long StagedAttentionWorkspaceFloats(const StagedAttentionParams& p) {
 }
 
 int LaunchStagedAttention(const StagedAttentionParams& p, void* stream);
+
+// A row cache's misses into its slots (ScatterRowsParams, backend.h): one
+// warp per row, K and V.
+int LaunchScatterRows(const ScatterRowsParams& p, void* stream);
 
 int LaunchAttention(const AttentionKernelParams& p, void* stream);
 

@@ -825,6 +825,111 @@ TEST_F(CudaKernels, StagedAttentionMatchesHost) {
   }
 }
 
+// A row cache on the device: the misses moved into their slots
+// (LaunchScatterRows, against the host's ScatterRows), then every head's
+// rows read by slot or from the staged misses, bit for bit what the same
+// kernel gives over the rows staged in plan order (the same rows in the
+// same order), fp16 and int4, with the heads split over blocks.
+TEST_F(CudaKernels, SlottedAttentionReadsTheRowCacheAsStagedRows) {
+  const StagedCase cases[] = {
+      {4, 4, 64, 1, {0, 1, 7, 300}},
+      {8, 2, 128, 7, {5000, 2}},
+      {8, 4, 128, 3, {0, 9, 300, 1}, KvRowFormat::kInt4},
+  };
+  for (const StagedCase& c : cases) {
+    SCOPED_TRACE(::testing::Message() << "heads " << c.n_heads << "/"
+                                      << c.n_kv_heads << " d " << c.head_dim);
+    std::vector<int32_t> offsets(1, 0);
+    for (int32_t n : c.counts) offsets.push_back(offsets.back() + n);
+    const int rows = offsets.back(), hd = c.head_dim;
+    const int width = KvRowWidth(c.format, hd);
+    std::vector<uint16_t> k16(std::max(1, rows) * width), v16(k16.size());
+    for (auto* stored : {&k16, &v16}) {
+      const std::vector<float> x =
+          Normal(static_cast<size_t>(std::max(1, rows)) * hd, rng_);
+      EncodeKvRows(c.format, x.data(), std::max(1, rows), hd, stored->data());
+    }
+    // Every fourth planned row a miss (the last one read from the staging),
+    // the others held at slot 2r + 1 of a slot array.
+    const int slot_rows = 2 * rows + 2;
+    std::vector<uint16_t> slot_k(static_cast<size_t>(slot_rows) * width, 0),
+        slot_v(slot_k.size(), 0), miss_k, miss_v;
+    std::vector<int32_t> slots(std::max(1, rows)), miss_slots;
+    for (int r = 0; r < rows; ++r) {
+      const uint16_t* kr = &k16[static_cast<size_t>(r) * width];
+      const uint16_t* vr = &v16[static_cast<size_t>(r) * width];
+      if (r % 4 == 0) {
+        miss_k.insert(miss_k.end(), kr, kr + width);
+        miss_v.insert(miss_v.end(), vr, vr + width);
+        const bool staged = r + 4 >= rows;
+        miss_slots.push_back(staged ? -1 : 2 * r + 1);
+        slots[r] = staged ? -static_cast<int32_t>(miss_slots.size())
+                          : 2 * r + 1;
+      } else {
+        std::copy_n(kr, width, &slot_k[(2 * r + 1) * width]);
+        std::copy_n(vr, width, &slot_v[(2 * r + 1) * width]);
+        slots[r] = 2 * r + 1;
+      }
+    }
+    if (miss_k.empty()) miss_k.assign(width, 0), miss_v.assign(width, 0);
+    if (miss_slots.empty()) miss_slots.push_back(-1);
+    // The host's scatter, then the device's into a zeroed copy.
+    std::vector<uint16_t> want_k = slot_k, want_v = slot_v;
+    ScatterRowsParams hs;
+    hs.k_rows = miss_k.data();
+    hs.v_rows = miss_v.data();
+    hs.slots = miss_slots.data();
+    hs.n_rows = static_cast<long>(miss_slots.size());
+    hs.row_width = width;
+    hs.slot_k = want_k.data();
+    hs.slot_v = want_v.data();
+    hs.slot_rows = slot_rows;
+    NewCpuBackend()->ScatterRows(hs);
+    DeviceArray<uint16_t> dslot_k(slot_k), dslot_v(slot_v), dmiss_k(miss_k),
+        dmiss_v(miss_v), dk(k16), dv(v16);
+    DeviceArray<int32_t> dmiss_slots(miss_slots), dslots(slots),
+        doffsets(offsets);
+    ScatterRowsParams ds = hs;
+    ds.k_rows = dmiss_k.get();
+    ds.v_rows = dmiss_v.get();
+    ds.slots = dmiss_slots.get();
+    ds.slot_k = dslot_k.get();
+    ds.slot_v = dslot_v.get();
+    ExpectRan(LaunchScatterRows(ds, nullptr));
+    EXPECT_EQ(dslot_k.ToHost(), want_k);
+    EXPECT_EQ(dslot_v.ToHost(), want_v);
+
+    const std::vector<float> q = Normal(c.n_heads * hd, rng_);
+    const std::vector<float> k_new = Normal(c.n_kv_heads * hd, rng_);
+    const std::vector<float> v_new = Normal(c.n_kv_heads * hd, rng_);
+    DeviceArray<float> dq(q), dk_new(k_new), dv_new(v_new),
+        dplain(c.n_heads * hd), dslotted(c.n_heads * hd);
+    StagedAttentionParams p{dq.get(),       dk.get(),     dv.get(),
+                            doffsets.get(), dk_new.get(), dv_new.get(),
+                            dplain.get()};
+    p.n_heads = c.n_heads;
+    p.n_kv_heads = c.n_kv_heads;
+    p.head_dim = hd;
+    p.row_width = width;
+    p.int4_group = c.format == KvRowFormat::kInt4 ? std::min(64, hd) : 0;
+    p.scale = 1.0f / std::sqrt(static_cast<float>(hd));
+    p.kv_splits = c.kv_splits;
+    DeviceArray<float> workspace(
+        std::max(1L, StagedAttentionWorkspaceFloats(p)));
+    if (c.kv_splits > 1) p.workspace = workspace.get();
+    ExpectRan(LaunchStagedAttention(p, nullptr));
+    StagedAttentionParams slotted = p;
+    slotted.k_rows = dmiss_k.get();
+    slotted.v_rows = dmiss_v.get();
+    slotted.slots = dslots.get();
+    slotted.slot_k = dslot_k.get();
+    slotted.slot_v = dslot_v.get();
+    slotted.out = dslotted.get();
+    ExpectRan(LaunchStagedAttention(slotted, nullptr));
+    EXPECT_EQ(dslotted.ToHost(), dplain.ToHost());
+  }
+}
+
 // No device needed: every launcher rejects bad arguments before any CUDA
 // call, with cudaErrorInvalidValue.
 TEST(CudaKernelArguments, RejectedBeforeLaunch) {
@@ -857,6 +962,21 @@ TEST(CudaKernelArguments, RejectedBeforeLaunch) {
   EXPECT_EQ(LaunchInt4Dequant({h, f, 4, 96}, nullptr), bad);  // 96 % 64
   EXPECT_EQ(LaunchInt4Dequant({h, f, 0, 64}, nullptr), bad);
 
+  {
+    ScatterRowsParams sc;
+    sc.k_rows = h;
+    sc.v_rows = h;
+    sc.slots = i32;
+    sc.n_rows = 4;
+    sc.row_width = 64;
+    sc.slot_k = h;
+    sc.slot_v = nullptr;  // no V slots
+    sc.slot_rows = 8;
+    EXPECT_EQ(LaunchScatterRows(sc, nullptr), bad);
+    sc.slot_v = h;
+    sc.row_width = 0;
+    EXPECT_EQ(LaunchScatterRows(sc, nullptr), bad);
+  }
   AttentionKernelParams a;
   a.q = a.k = a.v = f;
   a.out = f;

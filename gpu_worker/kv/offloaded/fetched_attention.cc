@@ -83,13 +83,32 @@ bool FetchedAttention::AttendHead(const LayerFetch& f, int g,
 }
 
 bool FetchedAttention::Staged(LayerFetch& f, const RowAttention& a) {
+  return StagedOver(f, nullptr, a);
+}
+
+bool FetchedAttention::FromSlots(LayerFetch& f, const SlotRowsAt& at,
+                                 const RowAttention& a) {
+  return StagedOver(f, &at, a);
+}
+
+bool FetchedAttention::StagedOver(LayerFetch& f, const SlotRowsAt* at,
+                                  const RowAttention& a) {
   if (a.prob_sums != nullptr) return false;
   const std::vector<int32_t>& offsets = f.plan.head_offsets;
   StagedRowsAttention p;
   p.q = a.q;
   p.k_rows = f.staged.data();
   p.rows = offsets.back();
-  p.v_rows = p.k_rows + p.rows * layout_.row_width;
+  // The staging holds the plan's rows, or with slots the misses alone.
+  const long staged = at != nullptr ? at->staged_rows : p.rows;
+  p.v_rows = p.k_rows + staged * layout_.row_width;
+  if (at != nullptr) {
+    p.slots = at->slots;
+    p.slot_k = at->slot_k;
+    p.slot_v = at->slot_v;
+    p.slot_rows = at->slot_rows;
+    p.staged_rows = at->staged_rows;
+  }
   p.head_offsets = f.plan_dev.data() + layout_.plan_room;
   p.k_new = a.k_new;
   p.v_new = a.v_new;

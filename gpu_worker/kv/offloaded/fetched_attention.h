@@ -56,6 +56,17 @@ struct StoredRowsAt {
   bool by_index = false;
 };
 
+// Where a device row cache's rows lie (StagedRowsAttention::slots): the
+// slot arrays and, in backend memory, each plan row's slot (or -1 - its
+// row among the misses staged in the fetch's staging); the misses staged.
+struct SlotRowsAt {
+  const uint16_t* slot_k = nullptr;
+  const uint16_t* slot_v = nullptr;
+  long slot_rows = 0;
+  const int32_t* slots = nullptr;  // [plan rows]
+  long staged_rows = 0;            // the misses
+};
+
 // Where one KV head's stored rows lie for attention in place: row t of
 // the head's plan is row indices[t] of k and v where indices is set, else
 // row t.
@@ -88,8 +99,16 @@ class FetchedAttention {
   // A node-gathered fetch's rows: in place on a host backend, else
   // staged, else decoded.
   void Gathered(LayerFetch& f, const RowAttention& a);
+  // Over a device row cache's rows (SlotRowsAt), every head in one
+  // operation: each plan row from the cache's slots, or from the fetch's
+  // staged misses; false, having done nothing, where the backend cannot
+  // or probabilities are wanted.
+  bool FromSlots(LayerFetch& f, const SlotRowsAt& at,
+                 const RowAttention& a);
 
  private:
+  // Staged (at null) or FromSlots.
+  bool StagedOver(LayerFetch& f, const SlotRowsAt* at, const RowAttention& a);
   // Head g's attention over its rows at `h` (Backend::AttendStoredRows).
   bool AttendHead(const LayerFetch& f, int g, const HeadRowsAt& h,
                   const RowAttention& a);

@@ -38,7 +38,8 @@ struct Layout {
   int64_t policy_bytes = 0;
   // The row cache's fraction (KvOptions::row_cache) where a sequence may
   // have one: a policy that selects rows (one that takes a target fetch),
-  // on a host backend, a node that never evicts; else 0. Less, or 0,
+  // a node that never evicts, on a host backend or, for a policy that
+  // wants no attention probabilities, a device; else 0. Less, or 0,
   // where the rest leaves less under max_worker_bytes.
   double row_cache = 0.0;
   RowCacheReplacement row_cache_replacement = RowCacheReplacement::kRecency;

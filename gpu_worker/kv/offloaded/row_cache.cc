@@ -20,7 +20,7 @@ long BoundRows(double fraction, long rows_per_token, long tokens) {
 
 RowCache::RowCache(int n_layers, int n_kv_heads, int max_tokens,
                    int row_width, double fraction,
-                   RowCacheReplacement replacement)
+                   RowCacheReplacement replacement, bool hold_rows)
     : n_kv_heads_(n_kv_heads),
       max_tokens_(max_tokens),
       row_width_(row_width),
@@ -30,8 +30,10 @@ RowCache::RowCache(int n_layers, int n_kv_heads, int max_tokens,
       max_rows_(BoundRows(fraction, rows_per_token_, max_tokens)),
       slots_(static_cast<size_t>(n_layers) * n_kv_heads),
       layers_(n_layers),
-      k_(new uint16_t[static_cast<size_t>(max_rows_) * row_width]),
-      v_(new uint16_t[static_cast<size_t>(max_rows_) * row_width]),
+      k_(hold_rows ? new uint16_t[static_cast<size_t>(max_rows_) * row_width]
+                   : nullptr),
+      v_(hold_rows ? new uint16_t[static_cast<size_t>(max_rows_) * row_width]
+                   : nullptr),
       position_(new int32_t[max_rows_]),
       prev_(new int32_t[max_rows_]),
       next_(new int32_t[max_rows_]),
@@ -227,6 +229,21 @@ void RowCache::Fill(int layer, const uint16_t* fetched) {
       std::memcpy(v_.get() + at,
                   fetched + (total + static_cast<size_t>(i)) * row_width_,
                   bytes);
+    }
+  }
+}
+
+void RowCache::SlotsOf(int layer, int32_t* plan_slots,
+                       int32_t* miss_slots) const {
+  const LayerSplit& split = layers_[layer];
+  std::copy(split.slots.begin(), split.slots.end(), plan_slots);
+  std::copy(split.miss_slot.begin(), split.miss_slot.end(), miss_slots);
+  for (int g = 0; g < n_kv_heads_; ++g) {
+    if (!split.skipped[g]) continue;
+    const int begin = split.plan_offsets[g], end = split.plan_offsets[g + 1];
+    const int first_miss = split.misses.head_offsets[g];
+    for (int t = begin; t < end; ++t) {
+      plan_slots[t] = -1 - (first_miss + (t - begin));
     }
   }
 }

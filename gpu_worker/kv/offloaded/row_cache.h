@@ -24,7 +24,9 @@
 // sized for the bound at the sequence's last position and touched only as
 // slots are taken. A row's K and V never change while its sequence is
 // open, whatever the node does with its copy. Host memory; not
-// thread-safe; one per sequence.
+// thread-safe; one per sequence. On a device the slot arrays lie in its
+// memory (the row source's): the cache keeps the maps alone (hold_rows
+// false) and says where each row goes and lies (SlotsOf).
 #ifndef INFINIGEN_GPU_WORKER_KV_OFFLOADED_ROW_CACHE_H_
 #define INFINIGEN_GPU_WORKER_KV_OFFLOADED_ROW_CACHE_H_
 
@@ -46,7 +48,8 @@ class RowCache {
   // layer and KV head, `row_width` values a row.
   RowCache(int n_layers, int n_kv_heads, int max_tokens, int row_width,
            double fraction,
-           RowCacheReplacement replacement = RowCacheReplacement::kRecency);
+           RowCacheReplacement replacement = RowCacheReplacement::kRecency,
+           bool hold_rows = true);
 
   // The most bytes the cache takes (rows at the bound, and maps).
   static int64_t Bytes(
@@ -61,6 +64,8 @@ class RowCache {
       RowCacheReplacement replacement = RowCacheReplacement::kRecency);
   // Bytes of the rows the slots hold.
   int64_t bytes() const;
+  // Slots at the bound: the rows of slot arrays held elsewhere.
+  long max_rows() const { return max_rows_; }
 
   // Of a split plan: the rows held (hits), and the rows the layer's
   // previous split selected too (repeats: the overlap of consecutive
@@ -98,6 +103,13 @@ class RowCache {
     const int32_t* indices = nullptr;
   };
   HeadRows Head(int layer, int g, const uint16_t* fetched) const;
+
+  // The same for slot arrays held elsewhere (hold_rows false), after
+  // `layer`'s last Split: plan_slots [plan rows] each planned row's slot,
+  // or, for a head that skipped the cache, -1 - its row among the misses
+  // (StagedRowsAttention::slots); miss_slots [misses rows] the slot each
+  // fetched miss goes to, -1 for a skipped head's (ScatterRowsParams).
+  void SlotsOf(int layer, int32_t* plan_slots, int32_t* miss_slots) const;
 
  private:
   // One (layer, KV head)'s slots: which position each holds, and their

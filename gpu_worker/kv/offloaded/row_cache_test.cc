@@ -103,6 +103,59 @@ TEST(RowCacheTest, EvictsTheLeastRecentlySelectedNeverTheStepsOwn) {
   EXPECT_EQ(cache.bytes(), 8 * 2 * kWidth * 2);
 }
 
+// Slot arrays held elsewhere (a device's): SlotsOf says where each miss
+// goes and where each planned row lies, a skipped head's among the
+// misses; moving the misses there and reading by those slots gives the
+// true rows, as the host cache's own arrays do.
+TEST(RowCacheTest, SlotsOfPlaceRowsInArraysHeldElsewhere) {
+  RowCache cache(1, kHeads, kTokens, kWidth, 0.25, RowCacheReplacement::kRecency,
+                 /*hold_rows=*/false);
+  EXPECT_EQ(cache.max_rows(), 8);
+  std::vector<uint16_t> slot_k(cache.max_rows() * kWidth),
+      slot_v(slot_k.size());
+  long hits = 0;
+  for (const OwnedFetchPlan& plan :
+       {OwnedFetchPlan::PerHead({{0, 1, 2}, {4, 5}}),
+        OwnedFetchPlan::PerHead({{2, 0, 9}, {5, 6}}),
+        // Head 1 asks for more than its slots and the bound's rest: it
+        // skips the cache and reads from the fetch.
+        OwnedFetchPlan::PerHead({{9, 2}, {7, 8, 10, 11, 12, 13}}),
+        OwnedFetchPlan::PerHead({{0, 9, 2}, {5, 6}})}) {
+    auto counts = cache.Split(0, plan.view(), 16);
+    ASSERT_TRUE(counts.ok()) << counts.status();
+    hits += counts->hits;
+    const OwnedFetchPlan& misses = cache.misses(0);
+    const std::vector<uint16_t> fetched = Gather(0, misses);
+    std::vector<int32_t> plan_slots(plan.indices.size()),
+        miss_slots(misses.indices.size());
+    cache.SlotsOf(0, plan_slots.data(), miss_slots.data());
+    const size_t n = misses.indices.size();
+    for (size_t i = 0; i < n; ++i) {
+      if (miss_slots[i] < 0) continue;
+      ASSERT_LT(miss_slots[i], cache.max_rows());
+      std::copy_n(&fetched[i * kWidth], kWidth, &slot_k[miss_slots[i] * kWidth]);
+      std::copy_n(&fetched[(n + i) * kWidth], kWidth,
+                  &slot_v[miss_slots[i] * kWidth]);
+    }
+    for (int g = 0; g < kHeads; ++g) {
+      for (int t = plan.head_offsets[g]; t < plan.head_offsets[g + 1]; ++t) {
+        const int32_t s = plan_slots[t];
+        const uint16_t* k = s >= 0 ? &slot_k[s * kWidth]
+                                   : &fetched[(-1 - s) * kWidth];
+        const uint16_t* v = s >= 0 ? &slot_v[s * kWidth]
+                                   : &fetched[(n + (-1 - s)) * kWidth];
+        for (int c = 0; c < kWidth; ++c) {
+          EXPECT_EQ(k[c], KValue(0, g, plan.indices[t], c)) << t;
+          EXPECT_EQ(v[c], KValue(0, g, plan.indices[t], c) + 5000) << t;
+        }
+      }
+    }
+  }
+  // Step 2 held 0, 2 and 5; step 3 held 9 and 2 (head 1 skipped); step 4
+  // held 0, 9, 2, 5 and 6.
+  EXPECT_EQ(hits, 3 + 2 + 5);
+}
+
 TEST(RowCacheTest, ByFrequencyEvictsTheLeastOftenSelected) {
   // Head 0 selects 1 three times, then 0, 2 and 3 once more each, so that
   // 1 is the least recently selected and the most often. A new row takes

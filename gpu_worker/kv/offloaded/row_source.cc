@@ -1,6 +1,7 @@
 #include "gpu_worker/kv/offloaded/row_source.h"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstring>
 #include <numeric>
@@ -109,24 +110,113 @@ class NodeGatherSource final : public RowSource {
   const SequenceId seq_;
 };
 
+// A device's row cache slots: the K and V slot arrays in its memory, and,
+// per fetch buffer, the slots of its plan's rows and of its misses on
+// their way there. The misses are staged, then moved into their slots on
+// the device (Backend::ScatterRows); attention reads each planned row from
+// its slot, or a skipped head's from the staging (FetchedAttention::
+// FromSlots). One per sequence, owned by its CachedGatherSource.
+class DeviceSlots {
+ public:
+  static absl::StatusOr<std::unique_ptr<DeviceSlots>> Make(
+      const RowSourceContext& ctx, long slot_rows) {
+    auto d = std::unique_ptr<DeviceSlots>(new DeviceSlots(ctx, slot_rows));
+    const size_t values =
+        static_cast<size_t>(std::max(1L, slot_rows)) * ctx.layout->row_width;
+    IG_ASSIGN_OR_RETURN(d->k_, DeviceBuffer<uint16_t>::Make(
+                                   ctx.backend, values, "row cache K slots"));
+    IG_ASSIGN_OR_RETURN(d->v_, DeviceBuffer<uint16_t>::Make(
+                                   ctx.backend, values, "row cache V slots"));
+    const size_t room = std::max<size_t>(1, 2 * ctx.layout->plan_rows);
+    for (int i = 0; i < 2; ++i) {
+      IG_ASSIGN_OR_RETURN(d->where_[i], DeviceBuffer<int32_t>::Make(
+                                            ctx.backend, room,
+                                            "row cache slot indices"));
+      d->where_host_[i].assign(room, 0);
+    }
+    return d;
+  }
+
+  // `layer`'s misses (fetched into f's buffer, split by `cache`) staged and
+  // moved into their slots, and the plan's slots uploaded with its head
+  // offsets.
+  absl::Status Upload(LayerFetch& f, const RowCache& cache, int layer) {
+    Backend& b = *ctx_.backend;
+    const int width = ctx_.layout->row_width;
+    const size_t rows = f.rows();
+    const size_t misses = cache.misses(layer).indices.size();
+    // The host copy of this buffer's slots was last read by a copy issued
+    // two layers back.
+    IG_RETURN_IF_ERROR(b.WaitCopies());
+    std::vector<int32_t>& host = where_host_[layer & 1];
+    cache.SlotsOf(layer, host.data(), host.data() + rows);
+    int32_t* dev = where_[layer & 1].data();
+    b.CopyFromHost(dev, host.data(), (rows + misses) * sizeof(int32_t),
+                   f.staged_free);
+    b.CopyFromHost(f.staged.data(), f.buffer->data(),
+                   2 * misses * width * sizeof(uint16_t), f.staged_free);
+    f.UploadOffsets(b, ctx_.layout->plan_room);
+    ScatterRowsParams p;
+    p.k_rows = f.staged.data();
+    p.v_rows = f.staged.data() + misses * width;
+    p.slots = dev + rows;
+    p.n_rows = static_cast<long>(misses);
+    p.row_width = width;
+    p.slot_k = k_.data();
+    p.slot_v = v_.data();
+    p.slot_rows = slot_rows_;
+    b.ScatterRows(p);
+    at_[layer & 1] = SlotRowsAt{k_.data(), v_.data(), slot_rows_, dev,
+                                static_cast<long>(misses)};
+    return absl::OkStatus();
+  }
+  // Where `layer`'s rows lie once uploaded.
+  const SlotRowsAt& At(int layer) const { return at_[layer & 1]; }
+
+ private:
+  DeviceSlots(const RowSourceContext& ctx, long slot_rows)
+      : ctx_(ctx), slot_rows_(std::max(1L, slot_rows)) {}
+
+  const RowSourceContext& ctx_;
+  const long slot_rows_;
+  DeviceBuffer<uint16_t> k_, v_;  // [slot_rows_][row_width]
+  // Per fetch buffer: [plan rows] each row's slot, then [misses] each
+  // miss's (RowCache::SlotsOf).
+  std::array<DeviceBuffer<int32_t>, 2> where_;
+  std::array<std::vector<int32_t>, 2> where_host_;
+  std::array<SlotRowsAt, 2> at_;
+};
+
 // The node gathers the rows the sequence's row cache does not hold; they
 // land in the cache's slots, and attention reads every planned row from
-// there, in plan order (RowCache). The node hears of the rows held through
-// the idle fetch buffer, as of one-sided reads, where its data plane takes
-// such notes.
+// there, in plan order (RowCache): on a host backend where the cache keeps
+// them, on a device in its memory (DeviceSlots). The node hears of the
+// rows held through the idle fetch buffer, as of one-sided reads, where
+// its data plane takes such notes.
 class CachedGatherSource final : public RowSource {
  public:
   // `notes`: the node takes notes of the sequence's rows (each position
-  // at its own slot: no attached prefix).
+  // at its own slot: no attached prefix). On a device (a staged layout)
+  // Make gives it its DeviceSlots.
   CachedGatherSource(const RowSourceContext& ctx, SequenceId seq, bool notes)
       : ctx_(ctx),
         seq_(seq),
         cache_(ctx.config->n_layers, ctx.config->n_kv_heads, ctx.max_seq_len,
                ctx.layout->row_width, ctx.layout->row_cache,
-               ctx.layout->row_cache_replacement),
+               ctx.layout->row_cache_replacement,
+               /*hold_rows=*/!ctx.layout->staged),
         heads_(ctx.config->n_kv_heads),
         split_(ctx.config->n_layers, 0),
         notes_(notes) {}
+  static absl::StatusOr<std::unique_ptr<CachedGatherSource>> Make(
+      const RowSourceContext& ctx, SequenceId seq, bool notes) {
+    auto source = std::make_unique<CachedGatherSource>(ctx, seq, notes);
+    if (ctx.layout->staged) {
+      IG_ASSIGN_OR_RETURN(source->device_,
+                          DeviceSlots::Make(ctx, source->cache_.max_rows()));
+    }
+    return source;
+  }
   bool one_sided() const override { return false; }
 
   absl::Status Issue(LayerFetch& f, int layer, int position,
@@ -160,11 +250,25 @@ class CachedGatherSource final : public RowSource {
     LayerFetch& f = fetches.For(layer);
     IG_RETURN_IF_ERROR(WaitGather(ctx_, f, stats));
     f.uploaded = true;
+    const Layout& z = *ctx_.layout;
     // A fetch the cache did not split (a reused prefix's rows, which the
-    // prefill reads) is read from the buffer as it came.
-    if (!split_[layer]) return true;
+    // prefill reads) is read from the buffer, or the staging, as it came.
+    if (!split_[layer]) {
+      if (z.staged) {
+        ctx_.backend->CopyFromHost(
+            f.staged.data(), f.buffer->data(),
+            2 * f.plan.indices.size() * z.row_width * sizeof(uint16_t),
+            f.staged_free);
+        f.UploadOffsets(*ctx_.backend, z.plan_room);
+      }
+      return true;
+    }
     split_[layer] = 0;
-    cache_.Fill(layer, f.buffer->data());
+    if (device_ != nullptr) {
+      IG_RETURN_IF_ERROR(device_->Upload(f, cache_, layer));
+    } else {
+      cache_.Fill(layer, f.buffer->data());
+    }
     const kv_memory_service::OwnedFetchPlan& hits = cache_.hits(layer);
     if (!notes_ || hits.indices.empty()) return true;
     // The rows held were read all the same: the node's statistics and
@@ -191,6 +295,16 @@ class CachedGatherSource final : public RowSource {
 
   absl::Status Attend(LayerFetch& f, int layer,
                       const RowAttention& a) override {
+    if (device_ != nullptr) {
+      // MakeLayout gives a device a row cache where no probabilities are
+      // wanted, which the backend's staged attention then reads by slot.
+      if (!ctx_.attention->FromSlots(f, device_->At(layer), a)) {
+        return absl::InternalError(
+            "kv cache: the backend refused to attend over the row cache's "
+            "slots");
+      }
+      return absl::OkStatus();
+    }
     for (int g = 0; g < ctx_.config->n_kv_heads; ++g) {
       const RowCache::HeadRows h = cache_.Head(layer, g, f.buffer->data());
       heads_[g] = HeadRowsAt{h.k, h.v, h.indices};
@@ -213,6 +327,7 @@ class CachedGatherSource final : public RowSource {
   const RowSourceContext& ctx_;
   const SequenceId seq_;
   RowCache cache_;
+  std::unique_ptr<DeviceSlots> device_;  // on a device
   std::vector<HeadRowsAt> heads_;
   std::vector<char> split_;  // [layer]: its fetch in flight is the misses
   bool notes_;               // the node takes notes, as far as known
@@ -498,10 +613,15 @@ std::unique_ptr<RowSource> MakeRowSource(const RowSourceContext& ctx,
                                          bool& refusal_logged) {
   const bool staged = ctx.layout->staged;
   const bool attends_stored = !staged && AttendsNodeRows(ctx, format);
-  // The node's gather, through the row cache where there is one.
+  // The node's gather, through the row cache where there is one: a host
+  // backend's attention reads its rows in place, a device's by slot.
   auto gather = [&]() -> std::unique_ptr<RowSource> {
-    if (ctx.layout->row_cache > 0 && attends_stored) {
-      return std::make_unique<CachedGatherSource>(ctx, seq, own_slots);
+    if (ctx.layout->row_cache > 0 && (attends_stored || staged)) {
+      absl::StatusOr<std::unique_ptr<CachedGatherSource>> cached =
+          CachedGatherSource::Make(ctx, seq, own_slots);
+      if (cached.ok()) return *std::move(cached);
+      IG_LOG(WARNING) << "kv cache: no row cache for this sequence: "
+                      << cached.status().message();
     }
     return NodeGather(ctx, seq);
   };
