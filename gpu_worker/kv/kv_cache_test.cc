@@ -1539,6 +1539,47 @@ TEST_F(KvCacheTest, TheRowCacheOnADeviceKeepsItsRowsInDeviceMemory) {
   }
 }
 
+// A reused prefix's rows reach a device's prefill through the cache's
+// staging as they came; the steps after use its slots: the text of
+// neither reuse nor cache.
+TEST_F(KvCacheTest, TheRowCacheOnADeviceDecodesAReusedPrefixAsWithoutEither) {
+  for (std::string kind : {"infinigen", "oracle", "quest"}) {
+    SCOPED_TRACE(kind);
+    std::vector<std::string> violations;
+    auto device = [&] {
+      return std::make_unique<GuardedDeviceBackend>(&violations);
+    };
+    FakeKvClient node;
+    EngineOptions o = WideOptions(kind, &node);
+    o.kv.prefix_block_tokens = 8;
+    o.kv.model_identity = "test-model";
+    o.kv.row_cache = 0.5;
+    const std::vector<int> shared = Tokens(70);
+    std::vector<int> prompt = shared;
+    prompt.push_back(5);
+    prompt.push_back(9);
+    auto first = Engine::Create(wide_, device(), o);
+    ASSERT_TRUE(first.ok()) << first.status();
+    ASSERT_TRUE((*first)->Forward(shared, false).ok());
+    auto second = Engine::Create(wide_, device(), o);
+    ASSERT_TRUE(second.ok());
+    const std::vector<int> reused = Greedy(**second, prompt, 12);
+    EXPECT_EQ((*second)->cached_tokens(), 64);
+    EngineOptions plain = o;
+    plain.kv.prefix_block_tokens = 0;
+    plain.kv.row_cache = 0;
+    auto third = Engine::Create(wide_, device(), plain);
+    ASSERT_TRUE(third.ok());
+    EXPECT_EQ(reused, Greedy(**third, prompt, 12));
+    const FetchStats& got = (*second)->fetch_stats();
+    const FetchStats& want = (*third)->fetch_stats();
+    EXPECT_EQ(got.fraction_sum, want.fraction_sum);
+    EXPECT_EQ(got.row_cache_lookups, want.rows_fetched);
+    EXPECT_GT(got.row_cache_hits, 0);
+    EXPECT_THAT(violations, ::testing::IsEmpty());
+  }
+}
+
 TEST_F(KvCacheTest, TheRowCacheStaysOffWhereTheNodeEvicts) {
   FakeKvClient cached_node, gather_node;
   EngineOptions with = WideOptions("infinigen", &cached_node);
