@@ -133,8 +133,21 @@ class DeviceSlots {
                                             ctx.backend, room,
                                             "row cache slot indices"));
       d->where_host_[i].assign(room, 0);
+      // Pinned, the copies run asynchronously; pageable, they still copy.
+      d->pinned_[i] = ctx.backend
+                          ->PinHost(d->where_host_[i].data(),
+                                    room * sizeof(int32_t))
+                          .ok();
     }
     return d;
+  }
+  ~DeviceSlots() {
+    // The copies out of the pinned indices have read them (an error is
+    // the backend's, sticky, and reported by its next call).
+    if (pinned_[0] || pinned_[1]) ctx_.backend->WaitCopies().IgnoreError();
+    for (int i = 0; i < 2; ++i) {
+      if (pinned_[i]) ctx_.backend->UnpinHost(where_host_[i].data());
+    }
   }
 
   // `layer`'s misses (fetched into f's buffer, split by `cache`) staged and
@@ -184,6 +197,7 @@ class DeviceSlots {
   // miss's (RowCache::SlotsOf).
   std::array<DeviceBuffer<int32_t>, 2> where_;
   std::array<std::vector<int32_t>, 2> where_host_;
+  std::array<bool, 2> pinned_ = {false, false};
   std::array<SlotRowsAt, 2> at_;
 };
 
