@@ -83,7 +83,8 @@ def collect(out_dir, config, gpu_bytes):
                    "decode_tokens_per_s": None, "prefill_tokens_per_s": None,
                    "fetch_gbps": None, "decode_fetch_gbps": None,
                    "fetch_fraction": None, "p50_ms": None,
-                   "first_step_ms": None, "prefill_open_seconds": None,
+                   "first_step_ms": None, "ttft_s": None,
+                   "prefill_open_seconds": None,
                    "prefill_append_wait_seconds": None,
                    "prefill_policy_seconds": None,
                    "bytes_per_step": None, "row_cache_hit_rate": None,
@@ -114,6 +115,9 @@ def collect(out_dir, config, gpu_bytes):
                 else:
                     row["decode_tokens_per_s"] = j.get("decode_tokens_per_s")
                 row["prefill_tokens_per_s"] = j.get("prefill_tokens_per_s")
+                # A prompt alone: the seconds to its first token.
+                if batch == 1 and row["prefill_tokens_per_s"]:
+                    row["ttft_s"] = ctx / row["prefill_tokens_per_s"]
             elif meta.get("skipped"):
                 row["skipped"] = "no budget left"
             elif meta.get("timed_out"):
@@ -216,12 +220,15 @@ def markdown(report):
         f"{fmt(f['tflops'])} TFLOP/s on tensor cores with the scores in "
         f"registers, {fmt(f['wmma_tflops'])} through shared memory (WMMA)."
         for f in report.get("flash", [])] + [
+             "", "Decode tok/s is the mean over every step, the first after "
+             "the prompt included; TTFT the seconds a prompt alone waits for "
+             "its first token (batch 1).",
              "", "| system | policy | reads | ctx | batch | decode tok/s | "
-             "p50 ms/step | first step ms | "
+             "p50 ms/step | first step ms | TTFT s | "
              "prefill tok/s | fetch GB/s (wait) | fetch GB/s (decode) | "
              "fetched | MB/step | row cache hits | KV > GPU | status |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
-             "---|"]
+             "---|---|"]
     for r in report["runs"]:
         status = ("refused: " + r.get("reason", "") if r["refused"] else
                   "timed out" if r.get("timed_out") else
@@ -233,6 +240,7 @@ def markdown(report):
             f"| {r['system']} | {r['policy']} | {reads} | {r['ctx']} | "
             f"{r['batch']} | {fmt(r['decode_tokens_per_s'], 2)} | "
             f"{fmt(r.get('p50_ms'))} | {fmt(r.get('first_step_ms'))} | "
+            f"{fmt(r.get('ttft_s'), 2)} | "
             f"{fmt(r['prefill_tokens_per_s'], 0)} | "
             f"{'' if r.get('direct_reads') else fmt(r['fetch_gbps'], 2)} | "
             f"{fmt(r.get('decode_fetch_gbps'), 2)} "

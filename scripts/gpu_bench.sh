@@ -3,7 +3,7 @@
 # scripts/gpu_bundle.sh (it is the bundle's gpu_bench.sh):
 #
 #   gpu_bench.sh OUT_DIR [--budget_s=480] [--model_config=llama-2-7b]
-#                [--decode_tokens=16] [--shapes=4096x1,32768x1,8192x8,16384x1]
+#                [--decode_tokens=64] [--shapes=4096x1,32768x1,8192x8,16384x1]
 #                [--big=32768x5|none] [--backend=cuda]
 #                [--infinigen=bin/infinigen] [--skew=PATH]
 #                [--dry_run]
@@ -50,7 +50,7 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 OUT=""
 BUDGET=480
 MODEL=llama-2-7b
-STEPS=16
+STEPS=64
 DRY=0
 SHAPES="4096x1,32768x1,8192x8,16384x1"
 BIG="32768x5"

@@ -251,6 +251,11 @@ class GpuBench(unittest.TestCase):
                       "210.0 | 500.0 |", md)
         self.assertEqual(rows[("infinigen", "full", 32768, 1)]
                          ["first_step_ms"], 500.0)
+        # Time to first token: a 32768-token prompt alone at 100 tokens/s.
+        self.assertAlmostEqual(rows[("infinigen", "full", 32768, 1)]
+                               ["ttft_s"], 327.68)
+        self.assertIn("| 210.0 | 500.0 | 327.68 |", md)
+        self.assertIsNone(rows[("infinigen", "ideal", 32768, 6)]["ttft_s"])
         # Where an offloaded prefill waited.
         self.assertEqual(rows[("infinigen", "full", 32768, 1)]
                          ["prefill_open_seconds"], 2.5)
