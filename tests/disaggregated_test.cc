@@ -128,9 +128,21 @@ TEST_F(Disaggregated, RemoteMemoryNodesGiveExactlyTheInProcessLogits) {
   }
 }
 
+// The rows the node at `address` has counted as fetched (gathered or
+// noted), all sequences together.
+int64_t NodeFetchedRows(const std::string& address) {
+  auto client = kv_memory_service::ConnectKvClient(address);
+  EXPECT_TRUE(client.ok()) << client.status();
+  if (!client.ok()) return -1;
+  auto stats = (*client)->GetStoreStats();
+  EXPECT_TRUE(stats.ok()) << stats.status();
+  return stats.ok() ? stats->fetched_rows : -1;
+}
+
 // The worker's row cache over every data plane, two sequences in a batch
 // (each its own cache): the logits of fetching every selected row, bit for
-// bit, with only the rows the worker did not hold fetched.
+// bit, with only the rows the worker did not hold fetched. A remote node
+// still counts every selected row as fetched: the hits are noted to it.
 TEST_F(Disaggregated, TheRowCacheGivesTheSameLogitsOnEveryPlane) {
   auto tcp = ServerProcess::Start({"--listen=127.0.0.1:0"});
   ASSERT_TRUE(tcp.ok()) << tcp.status();
@@ -148,12 +160,17 @@ TEST_F(Disaggregated, TheRowCacheGivesTheSameLogitsOnEveryPlane) {
     for (const std::string address :
          {std::string("inproc:"), (*tcp)->address(), "shm:unix:" + shm_sock}) {
       SCOPED_TRACE(address);
+      const bool remote = address != "inproc:";
+      const int64_t before = remote ? NodeFetchedRows(address) : 0;
       gpu_worker::FetchStats got;
       EXPECT_EQ(Decode(address, kind, false, nullptr, nullptr, 0.5, &got),
                 want);
       EXPECT_EQ(got.row_cache_lookups, all.rows_fetched);
       EXPECT_GT(got.row_cache_hits, 0);
       EXPECT_EQ(got.rows_fetched, all.rows_fetched - got.row_cache_hits);
+      if (remote) {
+        EXPECT_EQ(NodeFetchedRows(address) - before, all.rows_fetched);
+      }
     }
   }
 }

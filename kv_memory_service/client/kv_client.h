@@ -320,7 +320,8 @@ class KvClient {
   // The present tokens of (layer, kv_head) of `seq`, by increasing
   // position, with their fetch statistics (KvStore::GetTokenStats), for
   // tests and tools that check what the node counted. Unimplemented where
-  // the data plane does not report them (the default; inproc: does).
+  // the data plane does not report them (the default; inproc: and the
+  // planes over gRPC control do).
   virtual absl::StatusOr<std::vector<TokenFetchStats>> GetTokenStats(
       SequenceId seq, int32_t layer, int32_t kv_head) {
     return absl::UnimplementedError(

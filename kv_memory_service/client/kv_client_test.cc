@@ -165,6 +165,40 @@ TEST_P(KvClientTest, FetchesAreBitExact) {
   }
 }
 
+// A note of rows the caller read from copies of its own: the node counts
+// them as fetched, nothing is written into the buffer it went through, the
+// buffer takes the next fetch, and a bad note gets a gather's error.
+TEST_P(KvClientTest, ANoteCountsItsRowsAndWritesNothing) {
+  const SequenceGeometry g = MakeGeometry(2, 2, 8, 64);
+  const SequenceId id = OpenFilled(g, 5, 20);
+  std::unique_ptr<FetchBuffer> buffer = Buffer(2 * 2 * 8 * 8);
+  std::fill(buffer->data(), buffer->data() + buffer->size(), uint16_t{0xabcd});
+  const OwnedFetchPlan plan = OwnedFetchPlan::PerHead({{3, 11, 3}, {19}});
+  ASSERT_OK(client_->NoteFetchedAsync(id, 1, plan.view(), buffer.get()).Wait());
+  EXPECT_TRUE(std::all_of(buffer->data(), buffer->data() + buffer->size(),
+                          [](uint16_t v) { return v == 0xabcd; }));
+  auto head0 = client_->GetTokenStats(id, 1, 0);
+  ASSERT_TRUE(head0.ok()) << head0.status();
+  for (const TokenFetchStats& t : *head0) {
+    EXPECT_EQ(t.fetch_count, t.position == 3 ? 2 : t.position == 11 ? 1 : 0)
+        << t.position;
+  }
+  auto head1 = client_->GetTokenStats(id, 1, 1);
+  ASSERT_TRUE(head1.ok()) << head1.status();
+  for (const TokenFetchStats& t : *head1) {
+    EXPECT_EQ(t.fetch_count, t.position == 19 ? 1 : 0) << t.position;
+  }
+  EXPECT_CODE(client_
+                  ->NoteFetchedAsync(id, 1,
+                                     OwnedFetchPlan::PerHead({{20}, {}}).view(),
+                                     buffer.get())
+                  .Wait(),
+              kOutOfRange);
+  ASSERT_OK(client_->FetchAsync(id, 1, plan.view(), buffer.get()).Wait());
+  const std::vector<uint16_t> want = ExpectedRows(5, g, 1, plan.view());
+  EXPECT_EQ(Rows(*buffer, want.size()), want);
+}
+
 // Fetches of whole layers (queued to the in-process client's fetch
 // thread, and split across the node's gather threads) in flight together
 // with a scattered one: each lands bit for bit; an error found by a queued

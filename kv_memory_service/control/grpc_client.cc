@@ -169,41 +169,14 @@ class GrpcKvClient final : public KvClient, public FetchWaiter {
 
   FetchHandle FetchAsync(SequenceId seq, int32_t layer, const FetchPlan& plan,
                          FetchBuffer* dest) override {
-    const size_t request_bytes =
-        (plan.indices.size() + plan.head_offsets.size()) * sizeof(int32_t);
-    if (request_bytes + 1024 > static_cast<size_t>(options_.max_message_bytes)) {
-      return FetchHandle(absl::ResourceExhaustedError(absl::StrCat(
-          "a plan of ", plan.indices.size(),
-          " indices exceeds the message limit of ", options_.max_message_bytes,
-          " bytes")));
-    }
-    auto claimed = FetchBuffer::Claim<GrpcFetchBuffer>(this, dest);
-    if (!claimed.ok()) return FetchHandle(claimed.status());
-    GrpcFetchBuffer* buffer = *claimed;
-    if (absl::Status down = Unresponsive(); !down.ok()) {
-      buffer->Complete(std::move(down));
-      return FetchHandle(buffer);
-    }
+    return Request(seq, layer, plan, dest, /*note=*/false);
+  }
 
-    buffer->deadline = absl::Now() + options_.fetch_timeout;
-    kv::FetchRequest& req = buffer->request;
-    req.set_sequence_id(seq);
-    req.set_session_id(session());
-    req.set_layer(layer);
-    ToProto(plan, req.mutable_plan());
-    req.set_dest_elements(buffer->size());
-    buffer->request_id = next_request_id_.fetch_add(1) + 1;
-    req.set_request_id(buffer->request_id);
-
-    absl::StatusOr<std::shared_ptr<FetchConnection>> connection = Connection();
-    if (!connection.ok()) {
-      buffer->connection.reset();
-      buffer->Complete(connection.status());
-      return FetchHandle(buffer);
-    }
-    buffer->connection = *std::move(connection);
-    buffer->connection->Send(buffer);
-    return FetchHandle(buffer);
+  // Over the fetch connection, as a fetch whose response carries no rows.
+  FetchHandle NoteFetchedAsync(SequenceId seq, int32_t layer,
+                               const FetchPlan& plan,
+                               FetchBuffer* via) override {
+    return Request(seq, layer, plan, via, /*note=*/true);
   }
 
   absl::Status Close(SequenceId seq) override {
@@ -236,6 +209,30 @@ class GrpcKvClient final : public KvClient, public FetchWaiter {
     Prepare(&ctx);
     IG_RETURN_IF_ERROR(FromGrpcStatus(stub_->GetStats(&ctx, req, &resp)));
     return FromProto(resp.store());
+  }
+
+  absl::StatusOr<std::vector<TokenFetchStats>> GetTokenStats(
+      SequenceId seq, int32_t layer, int32_t kv_head) override {
+    kv::GetStatsRequest req;
+    req.set_sequence_id(seq);
+    req.set_session_id(session());
+    req.set_include_tokens(true);
+    req.set_layer(layer);
+    req.set_kv_head(kv_head);
+    kv::GetStatsResponse resp;
+    grpc::ClientContext ctx;
+    Prepare(&ctx);
+    IG_RETURN_IF_ERROR(FromGrpcStatus(stub_->GetStats(&ctx, req, &resp)));
+    std::vector<TokenFetchStats> tokens;
+    tokens.reserve(resp.tokens_size());
+    for (const kv::TokenFetchStats& t : resp.tokens()) {
+      TokenFetchStats out;
+      out.position = t.position();
+      out.fetch_count = t.fetch_count();
+      out.last_fetch = t.last_fetch();
+      tokens.push_back(out);
+    }
+    return tokens;
   }
 
   std::string data_plane() const override { return "tcp"; }
@@ -275,6 +272,48 @@ class GrpcKvClient final : public KvClient, public FetchWaiter {
   }
 
  private:
+  // A fetch of `plan` into `dest`, or with `note` a note of it through
+  // `dest` (FetchRequest.note: nothing is written into the buffer).
+  FetchHandle Request(SequenceId seq, int32_t layer, const FetchPlan& plan,
+                      FetchBuffer* dest, bool note) {
+    const size_t request_bytes =
+        (plan.indices.size() + plan.head_offsets.size()) * sizeof(int32_t);
+    if (request_bytes + 1024 > static_cast<size_t>(options_.max_message_bytes)) {
+      return FetchHandle(absl::ResourceExhaustedError(absl::StrCat(
+          "a plan of ", plan.indices.size(),
+          " indices exceeds the message limit of ", options_.max_message_bytes,
+          " bytes")));
+    }
+    auto claimed = FetchBuffer::Claim<GrpcFetchBuffer>(this, dest);
+    if (!claimed.ok()) return FetchHandle(claimed.status());
+    GrpcFetchBuffer* buffer = *claimed;
+    if (absl::Status down = Unresponsive(); !down.ok()) {
+      buffer->Complete(std::move(down));
+      return FetchHandle(buffer);
+    }
+
+    buffer->deadline = absl::Now() + options_.fetch_timeout;
+    kv::FetchRequest& req = buffer->request;
+    req.set_sequence_id(seq);
+    req.set_session_id(session());
+    req.set_layer(layer);
+    ToProto(plan, req.mutable_plan());
+    req.set_dest_elements(buffer->size());
+    req.set_note(note);
+    buffer->request_id = next_request_id_.fetch_add(1) + 1;
+    req.set_request_id(buffer->request_id);
+
+    absl::StatusOr<std::shared_ptr<FetchConnection>> connection = Connection();
+    if (!connection.ok()) {
+      buffer->connection.reset();
+      buffer->Complete(connection.status());
+      return FetchHandle(buffer);
+    }
+    buffer->connection = *std::move(connection);
+    buffer->connection->Send(buffer);
+    return FetchHandle(buffer);
+  }
+
   void Prepare(grpc::ClientContext* ctx) const {
     Prepare(ctx, options_.rpc_timeout);
   }

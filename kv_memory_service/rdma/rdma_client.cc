@@ -81,8 +81,10 @@ class RdmaFetchBuffer final : public FetchBuffer {
   ~RdmaFetchBuffer() override;
 
   // Sends the fetch of a claimed buffer (FetchBuffer::Claim began it).
+  // A fetch of `plan`, or with `note` a note of it (nothing written into
+  // the buffer).
   FetchHandle Start(SequenceId seq, int32_t layer, const FetchPlan& plan,
-                    absl::Time deadline);
+                    absl::Time deadline, bool note = false);
 
  protected:
   absl::Status WaitForFetch() override;
@@ -141,6 +143,17 @@ class RdmaKvClient final : public KvClientWrapper {
     if (!buffer.ok()) return FetchHandle(buffer.status());
     return (*buffer)->Start(seq, layer, plan,
                             absl::Now() + options_.fetch_timeout);
+  }
+
+  // On the queue pair, as a fetch whose response comes without rows.
+  FetchHandle NoteFetchedAsync(SequenceId seq, int32_t layer,
+                               const FetchPlan& plan,
+                               FetchBuffer* via) override {
+    auto buffer = FetchBuffer::Claim<RdmaFetchBuffer>(this, via);
+    if (!buffer.ok()) return FetchHandle(buffer.status());
+    return (*buffer)->Start(seq, layer, plan,
+                            absl::Now() + options_.fetch_timeout,
+                            /*note=*/true);
   }
 
   std::string data_plane() const override { return "rdma"; }
@@ -382,7 +395,8 @@ RdmaFetchBuffer::~RdmaFetchBuffer() {
 }
 
 FetchHandle RdmaFetchBuffer::Start(SequenceId seq, int32_t layer,
-                                   const FetchPlan& plan, absl::Time deadline) {
+                                   const FetchPlan& plan, absl::Time deadline,
+                                   bool note) {
   absl::Status status = client_->Health();
   const size_t n = plan.indices.size(), m = plan.head_offsets.size();
   if (status.ok() && n + m > memory_.plan_capacity) {
@@ -393,7 +407,7 @@ FetchHandle RdmaFetchBuffer::Start(SequenceId seq, int32_t layer,
   if (status.ok()) {
     absl::Span<char> packet = client_->RequestArea(slot_);
     const size_t bytes = rdma::EncodeFetchRequest(slot_, seq, client_->session(),
-                                                 layer, plan, packet);
+                                                 layer, plan, packet, note);
     if (bytes < rdma::InlineRequestBytes(n, m)) {
       // Too large to send inline: the server reads it from the plan area.
       auto* area = reinterpret_cast<int32_t*>(memory_.plan.get());

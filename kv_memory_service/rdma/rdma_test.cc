@@ -165,8 +165,32 @@ TEST(PacketTest, SmallPlansTravelInline) {
   EXPECT_EQ(r->session, 0xbeef00000002ULL);
   EXPECT_EQ(r->layer, 3);
   EXPECT_TRUE(r->plan_inline);
+  EXPECT_FALSE(r->note);
   EXPECT_EQ(std::vector<int32_t>(r->inline_plan.begin(), r->inline_plan.end()),
             (std::vector<int32_t>{1, 5, 9, 2, 0, 3, 3, 4}));
+}
+
+TEST(PacketTest, ANoteSaysSoInlineOrNot) {
+  const OwnedFetchPlan small = OwnedFetchPlan::PerHead({{1, 5}, {2}});
+  alignas(8) char packet[kMaxRequestBytes];
+  size_t bytes = EncodeFetchRequest(2, 9, 4, 1, small.view(),
+                                    absl::MakeSpan(packet), /*note=*/true);
+  absl::StatusOr<FetchRequest> r =
+      DecodeFetchRequest(absl::MakeConstSpan(packet, bytes));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->note);
+  EXPECT_TRUE(r->plan_inline);
+  EXPECT_EQ(r->n_indices, 3u);
+
+  std::vector<int32_t> positions(4096);
+  for (int i = 0; i < 4096; ++i) positions[i] = i;
+  const OwnedFetchPlan large = OwnedFetchPlan::SameForAllHeads(2, positions);
+  bytes = EncodeFetchRequest(2, 9, 4, 1, large.view(), absl::MakeSpan(packet),
+                             /*note=*/true);
+  r = DecodeFetchRequest(absl::MakeConstSpan(packet, bytes));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->note);
+  EXPECT_FALSE(r->plan_inline);
 }
 
 TEST(PacketTest, LargePlansAreReadByTheServer) {
@@ -196,6 +220,11 @@ TEST(PacketTest, MalformedRequestsAreRejected) {
   EXPECT_CODE(DecodeFetchRequest(absl::MakeConstSpan(packet, bytes + 4)).status(),
               kInvalidArgument);
   packet[0] ^= 1;
+  EXPECT_CODE(DecodeFetchRequest(absl::MakeConstSpan(packet, bytes)).status(),
+              kInvalidArgument);
+  packet[0] ^= 1;
+  ASSERT_TRUE(DecodeFetchRequest(absl::MakeConstSpan(packet, bytes)).ok());
+  packet[36] |= 4;  // a flag no release sends
   EXPECT_CODE(DecodeFetchRequest(absl::MakeConstSpan(packet, bytes)).status(),
               kInvalidArgument);
 }

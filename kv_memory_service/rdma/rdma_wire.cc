@@ -25,8 +25,10 @@ struct RequestHeader {
   int32_t layer;
   uint32_t n_indices;
   uint32_t n_head_offsets;
-  uint32_t plan_inline;
+  uint32_t flags;  // kPlanInline | kNote
 };
+constexpr uint32_t kPlanInline = 1;
+constexpr uint32_t kNote = 2;
 static_assert(sizeof(RequestHeader) == 40);
 
 struct ResponseHeader {
@@ -111,7 +113,8 @@ size_t InlineRequestBytes(size_t n_indices, size_t n_head_offsets) {
 
 size_t EncodeFetchRequest(uint32_t slot, SequenceId sequence,
                           SessionId session, int32_t layer,
-                          const FetchPlan& plan, absl::Span<char> out) {
+                          const FetchPlan& plan, absl::Span<char> out,
+                          bool note) {
   const size_t n = plan.indices.size();
   const size_t m = plan.head_offsets.size();
   RequestHeader header{};
@@ -123,9 +126,11 @@ size_t EncodeFetchRequest(uint32_t slot, SequenceId sequence,
   header.n_indices = static_cast<uint32_t>(n);
   header.n_head_offsets = static_cast<uint32_t>(m);
   const size_t inline_bytes = InlineRequestBytes(n, m);
-  header.plan_inline = inline_bytes <= std::min(out.size(), kMaxRequestBytes);
+  const bool plan_inline =
+      inline_bytes <= std::min(out.size(), kMaxRequestBytes);
+  header.flags = (plan_inline ? kPlanInline : 0) | (note ? kNote : 0);
   std::memcpy(out.data(), &header, sizeof(header));
-  if (!header.plan_inline) return sizeof(header);
+  if (!plan_inline) return sizeof(header);
   char* p = out.data() + sizeof(header);
   // An empty span's data() may be null, which memcpy must not see.
   if (n > 0) std::memcpy(p, plan.indices.data(), n * sizeof(int32_t));
@@ -153,7 +158,12 @@ absl::StatusOr<FetchRequest> DecodeFetchRequest(absl::Span<const char> packet) {
   request.layer = header.layer;
   request.n_indices = header.n_indices;
   request.n_head_offsets = header.n_head_offsets;
-  request.plan_inline = header.plan_inline != 0;
+  if ((header.flags & ~(kPlanInline | kNote)) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "RDMA fetch request: unknown flags ", header.flags));
+  }
+  request.plan_inline = (header.flags & kPlanInline) != 0;
+  request.note = (header.flags & kNote) != 0;
   if (request.plan_inline) {
     const size_t want = InlineRequestBytes(header.n_indices, header.n_head_offsets);
     if (packet.size() != want) {

@@ -227,6 +227,11 @@ absl::Status KvMemoryService::DoAppend(const grpc::ServerContext& ctx,
 absl::Status KvMemoryService::FetchInto(const kv::FetchRequest& req,
                                         kv::FetchResponse* resp) {
   std::string* rows = resp->mutable_rows();
+  if (req.note()) {
+    rows->clear();
+    return NoteForResponse(*store_, req.sequence_id(), req.session_id(),
+                           req.layer(), PlanView(req.plan()));
+  }
   const absl::Time start = absl::Now();
   absl::Status status = GatherForResponse(
       *store_, req.sequence_id(), req.session_id(), req.layer(),

@@ -286,7 +286,8 @@ bool FetchSocketLoop::Respond(Connection* c, uint64_t request_id, const absl::St
 bool FetchSocketLoop::Judge(Connection* c) {
   const fetch_wire::FetchRequestHeader& q = c->q;
   const int32_t max_message = server_->options_.max_message_bytes;
-  if (q.magic != fetch_wire::kRequestMagic) {
+  if (q.magic != fetch_wire::kRequestMagic &&
+      q.magic != fetch_wire::kNoteMagic) {
     c->close_after_send = true;
     return Respond(c, 0, absl::InvalidArgumentError("malformed fetch request"),
                    0, Connection::State::kHeader);
@@ -305,7 +306,7 @@ bool FetchSocketLoop::Judge(Connection* c) {
       server_->store_->Geometry(q.sequence_id, q.session_id);
   absl::Status status =
       g.ok() ? ValidatePlanHeadCount(q.n_offsets, g->n_kv_heads) : g.status();
-  if (status.ok()) {
+  if (status.ok() && q.magic == fetch_wire::kRequestMagic) {
     // Each index brings a K and a V row of head_dim 2-byte values.
     const int64_t max_indices = std::min<int64_t>(
         server_->store_->options().max_fetch_indices,
@@ -333,6 +334,11 @@ bool FetchSocketLoop::Serve(Connection* c) {
   const FetchPlan plan{
       absl::Span<const int32_t>(c->body.data() + q.n_offsets, q.n_indices),
       absl::Span<const int32_t>(c->body.data(), q.n_offsets)};
+  if (q.magic == fetch_wire::kNoteMagic) {
+    const absl::Status status = NoteForResponse(
+        *server_->store_, q.sequence_id, q.session_id, q.layer, plan);
+    return Respond(c, q.request_id, status, 0, Connection::State::kHeader);
+  }
   const absl::Time start = absl::Now();
   const absl::Status status = GatherForResponse(
       *server_->store_, q.sequence_id, q.session_id, q.layer, plan,
