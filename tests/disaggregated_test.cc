@@ -54,11 +54,12 @@ class Disaggregated : public ::testing::Test {
   // With `direct`, one-sided reads (KvOptions::direct_reads); *in_place
   // (may be null) gets the rows read where the node keeps them, of
   // *fetched. `row_cache`: KvOptions::row_cache; *stats (may be null) the
-  // two sequences' fetch statistics.
+  // two sequences' fetch statistics; `kv_capacity`: KvOptions::kv_capacity.
   std::vector<std::vector<float>> Decode(
       const std::string& address, PolicyKind kind, bool direct = false,
       long* in_place = nullptr, long* fetched = nullptr,
-      double row_cache = 0.0, gpu_worker::FetchStats* stats = nullptr) {
+      double row_cache = 0.0, gpu_worker::FetchStats* stats = nullptr,
+      double kv_capacity = 1.0) {
     auto client = kv_memory_service::ConnectKvClient(address);
     EXPECT_TRUE(client.ok()) << client.status();
     if (!client.ok()) return {};
@@ -70,6 +71,7 @@ class Disaggregated : public ::testing::Test {
     options.kv.kv_client = client->get();
     options.kv.direct_reads = direct;
     options.kv.row_cache = row_cache;
+    options.kv.kv_capacity = kv_capacity;
     auto engine = Engine::Create(weights_, gpu_worker::NewCpuBackend(), options);
     EXPECT_TRUE(engine.ok()) << engine.status();
     if (!engine.ok()) return {};
@@ -172,6 +174,35 @@ TEST_F(Disaggregated, TheRowCacheGivesTheSameLogitsOnEveryPlane) {
         EXPECT_EQ(NodeFetchedRows(address) - before, all.rows_fetched);
       }
     }
+  }
+}
+
+// A node that evicts (LRU, a pool of a quarter of the context): with the
+// row cache its hits are noted over TCP and shm as rows of each layer's
+// fetch, so the node evicts what it evicts for a worker that fetches every
+// selected row, and the logits are the same.
+TEST_F(Disaggregated, AnEvictingNodeEvictsAsWithoutTheRowCache) {
+  auto tcp = ServerProcess::Start({"--listen=127.0.0.1:0", "--eviction=lru"});
+  ASSERT_TRUE(tcp.ok()) << tcp.status();
+  const std::string shm_sock = ServerProcess::SocketPath("dis_evict.sock");
+  auto shm = ServerProcess::Start({"--listen=127.0.0.1:0", "--eviction=lru",
+                                   "--shm_listen=unix:" + shm_sock});
+  ASSERT_TRUE(shm.ok()) << shm.status();
+  for (const std::string address : {(*tcp)->address(), "shm:unix:" + shm_sock}) {
+    SCOPED_TRACE(address);
+    gpu_worker::FetchStats all, got;
+    int64_t before = NodeFetchedRows(address);
+    const auto want = Decode(address, PolicyKind::kInfiniGen, false, nullptr,
+                             nullptr, 0.0, &all, 0.25);
+    ASSERT_FALSE(want.empty());
+    const int64_t gathered = NodeFetchedRows(address) - before;
+    before = NodeFetchedRows(address);
+    EXPECT_EQ(Decode(address, PolicyKind::kInfiniGen, false, nullptr, nullptr,
+                     0.5, &got, 0.25),
+              want);
+    EXPECT_GT(got.row_cache_hits, 0);
+    EXPECT_EQ(got.rows_fetched, all.rows_fetched - got.row_cache_hits);
+    EXPECT_EQ(NodeFetchedRows(address) - before, gathered);
   }
 }
 

@@ -62,7 +62,10 @@ class FakeKvClient final : public kv_memory_service::KvClientWrapper {
     bool leading = false;  // a note by head offsets alone
   };
 
-  FakeKvClient() : KvClientWrapper(InprocNode()) {}
+  // `eviction`: the node's, where its pool is smaller than a sequence.
+  explicit FakeKvClient(kv_memory_service::EvictionPolicy eviction =
+                            kv_memory_service::EvictionPolicy::kFifo)
+      : KvClientWrapper(InprocNode(eviction)) {}
 
   // The memory node loses every sequence opened so far (a restart, an
   // eviction, a replacement).
@@ -196,6 +199,17 @@ class FakeKvClient final : public kv_memory_service::KvClientWrapper {
     }
     return target()->NoteFetchedAsync(seq, layer, plan, via);
   }
+  FetchHandle NoteHeldAsync(SequenceId seq, int32_t layer,
+                            const FetchPlan& plan, FetchBuffer* via) override {
+    {
+      absl::MutexLock lock(&mu_);
+      if (fail_note_at_ > 0 && ++note_count_ == fail_note_at_) {
+        return FetchHandle(absl::NotFoundError("fake: no open sequence"));
+      }
+      notes_.push_back({layer, plan.indices.size()});
+    }
+    return target()->NoteHeldAsync(seq, layer, plan, via);
+  }
   FetchHandle NoteLeadingFetchedAsync(SequenceId seq, int32_t layer,
                                       absl::Span<const int32_t> head_offsets,
                                       FetchBuffer* via) override {
@@ -220,9 +234,11 @@ class FakeKvClient final : public kv_memory_service::KvClientWrapper {
 
  private:
   // A private in-process node with a 64 MiB prefix cache.
-  static std::unique_ptr<KvClient> InprocNode() {
+  static std::unique_ptr<KvClient> InprocNode(
+      kv_memory_service::EvictionPolicy eviction) {
     kv_memory_service::KvClientOptions o;
     o.inproc_store_options.prefix_cache_bytes = 64 << 20;
+    o.inproc_store_options.eviction = eviction;
     auto client = kv_memory_service::ConnectKvClient("inproc:", o);
     EXPECT_TRUE(client.ok()) << client.status();
     return client.ok() ? *std::move(client) : nullptr;
@@ -724,9 +740,8 @@ TEST_F(KvCacheTest, APrefixReusedFromTheNodeDecodesAsWithoutReuse) {
 
 // A reused prefix and the row cache: the decode of a prompt whose prefix
 // the node held, through the row cache, is the decode computed in full
-// without one: the same tokens, the same selection. The node takes no
-// notes of a sequence whose positions are not at their own slots, so the
-// rows held are not noted.
+// without one: the same tokens, the same selection, and the rows held
+// noted to the node, whose prefix block's rows they include.
 TEST_F(KvCacheTest, TheRowCacheDecodesAReusedPrefixAsWithoutEither) {
   for (std::string kind : {"infinigen", "oracle", "quest"}) {
     SCOPED_TRACE(kind);
@@ -757,7 +772,9 @@ TEST_F(KvCacheTest, TheRowCacheDecodesAReusedPrefixAsWithoutEither) {
     EXPECT_EQ(got.fraction_sum, want.fraction_sum);
     EXPECT_EQ(got.row_cache_lookups, want.rows_fetched);
     EXPECT_GT(got.row_cache_hits, 0);
-    EXPECT_TRUE(node.notes().empty());
+    long noted = 0;
+    for (const auto& n : node.notes()) noted += n.rows;
+    EXPECT_EQ(noted, got.row_cache_hits);
   }
 }
 
@@ -1487,8 +1504,6 @@ TEST_F(KvCacheTest, TheRowCacheFetchesOnlyWhatChangedWithTheSameLogits) {
   }
 }
 
-// A node that evicts hears of no held rows (its notes need every position
-// at its slot): its sequences fetch every selected row, as without a cache.
 // On a device the row cache's slots lie in its memory: the misses are
 // staged and moved into their slots there, and one attention per layer
 // reads every planned row by slot, with the logits of a device that
@@ -1580,21 +1595,60 @@ TEST_F(KvCacheTest, TheRowCacheOnADeviceDecodesAReusedPrefixAsWithoutEither) {
   }
 }
 
-TEST_F(KvCacheTest, TheRowCacheStaysOffWhereTheNodeEvicts) {
-  FakeKvClient cached_node, gather_node;
-  EngineOptions with = WideOptions("infinigen", &cached_node);
-  with.kv.kv_capacity = 0.5;
-  EngineOptions without = WideOptions("infinigen", &gather_node);
-  without.kv.kv_capacity = 0.5;
-  with.kv.row_cache = 0.5;
-  auto cached = Engine::Create(wide_, NewCpuBackend(), with);
-  auto gather = Engine::Create(wide_, NewCpuBackend(), without);
-  ASSERT_TRUE(cached.ok() && gather.ok());
-  EXPECT_EQ((*cached)->worker_kv_bytes(), (*gather)->worker_kv_bytes());
-  ASSERT_NO_FATAL_FAILURE(ExpectSameDecoding(**cached, **gather));
-  EXPECT_EQ((*cached)->fetch_stats().row_cache_lookups, 0);
-  EXPECT_EQ((*cached)->fetch_stats().rows_fetched,
-            (*gather)->fetch_stats().rows_fetched);
+// A node that evicts (a pool of half the context, by LRU or counter): the
+// cache holds rows wherever the node keeps them, and its notes of the rows
+// held leave the node's statistics, clocks and so its evictions as
+// fetching every row does: the same tokens present, counted and dated
+// alike, the same logits.
+TEST_F(KvCacheTest, TheRowCacheLeavesAnEvictingNodeAsFetchingEveryRow) {
+  using kv_memory_service::EvictionPolicy;
+  for (EvictionPolicy eviction : {EvictionPolicy::kLru, EvictionPolicy::kCounter})
+  for (std::string kind : {"infinigen", "h2o"}) {
+    SCOPED_TRACE(kind + " " + std::string(kv_memory_service::EvictionPolicyName(eviction)));
+    FakeKvClient cached_node(eviction), gather_node(eviction);
+    EngineOptions with = WideOptions(kind, &cached_node);
+    with.kv.kv_capacity = 0.5;
+    EngineOptions without = WideOptions(kind, &gather_node);
+    without.kv.kv_capacity = 0.5;
+    with.kv.row_cache = 0.5;
+    auto cached = Engine::Create(wide_, NewCpuBackend(), with);
+    auto gather = Engine::Create(wide_, NewCpuBackend(), without);
+    ASSERT_TRUE(cached.ok() && gather.ok());
+    // Past the pool's 128 tokens: 40 decode steps that evict.
+    const std::vector<int> t = Tokens(140);
+    for (Engine* e : {cached->get(), gather->get()}) {
+      ASSERT_TRUE(e->Forward(absl::MakeConstSpan(t).subspan(0, 100), false)
+                      .ok());
+    }
+    for (int i = 100; i < 140; ++i) {
+      auto w = (*gather)->Forward({t[i]}, false);
+      ASSERT_TRUE(w.ok()) << w.status();
+      const std::vector<float> want_logits(w->begin(), w->end());
+      auto g = (*cached)->Forward({t[i]}, false);
+      ASSERT_TRUE(g.ok()) << g.status();
+      EXPECT_EQ(std::vector<float>(g->begin(), g->end()), want_logits) << i;
+    }
+    ASSERT_TRUE((*cached)->Flush().ok());
+    ASSERT_TRUE((*gather)->Flush().ok());
+    const FetchStats& got = (*cached)->fetch_stats();
+    const FetchStats& want = (*gather)->fetch_stats();
+    EXPECT_EQ(got.fraction_sum, want.fraction_sum);
+    EXPECT_EQ(got.row_cache_lookups, want.rows_fetched);
+    EXPECT_GT(got.row_cache_hits, 0);
+    EXPECT_EQ(got.rows_fetched, want.rows_fetched - got.row_cache_hits);
+    long noted = 0;
+    for (const auto& n : cached_node.notes()) noted += n.rows;
+    EXPECT_EQ(noted, got.row_cache_hits);
+    const auto want_tokens = gather_node.TokenStats(12, 2);
+    const auto got_tokens = cached_node.TokenStats(12, 2);
+    EXPECT_LE(want_tokens.size(), 12u * 2 * 128);  // the node evicted
+    ASSERT_EQ(got_tokens.size(), want_tokens.size());
+    for (size_t j = 0; j < got_tokens.size(); ++j) {
+      EXPECT_EQ(got_tokens[j].position, want_tokens[j].position) << j;
+      EXPECT_EQ(got_tokens[j].fetch_count, want_tokens[j].fetch_count) << j;
+      EXPECT_EQ(got_tokens[j].last_fetch, want_tokens[j].last_fetch) << j;
+    }
+  }
 }
 
 // The row cache is worker memory: its bound counts in worker_kv_bytes.

@@ -224,7 +224,7 @@ absl::StatusOr<int> OffloadedKvCache::OpenSequence(
   // Positions stay at their own slots only without an attached prefix and
   // without eviction.
   const bool own_slots = cached == 0 && geometry_.max_tokens >= max_seq_;
-  s.source = MakeRowSource(sources_, s.seq, own_slots,
+  s.source = MakeRowSource(sources_, s.seq,
                            options_.kv.direct_reads && own_slots,
                            s.policy->row_format(), direct_refusal_logged_);
   return cached;

@@ -297,6 +297,16 @@ class KvClient {
     return FetchHandle(
         absl::UnimplementedError("no one-sided reads on this data plane"));
   }
+  // Tells the node the caller used `plan`'s rows of `layer` from copies of
+  // its own (a row cache), beside the layer's last fetch, so that its
+  // statistics and eviction count them as that fetch's rows
+  // (KvStore::NoteHeld); the outcome comes from Wait(). `via` as for
+  // NoteFetchedAsync: the note travels as a fetch that moves no rows.
+  virtual FetchHandle NoteHeldAsync(SequenceId seq, int32_t layer,
+                                    const FetchPlan& plan, FetchBuffer* via) {
+    return FetchHandle(absl::UnimplementedError(
+        "this data plane takes no notes of rows the caller holds"));
+  }
   // NoteFetchedAsync of the plan in which each KV head h read its first
   // head_offsets[h + 1] - head_offsets[h] positions in order (a whole
   // layer), without its indices (KvStore::NoteLeadingFetched).

@@ -165,16 +165,16 @@ TEST_P(KvClientTest, FetchesAreBitExact) {
   }
 }
 
-// A note of rows the caller read from copies of its own: the node counts
-// them as fetched, nothing is written into the buffer it went through, the
+// A note of rows the caller holds (NoteHeldAsync): the node counts them
+// as fetched, nothing is written into the buffer it went through, the
 // buffer takes the next fetch, and a bad note gets a gather's error.
-TEST_P(KvClientTest, ANoteCountsItsRowsAndWritesNothing) {
+TEST_P(KvClientTest, ANoteOfHeldRowsCountsThemAndWritesNothing) {
   const SequenceGeometry g = MakeGeometry(2, 2, 8, 64);
   const SequenceId id = OpenFilled(g, 5, 20);
   std::unique_ptr<FetchBuffer> buffer = Buffer(2 * 2 * 8 * 8);
   std::fill(buffer->data(), buffer->data() + buffer->size(), uint16_t{0xabcd});
   const OwnedFetchPlan plan = OwnedFetchPlan::PerHead({{3, 11, 3}, {19}});
-  ASSERT_OK(client_->NoteFetchedAsync(id, 1, plan.view(), buffer.get()).Wait());
+  ASSERT_OK(client_->NoteHeldAsync(id, 1, plan.view(), buffer.get()).Wait());
   EXPECT_TRUE(std::all_of(buffer->data(), buffer->data() + buffer->size(),
                           [](uint16_t v) { return v == 0xabcd; }));
   auto head0 = client_->GetTokenStats(id, 1, 0);
@@ -189,7 +189,7 @@ TEST_P(KvClientTest, ANoteCountsItsRowsAndWritesNothing) {
     EXPECT_EQ(t.fetch_count, t.position == 19 ? 1 : 0) << t.position;
   }
   EXPECT_CODE(client_
-                  ->NoteFetchedAsync(id, 1,
+                  ->NoteHeldAsync(id, 1,
                                      OwnedFetchPlan::PerHead({{20}, {}}).view(),
                                      buffer.get())
                   .Wait(),

@@ -169,14 +169,13 @@ class GrpcKvClient final : public KvClient, public FetchWaiter {
 
   FetchHandle FetchAsync(SequenceId seq, int32_t layer, const FetchPlan& plan,
                          FetchBuffer* dest) override {
-    return Request(seq, layer, plan, dest, /*note=*/false);
+    return Request(seq, layer, plan, dest, /*held=*/false);
   }
 
   // Over the fetch connection, as a fetch whose response carries no rows.
-  FetchHandle NoteFetchedAsync(SequenceId seq, int32_t layer,
-                               const FetchPlan& plan,
-                               FetchBuffer* via) override {
-    return Request(seq, layer, plan, via, /*note=*/true);
+  FetchHandle NoteHeldAsync(SequenceId seq, int32_t layer,
+                            const FetchPlan& plan, FetchBuffer* via) override {
+    return Request(seq, layer, plan, via, /*held=*/true);
   }
 
   absl::Status Close(SequenceId seq) override {
@@ -272,10 +271,10 @@ class GrpcKvClient final : public KvClient, public FetchWaiter {
   }
 
  private:
-  // A fetch of `plan` into `dest`, or with `note` a note of it through
-  // `dest` (FetchRequest.note: nothing is written into the buffer).
+  // A fetch of `plan` into `dest`, or with `held` a note of its rows held
+  // through `dest` (FetchRequest.held: nothing is written into the buffer).
   FetchHandle Request(SequenceId seq, int32_t layer, const FetchPlan& plan,
-                      FetchBuffer* dest, bool note) {
+                      FetchBuffer* dest, bool held) {
     const size_t request_bytes =
         (plan.indices.size() + plan.head_offsets.size()) * sizeof(int32_t);
     if (request_bytes + 1024 > static_cast<size_t>(options_.max_message_bytes)) {
@@ -299,7 +298,7 @@ class GrpcKvClient final : public KvClient, public FetchWaiter {
     req.set_layer(layer);
     ToProto(plan, req.mutable_plan());
     req.set_dest_elements(buffer->size());
-    req.set_note(note);
+    req.set_held(held);
     buffer->request_id = next_request_id_.fetch_add(1) + 1;
     req.set_request_id(buffer->request_id);
 

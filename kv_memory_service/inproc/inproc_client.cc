@@ -65,6 +65,10 @@ class InprocKvClient final : public KvClient {
   absl::StatusOr<DirectRows> GetDirectRows(SequenceId seq) override {
     return store_->GetDirectRows(seq);
   }
+  FetchHandle NoteHeldAsync(SequenceId seq, int32_t layer,
+                            const FetchPlan& plan, FetchBuffer* via) override {
+    return FetchHandle(store_->NoteHeld(seq, layer, plan));
+  }
   FetchHandle NoteFetchedAsync(SequenceId seq, int32_t layer,
                                const FetchPlan& plan, FetchBuffer*) override {
     return FetchHandle(store_->NoteFetched(seq, layer, plan));

@@ -81,10 +81,10 @@ class RdmaFetchBuffer final : public FetchBuffer {
   ~RdmaFetchBuffer() override;
 
   // Sends the fetch of a claimed buffer (FetchBuffer::Claim began it).
-  // A fetch of `plan`, or with `note` a note of it (nothing written into
-  // the buffer).
+  // A fetch of `plan`, or with `held` a note of its rows held (nothing
+  // written into the buffer).
   FetchHandle Start(SequenceId seq, int32_t layer, const FetchPlan& plan,
-                    absl::Time deadline, bool note = false);
+                    absl::Time deadline, bool held = false);
 
  protected:
   absl::Status WaitForFetch() override;
@@ -146,14 +146,13 @@ class RdmaKvClient final : public KvClientWrapper {
   }
 
   // On the queue pair, as a fetch whose response comes without rows.
-  FetchHandle NoteFetchedAsync(SequenceId seq, int32_t layer,
-                               const FetchPlan& plan,
-                               FetchBuffer* via) override {
+  FetchHandle NoteHeldAsync(SequenceId seq, int32_t layer,
+                            const FetchPlan& plan, FetchBuffer* via) override {
     auto buffer = FetchBuffer::Claim<RdmaFetchBuffer>(this, via);
     if (!buffer.ok()) return FetchHandle(buffer.status());
     return (*buffer)->Start(seq, layer, plan,
                             absl::Now() + options_.fetch_timeout,
-                            /*note=*/true);
+                            /*held=*/true);
   }
 
   std::string data_plane() const override { return "rdma"; }
@@ -396,7 +395,7 @@ RdmaFetchBuffer::~RdmaFetchBuffer() {
 
 FetchHandle RdmaFetchBuffer::Start(SequenceId seq, int32_t layer,
                                    const FetchPlan& plan, absl::Time deadline,
-                                   bool note) {
+                                   bool held) {
   absl::Status status = client_->Health();
   const size_t n = plan.indices.size(), m = plan.head_offsets.size();
   if (status.ok() && n + m > memory_.plan_capacity) {
@@ -407,7 +406,7 @@ FetchHandle RdmaFetchBuffer::Start(SequenceId seq, int32_t layer,
   if (status.ok()) {
     absl::Span<char> packet = client_->RequestArea(slot_);
     const size_t bytes = rdma::EncodeFetchRequest(slot_, seq, client_->session(),
-                                                 layer, plan, packet, note);
+                                                 layer, plan, packet, held);
     if (bytes < rdma::InlineRequestBytes(n, m)) {
       // Too large to send inline: the server reads it from the plan area.
       auto* area = reinterpret_cast<int32_t*>(memory_.plan.get());

@@ -255,15 +255,15 @@ class Connection {
         plan.indices = absl::MakeConstSpan(plan_values, request.n_indices);
         plan.head_offsets = absl::MakeConstSpan(plan_values + request.n_indices,
                                                 request.n_head_offsets);
-        if (request.note) {
-          status = store_->NoteFetched(request.sequence, request.layer, plan);
+        if (request.held) {
+          status = store_->NoteHeld(request.sequence, request.layer, plan);
         } else {
           status = store_->Gather(
               request.sequence, request.layer, plan,
               absl::MakeSpan(reinterpret_cast<uint16_t*>(staging_.get()),
                              b.data_bytes / sizeof(uint16_t)));
         }
-        if (status.ok() && !request.note) {
+        if (status.ok() && !request.held) {
           absl::StatusOr<SequenceGeometry> g = store_->Geometry(request.sequence);
           if (g.ok()) {
             rows_bytes = FetchElements(plan, g->head_dim) * sizeof(uint16_t);
@@ -273,7 +273,7 @@ class Connection {
         }
       }
     }
-    if (metrics_ != nullptr && !(request.note && status.ok())) {
+    if (metrics_ != nullptr && !(request.held && status.ok())) {
       metrics_->Record(Plane::kRdma, RequestOp::kFetch, absl::Now() - start,
                        static_cast<int64_t>(rows_bytes), status);
     }

@@ -165,20 +165,20 @@ TEST(PacketTest, SmallPlansTravelInline) {
   EXPECT_EQ(r->session, 0xbeef00000002ULL);
   EXPECT_EQ(r->layer, 3);
   EXPECT_TRUE(r->plan_inline);
-  EXPECT_FALSE(r->note);
+  EXPECT_FALSE(r->held);
   EXPECT_EQ(std::vector<int32_t>(r->inline_plan.begin(), r->inline_plan.end()),
             (std::vector<int32_t>{1, 5, 9, 2, 0, 3, 3, 4}));
 }
 
-TEST(PacketTest, ANoteSaysSoInlineOrNot) {
+TEST(PacketTest, ANoteOfHeldRowsSaysSoInlineOrNot) {
   const OwnedFetchPlan small = OwnedFetchPlan::PerHead({{1, 5}, {2}});
   alignas(8) char packet[kMaxRequestBytes];
   size_t bytes = EncodeFetchRequest(2, 9, 4, 1, small.view(),
-                                    absl::MakeSpan(packet), /*note=*/true);
+                                    absl::MakeSpan(packet), /*held=*/true);
   absl::StatusOr<FetchRequest> r =
       DecodeFetchRequest(absl::MakeConstSpan(packet, bytes));
   ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_TRUE(r->note);
+  EXPECT_TRUE(r->held);
   EXPECT_TRUE(r->plan_inline);
   EXPECT_EQ(r->n_indices, 3u);
 
@@ -186,10 +186,10 @@ TEST(PacketTest, ANoteSaysSoInlineOrNot) {
   for (int i = 0; i < 4096; ++i) positions[i] = i;
   const OwnedFetchPlan large = OwnedFetchPlan::SameForAllHeads(2, positions);
   bytes = EncodeFetchRequest(2, 9, 4, 1, large.view(), absl::MakeSpan(packet),
-                             /*note=*/true);
+                             /*held=*/true);
   r = DecodeFetchRequest(absl::MakeConstSpan(packet, bytes));
   ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_TRUE(r->note);
+  EXPECT_TRUE(r->held);
   EXPECT_FALSE(r->plan_inline);
 }
 

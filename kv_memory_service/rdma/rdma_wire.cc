@@ -25,10 +25,10 @@ struct RequestHeader {
   int32_t layer;
   uint32_t n_indices;
   uint32_t n_head_offsets;
-  uint32_t flags;  // kPlanInline | kNote
+  uint32_t flags;  // kPlanInline | kHeld
 };
 constexpr uint32_t kPlanInline = 1;
-constexpr uint32_t kNote = 2;
+constexpr uint32_t kHeld = 2;
 static_assert(sizeof(RequestHeader) == 40);
 
 struct ResponseHeader {
@@ -114,7 +114,7 @@ size_t InlineRequestBytes(size_t n_indices, size_t n_head_offsets) {
 size_t EncodeFetchRequest(uint32_t slot, SequenceId sequence,
                           SessionId session, int32_t layer,
                           const FetchPlan& plan, absl::Span<char> out,
-                          bool note) {
+                          bool held) {
   const size_t n = plan.indices.size();
   const size_t m = plan.head_offsets.size();
   RequestHeader header{};
@@ -128,7 +128,7 @@ size_t EncodeFetchRequest(uint32_t slot, SequenceId sequence,
   const size_t inline_bytes = InlineRequestBytes(n, m);
   const bool plan_inline =
       inline_bytes <= std::min(out.size(), kMaxRequestBytes);
-  header.flags = (plan_inline ? kPlanInline : 0) | (note ? kNote : 0);
+  header.flags = (plan_inline ? kPlanInline : 0) | (held ? kHeld : 0);
   std::memcpy(out.data(), &header, sizeof(header));
   if (!plan_inline) return sizeof(header);
   char* p = out.data() + sizeof(header);
@@ -158,12 +158,12 @@ absl::StatusOr<FetchRequest> DecodeFetchRequest(absl::Span<const char> packet) {
   request.layer = header.layer;
   request.n_indices = header.n_indices;
   request.n_head_offsets = header.n_head_offsets;
-  if ((header.flags & ~(kPlanInline | kNote)) != 0) {
+  if ((header.flags & ~(kPlanInline | kHeld)) != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "RDMA fetch request: unknown flags ", header.flags));
   }
   request.plan_inline = (header.flags & kPlanInline) != 0;
-  request.note = (header.flags & kNote) != 0;
+  request.held = (header.flags & kHeld) != 0;
   if (request.plan_inline) {
     const size_t want = InlineRequestBytes(header.n_indices, header.n_head_offsets);
     if (packet.size() != want) {

@@ -12,9 +12,9 @@
 //                 READs the plan from the buffer's registered plan area)
 //   server WRITE  the gathered rows, staging -> the buffer's data (on success)
 //   server SEND   FetchResponse packet: slot, status code, message
-// A note (the request's `note` flag: the client read the plan's rows from
-// copies of its own) gets the response alone: the server records the fetch
-// (KvStore::NoteFetched) and writes no rows.
+// A note (the request's `held` flag: the client holds the plan's rows) gets
+// the response alone: the server counts them as rows of the layer's last
+// fetch (KvStore::NoteHeld) and writes no rows.
 // RC delivers the WRITE before the SEND that follows it on the same queue
 // pair, so the rows are in place when the client sees the response.
 #ifndef INFINIGEN_KV_MEMORY_SERVICE_RDMA_RDMA_WIRE_H_
@@ -72,7 +72,7 @@ struct FetchRequest {
   uint32_t n_indices = 0;
   uint32_t n_head_offsets = 0;
   bool plan_inline = false;
-  bool note = false;  // a note of the plan: no rows written
+  bool held = false;  // a note of rows the client holds: no rows written
   absl::Span<const int32_t> inline_plan;  // indices then head offsets
 };
 
@@ -81,12 +81,12 @@ size_t InlineRequestBytes(size_t n_indices, size_t n_head_offsets);
 
 // Writes the request packet for `plan` into `out` (at least
 // kMaxRequestBytes), inline when it fits; returns the bytes to send. The
-// caller writes a non-inline plan into the plan area itself. `note`: a
-// note of the plan instead of a fetch.
+// caller writes a non-inline plan into the plan area itself. `held`: a
+// note of rows the caller holds instead of a fetch.
 size_t EncodeFetchRequest(uint32_t slot, SequenceId sequence,
                           SessionId session, int32_t layer,
                           const FetchPlan& plan, absl::Span<char> out,
-                          bool note = false);
+                          bool held = false);
 // InvalidArgument for a packet that is short, has a bad magic, or whose
 // lengths do not match. `packet` must be 4-byte aligned and outlive the
 // result (the inline plan points into it).

@@ -227,9 +227,9 @@ absl::Status KvMemoryService::DoAppend(const grpc::ServerContext& ctx,
 absl::Status KvMemoryService::FetchInto(const kv::FetchRequest& req,
                                         kv::FetchResponse* resp) {
   std::string* rows = resp->mutable_rows();
-  if (req.note()) {
+  if (req.held()) {
     rows->clear();
-    return NoteForResponse(*store_, req.sequence_id(), req.session_id(),
+    return NoteHeldForResponse(*store_, req.sequence_id(), req.session_id(),
                            req.layer(), PlanView(req.plan()));
   }
   const absl::Time start = absl::Now();

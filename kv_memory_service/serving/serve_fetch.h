@@ -47,15 +47,14 @@ absl::Status GatherForResponse(KvStore& store, SequenceId seq,
                            elements));
 }
 
-// A note of `plan`'s rows of `layer`, read by the caller from copies of
-// its own: the fetch recorded as a gather's (KvStore::NoteFetched). The
-// same NotFound as GatherForResponse for a sequence `session` may not use,
-// then KvStore::NoteFetched's errors.
-inline absl::Status NoteForResponse(KvStore& store, SequenceId seq,
-                                    SessionId session, int32_t layer,
-                                    const FetchPlan& plan) {
+// A note of `plan`'s rows of `layer`, which the caller holds
+// (KvStore::NoteHeld). The same NotFound as GatherForResponse for a
+// sequence `session` may not use, then KvStore::NoteHeld's errors.
+inline absl::Status NoteHeldForResponse(KvStore& store, SequenceId seq,
+                                        SessionId session, int32_t layer,
+                                        const FetchPlan& plan) {
   IG_RETURN_IF_ERROR(store.CheckOwner(seq, session));
-  return store.NoteFetched(seq, layer, plan);
+  return store.NoteHeld(seq, layer, plan);
 }
 
 }  // namespace infinigen::kv_memory_service

@@ -62,6 +62,17 @@ FetchHandle ShmKvClient::NoteFetchedAsync(SequenceId seq, int32_t layer,
                           shm::kNoteOnly);
 }
 
+FetchHandle ShmKvClient::NoteHeldAsync(SequenceId seq, int32_t layer,
+                                       const FetchPlan& plan,
+                                       FetchBuffer* via) {
+  if (absl::Status down = Unanswered(); !down.ok()) return FetchHandle(down);
+  auto buffer = FetchBuffer::Claim<ShmFetchBuffer>(this, via);
+  if (!buffer.ok()) return FetchHandle(buffer.status());
+  return (*buffer)->Start(seq, layer, plan,
+                          absl::Now() + options_.fetch_timeout,
+                          shm::kNoteOnly | shm::kHeld);
+}
+
 FetchHandle ShmKvClient::NoteLeadingFetchedAsync(
     SequenceId seq, int32_t layer, absl::Span<const int32_t> head_offsets,
     FetchBuffer* via) {

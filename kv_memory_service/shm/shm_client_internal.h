@@ -144,6 +144,9 @@ class ShmKvClient final : public KvClientWrapper {
   FetchHandle NoteFetchedAsync(SequenceId seq, int32_t layer,
                                const FetchPlan& plan,
                                FetchBuffer* via) override;
+  // The plan goes through `via`'s slot with kNoteOnly | kHeld.
+  FetchHandle NoteHeldAsync(SequenceId seq, int32_t layer,
+                            const FetchPlan& plan, FetchBuffer* via) override;
   // Head offsets alone, with kNoteOnly | kLeading.
   FetchHandle NoteLeadingFetchedAsync(SequenceId seq, int32_t layer,
                                       absl::Span<const int32_t> head_offsets,

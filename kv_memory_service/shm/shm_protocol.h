@@ -37,7 +37,8 @@
 // descriptor of each memfd holding its rows (K, then V); the client maps
 // them, reads the rows a plan selects itself, then sends the plan through
 // a slot with kNoteOnly so that the node's statistics and eviction learn
-// of the fetch.
+// of the fetch. A client that holds rows of its own (a row cache) notes
+// them with kNoteOnly | kHeld.
 #ifndef INFINIGEN_KV_MEMORY_SERVICE_SHM_SHM_PROTOCOL_H_
 #define INFINIGEN_KV_MEMORY_SERVICE_SHM_SHM_PROTOCOL_H_
 
@@ -57,7 +58,8 @@ namespace infinigen::kv_memory_service::shm {
 constexpr uint64_t kRegionMagic = 0x3176'4b6d'6853'4749ULL;  // "IGShmKv1"
 // 2: each fetch names the caller's session (SlotControl::session).
 // 3: one-sided reads (MapRows, SlotControl::flags' kNoteOnly).
-constexpr uint32_t kProtocolVersion = 3;
+// 4: notes of rows the client holds (kHeld).
+constexpr uint32_t kProtocolVersion = 4;
 constexpr size_t kPageBytes = 4096;
 constexpr size_t kHeaderBytes = 4096;
 // Most FetchBuffers one connection may hold at once.
@@ -102,7 +104,7 @@ struct SlotControl {
   int32_t layer;
   uint32_t n_indices;       // plan area [0, n_indices): indices
   uint32_t n_head_offsets;  // then n_head_offsets head offsets
-  uint32_t flags;           // kNoteOnly, kLeading
+  uint32_t flags;           // kNoteOnly, kLeading, kHeld
   uint64_t sequence;
   uint64_t session;  // the caller's; the node serves only the owner's rows
   // Written by the server before state = kDone.
@@ -120,6 +122,9 @@ constexpr uint32_t kNoteOnly = 1;
 // With kNoteOnly: the plan is head offsets alone, each head having read
 // its first positions in order (KvStore::NoteLeadingFetched).
 constexpr uint32_t kLeading = 2;
+// With kNoteOnly: the client holds the plan's rows (a row cache); the
+// server counts them as rows of the layer's last fetch (KvStore::NoteHeld).
+constexpr uint32_t kHeld = 4;
 
 inline size_t ControlRegionBytes(uint32_t max_slots) {
   return kHeaderBytes + static_cast<size_t>(max_slots) * sizeof(SlotControl);

@@ -472,6 +472,9 @@ class ShmServer::Connection {
                            "shm data plane: a leading note carries no "
                            "indices, got ",
                            n_indices));
+      } else if (status.ok() && note_only && (flags & shm::kHeld) != 0) {
+        // The client holds the rows (its row cache).
+        status = server_->store_->NoteHeld(sequence, layer, plan);
       } else if (status.ok() && note_only) {
         // The client read the rows itself (MapRows): the node records it.
         status = server_->store_->NoteFetched(sequence, layer, plan);

@@ -477,6 +477,17 @@ absl::Status KvStore::NoteFetched(SequenceId seq, int32_t layer,
   return s->NoteFetched(layer, plan, *totals_);
 }
 
+absl::Status KvStore::NoteHeld(SequenceId seq, int32_t layer,
+                               const FetchPlan& plan) {
+  if (static_cast<int64_t>(plan.indices.size()) > options_.max_fetch_indices) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "plan of ", plan.indices.size(), " indices exceeds the limit of ",
+        options_.max_fetch_indices));
+  }
+  IG_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(seq));
+  return s->NoteHeld(layer, plan, *totals_);
+}
+
 absl::Status KvStore::NoteLeadingFetched(
     SequenceId seq, int32_t layer, absl::Span<const int32_t> head_offsets) {
   IG_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(seq));

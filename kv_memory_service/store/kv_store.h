@@ -211,6 +211,17 @@ class KvStore {
   // not that position's row.
   absl::Status NoteFetched(SequenceId seq, int32_t layer,
                            const FetchPlan& plan);
+  // Records that the reader used `plan`'s rows of `layer` from copies of
+  // its own (a row cache), read beside the layer's last fetch: the fetch
+  // statistics and eviction candidates count them as that fetch's rows
+  // (the clock of the layer's last fetch, no tick of its own), so that a
+  // reader which fetches only what it does not hold leaves the node's
+  // statistics and evictions as fetching every row would. Positions the
+  // node evicted since are left out (their rows are no longer counted);
+  // wherever the position lies (an evicting head, an attached prefix).
+  // The plan checked as Gather checks it (InvalidArgument, OutOfRange,
+  // ResourceExhausted over max_fetch_indices).
+  absl::Status NoteHeld(SequenceId seq, int32_t layer, const FetchPlan& plan);
   // NoteFetched of the plan in which each KV head h read its first
   // head_offsets[h + 1] - head_offsets[h] positions, in order (a whole
   // layer read in place), without its indices: recorded in O(n_kv_heads)

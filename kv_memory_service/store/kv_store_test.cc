@@ -1325,6 +1325,96 @@ TEST(KvStoreDirectRows, ReadInPlaceAndNotedLikeAGather) {
   EXPECT_CODE(noted.NoteFetched(*b, 0, plans[0].view()), kNotFound);
 }
 
+// A reader that fetches only the rows it does not hold and notes the rest
+// (NoteHeld) leaves the store exactly as fetching every row does: the same
+// statistics, token counts and clocks, and once the heads evict (LRU and
+// counter rank by those) the same victims, with each layer's note arriving
+// after the next layer's gather. A note names positions evicted since
+// without error and counts only the present ones; bad plans are refused
+// and change nothing.
+TEST(KvStoreDirectRows, HeldNotesLeaveTheStoreAsFetchingEveryRow) {
+  for (EvictionPolicy policy : {EvictionPolicy::kLru, EvictionPolicy::kCounter}) {
+    SCOPED_TRACE(EvictionPolicyName(policy));
+    const SequenceGeometry g = Geo(3, 2, 4, 12);
+    KvStoreOptions o;
+    o.eviction = policy;
+    KvStore every(o), held(o);
+    auto a = every.Open(g);
+    auto b = held.Open(g);
+    ASSERT_OK(a.status());
+    ASSERT_OK(b.status());
+    int length = 0;
+    long evictions = 0;
+    auto append = [&](int n) {
+      Block block = MakeBlock(9, g, 0, g.n_layers, length, n);
+      auto ra = every.Append(*a, block.block);
+      auto rb = held.Append(*b, block.block);
+      ASSERT_OK(ra.status());
+      ASSERT_OK(rb.status());
+      EXPECT_EQ(ra->evicted, rb->evicted) << "appending " << length;
+      evictions += static_cast<long>(ra->evicted.size());
+      length += n;
+    };
+    append(10);
+    std::mt19937 rng(11);
+    const OwnedFetchPlan some = OwnedFetchPlan::PerHead({{1}, {2}});
+    for (int step = 0; step < 40; ++step) {
+      std::vector<OwnedFetchPlan> all, misses, hits;
+      for (int l = 0; l < g.n_layers; ++l) {
+        std::vector<std::vector<int32_t>> a_rows(2), m_rows(2), h_rows(2);
+        for (int h = 0; h < g.n_kv_heads; ++h) {
+          auto present = every.GetTokenStats(*a, l, h);
+          ASSERT_OK(present.status());
+          for (int i = 0, k = static_cast<int>(rng() % 6); i < k; ++i) {
+            const int32_t pos = (*present)[rng() % present->size()].position;
+            a_rows[h].push_back(pos);
+            (rng() % 2 ? h_rows : m_rows)[h].push_back(pos);
+          }
+        }
+        all.push_back(OwnedFetchPlan::PerHead(a_rows));
+        misses.push_back(OwnedFetchPlan::PerHead(m_rows));
+        hits.push_back(OwnedFetchPlan::PerHead(h_rows));
+      }
+      for (int l = 0; l < g.n_layers; ++l) {
+        std::vector<uint16_t> dest(FetchElements(all[l].view(), g.head_dim));
+        ASSERT_OK(every.Gather(*a, l, all[l].view(), absl::MakeSpan(dest)));
+        ASSERT_OK(held.Gather(*b, l, misses[l].view(), absl::MakeSpan(dest)));
+        if (l > 0) ASSERT_OK(held.NoteHeld(*b, l - 1, hits[l - 1].view()));
+      }
+      ASSERT_OK(held.NoteHeld(*b, g.n_layers - 1, hits.back().view()));
+      append(1);
+    }
+    EXPECT_GT(evictions, 0);
+    ExpectSame(Take(every, *a, g), Take(held, *b, g));
+
+    // Position 0 is long gone: a note of it counts its present row alone.
+    auto head0 = held.GetTokenStats(*b, 0, 0);
+    ASSERT_OK(head0.status());
+    ASSERT_NE(head0->front().position, 0);
+    const int32_t kept = head0->back().position;
+    const int64_t rows_before = held.GetStoreStats().fetched_rows;
+    ASSERT_OK(held.NoteHeld(
+        *b, 0, OwnedFetchPlan::PerHead({{0, kept}, {}}).view()));
+    EXPECT_EQ(held.GetStoreStats().fetched_rows, rows_before + 1);
+    EXPECT_EQ(held.GetTokenStats(*b, 0, 0)->back().fetch_count,
+              head0->back().fetch_count + 1);
+
+    const Snapshot before = Take(held, *b, g);
+    EXPECT_CODE(held.NoteHeld(*b, 0,
+                              OwnedFetchPlan::PerHead({{length}, {}}).view()),
+                kOutOfRange);
+    EXPECT_CODE(
+        held.NoteHeld(*b, 0, OwnedFetchPlan::PerHead({{-1}, {}}).view()),
+        kInvalidArgument);
+    EXPECT_CODE(held.NoteHeld(*b, 3, some.view()), kInvalidArgument);
+    EXPECT_CODE(held.NoteHeld(*b, 0, OwnedFetchPlan{{1}, {0, 1}}.view()),
+                kInvalidArgument);
+    ExpectSame(before, Take(held, *b, g));
+    ASSERT_OK(held.Close(*b));
+    EXPECT_CODE(held.NoteHeld(*b, 0, some.view()), kNotFound);
+  }
+}
+
 // A whole layer read in place and noted by its head counts alone
 // (NoteLeadingFetched) leaves the store as the note of the same positions
 // does: statistics, token counts and clocks, whether the note arrives

@@ -84,6 +84,9 @@ class StoredSequence {
   // KvStore::NoteFetched on this sequence.
   absl::Status NoteFetched(int32_t layer, const FetchPlan& plan,
                            StoreTotals& totals);
+  // KvStore::NoteHeld on this sequence.
+  absl::Status NoteHeld(int32_t layer, const FetchPlan& plan,
+                        StoreTotals& totals);
   // KvStore::NoteLeadingFetched on this sequence.
   absl::Status NoteLeadingFetched(int32_t layer,
                                   absl::Span<const int32_t> head_offsets,
@@ -122,6 +125,10 @@ class StoredSequence {
     size_t begin;
     bool leading;
   };
+  // What a logged fetch was: a gather or a read in place (a tick of the
+  // clock), or a note of rows the reader held (the clock of the layer's
+  // last fetch).
+  enum class Logged { kFetch, kLeading, kHeld };
   // The K and V rows of a present position, and how many positions from it
   // on are stored one after the other from there (at least 1).
   struct RowRef {
@@ -194,15 +201,17 @@ class StoredSequence {
 
   // Logs a fetch of `plan` (a gather's, or one read in place) under the
   // sequence's reader lock; true when the log should then be applied.
-  bool LogFetch(int32_t layer, const FetchPlan& plan, bool leading = false)
-      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  bool LogFetch(int32_t layer, const FetchPlan& plan,
+                Logged kind = Logged::kFetch) ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
   // After LogFetch, the lock released: counts the fetch and applies the log
   // when LogFetch asked for it.
-  void FinishFetch(size_t rows, bool apply, StoreTotals& totals);
+  // A note of held rows adds its rows, not a fetch.
+  void FinishFetch(size_t rows, bool apply, StoreTotals& totals,
+                   bool held = false);
 
   size_t LogPositions() const;
-  void LogFetchLocked(int32_t layer, const FetchPlan& plan, bool leading)
+  void LogFetchLocked(int32_t layer, const FetchPlan& plan, Logged kind)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(log_mu_);
   void ApplyLogLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -256,6 +265,9 @@ class StoredSequence {
   // The fetch log (taken after mu_, held briefly).
   mutable absl::Mutex log_mu_ ABSL_ACQUIRED_AFTER(mu_);
   uint64_t clock_ ABSL_GUARDED_BY(log_mu_) = 0;  // one tick per Gather
+  // [layer]: the clock of the layer's last fetch (a note of held rows
+  // takes it).
+  std::vector<uint64_t> layer_clock_ ABSL_GUARDED_BY(log_mu_);
   int64_t fetches_ ABSL_GUARDED_BY(log_mu_) = 0;
   int64_t fetched_rows_ ABSL_GUARDED_BY(log_mu_) = 0;
   std::vector<LoggedFetch> log_ ABSL_GUARDED_BY(log_mu_);

@@ -1,5 +1,6 @@
 // StoredSequence's fetch log (stored_sequence.h): the reads a reader made
-// in place (NoteFetched, NoteLeadingFetched), the log every fetch appends
+// in place (NoteFetched, NoteLeadingFetched) or from copies of its own
+// (NoteHeld), the log every fetch appends
 // to, and its application to the per-token statistics.
 #include "kv_memory_service/store/stored_sequence.h"
 
@@ -11,17 +12,17 @@
 namespace infinigen::kv_memory_service {
 
 bool StoredSequence::LogFetch(int32_t layer, const FetchPlan& plan,
-                              bool leading) {
+                              Logged kind) {
   absl::MutexLock log_lock(&log_mu_);
-  LogFetchLocked(layer, plan, leading);
+  LogFetchLocked(layer, plan, kind);
   // A sequence fetched without appends applies its log here.
   return log_positions_.size() >
          std::max<size_t>(size_t{1} << 16, 4 * present_rows_);
 }
 
 void StoredSequence::FinishFetch(size_t rows, bool apply,
-                                 StoreTotals& totals) {
-  totals.fetches.fetch_add(1, std::memory_order_relaxed);
+                                 StoreTotals& totals, bool held) {
+  if (!held) totals.fetches.fetch_add(1, std::memory_order_relaxed);
   totals.fetched_rows.fetch_add(static_cast<int64_t>(rows),
                                 std::memory_order_relaxed);
   if (apply) {
@@ -100,9 +101,57 @@ absl::Status StoredSequence::NoteLeadingFetched(
             "): it cannot be read in place"));
       }
     }
-    apply = LogFetch(layer, plan, /*leading=*/true);
+    apply = LogFetch(layer, plan, Logged::kLeading);
   }
   FinishFetch(static_cast<size_t>(head_offsets.back()), apply, totals);
+  return absl::OkStatus();
+}
+
+absl::Status StoredSequence::NoteHeld(int32_t layer, const FetchPlan& plan,
+                                      StoreTotals& totals) {
+  IG_RETURN_IF_ERROR(CheckLayer(layer));
+  IG_RETURN_IF_ERROR(ValidatePlanShape(plan, g_.n_kv_heads));
+  bool apply = false;
+  size_t rows = plan.indices.size();
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    const int32_t length = layer_length_[layer];
+    // Every position within [0, length), as a gather checks; those the
+    // node has evicted since the reader took its copy have no statistics
+    // to keep and are left out.
+    bool all_present = true;
+    for (int32_t h = 0; h < g_.n_kv_heads; ++h) {
+      const HeadSlots& head = HeadAt(layer, h);
+      for (int32_t j = plan.head_offsets[h]; j < plan.head_offsets[h + 1];
+           ++j) {
+        const int32_t pos = plan.indices[j];
+        if (pos < 0 || pos >= length) {
+          return CheckPosition(pos, layer, h, length);
+        }
+        all_present = all_present && head.SlotOf(pos, length) >= 0;
+      }
+    }
+    if (all_present) {
+      apply = LogFetch(layer, plan, Logged::kHeld);
+    } else {
+      std::vector<int32_t> indices, offsets(1, 0);
+      for (int32_t h = 0; h < g_.n_kv_heads; ++h) {
+        const HeadSlots& head = HeadAt(layer, h);
+        for (int32_t j = plan.head_offsets[h]; j < plan.head_offsets[h + 1];
+             ++j) {
+          const int32_t pos = plan.indices[j];
+          if (head.SlotOf(pos, length) >= 0) indices.push_back(pos);
+        }
+        offsets.push_back(static_cast<int32_t>(indices.size()));
+      }
+      rows = indices.size();
+      FetchPlan present;
+      present.indices = indices;
+      present.head_offsets = offsets;
+      apply = LogFetch(layer, present, Logged::kHeld);
+    }
+  }
+  FinishFetch(rows, apply, totals, /*held=*/true);
   return absl::OkStatus();
 }
 
@@ -113,14 +162,16 @@ size_t StoredSequence::LogPositions() const {
 
 // Appends a successful gather's plan to the fetch log.
 void StoredSequence::LogFetchLocked(int32_t layer, const FetchPlan& plan,
-                                    bool leading) {
-  log_.push_back(
-      LoggedFetch{++clock_, layer, log_positions_.size(), leading});
+                                    Logged kind) {
+  if (layer_clock_.empty()) layer_clock_.assign(g_.n_layers, 0);
+  if (kind != Logged::kHeld) layer_clock_[layer] = ++clock_;
+  log_.push_back(LoggedFetch{layer_clock_[layer], layer, log_positions_.size(),
+                             kind == Logged::kLeading});
   log_positions_.insert(log_positions_.end(), plan.head_offsets.begin(),
                         plan.head_offsets.end());
   log_positions_.insert(log_positions_.end(), plan.indices.begin(),
                         plan.indices.end());
-  ++fetches_;
+  if (kind != Logged::kHeld) ++fetches_;
   fetched_rows_ += plan.head_offsets.back();
 }
 

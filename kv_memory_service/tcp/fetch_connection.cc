@@ -234,7 +234,7 @@ class SocketConnection final : public FetchConnection {
   void Write(GrpcFetchBuffer* buffer) override {
     const kv::FetchRequest& req = buffer->request;
     fetch_wire::FetchRequestHeader header;
-    if (req.note()) header.magic = fetch_wire::kNoteMagic;
+    if (req.held()) header.magic = fetch_wire::kHeldMagic;
     header.n_offsets = static_cast<uint32_t>(req.plan().head_offsets_size());
     header.n_indices = static_cast<uint32_t>(req.plan().indices_size());
     header.layer = req.layer();

@@ -287,7 +287,7 @@ bool FetchSocketLoop::Judge(Connection* c) {
   const fetch_wire::FetchRequestHeader& q = c->q;
   const int32_t max_message = server_->options_.max_message_bytes;
   if (q.magic != fetch_wire::kRequestMagic &&
-      q.magic != fetch_wire::kNoteMagic) {
+      q.magic != fetch_wire::kHeldMagic) {
     c->close_after_send = true;
     return Respond(c, 0, absl::InvalidArgumentError("malformed fetch request"),
                    0, Connection::State::kHeader);
@@ -334,8 +334,8 @@ bool FetchSocketLoop::Serve(Connection* c) {
   const FetchPlan plan{
       absl::Span<const int32_t>(c->body.data() + q.n_offsets, q.n_indices),
       absl::Span<const int32_t>(c->body.data(), q.n_offsets)};
-  if (q.magic == fetch_wire::kNoteMagic) {
-    const absl::Status status = NoteForResponse(
+  if (q.magic == fetch_wire::kHeldMagic) {
+    const absl::Status status = NoteHeldForResponse(
         *server_->store_, q.sequence_id, q.session_id, q.layer, plan);
     return Respond(c, q.request_id, status, 0, Connection::State::kHeader);
   }

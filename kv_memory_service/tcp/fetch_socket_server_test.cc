@@ -177,16 +177,16 @@ TEST_F(FetchSocketServerTest, OnlyTheOwningSessionReadsASequence) {
   close(fd);
 }
 
-// A note (the client read the rows from copies of its own) is answered
-// without rows and counted in the rows' fetch statistics as a gather is; a
-// bad one gets the gather's error, the owner check included, and the
-// connection goes on serving.
+// A note of rows the client holds is answered without rows and counted in
+// the rows' fetch statistics as a gather's rows are; a bad one gets the
+// gather's error, the owner check included, and the connection goes on
+// serving.
 TEST_F(FetchSocketServerTest, ANoteIsCountedAndAnsweredWithoutRows) {
   const int fd = Dial();
   ASSERT_EQ(Hello(fd, "Bearer tok"), absl::StatusCode::kOk);
   const OwnedFetchPlan plan = OwnedFetchPlan::PerHead({{7, 0}, {3}});
   std::vector<uint16_t> rows = {1, 2, 3};
-  auto r = Request(fd, 1, seq_, 1, plan, &rows, 0, fetch_wire::kNoteMagic);
+  auto r = Request(fd, 1, seq_, 1, plan, &rows, 0, fetch_wire::kHeldMagic);
   EXPECT_EQ(r.request_id, 1u);
   EXPECT_EQ(r.status_code, 0);
   EXPECT_EQ(r.rows_bytes, 0u);
@@ -200,13 +200,13 @@ TEST_F(FetchSocketServerTest, ANoteIsCountedAndAnsweredWithoutRows) {
   EXPECT_EQ(store_->GetStoreStats().fetched_rows, 3);
 
   r = Request(fd, 2, seq_, 1, OwnedFetchPlan::PerHead({{8}, {}}), &rows, 0,
-              fetch_wire::kNoteMagic);
+              fetch_wire::kHeldMagic);
   EXPECT_EQ(r.status_code, static_cast<int>(absl::StatusCode::kOutOfRange));
   const SessionId owner = *store_->OpenSession();
   const SequenceId owned = *store_->Open(g_, owner);
   ASSERT_TRUE(
       store_->Append(owned, MakeTestBlock(4, g_, 0, 2, 0, 8).block).ok());
-  r = Request(fd, 3, owned, 0, plan, &rows, owner + 1, fetch_wire::kNoteMagic);
+  r = Request(fd, 3, owned, 0, plan, &rows, owner + 1, fetch_wire::kHeldMagic);
   EXPECT_EQ(r.status_code, static_cast<int>(absl::StatusCode::kNotFound));
   EXPECT_EQ(store_->GetStoreStats().fetched_rows, 3);
   r = Request(fd, 4, seq_, 1, plan, &rows);

@@ -11,9 +11,9 @@
 //                                     int32 indices[n_indices]
 //   server -> client   FetchResponse  header, message, rows (rows_bytes)
 //
-// A note (NoteRequest: a FetchRequest's header and body under kNoteMagic)
-// says the client read the plan's rows from copies of its own: the server
-// records the fetch (KvStore::NoteFetched) and answers with no rows.
+// A note (a FetchRequest's header and body under kHeldMagic) says the
+// client holds the plan's rows: the server counts them as rows of the
+// layer's last fetch (KvStore::NoteHeld) and answers with no rows.
 //
 // Responses come in request order and echo request_id. A failed fetch is a
 // response with a status code (the connection stays up). The server judges
@@ -45,9 +45,9 @@ namespace infinigen::kv_memory_service::fetch_wire {
 inline constexpr uint32_t kHelloMagic = 0x4b464749;     // "IGFK"
 inline constexpr uint32_t kRequestMagic = 0x51464749;   // "IGFQ"
 inline constexpr uint32_t kResponseMagic = 0x52464749;  // "IGFR"
-inline constexpr uint32_t kNoteMagic = 0x4e464749;      // "IGFN"
+inline constexpr uint32_t kHeldMagic = 0x48464749;      // "IGFH"
 // 2: requests name the caller's session (the node serves a sequence's rows
-// only to the session that owns it). 3: notes.
+// only to the session that owns it). 3: notes of held rows.
 inline constexpr uint32_t kVersion = 3;
 inline constexpr uint32_t kMaxTokenBytes = 4096;
 inline constexpr uint32_t kMaxMessageBytes = 4096;
@@ -67,7 +67,7 @@ struct HelloReply {
 };
 
 struct FetchRequestHeader {
-  uint32_t magic = kRequestMagic;  // kNoteMagic: a note
+  uint32_t magic = kRequestMagic;  // kHeldMagic: a note of held rows
   uint32_t n_offsets = 0;  // head_offsets entries (n_kv_heads + 1)
   uint32_t n_indices = 0;
   int32_t layer = 0;

@@ -61,11 +61,10 @@ absl::StatusOr<Layout> MakeLayout(const model::Weights& weights,
                 policy->ReusesPrefix() && !z.prefill_probs;
   // A row cache: for a policy whose fetch is chosen (it takes a target
   // fetch: it selects rows that later steps select again; the others read
-  // every row), where positions keep their slots; on a device, where
-  // attention reads the rows by slot in one operation (no probabilities).
+  // every row); on a device, where attention reads the rows by slot in one
+  // operation (no probabilities).
   const PolicyEntry& entry = PolicyEntryOf(options.kv.policy->kind);
-  if ((!z.staged || !z.attention_probs) && own_slots &&
-      entry.set_target_fetch != nullptr) {
+  if ((!z.staged || !z.attention_probs) && entry.set_target_fetch != nullptr) {
     z.row_cache = options.kv.row_cache;
     z.row_cache_replacement = options.kv.row_cache_replacement;
   }

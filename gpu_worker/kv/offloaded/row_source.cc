@@ -205,14 +205,12 @@ class DeviceSlots {
 // land in the cache's slots, and attention reads every planned row from
 // there, in plan order (RowCache): on a host backend where the cache keeps
 // them, on a device in its memory (DeviceSlots). The node hears of the
-// rows held through the idle fetch buffer, as of one-sided reads, where
+// rows held through the idle fetch buffer (KvClient::NoteHeldAsync), where
 // its data plane takes such notes.
 class CachedGatherSource final : public RowSource {
  public:
-  // `notes`: the node takes notes of the sequence's rows (each position
-  // at its own slot: no attached prefix). On a device (a staged layout)
-  // Make gives it its DeviceSlots.
-  CachedGatherSource(const RowSourceContext& ctx, SequenceId seq, bool notes)
+  // On a device (a staged layout) Make gives it its DeviceSlots.
+  CachedGatherSource(const RowSourceContext& ctx, SequenceId seq)
       : ctx_(ctx),
         seq_(seq),
         cache_(ctx.config->n_layers, ctx.config->n_kv_heads, ctx.max_seq_len,
@@ -220,11 +218,10 @@ class CachedGatherSource final : public RowSource {
                ctx.layout->row_cache_replacement,
                /*hold_rows=*/!ctx.layout->staged),
         heads_(ctx.config->n_kv_heads),
-        split_(ctx.config->n_layers, 0),
-        notes_(notes) {}
+        split_(ctx.config->n_layers, 0) {}
   static absl::StatusOr<std::unique_ptr<CachedGatherSource>> Make(
-      const RowSourceContext& ctx, SequenceId seq, bool notes) {
-    auto source = std::make_unique<CachedGatherSource>(ctx, seq, notes);
+      const RowSourceContext& ctx, SequenceId seq) {
+    auto source = std::make_unique<CachedGatherSource>(ctx, seq);
     if (ctx.layout->staged) {
       IG_ASSIGN_OR_RETURN(source->device_,
                           DeviceSlots::Make(ctx, source->cache_.max_rows()));
@@ -286,12 +283,13 @@ class CachedGatherSource final : public RowSource {
     const kv_memory_service::OwnedFetchPlan& hits = cache_.hits(layer);
     if (!notes_ || hits.indices.empty()) return true;
     // The rows held were read all the same: the node's statistics and
-    // eviction see them, as they see the misses' gather. Only the first
+    // eviction count them as the misses' gather's rows, as they would
+    // count them fetched. Only the first
     // note waits, to learn whether the data plane takes notes at all. The
     // buffer is read (by attention over skipped heads) before the note
     // is sent; a note writes nothing into it.
     f.handle =
-        ctx_.client->NoteFetchedAsync(seq_, layer, hits.view(), f.buffer.get());
+        ctx_.client->NoteHeldAsync(seq_, layer, hits.view(), f.buffer.get());
     if (!noted_once_) {
       noted_once_ = true;
       const absl::Status noted = f.handle.Wait();
@@ -344,7 +342,7 @@ class CachedGatherSource final : public RowSource {
   std::unique_ptr<DeviceSlots> device_;  // on a device
   std::vector<HeadRowsAt> heads_;
   std::vector<char> split_;  // [layer]: its fetch in flight is the misses
-  bool notes_;               // the node takes notes, as far as known
+  bool notes_ = true;        // the node takes notes, as far as known
   bool noted_once_ = false;  // the first note was waited for
 };
 
@@ -621,7 +619,6 @@ std::unique_ptr<RowSource> NodeGather(const RowSourceContext& ctx,
 
 std::unique_ptr<RowSource> MakeRowSource(const RowSourceContext& ctx,
                                          SequenceId seq,
-                                         bool own_slots,
                                          bool one_sided_allowed,
                                          KvRowFormat format,
                                          bool& refusal_logged) {
@@ -632,7 +629,7 @@ std::unique_ptr<RowSource> MakeRowSource(const RowSourceContext& ctx,
   auto gather = [&]() -> std::unique_ptr<RowSource> {
     if (ctx.layout->row_cache > 0 && (attends_stored || staged)) {
       absl::StatusOr<std::unique_ptr<CachedGatherSource>> cached =
-          CachedGatherSource::Make(ctx, seq, own_slots);
+          CachedGatherSource::Make(ctx, seq);
       if (cached.ok()) return *std::move(cached);
       IG_LOG(WARNING) << "kv cache: no row cache for this sequence: "
                       << cached.status().message();

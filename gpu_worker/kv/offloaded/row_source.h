@@ -125,12 +125,10 @@ std::unique_ptr<RowSource> NodeGather(const RowSourceContext& ctx,
 // a device; unpinned with the source) where `one_sided_allowed` and the
 // node shares them, else the node's gather: through a row cache where the
 // layout has one and the backend attends over stored rows of `format`,
-// its hits noted to the node where `own_slots` (every position at its own
-// slot: no attached prefix, a node that never evicts). `refusal_logged`: the one line
-// per cache saying why the node gathers instead.
+// its hits noted to the node. `refusal_logged`: the one line per cache
+// saying why the node gathers instead.
 std::unique_ptr<RowSource> MakeRowSource(const RowSourceContext& ctx,
                                          kv_memory_service::SequenceId seq,
-                                         bool own_slots,
                                          bool one_sided_allowed,
                                          KvRowFormat format,
                                          bool& refusal_logged);

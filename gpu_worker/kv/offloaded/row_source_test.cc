@@ -129,7 +129,7 @@ TEST_F(RowSourceTest, TheNodesGatherFillsTheBufferInPlanOrder) {
 
 TEST_F(RowSourceTest, WithoutOneSidedReadsTheNodeGathers) {
   bool logged = false;
-  EXPECT_FALSE(MakeRowSource(ctx_, seq_, /*own_slots=*/true, /*one_sided_allowed=*/false,
+  EXPECT_FALSE(MakeRowSource(ctx_, seq_, /*one_sided_allowed=*/false,
                              KvRowFormat::kHalf, logged)
                    ->one_sided());
   EXPECT_FALSE(logged);
@@ -140,7 +140,7 @@ TEST_F(RowSourceTest, WithoutOneSidedReadsTheNodeGathers) {
 TEST_F(RowSourceTest, InPlaceAttentionMatchesTheGatheredRows) {
   bool logged = false;
   std::unique_ptr<RowSource> in_place =
-      MakeRowSource(ctx_, seq_, true, true, KvRowFormat::kHalf, logged);
+      MakeRowSource(ctx_, seq_, true, KvRowFormat::kHalf, logged);
   ASSERT_TRUE(in_place->one_sided());
   const OwnedFetchPlan plan = OwnedFetchPlan::PerHead({{5, 0, 2}, {3}});
   const std::vector<float> direct =
@@ -168,7 +168,7 @@ TEST_F(RowSourceTest, InPlaceAttentionMatchesTheGatheredRows) {
 TEST_F(RowSourceTest, AOneSidedPlanOutsideTheRowsIsRefused) {
   bool logged = false;
   std::unique_ptr<RowSource> source =
-      MakeRowSource(ctx_, seq_, true, true, KvRowFormat::kHalf, logged);
+      MakeRowSource(ctx_, seq_, true, KvRowFormat::kHalf, logged);
   ASSERT_TRUE(source->one_sided());
   LayerFetch& f = fetches_.For(0);
   f.plan = OwnedFetchPlan::PerHead({{1, 8}, {0}});
