@@ -51,6 +51,29 @@ class Cli(unittest.TestCase):
         self.assertEqual(j["fetch_fraction_mean"], 1.0)
         self.assertEqual(j["generated_tokens"], 60)
 
+    def test_generate_watches_the_rows_of_a_string_of_the_prompt(self):
+        prompt = "The key is 7491. Once upon a time, there was a dog."
+        base = ["generate", f"--model={MODEL}", f"--tokenizer={TOK}",
+                f"--prompt={prompt}", "--max_new_tokens=20",
+                "--temperature=0", "--backend=cpu", "--json"]
+        full = run(*base, "--policy=full", "--watch_text=7491,dog")
+        self.assertEqual(full.returncode, 0, full.stderr)
+        j = json.loads(full.stdout.strip().splitlines()[-1])
+        self.assertGreater(j["watched_tokens"], 1)
+        self.assertEqual(j["watched_recall"], 1.0)  # full reads every row
+        self.assertTrue(j["watched_recall_per_layer"])
+        self.assertTrue(all(r == 1.0 for r in j["watched_recall_per_layer"]))
+        some = run(*base, "--policy=oracle", "--target_fetch=0.5",
+                   "--watch_text=7491,dog")
+        self.assertEqual(some.returncode, 0, some.stderr)
+        k = json.loads(some.stdout.strip().splitlines()[-1])
+        self.assertEqual(k["watched_tokens"], j["watched_tokens"])
+        self.assertLess(k["watched_recall"], 1.0)
+        bad = run(*base, "--policy=full", "--watch_text=elephant")
+        self.assertEqual(bad.returncode, 2)
+        self.assertIn("--watch_text 'elephant' does not occur", bad.stderr)
+        self.assertEqual(bad.stdout, "")
+
     def test_help_on_every_command(self):
         for cmd in ["generate", "perplexity", "skew", "bench-decode", "serve"]:
             r = run(cmd, "--help")

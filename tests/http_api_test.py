@@ -673,7 +673,16 @@ class Scheduling(unittest.TestCase):
             for _ in range(20):
                 backlog.append(pool.submit(
                     post, server.base + "/v1/completions", LONG))
-            time.sleep(0.3)
+            # Signalled once the backlog is in (a loaded machine sends the
+            # requests slowly): queued or decoding.
+            deadline = time.time() + 60
+            while time.time() < deadline:
+                m = scrape(server.base + "/metrics")
+                held = (m.get(("infinigen_worker_queue_depth", ()), 0) +
+                        m.get(("infinigen_worker_running_sequences", ()), 0))
+                if held >= 10:
+                    break
+                time.sleep(0.05)
             server.proc.send_signal(signal.SIGTERM)
             time.sleep(0.1)
             code, body = post(server.base + "/v1/completions",

@@ -1,4 +1,5 @@
 // infinigen generate: the prompt and the model's continuation on stdout.
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <memory>
@@ -29,6 +30,13 @@ ABSL_FLAG(double, temperature, 0.8,
 ABSL_FLAG(double, top_p, 0.9,
           "generate: nucleus sampling cut, in (0, 1]; 1 disables it.");
 ABSL_FLAG(uint64_t, seed, 42, "generate: random seed for sampling.");
+ABSL_FLAG(std::vector<std::string>, watch_text, {},
+          "generate: comma-separated strings of the prompt (a needle's "
+          "value, say) whose tokens' rows are watched: --json then reports, "
+          "per layer, the share of those rows each decode step's plan "
+          "selected (watched_recall_per_layer), of those the step could "
+          "select. Each string must occur in the prompt; every occurrence "
+          "is watched.");
 ABSL_FLAG(bool, chat, false,
           "generate: --prompt is a user message, wrapped in the chat "
           "template; prints only the reply.");
@@ -64,6 +72,40 @@ absl::StatusOr<std::string> PromptFromFlags() {
   return gpu_worker::ApplyChatTemplate(t, {{"user", prompt}});
 }
 
+// The prompt's token positions covering each occurrence of each of
+// `texts` (the tokens of the text up to its end, less those up to its
+// start). InvalidArgument for a string that does not occur.
+absl::StatusOr<std::vector<int32_t>> WatchedPositions(
+    const model::Tokenizer& tok, const std::string& prompt,
+    const std::vector<std::string>& texts) {
+  std::vector<int32_t> positions;
+  for (const std::string& text : texts) {
+    if (text.empty()) {
+      return absl::InvalidArgumentError("--watch_text has an empty string");
+    }
+    size_t at = prompt.find(text);
+    if (at == std::string::npos) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "--watch_text '%s' does not occur in the prompt", text));
+    }
+    for (; at != std::string::npos; at = prompt.find(text, at + 1)) {
+      const int begin = static_cast<int>(
+          tok.Encode(std::string_view(prompt).substr(0, at), true).size());
+      const int end = static_cast<int>(
+          tok.Encode(std::string_view(prompt).substr(0, at + text.size()),
+                     true)
+              .size());
+      for (int p = std::min(begin, end - 1); p < end; ++p) {
+        positions.push_back(p);
+      }
+    }
+  }
+  std::sort(positions.begin(), positions.end());
+  positions.erase(std::unique(positions.begin(), positions.end()),
+                  positions.end());
+  return positions;
+}
+
 // What a generation produced after its prompt.
 struct Continuation {
   std::string text;
@@ -96,7 +138,7 @@ absl::StatusOr<Continuation> Continue(Engine& engine,
 }
 
 void PrintJson(const Engine& e, int prompt_tokens, double prefill_s,
-               const Continuation& c, double decode_s) {
+               const Continuation& c, double decode_s, int watched_tokens) {
   nlohmann::json j;
   j["prompt_tokens"] = prompt_tokens;
   j["cached_tokens"] = e.cached_tokens();
@@ -106,6 +148,25 @@ void PrintJson(const Engine& e, int prompt_tokens, double prefill_s,
   j["kv_recoveries"] = e.kv_recoveries();
   j["policy"] = e.policy_name();
   j["fetch_fraction_mean"] = e.fetch_stats().fraction_mean();
+  const gpu_worker::FetchStats& watched = e.fetch_stats();
+  if (!absl::GetFlag(FLAGS_watch_text).empty()) {
+    nlohmann::json per_layer = nlohmann::json::array();
+    long selected = 0, candidates = 0;
+    for (size_t l = 0; l < watched.watched_layer_candidates.size(); ++l) {
+      const long n = watched.watched_layer_candidates[l];
+      const long k = watched.watched_layer_selected[l];
+      per_layer.push_back(n > 0 ? nlohmann::json(static_cast<double>(k) / n)
+                                : nlohmann::json(nullptr));
+      selected += k;
+      candidates += n;
+    }
+    j["watched_tokens"] = watched_tokens;
+    j["watched_recall_per_layer"] = per_layer;
+    j["watched_recall"] = candidates > 0
+                              ? nlohmann::json(static_cast<double>(selected) /
+                                               candidates)
+                              : nlohmann::json(nullptr);
+  }
   // Invalid UTF-8 (a character cut by max_new_tokens) as U+FFFD.
   j["text"] = c.text;
   std::printf("%s\n",
@@ -118,13 +179,15 @@ void PrintJson(const Engine& e, int prompt_tokens, double prefill_s,
 int GenerateEngine(const model::LoadedModel& m, const std::vector<int>& tokens,
                    int max_new,
                    const kv_memory_service::KvClientOptions& kv_options,
-                   PolicySetup& setup, std::unique_ptr<Engine>& engine) {
+                   const std::vector<int32_t>& watched, PolicySetup& setup,
+                   std::unique_ptr<Engine>& engine) {
   auto s = SetUpPolicy(ReadEngineFlags().policy, m, kv_options,
                        /*serving=*/true);
   if (!s.ok()) return SetupFailure(s.status());
   WarnIgnoredPolicyFlags({ReadEngineFlags().policy});
   setup = *std::move(s);
   EngineOptions& options = setup.options;
+  options.kv.watch_positions = watched;
   options.max_seq_len = ReadModelFlags().max_seq_len;
   if (options.max_seq_len == 0) {
     options.max_seq_len =
@@ -164,9 +227,12 @@ int RunGenerate() {
     return Fail(kExitUsage, absl::InvalidArgumentError(
                                 "the prompt is empty and the model has no BOS"));
   }
+  auto watched = WatchedPositions(tok, *prompt, absl::GetFlag(FLAGS_watch_text));
+  if (!watched.ok()) return Fail(kExitUsage, watched.status());
   PolicySetup setup;
   std::unique_ptr<Engine> engine;
-  if (int code = GenerateEngine(*m, tokens, max_new, *kv_options, setup, engine);
+  if (int code = GenerateEngine(*m, tokens, max_new, *kv_options, *watched,
+                                setup, engine);
       code != 0) {
     return code;
   }
@@ -190,7 +256,8 @@ int RunGenerate() {
       tokens.size(), engine->cached_tokens(), prefill_s, c->tokens,
       decode_s, decode_s > 0 ? c->tokens / decode_s : 0.0);
   if (ReadRunFlags().json) {
-    PrintJson(*engine, tokens.size(), prefill_s, *c, decode_s);
+    PrintJson(*engine, tokens.size(), prefill_s, *c, decode_s,
+              static_cast<int>(watched->size()));
   }
   return 0;
 }
@@ -204,13 +271,14 @@ const Command& GenerateCommand() {
       "--json, then a JSON line: prompt_tokens, cached_tokens (reused from "
       "the memory node), prefill_seconds, generated_tokens, decode_seconds, "
       "kv_recoveries, policy, fetch_fraction_mean (of cached KV rows per "
-      "decode step), text (the continuation). With --chat, --prompt is a "
-      "user message in the model's chat template and only the reply is "
-      "written.",
+      "decode step), with --watch_text watched_tokens, watched_recall and "
+      "watched_recall_per_layer, text (the continuation). With --chat, "
+      "--prompt is a user message in the model's chat template and only the "
+      "reply is written.",
       WithServingFlags({"model", "tokenizer", "prompt", "prompt_file",
                         "max_new_tokens",
                         "temperature", "top_p", "seed", "max_seq_len",
-                        "calibration_tokens", "json", "chat",
+                        "calibration_tokens", "json", "chat", "watch_text",
                         "chat_template"}),
       RunGenerate};
   return *command;

@@ -28,7 +28,9 @@ void FetchStats::Add(const FetchStats& o) {
   for (auto [mine, theirs] :
        {std::pair{&row_cache_layer_lookups, &o.row_cache_layer_lookups},
         std::pair{&row_cache_layer_hits, &o.row_cache_layer_hits},
-        std::pair{&selection_layer_repeats, &o.selection_layer_repeats}}) {
+        std::pair{&selection_layer_repeats, &o.selection_layer_repeats},
+        std::pair{&watched_layer_candidates, &o.watched_layer_candidates},
+        std::pair{&watched_layer_selected, &o.watched_layer_selected}}) {
     if (mine->size() < theirs->size()) mine->resize(theirs->size(), 0);
     for (size_t l = 0; l < theirs->size(); ++l) (*mine)[l] += (*theirs)[l];
   }
@@ -58,6 +60,13 @@ absl::Status KvOptions::Validate() const {
   if (prefix_block_tokens < 0) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "prefix_block_tokens must be >= 0, got %d", prefix_block_tokens));
+  }
+  for (size_t i = 0; i < watch_positions.size(); ++i) {
+    if (watch_positions[i] < 0 ||
+        (i > 0 && watch_positions[i] <= watch_positions[i - 1])) {
+      return absl::InvalidArgumentError(
+          "watch_positions must be positions >= 0, increasing");
+    }
   }
   return absl::OkStatus();
 }

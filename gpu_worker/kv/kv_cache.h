@@ -91,6 +91,11 @@ struct FetchStats {
   // previous step selected too (the overlap of consecutive selections;
   // of row_cache_layer_lookups).
   std::vector<long> selection_layer_repeats;
+  // Per layer, with KvOptions::watch_positions: the (KV head, watched
+  // position) pairs a step could select (cached, held by the node) and
+  // those its plan selected, summed over steps. A plan the policy left on
+  // the device is not counted.
+  std::vector<long> watched_layer_candidates, watched_layer_selected;
   // Prefill: opening the sequence at the memory node (with its rows pinned
   // for one-sided reads), and blocked on a layer's append to the node
   // after the next layer's work was done.
@@ -152,13 +157,18 @@ struct KvOptions {
   // and a later step fetches only the rows it does not hold
   // (offloaded/row_cache.h); attention computes the same. For the policies
   // that select rows, where the node gathers (not with one-sided reads,
-  // which copy nothing) and never evicts (kv_capacity 1): on a host
-  // backend in host memory, on a device in its memory for the policies
-  // that want no attention probabilities (not h2o).
+  // which copy nothing): on a host backend in host memory, on a device in
+  // its memory for the policies that want no attention probabilities (not
+  // h2o). The node is told of the rows held (KvClient::NoteHeldAsync), so
+  // that its statistics and evictions are those of fetching every row.
   // Under max_worker_bytes it takes what the rest leaves: less, or none.
   // 0 = none; at most 1.
   double row_cache = 0.0;
   RowCacheReplacement row_cache_replacement = RowCacheReplacement::kRecency;
+  // Positions whose selection each decode step counts, per layer
+  // (FetchStats::watched_layer_*): which of a needle's rows a policy
+  // reads. Sorted, without repeats; empty: none counted.
+  std::vector<int32_t> watch_positions;
   // Names the model and everything its rows depend on (weights, skew;
   // ModelIdentity in the worker's commands); the cache adds the policy and
   // row format. Reuse needs it non-empty.

@@ -1651,6 +1651,46 @@ TEST_F(KvCacheTest, TheRowCacheLeavesAnEvictingNodeAsFetchingEveryRow) {
   }
 }
 
+// Watched positions (a needle's rows): per layer, the (head, position)
+// pairs a step could select and those its plan selected. Full reads every
+// row; the oracle at 0.4 reads some of them, out of the same candidates.
+TEST_F(KvCacheTest, WatchedPositionsCountWhatEachPlanSelects) {
+  FakeKvClient full_node, oracle_node;
+  EngineOptions full = Options("full", &full_node);
+  full.kv.watch_positions = {3, 5, 7, 29, 200};
+  EngineOptions oracle = TargetOptions("oracle", &oracle_node, false);
+  oracle.kv.watch_positions = full.kv.watch_positions;
+  auto a = Engine::Create(weights_, NewCpuBackend(), full);
+  auto b = Engine::Create(weights_, NewCpuBackend(), oracle);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(b.ok()) << b.status();
+  const std::vector<int> t = Tokens(40);
+  for (Engine* e : {a->get(), b->get()}) {
+    ASSERT_TRUE(e->Forward(absl::MakeConstSpan(t).subspan(0, 30), false).ok());
+    for (int i = 30; i < 40; ++i) ASSERT_TRUE(e->Forward({t[i]}, false).ok());
+  }
+  const FetchStats& all = (*a)->fetch_stats();
+  const FetchStats& some = (*b)->fetch_stats();
+  ASSERT_EQ(all.watched_layer_candidates.size(), 12u);
+  ASSERT_EQ(some.watched_layer_candidates, all.watched_layer_candidates);
+  long selected = 0, candidates = 0;
+  for (int l = 0; l < 12; ++l) {
+    // 4 positions below 30 in each of 2 heads, 10 steps.
+    EXPECT_EQ(all.watched_layer_candidates[l], 4 * 2 * 10) << l;
+    EXPECT_EQ(all.watched_layer_selected[l], all.watched_layer_candidates[l]);
+    EXPECT_LE(some.watched_layer_selected[l], some.watched_layer_candidates[l]);
+    selected += some.watched_layer_selected[l];
+    candidates += some.watched_layer_candidates[l];
+  }
+  EXPECT_GT(selected, 0);
+  EXPECT_LT(selected, candidates);
+
+  EngineOptions unsorted = Options("full", &full_node);
+  unsorted.kv.watch_positions = {5, 3};
+  EXPECT_EQ(Engine::Create(weights_, NewCpuBackend(), unsorted).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 // The row cache is worker memory: its bound counts in worker_kv_bytes.
 TEST_F(KvCacheTest, TheRowCacheCountsInTheWorkersBytes) {
   FakeKvClient a, b;

@@ -9,6 +9,49 @@
 
 namespace infinigen::gpu_worker {
 namespace offloaded {
+namespace {
+
+// KvOptions::watch_positions: of the watched positions below `position`
+// that the node holds (`present`, [kv_head][max_seq]), those `f`'s plan of
+// `layer` selects, per KV head, added to `stats`. A plan left on the
+// device is not counted.
+void CountWatched(const std::vector<int32_t>& watch, const LayerFetch& f,
+                  const uint8_t* present, int max_seq, int n_kv_heads,
+                  int layer, int position, FetchStats& stats) {
+  if (f.kind == LayerFetch::PlanKind::kOnBackend) return;
+  for (std::vector<long>* v :
+       {&stats.watched_layer_candidates, &stats.watched_layer_selected}) {
+    if (static_cast<int>(v->size()) <= layer) v->resize(layer + 1, 0);
+  }
+  std::vector<int32_t> chosen;
+  for (int g = 0; g < n_kv_heads; ++g) {
+    const uint8_t* held = present + static_cast<size_t>(g) * max_seq;
+    const int begin = f.plan.head_offsets[g], end = f.plan.head_offsets[g + 1];
+    chosen.clear();
+    if (f.kind == LayerFetch::PlanKind::kLeading) {
+      for (const int32_t p : watch) {
+        if (p < end - begin) chosen.push_back(p);
+      }
+    } else {
+      for (int t = begin; t < end; ++t) {
+        const int32_t p = f.plan.indices[t];
+        if (std::binary_search(watch.begin(), watch.end(), p)) {
+          chosen.push_back(p);
+        }
+      }
+      std::sort(chosen.begin(), chosen.end());
+      chosen.erase(std::unique(chosen.begin(), chosen.end()), chosen.end());
+    }
+    for (const int32_t p : watch) {
+      if (p >= position || p >= max_seq || !held[p]) continue;
+      ++stats.watched_layer_candidates[layer];
+      stats.watched_layer_selected[layer] +=
+          std::binary_search(chosen.begin(), chosen.end(), p);
+    }
+  }
+}
+
+}  // namespace
 
 OffloadedKvCache::Step::Step(OffloadedKvCache& cache) : cache_(cache) {
   slots_.reserve(cache.options_.batch);
@@ -142,6 +185,10 @@ absl::Status OffloadedKvCache::IssueFetch(Sequence& s, int layer,
                                    f));
   const long rows = static_cast<long>(f.rows());
   s.step_rows += rows;
+  if (!options_.kv.watch_positions.empty()) {
+    CountWatched(options_.kv.watch_positions, f, s.presence.layer(layer),
+                 max_seq_, c_.n_kv_heads, layer, s.position, s.stats);
+  }
   // What moves: the plan's rows less those the row cache holds.
   const long held = s.stats.row_cache_hits;
   IG_RETURN_IF_ERROR(s.source->Issue(f, layer, s.position, s.stats));
