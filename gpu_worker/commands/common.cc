@@ -113,13 +113,15 @@ ABSL_FLAG(bool, kv_direct_reads, false,
           "--kv_capacity < 1 and int4 rows on the CPU keep the node's "
           "gather.");
 ABSL_FLAG(double, row_cache, 0.125,
-          "The worker's row cache, for the policies that select rows (on the "
-          "CPU, where the node gathers them and never evicts): the rows a "
-          "decode step fetched stay on the worker, up to this fraction of "
-          "each sequence's cached rows (every layer and KV head together), "
-          "and later steps fetch only the rows they do not hold, replacing "
-          "each head's least recently selected (--row_cache_replacement); "
-          "the output is the same. 0 = fetch every selected row each step.");
+          "The worker's row cache, for the policies that select rows, where "
+          "the node gathers them (not with one-sided reads; on a GPU in its "
+          "memory, for all but h2o): the rows a decode step fetched stay on "
+          "the worker, up to this fraction of each sequence's cached rows "
+          "(every layer and KV head together), and later steps fetch only "
+          "the rows they do not hold, replacing each head's least recently "
+          "selected (--row_cache_replacement); the output is the same, and "
+          "the node is told of the rows held, so its statistics and "
+          "evictions are too. 0 = fetch every selected row each step.");
 ABSL_FLAG(std::string, row_cache_replacement, "recency",
           "Which held row a miss of the row cache replaces at its bound: "
           "recency (the head's least recently selected row) or frequency "
