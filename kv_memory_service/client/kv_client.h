@@ -396,6 +396,12 @@ class KvClientWrapper : public KvClient {
                          FetchBuffer* dest) override {
     return target_->FetchAsync(seq, layer, plan, dest);
   }
+  // Through the target, whose buffer `via` is (a plane that makes buffers
+  // of its own overrides this too).
+  FetchHandle NoteHeldAsync(SequenceId seq, int32_t layer,
+                            const FetchPlan& plan, FetchBuffer* via) override {
+    return target_->NoteHeldAsync(seq, layer, plan, via);
+  }
   absl::Status Close(SequenceId seq) override { return target_->Close(seq); }
   absl::StatusOr<SequenceStats> GetSequenceStats(SequenceId seq) override {
     return target_->GetSequenceStats(seq);

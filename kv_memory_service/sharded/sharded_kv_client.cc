@@ -53,11 +53,14 @@ class ShardedFetchBuffer final : public FetchBuffer {
     for (auto& h : handles_) h.Wait().IgnoreError();
   }
 
-  // Starts every node's part of `plan` (validated by the caller).
+  // Starts every node's part of `plan` (validated by the caller): its
+  // fetch, or with `held` its note of the rows the caller holds
+  // (NoteHeldAsync, through the node's child buffer; nothing is copied).
   FetchHandle Start(const Shards& shards, int32_t layer,
-                    const FetchPlan& plan) {
+                    const FetchPlan& plan, bool held = false) {
     absl::Status begun = BeginFetch();
     if (!begun.ok()) return FetchHandle(std::move(begun));
+    held_ = held;
     const int n = static_cast<int>(children_.size());
     const int32_t heads = shards.geometry.n_kv_heads;
     head_dim_ = shards.geometry.head_dim;
@@ -78,8 +81,12 @@ class ShardedFetchBuffer final : public FetchBuffer {
       row_begin_[node] = first;
       n_rows_[node] = plan.head_offsets[r.end] - first;
       FetchPlan part{plan.indices.subspan(first, n_rows_[node]), off};
-      handles_[node] = (*nodes_)[node].client->FetchAsync(
-          shards.node_ids[node], layer, part, children_[node].get());
+      KvClient& child = *(*nodes_)[node].client;
+      handles_[node] =
+          held ? child.NoteHeldAsync(shards.node_ids[node], layer, part,
+                                     children_[node].get())
+               : child.FetchAsync(shards.node_ids[node], layer, part,
+                                  children_[node].get());
     }
     return FetchHandle(static_cast<FetchBuffer*>(this));
   }
@@ -91,7 +98,7 @@ class ShardedFetchBuffer final : public FetchBuffer {
       absl::Status s = handles_[node].Wait();
       if (!s.ok() && result.ok()) result = AtNode((*nodes_)[node].address, s);
     }
-    if (result.ok()) {
+    if (result.ok() && !held_) {
       for (size_t node = 0; node < handles_.size(); ++node) {
         const size_t n = n_rows_[node];
         if (n == 0) continue;
@@ -119,6 +126,7 @@ class ShardedFetchBuffer final : public FetchBuffer {
   std::vector<size_t> n_rows_;
   size_t total_rows_ = 0;
   int32_t head_dim_ = 0;
+  bool held_ = false;  // the operation in flight is a note
 };
 
 class ShardedKvClient final : public KvClient {
@@ -267,6 +275,26 @@ class ShardedKvClient final : public KvClient {
     }
     return static_cast<ShardedFetchBuffer*>(dest)->Start(**shards, layer,
                                                          plan);
+  }
+
+  // Each node's part, as FetchAsync splits it, noted to the node.
+  FetchHandle NoteHeldAsync(SequenceId seq, int32_t layer,
+                            const FetchPlan& plan, FetchBuffer* via) override {
+    if (via == nullptr || via->owner() != this) {
+      return FetchHandle(absl::InvalidArgumentError(
+          "the fetch buffer was not made by this client"));
+    }
+    auto shards = Find(seq);
+    if (!shards.ok()) return FetchHandle(shards.status());
+    const SequenceGeometry& g = (*shards)->geometry;
+    if (layer < 0 || layer >= g.n_layers) {
+      return FetchHandle(absl::InvalidArgumentError(absl::StrCat(
+          "layer ", layer, " out of range [0, ", g.n_layers, ")")));
+    }
+    absl::Status shape = ValidatePlanShape(plan, g.n_kv_heads);
+    if (!shape.ok()) return FetchHandle(std::move(shape));
+    return static_cast<ShardedFetchBuffer*>(via)->Start(**shards, layer, plan,
+                                                        /*held=*/true);
   }
 
   absl::Status Close(SequenceId seq) override {

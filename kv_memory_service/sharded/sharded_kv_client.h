@@ -29,7 +29,9 @@
 // large as the composite, since one head may select every index) and its own
 // memory at a fixed address. FetchAsync starts every node's fetch of its
 // heads at once; Wait() waits for all of them (each bounded by the child's
-// fetch timeout) and copies each node's K and V rows into place: one memcpy
+// fetch timeout) and copies each node's K and V rows into place (a note of
+// rows the caller holds, NoteHeldAsync, goes to each node the same way and
+// copies nothing): one memcpy
 // of the fetched bytes per fetch (about 10 GB/s per core: small beside a TCP
 // transfer, but it gives up the zero-copy of shm and RDMA: a memory tier
 // there should fetch into disjoint views of one registered region instead).

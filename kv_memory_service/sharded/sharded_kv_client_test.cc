@@ -219,6 +219,53 @@ TEST_P(ShardedKvClientTest, FetchesEqualOneNodesAndEachNodeHoldsItsHeads) {
   EXPECT_EQ(tier.client->Close(*id).code(), absl::StatusCode::kNotFound);
 }
 
+// A note of held rows reaches each node with its heads' part, as a fetch
+// would, and writes nothing into the buffer: every node counts its rows.
+TEST_P(ShardedKvClientTest, NotesOfHeldRowsReachEachNodesHeads) {
+  const int n_nodes = GetParam();
+  Tier tier = MakeTier(n_nodes);
+  const SequenceGeometry g = MakeGeometry(2, 4, 8, 64);
+  auto id = tier.client->Open(g);
+  ASSERT_TRUE(id.ok()) << id.status();
+  ASSERT_TRUE(tier.client->Append(*id, MakeTestBlock(3, g, 0, 2, 0, 20).block)
+                  .ok());
+  auto buffer = tier.client->NewFetchBuffer(2 * 4 * 20 * 8);
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  std::fill((*buffer)->data(), (*buffer)->data() + (*buffer)->size(),
+            uint16_t{0x5a5a});
+  const OwnedFetchPlan plan =
+      OwnedFetchPlan::PerHead({{1, 2}, {3}, {}, {4, 5, 6}});
+  ASSERT_TRUE(
+      tier.client->NoteHeldAsync(*id, 1, plan.view(), buffer->get()).Wait().ok());
+  EXPECT_TRUE(std::all_of((*buffer)->data(),
+                          (*buffer)->data() + (*buffer)->size(),
+                          [](uint16_t v) { return v == 0x5a5a; }));
+  int64_t rows = 0;
+  for (int node = 0; node < n_nodes; ++node) {
+    const HeadRange r = NodeHeads(node, n_nodes, g.n_kv_heads);
+    const int64_t want = plan.head_offsets[r.end] - plan.head_offsets[r.begin];
+    EXPECT_EQ(tier.stores[node]->GetStoreStats().fetched_rows, want)
+        << "node " << node;
+    rows += want;
+  }
+  EXPECT_EQ(rows, 6);
+  EXPECT_EQ(tier.client
+                ->NoteHeldAsync(*id, 1,
+                                OwnedFetchPlan::PerHead({{40}, {}, {}, {}})
+                                    .view(),
+                                buffer->get())
+                .Wait()
+                .code(),
+            absl::StatusCode::kOutOfRange);
+  ASSERT_TRUE(tier.client->FetchAsync(*id, 1, plan.view(), buffer->get())
+                  .Wait()
+                  .ok());
+  const std::vector<uint16_t> want = ExpectedRows(3, g, 1, plan.view());
+  EXPECT_EQ(std::vector<uint16_t>((*buffer)->data(),
+                                  (*buffer)->data() + want.size()),
+            want);
+}
+
 TEST_P(ShardedKvClientTest, EvictionsAreThoseOfOneNodeWithGlobalHeads) {
   const int n_nodes = GetParam();
   Tier tier = MakeTier(n_nodes);
