@@ -255,46 +255,13 @@ class ShardedKvClient final : public KvClient {
 
   FetchHandle FetchAsync(SequenceId seq, int32_t layer, const FetchPlan& plan,
                          FetchBuffer* dest) override {
-    if (dest == nullptr || dest->owner() != this) {
-      return FetchHandle(absl::InvalidArgumentError(
-          "the fetch buffer was not made by this client"));
-    }
-    auto shards = Find(seq);
-    if (!shards.ok()) return FetchHandle(shards.status());
-    const SequenceGeometry& g = (*shards)->geometry;
-    if (layer < 0 || layer >= g.n_layers) {
-      return FetchHandle(absl::InvalidArgumentError(absl::StrCat(
-          "layer ", layer, " out of range [0, ", g.n_layers, ")")));
-    }
-    absl::Status shape = ValidatePlanShape(plan, g.n_kv_heads);
-    if (!shape.ok()) return FetchHandle(std::move(shape));
-    if (FetchElements(plan, g.head_dim) > dest->size()) {
-      return FetchHandle(absl::InvalidArgumentError(absl::StrCat(
-          "the plan needs ", FetchElements(plan, g.head_dim),
-          " values, the buffer holds ", dest->size())));
-    }
-    return static_cast<ShardedFetchBuffer*>(dest)->Start(**shards, layer,
-                                                         plan);
+    return Start(seq, layer, plan, dest, /*held=*/false);
   }
 
   // Each node's part, as FetchAsync splits it, noted to the node.
   FetchHandle NoteHeldAsync(SequenceId seq, int32_t layer,
                             const FetchPlan& plan, FetchBuffer* via) override {
-    if (via == nullptr || via->owner() != this) {
-      return FetchHandle(absl::InvalidArgumentError(
-          "the fetch buffer was not made by this client"));
-    }
-    auto shards = Find(seq);
-    if (!shards.ok()) return FetchHandle(shards.status());
-    const SequenceGeometry& g = (*shards)->geometry;
-    if (layer < 0 || layer >= g.n_layers) {
-      return FetchHandle(absl::InvalidArgumentError(absl::StrCat(
-          "layer ", layer, " out of range [0, ", g.n_layers, ")")));
-    }
-    absl::Status shape = ValidatePlanShape(plan, g.n_kv_heads);
-    if (!shape.ok()) return FetchHandle(std::move(shape));
-    return static_cast<ShardedFetchBuffer*>(via)->Start(**shards, layer, plan,
-                                                        /*held=*/true);
+    return Start(seq, layer, plan, via, /*held=*/true);
   }
 
   absl::Status Close(SequenceId seq) override {
@@ -374,7 +341,34 @@ class ShardedKvClient final : public KvClient {
     return absl::OkStatus();
   }
 
+
  private:
+  // FetchAsync's checks, then each node's part of `plan` started through
+  // `buffer`: a fetch, or with `held` a note of rows the caller holds
+  // (which needs no room in the buffer).
+  FetchHandle Start(SequenceId seq, int32_t layer, const FetchPlan& plan,
+                    FetchBuffer* buffer, bool held) {
+    if (buffer == nullptr || buffer->owner() != this) {
+      return FetchHandle(absl::InvalidArgumentError(
+          "the fetch buffer was not made by this client"));
+    }
+    auto shards = Find(seq);
+    if (!shards.ok()) return FetchHandle(shards.status());
+    const SequenceGeometry& g = (*shards)->geometry;
+    if (layer < 0 || layer >= g.n_layers) {
+      return FetchHandle(absl::InvalidArgumentError(absl::StrCat(
+          "layer ", layer, " out of range [0, ", g.n_layers, ")")));
+    }
+    absl::Status shape = ValidatePlanShape(plan, g.n_kv_heads);
+    if (!shape.ok()) return FetchHandle(std::move(shape));
+    if (!held && FetchElements(plan, g.head_dim) > buffer->size()) {
+      return FetchHandle(absl::InvalidArgumentError(absl::StrCat(
+          "the plan needs ", FetchElements(plan, g.head_dim),
+          " values, the buffer holds ", buffer->size())));
+    }
+    return static_cast<ShardedFetchBuffer*>(buffer)->Start(**shards, layer,
+                                                           plan, held);
+  }
   static absl::Status UnknownSequence(SequenceId seq) {
     return absl::NotFoundError(absl::StrCat("unknown sequence ", seq));
   }

@@ -51,26 +51,26 @@ FetchHandle ShmKvClient::FetchAsync(SequenceId seq, int32_t layer,
                           absl::Now() + options_.fetch_timeout);
 }
 
-FetchHandle ShmKvClient::NoteFetchedAsync(SequenceId seq, int32_t layer,
-                                          const FetchPlan& plan,
-                                          FetchBuffer* via) {
+FetchHandle ShmKvClient::Note(SequenceId seq, int32_t layer,
+                              const FetchPlan& plan, FetchBuffer* via,
+                              uint32_t flags) {
   if (absl::Status down = Unanswered(); !down.ok()) return FetchHandle(down);
   auto buffer = FetchBuffer::Claim<ShmFetchBuffer>(this, via);
   if (!buffer.ok()) return FetchHandle(buffer.status());
   return (*buffer)->Start(seq, layer, plan,
-                          absl::Now() + options_.fetch_timeout,
-                          shm::kNoteOnly);
+                          absl::Now() + options_.fetch_timeout, flags);
+}
+
+FetchHandle ShmKvClient::NoteFetchedAsync(SequenceId seq, int32_t layer,
+                                          const FetchPlan& plan,
+                                          FetchBuffer* via) {
+  return Note(seq, layer, plan, via, shm::kNoteOnly);
 }
 
 FetchHandle ShmKvClient::NoteHeldAsync(SequenceId seq, int32_t layer,
                                        const FetchPlan& plan,
                                        FetchBuffer* via) {
-  if (absl::Status down = Unanswered(); !down.ok()) return FetchHandle(down);
-  auto buffer = FetchBuffer::Claim<ShmFetchBuffer>(this, via);
-  if (!buffer.ok()) return FetchHandle(buffer.status());
-  return (*buffer)->Start(seq, layer, plan,
-                          absl::Now() + options_.fetch_timeout,
-                          shm::kNoteOnly | shm::kHeld);
+  return Note(seq, layer, plan, via, shm::kNoteOnly | shm::kHeld);
 }
 
 FetchHandle ShmKvClient::NoteLeadingFetchedAsync(

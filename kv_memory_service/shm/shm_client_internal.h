@@ -147,6 +147,10 @@ class ShmKvClient final : public KvClientWrapper {
   // The plan goes through `via`'s slot with kNoteOnly | kHeld.
   FetchHandle NoteHeldAsync(SequenceId seq, int32_t layer,
                             const FetchPlan& plan, FetchBuffer* via) override;
+  // A note of `plan` through `via`'s slot with `flags` (kNoteOnly and
+  // what kind).
+  FetchHandle Note(SequenceId seq, int32_t layer, const FetchPlan& plan,
+                   FetchBuffer* via, uint32_t flags);
   // Head offsets alone, with kNoteOnly | kLeading.
   FetchHandle NoteLeadingFetchedAsync(SequenceId seq, int32_t layer,
                                       absl::Span<const int32_t> head_offsets,

@@ -363,14 +363,19 @@ absl::StatusOr<OpenedSequence> KvStore::Open(const SequenceGeometry& geometry,
   return opened;
 }
 
-absl::Status KvStore::Gather(SequenceId seq, int32_t layer,
-                             const FetchPlan& plan, absl::Span<uint16_t> dest) {
+absl::StatusOr<std::shared_ptr<KvStore::Sequence>> KvStore::FindForPlan(
+    SequenceId seq, const FetchPlan& plan) const {
   if (static_cast<int64_t>(plan.indices.size()) > options_.max_fetch_indices) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "plan of ", plan.indices.size(), " indices exceeds the limit of ",
         options_.max_fetch_indices));
   }
-  IG_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(seq));
+  return Find(seq);
+}
+
+absl::Status KvStore::Gather(SequenceId seq, int32_t layer,
+                             const FetchPlan& plan, absl::Span<uint16_t> dest) {
+  IG_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, FindForPlan(seq, plan));
   return s->Gather(layer, plan, dest, *totals_, gather_pool_.get());
 }
 
@@ -468,23 +473,13 @@ absl::StatusOr<KvStore::SharedRows> KvStore::ShareRows(SequenceId seq,
 
 absl::Status KvStore::NoteFetched(SequenceId seq, int32_t layer,
                                   const FetchPlan& plan) {
-  if (static_cast<int64_t>(plan.indices.size()) > options_.max_fetch_indices) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "plan of ", plan.indices.size(), " indices exceeds the limit of ",
-        options_.max_fetch_indices));
-  }
-  IG_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(seq));
+  IG_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, FindForPlan(seq, plan));
   return s->NoteFetched(layer, plan, *totals_);
 }
 
 absl::Status KvStore::NoteHeld(SequenceId seq, int32_t layer,
                                const FetchPlan& plan) {
-  if (static_cast<int64_t>(plan.indices.size()) > options_.max_fetch_indices) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "plan of ", plan.indices.size(), " indices exceeds the limit of ",
-        options_.max_fetch_indices));
-  }
-  IG_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(seq));
+  IG_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, FindForPlan(seq, plan));
   return s->NoteHeld(layer, plan, *totals_);
 }
 

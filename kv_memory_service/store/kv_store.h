@@ -266,6 +266,10 @@ class KvStore {
   };
 
   absl::StatusOr<std::shared_ptr<Sequence>> Find(SequenceId seq) const;
+  // Find, after refusing a plan over max_fetch_indices (ResourceExhausted):
+  // what Gather and the notes check first.
+  absl::StatusOr<std::shared_ptr<Sequence>> FindForPlan(
+      SequenceId seq, const FetchPlan& plan) const;
   // Find, NotFound also when `session` may not use the sequence.
   absl::StatusOr<std::shared_ptr<Sequence>> FindOwned(SequenceId seq,
                                                       SessionId session) const;
