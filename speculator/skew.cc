@@ -92,6 +92,32 @@ void ApplySkew(const float* x, int n, int x_stride, const float* a, int d,
               x_stride, a, d, 0.0f, y, y_stride);
 }
 
+void AddSkewedColumnSums(const float* x, int n, int heads, int per_kv, int d,
+                         const float* skew_t, float* sums) {
+  if (n <= 0 || heads <= 0 || d <= 0) return;
+  constexpr int kBlock = 256;
+  const int width = heads * d;
+  std::vector<float> skewed(static_cast<size_t>(std::min(n, kBlock)) * width);
+  for (int i0 = 0; i0 < n; i0 += kBlock) {
+    const int bn = std::min(kBlock, n - i0);
+    for (int h = 0; h < heads; ++h) {
+      // y = x . A, with A read as skew_t's transpose.
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, bn, d, d, 1.0f,
+                  x + static_cast<size_t>(i0) * width + h * d, width,
+                  skew_t + static_cast<size_t>(h / per_kv) * d * d, d, 0.0f,
+                  skewed.data() + h * d, width);
+    }
+    for (int i = 0; i < bn; ++i) {
+      for (int h = 0; h < heads; ++h) {
+        const float* row =
+            skewed.data() + (static_cast<size_t>(i) * heads + h) * d;
+        float* out = sums + static_cast<size_t>(h / per_kv) * d;
+        for (int c = 0; c < d; ++c) out[c] += std::fabs(row[c]);
+      }
+    }
+  }
+}
+
 int PartialColumnCount(int d, double ratio) {
   // int() truncation as in the reference's int(head_dim * ratio).
   return std::clamp(static_cast<int>(d * ratio), 1, std::max(1, d));

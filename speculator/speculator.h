@@ -158,6 +158,17 @@ void ApplySkew(const float* x, int n, const float* a, int d, float* y);
 void ApplySkew(const float* x, int n, int x_stride, const float* a, int d,
                float* y, int y_stride);
 
+// InfiniGen's prompt column sums, which rank the partial columns: adds to
+// sums [heads / per_kv][d] the magnitudes |x_{t,h} . A_{h / per_kv}| of n
+// tokens' rows x [n, heads, d] (query heads: per_kv query heads share a KV
+// head's skew; keys: per_kv 1), given the skews transposed, skew_t
+// [heads / per_kv][d][d] = A^T per KV head. 256 tokens' products at a
+// time, then the tokens' magnitudes in order (token, head, column). A
+// device backend does the same on its memory (PolicyOps::
+// AddSkewedColumnSums).
+void AddSkewedColumnSums(const float* x, int n, int heads, int per_kv, int d,
+                         const float* skew_t, float* sums);
+
 // The partial columns of each (layer, KV head): int(d * ratio) (at least 1)
 // column indices, ascending.
 struct PartialColumns {

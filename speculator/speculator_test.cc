@@ -248,6 +248,65 @@ TEST(ApplySkew, MatchesNaiveProduct) {
   }
 }
 
+TEST(AddSkewedColumnSums, AddsEachTokensSkewedMagnitudesToItsKvHead) {
+  // GQA: 4 query heads over 2 KV heads, 300 tokens (a 256-token block and
+  // a tail), added to sums that already hold a value.
+  std::mt19937 rng(8);
+  const int n = 300, heads = 4, per_kv = 2, d = 16, groups = heads / per_kv;
+  std::vector<float> x = RandomMatrix(n * heads, d, rng);
+  std::vector<float> a = RandomMatrix(groups * d, d, rng);  // [g][d][d]
+  std::vector<float> a_t(a.size());
+  for (int g = 0; g < groups; ++g) {
+    for (int r = 0; r < d; ++r) {
+      for (int c = 0; c < d; ++c) {
+        a_t[(g * d + c) * d + r] = a[(g * d + r) * d + c];
+      }
+    }
+  }
+  std::vector<float> sums(groups * d, 0.5f);
+  AddSkewedColumnSums(x.data(), n, heads, per_kv, d, a_t.data(), sums.data());
+  // The same sums through ApplySkew with A itself, block by block: bit for
+  // bit.
+  std::vector<float> expect(groups * d, 0.5f);
+  std::vector<float> y(256 * heads * d);
+  for (int i0 = 0; i0 < n; i0 += 256) {
+    const int bn = std::min(256, n - i0);
+    for (int h = 0; h < heads; ++h) {
+      ApplySkew(x.data() + (i0 * heads + h) * d, bn, heads * d,
+                a.data() + (h / per_kv) * d * d, d, y.data() + h * d,
+                heads * d);
+    }
+    for (int i = 0; i < bn; ++i) {
+      for (int h = 0; h < heads; ++h) {
+        for (int c = 0; c < d; ++c) {
+          expect[(h / per_kv) * d + c] += std::fabs(y[(i * heads + h) * d + c]);
+        }
+      }
+    }
+  }
+  EXPECT_EQ(sums, expect);
+  // And the naive product's magnitudes, within float rounding.
+  for (int g = 0; g < groups; ++g) {
+    for (int c = 0; c < d; ++c) {
+      double acc = 0.5;
+      for (int t = 0; t < n; ++t) {
+        for (int h = g * per_kv; h < (g + 1) * per_kv; ++h) {
+          double v = 0;
+          for (int j = 0; j < d; ++j) {
+            v += x[(t * heads + h) * d + j] * a[(g * d + j) * d + c];
+          }
+          acc += std::fabs(v);
+        }
+      }
+      EXPECT_NEAR(sums[g * d + c], acc, 1e-3 * acc) << g << "," << c;
+    }
+  }
+  // No tokens: nothing added.
+  const std::vector<float> before = sums;
+  AddSkewedColumnSums(x.data(), 0, heads, per_kv, d, a_t.data(), sums.data());
+  EXPECT_EQ(sums, before);
+}
+
 TEST(ApplySkew, StridedRowsMatchRowByRow) {
   // One head's rows of a [tokens, heads, d] array, written into the same
   // head's rows of another: the other heads' values stay untouched.

@@ -42,6 +42,12 @@ void PolicyOps::SpeculateScores(const SpeculationParams& p) {
                                   static_cast<size_t>(p.n_heads) * p.n_tokens));
 }
 
+void PolicyOps::AddSkewedColumnSums(const float* x, int n, int heads,
+                                    int per_kv, int d, const float* skew_t,
+                                    float* sums) {
+  speculator::AddSkewedColumnSums(x, n, heads, per_kv, d, skew_t, sums);
+}
+
 void PolicyOps::QuantizePartialKeys(const float* keys, int n_rows,
                                     int n_cols, uint8_t* rows,
                                     size_t row_stride) {

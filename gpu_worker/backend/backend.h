@@ -171,6 +171,16 @@ class PolicyOps {
   virtual void QuantizePartialKeys(const float* keys, int n_rows, int n_cols,
                                    uint8_t* rows, size_t row_stride);
 
+  // InfiniGen's prompt column sums (speculator::AddSkewedColumnSums): adds
+  // to sums [heads / per_kv][d] each token's |x_{t,h} . A_{h / per_kv}|,
+  // x [n, heads, d] a prefill chunk's queries or keys, skew_t
+  // [heads / per_kv][d][d] the KV heads' A^T, all backend memory, so that a
+  // device's prefill rows stay where they are. Default: on the host, the
+  // same arithmetic.
+  virtual void AddSkewedColumnSums(const float* x, int n, int heads,
+                                   int per_kv, int d, const float* skew_t,
+                                   float* sums);
+
   // Per-head top-k of speculated scores (TopKParams). Default: the
   // speculator's CombineHeadScores and SelectTopKPerHead on the host.
   virtual void SelectTopK(const TopKParams& p);
@@ -403,6 +413,10 @@ class BackendWrapper : public Backend {
   void QuantizePartialKeys(const float* keys, int n_rows, int n_cols,
                            uint8_t* rows, size_t row_stride) override {
     target_->QuantizePartialKeys(keys, n_rows, n_cols, rows, row_stride);
+  }
+  void AddSkewedColumnSums(const float* x, int n, int heads, int per_kv,
+                           int d, const float* skew_t, float* sums) override {
+    target_->AddSkewedColumnSums(x, n, heads, per_kv, d, skew_t, sums);
   }
   void LinearBatched(const float* x, long x_stride, int n, int in,
                      const float* w, long w_stride, int out, float* y,

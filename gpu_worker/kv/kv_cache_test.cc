@@ -1091,6 +1091,15 @@ class GuardedDeviceBackend final : public Backend {
     Open open(this);
     cpu_->SpeculateScores(p);
   }
+  void AddSkewedColumnSums(const float* x, int n, int heads, int per_kv,
+                           int d, const float* skew_t, float* sums) override {
+    Open open(this);
+    ++column_sums;
+    if (!InDevice(x) || !InDevice(skew_t) || !InDevice(sums)) {
+      violations_->push_back("prompt column sums outside device memory");
+    }
+    cpu_->AddSkewedColumnSums(x, n, heads, per_kv, d, skew_t, sums);
+  }
   void QuantizePartialKeys(const float* keys, int n_rows, int n_cols,
                            uint8_t* rows, size_t row_stride) override {
     Open open(this);
@@ -1180,7 +1189,7 @@ class GuardedDeviceBackend final : public Backend {
   long gathers = 0, leading_gathers = 0, pins = 0, unpins = 0;
   long copies_out = 0, queued_copies_out = 0, selections = 0, encodes = 0;
   long staged_attentions = 0, half_attentions = 0;
-  long slotted_attentions = 0, scatters = 0;
+  long slotted_attentions = 0, scatters = 0, column_sums = 0;
   size_t largest_unpinned_copy_in = 0;
 
  private:
@@ -1358,6 +1367,8 @@ TEST_F(KvCacheTest, DeviceBackendsReadFetchedRowsFromTheirOwnMemory) {
     }
     EXPECT_THAT(violations, ::testing::IsEmpty());
     EXPECT_EQ(d->shared_allocations, 0);  // no memory both sides touch
+    // InfiniGen's prompt column sums ran where the prefill's rows are.
+    EXPECT_EQ(d->column_sums > 0, kind == "infinigen");
     if (kind != "ideal") {
       // At least one copy of fetched rows per layer and step.
       EXPECT_GE(d->copies_in - copies_after_prefill, 10L * 12);
@@ -1998,7 +2009,9 @@ TEST_F(KvCacheTest, PrefillRowsAreEncodedOnTheDevice) {
   }
   // InfiniGen keeping every column observes nothing of the prompt: it
   // copies out of the device what full does. Choosing a part of the
-  // columns, it copies each chunk's queries and keys to the host.
+  // columns, it sums each chunk's skewed queries (and keys) on the device
+  // and copies out one layer's sums at the layer's end, never the chunks'
+  // queries and keys.
   for (const float ratio : {1.0f, 0.3f}) {
     SCOPED_TRACE(ratio);
     FakeKvClient node;
@@ -2009,8 +2022,12 @@ TEST_F(KvCacheTest, PrefillRowsAreEncodedOnTheDevice) {
     auto e = Engine::Create(weights_, std::move(device), o);
     ASSERT_TRUE(e.ok()) << e.status();
     ASSERT_TRUE((*e)->Forward(t, false).ok());
-    EXPECT_EQ(d->copies_out,
-              ideal->copies_out + (ratio < 1.0f ? 2 * 3 * 12 : 0));
+    EXPECT_EQ(d->copies_out, ideal->copies_out + (ratio < 1.0f ? 12 : 0));
+    if (ratio < 1.0f) {
+      EXPECT_GE(d->column_sums, 3 * 12);  // each chunk of each layer
+    } else {
+      EXPECT_EQ(d->column_sums, 0);
+    }
   }
   EXPECT_THAT(violations, ::testing::IsEmpty());
 }

@@ -180,9 +180,10 @@ class PrefixSummary {
   // Floats per layer.
   virtual int floats() const = 0;
   // Adds the contribution of n prefill tokens of `layer` (q, k as in
-  // KvPolicy::ObservePrefill) to out [floats()].
-  virtual void Summarize(int layer, const float* q, const float* k, int n,
-                         float* out) const = 0;
+  // KvPolicy::ObservePrefill: backend memory) to out [floats()] (host
+  // memory). Errors are the backend's.
+  virtual absl::Status Summarize(int layer, const float* q, const float* k,
+                                 int n, float* out) = 0;
   // Counts a reused block's summary of `layer` as if ObservePrefill had
   // seen its tokens.
   virtual void Add(int layer, const float* state) = 0;
@@ -246,8 +247,8 @@ class KvPolicy {
   bool ReusesPrefix() const { return traits_.reuses_prefix; }
   bool WantsAttentionProbs() const { return traits_.attention_probs; }
   // Whether ObservePrefill and the prefix summary read q and k (the cache
-  // then copies them to the host; else it passes null and the prefill's
-  // rows never leave the backend but encoded). Fixed at creation.
+  // then passes them, in the backend's memory; else null). Fixed at
+  // creation.
   bool ObservesPrefill() const { return observes_prefill_; }
   // The policy's prefix summary; null where it keeps none. Fixed at
   // creation.
@@ -271,9 +272,9 @@ class KvPolicy {
 
   // Prefill, layer by layer, each layer in chunks: layer's post-RoPE
   // queries q [n, n_heads, head_dim] and keys k [n, n_kv_heads, head_dim]
-  // of positions [first_pos, first_pos + n) (host-readable; null unless
+  // of positions [first_pos, first_pos + n) (backend memory; null unless
   // ObservesPrefill), and, with the attention_probs trait, the summed
-  // attention probabilities prob_sums [n_heads, first_pos + n].
+  // attention probabilities prob_sums [n_heads, first_pos + n] (host).
   virtual void ObservePrefill(int layer, const float* q, const float* k,
                               int n, int first_pos, const float* prob_sums) {}
 

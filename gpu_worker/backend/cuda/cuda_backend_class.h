@@ -124,6 +124,8 @@ class CudaBackend final : public Backend {
   void SelectTopK(const TopKParams& a) override;
   void QuantizePartialKeys(const float* keys, int n_rows, int n_cols,
                            uint8_t* rows, size_t row_stride) override;
+  void AddSkewedColumnSums(const float* x, int n, int heads, int per_kv,
+                           int d, const float* skew_t, float* sums) override;
 
  private:
   bool ok() const { return error_.ok(); }
@@ -231,6 +233,7 @@ class CudaBackend final : public Backend {
   DeviceScratch linear_scratch_;     // fp16 x, and w when not registered
   DeviceScratch attention_scratch_;  // split-KV partial results
   DeviceScratch select_scratch_;     // SelectTopK's head offsets
+  DeviceScratch skew_scratch_;       // AddSkewedColumnSums' products
 };
 
 }  // namespace infinigen::gpu_worker::cuda

@@ -810,6 +810,37 @@ TEST_F(CudaBackendTest, BatchedProductsAndStridedPartialKeysMatchCpu) {
   EXPECT_TRUE(std::equal(rows.begin(), rows.end(), grows.begin()));
 }
 
+// InfiniGen's prompt column sums on the device: the host's sums (the same
+// products and magnitudes, added in another order), GQA heads summed into
+// their KV head, over 300 tokens (a 256-token block and a tail), added to
+// what the sums held; the same bits on a second run.
+TEST_F(CudaBackendTest, SkewedColumnSumsMatchCpu) {
+  const int n = 300, heads = 8, per_kv = 4, d = 128, groups = heads / per_kv;
+  const std::vector<float> x = Normal(n * heads * d, rng_);
+  const std::vector<float> skew_t = Normal(groups * d * d, rng_);
+  std::vector<float> want(groups * d, 1.0f);
+  cpu_->AddSkewedColumnSums(x.data(), n, heads, per_kv, d, skew_t.data(),
+                            want.data());
+  SharedVector<float> gx = Shared(gpu_.get(), x),
+                      ga = Shared(gpu_.get(), skew_t);
+  std::vector<float> first;
+  for (int run = 0; run < 2; ++run) {
+    SharedVector<float> gs(want.size(), 1.0f,
+                           SharedAllocator<float>(gpu_.get()));
+    gpu_->AddSkewedColumnSums(gx.data(), n, heads, per_kv, d, ga.data(),
+                              gs.data());
+    ASSERT_TRUE(gpu_->Synchronize().ok()) << gpu_->Synchronize();
+    for (size_t i = 0; i < want.size(); ++i) {
+      ASSERT_NEAR(gs[i], want[i], 1e-4f * want[i]) << i;
+    }
+    if (run == 0) {
+      first.assign(gs.begin(), gs.end());
+    } else {
+      EXPECT_TRUE(std::equal(first.begin(), first.end(), gs.begin()));
+    }
+  }
+}
+
 // Prefill rows encoded on the device: the host's fp16 bits (EncodeKvRows),
 // rounding and the largest and smallest values included; int4 rows are
 // refused (the host encodes them), nothing written.

@@ -3,6 +3,7 @@
 // head, and the partial keys' quantization.
 #include "gpu_worker/backend/cuda/cuda_backend_class.h"
 
+#include <algorithm>
 #include <cstdint>
 
 #include "absl/strings/str_format.h"
@@ -115,6 +116,62 @@ void CudaBackend::QuantizePartialKeys(const float* keys, int n_rows, int n_cols,
   p.row_stride = static_cast<long>(row_stride);
   if (!ok()) return;
   Launched(LaunchQuantizePartialKeys(p, stream_), kOp);
+}
+
+void CudaBackend::AddSkewedColumnSums(const float* x, int n, int heads,
+                                      int per_kv, int d, const float* skew_t,
+                                      float* sums) {
+  constexpr const char* kOp = "AddSkewedColumnSums";
+  if (!Begin() || n == 0) return;
+  if (n < 0 || heads <= 0 || per_kv <= 0 || heads % per_kv != 0 || d <= 0 ||
+      d > 1024) {
+    return FailShape(kOp, absl::StrFormat("n=%d heads=%d per_kv=%d (must "
+                                          "divide) d=%d (1..1024)",
+                                          n, heads, per_kv, d));
+  }
+  const int groups = heads / per_kv;
+  const long width = static_cast<long>(heads) * d;
+  const float* xd = In(x, n * width, kOp, "x");
+  const float* ad =
+      In(skew_t, static_cast<long>(groups) * d * d, kOp, "skew_t");
+  float* sd = Out(sums, static_cast<long>(groups) * d, kOp, "sums");
+  if (!ok()) return;
+  // Blocks of tokens through one scratch: each KV head's query heads'
+  // products in one batched GEMM, then their magnitudes summed.
+  constexpr int kBlock = 256;
+  const int block = std::min(n, kBlock);
+  if (!CheckCuda(skew_scratch_.Reserve(block * width * sizeof(float), stream_),
+                 kOp)) {
+    return;
+  }
+  auto* skewed = reinterpret_cast<float*>(skew_scratch_.data());
+  const float one = 1.0f, zero = 0.0f;
+  for (int i0 = 0; i0 < n; i0 += kBlock) {
+    const int bn = std::min(kBlock, n - i0);
+    for (int g = 0; g < groups; ++g) {
+      // Column-major, head h's products S_h^T [d, bn] = A^T . X_h^T: skew_t
+      // read column-major is A, transposed by the op; X_h^T's columns are
+      // the tokens' rows, width apart.
+      const long head0 = static_cast<long>(g) * per_kv * d;
+      const cublasStatus_t status = cublasSgemmStridedBatched(
+          cublas_, CUBLAS_OP_T, CUBLAS_OP_N, d, bn, d, &one,
+          ad + static_cast<long>(g) * d * d, d, 0, xd + i0 * width + head0,
+          width, d, &zero, skewed + head0, width, d, per_kv);
+      if (status != CUBLAS_STATUS_SUCCESS) {
+        return Fail(absl::InternalError(absl::StrFormat(
+            "AddSkewedColumnSums: cuBLAS: %s (n=%d heads=%d d=%d)",
+            cublasGetStatusString(status), n, heads, d)));
+      }
+    }
+    AbsColumnSumsParams p;
+    p.x = skewed;
+    p.sums = sd;
+    p.n = bn;
+    p.heads = heads;
+    p.per_kv = per_kv;
+    p.d = d;
+    if (!Launched(LaunchAbsColumnSums(p, stream_), kOp)) return;
+  }
 }
 
 }  // namespace infinigen::gpu_worker::cuda

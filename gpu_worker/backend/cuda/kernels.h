@@ -325,6 +325,20 @@ struct QuantizePartialKeysParams {
 int LaunchQuantizePartialKeys(const QuantizePartialKeysParams& p,
                               void* stream);
 
+struct AbsColumnSumsParams {
+  const float* x;  // [n, heads, d]: each token's skewed rows
+  float* sums;     // [heads / per_kv, d], added to
+  int n = 0;
+  int heads = 0;
+  int per_kv = 1;  // heads summed into one row of sums
+  int d = 0;       // at most 1024
+};
+
+// sums[h / per_kv][c] += sum over t < n, h < heads of |x[t][h][c]|: one
+// block per KV head, the tokens split over a fixed number of lanes and the
+// lanes' partial sums added in a fixed order (the same bits every run).
+int LaunchAbsColumnSums(const AbsColumnSumsParams& p, void* stream);
+
 struct SelectTopKParams {
   const float* scores;  // [n_kv_heads, n_tokens]
   int32_t* indices;     // [n_kv_heads, k]: each head's k chosen positions

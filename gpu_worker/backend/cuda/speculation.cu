@@ -301,6 +301,45 @@ int LaunchQuantizePartialKeys(const QuantizePartialKeysParams& p,
   return static_cast<int>(cudaGetLastError());
 }
 
+// Threads of an AbsColumnSums block: d columns times the token lanes.
+constexpr int kAbsSumThreads = 1024;
+
+__global__ void AbsColumnSumsKernel(AbsColumnSumsParams p) {
+  extern __shared__ float lane_sums[];  // [lanes][d]
+  const int g = blockIdx.x;
+  const int lanes = blockDim.x / p.d;
+  const int c = threadIdx.x % p.d;
+  const int lane = threadIdx.x / p.d;
+  float acc = 0.0f;
+  if (lane < lanes) {
+    const long width = static_cast<long>(p.heads) * p.d;
+    for (int t = lane; t < p.n; t += lanes) {
+      const float* row = p.x + t * width + static_cast<long>(g) * p.per_kv * p.d;
+      for (int h = 0; h < p.per_kv; ++h) acc += fabsf(row[h * p.d + c]);
+    }
+    lane_sums[lane * p.d + c] = acc;
+  }
+  __syncthreads();
+  if (lane == 0) {
+    float total = 0.0f;
+    for (int l = 0; l < lanes; ++l) total += lane_sums[l * p.d + c];
+    p.sums[static_cast<long>(g) * p.d + c] += total;
+  }
+}
+
+int LaunchAbsColumnSums(const AbsColumnSumsParams& p, void* stream) {
+  if (!p.x || !p.sums || p.n <= 0 || p.heads <= 0 || p.per_kv <= 0 ||
+      p.heads % p.per_kv != 0 || p.d <= 0 || p.d > kAbsSumThreads) {
+    return static_cast<int>(cudaErrorInvalidValue);
+  }
+  const int lanes = kAbsSumThreads / p.d;
+  const int threads = lanes * p.d;
+  AbsColumnSumsKernel<<<p.heads / p.per_kv, threads,
+                        threads * sizeof(float),
+                        static_cast<cudaStream_t>(stream)>>>(p);
+  return static_cast<int>(cudaGetLastError());
+}
+
 int LaunchSelectTopK(const SelectTopKParams& p, void* stream) {
   if (!p.scores || !p.indices || p.n_kv_heads <= 0 || p.n_tokens <= 0 ||
       (p.head_offsets == nullptr && (p.k <= 0 || p.k > p.n_tokens))) {

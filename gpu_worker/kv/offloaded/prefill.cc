@@ -38,7 +38,6 @@ absl::Status Prefill::Allocate() {
                                     &backend_, n, "attention probabilities"));
     probs_host_.assign(n, 0.0f);
   }
-  q_host_.resize(chunk * c_.q_dim());
   k_host_.resize(chunk * c_.kv_dim());
   v_host_.resize(chunk * c_.kv_dim());
   const size_t stage =
@@ -79,16 +78,9 @@ absl::Status Prefill::Attention(const PrefixLoader& prefix, int layer,
   // The chunk's rows encoded for the memory node: by the backend where it
   // can (a device then queues them to the pinned host stage, read at the
   // layer's end), else on the host. The policy sees the queries and keys
-  // on the host where it observes them.
+  // where they are, in the backend's memory.
   const size_t kv_values = static_cast<size_t>(rows) * kvd;
   const bool observes = policy.ObservesPrefill();
-  if (observes) {
-    IG_RETURN_IF_ERROR(backend_.CopyToHost(
-        q_host_.data(), q,
-        static_cast<size_t>(rows) * c_.q_dim() * sizeof(float)));
-    IG_RETURN_IF_ERROR(
-        backend_.CopyToHost(k_host_.data(), k, kv_values * sizeof(float)));
-  }
   const size_t at = static_cast<size_t>(pos) * c_.n_kv_heads *
                     layout_.row_width;
   const size_t row_values = static_cast<size_t>(rows) * c_.n_kv_heads *
@@ -112,10 +104,8 @@ absl::Status Prefill::Attention(const PrefixLoader& prefix, int layer,
       v_stored = v_enc;
     }
   } else {
-    if (!observes) {
-      IG_RETURN_IF_ERROR(
-          backend_.CopyToHost(k_host_.data(), k, kv_values * sizeof(float)));
-    }
+    IG_RETURN_IF_ERROR(
+        backend_.CopyToHost(k_host_.data(), k, kv_values * sizeof(float)));
     IG_RETURN_IF_ERROR(
         backend_.CopyToHost(v_host_.data(), v, kv_values * sizeof(float)));
     policy.EncodeRows(k_host_.data(), n_rows, k_stage);
@@ -190,12 +180,12 @@ absl::Status Prefill::Attention(const PrefixLoader& prefix, int layer,
                                            prob_values * sizeof(float)));
   }
   const auto t0 = std::chrono::steady_clock::now();
-  policy.ObservePrefill(layer, observes ? q_host_.data() : nullptr,
-                        observes ? k_host_.data() : nullptr, rows, pos,
+  policy.ObservePrefill(layer, observes ? q : nullptr,
+                        observes ? k : nullptr, rows, pos,
                         probs != nullptr ? probs_host_.data() : nullptr);
   // Summaries of the whole blocks this sequence will share.
-  prefix.Summarize(policy, layer, pos, rows, q_host_.data(), k_host_.data(),
-                   *target_.prefix);
+  IG_RETURN_IF_ERROR(
+      prefix.Summarize(policy, layer, pos, rows, q, k, *target_.prefix));
   target_.stats->prefill_policy_seconds +=
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
           .count();

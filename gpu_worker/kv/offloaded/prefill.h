@@ -89,8 +89,9 @@ class Prefill {
   // Attention probabilities (h2o), [n_heads][max_seq], and their host copy.
   DeviceBuffer<float> probs_;
   std::vector<float> probs_host_;
-  // Host copies of a chunk's q, k, v [max_chunk][...].
-  std::vector<float> q_host_, k_host_, v_host_;
+  // Host copies of a chunk's k, v [max_chunk][...], where the backend
+  // cannot encode the rows itself.
+  std::vector<float> k_host_, v_host_;
   // Two stages of one layer's rows for the memory node, each
   // [pos][kv_head][width]: the layer computing fills stage stage_ while
   // the previous layer's append leaves from the other.

@@ -148,10 +148,10 @@ void PrefixLoader::Load(Backend& backend, const PrefixState& state,
   }
 }
 
-void PrefixLoader::Summarize(KvPolicy& policy, int layer, int pos, int rows,
-                             const float* q, const float* k,
-                             PrefixState& state) const {
-  if (state.block_state.empty()) return;
+absl::Status PrefixLoader::Summarize(KvPolicy& policy, int layer, int pos,
+                                     int rows, const float* q, const float* k,
+                                     PrefixState& state) const {
+  if (state.block_state.empty()) return absl::OkStatus();
   const size_t per_block = static_cast<size_t>(c_.n_layers) * state_floats_;
   const size_t blocks = state.block_state.size() / per_block;
   for (int i = 0; i < rows;) {
@@ -159,14 +159,15 @@ void PrefixLoader::Summarize(KvPolicy& policy, int layer, int pos, int rows,
     const int run = std::min(
         rows - i, (b + state.annotated_first + 1) * block_ - (pos + i));
     if (b >= 0 && static_cast<size_t>(b) < blocks) {
-      policy.prefix_summary()->Summarize(
+      IG_RETURN_IF_ERROR(policy.prefix_summary()->Summarize(
           layer, q + static_cast<size_t>(i) * c_.q_dim(),
           k + static_cast<size_t>(i) * c_.kv_dim(), run,
           &state.block_state[b * per_block +
-                             static_cast<size_t>(layer) * state_floats_]);
+                             static_cast<size_t>(layer) * state_floats_]));
     }
     i += run;
   }
+  return absl::OkStatus();
 }
 
 std::vector<std::string> PrefixLoader::BlockMeta(

@@ -65,10 +65,12 @@ class PrefixLoader {
   void Load(Backend& backend, const PrefixState& state, const LayerFetch& f,
             const uint16_t* rows, KvRowFormat format,
             DecodedRows& decoded) const;
-  // Adds n prefill tokens of `layer` from `pos` (q, k on the host) to the
-  // summaries of the blocks they belong to.
-  void Summarize(KvPolicy& policy, int layer, int pos, int n, const float* q,
-                 const float* k, PrefixState& state) const;
+  // Adds n prefill tokens of `layer` from `pos` (q, k in the backend's
+  // memory) to the summaries of the blocks they belong to. Errors are the
+  // backend's.
+  absl::Status Summarize(KvPolicy& policy, int layer, int pos, int n,
+                         const float* q, const float* k,
+                         PrefixState& state) const;
   // The summaries of the blocks to share, sent with the last layer's rows.
   std::vector<std::string> BlockMeta(const PrefixState& state) const;
 

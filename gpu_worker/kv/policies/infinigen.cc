@@ -72,6 +72,8 @@ class InfiniGenPolicy final : public KvPolicy, private PrefixSummary {
     int64_t Bytes() const {
       return static_cast<int64_t>(
           2 * heads * d * sizeof(float) +             // col_sums_, k_col_sums_
+          4 * 2 * n_kv * d * sizeof(float) +          // prompt_sums_ (+host),
+                                                      // summary_sums_, zeros_
           2 * heads * n_cols * sizeof(int32_t) +      // cols_, cols_dev_
           heads * d * d * sizeof(float) +             // skew_t_
           2 * heads * n_cols * d * sizeof(float) +    // partial_w_, its host
@@ -134,6 +136,16 @@ class InfiniGenPolicy final : public KvPolicy, private PrefixSummary {
                       b->MarkIssued());
       IG_RETURN_IF_ERROR(b->WaitCopies());  // before t goes
     }
+    // The prompt's sums of one layer: [n_kv_heads][d] of |q A|, then as
+    // many of |k A|.
+    const size_t sum_floats = 2 * z.n_kv * d;
+    prompt_sums_host_.assign(sum_floats, 0.0f);
+    zeros_.assign(sum_floats, 0.0f);
+    IG_ASSIGN_OR_RETURN(prompt_sums_, DeviceBuffer<float>::Make(
+                                          b, sum_floats, "prompt sums"));
+    IG_ASSIGN_OR_RETURN(summary_sums_, DeviceBuffer<float>::Make(
+                                           b, sum_floats, "prompt sums"));
+    ZeroPromptSums();
     partial_w_host_.assign(heads * n_cols_ * d, 0.0f);
     IG_ASSIGN_OR_RETURN(partial_w_, DeviceBuffer<float>::Make(
                                         b, heads * n_cols_ * d,
@@ -187,6 +199,7 @@ class InfiniGenPolicy final : public KvPolicy, private PrefixSummary {
   void Reset() override {
     std::fill(col_sums_.begin(), col_sums_.end(), 0.0f);
     std::fill(k_col_sums_.begin(), k_col_sums_.end(), 0.0f);
+    if (SelectsColumns()) ZeroPromptSums();
   }
 
   // The prompt's column sums choose each head's partial columns; where
@@ -197,10 +210,7 @@ class InfiniGenPolicy final : public KvPolicy, private PrefixSummary {
   void ObservePrefill(int layer, const float* q, const float* k, int n,
                       int first_pos, const float* prob_sums) override {
     if (!SelectsColumns()) return;
-    const model::ModelConfig& m = config();
-    const size_t d = m.head_dim;
-    Accumulate(layer, q, k, n, ColSums(layer, 0),
-               k_col_sums_.data() + Head(layer, 0) * d);
+    AddColumnSums(layer, q, k, n, prompt_sums_.data());
   }
 
   // Per layer: the summed |q A| of each KV head's columns, then (with
@@ -211,11 +221,15 @@ class InfiniGenPolicy final : public KvPolicy, private PrefixSummary {
     return m.n_kv_heads * m.head_dim *
            (options_.infinigen.rank_columns_by_keys ? 2 : 1);
   }
-  void Summarize(int layer, const float* q, const float* k, int n,
-                 float* out) const override {
-    const model::ModelConfig& m = config();
-    Accumulate(layer, q, k, n, out,
-               out + static_cast<size_t>(m.n_kv_heads) * m.head_dim);
+  absl::Status Summarize(int layer, const float* q, const float* k, int n,
+                         float* out) override {
+    // out on the host: through the device's scratch and back, the same
+    // sums in the same order as on the host.
+    Backend& b = *ctx_.backend;
+    const size_t bytes = floats() * sizeof(float);
+    b.CopyFromHost(summary_sums_.data(), out, bytes, b.MarkIssued());
+    AddColumnSums(layer, q, k, n, summary_sums_.data());
+    return b.CopyToHost(out, summary_sums_.data(), bytes);
   }
   void Add(int layer, const float* state) override {
     const model::ModelConfig& m = config();
@@ -228,46 +242,53 @@ class InfiniGenPolicy final : public KvPolicy, private PrefixSummary {
   }
 
   // Partial columns rank by the summed |q A| over the prompt (times the
-  // summed |k A| with rank_columns_by_keys): adds n tokens' magnitudes to
-  // q_sums [n_kv_heads][d] and k_sums (the same). The skew is one matrix
-  // product per head over a block of tokens; the sums add token by token.
-  void Accumulate(int layer, const float* q, const float* k, int n,
-                  float* q_sums, float* k_sums) const {
+  // summed |k A| with rank_columns_by_keys): adds n prefill tokens'
+  // magnitudes (q [n, n_heads, d], k [n, n_kv_heads, d], backend memory)
+  // to sums [floats()] in backend memory, the queries' per KV head, then
+  // the keys'. The backend computes them where the rows are.
+  void AddColumnSums(int layer, const float* q, const float* k, int n,
+                     float* sums) {
     const model::ModelConfig& m = config();
     const int d = m.head_dim, group = m.n_heads / m.n_kv_heads;
-    constexpr int kBlock = 256;
-    std::vector<float> skewed(static_cast<size_t>(std::min(n, kBlock)) *
-                              m.n_heads * d);
-    // rows [n, heads, d] skewed per head by its KV head's A, block by block,
-    // each block's token t, head h added to sums[h / per_kv].
-    auto add = [&](const float* rows, int heads, int per_kv, float* sums) {
-      const int width = heads * d;
-      for (int i0 = 0; i0 < n; i0 += kBlock) {
-        const int bn = std::min(kBlock, n - i0);
-        for (int h = 0; h < heads; ++h) {
-          speculator::ApplySkew(rows + static_cast<size_t>(i0) * width + h * d,
-                                bn, width, skew_.at(layer, h / per_kv), d,
-                                skewed.data() + h * d, width);
-        }
-        for (int i = 0; i < bn; ++i) {
-          for (int h = 0; h < heads; ++h) {
-            const float* row =
-                skewed.data() + (static_cast<size_t>(i) * heads + h) * d;
-            float* out = sums + static_cast<size_t>(h / per_kv) * d;
-            for (int c = 0; c < d; ++c) out[c] += std::fabs(row[c]);
-          }
-        }
-      }
-    };
-    add(q, m.n_heads, group, q_sums);
-    if (options_.infinigen.rank_columns_by_keys)
-      add(k, m.n_kv_heads, 1, k_sums);
+    Backend& b = *ctx_.backend;
+    b.AddSkewedColumnSums(q, n, m.n_heads, group, d, SkewT(layer, 0), sums);
+    if (options_.infinigen.rank_columns_by_keys) {
+      b.AddSkewedColumnSums(k, n, m.n_kv_heads, 1, d, SkewT(layer, 0),
+                            sums + static_cast<size_t>(m.n_kv_heads) * d);
+    }
+  }
+
+  // The layer's prompt sums, added up on the backend over its chunks, join
+  // the host's (which hold a reused prefix's), and the backend's start
+  // again from zero for the next layer.
+  absl::Status TakePromptSums(int l) {
+    if (!SelectsColumns()) return absl::OkStatus();
+    const model::ModelConfig& m = config();
+    const size_t n = static_cast<size_t>(m.n_kv_heads) * m.head_dim;
+    Backend& b = *ctx_.backend;
+    IG_RETURN_IF_ERROR(b.CopyToHost(prompt_sums_host_.data(),
+                                    prompt_sums_.data(),
+                                    prompt_sums_host_.size() * sizeof(float)));
+    float* q_sums = ColSums(l, 0);
+    for (size_t i = 0; i < n; ++i) q_sums[i] += prompt_sums_host_[i];
+    if (options_.infinigen.rank_columns_by_keys) {
+      float* k_sums = k_col_sums_.data() + Head(l, 0) * m.head_dim;
+      for (size_t i = 0; i < n; ++i) k_sums[i] += prompt_sums_host_[n + i];
+    }
+    ZeroPromptSums();
+    return absl::OkStatus();
+  }
+  void ZeroPromptSums() {
+    Backend& b = *ctx_.backend;
+    b.CopyFromHost(prompt_sums_.data(), zeros_.data(),
+                   zeros_.size() * sizeof(float), b.MarkIssued());
   }
 
   absl::Status FinishPrefillLayer(int l, int n_tokens, const float* keys,
                                   int key_stride) override {
     const model::ModelConfig& m = config();
     const int d = m.head_dim;
+    IG_RETURN_IF_ERROR(TakePromptSums(l));
     if (options_.infinigen.rank_columns_by_keys) {
       for (int g = 0; g < m.n_kv_heads; ++g) {
         const float* k_sums = k_col_sums_.data() + Head(l, g) * d;
@@ -591,12 +612,16 @@ class InfiniGenPolicy final : public KvPolicy, private PrefixSummary {
   std::vector<float> head_budgets_;
   std::vector<int> head_k_;
   std::vector<float> partial_w_host_;    // partial_w_, built here
+  std::vector<float> prompt_sums_host_, zeros_;
   std::vector<float> head_scores_host_;  // scores_, read here
   std::vector<float> scores_host_;       // [kv_head][p]: combined
   int position_host_ = 0;                // position_, written here
   // The backend's device memory:
   DeviceBuffer<int32_t> cols_dev_;   // cols_ for SpeculateScores
   DeviceBuffer<float> skew_t_;       // [layer][kv_head][d][d]: A^T
+  // A layer's prompt sums as its chunks add them, and a prefix block's
+  // ([floats()] each; prompt_sums_host_ and zeros_ their host sides).
+  DeviceBuffer<float> prompt_sums_, summary_sums_;
   DeviceBuffer<float> partial_w_;    // [layer][kv_head][n_cols][d]
   // [layer][kv_head][max_seq] 4-bit rows (speculator/partial_keys.h)
   DeviceBuffer<uint8_t> partial_k_;
