@@ -68,8 +68,8 @@ struct Layout {
     // Two stages of a prefill layer's K and V rows.
     const int64_t stage =
         int64_t{2} * 2 * max_seq * c.n_kv_heads * row_width * 2;
-    const int64_t host_rows =  // prefill chunk and step rows, read here
-        int64_t{max_chunk} * (c.q_dim() + 2 * c.kv_dim()) * 4 +
+    const int64_t host_rows =  // prefill chunk's K, V and step rows, read here
+        int64_t{max_chunk} * 2 * c.kv_dim() * 4 +
         int64_t{2} * c.n_layers * c.kv_dim() * 4;
     // A prefill chunk's rows decoded from their stored form, and (device
     // backends) that form staged on the device.

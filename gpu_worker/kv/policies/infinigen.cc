@@ -72,8 +72,8 @@ class InfiniGenPolicy final : public KvPolicy, private PrefixSummary {
     int64_t Bytes() const {
       return static_cast<int64_t>(
           2 * heads * d * sizeof(float) +             // col_sums_, k_col_sums_
-          4 * 2 * n_kv * d * sizeof(float) +          // prompt_sums_ (+host),
-                                                      // summary_sums_, zeros_
+          3 * 2 * n_kv * d * sizeof(float) +          // prompt_sums_ (+host),
+                                                      // summary_sums_
           2 * heads * n_cols * sizeof(int32_t) +      // cols_, cols_dev_
           heads * d * d * sizeof(float) +             // skew_t_
           2 * heads * n_cols * d * sizeof(float) +    // partial_w_, its host
@@ -140,7 +140,6 @@ class InfiniGenPolicy final : public KvPolicy, private PrefixSummary {
     // many of |k A|.
     const size_t sum_floats = 2 * z.n_kv * d;
     prompt_sums_host_.assign(sum_floats, 0.0f);
-    zeros_.assign(sum_floats, 0.0f);
     IG_ASSIGN_OR_RETURN(prompt_sums_, DeviceBuffer<float>::Make(
                                           b, sum_floats, "prompt sums"));
     IG_ASSIGN_OR_RETURN(summary_sums_, DeviceBuffer<float>::Make(
@@ -278,10 +277,13 @@ class InfiniGenPolicy final : public KvPolicy, private PrefixSummary {
     ZeroPromptSums();
     return absl::OkStatus();
   }
+  // The backend's sums start from the host side's zeros (which stay until
+  // the next TakePromptSums, whose CopyToHost waits for this copy).
   void ZeroPromptSums() {
     Backend& b = *ctx_.backend;
-    b.CopyFromHost(prompt_sums_.data(), zeros_.data(),
-                   zeros_.size() * sizeof(float), b.MarkIssued());
+    std::fill(prompt_sums_host_.begin(), prompt_sums_host_.end(), 0.0f);
+    b.CopyFromHost(prompt_sums_.data(), prompt_sums_host_.data(),
+                   prompt_sums_host_.size() * sizeof(float), b.MarkIssued());
   }
 
   absl::Status FinishPrefillLayer(int l, int n_tokens, const float* keys,
@@ -612,7 +614,7 @@ class InfiniGenPolicy final : public KvPolicy, private PrefixSummary {
   std::vector<float> head_budgets_;
   std::vector<int> head_k_;
   std::vector<float> partial_w_host_;    // partial_w_, built here
-  std::vector<float> prompt_sums_host_, zeros_;
+  std::vector<float> prompt_sums_host_;  // prompt_sums_, read here
   std::vector<float> head_scores_host_;  // scores_, read here
   std::vector<float> scores_host_;       // [kv_head][p]: combined
   int position_host_ = 0;                // position_, written here
@@ -620,7 +622,7 @@ class InfiniGenPolicy final : public KvPolicy, private PrefixSummary {
   DeviceBuffer<int32_t> cols_dev_;   // cols_ for SpeculateScores
   DeviceBuffer<float> skew_t_;       // [layer][kv_head][d][d]: A^T
   // A layer's prompt sums as its chunks add them, and a prefix block's
-  // ([floats()] each; prompt_sums_host_ and zeros_ their host sides).
+  // ([2][n_kv_heads][d] each).
   DeviceBuffer<float> prompt_sums_, summary_sums_;
   DeviceBuffer<float> partial_w_;    // [layer][kv_head][n_cols][d]
   // [layer][kv_head][max_seq] 4-bit rows (speculator/partial_keys.h)
