@@ -16,6 +16,8 @@ using HostRegisterFn = int (*)(void*, size_t, unsigned int);
 using HostUnregisterFn = int (*)(void*);
 using GetErrorStringFn = const char* (*)(int);
 constexpr unsigned int kCudaHostRegisterPortable = 1;
+constexpr unsigned int kCudaHostRegisterMapped = 2;
+constexpr unsigned int kCudaHostRegisterReadOnly = 8;
 
 struct CudaRuntime {
   HostRegisterFn host_register = nullptr;
@@ -67,22 +69,32 @@ const CudaRuntime& Runtime() {
   return runtime;
 }
 
-}  // namespace
-
-bool CudaHostRegister(void* data, size_t bytes) {
+bool Register(void* data, size_t bytes, unsigned int flags) {
   const CudaRuntime& r = Runtime();
   if (!r.usable) return false;
-  const int err = r.host_register(data, bytes, kCudaHostRegisterPortable);
+  const int err = r.host_register(data, bytes, flags);
   if (err != 0) {
     static std::once_flag logged;
     std::call_once(logged, [&] {
       IG_LOG(WARNING) << "shm data plane: cudaHostRegister failed ("
                       << r.error_string(err)
-                      << "); fetch buffers stay pageable";
+                      << "); host memory stays pageable";
     });
     return false;
   }
   return true;
+}
+
+}  // namespace
+
+bool CudaHostRegister(void* data, size_t bytes) {
+  return Register(data, bytes, kCudaHostRegisterPortable);
+}
+
+bool CudaHostRegisterReadOnly(void* data, size_t bytes) {
+  return Register(data, bytes,
+                  kCudaHostRegisterPortable | kCudaHostRegisterMapped |
+                      kCudaHostRegisterReadOnly);
 }
 
 void CudaHostUnregister(void* data) {

@@ -17,6 +17,9 @@ namespace infinigen {
 // answers. True if the range is now registered (then call
 // CudaHostUnregister before unmapping it).
 bool CudaHostRegister(void* data, size_t bytes);
+// The same for memory mapped read-only, mapped for kernels to read in
+// place too (cudaHostRegisterPortable | Mapped | ReadOnly).
+bool CudaHostRegisterReadOnly(void* data, size_t bytes);
 void CudaHostUnregister(void* data);
 
 }  // namespace infinigen

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gpu_worker/eval/calibrate.h"
 #include "gpu_worker/backend/cpu/cpu_backend.h"
@@ -128,6 +129,82 @@ TEST_F(Disaggregated, RemoteMemoryNodesGiveExactlyTheInProcessLogits) {
       EXPECT_EQ(in_place, kind == PolicyKind::kInt4 ? 0 : fetched);
     }
   }
+}
+
+// A CPU backend that records the host ranges PinHost is asked to pin:
+// where a device backend registers memory with the device (the host twin).
+class PinRecordingBackend : public gpu_worker::BackendWrapper {
+ public:
+  explicit PinRecordingBackend(std::vector<const void*>* pinned)
+      : BackendWrapper(gpu_worker::NewCpuBackend()), pinned_(pinned) {}
+  absl::Status PinHost(void* p, size_t bytes) override {
+    pinned_->push_back(p);
+    return BackendWrapper::PinHost(p, bytes);
+  }
+
+ private:
+  std::vector<const void*>* const pinned_;
+};
+
+// A worker that serves prompt after prompt over shm with one-sided reads
+// reads each new sequence where it read the last: the node opens it in the
+// closed sequence's rows (--shm_spare_rows), which the client kept mapped
+// and registered, so the rows asked to be pinned are the ones pinned
+// before, not a new mapping a sequence. The logits are the same every
+// time, and those of a node without spares.
+TEST_F(Disaggregated, EachNewSequenceIsReadWhereTheLastOneWas) {
+  const std::string shm_sock = ServerProcess::SocketPath("dis_spare.sock");
+  std::vector<std::vector<float>> want;
+  for (const int spares : {0, 1}) {
+    SCOPED_TRACE(spares);
+    auto shm = ServerProcess::Start({"--listen=127.0.0.1:0",
+                                     "--shm_listen=unix:" + shm_sock,
+                                     absl::StrCat("--shm_spare_rows=", spares)});
+    ASSERT_TRUE(shm.ok()) << shm.status();
+    auto client = kv_memory_service::ConnectKvClient("shm:unix:" + shm_sock);
+    ASSERT_TRUE(client.ok()) << client.status();
+    EngineOptions options;
+    options.max_seq_len = 96;
+    options.kv.policy.emplace().kind = PolicyKind::kFull;
+    options.kv.kv_client = client->get();
+    options.kv.direct_reads = true;
+    std::vector<const void*> pinned;
+    auto engine = Engine::Create(
+        weights_, std::make_unique<PinRecordingBackend>(&pinned), options);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    const size_t buffers = pinned.size();  // the cache's own, pinned once
+    std::vector<std::vector<const void*>> rows_pinned;
+    for (int round = 0; round < 3; ++round) {
+      ASSERT_TRUE((*engine)->Reset(0).ok());
+      const size_t before = pinned.size();
+      auto prefill = (*engine)->Forward(
+          0, absl::MakeConstSpan(tokens_).subspan(0, 8), false);
+      ASSERT_TRUE(prefill.ok()) << prefill.status();
+      std::vector<float> logits(prefill->begin(), prefill->end());
+      for (int i = 8; i < 20; ++i) {
+        auto l = (*engine)->Forward(0, {tokens_[i]}, false);
+        ASSERT_TRUE(l.ok()) << l.status();
+        logits.insert(logits.end(), l->begin(), l->end());
+      }
+      EXPECT_GT((*engine)->fetch_stats().rows_read_in_place, 0);
+      rows_pinned.emplace_back(pinned.begin() + before, pinned.end());
+      if (want.size() <= static_cast<size_t>(round)) {
+        want.push_back(logits);
+      } else {
+        EXPECT_EQ(logits, want[round]);
+      }
+    }
+    EXPECT_GE(buffers, 1u);
+    ASSERT_EQ(rows_pinned[0].size(), 2u);  // the node's K and V rows
+    if (spares > 0) {
+      EXPECT_EQ(rows_pinned[1], rows_pinned[0]);
+      EXPECT_EQ(rows_pinned[2], rows_pinned[0]);
+    }
+    auto stats = (*client)->GetStoreStats();
+    ASSERT_TRUE(stats.ok()) << stats.status();
+    EXPECT_EQ(stats->reused_row_sequences, spares > 0 ? 2 : 0);
+  }
+  EXPECT_EQ(want[1], want[0]);
 }
 
 // The rows the node at `address` has counted as fetched (gathered or

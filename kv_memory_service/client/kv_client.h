@@ -116,6 +116,12 @@ struct KvClientOptions {
   // renewals and Health() checks); a third of the server's lease when that
   // is shorter.
   absl::Duration heartbeat_interval = absl::Seconds(1);
+  // shm:: closed sequences whose rows (GetDirectRows) the client keeps
+  // mapped, and registered with CUDA, after Close: the node opens the
+  // session's next sequence of the same size in the same memory
+  // (KvStoreOptions::spare_rows_per_session), which is then neither mapped
+  // nor registered again. 0: unmapped at the close.
+  int32_t shm_kept_rows = 1;
   // inproc: the store to serve from (shared with whoever else holds it);
   // null = a new store private to the client, made with
   // inproc_store_options.

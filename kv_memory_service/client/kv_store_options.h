@@ -49,6 +49,12 @@ struct KvStoreOptions {
   // sequence beyond it is ResourceExhausted. Their bytes count against
   // capacity_bytes either way.
   int32_t max_pinned_sequences = 64;
+  // Closed sequences per session whose shared rows the store keeps for the
+  // session's next sequence of the same size (spare_rows.h): a client that
+  // keeps them mapped then maps and registers nothing again. Their bytes
+  // count against capacity_bytes until reused, or let go when the session
+  // ends or an Open needs the room. 0: rows leave at the close.
+  int32_t spare_rows_per_session = 1;
   // The clock leases are measured on; tests pass a fake. Null: absl::Now.
   std::function<absl::Time()> clock;
 };

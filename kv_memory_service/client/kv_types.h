@@ -303,6 +303,12 @@ struct StoreStats {
   // until released.
   int64_t pinned_bytes = 0;
   int64_t pinned_sequences = 0;
+  // Closed sequences' shared rows kept for their sessions' next sequences
+  // (KvStoreOptions::spare_rows_per_session), counted against
+  // capacity_bytes, and the sequences opened in such rows (life total).
+  int64_t spare_sequences = 0;
+  int64_t spare_bytes = 0;
+  int64_t reused_row_sequences = 0;
 };
 
 }  // namespace infinigen::kv_memory_service

@@ -121,6 +121,9 @@ void ToProto(const StoreStats& s, kv::StoreStats* out) {
   out->set_prefix_evicted_blocks(s.prefix_evicted_blocks);
   out->set_pinned_bytes(s.pinned_bytes);
   out->set_pinned_sequences(s.pinned_sequences);
+  out->set_spare_sequences(s.spare_sequences);
+  out->set_spare_bytes(s.spare_bytes);
+  out->set_reused_row_sequences(s.reused_row_sequences);
 }
 
 void ToProto(const PrefixRequest& p, kv::OpenSequenceRequest* out) {
@@ -181,6 +184,9 @@ StoreStats FromProto(const kv::StoreStats& s) {
   out.prefix_evicted_blocks = s.prefix_evicted_blocks();
   out.pinned_bytes = s.pinned_bytes();
   out.pinned_sequences = s.pinned_sequences();
+  out.spare_sequences = s.spare_sequences();
+  out.spare_bytes = s.spare_bytes();
+  out.reused_row_sequences = s.reused_row_sequences();
   return out;
 }
 

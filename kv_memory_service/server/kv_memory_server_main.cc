@@ -120,6 +120,13 @@ ABSL_FLAG(int32_t, shm_max_pinned_sequences, 64,
           "session may keep mapped or held (one-sided reads); mapping the "
           "rows of another sequence beyond it is RESOURCE_EXHAUSTED. Such "
           "rows count against --capacity_bytes until released either way.");
+ABSL_FLAG(int32_t, shm_spare_rows, 1,
+          "With --shm_listen: closed sequences per client session whose "
+          "shared rows the node keeps for the session's next sequence of the "
+          "same size, so that a worker that kept them mapped and registered "
+          "with its GPU does neither again. They count against "
+          "--capacity_bytes until reused, and go when the session ends or "
+          "another sequence needs the room. 0 = rows leave at the close.");
 ABSL_FLAG(std::string, rdma_device, "",
           "Also serve the RDMA data plane (clients connect to "
           "rdma://HOST:PORT of --listen) on this ibverbs device, or on the "
@@ -172,7 +179,7 @@ std::string Usage() {
         "fetch_handshake_timeout", "fetch_idle_timeout", "drain_timeout",
         "log_interval",
         "shm_listen", "shm_max_client_bytes", "shm_max_total_bytes",
-        "shm_max_pinned_sequences",
+        "shm_max_pinned_sequences", "shm_spare_rows",
         "rdma_device", "lease_timeout", "tls_cert", "tls_key",
         "tls_client_ca", "allow_insecure",
         "ready_file", "metrics_listen"}) {
@@ -256,6 +263,10 @@ int Run() {
       absl::GetFlag(FLAGS_shm_max_pinned_sequences);
   if (options.store.max_pinned_sequences < 0) {
     return UsageError("--shm_max_pinned_sequences must not be negative");
+  }
+  options.store.spare_rows_per_session = absl::GetFlag(FLAGS_shm_spare_rows);
+  if (options.store.spare_rows_per_session < 0) {
+    return UsageError("--shm_spare_rows must not be negative");
   }
   options.store.capacity_bytes = absl::GetFlag(FLAGS_capacity_bytes);
   options.store.max_sequences = absl::GetFlag(FLAGS_max_sequences);

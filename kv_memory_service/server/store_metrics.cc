@@ -28,6 +28,14 @@ std::vector<prometheus::MetricFamily> StoreMetrics::Collect() const {
   add("infinigen_kv_pinned_sequences",
       "Closed sequences whose rows a client still maps or holds.",
       MetricType::Gauge, st.pinned_sequences);
+  add("infinigen_kv_spare_bytes",
+      "Bytes of closed sequences' shared rows kept for their sessions' next "
+      "sequences (--shm_spare_rows); counted against the capacity.",
+      MetricType::Gauge, st.spare_bytes);
+  add("infinigen_kv_reused_row_sequences_total",
+      "Sequences opened in a closed sequence's kept rows (nothing mapped or "
+      "registered again by their client).",
+      MetricType::Counter, st.reused_row_sequences);
   add("infinigen_kv_sequences", "Open sequences.", MetricType::Gauge,
       st.open_sequences);
   add("infinigen_kv_sessions", "Open client sessions (leases).",

@@ -25,6 +25,7 @@ ShmKvClient::~ShmKvClient() {
   munmap(region_, shm::ControlRegionBytes(shm::kMaxSlots));
   absl::MutexLock lock(&rows_mu_);
   for (auto& [seq, rows] : rows_) UnmapRows(rows);
+  for (const MappedFile& f : kept_) Unmap(f);
 }
 
 absl::StatusOr<OpenedSequence> ShmKvClient::OpenSequence(

@@ -6,6 +6,9 @@
 #ifndef INFINIGEN_KV_MEMORY_SERVICE_SHM_SHM_CLIENT_INTERNAL_H_
 #define INFINIGEN_KV_MEMORY_SERVICE_SHM_SHM_CLIENT_INTERNAL_H_
 
+#include <sys/stat.h>
+#include <sys/types.h>
+
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -136,7 +139,10 @@ class ShmKvClient final : public KvClientWrapper {
                          FetchBuffer* dest) override;
 
   // One-sided reads: the node's K and V memfds of `seq`, mapped read-only
-  // (MapRows), until Close.
+  // (MapRows) and registered with CUDA where a device answers, until Close.
+  // Memfds the client still keeps mapped from a closed sequence (the node
+  // reuses a session's spare rows) are taken as they are: neither mapped
+  // nor registered again.
   absl::StatusOr<DirectRows> GetDirectRows(SequenceId seq) override;
 
   // The plan goes through `via`'s slot with kNoteOnly: the server records
@@ -156,9 +162,11 @@ class ShmKvClient final : public KvClientWrapper {
                                       absl::Span<const int32_t> head_offsets,
                                       FetchBuffer* via) override;
 
-  // Unmaps the sequence's rows (GetDirectRows) whatever the node answers.
-  // The rows are unmapped first: the node frees them at the close instead
-  // of counting them as pinned until this client lets go.
+  // Closes the sequence whatever the node answers. Its rows
+  // (GetDirectRows) stay mapped among the last options.shm_kept_rows
+  // closed ones, for the node to open the session's next sequence in; the
+  // oldest beyond them are unmapped first, so that the node frees them at
+  // the close instead of counting them as pinned until this client lets go.
   absl::Status Close(SequenceId seq) override;
 
   std::string data_plane() const override { return "shm"; }
@@ -216,15 +224,27 @@ class ShmKvClient final : public KvClientWrapper {
     size_t elements = 0;
   };
 
+  // A memfd of the node's rows, mapped read-only: its inode names it.
+  struct MappedFile {
+    void* data = nullptr;
+    size_t bytes = 0;
+    dev_t dev = 0;
+    ino_t ino = 0;
+    bool registered = false;  // with CUDA
+  };
   // A sequence's rows mapped for one-sided reads.
   struct MappedRows {
-    void* k = nullptr;
-    void* v = nullptr;
-    size_t k_bytes = 0;
-    size_t v_bytes = 0;
+    MappedFile k;
+    MappedFile v;
     DirectRows rows;
   };
+  static void Unmap(const MappedFile& f);
   static void UnmapRows(const MappedRows& m);
+  // `fd` (of `bytes`, its inode in `st`) mapped: a kept mapping of the same
+  // file, taken out of kept_, or a new one, registered with CUDA.
+  absl::StatusOr<MappedFile> MapFile(int fd, const struct stat& st);
+  // GetDirectRows' requests to the node and mappings, once.
+  absl::StatusOr<MappedRows> MapRows(SequenceId seq);
 
   void MarkGone() {
     int healthy = kHealthy;
@@ -265,6 +285,8 @@ class ShmKvClient final : public KvClientWrapper {
 
   absl::Mutex rows_mu_;
   absl::flat_hash_map<SequenceId, MappedRows> rows_ ABSL_GUARDED_BY(rows_mu_);
+  // Closed sequences' K and V mappings (Close), the newest last.
+  std::vector<MappedFile> kept_ ABSL_GUARDED_BY(rows_mu_);
 };
 
 }  // namespace infinigen::kv_memory_service::shm_client_internal

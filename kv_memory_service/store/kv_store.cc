@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <optional>
 #include <random>
 
 #include "absl/strings/str_cat.h"
@@ -20,6 +21,7 @@
 #include "kv_memory_service/store/pinned_rows.h"
 #include "kv_memory_service/store/prefix_cache.h"
 #include "kv_memory_service/client/prefix_keys.h"
+#include "kv_memory_service/store/spare_rows.h"
 #include "kv_memory_service/store/stored_sequence.h"
 
 namespace infinigen::kv_memory_service {
@@ -39,6 +41,17 @@ uint64_t RandomId() {
   return id;
 }
 
+// A spare let go (its session ended, or the room is needed): its rows
+// count as pinned while a client still holds them.
+void ReleaseSpare(PinnedRows& pinned, SpareRows::Spare spare,
+                  std::vector<std::shared_ptr<StoredSequence>>* freed) {
+  pinned.Outlive(spare.watches.first, spare.rows->k_fd(), spare.seq,
+                 spare.session);
+  pinned.Outlive(spare.watches.second, spare.rows->v_fd(), spare.seq,
+                 spare.session);
+  freed->push_back(std::move(spare.rows));
+}
+
 }  // namespace
 
 KvStore::KvStore(const KvStoreOptions& options)
@@ -47,6 +60,7 @@ KvStore::KvStore(const KvStoreOptions& options)
       prefix_cache_(new PrefixCache(options.prefix_cache_bytes)),
       gather_pool_(
           new ThreadPool(ThreadPool::Resolve(options.gather_threads))) {
+  spares_ = std::make_unique<SpareRows>(options_.spare_rows_per_session);
   if (options_.max_shared_sequences > 0) {
     absl::StatusOr<std::unique_ptr<PinnedRows>> pinned = PinnedRows::Create();
     if (pinned.ok()) {
@@ -78,11 +92,14 @@ absl::StatusOr<SequenceId> KvStore::Open(const SequenceGeometry& geometry,
           const int64_t held = pinned_->bytes();
           if (held == 0 || options_.capacity_bytes == 0) return false;
           absl::ReaderMutexLock lock(&mu_);
-          return bytes > options_.capacity_bytes - bytes_reserved_ - held;
+          return bytes > options_.capacity_bytes - bytes_reserved_ -
+                             spares_->bytes() - held;
         },
         absl::Milliseconds(100));
     pinned = pinned_->bytes();
   }
+  // The session's spare of this size, whose memfds the new sequence takes.
+  std::optional<SpareRows::Spare> spare;
   {
     absl::MutexLock lock(&mu_);
     Session* owner = nullptr;
@@ -94,13 +111,23 @@ absl::StatusOr<SequenceId> KvStore::Open(const SequenceGeometry& geometry,
           absl::StrCat("the store already holds its limit of ",
                        options_.max_sequences, " sequences"));
     }
-    if (options_.capacity_bytes > 0 &&
-        bytes > options_.capacity_bytes - bytes_reserved_ - pinned) {
+    if (owner != nullptr) spare = spares_->Take(session, bytes);
+    // Spares are already counted; others' go first when room is needed.
+    auto room = [&] {
+      return options_.capacity_bytes - bytes_reserved_ - spares_->bytes() -
+             pinned;
+    };
+    while (!spare && options_.capacity_bytes > 0 && bytes > room()) {
+      std::optional<SpareRows::Spare> oldest = spares_->TakeOldest();
+      if (!oldest) break;
+      ReleaseSpare(*pinned_, *std::move(oldest), &freed);
+      pinned = pinned_->bytes();  // what its client still holds
+    }
+    if (!spare && options_.capacity_bytes > 0 && bytes > room()) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "the sequence needs ", bytes, " bytes; the store has ",
-          std::max<int64_t>(0, options_.capacity_bytes - bytes_reserved_ -
-                                   pinned),
-          " of its ", options_.capacity_bytes, " left",
+          std::max<int64_t>(0, room()), " of its ", options_.capacity_bytes,
+          " left",
           pinned > 0 ? absl::StrCat(" (", pinned,
                                     " bytes of closed sequences are still "
                                     "held by the clients that mapped them)")
@@ -119,15 +146,30 @@ absl::StatusOr<SequenceId> KvStore::Open(const SequenceGeometry& geometry,
     }
   }
 
-  // Shareable rows (memfds) while fewer than max_shared_sequences hold them.
+  // Shareable rows (memfds) while fewer than max_shared_sequences hold
+  // them, or the spare's, which no call uses any more (SpareRows::Take).
   const int64_t max_memfds = int64_t{2} * options_.max_shared_sequences;
-  RowMemory k(static_cast<size_t>(bytes / 2), memfds_, max_memfds);
-  RowMemory v(static_cast<size_t>(bytes / 2), memfds_, max_memfds);
+  std::pair<RowMemory, RowMemory> rows =
+      spare ? spare->rows->TakeRows()
+            : std::pair<RowMemory, RowMemory>(
+                  RowMemory(static_cast<size_t>(bytes / 2), memfds_,
+                            max_memfds),
+                  RowMemory(static_cast<size_t>(bytes / 2), memfds_,
+                            max_memfds));
+  RowMemory& k = rows.first;
+  RowMemory& v = rows.second;
   absl::MutexLock lock(&mu_);
+  // A spare's memfds go on being watched: its client may hold them still.
+  auto outlive_spare = [&] {
+    if (!spare) return;
+    pinned_->Outlive(spare->watches.first, k.fd(), spare->seq, session);
+    pinned_->Outlive(spare->watches.second, v.fd(), spare->seq, session);
+  };
   auto it = sequences_.find(id);
   if (it == sequences_.end()) {
     // The session expired while the rows were allocated; the expiry has
     // released the reservation.
+    outlive_spare();
     return absl::NotFoundError(absl::StrCat(
         "session ", session, " expired while sequence ", id, " was opened"));
   }
@@ -148,6 +190,7 @@ absl::StatusOr<SequenceId> KvStore::Open(const SequenceGeometry& geometry,
   } catch (const std::bad_alloc&) {
   }
   if (sequence == nullptr) {
+    outlive_spare();
     sequences_.erase(it);
     bytes_reserved_ -= bytes;
     ForgetOwnerLocked(id);
@@ -156,6 +199,8 @@ absl::StatusOr<SequenceId> KvStore::Open(const SequenceGeometry& geometry,
         geometry.n_kv_heads, " (layer, head) pairs"));
   }
   it->second = std::move(sequence);
+  // The client was given these memfds already: shared from the start.
+  if (spare) shared_[id] = spare->watches;
   return id;
 }
 
@@ -256,6 +301,29 @@ void KvStore::OutliveLocked(SequenceId seq, SessionId session,
   shared_.erase(it);
 }
 
+void KvStore::RetireLocked(SequenceId seq, SessionId session,
+                           std::shared_ptr<Sequence> s,
+                           std::vector<std::shared_ptr<Sequence>>* freed) {
+  auto it = shared_.find(seq);
+  if (session == 0 || it == shared_.end()) {
+    OutliveLocked(seq, session, *s);
+    freed->push_back(std::move(s));
+    return;
+  }
+  SpareRows::Spare spare;
+  spare.seq = seq;
+  spare.session = session;
+  spare.bytes = ReservedBytes(s->geometry());
+  spare.rows = std::move(s);
+  spare.watches = it->second;
+  shared_.erase(it);
+  for (SpareRows::Spare& out : spares_->Keep(std::move(spare))) {
+    ReleaseSpare(*pinned_, std::move(out), freed);
+  }
+}
+
+
+
 ExpiredSession KvStore::EndSessionLocked(
     SessionId id, absl::Time now,
     std::vector<std::shared_ptr<Sequence>>* freed) {
@@ -278,6 +346,9 @@ ExpiredSession KvStore::EndSessionLocked(
     bytes_reserved_ -= bytes;
     out.bytes_freed += bytes;
     ++out.sequences;
+  }
+  for (SpareRows::Spare& spare : spares_->TakeSession(id)) {
+    ReleaseSpare(*pinned_, std::move(spare), freed);
   }
   sessions_.erase(it);
   return out;
@@ -506,17 +577,18 @@ absl::Status KvStore::CheckOwner(SequenceId seq, SessionId session) const {
 }
 
 absl::Status KvStore::Close(SequenceId seq) {
-  std::shared_ptr<Sequence> s;  // freed after the lock is released
+  std::vector<std::shared_ptr<Sequence>> freed;  // after the lock is released
   absl::MutexLock lock(&mu_);
   auto it = sequences_.find(seq);
   if (it == sequences_.end() || it->second == nullptr) {
     return absl::NotFoundError(absl::StrCat("no open sequence ", seq));
   }
-  s = std::move(it->second);
+  std::shared_ptr<Sequence> s = std::move(it->second);
   sequences_.erase(it);
   bytes_reserved_ -= ReservedBytes(s->geometry());
   auto owner = owner_.find(seq);
-  OutliveLocked(seq, owner == owner_.end() ? 0 : owner->second, *s);
+  RetireLocked(seq, owner == owner_.end() ? 0 : owner->second, std::move(s),
+               &freed);
   ForgetOwnerLocked(seq);
   return absl::OkStatus();
 }
@@ -546,6 +618,9 @@ StoreStats KvStore::GetStoreStats() const {
     s.open_sessions = static_cast<int32_t>(sessions_.size());
     s.expired_sessions = expired_sessions_;
     s.expired_sequences = expired_sequences_;
+    s.spare_sequences = spares_->count();
+    s.spare_bytes = spares_->bytes();
+    s.reused_row_sequences = spares_->reused();
   }
   if (pinned_ != nullptr) {
     pinned_->Reap();

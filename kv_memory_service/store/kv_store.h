@@ -17,7 +17,12 @@
 // ever appended. Close returns all of it, except rows a reader on this host
 // still holds through ShareRows' descriptors or mappings: those pages stay
 // committed until the reader lets go, and until then they count against
-// capacity_bytes as pinned bytes (pinned_rows.h). Each eviction costs
+// capacity_bytes as pinned bytes (pinned_rows.h). A session's closed
+// shared sequence may instead stay as its spare (spare_rows.h,
+// KvStoreOptions::spare_rows_per_session): the session's next Open of the
+// same size takes those memfds, so that a client that kept them mapped and
+// registered does neither again; spares count against capacity_bytes, and
+// go when their session ends or an Open needs the room. Each eviction costs
 // O(log max_tokens), whatever the policy.
 //
 // Prefix sharing. A sequence opened with a PrefixRequest attaches the
@@ -93,6 +98,7 @@ namespace infinigen::kv_memory_service {
 
 class PinnedRows;
 class PrefixCache;
+class SpareRows;
 
 // A session whose lease ExpireSessions found run out.
 struct ExpiredSession {
@@ -284,6 +290,12 @@ class KvStore {
   // store: if they were shared, they count as pinned until released.
   void OutliveLocked(SequenceId seq, SessionId session, const Sequence& s)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The same at a Close: shared rows of a session stay as its spare
+  // (spares_), pushing out its oldest; what leaves goes to `freed`.
+  void RetireLocked(SequenceId seq, SessionId session,
+                    std::shared_ptr<Sequence> s,
+                    std::vector<std::shared_ptr<Sequence>>* freed)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // ExpireLocked without the expiry counts; what it closed.
   ExpiredSession EndSessionLocked(SessionId id, absl::Time now,
                                   std::vector<std::shared_ptr<Sequence>>* freed)
@@ -315,6 +327,8 @@ class KvStore {
       ABSL_GUARDED_BY(mu_);
   // Null where the kernel gives no inotify: then nothing is shared.
   std::unique_ptr<PinnedRows> pinned_;
+  // Closed shared sequences kept for their sessions' next Open.
+  std::unique_ptr<SpareRows> spares_ ABSL_GUARDED_BY(mu_);
   int64_t expired_sessions_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t expired_sequences_ ABSL_GUARDED_BY(mu_) = 0;
 

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -1629,6 +1630,7 @@ TEST(KvStoreDirectRows, RowsHeldAfterCloseArePinnedUntilReleased) {
   KvStoreOptions options;
   options.max_shared_sequences = 8;
   options.max_pinned_sequences = 1;
+  options.spare_rows_per_session = 0;  // each close lets the rows go
   options.capacity_bytes = reserved + reserved / 2;
   KvStore store(options);
   auto session = store.OpenSession();
@@ -1719,6 +1721,142 @@ TEST(KvStoreDirectRows, AnExpiredSessionsMappedRowsStayPinned) {
   const StoreStats st = UntilUnpinned(store);
   EXPECT_EQ(st.pinned_bytes, 0);
   EXPECT_EQ(st.pinned_sequences, 0);
+}
+
+// The inode of a shared descriptor, which is then closed.
+ino_t InodeOf(int fd) {
+  struct stat st {};
+  EXPECT_EQ(fstat(fd, &st), 0);
+  close(fd);
+  return st.st_ino;
+}
+
+// A session's closed shared sequence stays as its spare: the session's
+// next sequence of the same size opens in the same memfds (a client that
+// kept them mapped maps nothing again), reads its own rows there, and the
+// spare counts against capacity meanwhile. Another session's sequence, one
+// of another size, and a sequence whose rows were never shared take fresh
+// rows; the session's end lets its spare go.
+TEST(KvStoreSpareRows, ASessionsNextSequenceOpensInItsClosedSequencesRows) {
+  const SequenceGeometry g = Geo(2, 2, 8, 16);
+  KvStoreOptions options;
+  options.max_shared_sequences = 8;
+  KvStore store(options);
+  auto alice = store.OpenSession();
+  auto bob = store.OpenSession();
+  ASSERT_OK(alice.status());
+  ASSERT_OK(bob.status());
+  auto a = store.Open(g, *alice);
+  ASSERT_OK(a.status());
+  Block block = MakeBlock(11, g, 0, 2, 0, 16);
+  ASSERT_TRUE(store.Append(*a, block.block).ok());
+  auto shared = store.ShareRows(*a, *alice);
+  ASSERT_OK(shared.status());
+  const ino_t a_k = InodeOf(shared->k_fd);
+  const ino_t a_v = InodeOf(shared->v_fd);
+  ASSERT_OK(store.Close(*a));
+  StoreStats st = store.GetStoreStats();
+  EXPECT_EQ(st.spare_sequences, 1);
+  EXPECT_EQ(st.spare_bytes, ReservedBytes(g));
+  EXPECT_EQ(st.bytes_reserved, 0);
+  EXPECT_EQ(st.pinned_sequences, 0);
+
+  // Bob's sequence of the same size does not land in alice's rows.
+  auto other = store.Open(g, *bob);
+  ASSERT_OK(other.status());
+  auto other_shared = store.ShareRows(*other, *bob);
+  ASSERT_OK(other_shared.status());
+  EXPECT_NE(InodeOf(other_shared->k_fd), a_k);
+  close(other_shared->v_fd);
+  EXPECT_EQ(store.GetStoreStats().spare_sequences, 1);
+
+  // Alice's does, and reads its own rows: fewer of them, another salt.
+  auto b = store.Open(g, *alice);
+  ASSERT_OK(b.status());
+  st = store.GetStoreStats();
+  EXPECT_EQ(st.spare_sequences, 0);
+  EXPECT_EQ(st.reused_row_sequences, 1);
+  EXPECT_EQ(st.bytes_reserved, 2 * ReservedBytes(g));
+  auto b_shared = store.ShareRows(*b, *alice);
+  ASSERT_OK(b_shared.status());
+  EXPECT_EQ(InodeOf(b_shared->k_fd), a_k);
+  EXPECT_EQ(InodeOf(b_shared->v_fd), a_v);
+  Block b_rows = MakeBlock(12, g, 0, 2, 0, 5);
+  ASSERT_TRUE(store.Append(*b, b_rows.block).ok());
+  ExpectAllRows(store, *b, 12, g, 5);
+  // Past its own length, the old rows there are not its to read.
+  std::vector<uint16_t> dest(64);
+  EXPECT_CODE(store.Gather(*b, 0,
+                           OwnedFetchPlan::SameForAllHeads(2, {5}).view(),
+                           absl::MakeSpan(dest)),
+              kOutOfRange);
+
+  // Another size, or rows never shared: fresh rows, no spare taken.
+  ASSERT_OK(store.Close(*b));
+  auto small = store.Open(Geo(1, 1, 8, 16), *alice);
+  ASSERT_OK(small.status());
+  EXPECT_EQ(store.GetStoreStats().reused_row_sequences, 1);
+  EXPECT_EQ(store.GetStoreStats().spare_sequences, 1);
+  auto c = store.Open(g, *alice);  // takes b's rows
+  ASSERT_OK(c.status());
+  auto fresh = store.Open(g, *alice);  // no spare left: fresh rows
+  ASSERT_OK(fresh.status());
+  ASSERT_OK(store.Close(*fresh));  // never shared: nothing kept
+  st = store.GetStoreStats();
+  EXPECT_EQ(st.reused_row_sequences, 2);
+  EXPECT_EQ(st.spare_sequences, 0);
+  // b's rows were given out: c's close keeps them again, without a share.
+  ASSERT_OK(store.Close(*c));
+  EXPECT_EQ(store.GetStoreStats().spare_sequences, 1);
+
+  // The session's end lets its spare go.
+  ASSERT_OK(store.CloseSession(*alice));
+  st = UntilUnpinned(store);
+  EXPECT_EQ(st.spare_sequences, 0);
+  EXPECT_EQ(st.spare_bytes, 0);
+  EXPECT_EQ(st.pinned_sequences, 0);
+}
+
+// Spares give way: an Open that needs their room lets the oldest go, and
+// at most spare_rows_per_session stay per session (0: none).
+TEST(KvStoreSpareRows, SparesGiveWayToOpensThatNeedTheRoom) {
+  const SequenceGeometry g = Geo(1, 1, 64, 256);
+  const int64_t reserved = ReservedBytes(g);
+  for (const int per_session : {1, 0}) {
+    SCOPED_TRACE(per_session);
+    KvStoreOptions options;
+    options.max_shared_sequences = 8;
+    options.spare_rows_per_session = per_session;
+    options.capacity_bytes = 2 * reserved;
+    KvStore store(options);
+    auto alice = store.OpenSession();
+    auto bob = store.OpenSession();
+    ASSERT_OK(alice.status());
+    ASSERT_OK(bob.status());
+    std::vector<SequenceId> shared_and_closed;
+    for (int i = 0; i < 2; ++i) {
+      auto a = store.Open(g, *alice);
+      ASSERT_OK(a.status());
+      auto shared = store.ShareRows(*a, *alice);
+      ASSERT_OK(shared.status());
+      close(shared->k_fd);
+      close(shared->v_fd);
+      shared_and_closed.push_back(*a);
+    }
+    for (SequenceId a : shared_and_closed) ASSERT_OK(store.Close(a));
+    EXPECT_EQ(store.GetStoreStats().spare_sequences, per_session);
+    EXPECT_EQ(store.GetStoreStats().spare_bytes, per_session * reserved);
+    // Bob needs the whole capacity: alice's spare goes.
+    auto b1 = store.Open(g, *bob);
+    auto b2 = store.Open(g, *bob);
+    ASSERT_OK(b1.status());
+    ASSERT_OK(b2.status());
+    const StoreStats st = UntilUnpinned(store);
+    EXPECT_EQ(st.spare_sequences, 0);
+    EXPECT_EQ(st.bytes_reserved, 2 * reserved);
+    EXPECT_EQ(st.pinned_bytes, 0);
+    EXPECT_CODE(store.Open(g, *alice).status(), kResourceExhausted);
+  }
 }
 
 }  // namespace

@@ -98,6 +98,12 @@ class StoredSequence {
   // The memfds of k_rows() and v_rows(), or -1 (RowMemory::fd).
   int k_fd() const { return k_.fd(); }
   int v_fd() const { return v_.fd(); }
+  // The rows' memory, taken out of a closed sequence that no call uses any
+  // more, for a new sequence to reuse (spare_rows.h); this one is not used
+  // again.
+  std::pair<RowMemory, RowMemory> TakeRows() {
+    return {std::move(k_), std::move(v_)};
+  }
   // Whether every position appended from now on is addressable in place:
   // no prefix block attached (its rows live in the block).
   bool attached() const;
@@ -227,9 +233,10 @@ class StoredSequence {
   const size_t row_elems_;   // head_dim
   const size_t row_bytes_;   // head_dim * 2
   const size_t head_elems_;  // max_tokens * head_dim
-  // The rows never move; their contents and all below change under mu_.
-  const RowMemory k_;
-  const RowMemory v_;
+  // The rows never move (until TakeRows); their contents and all below
+  // change under mu_.
+  RowMemory k_;
+  RowMemory v_;
 
   mutable absl::Mutex mu_;
   std::vector<HeadSlots> heads_ ABSL_GUARDED_BY(mu_);  // [layer * n_kv + h]

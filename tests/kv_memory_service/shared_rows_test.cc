@@ -390,8 +390,9 @@ TEST(SharedRowsTest, AReopenedDescriptorCannotChangeOrShrinkTheRows) {
 // ones and accepted new Opens. Now they count as pinned until released.
 TEST(SharedRowsTest, RowsHoardedAfterCloseCountAgainstCapacityUntilReleased) {
   constexpr int64_t kCapacity = int64_t{16} << 20;
+  // No spares: each sequence takes fresh rows, as a hoarder's would.
   Node node = StartNode({absl::StrCat("--capacity_bytes=", kCapacity),
-                         "--lease_timeout=0"});
+                         "--lease_timeout=0", "--shm_spare_rows=0"});
   ASSERT_NE(node.process, nullptr);
   auto hoarder = ConnectKvClient(node.shm_address, Options());
   ASSERT_TRUE(hoarder.ok()) << hoarder.status();
@@ -490,10 +491,76 @@ TEST(SharedRowsTest, AWorkersOwnOneSidedReadsPinNothing) {
   }
 }
 
+// A worker that serves one sequence after another reads each where it read
+// the last: the node opens the session's next sequence of the same size in
+// the closed one's rows, which the client kept mapped (and registered with
+// CUDA, where there is a device), so nothing is mapped or pinned again.
+// Each sequence reads its own rows, nothing stays pinned, and without
+// spares (--shm_spare_rows=0) every sequence takes fresh rows.
+TEST(SharedRowsTest, ASessionsNextSequenceIsReadWhereItsLastWas) {
+  for (const int spares : {1, 0}) {
+    SCOPED_TRACE(spares);
+    Node node = StartNode({absl::StrCat("--shm_spare_rows=", spares)});
+    ASSERT_NE(node.process, nullptr);
+    auto client = ConnectKvClient(node.shm_address, Options());
+    ASSERT_TRUE(client.ok()) << client.status();
+    const SequenceGeometry g = MakeGeometry(2, 2, 64, 256);
+    const OwnedFetchPlan first = OwnedFetchPlan::SameForAllHeads(2, {0, 99});
+    const uint16_t* last_k = nullptr;
+    for (int i = 0; i < 3; ++i) {
+      auto id = (*client)->Open(g);
+      ASSERT_TRUE(id.ok()) << id.status();
+      testdata::TestBlock block = MakeTestBlock(60 + i, g, 0, 2, 0, 100);
+      ASSERT_TRUE((*client)->Append(*id, block.block).ok());
+      auto rows = (*client)->GetDirectRows(*id);
+      ASSERT_TRUE(rows.ok()) << rows.status();
+      if (spares > 0 && i > 0) EXPECT_EQ(rows->k, last_k);
+      last_k = rows->k;
+      // Its own rows, not the last sequence's: head 0's positions 0 and 99
+      // of layer 1, where the plan's layout puts them.
+      const std::vector<uint16_t> want = ExpectedRows(60 + i, g, 1, first.view());
+      const size_t row = g.head_dim;
+      const uint16_t* layer1 = rows->k + rows->layer_values;
+      EXPECT_TRUE(std::equal(layer1, layer1 + row, want.begin()));
+      EXPECT_TRUE(std::equal(layer1 + 99 * row, layer1 + 100 * row,
+                             want.begin() + row));
+      ASSERT_OK((*client)->Close(*id));
+    }
+    auto stats = UntilUnpinned(**client, spares > 0 ? 0 : 1);
+    ASSERT_TRUE(stats.ok()) << stats.status();
+    EXPECT_EQ(stats->reused_row_sequences, spares > 0 ? 2 : 0);
+    EXPECT_EQ(stats->spare_sequences, spares > 0 ? 1 : 0);
+    EXPECT_EQ(stats->spare_bytes, spares > 0 ? ReservedBytes(g) : 0);
+    EXPECT_EQ(stats->pinned_sequences, spares > 0 ? 0 : 1);  // the kept one
+    EXPECT_EQ(stats->bytes_reserved, 0);
+    const std::string page = Metrics(node.metrics_port);
+    EXPECT_EQ(MetricValue(page, "infinigen_kv_reused_row_sequences_total"),
+              spares > 0 ? 2 : 0)
+        << page;
+    // Another session's sequence of the same size never lands in them.
+    Tenant other = NewTenant(node, 70, 100);
+    ASSERT_NE(other.id, 0u);
+    auto other_rows = other.client->GetDirectRows(other.id);
+    ASSERT_TRUE(other_rows.ok()) << other_rows.status();
+    EXPECT_NE(other_rows->k, last_k);
+    EXPECT_TRUE(CheckRows(other).ok());
+    stats = other.client->GetStoreStats();
+    ASSERT_TRUE(stats.ok());
+    EXPECT_EQ(stats->reused_row_sequences, spares > 0 ? 2 : 0);
+    // The session's end lets its spare go; with the client gone, nothing
+    // stays pinned.
+    client->reset();
+    stats = UntilUnpinned(*other.client);
+    ASSERT_TRUE(stats.ok());
+    EXPECT_EQ(stats->spare_sequences, 0);
+    EXPECT_EQ(stats->pinned_sequences, 0);
+  }
+}
+
 // The cap per session: beyond --shm_max_pinned_sequences closed sequences
 // still held, MapRows of another sequence is refused, naming the flag.
 TEST(SharedRowsTest, ASessionKeepsAtMostItsLimitOfPinnedSequences) {
-  Node node = StartNode({"--shm_max_pinned_sequences=2"});
+  Node node = StartNode({"--shm_max_pinned_sequences=2", "--shm_spare_rows=0"});
   ASSERT_NE(node.process, nullptr);
   auto client = ConnectKvClient(node.shm_address, Options());
   ASSERT_TRUE(client.ok()) << client.status();

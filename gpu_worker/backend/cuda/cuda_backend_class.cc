@@ -25,7 +25,7 @@ CudaBackend::~CudaBackend() {
     cudaFree(touch_sink_);
   }
   for (auto& [begin, range] : pinned_) {
-    cudaHostUnregister(reinterpret_cast<void*>(begin));
+    if (range.owned) cudaHostUnregister(reinterpret_cast<void*>(begin));
   }
   for (auto& [begin, range] : constants_) cudaFree(range.device);
   for (auto& [key, half] : half_weights_) cudaFree(half);

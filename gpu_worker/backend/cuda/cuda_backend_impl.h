@@ -35,6 +35,7 @@ struct ConstantRange {
 struct PinnedRange {
   size_t bytes;
   char* device;  // where kernels read it (cudaHostGetDevicePointer)
+  bool owned;    // registered by PinHost (else by whoever pinned it first)
 };
 
 inline size_t RangeBytes(size_t bytes) { return bytes; }

@@ -96,9 +96,18 @@ absl::Status CudaBackend::PinHost(void* p, size_t bytes) {
                            cudaHostRegisterMapped | cudaHostRegisterReadOnly);
   }
   if (err == cudaErrorHostMemoryAlreadyRegistered) {
-    // Pinned already (the shm and RDMA data planes pin their slots):
-    // usable as is, and not ours to unpin.
+    // Pinned already (the shm and RDMA data planes pin their slots, and
+    // the shm client the node's rows it maps, kept from one sequence to
+    // the next): usable as is, and not ours to unpin. Where it was mapped
+    // for the device too, kernels read it in place.
     cudaGetLastError();
+    void* device = nullptr;
+    if (cudaHostGetDevicePointer(&device, p, 0) != cudaSuccess) {
+      cudaGetLastError();
+      device = nullptr;
+    }
+    pinned_[reinterpret_cast<uintptr_t>(p)] =
+        PinnedRange{bytes, static_cast<char*>(device), false};
     return absl::OkStatus();
   }
   if (err != cudaSuccess) {
@@ -114,7 +123,7 @@ absl::Status CudaBackend::PinHost(void* p, size_t bytes) {
     device = nullptr;  // pinned for copies; kernels do not read it
   }
   pinned_[reinterpret_cast<uintptr_t>(p)] =
-      PinnedRange{bytes, static_cast<char*>(device)};
+      PinnedRange{bytes, static_cast<char*>(device), true};
   if (device != nullptr) TouchPages(device, bytes);
   return absl::OkStatus();
 }
@@ -148,7 +157,9 @@ void CudaBackend::UnpinHost(void* p) {
   cudaStreamSynchronize(copy_stream_);
   cudaStreamSynchronize(stream_);
   if (touch_stream_ != nullptr) cudaStreamSynchronize(touch_stream_);
-  if (cudaHostUnregister(p) != cudaSuccess) cudaGetLastError();
+  if (it->second.owned && cudaHostUnregister(p) != cudaSuccess) {
+    cudaGetLastError();
+  }
   pinned_.erase(it);
 }
 
