@@ -23,7 +23,13 @@
 // and V) in one token-major block into a fresh sequence (the rows' first
 // writes), against memcpy/llama2_7b_layer/all; append_resident_inproc/...:
 // the same into rows already in memory (as a device's registration for
-// one-sided reads leaves them).
+// one-sided reads leaves them). append_inproc/7b_layer/all, append_shm/...
+// and append_tcp/...: the same append of the 7B-class layer (128 MiB) over
+// each plane on this host, against memcpy/7b_layer/all.
+// sequence_inproc/7b_layer/all and
+// sequence_shm/...: a one-sided reader's whole sequence, Open, the prompt's
+// append of the 7B-class layer, GetDirectRows, one word read of every page
+// of the rows, Close, against memcpy/7b_layer/all.
 //
 //   bazel build //bench/kv_fetch_bench
 //   bazel-bin/bench/kv_fetch_bench/kv_fetch_bench
@@ -471,18 +477,18 @@ void BM_Append(benchmark::State& state, const std::string& plane_name,
   const Shape& shape = *c.shape;
   const size_t layer_elems =
       size_t{1} * shape.stored * shape.heads * shape.head_dim;
-  // The block's rows, made once: any values (the fetch benchmarks check
-  // theirs).
-  static const Rows* rows = [layer_elems] {
-    auto* r = new Rows;
-    r->k.resize(layer_elems);
-    r->v.resize(layer_elems);
+  // The block's rows, made once a shape: any values (the fetch benchmarks
+  // check theirs).
+  static auto* made = new std::map<const Shape*, Rows>;
+  Rows* rows = &(*made)[&shape];
+  if (rows->k.size() != layer_elems) {
+    rows->k.resize(layer_elems);
+    rows->v.resize(layer_elems);
     for (size_t i = 0; i < layer_elems; ++i) {
-      r->k[i] = static_cast<uint16_t>(i);
-      r->v[i] = static_cast<uint16_t>(~i);
+      rows->k[i] = static_cast<uint16_t>(i);
+      rows->v[i] = static_cast<uint16_t>(~i);
     }
-    return r;
-  }();
+  }
   SequenceGeometry g;
   g.n_layers = 1;
   g.n_kv_heads = shape.heads;
@@ -522,6 +528,64 @@ void BM_Append(benchmark::State& state, const std::string& plane_name,
     }
     samples.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
   }
+  Report(state, samples, c, /*baseline=*/false);
+}
+
+// A sequence's life for a worker that reads one-sided over `plane`: Open,
+// the prompt's append of the whole layer, GetDirectRows, one word read of
+// every page of the rows (what a device's first touch of them costs: the
+// pages' faults), Close. A node that opens the next sequence in the last
+// one's rows, which the client kept mapped, takes neither new pages nor
+// faults.
+void BM_Sequence(benchmark::State& state, const std::string& plane_name,
+                 const Case& c) {
+  Plane& p = TheWorld().planes[plane_name];
+  if (!p.error.empty() || p.client == nullptr) {
+    return Skip(state, "set-up failed: " + p.error);
+  }
+  const Shape& shape = *c.shape;
+  const Rows& rows = TheWorld().rows[&shape];
+  SequenceGeometry g;
+  g.n_layers = 1;
+  g.n_kv_heads = shape.heads;
+  g.head_dim = shape.head_dim;
+  g.max_tokens = shape.stored;
+  // The rows are [layer][stored][heads][head_dim]: one token-major block.
+  AppendBlock block;
+  block.first_layer = 0;
+  block.n_layers = 1;
+  block.n_tokens = shape.stored;
+  block.k = absl::MakeConstSpan(rows.k);
+  block.v = absl::MakeConstSpan(rows.v);
+  const long page = sysconf(_SC_PAGESIZE) / static_cast<long>(sizeof(uint16_t));
+  std::vector<double> samples;
+  uint64_t sink = 0;
+  for (auto _ : state) {
+    const auto t0 = std::chrono::steady_clock::now();
+    absl::StatusOr<SequenceId> seq = p.client->Open(g);
+    if (!seq.ok()) {
+      state.SkipWithError(seq.status().ToString().c_str());
+      break;
+    }
+    absl::StatusOr<AppendResult> r = p.client->Append(*seq, block);
+    absl::StatusOr<DirectRows> direct =
+        r.ok() ? p.client->GetDirectRows(*seq)
+               : absl::StatusOr<DirectRows>(r.status());
+    if (direct.ok()) {
+      for (const uint16_t* half : {direct->k, direct->v}) {
+        for (size_t i = 0; i < direct->layer_values; i += page) sink += half[i];
+      }
+    }
+    const absl::Status closed = p.client->Close(*seq);
+    const auto t1 = std::chrono::steady_clock::now();
+    if (!direct.ok() || !closed.ok()) {
+      state.SkipWithError(
+          (direct.ok() ? closed : direct.status()).ToString().c_str());
+      break;
+    }
+    samples.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+  }
+  benchmark::DoNotOptimize(sink);
   Report(state, samples, c, /*baseline=*/false);
 }
 
@@ -604,6 +668,16 @@ int main(int argc, char** argv) {
       }
     }
   }
+  for (const Case& c : Cases()) {
+    if (c.shape != &k7b || !c.all) continue;
+    for (const std::string plane : {"inproc", "shm"}) {
+      benchmark::RegisterBenchmark(
+          absl::StrCat("sequence_", plane, "/", c.name).c_str(),
+          [plane, c](benchmark::State& s) { BM_Sequence(s, plane, c); })
+          ->UseRealTime()
+          ->Unit(benchmark::kMicrosecond);
+    }
+  }
   const Case append = {"llama2_7b_layer/all", &kLlama2, kLlama2.stored, true};
   benchmark::RegisterBenchmark(
       absl::StrCat("memcpy/", append.name).c_str(),
@@ -617,6 +691,17 @@ int main(int argc, char** argv) {
             .c_str(),
         [append, resident](benchmark::State& s) {
           BM_Append(s, "inproc", append, resident);
+        })
+        ->UseRealTime()
+        ->Unit(benchmark::kMicrosecond);
+  }
+  // A prompt's append of the 7B-class layer over each plane on this host.
+  const Case append_7b = {"7b_layer/all", &k7b, k7b.stored, true};
+  for (const std::string plane : {"inproc", "shm", "tcp"}) {
+    benchmark::RegisterBenchmark(
+        absl::StrCat("append_", plane, "/", append_7b.name).c_str(),
+        [plane, append_7b](benchmark::State& s) {
+          BM_Append(s, plane, append_7b, false);
         })
         ->UseRealTime()
         ->Unit(benchmark::kMicrosecond);

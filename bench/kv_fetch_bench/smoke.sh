@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # A short run of kv_fetch_bench, as CI runs it: the 7B-class layer (every
 # row, and 10% of the rows) on the in-process, shared-memory and TCP planes,
-# and a prefill's append of a llama-2-7b layer into the in-process node,
+# a prompt's append of that layer on each of those planes, a one-sided
+# reader's whole sequence (open, prompt append, first read of every page,
+# close) in process and over shm, and a prefill's append of a
+# llama-2-7b layer into the in-process node,
 # against a memcpy of the same bytes in the same run, printed as a table of
 # p50 and x_memcpy. Exits 1 when a plane fails (its set-up, or rows that
 # differ from the appended ones); nothing is asserted about time.
@@ -14,7 +17,7 @@ min_time="${2:-0.1}"
 out="$(mktemp)"
 trap 'rm -f "$out"' EXIT
 "$bin" --planes=inproc,shm,tcp \
-  --benchmark_filter='^((memcpy|memcpy_mt|inproc|shm|tcp|note_inproc|note_shm|note_leading_inproc|note_leading_shm)/7b_layer/|(memcpy|append_inproc|append_resident_inproc)/llama2_7b_layer/)' \
+  --benchmark_filter='^((memcpy|memcpy_mt|inproc|shm|tcp|note_inproc|note_shm|note_leading_inproc|note_leading_shm|sequence_inproc|sequence_shm|append_inproc|append_shm|append_tcp)/7b_layer/|(memcpy|append_inproc|append_resident_inproc)/llama2_7b_layer/)' \
   --benchmark_min_time="$min_time" --benchmark_format=json >"$out" 2>/dev/null
 rc=$?
 python3 - "$out" "$rc" <<'PY'

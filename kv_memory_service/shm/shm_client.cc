@@ -6,6 +6,8 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstring>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -20,6 +22,10 @@
 namespace infinigen::kv_memory_service::shm_client_internal {
 
 ShmKvClient::~ShmKvClient() {
+  {
+    absl::MutexLock lock(&append_mu_);
+    append_buffer_.reset();  // its slot goes while the connection is up
+  }
   close(socket_);  // the server drops the connection and unmaps the slots
   close(region_fd_);
   munmap(region_, shm::ControlRegionBytes(shm::kMaxSlots));
@@ -39,6 +45,39 @@ absl::StatusOr<OpenedSequence> ShmKvClient::OpenSequence(
     return connected;
   }
   return opened;
+}
+
+absl::StatusOr<AppendResult> ShmKvClient::Append(SequenceId seq,
+                                                 const AppendBlock& block) {
+  const size_t values = block.k.size();
+  if (!block.prefix_meta.empty() || values == 0 ||
+      block.v.size() != values || values > kMaxBufferElements / 2 ||
+      health_.load(std::memory_order_acquire) != kHealthy ||
+      !Unanswered().ok()) {
+    return KvClientWrapper::Append(seq, block);
+  }
+  absl::MutexLock lock(&append_mu_);
+  if (append_buffer_ == nullptr || append_buffer_->size() < 2 * values) {
+    append_buffer_.reset();
+    // Room for a few more tokens than asked: a prefill's chunks differ a
+    // little in length.
+    absl::StatusOr<std::unique_ptr<FetchBuffer>> buffer =
+        NewFetchBuffer(2 * values + values / 8);
+    if (!buffer.ok()) return KvClientWrapper::Append(seq, block);
+    append_buffer_ = *std::move(buffer);
+  }
+  uint16_t* data = append_buffer_->data();
+  std::memcpy(data, block.k.data(), values * sizeof(uint16_t));
+  std::memcpy(data + values, block.v.data(), values * sizeof(uint16_t));
+  auto buffer = FetchBuffer::Claim<ShmFetchBuffer>(this, append_buffer_.get());
+  if (!buffer.ok()) return buffer.status();
+  const absl::Time deadline =
+      std::min(block.deadline, absl::Now() + options_.fetch_timeout);
+  IG_RETURN_IF_ERROR(
+      (*buffer)->StartAppend(seq, block, deadline).Wait());
+  AppendResult result;
+  IG_ASSIGN_OR_RETURN(result.evicted, (*buffer)->Evicted());
+  return result;
 }
 
 FetchHandle ShmKvClient::FetchAsync(SequenceId seq, int32_t layer,

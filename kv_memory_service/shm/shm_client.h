@@ -3,8 +3,11 @@
 // listens on. Same host only.
 //
 // Connecting: the server's Hello names its control address (the gRPC
-// endpoint); control calls (Open, Append, Close, statistics) go to a client
-// for that address, made by `connect_control`. Fetches never touch gRPC:
+// endpoint); control calls (Open, Close, statistics) go to a client for
+// that address, made by `connect_control`. Fetches and appends never touch
+// gRPC (an append's rows are written into a slot the client keeps for
+// appends, and appended by the server from there; only a block with prefix
+// annotations goes through the control client):
 // every FetchBuffer is a slot in memory shared with the server (a sealed
 // memfd passed over the socket), registered with CUDA as pinned memory when
 // a CUDA device is present. FetchAsync writes the plan into the slot and

@@ -81,6 +81,14 @@ class ShmFetchBuffer final : public FetchBuffer {
   // flags: SlotControl::flags (shm::kNoteOnly: a note, no rows).
   FetchHandle Start(SequenceId seq, int32_t layer, const FetchPlan& plan,
                     absl::Time deadline, uint32_t flags = 0);
+  // Sends the append of `block`, whose K then V values the caller wrote
+  // into data() (shm::kAppend), on a claimed buffer; after its Wait,
+  // Evicted reads what the server evicted.
+  FetchHandle StartAppend(SequenceId seq, const AppendBlock& block,
+                          absl::Time deadline);
+  // The evicted tokens of the append just waited for: InternalError when
+  // the server's count does not fit the plan area.
+  absl::StatusOr<std::vector<EvictedToken>> Evicted() const;
 
  protected:
   absl::Status WaitForFetch() override {
@@ -134,6 +142,14 @@ class ShmKvClient final : public KvClientWrapper {
   // the generation's first fetch does not fail on the old connection.
   absl::StatusOr<OpenedSequence> OpenSequence(
       const SequenceGeometry& geometry, const PrefixRequest& prefix) override;
+
+  // The rows through a slot of the data plane (shm::kAppend): written once
+  // into shared memory and appended by the server from there. A block with
+  // prefix annotations, one whose K and V differ in size, or one for which
+  // no slot can be had goes through the control client (gRPC), as does
+  // every append while the data plane is down.
+  absl::StatusOr<AppendResult> Append(SequenceId seq,
+                                      const AppendBlock& block) override;
 
   FetchHandle FetchAsync(SequenceId seq, int32_t layer, const FetchPlan& plan,
                          FetchBuffer* dest) override;
@@ -287,6 +303,11 @@ class ShmKvClient final : public KvClientWrapper {
   absl::flat_hash_map<SequenceId, MappedRows> rows_ ABSL_GUARDED_BY(rows_mu_);
   // Closed sequences' K and V mappings (Close), the newest last.
   std::vector<MappedFile> kept_ ABSL_GUARDED_BY(rows_mu_);
+
+  // Appends through the data plane, one at a time, in a slot that grows to
+  // the largest block.
+  absl::Mutex append_mu_;
+  std::unique_ptr<FetchBuffer> append_buffer_ ABSL_GUARDED_BY(append_mu_);
 };
 
 }  // namespace infinigen::kv_memory_service::shm_client_internal

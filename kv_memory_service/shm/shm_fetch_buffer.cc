@@ -76,6 +76,48 @@ FetchHandle ShmFetchBuffer::Start(SequenceId seq, int32_t layer,
   return FetchHandle(this);
 }
 
+FetchHandle ShmFetchBuffer::StartAppend(SequenceId seq,
+                                        const AppendBlock& block,
+                                        absl::Time deadline) {
+  absl::Status connected = client_->EnsureConnected();
+  if (!connected.ok()) {
+    CompleteFetch(std::move(connected));
+    return FetchHandle(this);
+  }
+  control_->layer = block.first_layer;
+  control_->sequence = seq;
+  control_->session = client_->session();
+  control_->n_indices = static_cast<uint32_t>(block.n_tokens);
+  control_->n_head_offsets = static_cast<uint32_t>(block.n_layers);
+  control_->append_values = block.k.size();
+  control_->flags = shm::kAppend;
+  generation_ = client_->generation();
+  control_->state.store(shm::kRequested, std::memory_order_release);
+  client_->Ring();
+  published_ = true;
+  deadline_ = deadline;
+  // About a gather's cost per value: spin through small appends (a decode
+  // step's), sleep through a prefill's.
+  spin_ns_ = SpinNanos(block.k.size() / 64);
+  return FetchHandle(this);
+}
+
+absl::StatusOr<std::vector<EvictedToken>> ShmFetchBuffer::Evicted() const {
+  const size_t n = control_->result_count;
+  if (3 * n > memory_.plan_capacity) {
+    return absl::InternalError(absl::StrCat(
+        "shm data plane: the server reported ", n,
+        " evicted tokens, more than the slot holds"));
+  }
+  std::vector<EvictedToken> evicted(n);
+  for (size_t i = 0; i < n; ++i) {
+    evicted[i].layer = memory_.plan[3 * i];
+    evicted[i].kv_head = memory_.plan[3 * i + 1];
+    evicted[i].position = memory_.plan[3 * i + 2];
+  }
+  return evicted;
+}
+
 absl::Status ShmFetchBuffer::AwaitServer() {
   const int64_t spin_until = absl::GetCurrentTimeNanos() + spin_ns_;
   uint32_t state;

@@ -33,6 +33,14 @@
 // sending, the client bumps control_seq and rings the doorbell so that a
 // sleeping server reads it.
 //
+// An append, the same way: the client writes the block's K values, then
+// its V values, into the slot's data and sends the block's shape with
+// kAppend; the server appends them from there (KvStore::Append, after
+// checking the shape against the sequence's geometry and the slot), and
+// answers with the tokens it evicted, as (layer, kv_head, position) int32
+// triples at the start of the plan area, result_count of them. The rows
+// cross once, not through a gRPC message.
+//
 // One-sided reads: MapRows gives the owner of a sequence a read-only
 // descriptor of each memfd holding its rows (K, then V); the client maps
 // them, reads the rows a plan selects itself, then sends the plan through
@@ -59,7 +67,9 @@ constexpr uint64_t kRegionMagic = 0x3176'4b6d'6853'4749ULL;  // "IGShmKv1"
 // 2: each fetch names the caller's session (SlotControl::session).
 // 3: one-sided reads (MapRows, SlotControl::flags' kNoteOnly).
 // 4: notes of rows the client holds (kHeld).
-constexpr uint32_t kProtocolVersion = 4;
+// 5: appends through a slot (kAppend, SlotControl::append_values and
+//    result_count).
+constexpr uint32_t kProtocolVersion = 5;
 constexpr size_t kPageBytes = 4096;
 constexpr size_t kHeaderBytes = 4096;
 // Most FetchBuffers one connection may hold at once.
@@ -67,7 +77,7 @@ constexpr uint32_t kMaxSlots = 256;
 // The plan area holds elements / 2 indices (the most any plan that fits the
 // buffer can have: head_dim >= 1) plus this many head offsets.
 constexpr size_t kMaxPlanHeadOffsets = 4097;
-constexpr size_t kStatusMessageBytes = 440;
+constexpr size_t kStatusMessageBytes = 436;
 
 // SlotControl::state. Transitions: client kIdle|kCancelled -> kRequested;
 // server kRequested -> kServing -> kDone; client kDone -> kIdle, or, giving
@@ -101,15 +111,19 @@ struct SlotControl {
   // Written by the client (except state, which both write).
   alignas(64) std::atomic<uint32_t> state;   // SlotState; futex word
   std::atomic<uint32_t> client_waiting;      // 1 while the client sleeps
-  int32_t layer;
+  int32_t layer;            // kAppend: the block's first layer
   uint32_t n_indices;       // plan area [0, n_indices): indices
+                            // (kAppend: the block's tokens)
   uint32_t n_head_offsets;  // then n_head_offsets head offsets
-  uint32_t flags;           // kNoteOnly, kLeading, kHeld
+                            // (kAppend: the block's layers)
+  uint32_t flags;           // kNoteOnly, kLeading, kHeld, kAppend
   uint64_t sequence;
   uint64_t session;  // the caller's; the node serves only the owner's rows
+  uint64_t append_values;  // kAppend: the K values (and the V values)
   // Written by the server before state = kDone.
   alignas(64) int32_t status_code;  // absl::StatusCode
   uint32_t message_bytes;
+  uint32_t result_count;  // kAppend: evicted tokens in the plan area
   char message[kStatusMessageBytes];
 };
 static_assert(sizeof(SlotControl) == 512);
@@ -125,6 +139,9 @@ constexpr uint32_t kLeading = 2;
 // With kNoteOnly: the client holds the plan's rows (a row cache); the
 // server counts them as rows of the layer's last fetch (KvStore::NoteHeld).
 constexpr uint32_t kHeld = 4;
+// The slot's data holds a block to append (AppendBlock's layout: K, then
+// V); the server answers with the evicted tokens.
+constexpr uint32_t kAppend = 8;
 
 inline size_t ControlRegionBytes(uint32_t max_slots) {
   return kHeaderBytes + static_cast<size_t>(max_slots) * sizeof(SlotControl);

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <utility>
 #include <vector>
@@ -443,8 +444,14 @@ class ShmServer::Connection {
     const SessionId session = control->session;
     const uint32_t flags = control->flags;
     const bool note_only = (flags & shm::kNoteOnly) != 0;
+    const uint64_t append_values = control->append_values;
     absl::Status status;
-    if (slot.data == nullptr) {
+    control->result_count = 0;
+    if (slot.data != nullptr && (flags & shm::kAppend) != 0) {
+      status = ServeAppend(slot, control, sequence, session, layer,
+                           /*n_layers=*/n_offsets, /*n_tokens=*/n_indices,
+                           append_values);
+    } else if (slot.data == nullptr) {
       status = absl::FailedPreconditionError(
           absl::StrCat("shm data plane: slot ", i, " is not mapped"));
     } else if (static_cast<size_t>(n_indices) + n_offsets > slot.plan_capacity) {
@@ -501,6 +508,60 @@ class ShmServer::Connection {
     control->message_bytes = static_cast<uint32_t>(len);
     control->state.store(shm::kDone);
     if (control->client_waiting.load() != 0) shm::FutexWakeAll(&control->state);
+  }
+
+  // An append from the slot (shm::kAppend): the block's shape checked
+  // against the sequence's geometry and the slot, the rows appended from
+  // where the client wrote them, the evicted tokens written to the plan
+  // area.
+  absl::Status ServeAppend(const MappedSlot& slot, SlotControl* control,
+                           SequenceId sequence, SessionId session,
+                           int32_t first_layer, uint32_t n_layers,
+                           uint32_t n_tokens, uint64_t values) {
+    IG_ASSIGN_OR_RETURN(const SequenceGeometry g,
+                        server_->store_->Geometry(sequence, session));
+    // In 128 bits: the client's counts may be anything.
+    const unsigned __int128 want = static_cast<unsigned __int128>(n_layers) *
+                                   n_tokens * g.n_kv_heads * g.head_dim;
+    if (n_layers == 0 || n_tokens == 0 || n_layers > INT32_MAX ||
+        n_tokens > INT32_MAX || want != values) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "shm data plane: an append of ", n_layers, " layers x ", n_tokens,
+          " tokens has ", n_layers, " x ", n_tokens, " x ",
+          g.n_kv_heads * g.head_dim, " K values (and as many V), the slot ",
+          values));
+    }
+    if (values > slot.elements / 2) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "shm data plane: an append of 2 x ", values,
+          " values does not fit the slot's ", slot.elements));
+    }
+    const uint64_t most_evicted =
+        static_cast<uint64_t>(n_layers) * n_tokens * g.n_kv_heads;
+    if (3 * most_evicted > slot.plan_capacity) {
+      return absl::InvalidArgumentError(
+          "shm data plane: the slot has no room for the append's evictions");
+    }
+    AppendBlock block;
+    block.first_layer = first_layer;
+    block.n_layers = static_cast<int32_t>(n_layers);
+    block.n_tokens = static_cast<int32_t>(n_tokens);
+    block.k = absl::MakeConstSpan(slot.data, values);
+    block.v = absl::MakeConstSpan(slot.data + values, values);
+    const absl::Time start = absl::Now();
+    IG_ASSIGN_OR_RETURN(const AppendResult result,
+                        server_->store_->Append(sequence, block));
+    for (size_t i = 0; i < result.evicted.size(); ++i) {
+      slot.plan[3 * i] = result.evicted[i].layer;
+      slot.plan[3 * i + 1] = result.evicted[i].kv_head;
+      slot.plan[3 * i + 2] = result.evicted[i].position;
+    }
+    control->result_count = static_cast<uint32_t>(result.evicted.size());
+    if (RequestMetrics* metrics = server_->options_.metrics) {
+      metrics->Served(Plane::kShm, RequestOp::kAppend, absl::Now() - start,
+                      static_cast<int64_t>(2 * values * sizeof(uint16_t)));
+    }
+    return absl::OkStatus();
   }
 
   ShmServer* const server_;

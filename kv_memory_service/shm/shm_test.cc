@@ -13,6 +13,7 @@
 #include <cstring>
 #include <random>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -283,6 +284,104 @@ TEST_F(ShmTest, ErrorsMatchTheInprocPlane) {
   auto stats = shm->GetSequenceStats(id);
   ASSERT_TRUE(stats.ok());
   EXPECT_EQ(stats->fetches, 1);
+}
+
+// Counts the appends that reach the control client.
+class AppendCounter : public KvClientWrapper {
+ public:
+  AppendCounter(std::unique_ptr<KvClient> target, std::atomic<int>* appends)
+      : KvClientWrapper(std::move(target)), appends_(appends) {}
+  absl::StatusOr<AppendResult> Append(SequenceId seq,
+                                      const AppendBlock& block) override {
+    ++*appends_;
+    return KvClientWrapper::Append(seq, block);
+  }
+
+ private:
+  std::atomic<int>* const appends_;
+};
+
+// Appends cross the data plane, not the control client: the rows land bit
+// for bit, the node's evictions come back as the in-process plane reports
+// them, bad blocks get the in-process plane's codes, and a block with
+// prefix annotations (which the slot does not carry) goes through the
+// control client.
+TEST_F(ShmTest, AppendsCrossTheSlotAndReturnTheEvictions) {
+  std::atomic<int> control_appends{0};
+  auto store = store_;
+  auto client = ConnectShmKvClient(
+      server_->client_address(), {},
+      [store, &control_appends](const std::string&, const KvClientOptions&)
+          -> absl::StatusOr<std::unique_ptr<KvClient>> {
+        return std::unique_ptr<KvClient>(
+            new AppendCounter(NewInprocKvClient(store), &control_appends));
+      });
+  ASSERT_TRUE(client.ok()) << client.status();
+  KvStoreOptions ref_options;
+  ref_options.eviction = EvictionPolicy::kFifo;
+  auto ref_store = std::make_shared<KvStore>(ref_options);
+  std::unique_ptr<KvClient> ref = NewInprocKvClient(ref_store);
+  const SequenceGeometry g = MakeGeometry(3, 2, 16, 24);  // evicts past 24
+  auto id = (*client)->Open(g);
+  auto ref_id = ref->Open(g);
+  ASSERT_TRUE(id.ok() && ref_id.ok());
+  // A prefill's chunks of every layer, then decode steps of one token.
+  int position = 0;
+  for (const int tokens : {10, 12, 1, 1, 7, 1}) {
+    SCOPED_TRACE(tokens);
+    testdata::TestBlock b = MakeTestBlock(8, g, 0, g.n_layers, position, tokens);
+    auto got = (*client)->Append(*id, b.block);
+    auto want = ref->Append(*ref_id, b.block);
+    ASSERT_TRUE(got.ok()) << got.status();
+    ASSERT_TRUE(want.ok()) << want.status();
+    EXPECT_EQ(got->evicted, want->evicted);
+    position += tokens;
+  }
+  EXPECT_EQ(control_appends.load(), 0);
+  auto stats = (*client)->GetSequenceStats(*id);
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->evicted_rows, g.n_layers * g.n_kv_heads * (position - 24));
+  // What is present comes back bit for bit.
+  std::vector<int32_t> present;
+  for (int p = position - 24; p < position; ++p) present.push_back(p);
+  const OwnedFetchPlan plan = OwnedFetchPlan::SameForAllHeads(2, present);
+  auto buffer = (*client)->NewFetchBuffer(FetchElements(plan.view(), 16));
+  ASSERT_TRUE(buffer.ok());
+  for (int l = 0; l < g.n_layers; ++l) {
+    ASSERT_OK((*client)->Fetch(*id, l, plan.view(), buffer->get()));
+    EXPECT_EQ(Rows(**buffer, FetchElements(plan.view(), 16)),
+              ExpectedRows(8, g, l, plan.view()));
+  }
+
+  // Bad blocks: the in-process plane's codes, nothing appended.
+  testdata::TestBlock one = MakeTestBlock(8, g, 0, 1, position, 1);
+  AppendBlock past = one.block;
+  past.first_layer = 3;  // past the last layer
+  AppendBlock short_k = one.block;
+  short_k.k = short_k.k.subspan(1);
+  AppendBlock short_both = short_k;
+  short_both.v = short_both.v.subspan(1);
+  for (const auto& [seq, block, code] :
+       std::vector<std::tuple<SequenceId, AppendBlock, absl::StatusCode>>{
+           {*id + 1, one.block, absl::StatusCode::kNotFound},
+           {*id, past, absl::StatusCode::kInvalidArgument},
+           {*id, short_k, absl::StatusCode::kInvalidArgument},
+           {*id, short_both, absl::StatusCode::kInvalidArgument}}) {
+    const absl::Status got = (*client)->Append(seq, block).status();
+    EXPECT_EQ(got.code(), code) << got;
+    EXPECT_EQ(got.code(),
+              ref->Append(seq == *id ? *ref_id : seq, block).status().code());
+  }
+  stats = (*client)->GetSequenceStats(*id);
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->layer_lengths, std::vector<int32_t>(3, position));
+
+  // Prefix annotations go through the control client.
+  const std::vector<std::string> meta = {"m"};
+  AppendBlock annotated = one.block;
+  annotated.prefix_meta = absl::MakeConstSpan(meta);
+  EXPECT_TRUE((*client)->Append(*id, annotated).ok());
+  EXPECT_EQ(control_appends.load(), 2);  // short_k, and this one
 }
 
 TEST_F(ShmTest, ABufferCarriesOneFetchAtATime) {
