@@ -22,7 +22,9 @@
 #include "common/address.h"
 #include "common/log.h"
 #include "common/status.h"
+#include "kv_memory_service/shm/shm_append.h"
 #include "kv_memory_service/shm/shm_protocol.h"
+#include "kv_memory_service/shm/shm_socket_lock.h"
 
 namespace infinigen::kv_memory_service {
 namespace {
@@ -63,48 +65,6 @@ absl::StatusOr<void*> MapClientMemory(int fd, size_t offset, size_t bytes) {
                             "mmap of a shm slot", errno);
   }
   return p;
-}
-
-std::string LockPath(const std::string& socket_path) {
-  return socket_path + ".lock";
-}
-
-// Takes PATH.lock (flock, exclusive): the socket at PATH belongs to whoever
-// holds it. FailedPrecondition when a live server holds it. A lock file left
-// by a dead server is simply taken over (flock dies with its holder).
-absl::StatusOr<int> LockSocketPath(const std::string& path) {
-  const std::string lock_path = LockPath(path);
-  while (true) {
-    const int fd = open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
-    if (fd < 0) {
-      return shm::ErrnoStatus(absl::StatusCode::kUnavailable,
-                              absl::StrCat("open ", lock_path), errno);
-    }
-    if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
-      const int err = errno;
-      close(fd);
-      if (err == EWOULDBLOCK) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "another kv_memory_server is serving ", path, " (it holds ",
-            lock_path, ")"));
-      }
-      return shm::ErrnoStatus(absl::StatusCode::kUnavailable,
-                              absl::StrCat("flock ", lock_path), err);
-    }
-    // The holder we waited out may have removed the file as we opened it:
-    // the lock counts only on the file still at the path.
-    struct stat held, now;
-    if (fstat(fd, &held) == 0 && stat(lock_path.c_str(), &now) == 0 &&
-        held.st_ino == now.st_ino && held.st_dev == now.st_dev) {
-      return fd;
-    }
-    close(fd);
-  }
-}
-
-void UnlockSocketPath(const std::string& path, int lock_fd) {
-  unlink(LockPath(path).c_str());  // while still held: see LockSocketPath
-  close(lock_fd);
 }
 
 }  // namespace
@@ -448,9 +408,23 @@ class ShmServer::Connection {
     absl::Status status;
     control->result_count = 0;
     if (slot.data != nullptr && (flags & shm::kAppend) != 0) {
-      status = ServeAppend(slot, control, sequence, session, layer,
-                           /*n_layers=*/n_offsets, /*n_tokens=*/n_indices,
-                           append_values);
+      shm::AppendFromSlot append;
+      append.sequence = sequence;
+      append.session = session;
+      append.first_layer = layer;
+      append.n_layers = n_offsets;
+      append.n_tokens = n_indices;
+      append.values = append_values;
+      const absl::Time start = absl::Now();
+      status = shm::ServeAppend(*server_->store_, append, slot.data,
+                                slot.elements, slot.plan, slot.plan_capacity,
+                                &control->result_count);
+      if (RequestMetrics* metrics = server_->options_.metrics;
+          metrics != nullptr && status.ok()) {
+        metrics->Served(Plane::kShm, RequestOp::kAppend, absl::Now() - start,
+                        static_cast<int64_t>(2 * append_values *
+                                             sizeof(uint16_t)));
+      }
     } else if (slot.data == nullptr) {
       status = absl::FailedPreconditionError(
           absl::StrCat("shm data plane: slot ", i, " is not mapped"));
@@ -510,60 +484,6 @@ class ShmServer::Connection {
     if (control->client_waiting.load() != 0) shm::FutexWakeAll(&control->state);
   }
 
-  // An append from the slot (shm::kAppend): the block's shape checked
-  // against the sequence's geometry and the slot, the rows appended from
-  // where the client wrote them, the evicted tokens written to the plan
-  // area.
-  absl::Status ServeAppend(const MappedSlot& slot, SlotControl* control,
-                           SequenceId sequence, SessionId session,
-                           int32_t first_layer, uint32_t n_layers,
-                           uint32_t n_tokens, uint64_t values) {
-    IG_ASSIGN_OR_RETURN(const SequenceGeometry g,
-                        server_->store_->Geometry(sequence, session));
-    // In 128 bits: the client's counts may be anything.
-    const unsigned __int128 want = static_cast<unsigned __int128>(n_layers) *
-                                   n_tokens * g.n_kv_heads * g.head_dim;
-    if (n_layers == 0 || n_tokens == 0 || n_layers > INT32_MAX ||
-        n_tokens > INT32_MAX || want != values) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "shm data plane: an append of ", n_layers, " layers x ", n_tokens,
-          " tokens has ", n_layers, " x ", n_tokens, " x ",
-          g.n_kv_heads * g.head_dim, " K values (and as many V), the slot ",
-          values));
-    }
-    if (values > slot.elements / 2) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "shm data plane: an append of 2 x ", values,
-          " values does not fit the slot's ", slot.elements));
-    }
-    const uint64_t most_evicted =
-        static_cast<uint64_t>(n_layers) * n_tokens * g.n_kv_heads;
-    if (3 * most_evicted > slot.plan_capacity) {
-      return absl::InvalidArgumentError(
-          "shm data plane: the slot has no room for the append's evictions");
-    }
-    AppendBlock block;
-    block.first_layer = first_layer;
-    block.n_layers = static_cast<int32_t>(n_layers);
-    block.n_tokens = static_cast<int32_t>(n_tokens);
-    block.k = absl::MakeConstSpan(slot.data, values);
-    block.v = absl::MakeConstSpan(slot.data + values, values);
-    const absl::Time start = absl::Now();
-    IG_ASSIGN_OR_RETURN(const AppendResult result,
-                        server_->store_->Append(sequence, block));
-    for (size_t i = 0; i < result.evicted.size(); ++i) {
-      slot.plan[3 * i] = result.evicted[i].layer;
-      slot.plan[3 * i + 1] = result.evicted[i].kv_head;
-      slot.plan[3 * i + 2] = result.evicted[i].position;
-    }
-    control->result_count = static_cast<uint32_t>(result.evicted.size());
-    if (RequestMetrics* metrics = server_->options_.metrics) {
-      metrics->Served(Plane::kShm, RequestOp::kAppend, absl::Now() - start,
-                      static_cast<int64_t>(2 * values * sizeof(uint16_t)));
-    }
-    return absl::OkStatus();
-  }
-
   ShmServer* const server_;
   const int socket_;
   std::atomic<bool> stop_{false};
@@ -592,7 +512,7 @@ absl::StatusOr<std::unique_ptr<ShmServer>> ShmServer::Start(
         "shm data plane listen address: ", path_or.status().message()));
   }
   std::string path = *std::move(path_or);
-  IG_ASSIGN_OR_RETURN(const int lock_fd, LockSocketPath(path));
+  IG_ASSIGN_OR_RETURN(const int lock_fd, shm::LockSocketPath(path));
   const int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
   if (fd < 0) {
     close(lock_fd);
@@ -610,7 +530,7 @@ absl::StatusOr<std::unique_ptr<ShmServer>> ShmServer::Start(
   if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
     const int err = errno;
     close(fd);
-    UnlockSocketPath(path, lock_fd);
+    shm::UnlockSocketPath(path, lock_fd);
     return shm::ErrnoStatus(absl::StatusCode::kUnavailable,
                             absl::StrCat("bind ", path), err);
   }
@@ -618,7 +538,7 @@ absl::StatusOr<std::unique_ptr<ShmServer>> ShmServer::Start(
     const int err = errno;
     close(fd);
     unlink(path.c_str());
-    UnlockSocketPath(path, lock_fd);
+    shm::UnlockSocketPath(path, lock_fd);
     return shm::ErrnoStatus(absl::StatusCode::kInternal, "listen", err);
   }
   const int stop_fd = eventfd(0, EFD_CLOEXEC);
@@ -626,7 +546,7 @@ absl::StatusOr<std::unique_ptr<ShmServer>> ShmServer::Start(
     const int err = errno;
     close(fd);
     unlink(path.c_str());
-    UnlockSocketPath(path, lock_fd);
+    shm::UnlockSocketPath(path, lock_fd);
     return shm::ErrnoStatus(absl::StatusCode::kInternal, "eventfd", err);
   }
   std::unique_ptr<ShmServer> server(new ShmServer(std::move(store),
@@ -666,7 +586,7 @@ ShmServer::~ShmServer() {
   close(listen_fd_);
   close(stop_fd_);
   unlink(path_.c_str());
-  UnlockSocketPath(path_, lock_fd_);
+  shm::UnlockSocketPath(path_, lock_fd_);
 }
 
 std::string ShmServer::client_address() const {

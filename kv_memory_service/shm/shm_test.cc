@@ -22,6 +22,7 @@
 #include "gtest/gtest.h"
 #include "kv_memory_service/inproc/inproc_client.h"
 #include "kv_memory_service/shm/shm_client.h"
+#include "kv_memory_service/shm/shm_append.h"
 #include "kv_memory_service/shm/shm_protocol.h"
 #include "kv_memory_service/shm/shm_server.h"
 #include "kv_memory_service/testing/kv_test_data.h"
@@ -382,6 +383,59 @@ TEST_F(ShmTest, AppendsCrossTheSlotAndReturnTheEvictions) {
   annotated.prefix_meta = absl::MakeConstSpan(meta);
   EXPECT_TRUE((*client)->Append(*id, annotated).ok());
   EXPECT_EQ(control_appends.load(), 2);  // short_k, and this one
+}
+
+// A hostile client's append fields, served straight: shapes whose values
+// overflow, disagree with the block's values, or pass the slot or its room
+// for evictions are refused, and nothing is appended.
+TEST_F(ShmTest, AnAppendsFieldsAreCheckedAgainstTheSlot) {
+  const SequenceGeometry g = MakeGeometry(2, 2, 8, 16);
+  auto id = store_->Open(g);
+  ASSERT_TRUE(id.ok());
+  std::vector<uint16_t> data(2 * 2 * 4 * 16);  // 2 layers x 4 tokens, K and V
+  std::vector<int32_t> plan(3 * 2 * 4 * 2);
+  shm::AppendFromSlot a;
+  a.sequence = *id;
+  a.first_layer = 0;
+  a.n_layers = 2;
+  a.n_tokens = 4;
+  a.values = 2 * 4 * 16;
+  uint32_t evicted = 99;
+  struct Bad {
+    uint32_t n_layers, n_tokens;
+    uint64_t values;
+    size_t elements, plan_capacity;
+  };
+  for (const Bad& b : std::vector<Bad>{
+           {0, 4, 0, data.size(), plan.size()},
+           {2, 0, 0, data.size(), plan.size()},
+           {2, 5, a.values, data.size(), plan.size()},  // disagrees
+           // 2^31 x 2^31 x 16 wraps 64 bits to 0.
+           {1u << 31, 1u << 31, 0, data.size(), plan.size()},
+           {4, 0x80000000u, uint64_t{4} * 0x80000000u * 16, data.size(),
+            plan.size()},
+           {2, 4, a.values, data.size() - 1, plan.size()},  // past the slot
+           {2, 4, a.values, data.size(), plan.size() - 1}}) {  // no room
+    shm::AppendFromSlot bad = a;
+    bad.n_layers = b.n_layers;
+    bad.n_tokens = b.n_tokens;
+    bad.values = b.values;
+    EXPECT_CODE(shm::ServeAppend(*store_, bad, data.data(), b.elements,
+                                 plan.data(), b.plan_capacity, &evicted),
+                kInvalidArgument);
+    EXPECT_EQ(evicted, 0u);
+  }
+  EXPECT_CODE(shm::ServeAppend(*store_, {*id + 1}, data.data(), data.size(),
+                               plan.data(), plan.size(), &evicted),
+              kNotFound);
+  auto stats = store_->GetSequenceStats(*id);
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->layer_lengths, std::vector<int32_t>(2, 0));
+  ASSERT_OK(shm::ServeAppend(*store_, a, data.data(), data.size(),
+                             plan.data(), plan.size(), &evicted));
+  stats = store_->GetSequenceStats(*id);
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->layer_lengths, std::vector<int32_t>(2, 4));
 }
 
 TEST_F(ShmTest, ABufferCarriesOneFetchAtATime) {
