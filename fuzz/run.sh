@@ -45,6 +45,7 @@ store_srcs=(kv_memory_service/store/kv_store.cc
             kv_memory_service/store/stored_sequence_fetch_log.cc
             kv_memory_service/store/row_memory.cc
             kv_memory_service/store/pinned_rows.cc
+            kv_memory_service/store/spare_rows.cc
             kv_memory_service/store/head_slots.cc
             kv_memory_service/client/kv_types.cc common/thread_pool.cc
             kv_memory_service/store/prefix_cache.cc

@@ -322,8 +322,6 @@ void KvStore::RetireLocked(SequenceId seq, SessionId session,
   }
 }
 
-
-
 ExpiredSession KvStore::EndSessionLocked(
     SessionId id, absl::Time now,
     std::vector<std::shared_ptr<Sequence>>* freed) {
