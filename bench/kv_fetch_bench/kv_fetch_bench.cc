@@ -468,6 +468,28 @@ void BM_NoteLeading(benchmark::State& state, const std::string& plane_name,
 // resident: the sequence's rows are in memory before the append (written
 // once through GetDirectRows), as a device's registration for one-sided
 // reads leaves them; else the append is their first write.
+// A sequence of one layer of `shape`.
+SequenceGeometry OneLayer(const Shape& shape) {
+  SequenceGeometry g;
+  g.n_layers = 1;
+  g.n_kv_heads = shape.heads;
+  g.head_dim = shape.head_dim;
+  g.max_tokens = shape.stored;
+  return g;
+}
+
+// The whole of that layer in one token-major block of `rows`
+// ([stored][heads][head_dim]).
+AppendBlock WholeLayer(const Shape& shape, const Rows& rows) {
+  AppendBlock block;
+  block.first_layer = 0;
+  block.n_layers = 1;
+  block.n_tokens = shape.stored;
+  block.k = absl::MakeConstSpan(rows.k);
+  block.v = absl::MakeConstSpan(rows.v);
+  return block;
+}
+
 void BM_Append(benchmark::State& state, const std::string& plane_name,
                const Case& c, bool resident) {
   Plane& p = TheWorld().planes[plane_name];
@@ -489,17 +511,8 @@ void BM_Append(benchmark::State& state, const std::string& plane_name,
       rows->v[i] = static_cast<uint16_t>(~i);
     }
   }
-  SequenceGeometry g;
-  g.n_layers = 1;
-  g.n_kv_heads = shape.heads;
-  g.head_dim = shape.head_dim;
-  g.max_tokens = shape.stored;
-  AppendBlock block;
-  block.first_layer = 0;
-  block.n_layers = 1;
-  block.n_tokens = shape.stored;
-  block.k = absl::MakeConstSpan(rows->k);
-  block.v = absl::MakeConstSpan(rows->v);
+  const SequenceGeometry g = OneLayer(shape);
+  const AppendBlock block = WholeLayer(shape, *rows);
   std::vector<double> samples;
   for (auto _ : state) {
     absl::StatusOr<SequenceId> seq = p.client->Open(g);
@@ -545,18 +558,8 @@ void BM_Sequence(benchmark::State& state, const std::string& plane_name,
   }
   const Shape& shape = *c.shape;
   const Rows& rows = TheWorld().rows[&shape];
-  SequenceGeometry g;
-  g.n_layers = 1;
-  g.n_kv_heads = shape.heads;
-  g.head_dim = shape.head_dim;
-  g.max_tokens = shape.stored;
-  // The rows are [layer][stored][heads][head_dim]: one token-major block.
-  AppendBlock block;
-  block.first_layer = 0;
-  block.n_layers = 1;
-  block.n_tokens = shape.stored;
-  block.k = absl::MakeConstSpan(rows.k);
-  block.v = absl::MakeConstSpan(rows.v);
+  const SequenceGeometry g = OneLayer(shape);
+  const AppendBlock block = WholeLayer(shape, rows);
   const long page = sysconf(_SC_PAGESIZE) / static_cast<long>(sizeof(uint16_t));
   std::vector<double> samples;
   uint64_t sink = 0;

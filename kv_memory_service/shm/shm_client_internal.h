@@ -102,6 +102,9 @@ class ShmFetchBuffer final : public FetchBuffer {
  private:
   absl::Status AwaitServer();
   absl::Status TakeServerStatus();
+  // Hands the request written into the slot to the server (kRequested,
+  // the doorbell); its Wait spins `spin_ns`, then sleeps until `deadline`.
+  FetchHandle Publish(absl::Time deadline, int64_t spin_ns);
   // Ends the fetch the server did not finish: `why` unless the server
   // finished it meanwhile (then its outcome).
   absl::Status GiveUp(absl::Status why);

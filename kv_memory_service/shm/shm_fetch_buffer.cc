@@ -67,12 +67,16 @@ FetchHandle ShmFetchBuffer::Start(SequenceId seq, int32_t layer,
   control_->n_indices = static_cast<uint32_t>(n);
   control_->n_head_offsets = static_cast<uint32_t>(m);
   control_->flags = flags;
+  return Publish(deadline, SpinNanos(n));
+}
+
+FetchHandle ShmFetchBuffer::Publish(absl::Time deadline, int64_t spin_ns) {
   generation_ = client_->generation();
   control_->state.store(shm::kRequested, std::memory_order_release);
   client_->Ring();
   published_ = true;
   deadline_ = deadline;
-  spin_ns_ = SpinNanos(n);
+  spin_ns_ = spin_ns;
   return FetchHandle(this);
 }
 
@@ -91,15 +95,9 @@ FetchHandle ShmFetchBuffer::StartAppend(SequenceId seq,
   control_->n_head_offsets = static_cast<uint32_t>(block.n_layers);
   control_->append_values = block.k.size();
   control_->flags = shm::kAppend;
-  generation_ = client_->generation();
-  control_->state.store(shm::kRequested, std::memory_order_release);
-  client_->Ring();
-  published_ = true;
-  deadline_ = deadline;
   // About a gather's cost per value: spin through small appends (a decode
   // step's), sleep through a prefill's.
-  spin_ns_ = SpinNanos(block.k.size() / 64);
-  return FetchHandle(this);
+  return Publish(deadline, SpinNanos(block.k.size() / 64));
 }
 
 absl::StatusOr<std::vector<EvictedToken>> ShmFetchBuffer::Evicted() const {

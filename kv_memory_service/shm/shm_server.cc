@@ -406,7 +406,6 @@ class ShmServer::Connection {
     const bool note_only = (flags & shm::kNoteOnly) != 0;
     const uint64_t append_values = control->append_values;
     absl::Status status;
-    control->result_count = 0;
     if (slot.data != nullptr && (flags & shm::kAppend) != 0) {
       shm::AppendFromSlot append;
       append.sequence = sequence;
