@@ -265,7 +265,7 @@ TEST_F(Disaggregated, AnEvictingNodeEvictsAsWithoutTheRowCache) {
   auto shm = ServerProcess::Start({"--listen=127.0.0.1:0", "--eviction=lru",
                                    "--shm_listen=unix:" + shm_sock});
   ASSERT_TRUE(shm.ok()) << shm.status();
-  for (const std::string address : {(*tcp)->address(), "shm:unix:" + shm_sock}) {
+  for (const std::string& address : {(*tcp)->address(), "shm:unix:" + shm_sock}) {
     SCOPED_TRACE(address);
     gpu_worker::FetchStats all, got;
     int64_t before = NodeFetchedRows(address);

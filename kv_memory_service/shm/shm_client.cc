@@ -56,14 +56,22 @@ absl::StatusOr<AppendResult> ShmKvClient::Append(SequenceId seq,
       !Unanswered().ok()) {
     return KvClientWrapper::Append(seq, block);
   }
+  const absl::Time deadline =
+      std::min(block.deadline, absl::Now() + options_.fetch_timeout);
   absl::MutexLock lock(&append_mu_);
   if (append_buffer_ == nullptr || append_buffer_->size() < 2 * values) {
     append_buffer_.reset();
     // Room for a few more tokens than asked: a prefill's chunks differ a
-    // little in length.
-    absl::StatusOr<std::unique_ptr<FetchBuffer>> buffer =
-        NewFetchBuffer(2 * values + values / 8);
-    if (!buffer.ok()) return KvClientWrapper::Append(seq, block);
+    // little in length. The generation waits on this slot as on the append
+    // itself: a node that does not map it by the deadline is unresponsive.
+    absl::StatusOr<std::unique_ptr<FetchBuffer>> buffer = NewSlotBuffer(
+        2 * values + values / 8,
+        std::max(std::min(options_.fetch_timeout, block.deadline - absl::Now()),
+                 absl::Milliseconds(1)));
+    if (absl::IsResourceExhausted(buffer.status())) {
+      return KvClientWrapper::Append(seq, block);  // no slot to be had
+    }
+    if (!buffer.ok()) return buffer.status();
     append_buffer_ = *std::move(buffer);
   }
   uint16_t* data = append_buffer_->data();
@@ -71,8 +79,6 @@ absl::StatusOr<AppendResult> ShmKvClient::Append(SequenceId seq,
   std::memcpy(data + values, block.v.data(), values * sizeof(uint16_t));
   auto buffer = FetchBuffer::Claim<ShmFetchBuffer>(this, append_buffer_.get());
   if (!buffer.ok()) return buffer.status();
-  const absl::Time deadline =
-      std::min(block.deadline, absl::Now() + options_.fetch_timeout);
   IG_RETURN_IF_ERROR(
       (*buffer)->StartAppend(seq, block, deadline).Wait());
   AppendResult result;
@@ -133,25 +139,45 @@ void ShmKvClient::ReleaseSlot(uint32_t slot) {
     shm::SocketMessage unmap;
     unmap.type = shm::MessageType::kUnmapSlot;
     unmap.slot = slot;
-    Call(unmap, -1).IgnoreError();
+    CallWithin(options_.fetch_timeout, unmap, -1).IgnoreError();
   }
   absl::MutexLock lock(&slots_mu_);
   if (slots_[slot].fd >= 0) close(slots_[slot].fd);
   slots_[slot] = Slot();
 }
 
-absl::Status ShmKvClient::Call(const shm::SocketMessage& message, int fd,
-                               shm::SocketMessage* reply, int* reply_fd) {
-  absl::MutexLock lock(&socket_mu_);
-  IG_RETURN_IF_ERROR(EnsureConnectedLocked());
-  absl::Status status =
-      Exchange(socket_, header_, message, fd, reply, reply_fd);
-  if (absl::IsUnavailable(status)) {
-    MarkGone();
-  } else if (absl::IsDeadlineExceeded(status) ||
-             (absl::IsInvalidArgument(status) &&
-              absl::StrContains(status.message(), "malformed"))) {
-    Abandon();
+absl::Status ShmKvClient::CallWithin(absl::Duration timeout,
+                                     const shm::SocketMessage& message, int fd,
+                                     shm::SocketMessage* reply,
+                                     int* reply_fd) {
+  absl::Status status;
+  {
+    absl::MutexLock lock(&socket_mu_);
+    IG_RETURN_IF_ERROR(EnsureConnectedLocked());
+    // The socket waits rpc_timeout unless told otherwise for this call.
+    const bool own_timeout = timeout != options_.rpc_timeout;
+    if (own_timeout) {
+      IG_RETURN_IF_ERROR(shm::SetReceiveTimeout(socket_, timeout));
+    }
+    status = Exchange(socket_, header_, message, fd, reply, reply_fd);
+    if (own_timeout) {
+      shm::SetReceiveTimeout(socket_, options_.rpc_timeout).IgnoreError();
+    }
+    if (absl::IsUnavailable(status)) {
+      MarkGone();
+      status = absl::UnavailableError(
+          absl::StrCat(GoneStatus().message(), " (", status.message(), ")"));
+    } else if (absl::IsDeadlineExceeded(status) ||
+               (absl::IsInvalidArgument(status) &&
+                absl::StrContains(status.message(), "malformed"))) {
+      Abandon();
+    }
+  }
+  if (absl::IsDeadlineExceeded(status)) {
+    if (timeout <= options_.fetch_timeout) NoteUnanswered(timeout);
+    status = absl::DeadlineExceededError(
+        absl::StrCat("no answer on the shm data plane socket within ",
+                     absl::FormatDuration(timeout)));
   }
   return status;
 }
@@ -226,8 +252,8 @@ absl::Status ShmKvClient::EnsureConnectedLocked() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::unique_ptr<FetchBuffer>> ShmKvClient::NewFetchBuffer(
-    size_t elements) {
+absl::StatusOr<std::unique_ptr<FetchBuffer>> ShmKvClient::NewSlotBuffer(
+    size_t elements, absl::Duration timeout) {
   if (elements == 0) {
     return absl::InvalidArgumentError("a fetch buffer needs at least 1 value");
   }
@@ -273,7 +299,7 @@ absl::StatusOr<std::unique_ptr<FetchBuffer>> ShmKvClient::NewFetchBuffer(
   map.type = shm::MessageType::kMapSlot;
   map.slot = slot;
   map.elements = elements;
-  absl::Status mapped = Call(map, fd);
+  absl::Status mapped = CallWithin(timeout, map, fd);
   if (!mapped.ok()) return undo(mapped);
   SlotMapped(slot, fd, elements);
   const bool pinned = CudaHostRegister(m.data, m.data_bytes);

@@ -138,7 +138,9 @@ class ShmKvClient final : public KvClientWrapper {
   ~ShmKvClient() override;
 
   absl::StatusOr<std::unique_ptr<FetchBuffer>> NewFetchBuffer(
-      size_t elements) override;
+      size_t elements) override {
+    return NewSlotBuffer(elements, options_.rpc_timeout);
+  }
 
   // A new sequence is where a generation starts: if the server closed the
   // data plane since the last fetch (it restarted), reconnect now, so that
@@ -231,10 +233,14 @@ class ShmKvClient final : public KvClientWrapper {
     slots_[slot].fd = fd;
     slots_[slot].elements = elements;
   }
-  // Unmaps the slot on the server and frees its index for reuse.
+  // Unmaps the slot on the server (waiting up to the fetch timeout) and
+  // frees its index for reuse.
   void ReleaseSlot(uint32_t slot);
 
  private:
+  // A new slot of `elements` values, mapped by the server within `timeout`.
+  absl::StatusOr<std::unique_ptr<FetchBuffer>> NewSlotBuffer(
+      size_t elements, absl::Duration timeout);
   enum Health : int { kHealthy = 0, kServerGone = 1, kAbandoned = 2 };
 
   struct Slot {
@@ -270,12 +276,24 @@ class ShmKvClient final : public KvClientWrapper {
     health_.compare_exchange_strong(healthy, kServerGone);
   }
 
-  // One setup request and its reply. The server closing the socket makes
-  // the client reconnect on next use; no reply in time (a hung server) or a
-  // garbled one leaves the reply stream out of step for good.
+  // One setup request and its reply, waited for up to options.rpc_timeout.
+  // The server closing the socket makes the client reconnect on next use;
+  // no reply in time (a hung server) or a garbled one leaves the reply
+  // stream out of step for good.
   absl::Status Call(const shm::SocketMessage& message, int fd,
                     shm::SocketMessage* reply = nullptr,
-                    int* reply_fd = nullptr) ABSL_LOCKS_EXCLUDED(socket_mu_);
+                    int* reply_fd = nullptr) ABSL_LOCKS_EXCLUDED(socket_mu_) {
+    return CallWithin(options_.rpc_timeout, message, fd, reply, reply_fd);
+  }
+  // A request a generation waits on (a slot for an append, a sequence's
+  // rows), waited for up to `timeout` (the fetch timeout, or less): no
+  // reply by then takes the node as unresponsive, as a fetch's timeout
+  // does, so that the control calls after it fail at once too.
+  absl::Status CallWithin(absl::Duration timeout,
+                          const shm::SocketMessage& message, int fd,
+                          shm::SocketMessage* reply = nullptr,
+                          int* reply_fd = nullptr)
+      ABSL_LOCKS_EXCLUDED(socket_mu_);
 
   absl::Status Reconnect() ABSL_LOCKS_EXCLUDED(socket_mu_) {
     absl::MutexLock lock(&socket_mu_);

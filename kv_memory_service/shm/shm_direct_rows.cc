@@ -59,7 +59,8 @@ absl::StatusOr<ShmKvClient::MappedRows> ShmKvClient::MapRows(SequenceId seq) {
     request.session = session();
     shm::SocketMessage reply;
     int fd = -1;
-    absl::Status status = Call(request, -1, &reply, &fd);
+    absl::Status status =
+        CallWithin(options_.fetch_timeout, request, -1, &reply, &fd);
     if (status.ok() && fd < 0) {
       status = absl::InternalError("shm data plane: MapRows carried no fd");
     }

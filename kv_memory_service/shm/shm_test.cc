@@ -721,10 +721,12 @@ TEST_F(ShmTest, ReconnectsToARestartedServer) {
 
 // A fake server: handshakes and maps slots like a ShmServer, then either
 // never looks at requests (claim = false) or claims them and never
-// finishes, scribbling into the slot afterwards (claim = true).
+// finishes, scribbling into the slot afterwards (claim = true). With
+// answer_maps = false it never answers a slot's mapping either.
 class HungServer {
  public:
-  explicit HungServer(bool claim) : claim_(claim), path_(SocketPath("hung")) {
+  explicit HungServer(bool claim, bool answer_maps = true)
+      : claim_(claim), answer_maps_(answer_maps), path_(SocketPath("hung")) {
     listen_fd_ = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
     sockaddr_un addr{};
     addr.sun_family = AF_UNIX;
@@ -763,7 +765,9 @@ class HungServer {
                                              PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
         }
         if (fd >= 0) close(fd);
-        shm::SendMessage(s, shm::ReplyFor(absl::OkStatus())).IgnoreError();
+        if (answer_maps_ || m->type != shm::MessageType::kMapSlot) {
+          shm::SendMessage(s, shm::ReplyFor(absl::OkStatus())).IgnoreError();
+        }
       } else if (absl::IsUnavailable(m.status())) {
         break;
       }
@@ -780,6 +784,7 @@ class HungServer {
   }
 
   const bool claim_;
+  const bool answer_maps_;
   const std::string path_;
   int listen_fd_ = -1;
   std::atomic<bool> stop_{false};
@@ -803,6 +808,35 @@ TEST_F(ShmTest, UnservedFetchTimesOutAndTheBufferStaysUsable) {
   // Never claimed: cancelled cleanly, so the client still works.
   EXPECT_CODE((*client)->Fetch(1, 0, plan.view(), buffer->get()),
               kDeadlineExceeded);
+}
+
+// A generation waits on an append's slot as on the append: a node that
+// stops answering fails it within the fetch timeout (not the setup
+// requests' rpc_timeout), saying so, and the append is not sent again
+// through the control path to wait there too.
+TEST_F(ShmTest, AnAppendWaitsForItsSlotNoLongerThanTheFetchTimeout) {
+  HungServer hung(/*claim=*/false, /*answer_maps=*/false);
+  std::atomic<int> control_appends{0};
+  auto store = store_;
+  KvClientOptions options;
+  options.fetch_timeout = absl::Milliseconds(200);
+  auto client = ConnectShmKvClient(
+      hung.address(), options,
+      [store, &control_appends](const std::string&, const KvClientOptions&)
+          -> absl::StatusOr<std::unique_ptr<KvClient>> {
+        return std::unique_ptr<KvClient>(
+            new AppendCounter(NewInprocKvClient(store), &control_appends));
+      });
+  ASSERT_TRUE(client.ok()) << client.status();
+  const SequenceGeometry g = MakeGeometry(3, 2, 16, 24);
+  testdata::TestBlock b = MakeTestBlock(8, g, 0, g.n_layers, 0, 4);
+  const absl::Time start = absl::Now();
+  auto got = (*client)->Append(1, b.block);
+  EXPECT_CODE(got.status(), kDeadlineExceeded);
+  EXPECT_NE(got.status().message().find("within 200ms"), std::string::npos)
+      << got.status();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+  EXPECT_EQ(control_appends.load(), 0);
 }
 
 TEST_F(ShmTest, FetchAbandonedMidGatherProtectsTheBuffer) {

@@ -514,7 +514,9 @@ TEST(SharedRowsTest, ASessionsNextSequenceIsReadWhereItsLastWas) {
       ASSERT_TRUE((*client)->Append(*id, block.block).ok());
       auto rows = (*client)->GetDirectRows(*id);
       ASSERT_TRUE(rows.ok()) << rows.status();
-      if (spares > 0 && i > 0) EXPECT_EQ(rows->k, last_k);
+      if (spares > 0 && i > 0) {
+        EXPECT_EQ(rows->k, last_k);
+      }
       last_k = rows->k;
       // Its own rows, not the last sequence's: head 0's positions 0 and 99
       // of layer 1, where the plan's layout puts them.
