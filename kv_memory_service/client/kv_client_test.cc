@@ -19,6 +19,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/metrics.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "grpcpp/client_context.h"
@@ -343,6 +344,26 @@ TEST_P(KvClientTest, ReportsEvictions) {
   EXPECT_EQ(store->eviction, EvictionPolicy::kFifo);
   EXPECT_EQ(store->evicted_rows, 8);
   EXPECT_EQ(store->max_sequences, 64);
+}
+
+// Appends cross the data plane the client fetches over: the fetch socket
+// (tcp), the shm slot (shm), gRPC for the gRPC stream and unix sockets.
+TEST_P(KvClientTest, AppendsCrossTheirDataPlane) {
+  OpenFilled(MakeGeometry(2, 2, 4, 8), 9, 5);
+  if (GetParam() == "inproc") return;  // no server: nothing crosses
+  const std::string text = MetricsText({server_->request_metrics()});
+  const std::string plane = GetParam() == "tcp"   ? "tcp"
+                            : GetParam() == "shm" ? "shm"
+                                                  : "grpc";
+  for (const std::string& p : {"grpc", "tcp", "shm"}) {
+    const std::string key = absl::StrCat(
+        "infinigen_kv_request_seconds_count{op=\"append\",plane=\"", p,
+        "\"} ");
+    const size_t at = text.find(key);
+    ASSERT_NE(at, std::string::npos) << text;
+    EXPECT_EQ(std::stoll(text.substr(at + key.size())), p == plane ? 1 : 0)
+        << p;
+  }
 }
 
 // A second client's sequence with the same prefix keys attaches the first

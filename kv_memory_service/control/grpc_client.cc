@@ -128,8 +128,27 @@ class GrpcKvClient final : public KvClient, public FetchWaiter {
     return NoteOutcome(status, timeout);
   }
 
+  // Over the fetch socket where there is one (a block of rows only);
+  // otherwise a unary call.
   absl::StatusOr<AppendResult> Append(SequenceId seq,
                                       const AppendBlock& block) override {
+    if (block.prefix_meta.empty() && !block.k.empty() &&
+        block.v.size() == block.k.size() &&
+        4 * block.k.size() + 1024 <=
+            static_cast<size_t>(options_.max_message_bytes)) {
+      IG_RETURN_IF_ERROR(Unresponsive());
+      auto connection = Connection();
+      if (!connection.ok()) {
+        return NoteOutcome(connection.status(), options_.fetch_timeout);
+      }
+      if ((*connection)->carries_appends()) {
+        return appender_.Append(
+            *std::move(connection), seq, session(),
+            next_request_id_.fetch_add(1) + 1,
+            std::min(block.deadline, absl::Now() + options_.fetch_timeout),
+            block);
+      }
+    }
     kv::AppendRequest req;
     req.set_sequence_id(seq);
     req.set_session_id(session());
@@ -453,7 +472,9 @@ class GrpcKvClient final : public KvClient, public FetchWaiter {
   }
 
   // The live fetch connection, opened (after waiting for the channel, at
-  // most connect_timeout) if there is none or the last one broke.
+  // most connect_timeout; the node's fetch port asked within the fetch
+  // timeout, since a fetch or an append waits) if there is none or the
+  // last one broke.
   absl::StatusOr<std::shared_ptr<FetchConnection>> Connection() {
     absl::MutexLock lock(&mu_);
     if (connection_ != nullptr && !connection_->broken()) return connection_;
@@ -466,7 +487,7 @@ class GrpcKvClient final : public KvClient, public FetchWaiter {
       kv::GetServerInfoRequest req;
       kv::GetServerInfoResponse resp;
       grpc::ClientContext ctx;
-      Prepare(&ctx);
+      Prepare(&ctx, options_.fetch_timeout);  // a fetch or append waits
       IG_RETURN_IF_ERROR(FromGrpcStatus(stub_->GetServerInfo(&ctx, req, &resp)));
       if (resp.fetch_tls_port() > 0) {
         if (fetch_tls_ == nullptr) {
@@ -531,6 +552,7 @@ class GrpcKvClient final : public KvClient, public FetchWaiter {
 
   absl::Mutex mu_;
   std::shared_ptr<FetchConnection> connection_ ABSL_GUARDED_BY(mu_);
+  SocketAppender appender_{this, this};
 
   absl::Mutex open_session_mu_;  // one OpenSession in flight at a time
   mutable absl::Mutex session_mu_;

@@ -1,12 +1,16 @@
-// What the gRPC service and the fetch socket share, so that both check the
-// same things in the same order with the same codes: the server side of
-// one fetch (their tokens: credentials.h). Thread-safe as KvStore.
+// What the data planes' servers share, so that each checks the same things
+// in the same order with the same codes: the server side of one fetch (the
+// gRPC service and the fetch socket) and of one append whose shape came as
+// raw counts (a shm slot, the fetch socket); their tokens: credentials.h.
+// Thread-safe as KvStore.
 #ifndef INFINIGEN_KV_MEMORY_SERVICE_SERVING_SERVE_FETCH_H_
 #define INFINIGEN_KV_MEMORY_SERVICE_SERVING_SERVE_FETCH_H_
 
+#include <climits>
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
@@ -55,6 +59,64 @@ inline absl::Status NoteHeldForResponse(KvStore& store, SequenceId seq,
                                         const FetchPlan& plan) {
   IG_RETURN_IF_ERROR(store.CheckOwner(seq, session));
   return store.NoteHeld(seq, layer, plan);
+}
+
+// An append whose shape came as raw counts (a shm slot's fields, a fetch
+// socket frame's header), with its K values and then as many V values in
+// the plane's memory.
+struct AppendFields {
+  SequenceId sequence = 0;
+  SessionId session = 0;
+  int32_t first_layer = 0;
+  uint64_t n_layers = 0;
+  uint64_t n_tokens = 0;
+  uint64_t values = 0;  // K values (and as many V)
+};
+
+// OK when `a`'s counts describe a block of sequence geometry `g` with
+// a.values K values (in 128 bits: the counts may be anything) whose
+// evicted tokens, at most one per layer, token and KV head, are no more
+// than max_evicted; InvalidArgument, naming `plane`, otherwise. Layer range
+// and token limits are the store's to check.
+inline absl::Status CheckAppendShape(const SequenceGeometry& g,
+                                     const AppendFields& a,
+                                     uint64_t max_evicted,
+                                     absl::string_view plane) {
+  const unsigned __int128 want = static_cast<unsigned __int128>(a.n_layers) *
+                                 a.n_tokens * g.n_kv_heads * g.head_dim;
+  if (a.n_layers == 0 || a.n_tokens == 0 || a.n_layers > INT32_MAX ||
+      a.n_tokens > INT32_MAX || want != a.values) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        plane, ": an append of ", a.n_layers, " layers x ", a.n_tokens,
+        " tokens has ", a.n_layers, " x ", a.n_tokens, " x ",
+        g.n_kv_heads * g.head_dim, " K values (and as many V), the request ",
+        a.values));
+  }
+  if (a.n_layers * a.n_tokens * static_cast<uint64_t>(g.n_kv_heads) >
+      max_evicted) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(plane, ": no room for the append's evicted tokens"));
+  }
+  return absl::OkStatus();
+}
+
+// Appends `a`'s block from data[0, 2 * a.values) (K, then V) for
+// a.session: the same NotFound as GatherForResponse for a sequence the
+// session may not use, CheckAppendShape's InvalidArgument, then
+// KvStore::Append's errors, with nothing appended on any.
+inline absl::StatusOr<AppendResult> AppendForResponse(
+    KvStore& store, const AppendFields& a, const uint16_t* data,
+    uint64_t max_evicted, absl::string_view plane) {
+  IG_ASSIGN_OR_RETURN(const SequenceGeometry g,
+                      store.Geometry(a.sequence, a.session));
+  IG_RETURN_IF_ERROR(CheckAppendShape(g, a, max_evicted, plane));
+  AppendBlock block;
+  block.first_layer = a.first_layer;
+  block.n_layers = static_cast<int32_t>(a.n_layers);
+  block.n_tokens = static_cast<int32_t>(a.n_tokens);
+  block.k = absl::MakeConstSpan(data, a.values);
+  block.v = absl::MakeConstSpan(data + a.values, a.values);
+  return store.Append(a.sequence, block);
 }
 
 }  // namespace infinigen::kv_memory_service

@@ -231,7 +231,10 @@ class SocketConnection final : public FetchConnection {
                         message);
   }
 
+  bool carries_appends() const override { return true; }
+
   void Write(GrpcFetchBuffer* buffer) override {
+    if (buffer->append != nullptr) return WriteAppend(buffer);
     const kv::FetchRequest& req = buffer->request;
     fetch_wire::FetchRequestHeader header;
     if (req.held()) header.magic = fetch_wire::kHeldMagic;
@@ -248,6 +251,31 @@ class SocketConnection final : public FetchConnection {
          header.n_offsets * sizeof(int32_t)},
         {const_cast<int32_t*>(req.plan().indices().data()),
          header.n_indices * sizeof(int32_t)}};
+    absl::Status sent;
+    {
+      absl::MutexLock lock(&write_mu_);
+      sent = SendAll(iov, 3);
+    }
+    if (!sent.ok()) Cut();
+  }
+
+  // An append's header and its K and V, straight from the caller's block.
+  void WriteAppend(GrpcFetchBuffer* buffer) {
+    const kv::FetchRequest& req = buffer->request;
+    const AppendBlock& block = *buffer->append;
+    fetch_wire::FetchRequestHeader header;
+    header.magic = fetch_wire::kAppendMagic;
+    header.n_offsets = static_cast<uint32_t>(block.n_layers);
+    header.n_indices = static_cast<uint32_t>(block.n_tokens);
+    header.layer = block.first_layer;
+    header.request_id = req.request_id();
+    header.sequence_id = req.sequence_id();
+    header.session_id = req.session_id();
+    header.dest_elements = block.k.size();
+    struct iovec iov[3] = {
+        {&header, sizeof(header)},
+        {const_cast<uint16_t*>(block.k.data()), block.k.size() * sizeof(uint16_t)},
+        {const_cast<uint16_t*>(block.v.data()), block.v.size() * sizeof(uint16_t)}};
     absl::Status sent;
     {
       absl::MutexLock lock(&write_mu_);
@@ -286,6 +314,11 @@ class SocketConnection final : public FetchConnection {
         if (!error.ok()) break;
         continue;
       }
+      if (buffer->append != nullptr) {  // the evicted tokens
+        error = ReceiveEvicted(buffer, header.rows_bytes, status);
+        if (!error.ok()) break;
+        continue;
+      }
       if (header.rows_bytes > buffer->size() * sizeof(uint16_t)) {
         buffer->Complete(absl::InternalError(absl::StrCat(
             "the server sent ", header.rows_bytes, " bytes of rows for a ",
@@ -307,6 +340,26 @@ class SocketConnection final : public FetchConnection {
               : error);
   }
 
+  // An append's response: `bytes` of evicted-token triples into the
+  // buffer's `evicted`, at most one per layer, token and KV head (at most
+  // one per K value); completes the buffer with `status`. Not OK when the
+  // connection can no longer be read.
+  absl::Status ReceiveEvicted(GrpcFetchBuffer* buffer, uint64_t bytes,
+                              const absl::Status& status) {
+    const AppendBlock& block = *buffer->append;
+    if (bytes % (3 * sizeof(int32_t)) != 0 ||
+        bytes / (3 * sizeof(int32_t)) > block.k.size()) {
+      buffer->Complete(absl::InternalError(absl::StrCat(
+          "the server sent ", bytes, " bytes of evicted tokens for an append "
+          "of ", block.k.size(), " values")));
+      return absl::InternalError("oversized response on the fetch socket");
+    }
+    buffer->evicted.resize(bytes / sizeof(int32_t));
+    absl::Status got = RecvAll(buffer->evicted.data(), bytes);
+    buffer->Complete(got.ok() ? status : got);
+    return got;
+  }
+
   const int fd_;
   const std::unique_ptr<fetch_tls::TlsClientStream> tls_;  // null: plaintext
   const absl::Duration send_timeout_;
@@ -315,6 +368,42 @@ class SocketConnection final : public FetchConnection {
 };
 
 }  // namespace
+
+absl::StatusOr<AppendResult> SocketAppender::Append(
+    std::shared_ptr<FetchConnection> connection, SequenceId seq,
+    SessionId session, uint64_t request_id, absl::Time deadline,
+    const AppendBlock& block) {
+  absl::MutexLock lock(&mu_);
+  if (buffer_ == nullptr) {
+    IG_ASSIGN_OR_RETURN(uint16_t* memory, AllocateFetchMemory(1));
+    buffer_ = std::make_unique<GrpcFetchBuffer>(client_, waiter_, memory, 1);
+  }
+  IG_ASSIGN_OR_RETURN(GrpcFetchBuffer * buffer,
+                      FetchBuffer::Claim<GrpcFetchBuffer>(client_, buffer_.get()));
+  buffer->request_id = request_id;
+  buffer->deadline = deadline;
+  kv::FetchRequest& req = buffer->request;
+  req.Clear();
+  req.set_sequence_id(seq);
+  req.set_session_id(session);
+  req.set_layer(block.first_layer);
+  req.set_request_id(request_id);
+  buffer->append = &block;
+  buffer->connection = std::move(connection);
+  buffer->connection->Send(buffer);
+  const absl::Status status = FetchHandle(buffer).Wait();
+  buffer->append = nullptr;
+  IG_RETURN_IF_ERROR(status);
+  AppendResult result;
+  const std::vector<int32_t>& e = buffer->evicted;
+  result.evicted.resize(e.size() / 3);
+  for (size_t i = 0; i < result.evicted.size(); ++i) {
+    result.evicted[i].layer = e[3 * i];
+    result.evicted[i].kv_head = e[3 * i + 1];
+    result.evicted[i].position = e[3 * i + 2];
+  }
+  return result;
+}
 
 std::shared_ptr<FetchConnection> NewStreamConnection(
     kv::KvMemory::StubInterface* stub, const std::string& auth) {

@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
@@ -59,6 +60,12 @@ class GrpcFetchBuffer final : public FetchBuffer {
   uint64_t request_id = 0;
   absl::Time deadline;
   std::shared_ptr<FetchConnection> connection;
+  // An append through this buffer (a connection that carries_appends):
+  // the block sent, in place of the request's plan (whose sequence,
+  // session and ids it uses), and the evicted tokens its response brings,
+  // as (layer, kv_head, position) triples, in place of rows.
+  const AppendBlock* append = nullptr;
+  std::vector<int32_t> evicted;
 
  private:
   absl::Status WaitForFetch() override { return waiter_->WaitFor(this); }
@@ -81,6 +88,10 @@ class FetchConnection {
     absl::MutexLock lock(&mu_);
     return broken_;
   }
+
+  // Whether Send takes a buffer's append (the fetch socket does; the gRPC
+  // stream does not: its appends are unary calls).
+  virtual bool carries_appends() const { return false; }
 
   // Registers `buffer` (request filled in) and sends its request. A failed
   // send breaks the connection, which fails the fetch with the others.
@@ -151,6 +162,32 @@ class FetchConnection {
   bool broken_ ABSL_GUARDED_BY(mu_) = false;
   bool timed_out_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status error_ ABSL_GUARDED_BY(mu_);
+};
+
+// A client's appends over its fetch socket (fetch_wire.h, kAppendMagic),
+// one at a time, through a buffer of its own that the responses' evicted
+// tokens come into. Thread-safe.
+class SocketAppender {
+ public:
+  // For `client`, whose fetches `waiter` waits for (both outlive it).
+  SocketAppender(KvClient* client, FetchWaiter* waiter)
+      : client_(client), waiter_(waiter) {}
+
+  // Appends `block` to `seq` for `session` over `connection` (which
+  // carries_appends) as request `request_id`, and waits for the answer as
+  // for a fetch due at `deadline` (the waiter's timeout and abandoning).
+  // The evicted tokens, or the fetch's errors and the store's append
+  // errors.
+  absl::StatusOr<AppendResult> Append(
+      std::shared_ptr<FetchConnection> connection, SequenceId seq,
+      SessionId session, uint64_t request_id, absl::Time deadline,
+      const AppendBlock& block);
+
+ private:
+  KvClient* const client_;
+  FetchWaiter* const waiter_;
+  absl::Mutex mu_;
+  std::unique_ptr<GrpcFetchBuffer> buffer_ ABSL_GUARDED_BY(mu_);
 };
 
 // A FetchConnection over the gRPC FetchStream of `stub` (which outlives

@@ -164,6 +164,10 @@ class FetchSocketLoop {
   // A request header: refused at once (its body then dropped as it comes)
   // unless the sequence it names can need a body and rows of that size.
   bool Judge(Connection* c);
+  // An append's header (kAppendMagic): refused at once unless it is a block
+  // of the sequence's shape within the size limit; its body's buffer is
+  // sized for it.
+  bool JudgeAppend(Connection* c);
 
   bool Serve(Connection* c);
 

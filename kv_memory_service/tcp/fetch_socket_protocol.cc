@@ -287,11 +287,13 @@ bool FetchSocketLoop::Judge(Connection* c) {
   const fetch_wire::FetchRequestHeader& q = c->q;
   const int32_t max_message = server_->options_.max_message_bytes;
   if (q.magic != fetch_wire::kRequestMagic &&
-      q.magic != fetch_wire::kHeldMagic) {
+      q.magic != fetch_wire::kHeldMagic &&
+      q.magic != fetch_wire::kAppendMagic) {
     c->close_after_send = true;
     return Respond(c, 0, absl::InvalidArgumentError("malformed fetch request"),
                    0, Connection::State::kHeader);
   }
+  if (q.magic == fetch_wire::kAppendMagic) return JudgeAppend(c);
   const uint64_t body_bytes =
       (uint64_t{q.n_offsets} + q.n_indices) * sizeof(int32_t);
   if (body_bytes + sizeof(q) > static_cast<uint64_t>(max_message)) {
@@ -329,8 +331,93 @@ bool FetchSocketLoop::Judge(Connection* c) {
   return Serve(c);
 }
 
+namespace {
+
+// An append's fields in a request header (fetch_wire.h).
+AppendFields AppendOf(const fetch_wire::FetchRequestHeader& q) {
+  AppendFields a;
+  a.sequence = q.sequence_id;
+  a.session = q.session_id;
+  a.first_layer = q.layer;
+  a.n_layers = q.n_offsets;
+  a.n_tokens = q.n_indices;
+  a.values = q.dest_elements;
+  return a;
+}
+
+// The evicted tokens one response's rows hold.
+uint64_t MaxEvicted(int32_t max_message) {
+  return static_cast<uint64_t>(max_message - 1024) / (3 * sizeof(int32_t));
+}
+
+}  // namespace
+
+bool FetchSocketLoop::JudgeAppend(Connection* c) {
+  const fetch_wire::FetchRequestHeader& q = c->q;
+  const int32_t max_message = server_->options_.max_message_bytes;
+  // K and V, 2 bytes a value; in 64 bits only once values is bounded.
+  const uint64_t max_values = static_cast<uint64_t>(max_message) / 4;
+  if (q.dest_elements > max_values ||
+      4 * q.dest_elements + sizeof(q) > static_cast<uint64_t>(max_message)) {
+    c->close_after_send = true;
+    return Respond(c, 0,
+                   absl::ResourceExhaustedError(absl::StrCat(
+                       "an append of 2 x ", q.dest_elements,
+                       " values exceeds the limit of ", max_message,
+                       " bytes")),
+                   0, Connection::State::kHeader);
+  }
+  const uint64_t body_bytes = 4 * q.dest_elements;
+  absl::StatusOr<SequenceGeometry> g =
+      server_->store_->Geometry(q.sequence_id, q.session_id);
+  const absl::Status status =
+      g.ok() ? CheckAppendShape(*g, AppendOf(q), MaxEvicted(max_message),
+                                "fetch socket")
+             : g.status();
+  if (!status.ok()) {
+    c->discard_left = body_bytes;
+    return Respond(c, q.request_id, status, 0,
+                   body_bytes > 0 ? Connection::State::kDiscard
+                                  : Connection::State::kHeader);
+  }
+  // A block of the sequence's own shape: its buffer at once, not grown as
+  // the bytes come (which would copy a prefill's rows over and over).
+  c->body_bytes = body_bytes;
+  if (c->body.size() < q.dest_elements) c->body.resize(q.dest_elements);
+  Account(c);
+  c->state = Connection::State::kBody;
+  return true;
+}
+
 bool FetchSocketLoop::Serve(Connection* c) {
   const fetch_wire::FetchRequestHeader& q = c->q;
+  if (q.magic == fetch_wire::kAppendMagic) {
+    const absl::Time start = absl::Now();
+    absl::StatusOr<AppendResult> result = AppendForResponse(
+        *server_->store_, AppendOf(q),
+        reinterpret_cast<const uint16_t*>(c->body.data()),
+        MaxEvicted(server_->options_.max_message_bytes), "fetch socket");
+    size_t rows_bytes = 0;
+    if (result.ok()) {
+      const std::vector<EvictedToken>& evicted = result->evicted;
+      rows_bytes = evicted.size() * 3 * sizeof(int32_t);
+      c->rows.resize(rows_bytes / sizeof(uint16_t));
+      int32_t* triples = reinterpret_cast<int32_t*>(c->rows.data());
+      for (size_t i = 0; i < evicted.size(); ++i) {
+        triples[3 * i] = evicted[i].layer;
+        triples[3 * i + 1] = evicted[i].kv_head;
+        triples[3 * i + 2] = evicted[i].position;
+      }
+      if (server_->options_.metrics != nullptr) {
+        server_->options_.metrics->Served(
+            Plane::kTcp, RequestOp::kAppend, absl::Now() - start,
+            static_cast<int64_t>(c->body_bytes));
+      }
+    }
+    Account(c);
+    return Respond(c, q.request_id, result.status(), rows_bytes,
+                   Connection::State::kHeader);
+  }
   const FetchPlan plan{
       absl::Span<const int32_t>(c->body.data() + q.n_offsets, q.n_indices),
       absl::Span<const int32_t>(c->body.data(), q.n_offsets)};

@@ -10,6 +10,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <memory>
 #include <string>
 #include <thread>
@@ -114,6 +115,35 @@ class FetchSocketServerTest : public ::testing::Test {
     return Response(fd, rows);
   }
 
+  // Sends `block` as an append (kAppendMagic) with `values` of its K
+  // values and as many of its V values (default: all); returns the
+  // response header (the evicted tokens' triples into `evicted`).
+  fetch_wire::FetchResponseHeader Append(int fd, uint64_t id, SequenceId seq,
+                                         const AppendBlock& block,
+                                         std::vector<int32_t>* evicted,
+                                         SessionId session = 0,
+                                         int64_t values = -1) {
+    fetch_wire::FetchRequestHeader q;
+    q.magic = fetch_wire::kAppendMagic;
+    q.session_id = session;
+    q.n_offsets = static_cast<uint32_t>(block.n_layers);
+    q.n_indices = static_cast<uint32_t>(block.n_tokens);
+    q.layer = block.first_layer;
+    q.request_id = id;
+    q.sequence_id = seq;
+    q.dest_elements = values < 0 ? block.k.size() : values;
+    iovec iov[3] = {
+        {&q, sizeof(q)},
+        {const_cast<uint16_t*>(block.k.data()), q.dest_elements * 2},
+        {const_cast<uint16_t*>(block.v.data()), q.dest_elements * 2}};
+    EXPECT_TRUE(fetch_wire::SendAll(fd, iov, 3).ok());
+    std::vector<uint16_t> rows;
+    fetch_wire::FetchResponseHeader r = Response(fd, &rows);
+    evicted->resize(rows.size() / 2);
+    std::memcpy(evicted->data(), rows.data(), rows.size() * 2);
+    return r;
+  }
+
   static fetch_wire::FetchResponseHeader Response(int fd,
                                                   std::vector<uint16_t>* rows) {
     fetch_wire::FetchResponseHeader r;
@@ -213,6 +243,97 @@ TEST_F(FetchSocketServerTest, ANoteIsCountedAndAnsweredWithoutRows) {
   EXPECT_EQ(r.status_code, 0);
   EXPECT_EQ(rows, ExpectedRows(3, g_, 1, plan.view()));
   close(fd);
+}
+
+// A prefill's chunks and decode steps cross the socket as appends: the
+// rows are stored as sent, and the response names the tokens evicted to
+// make room, exactly as the store's own Append does.
+TEST_F(FetchSocketServerTest, AnAppendStoresItsRowsAndNamesTheEvictions) {
+  auto ref = std::make_shared<KvStore>(KvStoreOptions{});
+  const SequenceId ref_seq = *ref->Open(g_);
+  ASSERT_TRUE(ref->Append(ref_seq, MakeTestBlock(3, g_, 0, 2, 0, 8).block).ok());
+  const int fd = Dial();
+  ASSERT_EQ(Hello(fd, "Bearer tok"), absl::StatusCode::kOk);
+  int position = 8;
+  uint64_t id = 1;
+  size_t evictions = 0;
+  for (const int tokens : {5, 1, 4, 1}) {  // past max_tokens 16: evicts
+    SCOPED_TRACE(tokens);
+    testdata::TestBlock b = MakeTestBlock(3, g_, 0, 2, position, tokens);
+    std::vector<int32_t> evicted;
+    auto r = Append(fd, id, seq_, b.block, &evicted);
+    EXPECT_EQ(r.request_id, id);
+    ASSERT_EQ(r.status_code, 0);
+    absl::StatusOr<AppendResult> want = ref->Append(ref_seq, b.block);
+    ASSERT_TRUE(want.ok()) << want.status();
+    ASSERT_EQ(evicted.size(), 3 * want->evicted.size());
+    for (size_t i = 0; i < want->evicted.size(); ++i) {
+      EXPECT_EQ(evicted[3 * i], want->evicted[i].layer);
+      EXPECT_EQ(evicted[3 * i + 1], want->evicted[i].kv_head);
+      EXPECT_EQ(evicted[3 * i + 2], want->evicted[i].position);
+    }
+    evictions += want->evicted.size();
+    position += tokens;
+    ++id;
+  }
+  EXPECT_EQ(evictions, 2u * 2 * 3);  // 19 tokens in 16: 3 per layer and head
+  const OwnedFetchPlan plan = OwnedFetchPlan::SameForAllHeads(2, {12, 18, 9});
+  std::vector<uint16_t> rows;
+  auto r = Request(fd, id, seq_, 1, plan, &rows);
+  EXPECT_EQ(r.status_code, 0);
+  EXPECT_EQ(rows, ExpectedRows(3, g_, 1, plan.view()));
+  close(fd);
+}
+
+// An append whose header does not describe a block of its sequence is
+// refused before its body, which is then dropped as it comes, with
+// nothing appended and the connection serving on; one announcing more
+// than a frame may hold closes the connection, as any oversized frame.
+TEST_F(FetchSocketServerTest, AnAppendsHeaderIsJudgedAgainstItsSequence) {
+  const int fd = Dial();
+  ASSERT_EQ(Hello(fd, "Bearer tok"), absl::StatusCode::kOk);
+  const SessionId owner = *store_->OpenSession();
+  const SequenceId owned = *store_->Open(g_, owner);
+  testdata::TestBlock b = MakeTestBlock(3, g_, 0, 2, 8, 2);
+  std::vector<int32_t> evicted;
+  auto code = [](const fetch_wire::FetchResponseHeader& r) {
+    return static_cast<absl::StatusCode>(r.status_code);
+  };
+  EXPECT_EQ(code(Append(fd, 1, seq_ + 99, b.block, &evicted)),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(code(Append(fd, 2, owned, b.block, &evicted, owner + 1)),
+            absl::StatusCode::kNotFound);
+  // K values that are not layers x tokens x heads x head_dim.
+  EXPECT_EQ(code(Append(fd, 3, seq_, b.block, &evicted, 0, b.block.k.size() - 2)),
+            absl::StatusCode::kInvalidArgument);
+  testdata::TestBlock past = MakeTestBlock(3, g_, 1, 2, 8, 2);  // layers 1-2
+  EXPECT_EQ(code(Append(fd, 4, seq_, past.block, &evicted)),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(store_->GetSequenceStats(seq_)->geometry.n_layers, 2);
+  EXPECT_EQ(store_->GetSequenceStats(seq_)->present_rows, 2 * 2 * 8);
+  // The stream is still in step: a fetch, then a good append.
+  const OwnedFetchPlan plan = OwnedFetchPlan::SameForAllHeads(2, {7});
+  std::vector<uint16_t> rows;
+  auto r = Request(fd, 5, seq_, 0, plan, &rows);
+  EXPECT_EQ(r.status_code, 0);
+  EXPECT_EQ(rows, ExpectedRows(3, g_, 0, plan.view()));
+  EXPECT_EQ(code(Append(fd, 6, seq_, b.block, &evicted)), absl::StatusCode::kOk);
+  EXPECT_EQ(store_->GetSequenceStats(seq_)->present_rows, 2 * 2 * 10);
+
+  fetch_wire::FetchRequestHeader q;
+  q.magic = fetch_wire::kAppendMagic;
+  q.sequence_id = seq_;
+  q.n_offsets = 2;
+  q.n_indices = 1;
+  q.dest_elements = uint64_t{1} << 62;  // 2^64 bytes and more
+  iovec iov = {&q, sizeof(q)};
+  ASSERT_TRUE(fetch_wire::SendAll(fd, &iov, 1).ok());
+  r = Response(fd, &rows);
+  EXPECT_EQ(r.status_code,
+            static_cast<int>(absl::StatusCode::kResourceExhausted));
+  EXPECT_TRUE(Closed(fd));
+  close(fd);
+  EXPECT_EQ(store_->GetSequenceStats(seq_)->present_rows, 2 * 2 * 10);
 }
 
 // A client of another protocol version (one whose requests name no

@@ -15,6 +15,13 @@
 // client holds the plan's rows: the server counts them as rows of the
 // layer's last fetch (KvStore::NoteHeld) and answers with no rows.
 //
+// An append (kAppendMagic) carries a block of rows to store, so that a
+// prefill's rows cross the socket as they are, not as a gRPC message: the
+// header's layer is the block's first layer, n_offsets its layer count,
+// n_indices its token count and dest_elements its K values; the body is
+// the K values, then as many V values (uint16 each). The response's rows
+// are the evicted tokens, (layer, kv_head, position) int32 triples.
+//
 // Responses come in request order and echo request_id. A failed fetch is a
 // response with a status code (the connection stays up). The server judges
 // each request header before its body: one the sequence cannot need (an
@@ -46,9 +53,10 @@ inline constexpr uint32_t kHelloMagic = 0x4b464749;     // "IGFK"
 inline constexpr uint32_t kRequestMagic = 0x51464749;   // "IGFQ"
 inline constexpr uint32_t kResponseMagic = 0x52464749;  // "IGFR"
 inline constexpr uint32_t kHeldMagic = 0x48464749;      // "IGFH"
+inline constexpr uint32_t kAppendMagic = 0x41464749;    // "IGFA"
 // 2: requests name the caller's session (the node serves a sequence's rows
-// only to the session that owns it). 3: notes of held rows.
-inline constexpr uint32_t kVersion = 3;
+// only to the session that owns it). 3: notes of held rows. 4: appends.
+inline constexpr uint32_t kVersion = 4;
 inline constexpr uint32_t kMaxTokenBytes = 4096;
 inline constexpr uint32_t kMaxMessageBytes = 4096;
 
@@ -67,7 +75,7 @@ struct HelloReply {
 };
 
 struct FetchRequestHeader {
-  uint32_t magic = kRequestMagic;  // kHeldMagic: a note of held rows
+  uint32_t magic = kRequestMagic;  // or kHeldMagic, kAppendMagic (above)
   uint32_t n_offsets = 0;  // head_offsets entries (n_kv_heads + 1)
   uint32_t n_indices = 0;
   int32_t layer = 0;
