@@ -5,9 +5,10 @@
 // server closes. Any crash, sanitizer report or hang is a bug.
 //
 // Input: byte 0 holds flags; the rest is cut into frames. Without flag 1 a
-// valid Hello goes first. Each frame is a 40-byte request header followed
+// valid Hello goes first. Each frame is a 48-byte request header followed
 // by the body it announces (as much of it as the input has); unless flag
-// 2, the header's magic is made valid, and a sequence id whose low two
+// 2, the header's magic is made a valid one (a fetch, a note of held rows
+// or an append, by its value modulo 3), and a sequence id whose low two
 // bits are not 0 becomes the stored sequence's (ids are random, so the
 // fuzzer could not find it).
 #include <arpa/inet.h>
@@ -92,11 +93,20 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const size_t take = std::min(sizeof(q), size - at);
     std::memcpy(&q, data + at, take);
     at += take;
-    if ((flags & 2) == 0) q.magic = kv::fetch_wire::kRequestMagic;
+    if ((flags & 2) == 0) {
+      constexpr uint32_t kMagics[] = {kv::fetch_wire::kRequestMagic,
+                                      kv::fetch_wire::kHeldMagic,
+                                      kv::fetch_wire::kAppendMagic};
+      q.magic = kMagics[q.magic % 3];
+    }
     if ((q.sequence_id & 3) != 0) q.sequence_id = fixture->seq;
     wire.append(reinterpret_cast<const char*>(&q), take);
-    const size_t body = std::min<size_t>(
-        (uint64_t{q.n_offsets} + q.n_indices) * 4, size - at);
+    // An append's body: K and V, dest_elements 2-byte values each.
+    const uint64_t announced =
+        q.magic == kv::fetch_wire::kAppendMagic
+            ? std::min<uint64_t>(q.dest_elements, uint64_t{1} << 40) * 4
+            : (uint64_t{q.n_offsets} + q.n_indices) * 4;
+    const size_t body = std::min<uint64_t>(announced, size - at);
     wire.append(reinterpret_cast<const char*>(data + at), body);
     at += body;
   }
