@@ -272,10 +272,10 @@ class SocketConnection final : public FetchConnection {
     header.sequence_id = req.sequence_id();
     header.session_id = req.session_id();
     header.dest_elements = block.k.size();
-    struct iovec iov[3] = {
-        {&header, sizeof(header)},
-        {const_cast<uint16_t*>(block.k.data()), block.k.size() * sizeof(uint16_t)},
-        {const_cast<uint16_t*>(block.v.data()), block.v.size() * sizeof(uint16_t)}};
+    const size_t bytes = block.k.size() * sizeof(uint16_t);
+    struct iovec iov[3] = {{&header, sizeof(header)},
+                           {const_cast<uint16_t*>(block.k.data()), bytes},
+                           {const_cast<uint16_t*>(block.v.data()), bytes}};
     absl::Status sent;
     {
       absl::MutexLock lock(&write_mu_);
@@ -378,8 +378,9 @@ absl::StatusOr<AppendResult> SocketAppender::Append(
     IG_ASSIGN_OR_RETURN(uint16_t* memory, AllocateFetchMemory(1));
     buffer_ = std::make_unique<GrpcFetchBuffer>(client_, waiter_, memory, 1);
   }
-  IG_ASSIGN_OR_RETURN(GrpcFetchBuffer * buffer,
-                      FetchBuffer::Claim<GrpcFetchBuffer>(client_, buffer_.get()));
+  IG_ASSIGN_OR_RETURN(
+      GrpcFetchBuffer * buffer,
+      FetchBuffer::Claim<GrpcFetchBuffer>(client_, buffer_.get()));
   buffer->request_id = request_id;
   buffer->deadline = deadline;
   kv::FetchRequest& req = buffer->request;

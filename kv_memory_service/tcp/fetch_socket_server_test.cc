@@ -251,7 +251,8 @@ TEST_F(FetchSocketServerTest, ANoteIsCountedAndAnsweredWithoutRows) {
 TEST_F(FetchSocketServerTest, AnAppendStoresItsRowsAndNamesTheEvictions) {
   auto ref = std::make_shared<KvStore>(KvStoreOptions{});
   const SequenceId ref_seq = *ref->Open(g_);
-  ASSERT_TRUE(ref->Append(ref_seq, MakeTestBlock(3, g_, 0, 2, 0, 8).block).ok());
+  ASSERT_TRUE(
+      ref->Append(ref_seq, MakeTestBlock(3, g_, 0, 2, 0, 8).block).ok());
   const int fd = Dial();
   ASSERT_EQ(Hello(fd, "Bearer tok"), absl::StatusCode::kOk);
   int position = 8;
@@ -304,8 +305,9 @@ TEST_F(FetchSocketServerTest, AnAppendsHeaderIsJudgedAgainstItsSequence) {
   EXPECT_EQ(code(Append(fd, 2, owned, b.block, &evicted, owner + 1)),
             absl::StatusCode::kNotFound);
   // K values that are not layers x tokens x heads x head_dim.
-  EXPECT_EQ(code(Append(fd, 3, seq_, b.block, &evicted, 0, b.block.k.size() - 2)),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      code(Append(fd, 3, seq_, b.block, &evicted, 0, b.block.k.size() - 2)),
+      absl::StatusCode::kInvalidArgument);
   testdata::TestBlock past = MakeTestBlock(3, g_, 1, 2, 8, 2);  // layers 1-2
   EXPECT_EQ(code(Append(fd, 4, seq_, past.block, &evicted)),
             absl::StatusCode::kInvalidArgument);
@@ -317,7 +319,8 @@ TEST_F(FetchSocketServerTest, AnAppendsHeaderIsJudgedAgainstItsSequence) {
   auto r = Request(fd, 5, seq_, 0, plan, &rows);
   EXPECT_EQ(r.status_code, 0);
   EXPECT_EQ(rows, ExpectedRows(3, g_, 0, plan.view()));
-  EXPECT_EQ(code(Append(fd, 6, seq_, b.block, &evicted)), absl::StatusCode::kOk);
+  EXPECT_EQ(code(Append(fd, 6, seq_, b.block, &evicted)),
+            absl::StatusCode::kOk);
   EXPECT_EQ(store_->GetSequenceStats(seq_)->present_rows, 2 * 2 * 10);
 
   fetch_wire::FetchRequestHeader q;
