@@ -24,6 +24,12 @@
 #
 # Run from anywhere: bash scripts/check_layers.sh
 set -euo pipefail
+for arg in "$@"; do
+  case "$arg" in
+  -h|--help) awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "$0"; exit 0 ;;
+    *) echo "check_layers.sh: unknown argument '$arg' (see --help)" >&2; exit 2 ;;
+  esac
+done
 cd "$(dirname "$0")/.."
 exec python3 - "$@" <<'PY'
 import os

@@ -10,6 +10,12 @@
 # (GEMMA_TERMS.html). Idempotent: when the file is already there with the
 # expected sha256 it only prints the path.
 set -euo pipefail
+for arg in "$@"; do
+  case "$arg" in
+  -h|--help) awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "$0"; exit 0 ;;
+    *) echo "fetch_gemma3.sh: unknown argument '$arg' (see --help)" >&2; exit 2 ;;
+  esac
+done
 
 VERSION="1.0.0"
 NAME="gemma-3-270m-q4_k_m.gguf"

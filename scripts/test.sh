@@ -6,6 +6,12 @@
 # target (fuzz/run.sh), and ends with one line `N passed, N failed,
 # N skipped` counted over the individual test cases of all of them.
 set -uo pipefail
+for arg in "$@"; do
+  case "$arg" in
+  -h|--help) awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "$0"; exit 0 ;;
+    *) echo "test.sh: unknown argument '$arg' (see --help)" >&2; exit 2 ;;
+  esac
+done
 cd "$(dirname "$0")/.."
 root="$PWD"
 
