@@ -5,8 +5,9 @@
 // server closes. Any crash, sanitizer report or hang is a bug.
 //
 // Input: byte 0 holds flags; the rest is cut into frames. Without flag 1 a
-// valid Hello goes first. Each frame is a 48-byte request header followed
-// by the body it announces (as much of it as the input has); unless flag
+// valid Hello goes first. Each frame is a 48-byte request header (an
+// append's: and its 8-byte annotation size) followed by the body it
+// announces (as much of it as the input has); unless flag
 // 2, the header's magic is made a valid one (a fetch, a note of held rows
 // or an append, by its value modulo 3), and a sequence id whose low two
 // bits are not 0 becomes the stored sequence's (ids are random, so the
@@ -101,11 +102,18 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     if ((q.sequence_id & 3) != 0) q.sequence_id = fixture->seq;
     wire.append(reinterpret_cast<const char*>(&q), take);
-    // An append's body: K and V, dest_elements 2-byte values each.
-    const uint64_t announced =
-        q.magic == kv::fetch_wire::kAppendMagic
-            ? std::min<uint64_t>(q.dest_elements, uint64_t{1} << 40) * 4
-            : (uint64_t{q.n_offsets} + q.n_indices) * 4;
+    uint64_t announced = (uint64_t{q.n_offsets} + q.n_indices) * 4;
+    if (q.magic == kv::fetch_wire::kAppendMagic) {
+      // The annotations' size after the header; the body: K and V,
+      // dest_elements 2-byte values each, then the annotations.
+      uint64_t meta_bytes = 0;
+      const size_t tail = std::min(sizeof(meta_bytes), size - at);
+      std::memcpy(&meta_bytes, data + at, tail);
+      at += tail;
+      wire.append(reinterpret_cast<const char*>(&meta_bytes), tail);
+      announced = std::min<uint64_t>(q.dest_elements, uint64_t{1} << 40) * 4 +
+                  std::min<uint64_t>(meta_bytes, uint64_t{1} << 40);
+    }
     const size_t body = std::min<uint64_t>(announced, size - at);
     wire.append(reinterpret_cast<const char*>(data + at), body);
     at += body;

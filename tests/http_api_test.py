@@ -920,15 +920,15 @@ class Metrics(unittest.TestCase):
             self.assertIn(("infinigen_kv_pool_bytes_used", ()), after)
             self.assertEqual(after[("infinigen_kv_sessions", ())], 1)
 
-            # Per data plane: the worker's appends came over gRPC, its
-            # fetches over the TCP fetch socket.
+            # Per data plane: the worker's appends and fetches came over
+            # the TCP fetch socket.
             def plane(name, plane, op):
                 key = (name, (("op", op), ("plane", plane)))
                 return after.get(key, 0) - before.get(key, 0)
             self.assertGreater(plane("infinigen_kv_request_seconds_count",
-                                     "grpc", "append"), 0)
+                                     "tcp", "append"), 0)
             self.assertGreater(plane("infinigen_kv_served_bytes_total",
-                                     "grpc", "append"), 0)
+                                     "tcp", "append"), 0)
             tcp_fetches = plane("infinigen_kv_request_seconds_count", "tcp",
                                 "fetch")
             self.assertGreater(tcp_fetches, 0)

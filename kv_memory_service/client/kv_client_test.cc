@@ -355,7 +355,7 @@ TEST_P(KvClientTest, AppendsCrossTheirDataPlane) {
   const std::string plane = GetParam() == "tcp"   ? "tcp"
                             : GetParam() == "shm" ? "shm"
                                                   : "grpc";
-  for (const std::string& p : {"grpc", "tcp", "shm"}) {
+  for (const char* p : {"grpc", "tcp", "shm"}) {
     const std::string key = absl::StrCat(
         "infinigen_kv_request_seconds_count{op=\"append\",plane=\"", p,
         "\"} ");

@@ -1,5 +1,6 @@
 #include "kv_memory_service/client/kv_types.h"
 
+#include <cstring>
 #include <limits>
 
 #include "absl/strings/str_cat.h"
@@ -147,6 +148,58 @@ OwnedFetchPlan OwnedFetchPlan::PerHead(
     plan.head_offsets.push_back(static_cast<int32_t>(plan.indices.size()));
   }
   return plan;
+}
+
+std::string EncodePrefixMeta(const AppendBlock& block) {
+  if (block.prefix_meta.empty()) return "";
+  const uint32_t count = static_cast<uint32_t>(block.prefix_meta.size());
+  std::string out(sizeof(uint32_t) * (2 + count), '\0');
+  std::memcpy(out.data(), &count, sizeof(count));
+  std::memcpy(out.data() + 4, &block.prefix_meta_first_block, 4);
+  for (uint32_t i = 0; i < count; ++i) {
+    const uint32_t size = static_cast<uint32_t>(block.prefix_meta[i].size());
+    std::memcpy(out.data() + 8 + 4 * i, &size, sizeof(size));
+  }
+  for (const std::string& m : block.prefix_meta) out += m;
+  return out;
+}
+
+absl::Status DecodePrefixMeta(absl::string_view bytes,
+                              std::vector<std::string>* meta,
+                              int32_t* first_block) {
+  meta->clear();
+  *first_block = 0;
+  if (bytes.empty()) return absl::OkStatus();
+  uint32_t count = 0;
+  if (bytes.size() < 8) {
+    return absl::InvalidArgumentError("prefix annotations: a short header");
+  }
+  std::memcpy(&count, bytes.data(), 4);
+  std::memcpy(first_block, bytes.data() + 4, 4);
+  if (count > (bytes.size() - 8) / 4) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prefix annotations: ", count, " sizes in ", bytes.size(), " bytes"));
+  }
+  size_t at = 8 + size_t{4} * count;
+  std::vector<uint32_t> sizes(count);
+  if (count > 0) std::memcpy(sizes.data(), bytes.data() + 8, 4 * count);
+  meta->reserve(count);
+  for (const uint32_t size : sizes) {
+    if (size > kMaxPrefixMetaBytes || size > bytes.size() - at) {
+      meta->clear();
+      return absl::InvalidArgumentError(absl::StrCat(
+          "prefix annotations: one of ", size, " bytes where ",
+          bytes.size() - at, " remain (at most ", kMaxPrefixMetaBytes, ")"));
+    }
+    meta->emplace_back(bytes.substr(at, size));
+    at += size;
+  }
+  if (at != bytes.size()) {
+    meta->clear();
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prefix annotations: ", bytes.size() - at, " bytes left over"));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace infinigen::kv_memory_service

@@ -162,6 +162,19 @@ struct AppendBlock {
 };
 inline constexpr size_t kMaxPrefixMetaBytes = 1 << 20;
 
+// A block's prefix annotations as the data planes that carry an append's
+// rows themselves (the shm slot, the fetch socket) send them after the
+// rows: uint32 count, int32 prefix_meta_first_block, count uint32 sizes,
+// then the annotations' bytes, little-endian. Empty when the block has
+// none.
+std::string EncodePrefixMeta(const AppendBlock& block);
+// The annotations and their first block from EncodePrefixMeta's bytes,
+// which may be anything: InvalidArgument for a count, size or total that
+// does not add up, or an annotation over kMaxPrefixMetaBytes.
+absl::Status DecodePrefixMeta(absl::string_view bytes,
+                              std::vector<std::string>* meta,
+                              int32_t* first_block);
+
 // One token the pool dropped to make room. Fetching it afterwards fails with
 // FailedPrecondition; the caller should stop selecting it.
 struct EvictedToken {

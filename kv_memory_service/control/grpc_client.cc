@@ -128,13 +128,12 @@ class GrpcKvClient final : public KvClient, public FetchWaiter {
     return NoteOutcome(status, timeout);
   }
 
-  // Over the fetch socket where there is one (a block of rows only);
-  // otherwise a unary call.
+  // Over the fetch socket where there is one; otherwise a unary call.
   absl::StatusOr<AppendResult> Append(SequenceId seq,
                                       const AppendBlock& block) override {
-    if (block.prefix_meta.empty() && !block.k.empty() &&
-        block.v.size() == block.k.size() &&
-        4 * block.k.size() + 1024 <=
+    std::string meta = EncodePrefixMeta(block);
+    if (!block.k.empty() && block.v.size() == block.k.size() &&
+        4 * block.k.size() + meta.size() + 1024 <=
             static_cast<size_t>(options_.max_message_bytes)) {
       IG_RETURN_IF_ERROR(Unresponsive());
       auto connection = Connection();
@@ -146,7 +145,7 @@ class GrpcKvClient final : public KvClient, public FetchWaiter {
             *std::move(connection), seq, session(),
             next_request_id_.fetch_add(1) + 1,
             std::min(block.deadline, absl::Now() + options_.fetch_timeout),
-            block);
+            block, std::move(meta));
       }
     }
     kv::AppendRequest req;

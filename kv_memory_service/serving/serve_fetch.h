@@ -8,6 +8,8 @@
 
 #include <climits>
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -71,6 +73,9 @@ struct AppendFields {
   uint64_t n_layers = 0;
   uint64_t n_tokens = 0;
   uint64_t values = 0;  // K values (and as many V)
+  // The block's prefix annotations, as EncodePrefixMeta writes them (the
+  // plane's memory; empty: none).
+  absl::string_view prefix_meta;
 };
 
 // OK when `a`'s counts describe a block of sequence geometry `g` with
@@ -100,9 +105,10 @@ inline absl::Status CheckAppendShape(const SequenceGeometry& g,
   return absl::OkStatus();
 }
 
-// Appends `a`'s block from data[0, 2 * a.values) (K, then V) for
-// a.session: the same NotFound as GatherForResponse for a sequence the
-// session may not use, CheckAppendShape's InvalidArgument, then
+// Appends `a`'s block from data[0, 2 * a.values) (K, then V), with its
+// prefix annotations, for a.session: the same NotFound as
+// GatherForResponse for a sequence the session may not use,
+// CheckAppendShape's and DecodePrefixMeta's InvalidArgument, then
 // KvStore::Append's errors, with nothing appended on any.
 inline absl::StatusOr<AppendResult> AppendForResponse(
     KvStore& store, const AppendFields& a, const uint16_t* data,
@@ -110,7 +116,15 @@ inline absl::StatusOr<AppendResult> AppendForResponse(
   IG_ASSIGN_OR_RETURN(const SequenceGeometry g,
                       store.Geometry(a.sequence, a.session));
   IG_RETURN_IF_ERROR(CheckAppendShape(g, a, max_evicted, plane));
+  std::vector<std::string> meta;
   AppendBlock block;
+  if (absl::Status decoded = DecodePrefixMeta(
+          a.prefix_meta, &meta, &block.prefix_meta_first_block);
+      !decoded.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(plane, ": ", decoded.message()));
+  }
+  block.prefix_meta = meta;
   block.first_layer = a.first_layer;
   block.n_layers = static_cast<int32_t>(a.n_layers);
   block.n_tokens = static_cast<int32_t>(a.n_tokens);

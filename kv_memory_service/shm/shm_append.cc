@@ -12,10 +12,13 @@ absl::Status ServeAppend(KvStore& store, const AppendFromSlot& a,
                          const uint16_t* data, size_t elements, int32_t* plan,
                          size_t plan_capacity, uint32_t* evicted) {
   *evicted = 0;
-  if (a.values > elements / 2) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("shm data plane: an append of 2 x ", a.values,
-                     " values does not fit the slot's ", elements));
+  const uint64_t slot_bytes = uint64_t{elements} * sizeof(uint16_t);
+  if (a.values > elements / 2 ||
+      a.meta_bytes > slot_bytes - 2 * a.values * sizeof(uint16_t)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "shm data plane: an append of 2 x ", a.values, " values and ",
+        a.meta_bytes, " bytes of annotations does not fit the slot's ",
+        elements, " values"));
   }
   AppendFields fields;
   fields.sequence = a.sequence;
@@ -24,6 +27,8 @@ absl::Status ServeAppend(KvStore& store, const AppendFromSlot& a,
   fields.n_layers = a.n_layers;
   fields.n_tokens = a.n_tokens;
   fields.values = a.values;
+  fields.prefix_meta = absl::string_view(
+      reinterpret_cast<const char*>(data + 2 * a.values), a.meta_bytes);
   IG_ASSIGN_OR_RETURN(const AppendResult result,
                       AppendForResponse(store, fields, data, plan_capacity / 3,
                                         "shm data plane"));

@@ -23,14 +23,16 @@ struct AppendFromSlot {
   uint32_t n_layers = 0;
   uint32_t n_tokens = 0;
   uint64_t values = 0;  // K values, then as many V values, in `data`
+  uint64_t meta_bytes = 0;  // then the prefix annotations' bytes
 };
 
-// Appends `a`'s block from data[0, elements) (K, then V) to the store, for
-// a.session (NotFound, as for a fetch, for another's sequence), and writes
-// the evicted tokens to plan[0, plan_capacity) as (layer, kv_head,
-// position) triples, their count to *evicted. InvalidArgument for a shape
-// whose values are not a.values, or that does not fit the slot; otherwise
-// the store's errors, with nothing appended.
+// Appends `a`'s block from data[0, elements) (K, then V, then its prefix
+// annotations) to the store, for a.session (NotFound, as for a fetch, for
+// another's sequence), and writes the evicted tokens to plan[0,
+// plan_capacity) as (layer, kv_head, position) triples, their count to
+// *evicted. InvalidArgument for a shape whose values are not a.values,
+// annotations that do not decode, or a block that does not fit the slot;
+// otherwise the store's errors, with nothing appended.
 absl::Status ServeAppend(KvStore& store, const AppendFromSlot& a,
                          const uint16_t* data, size_t elements, int32_t* plan,
                          size_t plan_capacity, uint32_t* evicted);

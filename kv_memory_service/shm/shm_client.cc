@@ -50,8 +50,11 @@ absl::StatusOr<OpenedSequence> ShmKvClient::OpenSequence(
 absl::StatusOr<AppendResult> ShmKvClient::Append(SequenceId seq,
                                                  const AppendBlock& block) {
   const size_t values = block.k.size();
-  if (!block.prefix_meta.empty() || values == 0 ||
-      block.v.size() != values || values > kMaxBufferElements / 2 ||
+  const std::string meta = EncodePrefixMeta(block);
+  // K, V, then the annotations, in the slot's 2-byte values.
+  const size_t need = 2 * values + (meta.size() + 1) / 2;
+  if (values == 0 || block.v.size() != values ||
+      values > kMaxBufferElements / 2 || need > kMaxBufferElements ||
       health_.load(std::memory_order_acquire) != kHealthy ||
       !Unanswered().ok()) {
     return KvClientWrapper::Append(seq, block);
@@ -59,13 +62,13 @@ absl::StatusOr<AppendResult> ShmKvClient::Append(SequenceId seq,
   const absl::Time deadline =
       std::min(block.deadline, absl::Now() + options_.fetch_timeout);
   absl::MutexLock lock(&append_mu_);
-  if (append_buffer_ == nullptr || append_buffer_->size() < 2 * values) {
+  if (append_buffer_ == nullptr || append_buffer_->size() < need) {
     append_buffer_.reset();
     // Room for a few more tokens than asked: a prefill's chunks differ a
     // little in length. The generation waits on this slot as on the append
     // itself: a node that does not map it by the deadline is unresponsive.
     absl::StatusOr<std::unique_ptr<FetchBuffer>> buffer = NewSlotBuffer(
-        2 * values + values / 8,
+        std::min(need + values / 8, kMaxBufferElements),
         std::max(std::min(options_.fetch_timeout, block.deadline - absl::Now()),
                  absl::Milliseconds(1)));
     if (absl::IsResourceExhausted(buffer.status())) {
@@ -77,10 +80,11 @@ absl::StatusOr<AppendResult> ShmKvClient::Append(SequenceId seq,
   uint16_t* data = append_buffer_->data();
   std::memcpy(data, block.k.data(), values * sizeof(uint16_t));
   std::memcpy(data + values, block.v.data(), values * sizeof(uint16_t));
+  std::memcpy(data + 2 * values, meta.data(), meta.size());
   auto buffer = FetchBuffer::Claim<ShmFetchBuffer>(this, append_buffer_.get());
   if (!buffer.ok()) return buffer.status();
   IG_RETURN_IF_ERROR(
-      (*buffer)->StartAppend(seq, block, deadline).Wait());
+      (*buffer)->StartAppend(seq, block, meta.size(), deadline).Wait());
   AppendResult result;
   IG_ASSIGN_OR_RETURN(result.evicted, (*buffer)->Evicted());
   return result;

@@ -81,11 +81,12 @@ class ShmFetchBuffer final : public FetchBuffer {
   // flags: SlotControl::flags (shm::kNoteOnly: a note, no rows).
   FetchHandle Start(SequenceId seq, int32_t layer, const FetchPlan& plan,
                     absl::Time deadline, uint32_t flags = 0);
-  // Sends the append of `block`, whose K then V values the caller wrote
+  // Sends the append of `block`, whose K then V values and then
+  // `meta_bytes` of its annotations (EncodePrefixMeta) the caller wrote
   // into data() (shm::kAppend), on a claimed buffer; after its Wait,
   // Evicted reads what the server evicted.
   FetchHandle StartAppend(SequenceId seq, const AppendBlock& block,
-                          absl::Time deadline);
+                          size_t meta_bytes, absl::Time deadline);
   // The evicted tokens of the append just waited for: InternalError when
   // the server's count does not fit the plan area.
   absl::StatusOr<std::vector<EvictedToken>> Evicted() const;
@@ -148,11 +149,11 @@ class ShmKvClient final : public KvClientWrapper {
   absl::StatusOr<OpenedSequence> OpenSequence(
       const SequenceGeometry& geometry, const PrefixRequest& prefix) override;
 
-  // The rows through a slot of the data plane (shm::kAppend): written once
-  // into shared memory and appended by the server from there. A block with
-  // prefix annotations, one whose K and V differ in size, or one for which
-  // no slot can be had goes through the control client (gRPC), as does
-  // every append while the data plane is down.
+  // The rows, and the block's prefix annotations, through a slot of the
+  // data plane (shm::kAppend): written once into shared memory and
+  // appended by the server from there. A block whose K and V differ in
+  // size, or one for which no slot can be had goes through the control
+  // client (gRPC), as does every append while the data plane is down.
   absl::StatusOr<AppendResult> Append(SequenceId seq,
                                       const AppendBlock& block) override;
 

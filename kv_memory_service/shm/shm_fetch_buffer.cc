@@ -82,6 +82,7 @@ FetchHandle ShmFetchBuffer::Publish(absl::Time deadline, int64_t spin_ns) {
 
 FetchHandle ShmFetchBuffer::StartAppend(SequenceId seq,
                                         const AppendBlock& block,
+                                        size_t meta_bytes,
                                         absl::Time deadline) {
   absl::Status connected = client_->EnsureConnected();
   if (!connected.ok()) {
@@ -94,6 +95,7 @@ FetchHandle ShmFetchBuffer::StartAppend(SequenceId seq,
   control_->n_indices = static_cast<uint32_t>(block.n_tokens);
   control_->n_head_offsets = static_cast<uint32_t>(block.n_layers);
   control_->append_values = block.k.size();
+  control_->append_meta_bytes = meta_bytes;
   control_->flags = shm::kAppend;
   // About a gather's cost per value: spin through small appends (a decode
   // step's), sleep through a prefill's.

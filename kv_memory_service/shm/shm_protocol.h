@@ -69,7 +69,8 @@ constexpr uint64_t kRegionMagic = 0x3176'4b6d'6853'4749ULL;  // "IGShmKv1"
 // 4: notes of rows the client holds (kHeld).
 // 5: appends through a slot (kAppend, SlotControl::append_values and
 //    result_count).
-constexpr uint32_t kProtocolVersion = 5;
+// 6: an append's prefix annotations after its rows (append_meta_bytes).
+constexpr uint32_t kProtocolVersion = 6;
 constexpr size_t kPageBytes = 4096;
 constexpr size_t kHeaderBytes = 4096;
 // Most FetchBuffers one connection may hold at once.
@@ -120,6 +121,9 @@ struct SlotControl {
   uint64_t sequence;
   uint64_t session;  // the caller's; the node serves only the owner's rows
   uint64_t append_values;  // kAppend: the K values (and the V values)
+  // kAppend: bytes of prefix annotations after the V values in the data
+  // (EncodePrefixMeta's; 0: none).
+  uint64_t append_meta_bytes;
   // Written by the server before state = kDone.
   alignas(64) int32_t status_code;  // absl::StatusCode
   uint32_t message_bytes;
@@ -140,7 +144,8 @@ constexpr uint32_t kLeading = 2;
 // server counts them as rows of the layer's last fetch (KvStore::NoteHeld).
 constexpr uint32_t kHeld = 4;
 // The slot's data holds a block to append (AppendBlock's layout: K, then
-// V); the server answers with the evicted tokens.
+// V, then append_meta_bytes of its prefix annotations); the server answers
+// with the evicted tokens.
 constexpr uint32_t kAppend = 8;
 
 inline size_t ControlRegionBytes(uint32_t max_slots) {

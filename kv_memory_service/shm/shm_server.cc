@@ -405,6 +405,7 @@ class ShmServer::Connection {
     const uint32_t flags = control->flags;
     const bool note_only = (flags & shm::kNoteOnly) != 0;
     const uint64_t append_values = control->append_values;
+    const uint64_t append_meta_bytes = control->append_meta_bytes;
     absl::Status status;
     if (slot.data != nullptr && (flags & shm::kAppend) != 0) {
       shm::AppendFromSlot append;
@@ -414,6 +415,7 @@ class ShmServer::Connection {
       append.n_layers = n_offsets;
       append.n_tokens = n_indices;
       append.values = append_values;
+      append.meta_bytes = append_meta_bytes;
       const absl::Time start = absl::Now();
       status = shm::ServeAppend(*server_->store_, append, slot.data,
                                 slot.elements, slot.plan, slot.plan_capacity,

@@ -377,12 +377,13 @@ TEST_F(ShmTest, AppendsCrossTheSlotAndReturnTheEvictions) {
   ASSERT_TRUE(stats.ok());
   EXPECT_EQ(stats->layer_lengths, std::vector<int32_t>(3, position));
 
-  // Prefix annotations go through the control client.
+  // Prefix annotations cross the slot with the rows (that the node keeps
+  // them: KvClientTest.ASecondClientReusesAPrefixAnotherPublished).
   const std::vector<std::string> meta = {"m"};
   AppendBlock annotated = one.block;
   annotated.prefix_meta = absl::MakeConstSpan(meta);
   EXPECT_TRUE((*client)->Append(*id, annotated).ok());
-  EXPECT_EQ(control_appends.load(), 2);  // short_k, and this one
+  EXPECT_EQ(control_appends.load(), 1);  // short_k alone
 }
 
 // A hostile client's append fields, served straight: shapes whose values
@@ -423,6 +424,20 @@ TEST_F(ShmTest, AnAppendsFieldsAreCheckedAgainstTheSlot) {
     EXPECT_CODE(shm::ServeAppend(*store_, bad, data.data(), b.elements,
                                  plan.data(), b.plan_capacity, &evicted),
                 kInvalidArgument);
+    EXPECT_EQ(evicted, 0u);
+  }
+  // Annotations past the slot's end, or whose bytes do not decode (zeros
+  // in a slot of 1 more value: a header of 0 annotations, 2 bytes left).
+  for (const uint64_t meta_bytes : {uint64_t{3}, ~uint64_t{0}, uint64_t{10}}) {
+    std::vector<uint16_t> roomy(data.size() + 5, 0);
+    shm::AppendFromSlot bad = a;
+    bad.meta_bytes = meta_bytes;
+    EXPECT_CODE(shm::ServeAppend(*store_, bad, roomy.data(),
+                                 meta_bytes == 10 ? roomy.size()
+                                                  : data.size() + 1,
+                                 plan.data(), plan.size(), &evicted),
+                kInvalidArgument)
+        << meta_bytes;
     EXPECT_EQ(evicted, 0u);
   }
   EXPECT_CODE(shm::ServeAppend(*store_, {*id + 1}, data.data(), data.size(),

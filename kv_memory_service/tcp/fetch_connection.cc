@@ -272,14 +272,18 @@ class SocketConnection final : public FetchConnection {
     header.sequence_id = req.sequence_id();
     header.session_id = req.session_id();
     header.dest_elements = block.k.size();
+    uint64_t meta_bytes = buffer->append_meta.size();
     const size_t bytes = block.k.size() * sizeof(uint16_t);
-    struct iovec iov[3] = {{&header, sizeof(header)},
-                           {const_cast<uint16_t*>(block.k.data()), bytes},
-                           {const_cast<uint16_t*>(block.v.data()), bytes}};
+    struct iovec iov[5] = {
+        {&header, sizeof(header)},
+        {&meta_bytes, sizeof(meta_bytes)},
+        {const_cast<uint16_t*>(block.k.data()), bytes},
+        {const_cast<uint16_t*>(block.v.data()), bytes},
+        {buffer->append_meta.data(), buffer->append_meta.size()}};
     absl::Status sent;
     {
       absl::MutexLock lock(&write_mu_);
-      sent = SendAll(iov, 3);
+      sent = SendAll(iov, 5);
     }
     if (!sent.ok()) Cut();
   }
@@ -372,7 +376,7 @@ class SocketConnection final : public FetchConnection {
 absl::StatusOr<AppendResult> SocketAppender::Append(
     std::shared_ptr<FetchConnection> connection, SequenceId seq,
     SessionId session, uint64_t request_id, absl::Time deadline,
-    const AppendBlock& block) {
+    const AppendBlock& block, std::string meta) {
   absl::MutexLock lock(&mu_);
   if (buffer_ == nullptr) {
     IG_ASSIGN_OR_RETURN(uint16_t* memory, AllocateFetchMemory(1));
@@ -390,6 +394,7 @@ absl::StatusOr<AppendResult> SocketAppender::Append(
   req.set_layer(block.first_layer);
   req.set_request_id(request_id);
   buffer->append = &block;
+  buffer->append_meta = std::move(meta);
   buffer->connection = std::move(connection);
   buffer->connection->Send(buffer);
   const absl::Status status = FetchHandle(buffer).Wait();

@@ -65,6 +65,7 @@ class GrpcFetchBuffer final : public FetchBuffer {
   // session and ids it uses), and the evicted tokens its response brings,
   // as (layer, kv_head, position) triples, in place of rows.
   const AppendBlock* append = nullptr;
+  std::string append_meta;  // its annotations (EncodePrefixMeta)
   std::vector<int32_t> evicted;
 
  private:
@@ -173,15 +174,15 @@ class SocketAppender {
   SocketAppender(KvClient* client, FetchWaiter* waiter)
       : client_(client), waiter_(waiter) {}
 
-  // Appends `block` to `seq` for `session` over `connection` (which
-  // carries_appends) as request `request_id`, and waits for the answer as
-  // for a fetch due at `deadline` (the waiter's timeout and abandoning).
-  // The evicted tokens, or the fetch's errors and the store's append
-  // errors.
+  // Appends `block`, with `meta` (its annotations, EncodePrefixMeta's),
+  // to `seq` for `session` over `connection` (which carries_appends) as
+  // request `request_id`, and waits for the answer as for a fetch due at
+  // `deadline` (the waiter's timeout and abandoning). The evicted tokens,
+  // or the fetch's errors and the store's append errors.
   absl::StatusOr<AppendResult> Append(
       std::shared_ptr<FetchConnection> connection, SequenceId seq,
       SessionId session, uint64_t request_id, absl::Time deadline,
-      const AppendBlock& block);
+      const AppendBlock& block, std::string meta);
 
  private:
   KvClient* const client_;

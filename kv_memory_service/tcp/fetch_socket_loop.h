@@ -39,6 +39,7 @@ struct FetchSocketConnection {
     kHello,    // reading the Hello
     kToken,    // reading its token
     kHeader,   // reading a request header
+    kAppendTail,  // reading an append header's annotation size
     kBody,     // reading a request body
     kDiscard,  // dropping the body of a refused request
     kSending,  // writing a reply; then `after`
@@ -63,6 +64,7 @@ struct FetchSocketConnection {
   fetch_wire::Hello hello;
   std::string token;
   fetch_wire::FetchRequestHeader q;
+  uint64_t append_meta_bytes = 0;  // an append's, after its header
   size_t body_bytes = 0;      // the current body, as announced
   std::vector<int32_t> body;  // grows as its bytes arrive
   size_t discard_left = 0;
@@ -164,9 +166,9 @@ class FetchSocketLoop {
   // A request header: refused at once (its body then dropped as it comes)
   // unless the sequence it names can need a body and rows of that size.
   bool Judge(Connection* c);
-  // An append's header (kAppendMagic): refused at once unless it is a block
-  // of the sequence's shape within the size limit; its body's buffer is
-  // sized for it.
+  // An append's header (kAppendMagic) and annotation size: refused at once
+  // unless it is a block of the sequence's shape within the size limit;
+  // its body's buffer is sized for it.
   bool JudgeAppend(Connection* c);
 
   bool Serve(Connection* c);

@@ -149,6 +149,10 @@ void FetchSocketLoop::Read(Connection* c) {
         dst = reinterpret_cast<char*>(&c->q) + c->got;
         want = sizeof(c->q) - c->got;
         break;
+      case Connection::State::kAppendTail:
+        dst = reinterpret_cast<char*>(&c->append_meta_bytes) + c->got;
+        want = sizeof(c->append_meta_bytes) - c->got;
+        break;
       case Connection::State::kBody: {
         if (c->body.size() * 4 <= c->got) {
           // Full: grow to twice what came (first kFirstBodyChunk), never
@@ -239,6 +243,8 @@ bool FetchSocketLoop::Advance(Connection* c) {
     }
     case Connection::State::kHeader:
       return Judge(c);
+    case Connection::State::kAppendTail:
+      return JudgeAppend(c);
     case Connection::State::kBody:
       return Serve(c);
     case Connection::State::kTls:
@@ -293,7 +299,10 @@ bool FetchSocketLoop::Judge(Connection* c) {
     return Respond(c, 0, absl::InvalidArgumentError("malformed fetch request"),
                    0, Connection::State::kHeader);
   }
-  if (q.magic == fetch_wire::kAppendMagic) return JudgeAppend(c);
+  if (q.magic == fetch_wire::kAppendMagic) {
+    c->state = Connection::State::kAppendTail;
+    return true;
+  }
   const uint64_t body_bytes =
       (uint64_t{q.n_offsets} + q.n_indices) * sizeof(int32_t);
   if (body_bytes + sizeof(q) > static_cast<uint64_t>(max_message)) {
@@ -345,6 +354,11 @@ AppendFields AppendOf(const fetch_wire::FetchRequestHeader& q) {
   return a;
 }
 
+// The bytes of an append's body: K, V, then its annotations.
+uint64_t AppendRowBytes(const fetch_wire::FetchRequestHeader& q) {
+  return 4 * q.dest_elements;
+}
+
 // The evicted tokens one response's rows hold.
 uint64_t MaxEvicted(int32_t max_message) {
   return static_cast<uint64_t>(max_message - 1024) / (3 * sizeof(int32_t));
@@ -355,19 +369,21 @@ uint64_t MaxEvicted(int32_t max_message) {
 bool FetchSocketLoop::JudgeAppend(Connection* c) {
   const fetch_wire::FetchRequestHeader& q = c->q;
   const int32_t max_message = server_->options_.max_message_bytes;
-  // K and V, 2 bytes a value; in 64 bits only once values is bounded.
-  const uint64_t max_values = static_cast<uint64_t>(max_message) / 4;
-  if (q.dest_elements > max_values ||
-      4 * q.dest_elements + sizeof(q) > static_cast<uint64_t>(max_message)) {
+  // K and V, 2 bytes a value, and the annotations; in 64 bits only once
+  // each part is bounded.
+  const uint64_t limit = static_cast<uint64_t>(max_message);
+  if (q.dest_elements > limit / 4 || c->append_meta_bytes > limit ||
+      AppendRowBytes(q) + c->append_meta_bytes + sizeof(q) > limit) {
     c->close_after_send = true;
     return Respond(c, 0,
                    absl::ResourceExhaustedError(absl::StrCat(
-                       "an append of 2 x ", q.dest_elements,
-                       " values exceeds the limit of ", max_message,
-                       " bytes")),
+                       "an append of 2 x ", q.dest_elements, " values and ",
+                       c->append_meta_bytes,
+                       " bytes of annotations exceeds the limit of ",
+                       max_message, " bytes")),
                    0, Connection::State::kHeader);
   }
-  const uint64_t body_bytes = 4 * q.dest_elements;
+  const uint64_t body_bytes = AppendRowBytes(q) + c->append_meta_bytes;
   absl::StatusOr<SequenceGeometry> g =
       server_->store_->Geometry(q.sequence_id, q.session_id);
   const absl::Status status =
@@ -383,7 +399,7 @@ bool FetchSocketLoop::JudgeAppend(Connection* c) {
   // A block of the sequence's own shape: its buffer at once, not grown as
   // the bytes come (which would copy a prefill's rows over and over).
   c->body_bytes = body_bytes;
-  if (c->body.size() < q.dest_elements) c->body.resize(q.dest_elements);
+  if (c->body.size() * 4 < body_bytes) c->body.resize((body_bytes + 3) / 4);
   Account(c);
   c->state = Connection::State::kBody;
   return true;
@@ -393,8 +409,12 @@ bool FetchSocketLoop::Serve(Connection* c) {
   const fetch_wire::FetchRequestHeader& q = c->q;
   if (q.magic == fetch_wire::kAppendMagic) {
     const absl::Time start = absl::Now();
+    AppendFields fields = AppendOf(q);
+    fields.prefix_meta = absl::string_view(
+        reinterpret_cast<const char*>(c->body.data()) + AppendRowBytes(q),
+        c->append_meta_bytes);
     absl::StatusOr<AppendResult> result = AppendForResponse(
-        *server_->store_, AppendOf(q),
+        *server_->store_, fields,
         reinterpret_cast<const uint16_t*>(c->body.data()),
         MaxEvicted(server_->options_.max_message_bytes), "fetch socket");
     size_t rows_bytes = 0;

@@ -116,13 +116,15 @@ class FetchSocketServerTest : public ::testing::Test {
   }
 
   // Sends `block` as an append (kAppendMagic) with `values` of its K
-  // values and as many of its V values (default: all); returns the
-  // response header (the evicted tokens' triples into `evicted`).
+  // values and as many of its V values (default: all), then `meta` as its
+  // annotations; returns the response header (the evicted tokens' triples
+  // into `evicted`).
   fetch_wire::FetchResponseHeader Append(int fd, uint64_t id, SequenceId seq,
                                          const AppendBlock& block,
                                          std::vector<int32_t>* evicted,
                                          SessionId session = 0,
-                                         int64_t values = -1) {
+                                         int64_t values = -1,
+                                         std::string meta = "") {
     fetch_wire::FetchRequestHeader q;
     q.magic = fetch_wire::kAppendMagic;
     q.session_id = session;
@@ -132,15 +134,20 @@ class FetchSocketServerTest : public ::testing::Test {
     q.request_id = id;
     q.sequence_id = seq;
     q.dest_elements = values < 0 ? block.k.size() : values;
-    iovec iov[3] = {
+    uint64_t meta_bytes = meta.size();
+    iovec iov[5] = {
         {&q, sizeof(q)},
+        {&meta_bytes, sizeof(meta_bytes)},
         {const_cast<uint16_t*>(block.k.data()), q.dest_elements * 2},
-        {const_cast<uint16_t*>(block.v.data()), q.dest_elements * 2}};
-    EXPECT_TRUE(fetch_wire::SendAll(fd, iov, 3).ok());
+        {const_cast<uint16_t*>(block.v.data()), q.dest_elements * 2},
+        {meta.data(), meta.size()}};
+    EXPECT_TRUE(fetch_wire::SendAll(fd, iov, 5).ok());
     std::vector<uint16_t> rows;
     fetch_wire::FetchResponseHeader r = Response(fd, &rows);
     evicted->resize(rows.size() / 2);
-    std::memcpy(evicted->data(), rows.data(), rows.size() * 2);
+    if (!rows.empty()) {
+      std::memcpy(evicted->data(), rows.data(), rows.size() * 2);
+    }
     return r;
   }
 
@@ -311,6 +318,12 @@ TEST_F(FetchSocketServerTest, AnAppendsHeaderIsJudgedAgainstItsSequence) {
   testdata::TestBlock past = MakeTestBlock(3, g_, 1, 2, 8, 2);  // layers 1-2
   EXPECT_EQ(code(Append(fd, 4, seq_, past.block, &evicted)),
             absl::StatusCode::kInvalidArgument);
+  // Annotations whose sizes do not add up.
+  std::string bad_meta(12, '\0');
+  bad_meta[0] = 1;    // one annotation,
+  bad_meta[8] = 100;  // of 100 bytes, in none
+  EXPECT_EQ(code(Append(fd, 41, seq_, b.block, &evicted, 0, -1, bad_meta)),
+            absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(store_->GetSequenceStats(seq_)->geometry.n_layers, 2);
   EXPECT_EQ(store_->GetSequenceStats(seq_)->present_rows, 2 * 2 * 8);
   // The stream is still in step: a fetch, then a good append.
@@ -329,8 +342,9 @@ TEST_F(FetchSocketServerTest, AnAppendsHeaderIsJudgedAgainstItsSequence) {
   q.n_offsets = 2;
   q.n_indices = 1;
   q.dest_elements = uint64_t{1} << 62;  // 2^64 bytes and more
-  iovec iov = {&q, sizeof(q)};
-  ASSERT_TRUE(fetch_wire::SendAll(fd, &iov, 1).ok());
+  uint64_t no_meta = 0;
+  iovec iov[2] = {{&q, sizeof(q)}, {&no_meta, sizeof(no_meta)}};
+  ASSERT_TRUE(fetch_wire::SendAll(fd, iov, 2).ok());
   r = Response(fd, &rows);
   EXPECT_EQ(r.status_code,
             static_cast<int>(absl::StatusCode::kResourceExhausted));

@@ -18,8 +18,10 @@
 // An append (kAppendMagic) carries a block of rows to store, so that a
 // prefill's rows cross the socket as they are, not as a gRPC message: the
 // header's layer is the block's first layer, n_offsets its layer count,
-// n_indices its token count and dest_elements its K values; the body is
-// the K values, then as many V values (uint16 each). The response's rows
+// n_indices its token count and dest_elements its K values; a uint64
+// follows the header, the bytes of the block's prefix annotations; the
+// body is the K values, then as many V values (uint16 each), then the
+// annotations (EncodePrefixMeta, client/kv_types.h). The response's rows
 // are the evicted tokens, (layer, kv_head, position) int32 triples.
 //
 // Responses come in request order and echo request_id. A failed fetch is a
