@@ -150,6 +150,17 @@ OwnedFetchPlan OwnedFetchPlan::PerHead(
   return plan;
 }
 
+std::vector<EvictedToken> EvictedFromTriples(const int32_t* triples,
+                                             size_t n) {
+  std::vector<EvictedToken> evicted(n);
+  for (size_t i = 0; i < n; ++i) {
+    evicted[i].layer = triples[3 * i];
+    evicted[i].kv_head = triples[3 * i + 1];
+    evicted[i].position = triples[3 * i + 2];
+  }
+  return evicted;
+}
+
 std::string EncodePrefixMeta(const AppendBlock& block) {
   if (block.prefix_meta.empty()) return "";
   const uint32_t count = static_cast<uint32_t>(block.prefix_meta.size());

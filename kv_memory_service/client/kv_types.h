@@ -187,6 +187,11 @@ struct EvictedToken {
   }
 };
 
+// The evicted tokens from `n` (layer, kv_head, position) int32 triples, as
+// the shm slot and the fetch socket answer an append.
+std::vector<EvictedToken> EvictedFromTriples(const int32_t* triples,
+                                             size_t n);
+
 struct AppendResult {
   // In the order the evictions happened: by layer, then token, then head.
   // Empty while no (layer, head) is at capacity.

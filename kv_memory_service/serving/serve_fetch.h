@@ -105,6 +105,17 @@ inline absl::Status CheckAppendShape(const SequenceGeometry& g,
   return absl::OkStatus();
 }
 
+// The evicted tokens as the shm slot and the fetch socket answer them:
+// (layer, kv_head, position) int32 triples, into out[0, 3 * size).
+inline void WriteEvictedTriples(absl::Span<const EvictedToken> evicted,
+                                int32_t* out) {
+  for (size_t i = 0; i < evicted.size(); ++i) {
+    out[3 * i] = evicted[i].layer;
+    out[3 * i + 1] = evicted[i].kv_head;
+    out[3 * i + 2] = evicted[i].position;
+  }
+}
+
 // Appends `a`'s block from data[0, 2 * a.values) (K, then V), with its
 // prefix annotations, for a.session: the same NotFound as
 // GatherForResponse for a sequence the session may not use,

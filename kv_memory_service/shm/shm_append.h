@@ -11,29 +11,20 @@
 
 #include "absl/status/status.h"
 #include "kv_memory_service/client/kv_types.h"
+#include "kv_memory_service/serving/serve_fetch.h"
 #include "kv_memory_service/store/kv_store.h"
 
 namespace infinigen::kv_memory_service::shm {
 
-// SlotControl's fields of an append, read once out of shared memory.
-struct AppendFromSlot {
-  SequenceId sequence = 0;
-  SessionId session = 0;
-  int32_t first_layer = 0;
-  uint32_t n_layers = 0;
-  uint32_t n_tokens = 0;
-  uint64_t values = 0;  // K values, then as many V values, in `data`
-  uint64_t meta_bytes = 0;  // then the prefix annotations' bytes
-};
-
-// Appends `a`'s block from data[0, elements) (K, then V, then its prefix
-// annotations) to the store, for a.session (NotFound, as for a fetch, for
+// Appends `a`'s block (SlotControl's fields, read once out of shared
+// memory) from data[0, elements): K, then V, then `meta_bytes` of its
+// prefix annotations (a.prefix_meta is set from there), to the store, for a.session (NotFound, as for a fetch, for
 // another's sequence), and writes the evicted tokens to plan[0,
 // plan_capacity) as (layer, kv_head, position) triples, their count to
 // *evicted. InvalidArgument for a shape whose values are not a.values,
 // annotations that do not decode, or a block that does not fit the slot;
 // otherwise the store's errors, with nothing appended.
-absl::Status ServeAppend(KvStore& store, const AppendFromSlot& a,
+absl::Status ServeAppend(KvStore& store, AppendFields a, uint64_t meta_bytes,
                          const uint16_t* data, size_t elements, int32_t* plan,
                          size_t plan_capacity, uint32_t* evicted);
 

@@ -109,13 +109,7 @@ absl::StatusOr<std::vector<EvictedToken>> ShmFetchBuffer::Evicted() const {
         "shm data plane: the server reported ", n,
         " evicted tokens, more than the slot holds"));
   }
-  std::vector<EvictedToken> evicted(n);
-  for (size_t i = 0; i < n; ++i) {
-    evicted[i].layer = memory_.plan[3 * i];
-    evicted[i].kv_head = memory_.plan[3 * i + 1];
-    evicted[i].position = memory_.plan[3 * i + 2];
-  }
-  return evicted;
+  return EvictedFromTriples(memory_.plan, n);
 }
 
 absl::Status ShmFetchBuffer::AwaitServer() {

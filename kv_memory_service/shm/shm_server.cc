@@ -408,16 +408,16 @@ class ShmServer::Connection {
     const uint64_t append_meta_bytes = control->append_meta_bytes;
     absl::Status status;
     if (slot.data != nullptr && (flags & shm::kAppend) != 0) {
-      shm::AppendFromSlot append;
+      AppendFields append;
       append.sequence = sequence;
       append.session = session;
       append.first_layer = layer;
       append.n_layers = n_offsets;
       append.n_tokens = n_indices;
       append.values = append_values;
-      append.meta_bytes = append_meta_bytes;
       const absl::Time start = absl::Now();
-      status = shm::ServeAppend(*server_->store_, append, slot.data,
+      status = shm::ServeAppend(*server_->store_, append, append_meta_bytes,
+                                slot.data,
                                 slot.elements, slot.plan, slot.plan_capacity,
                                 &control->result_count);
       if (RequestMetrics* metrics = server_->options_.metrics;

@@ -395,7 +395,7 @@ TEST_F(ShmTest, AnAppendsFieldsAreCheckedAgainstTheSlot) {
   ASSERT_TRUE(id.ok());
   std::vector<uint16_t> data(2 * 2 * 4 * 16);  // 2 layers x 4 tokens, K and V
   std::vector<int32_t> plan(3 * 2 * 4 * 2);
-  shm::AppendFromSlot a;
+  AppendFields a;
   a.sequence = *id;
   a.first_layer = 0;
   a.n_layers = 2;
@@ -417,11 +417,11 @@ TEST_F(ShmTest, AnAppendsFieldsAreCheckedAgainstTheSlot) {
             plan.size()},
            {2, 4, a.values, data.size() - 1, plan.size()},  // past the slot
            {2, 4, a.values, data.size(), plan.size() - 1}}) {  // no room
-    shm::AppendFromSlot bad = a;
+    AppendFields bad = a;
     bad.n_layers = b.n_layers;
     bad.n_tokens = b.n_tokens;
     bad.values = b.values;
-    EXPECT_CODE(shm::ServeAppend(*store_, bad, data.data(), b.elements,
+    EXPECT_CODE(shm::ServeAppend(*store_, bad, 0, data.data(), b.elements,
                                  plan.data(), b.plan_capacity, &evicted),
                 kInvalidArgument);
     EXPECT_EQ(evicted, 0u);
@@ -430,9 +430,7 @@ TEST_F(ShmTest, AnAppendsFieldsAreCheckedAgainstTheSlot) {
   // in a slot of 1 more value: a header of 0 annotations, 2 bytes left).
   for (const uint64_t meta_bytes : {uint64_t{3}, ~uint64_t{0}, uint64_t{10}}) {
     std::vector<uint16_t> roomy(data.size() + 5, 0);
-    shm::AppendFromSlot bad = a;
-    bad.meta_bytes = meta_bytes;
-    EXPECT_CODE(shm::ServeAppend(*store_, bad, roomy.data(),
+    EXPECT_CODE(shm::ServeAppend(*store_, a, meta_bytes, roomy.data(),
                                  meta_bytes == 10 ? roomy.size()
                                                   : data.size() + 1,
                                  plan.data(), plan.size(), &evicted),
@@ -440,13 +438,13 @@ TEST_F(ShmTest, AnAppendsFieldsAreCheckedAgainstTheSlot) {
         << meta_bytes;
     EXPECT_EQ(evicted, 0u);
   }
-  EXPECT_CODE(shm::ServeAppend(*store_, {*id + 1}, data.data(), data.size(),
+  EXPECT_CODE(shm::ServeAppend(*store_, {*id + 1}, 0, data.data(), data.size(),
                                plan.data(), plan.size(), &evicted),
               kNotFound);
   auto stats = store_->GetSequenceStats(*id);
   ASSERT_TRUE(stats.ok());
   EXPECT_EQ(stats->layer_lengths, std::vector<int32_t>(2, 0));
-  ASSERT_OK(shm::ServeAppend(*store_, a, data.data(), data.size(),
+  ASSERT_OK(shm::ServeAppend(*store_, a, 0, data.data(), data.size(),
                              plan.data(), plan.size(), &evicted));
   stats = store_->GetSequenceStats(*id);
   ASSERT_TRUE(stats.ok());

@@ -401,13 +401,8 @@ absl::StatusOr<AppendResult> SocketAppender::Append(
   buffer->append = nullptr;
   IG_RETURN_IF_ERROR(status);
   AppendResult result;
-  const std::vector<int32_t>& e = buffer->evicted;
-  result.evicted.resize(e.size() / 3);
-  for (size_t i = 0; i < result.evicted.size(); ++i) {
-    result.evicted[i].layer = e[3 * i];
-    result.evicted[i].kv_head = e[3 * i + 1];
-    result.evicted[i].position = e[3 * i + 2];
-  }
+  result.evicted =
+      EvictedFromTriples(buffer->evicted.data(), buffer->evicted.size() / 3);
   return result;
 }
 

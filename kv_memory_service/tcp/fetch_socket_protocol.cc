@@ -422,12 +422,7 @@ bool FetchSocketLoop::Serve(Connection* c) {
       const std::vector<EvictedToken>& evicted = result->evicted;
       rows_bytes = evicted.size() * 3 * sizeof(int32_t);
       c->rows.resize(rows_bytes / sizeof(uint16_t));
-      int32_t* triples = reinterpret_cast<int32_t*>(c->rows.data());
-      for (size_t i = 0; i < evicted.size(); ++i) {
-        triples[3 * i] = evicted[i].layer;
-        triples[3 * i + 1] = evicted[i].kv_head;
-        triples[3 * i + 2] = evicted[i].position;
-      }
+      WriteEvictedTriples(evicted, reinterpret_cast<int32_t*>(c->rows.data()));
       if (server_->options_.metrics != nullptr) {
         server_->options_.metrics->Served(
             Plane::kTcp, RequestOp::kAppend, absl::Now() - start,
